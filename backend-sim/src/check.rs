@@ -1,0 +1,291 @@
+//! The checker: decides whether any interleaving of a program's host threads
+//! can hang or hit a program error.
+//!
+//! The search is breadth-first over host steps, with a set of visited state
+//! fingerprints (128-bit xxh3 of [`State`](crate::machine::State)): it is
+//! exhaustive, and the interleaving it reports is a shortest one. It knows
+//! nothing of the rules; it only asks the [`Machine`] which threads can step.
+
+use std::collections::{HashSet, VecDeque};
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::Xxh3Default;
+
+use crate::compile::{Compiled, Remaining};
+use crate::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId};
+
+/// Bounds of a check.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Stop after this many distinct states and report the check as
+    /// inconclusive.
+    pub max_states: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            max_states: 5_000_000,
+        }
+    }
+}
+
+/// One host step of an interleaving, as a report shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Step {
+    /// 1-based step number.
+    pub step: usize,
+    /// The rank.
+    pub rank: u32,
+    /// The host thread.
+    pub thread: String,
+    /// What it did.
+    pub action: String,
+}
+
+/// What a check found.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// No interleaving hangs or errs.
+    Ok,
+    /// This interleaving hangs.
+    Deadlock {
+        /// Why it is stuck.
+        stuck: Box<Stuck>,
+        /// The host steps that lead there.
+        trace: Vec<Step>,
+    },
+    /// This interleaving hits a program error.
+    Error {
+        /// The error.
+        error: ProgramError,
+        /// The host steps that lead there.
+        trace: Vec<Step>,
+    },
+    /// The state bound was reached before the search finished.
+    Inconclusive,
+}
+
+/// Search statistics.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Stats {
+    /// Distinct states visited.
+    pub states: usize,
+    /// Host steps taken (edges of the state graph explored).
+    pub transitions: usize,
+    /// Wall-clock time of the search.
+    #[serde(serialize_with = "seconds")]
+    pub elapsed: Duration,
+}
+
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// A verdict and how much searching it took.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The verdict.
+    pub verdict: Verdict,
+    /// The statistics.
+    pub stats: Stats,
+}
+
+/// The 128-bit fingerprint of a machine state.
+pub fn fingerprint(m: &Machine) -> u128 {
+    let mut h = Xxh3Default::new();
+    m.state().hash(&mut h);
+    h.digest128()
+}
+
+/// Takes thread `t`'s next host step, which must be possible.
+pub fn step(c: &Compiled, m: &mut Machine, t: ThreadId) -> Result<(), ProgramError> {
+    match m.next(t) {
+        Next::Resume => m.resume(t),
+        Next::Call => {
+            let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+            m.apply(t, call)
+        }
+        Next::Blocked | Next::Finished => Ok(()),
+    }
+}
+
+/// The threads that can step in `m`, in id order.
+pub fn runnable(m: &Machine) -> impl Iterator<Item = ThreadId> + '_ {
+    (0..m.setup().threads.len())
+        .map(|i| ThreadId(i as u32))
+        .filter(|t| matches!(m.next(*t), Next::Call | Next::Resume))
+}
+
+/// Describes the step thread `t` is about to take in `m`.
+pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
+    let setup = m.setup();
+    let origin_text = |o: crate::machine::Origin| {
+        setup
+            .origins
+            .get(o.0 as usize)
+            .map(|o| format!("`{}` ({})", o.text, o.place))
+            .unwrap_or_default()
+    };
+    match m.next(t) {
+        Next::Resume => {
+            "returns: its connection handshake has completed, the op is enqueued".into()
+        }
+        Next::Call => match c.call(t, m.calls(t)) {
+            Some(HostCall::Launch(spec)) => {
+                let lazy = spec
+                    .ops
+                    .iter()
+                    .any(|o| !setup.comms[o.comm.0 as usize].warm);
+                let streams: Vec<String> = spec
+                    .ops
+                    .iter()
+                    .map(|o| {
+                        format!(
+                            "stream {}, comm {}",
+                            setup.streams[o.stream.0 as usize].name,
+                            setup.comms[o.comm.0 as usize].name
+                        )
+                    })
+                    .collect();
+                let mut streams_dedup = streams.clone();
+                streams_dedup.dedup();
+                format!(
+                    "{} enqueued on {}{}",
+                    origin_text(spec.origin),
+                    streams_dedup.join("; "),
+                    if lazy {
+                        " (first use may handshake, R7)"
+                    } else {
+                        ""
+                    }
+                )
+            }
+            Some(HostCall::Sync { origin, .. }) => {
+                format!("{} blocks until its streams drain", origin_text(*origin))
+            }
+            Some(HostCall::Await { origin, .. }) => {
+                format!("{} waits for the message", origin_text(*origin))
+            }
+            Some(HostCall::Record { origin, .. })
+            | Some(HostCall::Wait { origin, .. })
+            | Some(HostCall::Notify { origin, .. }) => origin_text(*origin),
+            Some(HostCall::End) | None => {
+                "reaches its end and waits for all of its rank's streams to drain".into()
+            }
+        },
+        Next::Blocked | Next::Finished => "cannot step".into(),
+    }
+}
+
+/// Replays a schedule (the thread that steps at each host step) from the
+/// program's start; returns the machine, the described steps and the first
+/// error. Steps naming a thread that cannot step are skipped.
+pub fn replay(
+    c: &Compiled,
+    schedule: &[ThreadId],
+) -> (Machine, Vec<Step>, Result<(), ProgramError>) {
+    let mut m = c.machine();
+    let mut steps = Vec::new();
+    for &t in schedule {
+        if !matches!(m.next(t), Next::Call | Next::Resume) {
+            continue;
+        }
+        let info = &m.setup().threads[t.0 as usize];
+        steps.push(Step {
+            step: steps.len() + 1,
+            rank: info.rank,
+            thread: info.name.clone(),
+            action: describe_step(c, &m, t),
+        });
+        if let Err(e) = step(c, &mut m, t) {
+            return (m, steps, Err(e));
+        }
+    }
+    (m, steps, Ok(()))
+}
+
+/// Explores every interleaving of the program's host threads.
+pub fn check(c: &Compiled, options: &Options) -> Outcome {
+    let start = Instant::now();
+    let root = c.machine();
+    let mut visited: HashSet<u128> = HashSet::new();
+    // Node i was reached from node parents[i].0 by a step of thread parents[i].1.
+    let mut parents: Vec<(u32, ThreadId)> = vec![(u32::MAX, ThreadId(0))];
+    visited.insert(fingerprint(&root));
+    let mut transitions = 0usize;
+    let stats = |visited: &HashSet<u128>, transitions| Stats {
+        states: visited.len(),
+        transitions,
+        elapsed: start.elapsed(),
+    };
+    let schedule_to = |parents: &Vec<(u32, ThreadId)>, mut node: u32| {
+        let mut path = Vec::new();
+        while node != 0 {
+            let (p, t) = parents[node as usize];
+            path.push(t);
+            node = p;
+        }
+        path.reverse();
+        path
+    };
+    let finish = |verdict, visited: &HashSet<u128>, transitions| Outcome {
+        verdict,
+        stats: stats(visited, transitions),
+    };
+    if let Some(v) = judge(c, &root, &[]) {
+        return finish(v, &visited, 0);
+    }
+    let mut queue: VecDeque<(Machine, u32)> = VecDeque::from([(root, 0)]);
+    while let Some((m, node)) = queue.pop_front() {
+        let threads: Vec<ThreadId> = runnable(&m).collect();
+        for t in threads {
+            let mut child = m.clone();
+            transitions += 1;
+            if step(c, &mut child, t).is_err() {
+                let mut path = schedule_to(&parents, node);
+                path.push(t);
+                let (_, trace, result) = replay(c, &path);
+                let error = result.err().unwrap_or_else(|| ProgramError::Invalid {
+                    place: "replay".into(),
+                    message: "an error found by the search did not replay (a bug in duplex)".into(),
+                });
+                return finish(Verdict::Error { error, trace }, &visited, transitions);
+            }
+            if !visited.insert(fingerprint(&child)) {
+                continue;
+            }
+            parents.push((node, t));
+            let id = (parents.len() - 1) as u32;
+            let path = || schedule_to(&parents, id);
+            if let Some(v) = judge(c, &child, &path()) {
+                return finish(v, &visited, transitions);
+            }
+            if visited.len() >= options.max_states {
+                return finish(Verdict::Inconclusive, &visited, transitions);
+            }
+            queue.push_back((child, id));
+        }
+    }
+    finish(Verdict::Ok, &visited, transitions)
+}
+
+/// The verdict a state forces: a hang, or a finished program's leftover
+/// error. `None` while it can still move, or when it finished cleanly.
+fn judge(c: &Compiled, m: &Machine, path: &[ThreadId]) -> Option<Verdict> {
+    match m.status() {
+        Status::Running => None,
+        Status::Stuck => {
+            let (_, trace, _) = replay(c, path);
+            Some(Verdict::Deadlock {
+                stuck: Box::new(m.stuck(&Remaining(c))),
+                trace,
+            })
+        }
+        Status::Finished => m.leftover().map(|error| {
+            let (_, trace, _) = replay(c, path);
+            Verdict::Error { error, trace }
+        }),
+    }
+}

@@ -1,0 +1,244 @@
+//! From a schedule [`Program`] to what the state machine runs: a [`Setup`]
+//! (threads, streams, communicators, events, origins) and each thread's list
+//! of [`HostCall`]s. This is where placement policies become lanes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use duplex::schedule::{Dir, P2p, Program, StmtKind};
+use duplex::{Policy, Size};
+
+use crate::machine::{
+    CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Rank, Setup, StreamId,
+    TagId, ThreadId, waitfor,
+};
+
+/// A program ready to run: the setup and every thread's calls (the last
+/// call of each thread is [`HostCall::End`]).
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// Who exists.
+    pub setup: Arc<Setup>,
+    /// Each thread's calls, indexed by [`ThreadId`].
+    pub scripts: Vec<Vec<HostCall>>,
+}
+
+impl Compiled {
+    /// The call thread `t` makes after `calls` calls, if any is left.
+    pub fn call(&self, t: ThreadId, calls: u32) -> Option<&HostCall> {
+        self.scripts[t.0 as usize].get(calls as usize)
+    }
+
+    /// A fresh machine at the program's start.
+    pub fn machine(&self) -> Machine {
+        Machine::new(self.setup.clone())
+    }
+}
+
+/// The lane names a policy gives to the traffic between `rank` and `peer`.
+///
+/// Returns the communicator's name and members and the stream's name on
+/// `rank`. The names contain `:`, which schedule files cannot write, so lanes
+/// never share a stream or a communicator with explicitly placed ops.
+pub fn lane(policy: Policy, rank: Rank, dir: Dir, peer: Rank) -> (String, Vec<Rank>, String) {
+    match policy {
+        Policy::Shared => {
+            let (a, b) = (rank.min(peer), rank.max(peer));
+            let name = format!("pair:{a}-{b}");
+            let members = if a == b { vec![a] } else { vec![a, b] };
+            (name.clone(), members, name)
+        }
+        Policy::PerDirection => {
+            let (src, dst) = match dir {
+                Dir::Send => (rank, peer),
+                Dir::Recv => (peer, rank),
+            };
+            let name = format!("lane:{src}->{dst}");
+            let members = if src == dst {
+                vec![src]
+            } else {
+                vec![src, dst]
+            };
+            (name.clone(), members, name)
+        }
+    }
+}
+
+struct Builder<'p> {
+    program: &'p Program,
+    setup: Setup,
+    comms: HashMap<String, CommId>,
+    streams: HashMap<(Rank, String), StreamId>,
+    events: HashMap<(Rank, String), EventId>,
+}
+
+/// Compiles a (valid) program. Explicitly placed ops default to comm `world`
+/// and stream `default`; the others go to the policy's lanes.
+pub fn compile(program: &Program) -> Compiled {
+    let model = program.model;
+    let mut b = Builder {
+        program,
+        setup: Setup::new(program.ranks, model),
+        comms: HashMap::new(),
+        streams: HashMap::new(),
+        events: HashMap::new(),
+    };
+    let world = b
+        .setup
+        .add_comm("world", (0..program.ranks).collect(), !model.lazy_connect);
+    b.comms.insert("world".into(), world);
+    for c in &program.comms {
+        let id = b
+            .setup
+            .add_comm(c.name.clone(), c.ranks.clone(), !model.lazy_connect);
+        b.comms.insert(c.name.clone(), id);
+    }
+    let mut scripts = Vec::new();
+    for thread in &program.threads {
+        b.setup.add_thread(thread.rank, thread.display_name());
+    }
+    for thread in &program.threads {
+        let rank = thread.rank;
+        let mut calls = Vec::new();
+        for stmt in &thread.body {
+            let origin = b.setup.add_origin(OriginInfo {
+                text: stmt.kind.to_string(),
+                place: format!("line {}", stmt.line.0),
+                line: Some(stmt.line.0),
+            });
+            let call = match &stmt.kind {
+                StmtKind::Op(op) => HostCall::Launch(LaunchSpec {
+                    ops: vec![b.op(rank, op)],
+                    grouped: false,
+                    origin,
+                }),
+                StmtKind::Group(ops) => HostCall::Launch(LaunchSpec {
+                    ops: ops.iter().map(|op| b.op(rank, op)).collect(),
+                    grouped: true,
+                    origin,
+                }),
+                StmtKind::Record { event, stream } => HostCall::Record {
+                    event: b.event(rank, event),
+                    stream: b.stream(rank, stream.as_deref().unwrap_or("default")),
+                    origin,
+                },
+                StmtKind::Wait { event, stream } => HostCall::Wait {
+                    event: b.event(rank, event),
+                    stream: b.stream(rank, stream.as_deref().unwrap_or("default")),
+                    origin,
+                },
+                StmtKind::Sync { stream } => HostCall::Sync {
+                    stream: stream.as_deref().map(|s| b.stream(rank, s)),
+                    origin,
+                },
+                StmtKind::Notify { peer, tag } => HostCall::Notify {
+                    to: *peer,
+                    tag: b.tag(tag),
+                    origin,
+                },
+                StmtKind::Await { peer, tag } => HostCall::Await {
+                    from: *peer,
+                    tag: b.tag(tag),
+                    origin,
+                },
+            };
+            calls.push(call);
+        }
+        calls.push(HostCall::End);
+        scripts.push(calls);
+    }
+    Compiled {
+        setup: Arc::new(b.setup),
+        scripts,
+    }
+}
+
+impl Builder<'_> {
+    fn op(&mut self, rank: Rank, op: &P2p) -> OpSpec {
+        let (comm, stream) = if op.is_explicit() {
+            let comm = self.comms[op.comm.as_deref().unwrap_or("world")];
+            (
+                comm,
+                self.stream(rank, op.stream.as_deref().unwrap_or("default")),
+            )
+        } else {
+            let policy = self.program.policy;
+            let (name, members, stream) = lane(policy, rank, op.dir, op.peer);
+            // duplex connects per-direction lanes at creation (R6/R7 never
+            // apply to them); shared lanes are PyTorch's, connected lazily.
+            let warm = policy == Policy::PerDirection || !self.program.model.lazy_connect;
+            let comm = match self.comms.get(&name) {
+                Some(c) => *c,
+                None => {
+                    let c = self.setup.add_comm(name.clone(), members, warm);
+                    self.comms.insert(name, c);
+                    c
+                }
+            };
+            (comm, self.stream(rank, &stream))
+        };
+        OpSpec {
+            dir: op.dir,
+            peer: op.peer,
+            bytes: Size::bytes(op.size),
+            comm,
+            stream,
+        }
+    }
+
+    fn stream(&mut self, rank: Rank, name: &str) -> StreamId {
+        let key = (rank, name.to_string());
+        if let Some(s) = self.streams.get(&key) {
+            return *s;
+        }
+        let s = self.setup.add_stream(rank, name);
+        self.streams.insert(key, s);
+        s
+    }
+
+    fn event(&mut self, rank: Rank, name: &str) -> EventId {
+        let key = (rank, name.to_string());
+        if let Some(e) = self.events.get(&key) {
+            return *e;
+        }
+        let e = self.setup.add_event(rank, name);
+        self.events.insert(key, e);
+        e
+    }
+
+    fn tag(&mut self, tag: &str) -> TagId {
+        self.setup.tag(tag)
+    }
+}
+
+/// The checker's [`waitfor::Future`]: a thread may still do what its
+/// remaining calls say.
+#[derive(Clone, Copy, Debug)]
+pub struct Remaining<'a>(pub &'a Compiled);
+
+impl waitfor::Future for Remaining<'_> {
+    fn may_issue(
+        &self,
+        m: &Machine,
+        t: ThreadId,
+        comm: CommId,
+        dir: Option<Dir>,
+        peer: Rank,
+    ) -> bool {
+        let rest = &self.0.scripts[t.0 as usize];
+        rest.iter().skip(m.calls(t) as usize).any(|c| match c {
+            HostCall::Launch(spec) => spec
+                .ops
+                .iter()
+                .any(|o| o.comm == comm && o.peer == peer && dir.is_none_or(|d| d == o.dir)),
+            _ => false,
+        })
+    }
+
+    fn may_notify(&self, m: &Machine, t: ThreadId, to: Rank, tag: TagId) -> bool {
+        let rest = &self.0.scripts[t.0 as usize];
+        rest.iter()
+            .skip(m.calls(t) as usize)
+            .any(|c| matches!(c, HostCall::Notify { to: t2, tag: g, .. } if *t2 == to && *g == tag))
+    }
+}

@@ -1,0 +1,239 @@
+//! Device progress: runs every rank's streams to a fixpoint after each host
+//! step. Nothing here is a choice; the order of the passes only matters for
+//! kernel slots (R10), which go to ready launches in issue order.
+
+use super::{Entry, LaunchRef, Machine, OpStatus};
+
+impl Machine {
+    /// Applies every device step that can happen, until none can.
+    pub(super) fn progress(&mut self) {
+        loop {
+            let mut changed = self.retire_markers();
+            changed |= self.start_launches();
+            changed |= self.activate_group_ops();
+            changed |= self.move_messages();
+            changed |= self.finish_launches();
+            if !changed {
+                break;
+            }
+        }
+    }
+
+    /// `record` completes when it reaches the head of its stream (R1);
+    /// `wait` completes once the recorded entry has completed (R9).
+    fn retire_markers(&mut self) -> bool {
+        let mut changed = false;
+        for i in 0..self.state.streams.len() {
+            loop {
+                let done = match self.state.streams[i].queue.front() {
+                    Some(Entry::Record) | Some(Entry::WaitEvent(None, _)) => true,
+                    Some(Entry::WaitEvent(Some((s, index)), _)) => {
+                        self.state.streams[s.ix()].base > *index
+                    }
+                    Some(Entry::Launch(_)) | None => false,
+                };
+                if !done {
+                    break;
+                }
+                let s = &mut self.state.streams[i];
+                s.queue.pop_front();
+                s.base += 1;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Starts launches that are at the head of all their streams (R1, R8),
+    /// whose communicators have no earlier unfinished launch on this rank
+    /// (R2), and for which a kernel slot is free (R10).
+    fn start_launches(&mut self) -> bool {
+        let mut changed = false;
+        let comm_order = self.setup.model.comm_order;
+        let kernels = self.setup.model.kernels;
+        for r in 0..self.state.ranks.len() {
+            let pending = self.state.ranks[r].pending.clone();
+            for (pos, lref) in pending.iter().enumerate() {
+                let launch = &self.state.launches[lref];
+                if launch.started {
+                    continue;
+                }
+                if !self.at_heads(*lref) {
+                    continue;
+                }
+                if comm_order && self.earlier_on_same_comm(&pending[..pos], *lref).is_some() {
+                    continue;
+                }
+                if kernels.is_some_and(|k| self.state.ranks[r].running >= k) {
+                    break;
+                }
+                self.state.ranks[r].running += 1;
+                let launch = self
+                    .state
+                    .launches
+                    .get_mut(lref)
+                    .expect("pending launch is live");
+                launch.started = true;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// True when `lref` is the first entry of every stream it is on.
+    pub(super) fn at_heads(&self, lref: LaunchRef) -> bool {
+        self.state.launches[&lref]
+            .streams
+            .iter()
+            .all(|s| self.state.streams[s.ix()].queue.front() == Some(&Entry::Launch(lref)))
+    }
+
+    /// The first launch in `earlier` that shares a communicator with `lref`.
+    pub(super) fn earlier_on_same_comm(
+        &self,
+        earlier: &[LaunchRef],
+        lref: LaunchRef,
+    ) -> Option<LaunchRef> {
+        let launch = &self.state.launches[&lref];
+        earlier.iter().copied().find(|e| {
+            let other = &self.state.launches[e];
+            other
+                .ops
+                .iter()
+                .any(|o| launch.ops.iter().any(|p| p.spec.comm == o.spec.comm))
+        })
+    }
+
+    /// In a started launch, an op becomes active once the earlier ops of its
+    /// launch on the same channel have completed (R8: ops to the same peer
+    /// execute in order; sends and receives progress independently).
+    fn activate_group_ops(&mut self) -> bool {
+        let mut changed = false;
+        for launch in self.state.launches.values_mut() {
+            if !launch.started {
+                continue;
+            }
+            for i in 0..launch.ops.len() {
+                if launch.ops[i].status != OpStatus::Waiting {
+                    continue;
+                }
+                let me = &launch.ops[i].spec;
+                let blocked = launch.ops[..i].iter().any(|o| {
+                    o.status != OpStatus::Done
+                        && o.spec.comm == me.comm
+                        && o.spec.peer == me.peer
+                        && o.spec.dir == me.dir
+                });
+                if !blocked {
+                    launch.ops[i].status = OpStatus::Active;
+                    changed = true;
+                }
+            }
+        }
+        changed
+    }
+
+    /// Moves messages through channels: the front pair completes once both
+    /// sides have started (R3, R4), and sends complete into a connected
+    /// channel's buffer while it has room (R5, R6).
+    fn move_messages(&mut self) -> bool {
+        let mut changed = false;
+        let eager = self.setup.model.eager.bytes();
+        let keys: Vec<_> = self.state.channels.keys().copied().collect();
+        for key in keys {
+            let warm = self.setup.comms[key.0.ix()].warm;
+            let status = |m: &Machine, op: super::OpRef| {
+                m.state.launches[&op.launch].ops[op.index as usize].status
+            };
+            loop {
+                let ch = &self.state.channels[&key];
+                let (Some(send), Some(recv)) =
+                    (ch.sends.front().copied(), ch.recvs.front().copied())
+                else {
+                    break;
+                };
+                let send_ready = send.buffered || status(self, send.op) == OpStatus::Active;
+                if !(send_ready && status(self, recv.op) == OpStatus::Active) {
+                    break;
+                }
+                self.set_status(recv.op, OpStatus::Done);
+                if !send.buffered {
+                    self.set_status(send.op, OpStatus::Done);
+                }
+                let ch = self.state.channels.get_mut(&key).expect("channel exists");
+                ch.sends.pop_front();
+                ch.recvs.pop_front();
+                ch.delivered += 1;
+                changed = true;
+            }
+            if eager == 0 {
+                continue;
+            }
+            let ch = &self.state.channels[&key];
+            if !(warm || ch.delivered > 0) {
+                continue; // R6: the first message of a cold channel is a rendezvous
+            }
+            let mut inflight: u64 = 0;
+            let mut buffer = Vec::new();
+            for (i, slot) in ch.sends.iter().enumerate() {
+                if slot.buffered {
+                    inflight += slot.bytes;
+                    continue;
+                }
+                if status(self, slot.op) == OpStatus::Active
+                    && inflight.saturating_add(slot.bytes) <= eager
+                {
+                    inflight += slot.bytes;
+                    buffer.push((i, slot.op));
+                    continue;
+                }
+                break; // sends leave in FIFO order
+            }
+            for (i, op) in buffer {
+                self.set_status(op, OpStatus::Done);
+                let ch = self.state.channels.get_mut(&key).expect("channel exists");
+                ch.sends[i].buffered = true;
+                changed = true;
+            }
+        }
+        self.state.channels.retain(|_, ch| {
+            // An empty channel is kept only for what it remembers: having
+            // delivered a message (R6) matters only when it is cold.
+            !(ch.sends.is_empty() && ch.recvs.is_empty() && ch.delivered == 0)
+        });
+        changed
+    }
+
+    fn set_status(&mut self, op: super::OpRef, status: OpStatus) {
+        if let Some(l) = self.state.launches.get_mut(&op.launch) {
+            l.ops[op.index as usize].status = status;
+        }
+    }
+
+    /// A launch completes when all its ops have; it frees its streams and its
+    /// kernel slot.
+    fn finish_launches(&mut self) -> bool {
+        let done: Vec<LaunchRef> = self
+            .state
+            .launches
+            .iter()
+            .filter(|(_, l)| l.started && l.ops.iter().all(|o| o.status == OpStatus::Done))
+            .map(|(r, _)| *r)
+            .collect();
+        for lref in &done {
+            let Some(launch) = self.state.launches.remove(lref) else {
+                continue;
+            };
+            let rank = &mut self.state.ranks[launch.rank as usize];
+            rank.pending.retain(|p| p != lref);
+            rank.running -= 1;
+            for s in launch.streams {
+                let stream = &mut self.state.streams[s.ix()];
+                debug_assert_eq!(stream.queue.front(), Some(&Entry::Launch(*lref)));
+                stream.queue.pop_front();
+                stream.base += 1;
+            }
+        }
+        !done.is_empty()
+    }
+}

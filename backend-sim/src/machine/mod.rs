@@ -1,0 +1,971 @@
+//! The rules R1–R10 of `semantics.md` as one pure state machine.
+//!
+//! A [`Machine`] holds a [`Setup`] (who exists: ranks, host threads, streams,
+//! communicators, events; static for the checker, grown by the simulated
+//! transport) and a [`State`] (everything that changes). It does no I/O,
+//! reads no clock and starts no thread. Drivers feed it host calls:
+//!
+//! * [`Machine::next`] says what a host thread can do now: make its next call,
+//!   resume a call blocked in the connection handshake (R7), nothing because it
+//!   is blocked, or nothing because it has finished;
+//! * [`Machine::apply`] performs a thread's next [`HostCall`];
+//! * [`Machine::resume`] completes a call that waited for a handshake.
+//!
+//! After every host step the device runs to a fixpoint ([`device`]): device
+//! progress is deterministic, so the only choices an execution makes are which
+//! host thread steps next. `notify` messages carry no payload and are counted
+//! per (sender rank, receiver rank, tag), so which `notify` an `await`
+//! consumes is not a choice either. A schedule is therefore a list of thread
+//! ids, and any run replays from it.
+//!
+//! [`Machine::stuck`] explains a state in which no thread can step: the
+//! blocked host calls, the stuck device ops and the wait-for cycle that holds
+//! them ([`waitfor`]).
+
+mod device;
+mod view;
+pub mod waitfor;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use duplex::Model;
+use duplex::schedule::Dir;
+
+pub use view::{OpView, describe_origin};
+pub use waitfor::{Future, Stuck};
+
+/// A rank number.
+pub type Rank = u32;
+
+macro_rules! id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+        pub struct $name(pub u32);
+
+        impl $name {
+            pub(crate) fn ix(self) -> usize {
+                self.0 as usize
+            }
+        }
+    };
+}
+
+id!(
+    /// A host thread, global over all ranks.
+    ThreadId
+);
+id!(
+    /// A stream, global over all ranks; every stream belongs to one rank.
+    StreamId
+);
+id!(
+    /// A communicator.
+    CommId
+);
+id!(
+    /// An event (events belong to one rank).
+    EventId
+);
+id!(
+    /// An interned `notify`/`await` tag.
+    TagId
+);
+id!(
+    /// Where a host call came from (a line of a schedule file, a source
+    /// location of user code); opaque to the rules.
+    Origin
+);
+
+/// A host thread's identity.
+#[derive(Clone, Debug)]
+pub struct ThreadInfo {
+    /// The rank it belongs to.
+    pub rank: Rank,
+    /// `main` or the thread's name.
+    pub name: String,
+}
+
+/// A stream's identity.
+#[derive(Clone, Debug)]
+pub struct StreamInfo {
+    /// The rank it belongs to.
+    pub rank: Rank,
+    /// Its name, unique on that rank.
+    pub name: String,
+}
+
+/// A communicator's identity.
+#[derive(Clone, Debug)]
+pub struct CommInfo {
+    /// Its name.
+    pub name: String,
+    /// Member ranks.
+    pub members: Vec<Rank>,
+    /// Connected before the program starts: R6 and R7 never apply to it.
+    pub warm: bool,
+}
+
+/// An event's identity.
+#[derive(Clone, Debug)]
+pub struct EventInfo {
+    /// The rank it belongs to.
+    pub rank: Rank,
+    /// Its name.
+    pub name: String,
+}
+
+/// Where a host call came from, for reports.
+#[derive(Clone, Debug)]
+pub struct OriginInfo {
+    /// The statement or call as the user wrote it (`send 1 256MiB`).
+    pub text: String,
+    /// Where: `line 4`, `src/main.rs:12:5`.
+    pub place: String,
+    /// The schedule line, when there is one.
+    pub line: Option<u32>,
+}
+
+/// Who exists. Everything the rules need to know that does not change while
+/// a program runs; the simulated transport adds to it as user code creates
+/// streams, events and communicators.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The model knobs.
+    pub model: Model,
+    /// Number of ranks.
+    pub ranks: u32,
+    /// Host threads.
+    pub threads: Vec<ThreadInfo>,
+    /// Streams.
+    pub streams: Vec<StreamInfo>,
+    /// Communicators.
+    pub comms: Vec<CommInfo>,
+    /// Events.
+    pub events: Vec<EventInfo>,
+    /// `notify`/`await` tags.
+    pub tags: Vec<String>,
+    /// Call origins.
+    pub origins: Vec<OriginInfo>,
+}
+
+impl Setup {
+    /// An empty world of `ranks` ranks under `model`.
+    pub fn new(ranks: u32, model: Model) -> Setup {
+        Setup {
+            model,
+            ranks,
+            threads: Vec::new(),
+            streams: Vec::new(),
+            comms: Vec::new(),
+            events: Vec::new(),
+            tags: Vec::new(),
+            origins: Vec::new(),
+        }
+    }
+
+    /// Adds a host thread.
+    pub fn add_thread(&mut self, rank: Rank, name: impl Into<String>) -> ThreadId {
+        self.threads.push(ThreadInfo {
+            rank,
+            name: name.into(),
+        });
+        ThreadId(self.threads.len() as u32 - 1)
+    }
+
+    /// Adds a stream.
+    pub fn add_stream(&mut self, rank: Rank, name: impl Into<String>) -> StreamId {
+        self.streams.push(StreamInfo {
+            rank,
+            name: name.into(),
+        });
+        StreamId(self.streams.len() as u32 - 1)
+    }
+
+    /// Adds a communicator.
+    pub fn add_comm(&mut self, name: impl Into<String>, members: Vec<Rank>, warm: bool) -> CommId {
+        self.comms.push(CommInfo {
+            name: name.into(),
+            members,
+            warm,
+        });
+        CommId(self.comms.len() as u32 - 1)
+    }
+
+    /// Adds an event.
+    pub fn add_event(&mut self, rank: Rank, name: impl Into<String>) -> EventId {
+        self.events.push(EventInfo {
+            rank,
+            name: name.into(),
+        });
+        EventId(self.events.len() as u32 - 1)
+    }
+
+    /// Interns a tag.
+    pub fn tag(&mut self, tag: &str) -> TagId {
+        match self.tags.iter().position(|t| t == tag) {
+            Some(i) => TagId(i as u32),
+            None => {
+                self.tags.push(tag.to_string());
+                TagId(self.tags.len() as u32 - 1)
+            }
+        }
+    }
+
+    /// Adds an origin.
+    pub fn add_origin(&mut self, info: OriginInfo) -> Origin {
+        self.origins.push(info);
+        Origin(self.origins.len() as u32 - 1)
+    }
+
+    /// The streams of `rank`.
+    pub fn streams_of(&self, rank: Rank) -> impl Iterator<Item = StreamId> + '_ {
+        self.streams
+            .iter()
+            .enumerate()
+            .filter(move |(_, s)| s.rank == rank)
+            .map(|(i, _)| StreamId(i as u32))
+    }
+
+    /// The threads of `rank`.
+    pub fn threads_of(&self, rank: Rank) -> impl Iterator<Item = ThreadId> + '_ {
+        self.threads
+            .iter()
+            .enumerate()
+            .filter(move |(_, t)| t.rank == rank)
+            .map(|(i, _)| ThreadId(i as u32))
+    }
+}
+
+/// One point-to-point op of a launch, as a host call names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct OpSpec {
+    /// Send or receive.
+    pub dir: Dir,
+    /// The other rank.
+    pub peer: Rank,
+    /// Bytes.
+    pub bytes: u64,
+    /// The communicator.
+    pub comm: CommId,
+    /// The stream (of the calling rank).
+    pub stream: StreamId,
+}
+
+/// A launch: one op, or a whole group (R8).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LaunchSpec {
+    /// The ops, in the order issued.
+    pub ops: Vec<OpSpec>,
+    /// Issued between group start and group end.
+    pub grouped: bool,
+    /// Where it was issued.
+    pub origin: Origin,
+}
+
+/// What a host thread asks of the machine.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HostCall {
+    /// Enqueue a `send`/`recv` or a group.
+    Launch(LaunchSpec),
+    /// `record E` on a stream (R9).
+    Record {
+        /// The event.
+        event: EventId,
+        /// The stream.
+        stream: StreamId,
+        /// Where.
+        origin: Origin,
+    },
+    /// `wait E` on a stream (R9).
+    Wait {
+        /// The event.
+        event: EventId,
+        /// The stream.
+        stream: StreamId,
+        /// Where.
+        origin: Origin,
+    },
+    /// Block until one stream, or every stream of the rank, has drained the
+    /// work issued so far.
+    Sync {
+        /// `None` for every stream of the rank.
+        stream: Option<StreamId>,
+        /// Where.
+        origin: Origin,
+    },
+    /// Post a host-to-host message (never blocks).
+    Notify {
+        /// Receiving rank.
+        to: Rank,
+        /// Tag.
+        tag: TagId,
+        /// Where.
+        origin: Origin,
+    },
+    /// Block until a message with this tag from this rank has arrived, and
+    /// consume it.
+    Await {
+        /// Sending rank.
+        from: Rank,
+        /// Tag.
+        tag: TagId,
+        /// Where.
+        origin: Origin,
+    },
+    /// The thread's end: wait for every stream of the rank to drain.
+    End,
+}
+
+/// What a host thread can do now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// It can make its next call ([`Machine::apply`]).
+    Call,
+    /// Its call waited for a connection handshake that has completed: the
+    /// call can finish ([`Machine::resume`]).
+    Resume,
+    /// It waits for something (a stream, a message, a handshake).
+    Blocked,
+    /// It has ended and its rank's streams have drained.
+    Finished,
+}
+
+/// Whether a state can still move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Some thread can step.
+    Running,
+    /// Every thread has finished.
+    Finished,
+    /// Some thread has not finished and none can step: a hang.
+    Stuck,
+}
+
+/// One side of a point-to-point op, as an error or a report names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpRef {
+    /// The launch.
+    pub launch: LaunchRef,
+    /// The op's index inside the launch.
+    pub index: u16,
+}
+
+/// A launch, named by the thread that issued it and its call number on that
+/// thread: the same in every interleaving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LaunchRef {
+    /// The issuing thread.
+    pub thread: ThreadId,
+    /// The thread's call number.
+    pub seq: u32,
+}
+
+/// A program error found while running: both ops where two are involved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProgramError {
+    /// R3: the k-th send and the k-th recv of a channel disagree on size.
+    #[error("size mismatch (R3): {send} is matched with {recv}")]
+    SizeMismatch {
+        /// The send.
+        send: Box<OpView>,
+        /// The recv.
+        recv: Box<OpView>,
+    },
+    /// R8: a send and its recv where only one side is in a group.
+    #[error("grouped on one side only (R8): {send} is matched with {recv}")]
+    GroupMismatch {
+        /// The send.
+        send: Box<OpView>,
+        /// The recv.
+        recv: Box<OpView>,
+    },
+    /// A send completed into the channel's buffer but no recv ever took it.
+    #[error("message never received: {send}")]
+    NeverReceived {
+        /// The send.
+        send: Box<OpView>,
+    },
+    /// A call that cannot be made at all (a peer outside the communicator, a
+    /// stream of another rank, ...).
+    #[error("invalid call at {place}: {message}")]
+    Invalid {
+        /// Where.
+        place: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Where a host thread is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Phase {
+    /// Between calls.
+    Running,
+    /// In a call that waits for connection handshakes (R7); the launch is
+    /// enqueued once they complete.
+    Connecting { spec: LaunchSpec, seq: u32 },
+    /// Past its last call.
+    Ended,
+}
+
+/// What a host thread waits for before it can step again.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Wait {
+    None,
+    /// Each stream has completed at least this many entries.
+    Streams {
+        targets: Vec<(StreamId, u32)>,
+        origin: Option<Origin>,
+    },
+    /// A message from `from` with `tag` is available (consumed by the next step).
+    Token {
+        from: Rank,
+        tag: TagId,
+        origin: Origin,
+    },
+    /// Handshakes with these (comm, peer) pairs have completed.
+    Connect {
+        pairs: Vec<(CommId, Rank)>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ThreadState {
+    phase: Phase,
+    wait: Wait,
+    /// Calls made so far; the next call's sequence number.
+    calls: u32,
+}
+
+/// An entry of a stream's FIFO.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Entry {
+    Launch(LaunchRef),
+    Record,
+    /// Waits until entry `.1` of stream `.0` has completed; `None` when the
+    /// event had never been recorded (waits for nothing).
+    WaitEvent(Option<(StreamId, u32)>, Origin),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+struct StreamState {
+    /// Entries completed (and removed) so far.
+    base: u32,
+    /// Entries not yet completed, in order.
+    queue: VecDeque<Entry>,
+}
+
+impl StreamState {
+    fn issued(&self) -> u32 {
+        self.base + self.queue.len() as u32
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum OpStatus {
+    /// Its launch has not started, or an earlier op of its group on the same
+    /// channel has not completed (R8).
+    Waiting,
+    /// Started: it can match.
+    Active,
+    Done,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Op {
+    spec: OpSpec,
+    /// Position in its channel's FIFO (0-based, counting every message ever
+    /// issued on the channel).
+    fifo: u32,
+    status: OpStatus,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Launch {
+    rank: Rank,
+    streams: Vec<StreamId>,
+    ops: Vec<Op>,
+    started: bool,
+    grouped: bool,
+    origin: Origin,
+}
+
+/// A channel: (communicator, source rank, destination rank).
+type ChannelKey = (CommId, Rank, Rank);
+
+/// What a channel remembers of an op that has not been received yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Slot {
+    op: OpRef,
+    bytes: u64,
+    grouped: bool,
+    origin: Origin,
+    stream: StreamId,
+    /// For sends: completed into the channel's buffer (R5).
+    buffered: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+struct Channel {
+    /// Messages received so far: the FIFO index of the front slots.
+    delivered: u32,
+    /// Sends not yet received, in FIFO order.
+    sends: VecDeque<Slot>,
+    /// Recvs not yet completed, in FIFO order.
+    recvs: VecDeque<Slot>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+struct RankState {
+    /// NCCL launches issued and not completed, in issue order (R2, R10).
+    pending: Vec<LaunchRef>,
+    /// Launches holding a kernel slot (R10).
+    running: u32,
+}
+
+/// Everything that changes while a program runs. Cheap to clone, and
+/// hashable: two interleavings that reach equal states have the same futures.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct State {
+    threads: Vec<ThreadState>,
+    streams: Vec<StreamState>,
+    ranks: Vec<RankState>,
+    launches: BTreeMap<LaunchRef, Launch>,
+    channels: BTreeMap<ChannelKey, Channel>,
+    /// Latest `record` of each event: (stream, entry index).
+    events: Vec<Option<(StreamId, u32)>>,
+    /// Messages posted and not consumed: (from, to, tag) → count.
+    mail: BTreeMap<(Rank, Rank, TagId), u32>,
+    /// R7: (comm, a, b) means rank a has issued an op toward b on comm.
+    marks: BTreeSet<(CommId, Rank, Rank)>,
+}
+
+/// The state machine: a [`Setup`] and a [`State`].
+#[derive(Clone, Debug)]
+pub struct Machine {
+    setup: Arc<Setup>,
+    state: State,
+}
+
+impl Machine {
+    /// The initial state of `setup`: nothing issued, nothing connected.
+    pub fn new(setup: Arc<Setup>) -> Machine {
+        let state = State {
+            threads: Vec::new(),
+            streams: Vec::new(),
+            ranks: vec![RankState::default(); setup.ranks as usize],
+            launches: BTreeMap::new(),
+            channels: BTreeMap::new(),
+            events: Vec::new(),
+            mail: BTreeMap::new(),
+            marks: BTreeSet::new(),
+        };
+        let mut m = Machine { setup, state };
+        m.sync_setup();
+        m
+    }
+
+    /// The setup.
+    pub fn setup(&self) -> &Setup {
+        &self.setup
+    }
+
+    /// Changes the setup (only to add to it: the simulated transport creates
+    /// streams, events and communicators as user code runs).
+    pub fn setup_mut(&mut self) -> &mut Setup {
+        Arc::make_mut(&mut self.setup)
+    }
+
+    /// Makes room in the state for threads, streams and events added to the
+    /// setup since the last call.
+    pub fn sync_setup(&mut self) {
+        let s = &self.setup;
+        self.state.threads.resize(
+            s.threads.len(),
+            ThreadState {
+                phase: Phase::Running,
+                wait: Wait::None,
+                calls: 0,
+            },
+        );
+        self.state
+            .streams
+            .resize(s.streams.len(), StreamState::default());
+        self.state.events.resize(s.events.len(), None);
+    }
+
+    /// The state, for hashing and comparison.
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// Calls made by thread `t` so far.
+    pub fn calls(&self, t: ThreadId) -> u32 {
+        self.state.threads[t.ix()].calls
+    }
+
+    /// What thread `t` can do now.
+    pub fn next(&self, t: ThreadId) -> Next {
+        let th = &self.state.threads[t.ix()];
+        let ready = self.wait_satisfied(t, &th.wait);
+        match (&th.phase, ready) {
+            (Phase::Ended, true) => Next::Finished,
+            (_, false) => Next::Blocked,
+            (Phase::Connecting { .. }, true) => Next::Resume,
+            (Phase::Running, true) => Next::Call,
+        }
+    }
+
+    /// Whether the state can move, has finished, or is stuck.
+    pub fn status(&self) -> Status {
+        let mut finished = true;
+        for t in 0..self.state.threads.len() {
+            match self.next(ThreadId(t as u32)) {
+                Next::Call | Next::Resume => return Status::Running,
+                Next::Blocked => finished = false,
+                Next::Finished => {}
+            }
+        }
+        if finished {
+            Status::Finished
+        } else {
+            Status::Stuck
+        }
+    }
+
+    /// The error a finished program still has: a message sent into a
+    /// channel's buffer (R5) that no recv took.
+    pub fn leftover(&self) -> Option<ProgramError> {
+        self.state.channels.iter().find_map(|(key, ch)| {
+            ch.sends.front().map(|slot| ProgramError::NeverReceived {
+                send: Box::new(self.slot_view(*key, Dir::Send, slot, ch.delivered)),
+            })
+        })
+    }
+
+    fn rank_of(&self, t: ThreadId) -> Rank {
+        self.setup.threads[t.ix()].rank
+    }
+
+    fn wait_satisfied(&self, t: ThreadId, wait: &Wait) -> bool {
+        match wait {
+            Wait::None => true,
+            Wait::Streams { targets, .. } => targets
+                .iter()
+                .all(|(s, n)| self.state.streams[s.ix()].base >= *n),
+            Wait::Token { from, tag, .. } => self
+                .state
+                .mail
+                .get(&(*from, self.rank_of(t), *tag))
+                .is_some_and(|n| *n > 0),
+            Wait::Connect { pairs } => {
+                let rank = self.rank_of(t);
+                pairs
+                    .iter()
+                    .all(|(c, peer)| self.state.marks.contains(&(*c, *peer, rank)))
+            }
+        }
+    }
+
+    /// Performs thread `t`'s next call. Requires [`Machine::next`] to be
+    /// [`Next::Call`]. After an error the machine must not be stepped again.
+    pub fn apply(&mut self, t: ThreadId, call: HostCall) -> Result<(), ProgramError> {
+        debug_assert_eq!(self.next(t), Next::Call);
+        let rank = self.rank_of(t);
+        let th = &mut self.state.threads[t.ix()];
+        if let Wait::Token { from, tag, .. } = th.wait {
+            let key = (from, rank, tag);
+            if let Some(n) = self.state.mail.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.state.mail.remove(&key);
+                }
+            }
+        }
+        th.wait = Wait::None;
+        let seq = th.calls;
+        th.calls += 1;
+        match call {
+            HostCall::Launch(spec) => {
+                self.validate(rank, &spec)?;
+                let pairs = self.handshakes(rank, &spec);
+                if pairs.is_empty() {
+                    self.enqueue(t, seq, spec)?;
+                } else {
+                    let th = &mut self.state.threads[t.ix()];
+                    th.phase = Phase::Connecting { spec, seq };
+                    th.wait = Wait::Connect { pairs };
+                }
+            }
+            HostCall::Record {
+                event,
+                stream,
+                origin,
+            } => {
+                self.check_stream(rank, stream, origin)?;
+                self.check_event(rank, event, origin)?;
+                let s = &mut self.state.streams[stream.ix()];
+                let index = s.issued();
+                s.queue.push_back(Entry::Record);
+                self.state.events[event.ix()] = Some((stream, index));
+            }
+            HostCall::Wait {
+                event,
+                stream,
+                origin,
+            } => {
+                self.check_stream(rank, stream, origin)?;
+                self.check_event(rank, event, origin)?;
+                let target = self.state.events[event.ix()];
+                self.state.streams[stream.ix()]
+                    .queue
+                    .push_back(Entry::WaitEvent(target, origin));
+            }
+            HostCall::Sync { stream, origin } => {
+                if let Some(s) = stream {
+                    self.check_stream(rank, s, origin)?;
+                }
+                let targets = self.drain_targets(rank, stream);
+                self.state.threads[t.ix()].wait = Wait::Streams {
+                    targets,
+                    origin: Some(origin),
+                };
+            }
+            HostCall::Notify { to, tag, origin } => {
+                self.check_rank(to, origin)?;
+                *self.state.mail.entry((rank, to, tag)).or_insert(0) += 1;
+            }
+            HostCall::Await { from, tag, origin } => {
+                self.check_rank(from, origin)?;
+                self.state.threads[t.ix()].wait = Wait::Token { from, tag, origin };
+            }
+            HostCall::End => {
+                let targets = self.drain_targets(rank, None);
+                let th = &mut self.state.threads[t.ix()];
+                th.phase = Phase::Ended;
+                th.wait = Wait::Streams {
+                    targets,
+                    origin: None,
+                };
+            }
+        }
+        self.progress();
+        Ok(())
+    }
+
+    /// Finishes thread `t`'s call that waited for handshakes. Requires
+    /// [`Machine::next`] to be [`Next::Resume`].
+    pub fn resume(&mut self, t: ThreadId) -> Result<(), ProgramError> {
+        let th = &mut self.state.threads[t.ix()];
+        let phase = std::mem::replace(&mut th.phase, Phase::Running);
+        th.wait = Wait::None;
+        let Phase::Connecting { spec, seq } = phase else {
+            debug_assert!(false, "resume without a pending handshake");
+            return Ok(());
+        };
+        self.enqueue(t, seq, spec)?;
+        self.progress();
+        Ok(())
+    }
+
+    fn drain_targets(&self, rank: Rank, stream: Option<StreamId>) -> Vec<(StreamId, u32)> {
+        let issued = |s: StreamId| (s, self.state.streams[s.ix()].issued());
+        match stream {
+            Some(s) => vec![issued(s)],
+            None => self
+                .setup
+                .streams_of(rank)
+                .map(issued)
+                .filter(|(s, n)| self.state.streams[s.ix()].base < *n)
+                .collect(),
+        }
+    }
+
+    fn invalid(&self, origin: Origin, message: String) -> ProgramError {
+        ProgramError::Invalid {
+            place: describe_origin(&self.setup, origin),
+            message,
+        }
+    }
+
+    fn check_rank(&self, r: Rank, origin: Origin) -> Result<(), ProgramError> {
+        if r < self.setup.ranks {
+            Ok(())
+        } else {
+            Err(self.invalid(
+                origin,
+                format!(
+                    "rank {r} does not exist (there are {} ranks)",
+                    self.setup.ranks
+                ),
+            ))
+        }
+    }
+
+    fn check_stream(&self, rank: Rank, s: StreamId, origin: Origin) -> Result<(), ProgramError> {
+        match self.setup.streams.get(s.ix()) {
+            Some(info) if info.rank == rank => Ok(()),
+            Some(info) => Err(self.invalid(
+                origin,
+                format!(
+                    "stream `{}` belongs to rank {}, not rank {rank}",
+                    info.name, info.rank
+                ),
+            )),
+            None => Err(self.invalid(origin, format!("stream #{} does not exist", s.0))),
+        }
+    }
+
+    fn check_event(&self, rank: Rank, e: EventId, origin: Origin) -> Result<(), ProgramError> {
+        match self.setup.events.get(e.ix()) {
+            Some(info) if info.rank == rank => Ok(()),
+            Some(info) => Err(self.invalid(
+                origin,
+                format!(
+                    "event `{}` belongs to rank {}, not rank {rank}",
+                    info.name, info.rank
+                ),
+            )),
+            None => Err(self.invalid(origin, format!("event #{} does not exist", e.0))),
+        }
+    }
+
+    fn validate(&self, rank: Rank, spec: &LaunchSpec) -> Result<(), ProgramError> {
+        if spec.ops.is_empty() {
+            return Err(self.invalid(spec.origin, "a group must hold at least one op".into()));
+        }
+        for op in &spec.ops {
+            self.check_rank(op.peer, spec.origin)?;
+            self.check_stream(rank, op.stream, spec.origin)?;
+            let Some(comm) = self.setup.comms.get(op.comm.ix()) else {
+                return Err(self.invalid(
+                    spec.origin,
+                    format!("communicator #{} does not exist", op.comm.0),
+                ));
+            };
+            for (who, r) in [("the calling rank", rank), ("the peer", op.peer)] {
+                if !comm.members.contains(&r) {
+                    return Err(self.invalid(
+                        spec.origin,
+                        format!(
+                            "{} {} {}: rank {r} ({who}) is not a member of communicator `{}`",
+                            op.dir.name(),
+                            op.peer,
+                            duplex::Size(op.bytes),
+                            comm.name
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// R7: marks this rank's first use of each cold (comm, peer) pair and
+    /// returns the pairs whose handshake has not completed.
+    fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank)> {
+        let mut waiting = Vec::new();
+        for op in &spec.ops {
+            if self.setup.comms[op.comm.ix()].warm {
+                continue;
+            }
+            self.state.marks.insert((op.comm, rank, op.peer));
+            let pair = (op.comm, op.peer);
+            if !self.state.marks.contains(&(op.comm, op.peer, rank)) && !waiting.contains(&pair) {
+                waiting.push(pair);
+            }
+        }
+        waiting
+    }
+
+    /// Puts a launch on its streams and its ops in their channels; finds size
+    /// (R3) and grouping (R8) mismatches as soon as both sides exist.
+    fn enqueue(&mut self, t: ThreadId, seq: u32, spec: LaunchSpec) -> Result<(), ProgramError> {
+        let rank = self.rank_of(t);
+        let lref = LaunchRef { thread: t, seq };
+        let mut ops = Vec::with_capacity(spec.ops.len());
+        let mut streams: Vec<StreamId> = Vec::new();
+        for (i, o) in spec.ops.iter().enumerate() {
+            let key = channel_key(rank, o);
+            let ch = self.state.channels.entry(key).or_default();
+            let slot = Slot {
+                op: OpRef {
+                    launch: lref,
+                    index: i as u16,
+                },
+                bytes: o.bytes,
+                grouped: spec.grouped,
+                origin: spec.origin,
+                stream: o.stream,
+                buffered: false,
+            };
+            let (mine, theirs) = match o.dir {
+                Dir::Send => (&mut ch.sends, &ch.recvs),
+                Dir::Recv => (&mut ch.recvs, &ch.sends),
+            };
+            let position = mine.len();
+            let fifo = ch.delivered + position as u32;
+            let partner = theirs.get(position).copied();
+            mine.push_back(slot);
+            if let Some(partner) = partner
+                && (partner.bytes != o.bytes || partner.grouped != spec.grouped)
+            {
+                let delivered = ch.delivered;
+                let this = self.slot_view(key, o.dir, &slot, delivered);
+                let other_dir = if o.dir == Dir::Send {
+                    Dir::Recv
+                } else {
+                    Dir::Send
+                };
+                let that = self.slot_view(key, other_dir, &partner, delivered);
+                let (send, recv) = if o.dir == Dir::Send {
+                    (this, that)
+                } else {
+                    (that, this)
+                };
+                let (send, recv) = (Box::new(send), Box::new(recv));
+                return Err(if partner.bytes != o.bytes {
+                    ProgramError::SizeMismatch { send, recv }
+                } else {
+                    ProgramError::GroupMismatch { send, recv }
+                });
+            }
+            ops.push(Op {
+                spec: o.clone(),
+                fifo,
+                status: OpStatus::Waiting,
+            });
+            if !streams.contains(&o.stream) {
+                streams.push(o.stream);
+            }
+        }
+        for s in &streams {
+            self.state.streams[s.ix()]
+                .queue
+                .push_back(Entry::Launch(lref));
+        }
+        self.state.ranks[rank as usize].pending.push(lref);
+        self.state.launches.insert(
+            lref,
+            Launch {
+                rank,
+                streams,
+                ops,
+                started: false,
+                grouped: spec.grouped,
+                origin: spec.origin,
+            },
+        );
+        Ok(())
+    }
+}
+
+/// The channel an op of `rank` travels on.
+fn channel_key(rank: Rank, op: &OpSpec) -> ChannelKey {
+    match op.dir {
+        Dir::Send => (op.comm, rank, op.peer),
+        Dir::Recv => (op.comm, op.peer, rank),
+    }
+}

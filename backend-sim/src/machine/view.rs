@@ -1,0 +1,180 @@
+//! Descriptions of ops for errors and reports: every field a user needs to
+//! find the op in their program.
+
+use std::fmt;
+
+use duplex::Size;
+use duplex::schedule::Dir;
+
+use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
+
+/// One point-to-point op as a report shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct OpView {
+    /// The rank that issued it.
+    pub rank: u32,
+    /// The issuing host thread.
+    pub thread: String,
+    /// `send` or `recv`.
+    pub op: Dir,
+    /// The other rank.
+    pub peer: u32,
+    /// Bytes.
+    pub bytes: u64,
+    /// The communicator.
+    pub comm: String,
+    /// The stream.
+    pub stream: String,
+    /// Its position in its channel's FIFO: it is message `#fifo` (from 0)
+    /// from `src` to `dst` on `comm`.
+    pub fifo: u32,
+    /// `not started`, `started`, `buffered` (completed into the channel's
+    /// buffer, R5) or `done`.
+    pub state: &'static str,
+    /// Issued inside a group.
+    pub grouped: bool,
+    /// The statement or call that issued it.
+    pub call: String,
+    /// Where that is (`line 4`, `src/main.rs:12:5`).
+    pub at: String,
+    /// The schedule line, when there is one.
+    pub line: Option<u32>,
+}
+
+impl fmt::Display for OpView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let arrow = match self.op {
+            Dir::Send => "→",
+            Dir::Recv => "←",
+        };
+        let (src, dst) = match self.op {
+            Dir::Send => (self.rank, self.peer),
+            Dir::Recv => (self.peer, self.rank),
+        };
+        write!(
+            f,
+            "rank {} {}: {} {arrow} {} {} ({}{}) [stream {}, comm {}, message #{} of {src}→{dst}, {}]",
+            self.rank,
+            self.thread,
+            self.op.name(),
+            self.peer,
+            Size(self.bytes),
+            self.at,
+            if self.grouped { ", in a group" } else { "" },
+            self.stream,
+            self.comm,
+            self.fifo,
+            self.state
+        )
+    }
+}
+
+/// `line 4` or a source location, for a call's origin.
+pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
+    match setup.origins.get(origin.ix()) {
+        Some(o) => o.place.clone(),
+        None => format!("call #{}", origin.0),
+    }
+}
+
+impl Machine {
+    /// The view of op `index` of a live launch.
+    pub(super) fn op_view(&self, lref: LaunchRef, index: usize) -> OpView {
+        let launch = &self.state.launches[&lref];
+        let op = &launch.ops[index];
+        let state = match (op.status, launch.started) {
+            (OpStatus::Done, _) => "done",
+            (_, false) => "not started",
+            (OpStatus::Waiting, true) => "started, behind an earlier op of its group",
+            (OpStatus::Active, true) => "started",
+        };
+        self.view(
+            lref,
+            op.spec.dir,
+            op.spec.peer,
+            op.spec.bytes,
+            op.spec.comm,
+            op.spec.stream,
+            op.fifo,
+            state,
+            launch.grouped,
+            launch.origin,
+        )
+    }
+
+    /// The view of an op still in a channel (it may have completed into the
+    /// buffer and left its launch).
+    pub(super) fn slot_view(
+        &self,
+        key: ChannelKey,
+        dir: Dir,
+        slot: &Slot,
+        delivered: u32,
+    ) -> OpView {
+        let ch = &self.state.channels.get(&key);
+        let list = ch.map(|c| match dir {
+            Dir::Send => &c.sends,
+            Dir::Recv => &c.recvs,
+        });
+        let pos = list
+            .and_then(|l| l.iter().position(|s| s.op == slot.op))
+            .unwrap_or(0) as u32;
+        let peer = if dir == Dir::Send { key.2 } else { key.1 };
+        let live = self.state.launches.get(&slot.op.launch);
+        let state = if slot.buffered {
+            "buffered"
+        } else {
+            match live {
+                Some(l) if l.started => "started",
+                Some(_) => "not started",
+                None => "done",
+            }
+        };
+        self.view(
+            slot.op.launch,
+            dir,
+            peer,
+            slot.bytes,
+            key.0,
+            slot.stream,
+            delivered + pos,
+            state,
+            slot.grouped,
+            slot.origin,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn view(
+        &self,
+        lref: LaunchRef,
+        dir: Dir,
+        peer: u32,
+        bytes: u64,
+        comm: super::CommId,
+        stream: super::StreamId,
+        fifo: u32,
+        state: &'static str,
+        grouped: bool,
+        origin: Origin,
+    ) -> OpView {
+        let s = &self.setup;
+        let thread = &s.threads[lref.thread.ix()];
+        let o = s.origins.get(origin.ix());
+        OpView {
+            rank: thread.rank,
+            thread: thread.name.clone(),
+            op: dir,
+            peer,
+            bytes,
+            comm: s.comms[comm.ix()].name.clone(),
+            stream: s.streams[stream.ix()].name.clone(),
+            fifo,
+            state,
+            grouped,
+            call: o.map(|o| o.text.clone()).unwrap_or_default(),
+            at: describe_origin(s, origin),
+            line: o.and_then(|o| o.line),
+        }
+    }
+}

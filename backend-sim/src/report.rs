@@ -1,0 +1,181 @@
+//! What `duplex check` prints: the verdict with its details, as text or as
+//! one JSON object.
+
+use std::fmt;
+
+use duplex::{Model, Policy};
+use serde::Serialize;
+
+use crate::check::{Outcome, Stats, Step, Verdict};
+use crate::machine::{OpView, ProgramError, Stuck};
+
+/// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// `ok`, `deadlock`, `error` or `inconclusive`.
+    pub verdict: &'static str,
+    /// The file checked.
+    pub file: String,
+    /// The policy it was checked under.
+    pub policy: Policy,
+    /// The model it was checked under.
+    pub model: Model,
+    /// For a deadlock: why it is stuck.
+    #[serde(skip_serializing_if = "Option::is_none", flatten)]
+    pub stuck: Option<Stuck>,
+    /// For an error: what and which ops.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorReport>,
+    /// For a deadlock or an error: the host steps that lead there.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<Step>,
+    /// Search statistics.
+    pub stats: Stats,
+}
+
+/// A program error as the report shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorReport {
+    /// `size-mismatch`, `group-mismatch`, `never-received` or `invalid`.
+    pub kind: &'static str,
+    /// The error in words.
+    pub message: String,
+    /// The ops involved.
+    pub ops: Vec<OpView>,
+}
+
+impl From<&ProgramError> for ErrorReport {
+    fn from(e: &ProgramError) -> Self {
+        let (kind, ops) = match e {
+            ProgramError::SizeMismatch { send, recv } => {
+                ("size-mismatch", vec![(**send).clone(), (**recv).clone()])
+            }
+            ProgramError::GroupMismatch { send, recv } => {
+                ("group-mismatch", vec![(**send).clone(), (**recv).clone()])
+            }
+            ProgramError::NeverReceived { send } => ("never-received", vec![(**send).clone()]),
+            ProgramError::Invalid { .. } => ("invalid", vec![]),
+        };
+        ErrorReport {
+            kind,
+            message: e.to_string(),
+            ops,
+        }
+    }
+}
+
+impl Report {
+    /// Builds the report of `outcome` for `file`.
+    pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
+        let (verdict, stuck, error, steps) = match &outcome.verdict {
+            Verdict::Ok => ("ok", None, None, vec![]),
+            Verdict::Inconclusive => ("inconclusive", None, None, vec![]),
+            Verdict::Deadlock { stuck, trace } => {
+                ("deadlock", Some((**stuck).clone()), None, trace.clone())
+            }
+            Verdict::Error { error, trace } => ("error", None, Some(error.into()), trace.clone()),
+        };
+        Report {
+            verdict,
+            file: file.to_string(),
+            policy,
+            model,
+            stuck,
+            error,
+            steps,
+            stats: outcome.stats,
+        }
+    }
+
+    /// The process exit status the format page gives this verdict: 0 for
+    /// ok, 1 for a hang or an error, 3 when the search hit its bound.
+    pub fn exit_code(&self) -> i32 {
+        match self.verdict {
+            "ok" => 0,
+            "inconclusive" => 3,
+            _ => 1,
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let headline = match self.verdict {
+            "ok" => {
+                "OK: no interleaving of the host threads can hang, and no program error was found"
+            }
+            "deadlock" => "DEADLOCK: this program can hang",
+            "error" => "ERROR: this program has an error",
+            _ => "INCONCLUSIVE: the search hit its state bound before it could decide",
+        };
+        writeln!(f, "{}: {headline}", self.file)?;
+        writeln!(
+            f,
+            "  checked under policy {}, model {}",
+            self.policy, self.model
+        )?;
+        if let Some(e) = &self.error {
+            writeln!(f)?;
+            match e.ops.as_slice() {
+                [send, recv] => {
+                    let what = if e.kind == "size-mismatch" {
+                        "size mismatch (R3): these ops are matched (same channel, same position) but disagree on their size"
+                    } else {
+                        "grouped on one side only (R8): these ops are matched, but only one of them is in a group"
+                    };
+                    writeln!(f, "{what}:")?;
+                    writeln!(f, "  send: {send}")?;
+                    writeln!(f, "  recv: {recv}")?;
+                }
+                [send] => {
+                    writeln!(
+                        f,
+                        "message never received: it completed into the channel's buffer (R5) and no recv ever took it:"
+                    )?;
+                    writeln!(f, "  send: {send}")?;
+                }
+                _ => writeln!(f, "{}", e.message)?,
+            }
+        }
+        if let Some(stuck) = &self.stuck {
+            writeln!(f)?;
+            write!(f, "{stuck}")?;
+        }
+        if !self.steps.is_empty() {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "interleaving that leads there ({} host steps):",
+                self.steps.len()
+            )?;
+            for s in &self.steps {
+                writeln!(
+                    f,
+                    "  {:>3}. rank {} {}: {}",
+                    s.step, s.rank, s.thread, s.action
+                )?;
+            }
+        }
+        if self.verdict == "deadlock" && self.policy == Policy::Shared {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "hint: try `--policy per-direction`: a lane per direction removes every hang caused by sharing a stream or a communicator."
+            )?;
+        }
+        if self.verdict == "inconclusive" {
+            writeln!(
+                f,
+                "  raise the bound with --max-states, or split the program into smaller schedules."
+            )?;
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "searched {} states, {} host steps, in {:.3} s",
+            self.stats.states,
+            self.stats.transitions,
+            self.stats.elapsed.as_secs_f64()
+        )
+    }
+}

@@ -1,0 +1,172 @@
+//! Schedule files: what each rank's host threads do, as text.
+//!
+//! The format is fixed by `shared/design/schedule-format.md`; [`parse`] reads
+//! it into a [`Program`] and validates it completely (every error names the
+//! line), and [`Program`]'s `Display` prints it back in a canonical form that
+//! parses to the same program.
+
+mod parse;
+mod print;
+
+pub use parse::{MAX_RANKS, ParseError, parse};
+
+use crate::{Model, Policy, Size};
+
+/// A source line number (1-based; 0 for programs built in code).
+///
+/// Positions are not part of a program's meaning: two `Line`s always compare
+/// equal and hash alike, so a program printed and parsed again equals the
+/// original.
+#[derive(Clone, Copy, Debug, Default, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
+pub struct Line(pub u32);
+
+impl PartialEq for Line {
+    fn eq(&self, _: &Line) -> bool {
+        true
+    }
+}
+impl Eq for Line {}
+impl std::hash::Hash for Line {
+    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {}
+}
+
+/// A whole schedule: ranks, placement, model, communicators and host threads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Program {
+    /// Number of ranks; ranks are `0..ranks`.
+    pub ranks: u32,
+    /// How ops without `comm=`/`stream=` are placed.
+    pub policy: Policy,
+    /// The model knobs.
+    pub model: Model,
+    /// Declared communicators (`world` is implicit and never listed here).
+    pub comms: Vec<CommDecl>,
+    /// Host threads in file order.
+    pub threads: Vec<Thread>,
+}
+
+/// `comm NAME R R ...`
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CommDecl {
+    /// The communicator's name.
+    pub name: String,
+    /// Its member ranks, in the order written.
+    pub ranks: Vec<u32>,
+    /// Where it was declared.
+    pub line: Line,
+}
+
+/// A host thread: `rank R:` (the main thread) or `rank R thread NAME:`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Thread {
+    /// The rank this thread belongs to.
+    pub rank: u32,
+    /// `None` for the rank's main thread.
+    pub name: Option<String>,
+    /// The statements, run in order.
+    pub body: Vec<Stmt>,
+    /// Where the block starts.
+    pub line: Line,
+}
+
+impl Thread {
+    /// `main` or the thread's name.
+    pub fn display_name(&self) -> &str {
+        self.name.as_deref().unwrap_or("main")
+    }
+}
+
+/// One statement of a host thread.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Stmt {
+    /// What the statement does.
+    pub kind: StmtKind,
+    /// Where it was written.
+    pub line: Line,
+}
+
+/// The statements of the format page.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum StmtKind {
+    /// `send` or `recv` on its own.
+    Op(P2p),
+    /// `group { OP; OP; ... }`: ops launched as one unit (R8).
+    Group(Vec<P2p>),
+    /// `record E [stream=S]`
+    Record {
+        /// Event name (per rank).
+        event: String,
+        /// Stream name; `None` means `default`.
+        stream: Option<String>,
+    },
+    /// `wait E [stream=S]`
+    Wait {
+        /// Event name (per rank).
+        event: String,
+        /// Stream name; `None` means `default`.
+        stream: Option<String>,
+    },
+    /// `sync [S]`: `None` synchronizes every stream of the rank.
+    Sync {
+        /// The stream to drain, or all of them.
+        stream: Option<String>,
+    },
+    /// `notify P TAG`
+    Notify {
+        /// Destination rank.
+        peer: u32,
+        /// Message tag.
+        tag: String,
+    },
+    /// `await P TAG`
+    Await {
+        /// Source rank.
+        peer: u32,
+        /// Message tag.
+        tag: String,
+    },
+}
+
+/// Direction of a point-to-point op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dir {
+    /// `send`
+    Send,
+    /// `recv`
+    Recv,
+}
+
+impl Dir {
+    /// `send` or `recv`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dir::Send => "send",
+            Dir::Recv => "recv",
+        }
+    }
+}
+
+/// `send P SIZE [comm=C] [stream=S]` or `recv P SIZE [comm=C] [stream=S]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct P2p {
+    /// Send or receive.
+    pub dir: Dir,
+    /// The other rank.
+    pub peer: u32,
+    /// Bytes moved.
+    pub size: Size,
+    /// `comm=` as written.
+    pub comm: Option<String>,
+    /// `stream=` as written.
+    pub stream: Option<String>,
+}
+
+impl P2p {
+    /// True when the op names a communicator or a stream, so that the policy
+    /// is not consulted.
+    pub fn is_explicit(&self) -> bool {
+        self.comm.is_some() || self.stream.is_some()
+    }
+}

@@ -1,0 +1,515 @@
+//! The schedule-file parser: text in, a validated [`Program`] or an error that
+//! names the line.
+
+use std::collections::HashMap;
+
+use super::{CommDecl, Dir, Line, P2p, Program, Stmt, StmtKind, Thread};
+use crate::{Model, Policy, Size};
+
+/// The most ranks a schedule may declare.
+pub const MAX_RANKS: u32 = 4096;
+
+/// A schedule file that cannot be read: the line (1-based) and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}: {message}")]
+pub struct ParseError {
+    /// 1-based line number.
+    pub line: u32,
+    /// What is wrong, in words.
+    pub message: String,
+}
+
+/// Parses and validates a schedule file.
+///
+/// On success every rank, peer, communicator and membership in the program is
+/// valid, so later stages need no checks of their own.
+pub fn parse(text: &str) -> Result<Program, ParseError> {
+    Parser::default().run(text)
+}
+
+type Result<T, E = ParseError> = std::result::Result<T, E>;
+
+fn err<T>(line: u32, message: impl Into<String>) -> Result<T> {
+    Err(ParseError {
+        line,
+        message: message.into(),
+    })
+}
+
+/// Splits a line into tokens, making `{`, `}` and `;` tokens of their own.
+fn tokenize(line: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    for word in line.split_whitespace() {
+        let mut start = 0;
+        for (i, c) in word.char_indices() {
+            if matches!(c, '{' | '}' | ';') {
+                if start < i {
+                    out.push(&word[start..i]);
+                }
+                out.push(&word[i..i + 1]);
+                start = i + 1;
+            }
+        }
+        if start < word.len() {
+            out.push(&word[start..]);
+        }
+    }
+    out
+}
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+fn name(line: u32, what: &str, s: &str) -> Result<String> {
+    if is_name(s) {
+        Ok(s.to_string())
+    } else {
+        err(
+            line,
+            format!("`{s}` is not a valid {what} name: use letters, digits, `_`, `-` and `.`"),
+        )
+    }
+}
+
+#[derive(Default)]
+struct Parser {
+    ranks: Option<u32>,
+    policy: Option<(Policy, u32)>,
+    model: Model,
+    comms: Vec<CommDecl>,
+    threads: Vec<Thread>,
+    /// An open `group {` spanning lines: its ops and the line it started on.
+    group: Option<(Vec<P2p>, u32)>,
+}
+
+impl Parser {
+    fn run(mut self, text: &str) -> Result<Program> {
+        let mut last = 0;
+        for (i, raw) in text.lines().enumerate() {
+            let line = u32::try_from(i + 1).unwrap_or(u32::MAX);
+            last = line;
+            let code = raw.split('#').next().unwrap_or("");
+            let tokens = tokenize(code);
+            if tokens.is_empty() {
+                continue;
+            }
+            self.line(line, &tokens)?;
+        }
+        if let Some((_, start)) = self.group {
+            return err(start, "`group {` is never closed with `}`");
+        }
+        let Some(ranks) = self.ranks else {
+            return err(
+                last.max(1),
+                "the file has no `ranks N` statement: it must be the first statement",
+            );
+        };
+        let program = Program {
+            ranks,
+            policy: self.policy.map(|(p, _)| p).unwrap_or_default(),
+            model: self.model,
+            comms: self.comms,
+            threads: self.threads,
+        };
+        validate(&program)?;
+        Ok(program)
+    }
+
+    fn line(&mut self, line: u32, tokens: &[&str]) -> Result<()> {
+        if self.group.is_some() {
+            return self.group_tokens(line, tokens);
+        }
+        let keyword = tokens[0];
+        if self.ranks.is_none() && keyword != "ranks" {
+            return err(
+                line,
+                format!("expected `ranks N` as the first statement, found `{keyword}`"),
+            );
+        }
+        let in_thread = !self.threads.is_empty();
+        match keyword {
+            "ranks" => {
+                if self.ranks.is_some() {
+                    return err(line, "`ranks` is given twice");
+                }
+                let [_, n] = tokens else {
+                    return err(line, "expected `ranks N`");
+                };
+                let n: u32 = n
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=MAX_RANKS).contains(n))
+                    .ok_or_else(|| ParseError {
+                        line,
+                        message: format!(
+                            "`{n}` is not a rank count: expected a number from 1 to {MAX_RANKS}"
+                        ),
+                    })?;
+                self.ranks = Some(n);
+                Ok(())
+            }
+            "policy" | "model" | "comm" if in_thread => err(
+                line,
+                format!("`{keyword}` must come before the first `rank` block"),
+            ),
+            "policy" => {
+                if let Some((_, first)) = self.policy {
+                    return err(
+                        line,
+                        format!("`policy` is given twice (first at line {first})"),
+                    );
+                }
+                let [_, p] = tokens else {
+                    return err(line, "expected `policy shared` or `policy per-direction`");
+                };
+                let p = Policy::parse(p).map_err(|m| ParseError { line, message: m })?;
+                self.policy = Some((p, line));
+                Ok(())
+            }
+            "model" => {
+                if tokens.len() < 2 {
+                    return err(line, "expected `model KEY=VALUE ...`");
+                }
+                for setting in &tokens[1..] {
+                    self.model
+                        .set(setting)
+                        .map_err(|m| ParseError { line, message: m })?;
+                }
+                Ok(())
+            }
+            "comm" => self.comm(line, tokens),
+            "rank" => self.rank_header(line, tokens),
+            _ if !in_thread => err(
+                line,
+                format!(
+                    "`{keyword}` is a statement of a host thread, but no `rank R:` block has started"
+                ),
+            ),
+            _ => {
+                let stmt = self.stmt(line, tokens)?;
+                if let Some(stmt) = stmt {
+                    self.current().body.push(stmt);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn current(&mut self) -> &mut Thread {
+        // Only called once a thread block exists (checked by the caller).
+        let last = self.threads.len() - 1;
+        &mut self.threads[last]
+    }
+
+    fn comm(&mut self, line: u32, tokens: &[&str]) -> Result<()> {
+        if tokens.len() < 3 {
+            return err(line, "expected `comm NAME R R ...`");
+        }
+        let name = name(line, "communicator", tokens[1])?;
+        if name == "world" {
+            return err(line, "`world` always exists and cannot be declared");
+        }
+        if let Some(first) = self.comms.iter().find(|c| c.name == name) {
+            return err(
+                line,
+                format!(
+                    "communicator `{name}` is already declared at line {}",
+                    first.line.0
+                ),
+            );
+        }
+        let mut ranks = Vec::new();
+        for t in &tokens[2..] {
+            let r = self.rank_number(line, t)?;
+            if ranks.contains(&r) {
+                return err(
+                    line,
+                    format!("rank {r} is listed twice in communicator `{name}`"),
+                );
+            }
+            ranks.push(r);
+        }
+        self.comms.push(CommDecl {
+            name,
+            ranks,
+            line: Line(line),
+        });
+        Ok(())
+    }
+
+    fn rank_number(&self, line: u32, t: &str) -> Result<u32> {
+        let n = self.ranks.unwrap_or(0);
+        match t.parse::<u32>() {
+            Ok(r) if r < n => Ok(r),
+            Ok(r) => err(
+                line,
+                format!("rank {r} does not exist: ranks are 0 to {}", n - 1),
+            ),
+            Err(_) => err(line, format!("`{t}` is not a rank number")),
+        }
+    }
+
+    fn rank_header(&mut self, line: u32, tokens: &[&str]) -> Result<()> {
+        // `rank R:` | `rank R :` | `rank R thread NAME:` | `rank R thread NAME :`
+        let mut words: Vec<&str> = tokens.to_vec();
+        let closed = match words.last() {
+            Some(&":") => {
+                words.pop();
+                true
+            }
+            Some(w) if w.ends_with(':') => {
+                let w = words.pop().unwrap_or_default();
+                words.push(&w[..w.len() - 1]);
+                true
+            }
+            _ => false,
+        };
+        if !closed {
+            return err(
+                line,
+                "a rank block starts with `rank R:` or `rank R thread NAME:` (missing `:`)",
+            );
+        }
+        let (rank, name) = match words.as_slice() {
+            ["rank", r] => (self.rank_number(line, r)?, None),
+            ["rank", r, "thread", n] => {
+                (self.rank_number(line, r)?, Some(name(line, "thread", n)?))
+            }
+            _ => return err(line, "expected `rank R:` or `rank R thread NAME:`"),
+        };
+        if name.as_deref() == Some("main") {
+            return err(
+                line,
+                "`main` is the name of the rank's own block: write `rank R:`",
+            );
+        }
+        if let Some(first) = self
+            .threads
+            .iter()
+            .find(|t| t.rank == rank && t.name == name)
+        {
+            return err(
+                line,
+                format!(
+                    "rank {rank} thread {} is already defined at line {}",
+                    first.display_name(),
+                    first.line.0
+                ),
+            );
+        }
+        self.threads.push(Thread {
+            rank,
+            name,
+            body: Vec::new(),
+            line: Line(line),
+        });
+        Ok(())
+    }
+
+    /// One statement of a thread (a whole line). Returns `None` when the line
+    /// opened a multi-line group.
+    fn stmt(&mut self, line: u32, tokens: &[&str]) -> Result<Option<Stmt>> {
+        let kind = match tokens[0] {
+            "send" | "recv" => StmtKind::Op(self.p2p(line, tokens)?),
+            "group" => {
+                if tokens.get(1) != Some(&"{") {
+                    return err(line, "expected `group { OP; OP; ... }`");
+                }
+                self.group = Some((Vec::new(), line));
+                self.group_tokens(line, &tokens[2..])?;
+                return Ok(None);
+            }
+            "record" | "wait" => {
+                let (event, stream) = match tokens {
+                    [_, e] => (name(line, "event", e)?, None),
+                    [_, e, s] => (name(line, "event", e)?, Some(self.stream_opt(line, s)?)),
+                    _ => return err(line, format!("expected `{} EVENT [stream=S]`", tokens[0])),
+                };
+                if tokens[0] == "record" {
+                    StmtKind::Record { event, stream }
+                } else {
+                    StmtKind::Wait { event, stream }
+                }
+            }
+            "sync" => match tokens {
+                [_] => StmtKind::Sync { stream: None },
+                [_, s] => StmtKind::Sync {
+                    stream: Some(name(
+                        line,
+                        "stream",
+                        s.strip_prefix("stream=").unwrap_or(s),
+                    )?),
+                },
+                _ => return err(line, "expected `sync` or `sync STREAM`"),
+            },
+            "notify" | "await" => {
+                let [kw, p, tag] = tokens else {
+                    return err(line, format!("expected `{} PEER TAG`", tokens[0]));
+                };
+                let peer = self.rank_number(line, p)?;
+                let tag = name(line, "tag", tag)?;
+                if *kw == "notify" {
+                    StmtKind::Notify { peer, tag }
+                } else {
+                    StmtKind::Await { peer, tag }
+                }
+            }
+            "{" | "}" | ";" => return err(line, format!("unexpected `{}`", tokens[0])),
+            other => {
+                return err(
+                    line,
+                    format!(
+                        "unknown statement `{other}`: expected send, recv, group, record, wait, sync, notify or await"
+                    ),
+                );
+            }
+        };
+        Ok(Some(Stmt {
+            kind,
+            line: Line(line),
+        }))
+    }
+
+    fn stream_opt(&self, line: u32, s: &str) -> Result<String> {
+        match s.strip_prefix("stream=") {
+            Some(v) => name(line, "stream", v),
+            None => err(line, format!("expected `stream=NAME`, found `{s}`")),
+        }
+    }
+
+    /// Tokens inside an open group: ops separated by `;` or line ends, then `}`.
+    fn group_tokens(&mut self, line: u32, tokens: &[&str]) -> Result<()> {
+        let mut rest = tokens;
+        loop {
+            let end = rest
+                .iter()
+                .position(|t| *t == ";" || *t == "}")
+                .unwrap_or(rest.len());
+            let (op, after) = rest.split_at(end);
+            if !op.is_empty() {
+                if !matches!(op[0], "send" | "recv") {
+                    return err(
+                        line,
+                        format!("a group holds only `send` and `recv`, found `{}`", op[0]),
+                    );
+                }
+                let p = self.p2p(line, op)?;
+                if let Some((ops, _)) = self.group.as_mut() {
+                    ops.push(p);
+                }
+            }
+            match after.first() {
+                None => return Ok(()),
+                Some(&";") => rest = &after[1..],
+                Some(_) => {
+                    // `}` closes the group
+                    if after.len() > 1 {
+                        return err(line, format!("unexpected `{}` after `}}`", after[1]));
+                    }
+                    let Some((ops, start)) = self.group.take() else {
+                        return err(line, "unexpected `}`");
+                    };
+                    if ops.is_empty() {
+                        return err(start, "a group must hold at least one `send` or `recv`");
+                    }
+                    self.current().body.push(Stmt {
+                        kind: StmtKind::Group(ops),
+                        line: Line(start),
+                    });
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn p2p(&self, line: u32, tokens: &[&str]) -> Result<P2p> {
+        let dir = if tokens[0] == "send" {
+            Dir::Send
+        } else {
+            Dir::Recv
+        };
+        if tokens.len() < 3 {
+            return err(
+                line,
+                format!("expected `{} PEER SIZE [comm=C] [stream=S]`", dir.name()),
+            );
+        }
+        let peer = self.rank_number(line, tokens[1])?;
+        let size = Size::parse(tokens[2]).map_err(|m| ParseError { line, message: m })?;
+        let mut comm = None;
+        let mut stream = None;
+        for opt in &tokens[3..] {
+            let (slot, value, key) = match opt.split_once('=') {
+                Some(("comm", v)) => (&mut comm, v, "comm"),
+                Some(("stream", v)) => (&mut stream, v, "stream"),
+                _ => {
+                    return err(
+                        line,
+                        format!(
+                            "unexpected `{opt}`: `{}` takes only `comm=C` and `stream=S` after its size",
+                            dir.name()
+                        ),
+                    );
+                }
+            };
+            if slot.is_some() {
+                return err(line, format!("`{key}=` is given twice"));
+            }
+            *slot = Some(name(line, key, value)?);
+        }
+        Ok(P2p {
+            dir,
+            peer,
+            size,
+            comm,
+            stream,
+        })
+    }
+}
+
+/// Checks what a line-by-line reading cannot: that every communicator named
+/// by an op exists and holds both ends.
+fn validate(program: &Program) -> Result<()> {
+    let comms: HashMap<&str, &CommDecl> =
+        program.comms.iter().map(|c| (c.name.as_str(), c)).collect();
+    for thread in &program.threads {
+        for stmt in &thread.body {
+            let ops: &[P2p] = match &stmt.kind {
+                StmtKind::Op(op) => std::slice::from_ref(op),
+                StmtKind::Group(ops) => ops,
+                _ => continue,
+            };
+            for op in ops {
+                let Some(name) = op.comm.as_deref() else {
+                    continue;
+                };
+                if name == "world" {
+                    continue;
+                }
+                let Some(comm) = comms.get(name) else {
+                    return err(
+                        stmt.line.0,
+                        format!(
+                            "communicator `{name}` is not declared: add `comm {name} R R ...` before the first rank block"
+                        ),
+                    );
+                };
+                for (who, r) in [("this thread's rank", thread.rank), ("the peer", op.peer)] {
+                    if !comm.ranks.contains(&r) {
+                        return err(
+                            stmt.line.0,
+                            format!(
+                                "rank {r} ({who}) is not a member of communicator `{name}` (declared at line {})",
+                                comm.line.0
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
