@@ -134,11 +134,7 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
         }
         Next::Call => match c.call(t, m.calls(t)) {
             Some(HostCall::Launch(spec)) => {
-                let lazy = spec
-                    .ops
-                    .iter()
-                    .any(|o| !setup.comms[o.comm.0 as usize].warm);
-                let streams: Vec<String> = spec
+                let mut streams: Vec<String> = spec
                     .ops
                     .iter()
                     .map(|o| {
@@ -149,18 +145,22 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
                         )
                     })
                     .collect();
-                let mut streams_dedup = streams.clone();
-                streams_dedup.dedup();
-                format!(
-                    "{} enqueued on {}{}",
-                    origin_text(spec.origin),
-                    streams_dedup.join("; "),
-                    if lazy {
-                        " (first use may handshake, R7)"
-                    } else {
-                        ""
-                    }
-                )
+                streams.dedup();
+                let mut after = m.clone();
+                let handshake =
+                    after.apply(t, HostCall::Launch(spec.clone())).is_ok() && after.in_handshake(t);
+                if handshake {
+                    format!(
+                        "{} is the first use of a cold communicator toward this peer: the host blocks in the connection handshake (R7)",
+                        origin_text(spec.origin)
+                    )
+                } else {
+                    format!(
+                        "{} enqueued on {}",
+                        origin_text(spec.origin),
+                        streams.join("; ")
+                    )
+                }
             }
             Some(HostCall::Sync { origin, .. }) => {
                 format!("{} blocks until its streams drain", origin_text(*origin))

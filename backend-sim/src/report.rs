@@ -156,7 +156,11 @@ impl fmt::Display for Report {
                 )?;
             }
         }
-        if self.verdict == "deadlock" && self.policy == Policy::Shared {
+        let on_shared_lane = self.stuck.as_ref().is_some_and(|s| {
+            s.ops.iter().any(|o| o.comm.starts_with("pair:"))
+                || s.blocked.iter().any(|b| b.waits_for.contains("comm pair:"))
+        });
+        if self.verdict == "deadlock" && on_shared_lane {
             writeln!(f)?;
             writeln!(
                 f,

@@ -618,6 +618,11 @@ impl Machine {
         }
     }
 
+    /// True while thread `t`'s last call waits for a connection handshake (R7).
+    pub fn in_handshake(&self, t: ThreadId) -> bool {
+        matches!(self.state.threads[t.ix()].phase, Phase::Connecting { .. })
+    }
+
     /// Whether the state can move, has finished, or is stuck.
     pub fn status(&self) -> Status {
         let mut finished = true;

@@ -1,0 +1,452 @@
+//! One group of tests per rule of `semantics.md`. Each rule is tested by a
+//! pair of programs that differ only in what the rule is about, so that a
+//! checker without the rule gets one of the two verdicts wrong.
+
+use duplex_sim::check::{self, Outcome, Verdict};
+use duplex_sim::compile::compile;
+use duplex_sim::machine::ProgramError;
+
+fn run(src: &str) -> Outcome {
+    let program = duplex::schedule::parse(src).unwrap_or_else(|e| panic!("{e}\n{src}"));
+    check::check(&compile(&program), &check::Options::default())
+}
+
+fn verdict(src: &str) -> &'static str {
+    match run(src).verdict {
+        Verdict::Ok => "ok",
+        Verdict::Deadlock { .. } => "deadlock",
+        Verdict::Error { .. } => "error",
+        Verdict::Inconclusive => "inconclusive",
+    }
+}
+
+/// The rules named in the deadlock's cycle (or missing-partner chains).
+fn cycle_rules(src: &str) -> Vec<&'static str> {
+    match run(src).verdict {
+        Verdict::Deadlock { stuck, .. } => stuck
+            .cycle
+            .iter()
+            .chain(&stuck.missing)
+            .map(|l| l.rule)
+            .collect(),
+        other => panic!("expected a deadlock, got {other:?}"),
+    }
+}
+
+fn two_ranks(header: &str, r0: &str, r1: &str) -> String {
+    format!("ranks 2\n{header}\nrank 0:\n{r0}\nrank 1:\n{r1}\n")
+}
+
+// R1 stream order ----------------------------------------------------------
+
+#[test]
+fn r1_ops_on_one_stream_run_in_order() {
+    let one_stream = two_ranks(
+        "comm a 0 1\ncomm b 0 1",
+        "send 1 1MiB comm=a stream=s\nrecv 1 1MiB comm=b stream=s",
+        "send 0 1MiB comm=b stream=s\nrecv 0 1MiB comm=a stream=s",
+    );
+    let two_streams = one_stream
+        .replace("recv 1 1MiB comm=b stream=s", "recv 1 1MiB comm=b stream=t")
+        .replace("recv 0 1MiB comm=a stream=s", "recv 0 1MiB comm=a stream=t");
+    assert_eq!(verdict(&one_stream), "deadlock");
+    assert!(cycle_rules(&one_stream).contains(&"R1"));
+    assert_eq!(verdict(&two_streams), "ok");
+}
+
+// R2 communicator order ----------------------------------------------------
+
+#[test]
+fn r2_ops_of_one_communicator_are_serialized_across_streams() {
+    let src = two_ranks(
+        "",
+        "send 1 1MiB comm=world stream=a\nrecv 1 1MiB comm=world stream=b",
+        "send 0 1MiB comm=world stream=a\nrecv 0 1MiB comm=world stream=b",
+    );
+    assert_eq!(verdict(&src), "deadlock");
+    assert!(cycle_rules(&src).contains(&"R2"));
+    let off = src.replace("ranks 2\n", "ranks 2\nmodel comm-order=off\n");
+    assert_eq!(verdict(&off), "ok");
+}
+
+#[test]
+fn r2_does_not_order_different_communicators() {
+    let src = two_ranks(
+        "comm a 0 1\ncomm b 0 1",
+        "send 1 1MiB comm=a stream=x\nrecv 1 1MiB comm=b stream=y",
+        "send 0 1MiB comm=b stream=y\nrecv 0 1MiB comm=a stream=x",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+// R3 matching ---------------------------------------------------------------
+
+#[test]
+fn r3_size_mismatch_names_both_ops() {
+    let src = two_ranks("", "send 1 4KiB", "recv 0 8KiB");
+    let Verdict::Error { error, .. } = run(&src).verdict else {
+        panic!("expected an error")
+    };
+    let ProgramError::SizeMismatch { send, recv } = error else {
+        panic!("expected a size mismatch, got {error}")
+    };
+    assert_eq!((send.rank, send.bytes, send.line), (0, 4096, Some(4)));
+    assert_eq!((recv.rank, recv.bytes, recv.line), (1, 8192, Some(6)));
+}
+
+#[test]
+fn r3_matching_is_by_position_in_the_channel() {
+    let in_order = two_ranks("", "send 1 4KiB\nsend 1 8KiB", "recv 0 4KiB\nrecv 0 8KiB");
+    let swapped = two_ranks("", "send 1 4KiB\nsend 1 8KiB", "recv 0 8KiB\nrecv 0 4KiB");
+    assert_eq!(verdict(&in_order), "ok");
+    assert_eq!(verdict(&swapped), "error");
+}
+
+#[test]
+fn r3_channels_are_per_communicator() {
+    // Same sizes in the other order, but on two communicators: each channel
+    // matches on its own.
+    let src = two_ranks(
+        "comm a 0 1\ncomm b 0 1",
+        "group { send 1 4KiB comm=a stream=s; send 1 8KiB comm=b stream=s }",
+        "group { recv 0 8KiB comm=b stream=s; recv 0 4KiB comm=a stream=s }",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+#[test]
+fn r3_a_buffered_message_never_received_is_an_error() {
+    let src = two_ranks("model eager=1MiB", "send 1 4KiB", "");
+    let Verdict::Error { error, .. } = run(&src).verdict else {
+        panic!("expected an error")
+    };
+    assert!(
+        matches!(error, ProgramError::NeverReceived { .. }),
+        "{error}"
+    );
+}
+
+// R4 rendezvous ---------------------------------------------------------------
+
+#[test]
+fn r4_a_send_waits_for_its_recv_to_start() {
+    let send_first = two_ranks("", "send 1 4KiB\nrecv 1 4KiB", "send 0 4KiB\nrecv 0 4KiB");
+    assert_eq!(verdict(&send_first), "deadlock");
+    assert!(cycle_rules(&send_first).contains(&"R4"));
+    let recv_first = two_ranks("", "send 1 4KiB\nrecv 1 4KiB", "recv 0 4KiB\nsend 0 4KiB");
+    assert_eq!(verdict(&recv_first), "ok");
+}
+
+#[test]
+fn r4_a_recv_whose_send_never_comes_is_reported_as_missing() {
+    let src = two_ranks("", "recv 1 4KiB", "");
+    let Verdict::Deadlock { stuck, .. } = run(&src).verdict else {
+        panic!("expected a deadlock")
+    };
+    assert!(stuck.cycle.is_empty());
+    assert_eq!(stuck.missing.len(), 1);
+    assert!(
+        stuck.missing[0]
+            .waits_for
+            .contains("no thread of rank 1 will ever issue the matching send")
+    );
+}
+
+// R5 eager capacity -------------------------------------------------------------
+
+#[test]
+fn r5_sends_complete_into_a_connected_channel_buffer() {
+    let prog = |size: &str| {
+        two_ranks(
+            "model eager=64MiB",
+            &format!("send 1 {size}\nrecv 1 {size}"),
+            &format!("send 0 {size}\nrecv 0 {size}"),
+        )
+    };
+    assert_eq!(verdict(&prog("64MiB")), "ok");
+    assert_eq!(verdict(&prog("65MiB")), "deadlock");
+}
+
+#[test]
+fn r5_capacity_is_cumulative_per_channel() {
+    let prog = |n: usize| {
+        let sends = "send 1 16MiB\n".repeat(n);
+        let recvs = "recv 0 16MiB\n".repeat(n);
+        two_ranks(
+            "model eager=64MiB",
+            &format!("{sends}sync\nnotify 1 go"),
+            &format!("await 0 go\n{recvs}"),
+        )
+    };
+    assert_eq!(verdict(&prog(4)), "ok");
+    assert_eq!(verdict(&prog(5)), "deadlock");
+}
+
+#[test]
+fn r5_default_is_the_strict_contract() {
+    let src = two_ranks("", "send 1 1B\nrecv 1 1B", "send 0 1B\nrecv 0 1B");
+    assert_eq!(verdict(&src), "deadlock");
+}
+
+// R6 cold channel ----------------------------------------------------------------
+
+#[test]
+fn r6_the_first_message_of_a_cold_channel_is_a_rendezvous() {
+    let cold = two_ranks(
+        "model eager=64MiB lazy-connect=on",
+        "send 1 4KiB comm=world stream=s\nrecv 1 4KiB comm=world stream=s",
+        "send 0 4KiB comm=world stream=s\nrecv 0 4KiB comm=world stream=s",
+    );
+    assert_eq!(verdict(&cold), "deadlock");
+    assert!(cycle_rules(&cold).contains(&"R4"));
+    // Once a message has been delivered in each direction, the same
+    // send-first exchange completes.
+    let used = two_ranks(
+        "model eager=64MiB lazy-connect=on",
+        "group { send 1 4KiB comm=world stream=s; recv 1 4KiB comm=world stream=s }\nsend 1 4KiB comm=world stream=s\nrecv 1 4KiB comm=world stream=s",
+        "group { send 0 4KiB comm=world stream=s; recv 0 4KiB comm=world stream=s }\nsend 0 4KiB comm=world stream=s\nrecv 0 4KiB comm=world stream=s",
+    );
+    assert_eq!(verdict(&used), "ok");
+}
+
+// R7 lazy connection handshake ---------------------------------------------------
+
+#[test]
+fn r7_first_use_blocks_the_host_until_the_peer_uses_the_comm() {
+    let src = two_ranks(
+        "model lazy-connect=on\ncomm a 0 1\ncomm b 0 1",
+        "send 1 4KiB comm=a stream=x\nrecv 1 4KiB comm=b stream=y",
+        "send 0 4KiB comm=b stream=y\nrecv 0 4KiB comm=a stream=x",
+    );
+    let Verdict::Deadlock { stuck, .. } = run(&src).verdict else {
+        panic!("expected a deadlock")
+    };
+    assert!(stuck.ops.is_empty(), "nothing reaches the device");
+    assert_eq!(stuck.blocked.len(), 2);
+    assert!(stuck.cycle.iter().all(|l| l.rule == "R7"));
+    let warm = src.replace("model lazy-connect=on\n", "");
+    assert_eq!(verdict(&warm), "ok");
+}
+
+#[test]
+fn r7_the_handshake_is_completed_by_an_op_in_either_direction() {
+    // Rank 1's first op on comm a is a send toward 0: it completes rank 0's
+    // handshake for its recv.
+    let src = two_ranks(
+        "model lazy-connect=on\ncomm a 0 1",
+        "recv 1 4KiB comm=a stream=x",
+        "send 0 4KiB comm=a stream=x",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+#[test]
+fn r7_per_direction_lanes_are_connected_at_creation() {
+    let src = two_ranks(
+        "model lazy-connect=on\npolicy per-direction",
+        "send 1 4KiB\nrecv 1 4KiB",
+        "send 0 4KiB\nrecv 0 4KiB",
+    );
+    assert_eq!(verdict(&src), "ok");
+    let shared = src.replace("policy per-direction", "policy shared");
+    assert_eq!(verdict(&shared), "deadlock");
+}
+
+// R8 groups -------------------------------------------------------------------------
+
+#[test]
+fn r8_ops_in_a_group_progress_independently() {
+    let src = two_ranks(
+        "",
+        "group { send 1 1MiB; recv 1 1MiB }",
+        "group { send 0 1MiB; recv 0 1MiB }",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+#[test]
+fn r8_a_group_waits_for_every_stream_it_spans() {
+    // Rank 0's group spans streams a and b; stream b holds a recv that needs
+    // rank 1's second op, which is behind rank 1's recv of the group's send.
+    // (Rank 1 groups its side too: grouping on one side only is an error.)
+    let src = two_ranks(
+        "comm c1 0 1\ncomm c3 0 1\ncomm c4 0 1",
+        "recv 1 4KiB comm=c3 stream=b\ngroup { send 1 4KiB comm=c1 stream=a; recv 1 4KiB comm=c4 stream=b }",
+        "group { recv 0 4KiB comm=c1 stream=x }\nsend 0 4KiB comm=c3 stream=x\ngroup { send 0 4KiB comm=c4 stream=x }",
+    );
+    assert_eq!(verdict(&src), "deadlock");
+    // Without the groups, the send on stream a is free to go.
+    let ungrouped = src
+        .replace(
+            "group { send 1 4KiB comm=c1 stream=a; recv 1 4KiB comm=c4 stream=b }",
+            "send 1 4KiB comm=c1 stream=a\nrecv 1 4KiB comm=c4 stream=b",
+        )
+        .replace(
+            "group { recv 0 4KiB comm=c1 stream=x }",
+            "recv 0 4KiB comm=c1 stream=x",
+        )
+        .replace(
+            "group { send 0 4KiB comm=c4 stream=x }",
+            "send 0 4KiB comm=c4 stream=x",
+        );
+    assert_eq!(verdict(&ungrouped), "ok");
+}
+
+#[test]
+fn r8_grouping_on_one_side_only_is_an_error() {
+    let src = two_ranks("", "group { send 1 4KiB }", "recv 0 4KiB");
+    let Verdict::Error { error, .. } = run(&src).verdict else {
+        panic!("expected an error")
+    };
+    assert!(
+        matches!(error, ProgramError::GroupMismatch { .. }),
+        "{error}"
+    );
+}
+
+// R9 events ---------------------------------------------------------------------------
+
+#[test]
+fn r9_wait_blocks_a_stream_until_the_recorded_op_completes() {
+    let src = two_ranks(
+        "comm c1 0 1\ncomm c2 0 1",
+        "send 1 4KiB comm=c1 stream=a\nrecord e stream=a\nwait e stream=b\nrecv 1 4KiB comm=c2 stream=b",
+        "send 0 4KiB comm=c2 stream=x\nrecv 0 4KiB comm=c1 stream=x",
+    );
+    assert_eq!(verdict(&src), "deadlock");
+    assert!(cycle_rules(&src).contains(&"R9"));
+    let no_wait = src.replace("wait e stream=b\n", "");
+    assert_eq!(verdict(&no_wait), "ok");
+}
+
+#[test]
+fn r9_waiting_for_an_event_never_recorded_waits_for_nothing() {
+    let src = two_ranks(
+        "",
+        "wait e stream=b\nsend 1 4KiB comm=world stream=b",
+        "recv 0 4KiB comm=world stream=b",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+#[test]
+fn r9_wait_takes_the_latest_record_issued_before_it() {
+    // The wait sees the first record (on stream a, before the blocked send)
+    // only if it is issued before the second; here it is issued after both.
+    let src = two_ranks(
+        "comm c1 0 1\ncomm c2 0 1",
+        "record e stream=a\nsend 1 4KiB comm=c1 stream=a\nrecord e stream=a\nwait e stream=b\nrecv 1 4KiB comm=c2 stream=b",
+        "send 0 4KiB comm=c2 stream=x\nrecv 0 4KiB comm=c1 stream=x",
+    );
+    assert_eq!(verdict(&src), "deadlock");
+    let earlier = src.replace(
+        "record e stream=a\nsend 1 4KiB comm=c1 stream=a\nrecord e stream=a\nwait e stream=b",
+        "record e stream=a\nwait e stream=b\nsend 1 4KiB comm=c1 stream=a\nrecord e stream=a",
+    );
+    assert_eq!(verdict(&earlier), "ok");
+}
+
+// R10 kernel concurrency -----------------------------------------------------------
+
+#[test]
+fn r10_a_bounded_number_of_launches_in_progress() {
+    let src = two_ranks(
+        "comm a 0 1\ncomm b 0 1",
+        "send 1 1MiB comm=a stream=x\nrecv 1 1MiB comm=b stream=y",
+        "send 0 1MiB comm=b stream=y\nrecv 0 1MiB comm=a stream=x",
+    );
+    assert_eq!(verdict(&src), "ok");
+    let one = src.replace("ranks 2\n", "ranks 2\nmodel kernels=1\n");
+    assert_eq!(verdict(&one), "deadlock");
+    assert!(cycle_rules(&one).contains(&"R10"));
+    let two = src.replace("ranks 2\n", "ranks 2\nmodel kernels=2\n");
+    assert_eq!(verdict(&two), "ok");
+}
+
+#[test]
+fn r10_a_group_takes_one_slot() {
+    let src = two_ranks(
+        "model kernels=1",
+        "group { send 1 1MiB; recv 1 1MiB }",
+        "group { send 0 1MiB; recv 0 1MiB }",
+    );
+    assert_eq!(verdict(&src), "ok");
+}
+
+// Host threads, sync, notify/await ---------------------------------------------------
+
+#[test]
+fn await_blocks_until_a_matching_notify_and_each_notify_is_consumed_once() {
+    let ok = two_ranks("", "notify 1 t\nnotify 1 t", "await 0 t\nawait 0 t");
+    assert_eq!(verdict(&ok), "ok");
+    let one_short = two_ranks("", "notify 1 t", "await 0 t\nawait 0 t");
+    let Verdict::Deadlock { stuck, .. } = run(&one_short).verdict else {
+        panic!("expected a deadlock")
+    };
+    assert!(
+        stuck.missing[0]
+            .waits_for
+            .contains("no thread of rank 0 will ever `notify 1 t`")
+    );
+}
+
+#[test]
+fn sync_waits_only_for_work_issued_before_it() {
+    // Thread b's sync of stream s must not wait for the recv that thread a
+    // issues later on the same stream: some interleaving lets b return first,
+    // and b's notify is what lets rank 1 send.
+    let src = "ranks 2
+rank 0 thread a:
+  await 0 synced
+  recv 1 4KiB comm=world stream=s
+rank 0 thread b:
+  sync s
+  notify 0 synced
+  notify 1 go
+rank 1:
+  await 0 go
+  send 0 4KiB comm=world stream=s
+";
+    assert_eq!(verdict(src), "ok");
+}
+
+#[test]
+fn the_checker_explores_every_interleaving() {
+    // Only the interleavings where both senders enqueue before either
+    // receiver hang; the checker must find one of them.
+    let src = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/seed-rpc.sched"
+    ))
+    .expect("example exists");
+    let outcome = run(&src);
+    assert!(matches!(outcome.verdict, Verdict::Deadlock { .. }));
+    assert!(outcome.stats.states > 20, "{:?}", outcome.stats);
+}
+
+#[test]
+fn a_reported_trace_replays_to_the_same_stuck_state() {
+    let src = two_ranks("", "send 1 4KiB\nrecv 1 4KiB", "send 0 4KiB\nrecv 0 4KiB");
+    let program = duplex::schedule::parse(&src).expect("valid");
+    let compiled = compile(&program);
+    let Verdict::Deadlock { trace, stuck } =
+        check::check(&compiled, &check::Options::default()).verdict
+    else {
+        panic!("expected a deadlock")
+    };
+    let schedule: Vec<_> = trace
+        .iter()
+        .map(|s| {
+            let t = compiled
+                .setup
+                .threads
+                .iter()
+                .position(|t| t.rank == s.rank && t.name == s.thread);
+            duplex_sim::machine::ThreadId(t.expect("thread exists") as u32)
+        })
+        .collect();
+    let (m, _, result) = check::replay(&compiled, &schedule);
+    assert!(result.is_ok());
+    assert_eq!(m.status(), duplex_sim::machine::Status::Stuck);
+    assert_eq!(m.stuck(&duplex_sim::compile::Remaining(&compiled)), *stuck);
+}

@@ -1,0 +1,216 @@
+//! The `duplex` binary end to end: every example's verdict, exit statuses,
+//! and bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn duplex(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .output()
+        .expect("the duplex binary runs")
+}
+
+fn examples() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("examples/ exists")
+        .map(|e| e.expect("readable").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sched"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// `# expect[ ARGS]: VERDICT` lines of an example.
+fn expectations(text: &str) -> Vec<(Vec<String>, String)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("# expect"))
+        .filter_map(|rest| {
+            let (args, verdict) = rest.split_once(':')?;
+            let args = args.split_whitespace().map(String::from).collect();
+            Some((args, verdict.trim().to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn every_example_gets_its_expected_verdicts() {
+    let files = examples();
+    assert!(files.len() >= 15, "examples/ holds {} files", files.len());
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("readable");
+        let expected = expectations(&text);
+        assert!(
+            !expected.is_empty(),
+            "{} has no `# expect:` line",
+            file.display()
+        );
+        for (args, verdict) in expected {
+            let mut argv = vec![
+                "check",
+                file.to_str().expect("utf-8 path"),
+                "--format",
+                "json",
+            ];
+            argv.extend(args.iter().map(String::as_str));
+            let out = duplex(&argv);
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+                panic!(
+                    "{argv:?}: not JSON ({e}): {}",
+                    String::from_utf8_lossy(&out.stdout)
+                )
+            });
+            assert_eq!(json["verdict"], verdict.as_str(), "{argv:?}");
+            let code = if verdict == "ok" { 0 } else { 1 };
+            assert_eq!(out.status.code(), Some(code), "{argv:?}");
+        }
+    }
+}
+
+#[test]
+fn the_seed_prints_its_cycle_and_per_direction_removes_it() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8 path");
+    let out = duplex(&["check", seed]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("DEADLOCK"), "{text}");
+    assert!(text.contains("wait-for cycle (4 links"), "{text}");
+    assert!(
+        text.contains("rank 0 main: send → 1 256MiB (line 14)"),
+        "{text}"
+    );
+    assert!(text.contains("R4: started"), "{text}");
+    assert!(text.contains("R1: cannot start"), "{text}");
+    assert!(
+        text.contains("interleaving that leads there (6 host steps)"),
+        "{text}"
+    );
+    let out = duplex(&["check", seed, "--policy", "per-direction"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("OK"));
+}
+
+#[test]
+fn json_reports_carry_the_details() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let out = duplex(&["check", seed.to_str().expect("utf-8"), "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["verdict"], "deadlock");
+    assert_eq!(json["cycle"].as_array().map(Vec::len), Some(4));
+    assert_eq!(json["blocked"].as_array().map(Vec::len), Some(2));
+    let op = &json["ops"][0];
+    for field in [
+        "rank", "thread", "op", "peer", "bytes", "comm", "stream", "fifo", "state", "line",
+    ] {
+        assert!(!op[field].is_null(), "op lacks {field}: {op}");
+    }
+    assert_eq!(json["steps"].as_array().map(Vec::len), Some(6));
+    assert!(json["stats"]["states"].as_u64().is_some_and(|n| n > 0));
+}
+
+#[test]
+fn a_size_mismatch_names_both_ops() {
+    let dir = tempdir();
+    let file = dir.join("mismatch.sched");
+    std::fs::write(
+        &file,
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",
+    )
+    .expect("write");
+    let out = duplex(&["check", file.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ERROR"), "{text}");
+    assert!(
+        text.contains("send: rank 0 main: send → 1 4KiB (line 3)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("recv: rank 1 main: recv ← 0 8KiB (line 5)"),
+        "{text}"
+    );
+    let out = duplex(&["check", file.to_str().expect("utf-8"), "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["verdict"], "error");
+    assert_eq!(json["error"]["kind"], "size-mismatch");
+    assert_eq!(json["error"]["ops"].as_array().map(Vec::len), Some(2));
+}
+
+fn tempdir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("duplex-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+#[test]
+fn bad_input_exits_2_and_names_the_line() {
+    let dir = tempdir();
+    let cases: &[(&str, &[u8], &str)] = &[
+        (
+            "garbage.sched",
+            b"ranks 2\nrank 0:\n  send 1 lots\n",
+            "garbage.sched:3: `lots` is not a size",
+        ),
+        (
+            "empty.sched",
+            b"",
+            "empty.sched:1: the file has no `ranks N`",
+        ),
+        (
+            "binary.sched",
+            b"ranks 2\n\xff\xfe\x00\n",
+            "binary.sched:2: the file is not UTF-8",
+        ),
+        (
+            "peer.sched",
+            b"ranks 2\nrank 0:\n  recv 7 1B\n",
+            "peer.sched:3: rank 7 does not exist",
+        ),
+    ];
+    for (name, bytes, expected) in cases {
+        let file = dir.join(name);
+        std::fs::write(&file, bytes).expect("write");
+        let out = duplex(&["check", file.to_str().expect("utf-8")]);
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{name}: {err}");
+        assert!(out.stdout.is_empty(), "{name}: nothing is checked");
+    }
+    let out = duplex(&["check", "/nonexistent/file.sched"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent/file.sched"));
+}
+
+#[test]
+fn bad_flags_exit_2() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    for args in [
+        vec!["check", seed, "--policy", "sideways"],
+        vec!["check", seed, "--eager", "lots"],
+        vec!["check", seed, "--model", "kernels=0"],
+        vec!["check", seed, "--format", "xml"],
+        vec!["check"],
+    ] {
+        let out = duplex(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn hitting_the_state_bound_is_inconclusive_not_ok() {
+    let rpc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
+    let out = duplex(&[
+        "check",
+        rpc.to_str().expect("utf-8"),
+        "--policy",
+        "per-direction",
+        "--max-states",
+        "5",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("INCONCLUSIVE"));
+}

@@ -1,0 +1,310 @@
+//! The schedule parser: valid files, and every kind of invalid file, whose
+//! error must name the right line.
+
+use duplex::schedule::{Dir, StmtKind, parse};
+use duplex::{Policy, Size};
+
+#[test]
+fn parses_the_format_pages_example() {
+    let p = parse(
+        "# two ranks each send, then receive\nranks 2\nrank 0:\n  send 1 256MiB\n  recv 1 256MiB\nrank 1:\n  send 0 256MiB\n  recv 0 256MiB\n",
+    )
+    .expect("valid");
+    assert_eq!(p.ranks, 2);
+    assert_eq!(p.policy, Policy::Shared);
+    assert_eq!(p.threads.len(), 2);
+    let StmtKind::Op(op) = &p.threads[1].body[0].kind else {
+        panic!("expected an op")
+    };
+    assert_eq!((op.dir, op.peer, op.size), (Dir::Send, 0, Size(256 << 20)));
+    assert_eq!(p.threads[1].body[0].line.0, 7);
+}
+
+#[test]
+fn parses_every_statement() {
+    let p = parse(
+        "ranks 3
+policy per-direction
+model eager=64MiB lazy-connect=on
+model kernels=2 comm-order=off
+comm pair 0 1
+rank 0:
+  send 1 4KiB comm=pair stream=s
+  recv 2 1B stream=t
+  group { send 1 4KiB; recv 1 4KiB comm=pair }
+  group {
+    send 2 8KiB
+    recv 2 8KiB;
+  }
+  record e stream=s
+  wait e
+  sync
+  sync s
+  notify 1 tag-1
+rank 0 thread rx:
+  await 1 tag-2
+rank 1 :
+rank 2 thread x :
+",
+    )
+    .expect("valid");
+    assert_eq!(p.policy, Policy::PerDirection);
+    assert_eq!(p.model.eager, Size(64 << 20));
+    assert!(p.model.lazy_connect && !p.model.comm_order);
+    assert_eq!(p.model.kernels, Some(2));
+    let body = &p.threads[0].body;
+    assert_eq!(body.len(), 9);
+    assert!(matches!(&body[2].kind, StmtKind::Group(ops) if ops.len() == 2));
+    assert!(matches!(&body[3].kind, StmtKind::Group(ops) if ops.len() == 2));
+    assert_eq!(
+        body[3].line.0, 10,
+        "a multi-line group is at its opening line"
+    );
+    assert_eq!(p.threads.len(), 4);
+    assert_eq!(p.threads[1].display_name(), "rx");
+}
+
+#[test]
+fn printing_and_parsing_again_gives_the_same_program() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/seed-rpc.sched"
+    ))
+    .expect("example exists");
+    let p = parse(&text).expect("valid");
+    let again = parse(&p.to_string()).expect("printed form is valid");
+    assert_eq!(p, again);
+    assert_eq!(p.to_string(), again.to_string());
+}
+
+/// Each case: the file, the line the error must name, and a fragment of the
+/// message.
+const BAD: &[(&str, u32, &str)] = &[
+    ("", 1, "no `ranks N`"),
+    ("# only a comment\n\n", 2, "no `ranks N`"),
+    ("rank 0:\n", 1, "expected `ranks N` as the first statement"),
+    ("ranks\n", 1, "expected `ranks N`"),
+    ("ranks zero\n", 1, "not a rank count"),
+    ("ranks 0\n", 1, "not a rank count"),
+    ("ranks 99999\n", 1, "not a rank count"),
+    ("ranks 2\nranks 2\n", 2, "given twice"),
+    ("ranks 2\npolicy fastest\n", 2, "unknown policy"),
+    ("ranks 2\npolicy shared\npolicy shared\n", 3, "given twice"),
+    ("ranks 2\nmodel eager\n", 2, "KEY=VALUE"),
+    ("ranks 2\nmodel eager=lots\n", 2, "not a size"),
+    ("ranks 2\nmodel kernels=0\n", 2, "positive"),
+    ("ranks 2\nmodel\n", 2, "expected `model KEY=VALUE"),
+    ("ranks 2\ncomm world 0 1\n", 2, "`world` always exists"),
+    ("ranks 2\ncomm a 0 2\n", 2, "rank 2 does not exist"),
+    ("ranks 2\ncomm a 0 0\n", 2, "listed twice"),
+    (
+        "ranks 2\ncomm a 0 1\ncomm a 0 1\n",
+        3,
+        "already declared at line 2",
+    ),
+    ("ranks 2\ncomm a\n", 2, "expected `comm NAME R R ...`"),
+    (
+        "ranks 2\ncomm a/b 0 1\n",
+        2,
+        "not a valid communicator name",
+    ),
+    (
+        "ranks 2\nsend 1 4KiB\n",
+        2,
+        "no `rank R:` block has started",
+    ),
+    ("ranks 2\nrank 2:\n", 2, "rank 2 does not exist"),
+    ("ranks 2\nrank 0\n", 2, "missing `:`"),
+    (
+        "ranks 2\nrank 0 thread:\n",
+        2,
+        "expected `rank R:` or `rank R thread NAME:`",
+    ),
+    ("ranks 2\nrank 0 thread main:\n", 2, "`main` is the name"),
+    (
+        "ranks 2\nrank 0:\nrank 0:\n",
+        3,
+        "already defined at line 2",
+    ),
+    (
+        "ranks 2\nrank 0:\n  policy shared\n",
+        3,
+        "must come before the first `rank` block",
+    ),
+    (
+        "ranks 2\nrank 0:\n  send 1\n",
+        3,
+        "expected `send PEER SIZE",
+    ),
+    (
+        "ranks 2\nrank 0:\n  send 5 4KiB\n",
+        3,
+        "rank 5 does not exist",
+    ),
+    ("ranks 2\nrank 0:\n  send x 4KiB\n", 3, "not a rank number"),
+    ("ranks 2\nrank 0:\n  send 1 4KB\n", 3, "unknown unit"),
+    (
+        "ranks 2\nrank 0:\n  send 1 4KiB tag=3\n",
+        3,
+        "takes only `comm=C` and `stream=S`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  send 1 4KiB comm=a comm=b\n",
+        3,
+        "given twice",
+    ),
+    (
+        "ranks 2\nrank 0:\n\n  recv 1 4KiB comm=nope\n",
+        4,
+        "communicator `nope` is not declared",
+    ),
+    (
+        "ranks 3\ncomm a 0 1\nrank 0:\n  send 2 4KiB comm=a\n",
+        4,
+        "rank 2 (the peer) is not a member",
+    ),
+    (
+        "ranks 3\ncomm a 0 1\nrank 2:\n  send 0 4KiB comm=a\n",
+        4,
+        "rank 2 (this thread's rank) is not a member",
+    ),
+    (
+        "ranks 2\nrank 0:\n  group send 1 4KiB\n",
+        3,
+        "expected `group {",
+    ),
+    ("ranks 2\nrank 0:\n  group { }\n", 3, "at least one"),
+    (
+        "ranks 2\nrank 0:\n  group { sync }\n",
+        3,
+        "holds only `send` and `recv`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n",
+        3,
+        "never closed",
+    ),
+    (
+        "ranks 2\nrank 0:\n  group { send 1 4KiB } recv 1 4KiB\n",
+        3,
+        "after `}`",
+    ),
+    ("ranks 2\nrank 0:\n  }\n", 3, "unexpected `}`"),
+    ("ranks 2\nrank 0:\n  record\n", 3, "expected `record EVENT"),
+    (
+        "ranks 2\nrank 0:\n  wait e s\n",
+        3,
+        "expected `stream=NAME`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  sync a b\n",
+        3,
+        "expected `sync` or `sync STREAM`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  notify 1\n",
+        3,
+        "expected `notify PEER TAG`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  await 3 t\n",
+        3,
+        "rank 3 does not exist",
+    ),
+    (
+        "ranks 2\nrank 0:\n  jump 1\n",
+        3,
+        "unknown statement `jump`",
+    ),
+    (
+        "ranks 2\nrank 0:\n  send 1 4KiB stream=lane:0->1\n",
+        3,
+        "not a valid stream name",
+    ),
+];
+
+#[test]
+fn every_error_names_its_line() {
+    for (text, line, fragment) in BAD {
+        match parse(text) {
+            Ok(p) => panic!("accepted invalid input {text:?} as {p:?}"),
+            Err(e) => {
+                assert_eq!(e.line, *line, "wrong line for {text:?}: {e}");
+                assert!(
+                    e.message.contains(fragment),
+                    "message for {text:?} is {:?}, expected it to contain {fragment:?}",
+                    e.message
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn arbitrary_bytes_never_panic() {
+    // A small deterministic generator (xorshift) over a vocabulary of the
+    // format's tokens and junk: the parser must return, never panic.
+    let words = [
+        "ranks",
+        "2",
+        "3",
+        "rank",
+        "0:",
+        "1:",
+        "thread",
+        "t:",
+        "send",
+        "recv",
+        "group",
+        "{",
+        "}",
+        ";",
+        "4KiB",
+        "256MiB",
+        "comm=world",
+        "stream=s",
+        "record",
+        "wait",
+        "e",
+        "sync",
+        "notify",
+        "await",
+        "policy",
+        "shared",
+        "per-direction",
+        "model",
+        "eager=1MiB",
+        "kernels=1",
+        "comm",
+        "a",
+        "#",
+        "\n",
+        "\n",
+        "\n",
+        ":",
+        "=",
+        "-1",
+        "99999999999999999999999",
+        "\u{1F600}",
+        "\t",
+    ];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for _ in 0..20_000 {
+        let mut text = String::new();
+        let n = (x % 40) as usize;
+        for _ in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            text.push_str(words[(x % words.len() as u64) as usize]);
+            text.push(' ');
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if let Ok(p) = parse(&text) {
+            // What parses prints to something that parses to the same program.
+            assert_eq!(parse(&p.to_string()).as_ref(), Ok(&p), "{text:?}");
+        }
+    }
+}
