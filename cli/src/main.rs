@@ -48,6 +48,10 @@ struct CheckArgs {
     /// Give up (exit status 3) after this many distinct states.
     #[arg(long, default_value_t = check::Options::default().max_states)]
     max_states: usize,
+    /// Explore every interleaving without the partial-order reduction
+    /// (slower; for cross-checking the reduction).
+    #[arg(long)]
+    no_reduction: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -104,6 +108,7 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     let compiled = compile::compile(&program);
     let options = check::Options {
         max_states: args.max_states,
+        reduce: !args.no_reduction,
     };
     let outcome = check::check(&compiled, &options);
     let report = Report::new(&args.file, program.policy, program.model, &outcome);

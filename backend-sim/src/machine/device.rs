@@ -2,7 +2,7 @@
 //! step. Nothing here is a choice; the order of the passes only matters for
 //! kernel slots (R10), which go to ready launches in issue order.
 
-use super::{Entry, LaunchRef, Machine, OpStatus};
+use super::{Entry, LaunchRef, Machine, OpStatus, Wait};
 
 impl Machine {
     /// Applies every device step that can happen, until none can.
@@ -15,6 +15,22 @@ impl Machine {
             changed |= self.finish_launches();
             if !changed {
                 break;
+            }
+        }
+        self.forget_satisfied_waits();
+    }
+
+    /// Drops stream targets that have been reached, so that equal futures
+    /// have equal states (whether a stream had drained when a `sync` was
+    /// called or drained since does not matter once it has).
+    fn forget_satisfied_waits(&mut self) {
+        let streams = &self.state.streams;
+        for th in &mut self.state.threads {
+            if let Wait::Streams { targets, .. } = &mut th.wait {
+                targets.retain(|(s, n)| streams[s.ix()].base < *n);
+                if targets.is_empty() {
+                    th.wait = Wait::None;
+                }
             }
         }
     }

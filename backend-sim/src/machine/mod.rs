@@ -868,21 +868,29 @@ impl Machine {
         Ok(())
     }
 
-    /// R7: marks this rank's first use of each cold (comm, peer) pair and
-    /// returns the pairs whose handshake has not completed.
+    /// R7: marks this rank's use of each cold (comm, peer) pair and returns
+    /// the pairs that were not connected before this call. The call then
+    /// blocks in the handshake until the peer has marked the pair too, and
+    /// returns by a [`Machine::resume`] step: both sides of a handshake take
+    /// that step, whichever called first (both run the setup exchange), which
+    /// also makes the two orders of two first uses lead to the same state.
     fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank)> {
-        let mut waiting = Vec::new();
+        let mut pairs = Vec::new();
         for op in &spec.ops {
             if self.setup.comms[op.comm.ix()].warm {
                 continue;
             }
-            self.state.marks.insert((op.comm, rank, op.peer));
             let pair = (op.comm, op.peer);
-            if !self.state.marks.contains(&(op.comm, op.peer, rank)) && !waiting.contains(&pair) {
-                waiting.push(pair);
+            let connected = self.state.marks.contains(&(op.comm, rank, op.peer))
+                && self.state.marks.contains(&(op.comm, op.peer, rank));
+            if !connected && !pairs.contains(&pair) {
+                pairs.push(pair);
             }
         }
-        waiting
+        for (comm, peer) in &pairs {
+            self.state.marks.insert((*comm, rank, *peer));
+        }
+        pairs
     }
 
     /// Puts a launch on its streams and its ops in their channels; finds size
