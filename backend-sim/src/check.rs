@@ -126,24 +126,29 @@ pub fn step(c: &Compiled, m: &mut Machine, t: ThreadId) -> Result<(), ProgramErr
 }
 
 /// The threads that can step in `m`, in id order.
-pub fn runnable(m: &Machine) -> impl Iterator<Item = ThreadId> + '_ {
-    (0..m.setup().threads.len())
-        .map(|i| ThreadId(i as u32))
-        .filter(|t| matches!(m.next(*t), Next::Call | Next::Resume))
+pub fn runnable(c: &Compiled, m: &Machine) -> Vec<ThreadId> {
+    m.runnable(&Remaining(c))
 }
 
-/// The threads to explore from `m`: all runnable ones, or, with `reduce`, the
-/// runnable threads of one rank whose every other thread has ended (it will
-/// never step again) or is runnable too.
-pub fn expand(m: &Machine, reduce: bool) -> Vec<ThreadId> {
-    let all: Vec<ThreadId> = runnable(m).collect();
-    if !reduce || all.len() <= 1 {
-        return all;
+/// The threads to explore from `m`: all runnable ones, or, with `reduce`,
+/// [`reduce`]'s subset.
+pub fn expand(c: &Compiled, m: &Machine, reduce_steps: bool) -> Vec<ThreadId> {
+    let all = runnable(c, m);
+    if reduce_steps { reduce(m, &all) } else { all }
+}
+
+/// The persistent set of the module docs: the runnable threads of one rank
+/// whose every other thread has ended (it will never step again) or is
+/// runnable too; the smallest such rank's, or all of `enabled` if no rank
+/// qualifies.
+pub fn reduce(m: &Machine, enabled: &[ThreadId]) -> Vec<ThreadId> {
+    if enabled.len() <= 1 {
+        return enabled.to_vec();
     }
     let setup = m.setup();
     let mut best: Option<Vec<ThreadId>> = None;
     for rank in 0..setup.ranks {
-        let mine: Vec<ThreadId> = all
+        let mine: Vec<ThreadId> = enabled
             .iter()
             .copied()
             .filter(|t| setup.threads[t.0 as usize].rank == rank)
@@ -158,7 +163,7 @@ pub fn expand(m: &Machine, reduce: bool) -> Vec<ThreadId> {
             best = Some(mine);
         }
     }
-    best.unwrap_or(all)
+    best.unwrap_or_else(|| enabled.to_vec())
 }
 
 /// Describes the step thread `t` is about to take in `m`.
@@ -211,6 +216,9 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
             Some(HostCall::Await { origin, .. }) => {
                 format!("{} waits for the message", origin_text(*origin))
             }
+            Some(HostCall::Join { origin, .. }) => {
+                format!("{} waits for the thread", origin_text(*origin))
+            }
             Some(HostCall::Record { origin, .. })
             | Some(HostCall::Wait { origin, .. })
             | Some(HostCall::Notify { origin, .. }) => origin_text(*origin),
@@ -232,7 +240,7 @@ pub fn replay(
     let mut m = c.machine();
     let mut steps = Vec::new();
     for &t in schedule {
-        if !matches!(m.next(t), Next::Call | Next::Resume) {
+        if !runnable(c, &m).contains(&t) {
             continue;
         }
         let info = &m.setup().threads[t.0 as usize];
@@ -282,7 +290,7 @@ pub fn check(c: &Compiled, options: &Options) -> Outcome {
     }
     let mut queue: VecDeque<(Machine, u32)> = VecDeque::from([(root, 0)]);
     while let Some((m, node)) = queue.pop_front() {
-        let threads = expand(&m, options.reduce);
+        let threads = expand(c, &m, options.reduce);
         for t in threads {
             let mut child = m.clone();
             transitions += 1;
@@ -317,7 +325,7 @@ pub fn check(c: &Compiled, options: &Options) -> Outcome {
 /// The verdict a state forces: a hang, or a finished program's leftover
 /// error. `None` while it can still move, or when it finished cleanly.
 fn judge(c: &Compiled, m: &Machine, path: &[ThreadId]) -> Option<Verdict> {
-    match m.status() {
+    match m.status(&Remaining(c)) {
         Status::Running => None,
         Status::Stuck => {
             let (_, trace, _) = replay(c, path);

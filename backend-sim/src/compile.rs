@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use duplex::schedule::{Dir, P2p, Program, StmtKind};
-use duplex::{Policy, Size};
+use duplex::{DType, Policy, Size};
 
 use crate::machine::{
     CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Rank, Setup, StreamId,
@@ -181,6 +181,7 @@ impl Builder<'_> {
             dir: op.dir,
             peer: op.peer,
             bytes: Size::bytes(op.size),
+            dtype: DType::U8,
             comm,
             stream,
         }
@@ -211,12 +212,16 @@ impl Builder<'_> {
     }
 }
 
-/// The checker's [`waitfor::Future`]: a thread may still do what its
+/// The checker's [`waitfor::Threads`]: a thread may still do what its
 /// remaining calls say.
 #[derive(Clone, Copy, Debug)]
 pub struct Remaining<'a>(pub &'a Compiled);
 
-impl waitfor::Future for Remaining<'_> {
+impl waitfor::Threads for Remaining<'_> {
+    fn next_call(&self, m: &Machine, t: ThreadId) -> Option<HostCall> {
+        self.0.call(t, m.calls(t)).cloned()
+    }
+
     fn may_issue(
         &self,
         m: &Machine,

@@ -9,7 +9,9 @@
 //!   lanes here);
 //! * [`check`] explores every interleaving of the host threads and returns a
 //!   [`check::Verdict`] with the shortest interleaving to a hang or error;
-//! * [`report`] prints that as text or JSON (what `duplex check` shows).
+//! * [`report`] prints that as text or JSON (what `duplex check` shows);
+//! * [`sim`] runs user code written against [`duplex::Transport`] through
+//!   the same machine: [`Sim`] is the simulated transport.
 //!
 //! Start reading at [`machine`]'s module docs, then [`check::check`].
 
@@ -17,6 +19,9 @@ pub mod check;
 pub mod compile;
 pub mod machine;
 pub mod report;
+pub mod sim;
+
+pub use sim::{Failure, Run, Sim, SimRank};
 
 use duplex::schedule::Program;
 

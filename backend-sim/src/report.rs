@@ -7,7 +7,7 @@ use duplex::{Model, Policy};
 use serde::Serialize;
 
 use crate::check::{Outcome, Stats, Step, Verdict};
-use crate::machine::{OpView, ProgramError, Stuck};
+use crate::machine::{OpInfo, ProgramError, Stuck};
 
 /// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
 #[derive(Clone, Debug, Serialize)]
@@ -36,30 +36,21 @@ pub struct Report {
 /// A program error as the report shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorReport {
-    /// `size-mismatch`, `group-mismatch`, `never-received` or `invalid`.
+    /// `size-mismatch`, `type-mismatch`, `group-mismatch`, `never-received`
+    /// or `invalid`.
     pub kind: &'static str,
     /// The error in words.
     pub message: String,
     /// The ops involved.
-    pub ops: Vec<OpView>,
+    pub ops: Vec<OpInfo>,
 }
 
 impl From<&ProgramError> for ErrorReport {
     fn from(e: &ProgramError) -> Self {
-        let (kind, ops) = match e {
-            ProgramError::SizeMismatch { send, recv } => {
-                ("size-mismatch", vec![(**send).clone(), (**recv).clone()])
-            }
-            ProgramError::GroupMismatch { send, recv } => {
-                ("group-mismatch", vec![(**send).clone(), (**recv).clone()])
-            }
-            ProgramError::NeverReceived { send } => ("never-received", vec![(**send).clone()]),
-            ProgramError::Invalid { .. } => ("invalid", vec![]),
-        };
         ErrorReport {
-            kind,
+            kind: e.kind(),
             message: e.to_string(),
-            ops,
+            ops: e.ops(),
         }
     }
 }
@@ -120,6 +111,8 @@ impl fmt::Display for Report {
                 [send, recv] => {
                     let what = if e.kind == "size-mismatch" {
                         "size mismatch (R3): these ops are matched (same channel, same position) but disagree on their size"
+                    } else if e.kind == "type-mismatch" {
+                        "type mismatch (R3): these ops are matched (same channel, same position) but disagree on their element type"
                     } else {
                         "grouped on one side only (R8): these ops are matched, but only one of them is in a group"
                     };

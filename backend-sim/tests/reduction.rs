@@ -54,7 +54,7 @@ fn steps_of_different_ranks_commute_and_do_not_disable_each_other() {
             if !seen.insert(fingerprint(&m)) {
                 continue;
             }
-            let threads: Vec<_> = runnable(&m).collect();
+            let threads: Vec<_> = runnable(&c, &m);
             for &a in &threads {
                 for &b in &threads {
                     let (ra, rb) = (

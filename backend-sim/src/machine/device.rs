@@ -176,6 +176,12 @@ impl Machine {
                 if !send.buffered {
                     self.set_status(send.op, OpStatus::Done);
                 }
+                if let Some(d) = self.deliveries.as_mut() {
+                    d.push(super::Delivery::Delivered {
+                        send: send.op,
+                        recv: recv.op,
+                    });
+                }
                 let ch = self.state.channels.get_mut(&key).expect("channel exists");
                 ch.sends.pop_front();
                 ch.recvs.pop_front();
@@ -207,6 +213,9 @@ impl Machine {
             }
             for (i, op) in buffer {
                 self.set_status(op, OpStatus::Done);
+                if let Some(d) = self.deliveries.as_mut() {
+                    d.push(super::Delivery::Buffered { send: op });
+                }
                 let ch = self.state.channels.get_mut(&key).expect("channel exists");
                 ch.sends[i].buffered = true;
                 changed = true;

@@ -29,11 +29,12 @@ pub mod waitfor;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use duplex::Model;
+use duplex::{DType, Model};
 use duplex::schedule::Dir;
 
-pub use view::{OpView, describe_origin};
-pub use waitfor::{Future, Stuck};
+pub use duplex::report::{OpInfo, Stuck};
+pub use view::describe_origin;
+pub use waitfor::{Threads, Unknown};
 
 /// A rank number.
 pub type Rank = u32;
@@ -247,6 +248,8 @@ pub struct OpSpec {
     pub peer: Rank,
     /// Bytes.
     pub bytes: u64,
+    /// Element type (R3 matches it too; schedule files move `u8`).
+    pub dtype: DType,
     /// The communicator.
     pub comm: CommId,
     /// The stream (of the calling rank).
@@ -304,13 +307,20 @@ pub enum HostCall {
         /// Where.
         origin: Origin,
     },
-    /// Block until a message with this tag from this rank has arrived, and
-    /// consume it.
+    /// Take a message with this tag from this rank; enabled only once one
+    /// has arrived ([`Machine::enabled`]).
     Await {
         /// Sending rank.
         from: Rank,
         /// Tag.
         tag: TagId,
+        /// Where.
+        origin: Origin,
+    },
+    /// Block until another host thread of the rank has finished.
+    Join {
+        /// The thread.
+        thread: ThreadId,
         /// Where.
         origin: Origin,
     },
@@ -369,26 +379,34 @@ pub enum ProgramError {
     #[error("size mismatch (R3): {send} is matched with {recv}")]
     SizeMismatch {
         /// The send.
-        send: Box<OpView>,
+        send: Box<OpInfo>,
         /// The recv.
-        recv: Box<OpView>,
+        recv: Box<OpInfo>,
+    },
+    /// R3: the k-th send and the k-th recv of a channel disagree on type.
+    #[error("type mismatch (R3): {send} is matched with {recv}")]
+    TypeMismatch {
+        /// The send.
+        send: Box<OpInfo>,
+        /// The recv.
+        recv: Box<OpInfo>,
     },
     /// R8: a send and its recv where only one side is in a group.
     #[error("grouped on one side only (R8): {send} is matched with {recv}")]
     GroupMismatch {
         /// The send.
-        send: Box<OpView>,
+        send: Box<OpInfo>,
         /// The recv.
-        recv: Box<OpView>,
+        recv: Box<OpInfo>,
     },
     /// A send completed into the channel's buffer but no recv ever took it.
     #[error("message never received: {send}")]
     NeverReceived {
         /// The send.
-        send: Box<OpView>,
+        send: Box<OpInfo>,
     },
     /// A call that cannot be made at all (a peer outside the communicator, a
-    /// stream of another rank, ...).
+    /// stream of another rank, ...). Nothing was changed.
     #[error("invalid call at {place}: {message}")]
     Invalid {
         /// Where.
@@ -396,6 +414,43 @@ pub enum ProgramError {
         /// What is wrong.
         message: String,
     },
+}
+
+impl ProgramError {
+    /// A short name of the kind of error.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProgramError::SizeMismatch { .. } => "size-mismatch",
+            ProgramError::TypeMismatch { .. } => "type-mismatch",
+            ProgramError::GroupMismatch { .. } => "group-mismatch",
+            ProgramError::NeverReceived { .. } => "never-received",
+            ProgramError::Invalid { .. } => "invalid",
+        }
+    }
+
+    /// The ops involved.
+    pub fn ops(&self) -> Vec<OpInfo> {
+        match self {
+            ProgramError::SizeMismatch { send, recv }
+            | ProgramError::TypeMismatch { send, recv }
+            | ProgramError::GroupMismatch { send, recv } => vec![(**send).clone(), (**recv).clone()],
+            ProgramError::NeverReceived { send } => vec![(**send).clone()],
+            ProgramError::Invalid { .. } => vec![],
+        }
+    }
+}
+
+impl From<ProgramError> for duplex::Error {
+    fn from(e: ProgramError) -> Self {
+        match e {
+            ProgramError::Invalid { place, message } => duplex::Error::Invalid { at: place, message },
+            other => duplex::Error::Program {
+                kind: other.kind(),
+                message: other.to_string(),
+                ops: other.ops(),
+            },
+        }
+    }
 }
 
 /// Where a host thread is.
@@ -418,12 +473,6 @@ enum Wait {
     Streams {
         targets: Vec<(StreamId, u32)>,
         origin: Option<Origin>,
-    },
-    /// A message from `from` with `tag` is available (consumed by the next step).
-    Token {
-        from: Rank,
-        tag: TagId,
-        origin: Origin,
     },
     /// Handshakes with these (comm, peer) pairs have completed.
     Connect {
@@ -500,6 +549,7 @@ type ChannelKey = (CommId, Rank, Rank);
 struct Slot {
     op: OpRef,
     bytes: u64,
+    dtype: DType,
     grouped: bool,
     origin: Origin,
     stream: StreamId,
@@ -542,11 +592,33 @@ pub struct State {
     marks: BTreeSet<(CommId, Rank, Rank)>,
 }
 
+/// A message movement, reported to drivers that move real bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// A send completed into its channel's buffer (R5): its bytes must be
+    /// taken now, the sender may overwrite them.
+    Buffered {
+        /// The send.
+        send: OpRef,
+    },
+    /// A recv completed with the bytes of this send (taken earlier if the send
+    /// was buffered).
+    Delivered {
+        /// The send.
+        send: OpRef,
+        /// The recv.
+        recv: OpRef,
+    },
+}
+
 /// The state machine: a [`Setup`] and a [`State`].
 #[derive(Clone, Debug)]
 pub struct Machine {
     setup: Arc<Setup>,
     state: State,
+    /// Message movements since the last [`Machine::take_deliveries`], when
+    /// recording is on (not part of the state).
+    deliveries: Option<Vec<Delivery>>,
 }
 
 impl Machine {
@@ -562,9 +634,37 @@ impl Machine {
             mail: BTreeMap::new(),
             marks: BTreeSet::new(),
         };
-        let mut m = Machine { setup, state };
+        let mut m = Machine {
+            setup,
+            state,
+            deliveries: None,
+        };
         m.sync_setup();
         m
+    }
+
+    /// Starts recording [`Delivery`] events.
+    pub fn record_deliveries(&mut self) {
+        self.deliveries.get_or_insert_with(Vec::new);
+    }
+
+    /// The deliveries since the last call, in the order they happened.
+    pub fn take_deliveries(&mut self) -> Vec<Delivery> {
+        self.deliveries.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// True once op `op` has completed (or was never issued by a live launch).
+    pub fn op_done(&self, op: OpRef) -> bool {
+        self.state
+            .launches
+            .get(&op.launch)
+            .is_none_or(|l| l.ops[op.index as usize].status == OpStatus::Done)
+    }
+
+    /// Describes a live op (for data-race reports).
+    pub fn describe_op(&self, op: OpRef) -> Option<OpInfo> {
+        let launch = self.state.launches.get(&op.launch)?;
+        (usize::from(op.index) < launch.ops.len()).then(|| self.op_view(op.launch, op.index as usize))
     }
 
     /// The setup.
@@ -623,23 +723,6 @@ impl Machine {
         matches!(self.state.threads[t.ix()].phase, Phase::Connecting { .. })
     }
 
-    /// Whether the state can move, has finished, or is stuck.
-    pub fn status(&self) -> Status {
-        let mut finished = true;
-        for t in 0..self.state.threads.len() {
-            match self.next(ThreadId(t as u32)) {
-                Next::Call | Next::Resume => return Status::Running,
-                Next::Blocked => finished = false,
-                Next::Finished => {}
-            }
-        }
-        if finished {
-            Status::Finished
-        } else {
-            Status::Stuck
-        }
-    }
-
     /// The error a finished program still has: a message sent into a
     /// channel's buffer (R5) that no recv took.
     pub fn leftover(&self) -> Option<ProgramError> {
@@ -660,11 +743,6 @@ impl Machine {
             Wait::Streams { targets, .. } => targets
                 .iter()
                 .all(|(s, n)| self.state.streams[s.ix()].base >= *n),
-            Wait::Token { from, tag, .. } => self
-                .state
-                .mail
-                .get(&(*from, self.rank_of(t), *tag))
-                .is_some_and(|n| *n > 0),
             Wait::Connect { pairs } => {
                 let rank = self.rank_of(t);
                 pairs
@@ -674,27 +752,62 @@ impl Machine {
         }
     }
 
-    /// Performs thread `t`'s next call. Requires [`Machine::next`] to be
-    /// [`Next::Call`]. After an error the machine must not be stepped again.
+    /// Whether thread `t` can make `call` now: it is between calls and, for
+    /// `await`, a matching message has arrived; for `join`, the joined thread
+    /// has finished.
+    pub fn enabled(&self, t: ThreadId, call: &HostCall) -> bool {
+        if self.next(t) != Next::Call {
+            return false;
+        }
+        match call {
+            HostCall::Await { from, tag, .. } => self
+                .state
+                .mail
+                .get(&(*from, self.rank_of(t), *tag))
+                .is_some_and(|n| *n > 0),
+            HostCall::Join { thread, .. } => {
+                self.state.threads.get(thread.ix()).is_some() && self.next(*thread) == Next::Finished
+            }
+            _ => true,
+        }
+    }
+
+    /// Checks a call without changing anything: an invalid call (a rank that
+    /// does not exist, a peer outside the communicator, a stream or event of
+    /// another rank) is refused and the machine stays usable.
+    pub fn check_call(&self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
+        let rank = self.rank_of(t);
+        match call {
+            HostCall::Launch(spec) => self.validate(rank, spec),
+            HostCall::Record { event, stream, origin } | HostCall::Wait { event, stream, origin } => {
+                self.check_stream(rank, *stream, *origin)?;
+                self.check_event(rank, *event, *origin)
+            }
+            HostCall::Sync { stream: Some(s), origin } => self.check_stream(rank, *s, *origin),
+            HostCall::Sync { stream: None, .. } | HostCall::End => Ok(()),
+            HostCall::Notify { to: r, origin, .. } | HostCall::Await { from: r, origin, .. } => {
+                self.check_rank(*r, *origin)
+            }
+            HostCall::Join { thread, origin } => match self.setup.threads.get(thread.ix()) {
+                Some(info) if info.rank == rank && *thread != t => Ok(()),
+                _ => Err(self.invalid(*origin, format!("thread #{} is not another thread of rank {rank}", thread.0))),
+            },
+        }
+    }
+
+    /// Performs thread `t`'s next call, which must be [`Machine::enabled`].
+    /// An invalid call ([`Machine::check_call`]) changes nothing. After any
+    /// other error (a mismatch found when the op joined its channel) the
+    /// machine must not be stepped again.
     pub fn apply(&mut self, t: ThreadId, call: HostCall) -> Result<(), ProgramError> {
-        debug_assert_eq!(self.next(t), Next::Call);
+        debug_assert!(self.enabled(t, &call));
+        self.check_call(t, &call)?;
         let rank = self.rank_of(t);
         let th = &mut self.state.threads[t.ix()];
-        if let Wait::Token { from, tag, .. } = th.wait {
-            let key = (from, rank, tag);
-            if let Some(n) = self.state.mail.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.state.mail.remove(&key);
-                }
-            }
-        }
-        th.wait = Wait::None;
         let seq = th.calls;
         th.calls += 1;
         match call {
             HostCall::Launch(spec) => {
-                self.validate(rank, &spec)?;
                 let pairs = self.handshakes(rank, &spec);
                 if pairs.is_empty() {
                     self.enqueue(t, seq, spec)?;
@@ -704,48 +817,38 @@ impl Machine {
                     th.wait = Wait::Connect { pairs };
                 }
             }
-            HostCall::Record {
-                event,
-                stream,
-                origin,
-            } => {
-                self.check_stream(rank, stream, origin)?;
-                self.check_event(rank, event, origin)?;
+            HostCall::Record { event, stream, .. } => {
                 let s = &mut self.state.streams[stream.ix()];
                 let index = s.issued();
                 s.queue.push_back(Entry::Record);
                 self.state.events[event.ix()] = Some((stream, index));
             }
-            HostCall::Wait {
-                event,
-                stream,
-                origin,
-            } => {
-                self.check_stream(rank, stream, origin)?;
-                self.check_event(rank, event, origin)?;
+            HostCall::Wait { event, stream, origin } => {
                 let target = self.state.events[event.ix()];
                 self.state.streams[stream.ix()]
                     .queue
                     .push_back(Entry::WaitEvent(target, origin));
             }
             HostCall::Sync { stream, origin } => {
-                if let Some(s) = stream {
-                    self.check_stream(rank, s, origin)?;
-                }
                 let targets = self.drain_targets(rank, stream);
                 self.state.threads[t.ix()].wait = Wait::Streams {
                     targets,
                     origin: Some(origin),
                 };
             }
-            HostCall::Notify { to, tag, origin } => {
-                self.check_rank(to, origin)?;
+            HostCall::Notify { to, tag, .. } => {
                 *self.state.mail.entry((rank, to, tag)).or_insert(0) += 1;
             }
-            HostCall::Await { from, tag, origin } => {
-                self.check_rank(from, origin)?;
-                self.state.threads[t.ix()].wait = Wait::Token { from, tag, origin };
+            HostCall::Await { from, tag, .. } => {
+                let key = (from, rank, tag);
+                if let Some(n) = self.state.mail.get_mut(&key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.state.mail.remove(&key);
+                    }
+                }
             }
+            HostCall::Join { .. } => {}
             HostCall::End => {
                 let targets = self.drain_targets(rank, None);
                 let th = &mut self.state.threads[t.ix()];
@@ -909,6 +1012,7 @@ impl Machine {
                     index: i as u16,
                 },
                 bytes: o.bytes,
+                dtype: o.dtype,
                 grouped: spec.grouped,
                 origin: spec.origin,
                 stream: o.stream,
@@ -923,10 +1027,13 @@ impl Machine {
             let partner = theirs.get(position).copied();
             mine.push_back(slot);
             if let Some(partner) = partner
-                && (partner.bytes != o.bytes || partner.grouped != spec.grouped)
+                && (partner.bytes != o.bytes
+                    || partner.dtype != o.dtype
+                    || partner.grouped != spec.grouped)
             {
                 let delivered = ch.delivered;
-                let this = self.slot_view(key, o.dir, &slot, delivered);
+                let mut this = self.slot_view(key, o.dir, &slot, delivered);
+                this.state = "just issued";
                 let other_dir = if o.dir == Dir::Send {
                     Dir::Recv
                 } else {
@@ -941,6 +1048,8 @@ impl Machine {
                 let (send, recv) = (Box::new(send), Box::new(recv));
                 return Err(if partner.bytes != o.bytes {
                     ProgramError::SizeMismatch { send, recv }
+                } else if partner.dtype != o.dtype {
+                    ProgramError::TypeMismatch { send, recv }
                 } else {
                     ProgramError::GroupMismatch { send, recv }
                 });

@@ -1,73 +1,10 @@
 //! Descriptions of ops for errors and reports: every field a user needs to
 //! find the op in their program.
 
-use std::fmt;
-
-use duplex::Size;
+use duplex::report::OpInfo;
 use duplex::schedule::Dir;
 
 use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
-
-/// One point-to-point op as a report shows it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct OpView {
-    /// The rank that issued it.
-    pub rank: u32,
-    /// The issuing host thread.
-    pub thread: String,
-    /// `send` or `recv`.
-    pub op: Dir,
-    /// The other rank.
-    pub peer: u32,
-    /// Bytes.
-    pub bytes: u64,
-    /// The communicator.
-    pub comm: String,
-    /// The stream.
-    pub stream: String,
-    /// Its position in its channel's FIFO: it is message `#fifo` (from 0)
-    /// from `src` to `dst` on `comm`.
-    pub fifo: u32,
-    /// `not started`, `started`, `buffered` (completed into the channel's
-    /// buffer, R5) or `done`.
-    pub state: &'static str,
-    /// Issued inside a group.
-    pub grouped: bool,
-    /// The statement or call that issued it.
-    pub call: String,
-    /// Where that is (`line 4`, `src/main.rs:12:5`).
-    pub at: String,
-    /// The schedule line, when there is one.
-    pub line: Option<u32>,
-}
-
-impl fmt::Display for OpView {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let arrow = match self.op {
-            Dir::Send => "→",
-            Dir::Recv => "←",
-        };
-        let (src, dst) = match self.op {
-            Dir::Send => (self.rank, self.peer),
-            Dir::Recv => (self.peer, self.rank),
-        };
-        write!(
-            f,
-            "rank {} {}: {} {arrow} {} {} ({}{}) [stream {}, comm {}, message #{} of {src}→{dst}, {}]",
-            self.rank,
-            self.thread,
-            self.op.name(),
-            self.peer,
-            Size(self.bytes),
-            self.at,
-            if self.grouped { ", in a group" } else { "" },
-            self.stream,
-            self.comm,
-            self.fifo,
-            self.state
-        )
-    }
-}
 
 /// `line 4` or a source location, for a call's origin.
 pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
@@ -79,7 +16,7 @@ pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
 
 impl Machine {
     /// The view of op `index` of a live launch.
-    pub(super) fn op_view(&self, lref: LaunchRef, index: usize) -> OpView {
+    pub(super) fn op_view(&self, lref: LaunchRef, index: usize) -> OpInfo {
         let launch = &self.state.launches[&lref];
         let op = &launch.ops[index];
         let state = match (op.status, launch.started) {
@@ -93,6 +30,7 @@ impl Machine {
             op.spec.dir,
             op.spec.peer,
             op.spec.bytes,
+            op.spec.dtype,
             op.spec.comm,
             op.spec.stream,
             op.fifo,
@@ -110,7 +48,7 @@ impl Machine {
         dir: Dir,
         slot: &Slot,
         delivered: u32,
-    ) -> OpView {
+    ) -> OpInfo {
         let ch = &self.state.channels.get(&key);
         let list = ch.map(|c| match dir {
             Dir::Send => &c.sends,
@@ -135,6 +73,7 @@ impl Machine {
             dir,
             peer,
             slot.bytes,
+            slot.dtype,
             key.0,
             slot.stream,
             delivered + pos,
@@ -151,22 +90,24 @@ impl Machine {
         dir: Dir,
         peer: u32,
         bytes: u64,
+        dtype: duplex::DType,
         comm: super::CommId,
         stream: super::StreamId,
         fifo: u32,
         state: &'static str,
         grouped: bool,
         origin: Origin,
-    ) -> OpView {
+    ) -> OpInfo {
         let s = &self.setup;
         let thread = &s.threads[lref.thread.ix()];
         let o = s.origins.get(origin.ix());
-        OpView {
+        OpInfo {
             rank: thread.rank,
             thread: thread.name.clone(),
             op: dir,
             peer,
             bytes,
+            dtype,
             comm: s.comms[comm.ix()].name.clone(),
             stream: s.streams[stream.ix()].name.clone(),
             fifo,

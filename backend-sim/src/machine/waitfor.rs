@@ -4,94 +4,57 @@
 //!
 //! Nodes are host threads, launches (an op or a group), and `wait` entries at
 //! the head of a stream. Every edge names the rule that makes its source wait.
-//! What a blocked thread may still do is not in the state; a [`Future`] says
-//! it (the checker knows each thread's remaining statements, the simulated
-//! transport does not and assumes any unfinished thread may do anything).
+//! What a host thread will do next, and may do later, is not in the state;
+//! [`Threads`] says it (the checker knows each thread's remaining statements;
+//! the simulated transport knows each thread's pending call and assumes any
+//! unfinished thread may do anything later).
 
 use std::collections::BTreeMap;
-use std::fmt;
+
+use duplex::report::{BlockedCall, Link, Stuck};
 
 use duplex::Size;
 use duplex::schedule::Dir;
 
 use super::{
-    ChannelKey, CommId, Entry, LaunchRef, Machine, OpStatus, Phase, Rank, StreamId, TagId,
-    ThreadId, Wait,
+    ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Status,
+    StreamId, TagId, ThreadId, Wait,
 };
 
-/// What host threads may still do, beyond what the state shows.
-pub trait Future {
+/// What host threads do, beyond what the state shows.
+pub trait Threads {
+    /// The call thread `t` makes next, when it is between calls and that is
+    /// known (a thread parked at an `await` or a `join` that is not enabled).
+    fn next_call(&self, m: &Machine, t: ThreadId) -> Option<HostCall>;
     /// Whether thread `t` may still issue a point-to-point op on `comm` whose
     /// direction (seen from `t`) is `dir` and whose peer is `peer`; `None`
     /// for `dir` means either direction.
-    fn may_issue(
-        &self,
-        m: &Machine,
-        t: ThreadId,
-        comm: CommId,
-        dir: Option<Dir>,
-        peer: Rank,
-    ) -> bool;
+    fn may_issue(&self, m: &Machine, t: ThreadId, comm: CommId, dir: Option<Dir>, peer: Rank) -> bool;
     /// Whether thread `t` may still `notify` rank `to` with `tag`.
     fn may_notify(&self, m: &Machine, t: ThreadId, to: Rank, tag: TagId) -> bool;
 }
 
-/// A [`Future`] that knows nothing: any thread that has not ended may still
-/// do anything.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Unknown;
+/// [`Threads`] that knows only each thread's next call: any thread that has
+/// not ended may do anything later.
+#[derive(Clone, Copy)]
+pub struct Unknown<'a>(pub &'a dyn Fn(ThreadId) -> Option<HostCall>);
 
-impl Future for Unknown {
+impl std::fmt::Debug for Unknown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Unknown")
+    }
+}
+
+impl Threads for Unknown<'_> {
+    fn next_call(&self, _: &Machine, t: ThreadId) -> Option<HostCall> {
+        (self.0)(t)
+    }
     fn may_issue(&self, m: &Machine, t: ThreadId, _: CommId, _: Option<Dir>, _: Rank) -> bool {
         !m.ended(t)
     }
     fn may_notify(&self, m: &Machine, t: ThreadId, _: Rank, _: TagId) -> bool {
         !m.ended(t)
     }
-}
-
-/// A host call that cannot return.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct BlockedCall {
-    /// The rank.
-    pub rank: Rank,
-    /// The thread.
-    pub thread: String,
-    /// The call (`sync`, `await 1 meta`, `end of thread`, ...).
-    pub call: String,
-    /// Where it was made.
-    pub at: String,
-    /// The schedule line, when there is one.
-    pub line: Option<u32>,
-    /// What it waits for.
-    pub waits_for: String,
-}
-
-/// One step of a wait-for chain: `node` waits, by `rule`, for what
-/// `waits_for` says (the next link's node, in a cycle).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct Link {
-    /// The waiting host call or device op.
-    pub node: String,
-    /// The rule that makes it wait (`R1` … `R10`, `sync`, `await`).
-    pub rule: &'static str,
-    /// What it waits for.
-    pub waits_for: String,
-}
-
-/// The explanation of a stuck state.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct Stuck {
-    /// The wait-for cycle; each link waits for the next, the last for the
-    /// first. Empty when the hang has no cycle.
-    pub cycle: Vec<Link>,
-    /// Waits whose partner no thread will ever provide (an op whose partner
-    /// is never issued, a message never sent).
-    pub missing: Vec<Link>,
-    /// Every host call that cannot return.
-    pub blocked: Vec<BlockedCall>,
-    /// Every issued device op that has not completed.
-    pub ops: Vec<super::OpView>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -112,7 +75,7 @@ struct Edge {
 
 struct Graph<'m> {
     m: &'m Machine,
-    future: &'m dyn Future,
+    threads: &'m dyn Threads,
     edges: BTreeMap<Node, Vec<Edge>>,
     missing: Vec<String>,
 }
@@ -123,11 +86,42 @@ impl Machine {
         matches!(self.state.threads[t.ix()].phase, Phase::Ended)
     }
 
+    /// The threads that can take a step: finish a handshake, or make their
+    /// next call (which `threads` knows).
+    pub fn runnable(&self, threads: &dyn Threads) -> Vec<ThreadId> {
+        (0..self.state.threads.len())
+            .map(|i| ThreadId(i as u32))
+            .filter(|t| match self.next(*t) {
+                Next::Resume => true,
+                Next::Call => threads.next_call(self, *t).is_some_and(|c| self.enabled(*t, &c)),
+                Next::Blocked | Next::Finished => false,
+            })
+            .collect()
+    }
+
+    /// Whether the state can move, has finished, or is stuck.
+    pub fn status(&self, threads: &dyn Threads) -> Status {
+        if !self.runnable(threads).is_empty() {
+            return Status::Running;
+        }
+        let finished = (0..self.state.threads.len()).all(|i| self.next(ThreadId(i as u32)) == Next::Finished);
+        if finished { Status::Finished } else { Status::Stuck }
+    }
+
+    /// True when thread `t` cannot step now and has not finished.
+    fn is_blocked(&self, threads: &dyn Threads, t: ThreadId) -> bool {
+        match self.next(t) {
+            Next::Blocked => true,
+            Next::Call => !threads.next_call(self, t).is_some_and(|c| self.enabled(t, &c)),
+            Next::Resume | Next::Finished => false,
+        }
+    }
+
     /// Explains a stuck state (see [`Machine::status`]).
-    pub fn stuck(&self, future: &dyn Future) -> Stuck {
+    pub fn stuck(&self, threads: &dyn Threads) -> Stuck {
         let mut g = Graph {
             m: self,
-            future,
+            threads,
             edges: BTreeMap::new(),
             missing: Vec::new(),
         };
@@ -147,7 +141,7 @@ impl Machine {
         }
         let blocked = (0..self.state.threads.len())
             .map(|i| ThreadId(i as u32))
-            .filter(|t| self.next(*t) == super::Next::Blocked)
+            .filter(|t| self.is_blocked(threads, *t))
             .map(|t| g.blocked_call(t))
             .collect();
         let ops = self
@@ -215,7 +209,7 @@ impl Graph<'_> {
                     }),
                     _ => false,
                 };
-                pending || (!m.ended(*t) && self.future.may_issue(m, *t, comm, dir, peer))
+                pending || (!m.ended(*t) && self.threads.may_issue(m, *t, comm, dir, peer))
             })
             .collect()
     }
@@ -224,7 +218,7 @@ impl Graph<'_> {
         let m = self.m;
         for i in 0..m.state.threads.len() {
             let t = ThreadId(i as u32);
-            if m.next(t) == super::Next::Blocked {
+            if m.is_blocked(self.threads, t) {
                 self.thread_edges(t);
             }
         }
@@ -249,6 +243,18 @@ impl Graph<'_> {
     fn thread_edges(&mut self, t: ThreadId) {
         let m = self.m;
         let rank = m.rank_of(t);
+        if m.next(t) == Next::Call {
+            match self.threads.next_call(m, t) {
+                Some(HostCall::Await { from, tag, .. }) => self.await_edges(t, rank, from, tag),
+                Some(HostCall::Join { thread, .. }) => {
+                    let info = &m.setup.threads[thread.ix()];
+                    let why = format!("waits for thread {} of rank {} to finish", info.name, info.rank);
+                    self.add(Node::Thread(t), Node::Thread(thread), "join", why);
+                }
+                _ => {}
+            }
+            return;
+        }
         match &m.state.threads[t.ix()].wait {
             Wait::None => {}
             Wait::Streams { targets, origin } => {
@@ -261,25 +267,6 @@ impl Graph<'_> {
                         let why = format!("waits for {} to drain", m.stream_name(*s));
                         self.add(Node::Thread(t), head, rule, why);
                     }
-                }
-            }
-            Wait::Token { from, tag, .. } => {
-                let tag_name = &m.setup.tags[tag.ix()];
-                let senders: Vec<ThreadId> = m
-                    .setup
-                    .threads_of(*from)
-                    .filter(|u| !m.ended(*u) && self.future.may_notify(m, *u, rank, *tag))
-                    .collect();
-                let why = format!("waits for `notify {rank} {tag_name}` from rank {from}");
-                if senders.is_empty() {
-                    self.add_missing(
-                        Node::Thread(t),
-                        "await",
-                        format!("no thread of rank {from} will ever `notify {rank} {tag_name}`"),
-                    );
-                }
-                for u in senders {
-                    self.add(Node::Thread(t), Node::Thread(u), "await", why.clone());
                 }
             }
             Wait::Connect { pairs } => {
@@ -304,6 +291,27 @@ impl Graph<'_> {
                     }
                 }
             }
+        }
+    }
+
+    fn await_edges(&mut self, t: ThreadId, rank: Rank, from: Rank, tag: TagId) {
+        let m = self.m;
+        let tag_name = &m.setup.tags[tag.ix()];
+        let senders: Vec<ThreadId> = m
+            .setup
+            .threads_of(from)
+            .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, rank, tag))
+            .collect();
+        let why = format!("waits for `notify {rank} {tag_name}` from rank {from}");
+        if senders.is_empty() {
+            self.add_missing(
+                Node::Thread(t),
+                "await",
+                format!("no thread of rank {from} will ever `notify {rank} {tag_name}`"),
+            );
+        }
+        for u in senders {
+            self.add(Node::Thread(t), Node::Thread(u), "await", why.clone());
         }
     }
 
@@ -575,10 +583,15 @@ impl Graph<'_> {
         let m = self.m;
         let info = &m.setup.threads[t.ix()];
         let th = &m.state.threads[t.ix()];
-        let origin = match (&th.phase, &th.wait) {
-            (Phase::Connecting { spec, .. }, _) => Some(spec.origin),
-            (_, Wait::Streams { origin, .. }) => *origin,
-            (_, Wait::Token { origin, .. }) => Some(*origin),
+        let pending = if m.next(t) == Next::Call {
+            self.threads.next_call(m, t)
+        } else {
+            None
+        };
+        let origin = match (&th.phase, &th.wait, pending) {
+            (_, _, Some(HostCall::Await { origin, .. })) | (_, _, Some(HostCall::Join { origin, .. })) => Some(origin),
+            (Phase::Connecting { spec, .. }, _, _) => Some(spec.origin),
+            (_, Wait::Streams { origin, .. }, _) => *origin,
             _ => None,
         };
         let (call, at, line) = match origin.and_then(|o| m.setup.origins.get(o.ix())) {
@@ -606,47 +619,3 @@ impl Graph<'_> {
     }
 }
 
-impl fmt::Display for Stuck {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if !self.cycle.is_empty() {
-            writeln!(
-                f,
-                "wait-for cycle ({} links; each waits for the next, the last for the first):",
-                self.cycle.len()
-            )?;
-            for (i, l) in self.cycle.iter().enumerate() {
-                writeln!(f, "  {}. {}", i + 1, l.node)?;
-                writeln!(f, "       {}: {}", l.rule, l.waits_for)?;
-            }
-        }
-        if !self.missing.is_empty() {
-            writeln!(f, "waits that nothing will ever satisfy:")?;
-            for l in &self.missing {
-                writeln!(f, "  - {}", l.node)?;
-                writeln!(f, "       {}: {}", l.rule, l.waits_for)?;
-            }
-        }
-        if self.cycle.is_empty() && self.missing.is_empty() {
-            writeln!(
-                f,
-                "no wait-for cycle was found (this is a bug in duplex's analysis; please report it)"
-            )?;
-        }
-        writeln!(f, "blocked host calls:")?;
-        for b in &self.blocked {
-            writeln!(
-                f,
-                "  rank {} {}: `{}` ({}) {}",
-                b.rank, b.thread, b.call, b.at, b.waits_for
-            )?;
-        }
-        writeln!(f, "device ops issued and not completed:")?;
-        if self.ops.is_empty() {
-            writeln!(f, "  (none)")?;
-        }
-        for o in &self.ops {
-            writeln!(f, "  {o}")?;
-        }
-        Ok(())
-    }
-}

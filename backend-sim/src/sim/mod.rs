@@ -1,0 +1,428 @@
+//! The simulated transport: user rank code, written against
+//! [`duplex::Transport`], runs on real threads on the CPU, driven through the
+//! state machine of [`crate::machine`] by a deterministic scheduler.
+//!
+//! ```
+//! use duplex::{Policy, Transport};
+//! use duplex_sim::Sim;
+//!
+//! // Two ranks each send, then receive: the seed's hang.
+//! let seed = |t: &duplex_sim::SimRank| -> duplex::Result<()> {
+//!     let peer = 1 - t.rank();
+//!     let out = t.alloc::<f32>(1024)?;
+//!     let mut inb = t.alloc::<f32>(1024)?;
+//!     t.send(&out, peer)?;
+//!     t.recv(&mut inb, peer)?;
+//!     t.synchronize()
+//! };
+//! let hang = Sim::new(2).policy(Policy::Shared).check(seed).unwrap_err();
+//! assert!(hang.to_string().contains("wait-for cycle"));
+//! Sim::new(2).policy(Policy::PerDirection).check(seed).unwrap();
+//! ```
+//!
+//! Three ways to run: [`Sim::run`] follows one seeded random schedule;
+//! [`Sim::check`] explores every interleaving that matters (depth-first, by
+//! re-execution, with the checker's reduction and state caching);
+//! [`Sim::replay`] follows a schedule string printed by a failure. A hang never
+//! hangs the test: every blocked call returns [`duplex::Error::Hang`] with
+//! the same report as `duplex check`, and the run returns a [`Failure`] that
+//! prints the schedule and the call that replays it.
+//!
+//! User code must be deterministic given what its transport calls return
+//! (as loom and shuttle require): the explorer re-executes it. Host memory
+//! that several host threads share outside the transport is not a scheduling
+//! point and is not explored.
+
+mod explore;
+mod rank;
+mod world;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+
+use duplex::{Dir, Error, Hang, Model, Policy, Rank};
+
+pub use rank::{SimBuffer, SimComm, SimEvent, SimRank, SimStream, SimThread};
+
+use crate::machine::{CommId, Machine, Setup, StreamId, ThreadId};
+use explore::{Dfs, Random, Replay, Strategy};
+use world::{Ctl, Ending, Shared, World};
+
+/// The default bound on executions of [`Sim::check`], unless
+/// `DUPLEX_MAX_EXECUTIONS` says otherwise.
+pub const DEFAULT_MAX_EXECUTIONS: usize = 20_000;
+
+/// A simulated world of ranks. Build it, then [`Sim::run`], [`Sim::check`] or
+/// [`Sim::replay`] a rank closure.
+#[derive(Clone, Debug)]
+pub struct Sim {
+    ranks: u32,
+    policy: Policy,
+    model: Model,
+    max_executions: usize,
+    reduce: bool,
+}
+
+/// What a successful run explored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// Executions run (1 for [`Sim::run`] and [`Sim::replay`]).
+    pub executions: usize,
+    /// Distinct states seen at decision points ([`Sim::check`]).
+    pub states: usize,
+    /// The schedule of the last execution.
+    pub schedule: String,
+}
+
+/// Why a simulated run failed. `Display` prints the whole report, the
+/// schedule and the call that replays it.
+#[derive(Clone, Debug)]
+pub enum Failure {
+    /// No host thread could move: the report says what is stuck and why.
+    Hang(Box<Hang>),
+    /// A program error (size or type mismatch, a send grouped on one side
+    /// only, a message never received).
+    Program {
+        /// The thread whose call found it, if any.
+        thread: Option<String>,
+        /// The error, naming the ops.
+        error: Error,
+        /// The schedule that reaches it.
+        schedule: String,
+        /// The host steps that lead there.
+        steps: Vec<String>,
+        /// How to replay it.
+        replay: String,
+    },
+    /// A rank's code returned an error or panicked.
+    Thread {
+        /// The thread.
+        thread: String,
+        /// Its error or panic message.
+        error: String,
+        /// The schedule that reaches it.
+        schedule: String,
+        /// How to replay it.
+        replay: String,
+    },
+    /// [`Sim::check`] ran out of executions before it explored everything.
+    Bound {
+        /// Executions run.
+        executions: usize,
+        /// States seen.
+        states: usize,
+    },
+    /// [`Sim::replay`] was given a schedule that does not fit the program.
+    Schedule(String),
+}
+
+impl Failure {
+    /// The hang report, if this is a hang.
+    pub fn hang(&self) -> Option<&Hang> {
+        match self {
+            Failure::Hang(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// The schedule that reproduces the failure, where there is one.
+    pub fn schedule(&self) -> Option<&str> {
+        match self {
+            Failure::Hang(h) => h.schedule.as_deref(),
+            Failure::Program { schedule, .. } | Failure::Thread { schedule, .. } => Some(schedule),
+            Failure::Bound { .. } | Failure::Schedule(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Hang(h) => write!(f, "HANG: {h}"),
+            Failure::Program {
+                thread,
+                error,
+                schedule,
+                steps,
+                replay,
+            } => {
+                writeln!(f, "PROGRAM ERROR{}: {error}", thread.as_ref().map(|t| format!(" at {t}")).unwrap_or_default())?;
+                if let Error::Program { ops, .. } = error {
+                    for o in ops {
+                        writeln!(f, "  {o}")?;
+                    }
+                }
+                writeln!(f, "interleaving that leads there ({} host steps):", steps.len())?;
+                for s in steps {
+                    writeln!(f, "  {s}")?;
+                }
+                writeln!(f, "schedule: {schedule}")?;
+                writeln!(f, "replay it with: {replay}")
+            }
+            Failure::Thread {
+                thread,
+                error,
+                schedule,
+                replay,
+            } => {
+                writeln!(f, "{thread} failed: {error}")?;
+                writeln!(f, "schedule: {schedule}")?;
+                writeln!(f, "replay it with: {replay}")
+            }
+            Failure::Bound { executions, states } => write!(
+                f,
+                "the exploration stopped after {executions} executions ({states} states) without covering every interleaving; \
+                 raise the bound with Sim::max_executions(n) or DUPLEX_MAX_EXECUTIONS=n, or make the program smaller"
+            ),
+            Failure::Schedule(m) => write!(f, "cannot replay: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// The lanes of a policy: (rank, peer, direction) → comm, stream, name.
+#[derive(Debug, Default)]
+pub(crate) struct Lanes {
+    map: HashMap<(Rank, Rank, Dir), (CommId, StreamId, String)>,
+    defaults: Vec<StreamId>,
+}
+
+impl Sim {
+    /// A world of `ranks` ranks, policy [`Policy::Shared`], the strict model.
+    pub fn new(ranks: u32) -> Sim {
+        let max_executions = std::env::var("DUPLEX_MAX_EXECUTIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_MAX_EXECUTIONS);
+        Sim {
+            ranks,
+            policy: Policy::Shared,
+            model: Model::default(),
+            max_executions,
+            reduce: true,
+        }
+    }
+
+    /// Places ops without an explicit place by `policy`.
+    pub fn policy(mut self, policy: Policy) -> Sim {
+        self.policy = policy;
+        self
+    }
+
+    /// Runs under `model` (eager capacity, lazy connection, ...).
+    pub fn model(mut self, model: Model) -> Sim {
+        self.model = model;
+        self
+    }
+
+    /// Bounds [`Sim::check`] to `n` executions.
+    pub fn max_executions(mut self, n: usize) -> Sim {
+        self.max_executions = n;
+        self
+    }
+
+    /// Explores every interleaving, without the reduction (slower; for
+    /// cross-checking).
+    pub fn without_reduction(mut self) -> Sim {
+        self.reduce = false;
+        self
+    }
+
+    /// Runs `f` on every rank once, following the random schedule of `seed`.
+    pub fn run<F>(&self, seed: u64, f: F) -> Result<Run, Failure>
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        let (ending, _, choices) = self.execute(Strategy::Random(Random::new(seed)), &f);
+        self.conclude(ending, &choices)?;
+        Ok(Run {
+            executions: 1,
+            states: 0,
+            schedule: explore::encode(&choices),
+        })
+    }
+
+    /// Runs `f` on every rank following `schedule`, a string printed by a
+    /// [`Failure`].
+    pub fn replay<F>(&self, schedule: &str, f: F) -> Result<Run, Failure>
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        let choices = explore::decode(schedule).map_err(Failure::Schedule)?;
+        let (ending, _, choices) = self.execute(Strategy::Replay(Replay::new(choices)), &f);
+        self.conclude(ending, &choices)?;
+        Ok(Run {
+            executions: 1,
+            states: 0,
+            schedule: explore::encode(&choices),
+        })
+    }
+
+    /// Runs `f` under every interleaving of the host threads that matters,
+    /// until one fails or all have been explored.
+    pub fn check<F>(&self, f: F) -> Result<Run, Failure>
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        let mut dfs = Dfs::default();
+        let mut executions = 0;
+        loop {
+            executions += 1;
+            let (ending, strategy, choices) = self.execute(Strategy::Dfs(dfs), &f);
+            let Strategy::Dfs(back) = strategy else {
+                unreachable!("the strategy comes back as it went")
+            };
+            dfs = back;
+            self.conclude(ending, &choices)?;
+            if !dfs.backtrack() {
+                return Ok(Run {
+                    executions,
+                    states: dfs.states(),
+                    schedule: explore::encode(&choices),
+                });
+            }
+            if executions >= self.max_executions {
+                return Err(Failure::Bound {
+                    executions,
+                    states: dfs.states(),
+                });
+            }
+        }
+    }
+
+    fn replay_hint(&self) -> String {
+        let policy = match self.policy {
+            Policy::Shared => "Policy::Shared",
+            Policy::PerDirection => "Policy::PerDirection",
+        };
+        let model = if self.model == Model::default() {
+            String::new()
+        } else {
+            format!(".model(/* {} */)", self.model)
+        };
+        format!("duplex_sim::Sim::new({}).policy({policy}){model}", self.ranks)
+    }
+
+    fn conclude(&self, ending: Option<Ending>, choices: &[ThreadId]) -> Result<(), Failure> {
+        let schedule = explore::encode(choices);
+        let replay = format!("{}.replay(\"{schedule}\", ...)", self.replay_hint());
+        match ending {
+            None | Some(Ending::Pruned) => Ok(()),
+            Some(Ending::Hang(h)) => Err(Failure::Hang(h)),
+            Some(Ending::Program { thread, error }) => Err(Failure::Program {
+                thread: thread.map(|t| t.0.to_string()),
+                error,
+                schedule,
+                steps: Vec::new(),
+                replay,
+            }),
+            Some(Ending::Thread { thread, error }) => Err(Failure::Thread {
+                thread: format!("thread #{}", thread.0),
+                error,
+                schedule,
+                replay,
+            }),
+            Some(Ending::Mismatch) => Err(Failure::Schedule(format!(
+                "the program took a different path than the schedule `{schedule}` records"
+            ))),
+        }
+    }
+
+    /// The setup every execution starts from: the world communicator, the
+    /// policy's lanes (created up front, so that their ids are the same in
+    /// every interleaving), a `default` stream per rank, and the main threads.
+    fn setup(&self) -> (Setup, Lanes) {
+        let mut s = Setup::new(self.ranks, self.model);
+        let cold = self.model.lazy_connect;
+        s.add_comm("world", (0..self.ranks).collect(), !cold);
+        for r in 0..self.ranks {
+            s.add_thread(r, "main");
+        }
+        let mut lanes = Lanes::default();
+        for r in 0..self.ranks {
+            lanes.defaults.push(s.add_stream(r, "default"));
+        }
+        let warm = self.policy == Policy::PerDirection || !cold;
+        let mut comms: HashMap<String, CommId> = HashMap::new();
+        let mut streams: HashMap<(Rank, String), StreamId> = HashMap::new();
+        for a in 0..self.ranks {
+            for b in 0..self.ranks {
+                for dir in [Dir::Send, Dir::Recv] {
+                    let (name, members, stream) = crate::compile::lane(self.policy, a, dir, b);
+                    let comm = *comms
+                        .entry(name.clone())
+                        .or_insert_with(|| s.add_comm(name.clone(), members, warm));
+                    let sid = *streams
+                        .entry((a, stream.clone()))
+                        .or_insert_with(|| s.add_stream(a, stream));
+                    lanes.map.insert((a, b, dir), (comm, sid, name));
+                }
+            }
+        }
+        (s, lanes)
+    }
+
+    /// One execution: returns how it ended, the strategy (for the next
+    /// execution) and the choices made.
+    fn execute<F>(&self, strategy: Strategy, f: &F) -> (Option<Ending>, Strategy, Vec<ThreadId>)
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        let (setup, lanes) = self.setup();
+        let lanes = Arc::new(lanes);
+        let mut machine = Machine::new(Arc::new(setup));
+        machine.record_deliveries();
+        let world = World {
+            machine,
+            ctl: (0..self.ranks).map(|_| Ctl::Starting).collect(),
+            running: None,
+            over: false,
+            ending: None,
+            explorer: strategy,
+            reduce: self.reduce,
+            buffers: Vec::new(),
+            op_buffers: HashMap::new(),
+            snapshots: HashMap::new(),
+            origins: HashMap::new(),
+            steps: Vec::new(),
+            choices: Vec::new(),
+            results: (0..self.ranks).map(|_| None).collect(),
+            os_threads: Vec::new(),
+            user_comms: Vec::new(),
+            comm_calls: vec![0; self.ranks as usize],
+            describe: format!("policy {}, model {}", self.policy, self.model),
+            replay_hint: self.replay_hint(),
+        };
+        let shared = Arc::new(Shared {
+            world: Mutex::new(world),
+            turn: Condvar::new(),
+        });
+        std::thread::scope(|scope| {
+            for r in 0..self.ranks {
+                let handle = SimRank::new(shared.clone(), r, ThreadId(r), self.ranks, self.policy, lanes.clone());
+                scope.spawn(move || rank::run_thread(handle, |t| f(t)));
+            }
+            let mut w = shared.lock();
+            w.schedule();
+            shared.turn.notify_all();
+        });
+        // Threads started by `spawn` may outlive the rank closures.
+        loop {
+            let handles = std::mem::take(&mut shared.lock().os_threads);
+            if handles.is_empty() {
+                break;
+            }
+            for h in handles {
+                let _ = h.join();
+            }
+        }
+        let mut w = shared.lock();
+        let strategy = std::mem::replace(&mut w.explorer, Strategy::Random(Random::new(0)));
+        let ending = w.ending.take();
+        let choices = std::mem::take(&mut w.choices);
+        (ending, strategy, choices)
+    }
+}
+

@@ -1,0 +1,560 @@
+//! [`SimRank`]: the simulator's [`Transport`], one handle per host thread.
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::panic::Location;
+use std::sync::Arc;
+
+use duplex::transport::DeviceBuffer;
+use duplex::{Dir, Element, Error, Lane, Place, Policy, Rank, Result, Transport};
+
+use super::Lanes;
+use super::world::{BufData, Ctl, Shared};
+use crate::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
+
+/// A buffer of simulated device memory (host memory; real bytes move).
+#[derive(Debug)]
+pub struct SimBuffer<E> {
+    id: usize,
+    len: usize,
+    _e: PhantomData<fn() -> E>,
+}
+
+impl<E> DeviceBuffer for SimBuffer<E> {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A simulated stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimStream {
+    id: StreamId,
+    rank: Rank,
+}
+
+/// A simulated event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimEvent {
+    id: EventId,
+    rank: Rank,
+}
+
+/// A simulated communicator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimComm {
+    id: CommId,
+}
+
+/// A host thread started by [`SimRank::spawn`](Transport::spawn).
+#[derive(Debug)]
+pub struct SimThread {
+    id: ThreadId,
+}
+
+/// One host thread's handle on a simulated rank.
+#[derive(Debug)]
+pub struct SimRank {
+    shared: Arc<Shared>,
+    rank: Rank,
+    thread: ThreadId,
+    world_size: u32,
+    policy: Policy,
+    lanes: Arc<Lanes>,
+    /// Ops collected by an open `group`, with their buffers and texts.
+    group: RefCell<Option<Vec<(OpSpec, usize, String)>>>,
+    /// Streams set by `with_stream`, innermost last.
+    scoped: RefCell<Vec<StreamId>>,
+}
+
+/// Runs `f` as thread `handle` once the scheduler starts it, then ends it.
+pub(crate) fn run_thread<F>(handle: SimRank, f: F)
+where
+    F: FnOnce(&SimRank) -> Result<()>,
+{
+    let shared = handle.shared.clone();
+    let t = handle.thread;
+    if shared.wait_turn(shared.lock(), t).is_err() {
+        // The execution ended before this thread started.
+        shared.lock().ctl[t.0 as usize] = Ctl::Done;
+        shared.turn.notify_all();
+        return;
+    }
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&handle)));
+    let result = match result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(panic) => Err(match panic.downcast_ref::<&str>() {
+            Some(s) => format!("panicked: {s}"),
+            None => match panic.downcast_ref::<String>() {
+                Some(s) => format!("panicked: {s}"),
+                None => "panicked".to_string(),
+            },
+        }),
+    };
+    shared.finish(t, result);
+}
+
+fn place_of(loc: &Location<'_>) -> String {
+    format!("{}:{}:{}", loc.file(), loc.line(), loc.column())
+}
+
+impl SimRank {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        rank: Rank,
+        thread: ThreadId,
+        world_size: u32,
+        policy: Policy,
+        lanes: Arc<Lanes>,
+    ) -> SimRank {
+        SimRank {
+            shared,
+            rank,
+            thread,
+            world_size,
+            policy,
+            lanes,
+            group: RefCell::new(None),
+            scoped: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
+        Err(Error::Invalid {
+            at: place_of(at),
+            message,
+        })
+    }
+
+    /// Makes a host call that goes through the scheduler.
+    fn call(&self, call: HostCall, bufs: Vec<usize>) -> Result<()> {
+        self.shared.call(self.thread, call, bufs)
+    }
+
+    fn origin(&self, at: &Location<'_>, text: String) -> Result<crate::machine::Origin> {
+        let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        Ok(w.origin(place_of(at), text))
+    }
+
+    /// The comm and stream of an op toward `peer`.
+    fn resolve(&self, at: &Location<'_>, what: &str, peer: Rank, dir: Dir, place: &Place<Self>) -> Result<(CommId, StreamId)> {
+        if peer >= self.world_size {
+            return Self::invalid(
+                at,
+                format!("{what}: rank {peer} does not exist (there are {} ranks)", self.world_size),
+            );
+        }
+        let Some((lane_comm, lane_stream, _)) = self.lanes.map.get(&(self.rank, peer, dir)) else {
+            return Self::invalid(at, format!("{what}: no lane toward rank {peer}"));
+        };
+        let comm = place.comm.as_ref().map(|c| c.id).unwrap_or(*lane_comm);
+        let stream = match (&place.stream, self.scoped.borrow().last()) {
+            (Some(s), _) => {
+                if s.rank != self.rank {
+                    return Self::invalid(at, format!("{what}: the stream belongs to rank {}, not rank {}", s.rank, self.rank));
+                }
+                s.id
+            }
+            (None, Some(s)) => *s,
+            (None, None) if place.comm.is_some() => self.lanes.defaults[self.rank as usize],
+            (None, None) => *lane_stream,
+        };
+        Ok((comm, stream))
+    }
+
+    fn p2p<E: Element>(&self, at: &'static Location<'static>, dir: Dir, buf: &SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+        let what = format!(
+            "{} {} x {} {} rank {peer}",
+            dir.name(),
+            buf.len,
+            E::DTYPE,
+            if dir == Dir::Send { "to" } else { "from" }
+        );
+        {
+            let w = self.shared.lock();
+            if w.over {
+                return Err(w.abort_error());
+            }
+            if w.buffers.get(buf.id).is_none_or(|b| b.rank != self.rank) {
+                return Self::invalid(at, format!("{what}: the buffer belongs to another rank"));
+            }
+        }
+        let (comm, stream) = self.resolve(at, &what, peer, dir, place)?;
+        let spec = OpSpec {
+            dir,
+            peer,
+            bytes: (buf.len * E::DTYPE.size()) as u64,
+            dtype: E::DTYPE,
+            comm,
+            stream,
+        };
+        if let Some(ops) = self.group.borrow_mut().as_mut() {
+            ops.push((spec, buf.id, what));
+            return Ok(());
+        }
+        let origin = self.origin(at, what)?;
+        self.call(
+            HostCall::Launch(LaunchSpec {
+                ops: vec![spec],
+                grouped: false,
+                origin,
+            }),
+            vec![buf.id],
+        )
+    }
+
+    fn check_stream(&self, at: &Location<'_>, s: &SimStream) -> Result<()> {
+        if s.rank == self.rank {
+            Ok(())
+        } else {
+            Self::invalid(at, format!("the stream belongs to rank {}, not rank {}", s.rank, self.rank))
+        }
+    }
+
+    fn buffer_users(&self, at: &Location<'_>, id: usize, what: &str) -> Result<()> {
+        let w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        match w.buffers.get(id) {
+            Some(b) if b.rank == self.rank => {}
+            _ => return Self::invalid(at, format!("{what}: the buffer belongs to another rank")),
+        }
+        if let Some(op) = w.users_of(id).first() {
+            let desc = w
+                .machine
+                .describe_op(*op)
+                .map(|o| o.to_string())
+                .unwrap_or_else(|| "an op".into());
+            return Err(Error::Race {
+                at: place_of(at),
+                message: format!("{what} while {desc} still uses the buffer: synchronize its stream first"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Transport for SimRank {
+    type Buffer<E: Element> = SimBuffer<E>;
+    type Stream = SimStream;
+    type Event = SimEvent;
+    type Comm = SimComm;
+    type Thread = SimThread;
+
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    fn alloc<E: Element>(&self, len: usize) -> Result<SimBuffer<E>> {
+        let mut w = self.shared.lock();
+        let bytes = len
+            .checked_mul(E::DTYPE.size())
+            .filter(|b| *b <= 1 << 34)
+            .ok_or_else(|| Error::Invalid {
+                at: place_of(Location::caller()),
+                message: format!("alloc of {len} x {}: too large for the simulator (16 GiB at most)", E::DTYPE),
+            })?;
+        w.buffers.push(BufData {
+            rank: self.rank,
+            bytes: vec![0; bytes],
+        });
+        Ok(SimBuffer {
+            id: w.buffers.len() - 1,
+            len,
+            _e: PhantomData,
+        })
+    }
+
+    #[track_caller]
+    fn write<E: Element>(&self, buf: &mut SimBuffer<E>, data: &[E]) -> Result<()> {
+        let at = Location::caller();
+        if data.len() != buf.len {
+            return Self::invalid(at, format!("write of {} elements into a buffer of {}", data.len(), buf.len));
+        }
+        self.buffer_users(at, buf.id, "write")?;
+        let mut bytes = Vec::with_capacity(buf.len * E::DTYPE.size());
+        for x in data {
+            x.to_le(&mut bytes);
+        }
+        self.shared.lock().buffers[buf.id].bytes = bytes;
+        Ok(())
+    }
+
+    #[track_caller]
+    fn read<E: Element>(&self, buf: &SimBuffer<E>) -> Result<Vec<E>> {
+        let at = Location::caller();
+        self.buffer_users(at, buf.id, "read")?;
+        let w = self.shared.lock();
+        let size = E::DTYPE.size();
+        Ok(w.buffers[buf.id].bytes.chunks_exact(size).map(E::from_le).collect())
+    }
+
+    fn stream(&self, name: &str) -> Result<SimStream> {
+        let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        let id = w.machine.setup_mut().add_stream(self.rank, name);
+        w.machine.sync_setup();
+        Ok(SimStream { id, rank: self.rank })
+    }
+
+    #[track_caller]
+    fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<SimComm>> {
+        let at = Location::caller();
+        let mut sorted = members.to_vec();
+        sorted.sort();
+        sorted.dedup();
+        if sorted.len() != members.len() || members.is_empty() || members.iter().any(|r| *r >= self.world_size) {
+            return Self::invalid(
+                at,
+                format!("comm `{name}` over {members:?}: members must be distinct ranks below {}", self.world_size),
+            );
+        }
+        let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        let k = w.comm_calls[self.rank as usize];
+        w.comm_calls[self.rank as usize] += 1;
+        let id = match w.user_comms.get(k) {
+            Some((n, m, id)) if n == name && m == members => *id,
+            Some((n, m, _)) => {
+                return Self::invalid(
+                    at,
+                    format!(
+                        "comm `{name}` over {members:?} is this rank's communicator #{k}, but another rank created `{n}` over {m:?} as #{k}: every rank must create communicators in the same order"
+                    ),
+                );
+            }
+            None => {
+                let warm = !w.machine.setup().model.lazy_connect;
+                let id = w.machine.setup_mut().add_comm(name, members.to_vec(), warm);
+                w.user_comms.push((name.to_string(), members.to_vec(), id));
+                id
+            }
+        };
+        Ok(members.contains(&self.rank).then_some(SimComm { id }))
+    }
+
+    fn world(&self) -> SimComm {
+        SimComm { id: CommId(0) }
+    }
+
+    #[track_caller]
+    fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>> {
+        match self.lanes.map.get(&(self.rank, peer, dir)) {
+            Some((comm, stream, name)) => Ok(Lane {
+                name: name.clone(),
+                comm: SimComm { id: *comm },
+                stream: SimStream {
+                    id: *stream,
+                    rank: self.rank,
+                },
+            }),
+            None => Self::invalid(
+                Location::caller(),
+                format!("lane toward rank {peer}: it does not exist (there are {} ranks)", self.world_size),
+            ),
+        }
+    }
+
+    #[track_caller]
+    fn send_on<E: Element>(&self, buf: &SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+        self.p2p(Location::caller(), Dir::Send, buf, peer, place)
+    }
+
+    #[track_caller]
+    fn recv_on<E: Element>(&self, buf: &mut SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+        self.p2p(Location::caller(), Dir::Recv, buf, peer, place)
+    }
+
+    #[track_caller]
+    fn send<E: Element>(&self, buf: &SimBuffer<E>, peer: Rank) -> Result<()> {
+        self.p2p(Location::caller(), Dir::Send, buf, peer, &Place::lane())
+    }
+
+    #[track_caller]
+    fn recv<E: Element>(&self, buf: &mut SimBuffer<E>, peer: Rank) -> Result<()> {
+        self.p2p(Location::caller(), Dir::Recv, buf, peer, &Place::lane())
+    }
+
+    #[track_caller]
+    fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let at = Location::caller();
+        if self.group.borrow().is_some() {
+            return f(); // nested groups flatten, as in NCCL
+        }
+        *self.group.borrow_mut() = Some(Vec::new());
+        let result = f();
+        let ops = self.group.borrow_mut().take().unwrap_or_default();
+        let value = result?;
+        if ops.is_empty() {
+            return Ok(value);
+        }
+        let texts: Vec<&str> = ops.iter().map(|(_, _, t)| t.as_str()).collect();
+        let origin = self.origin(at, format!("group {{ {} }}", texts.join("; ")))?;
+        let bufs = ops.iter().map(|(_, b, _)| *b).collect();
+        let specs = ops.into_iter().map(|(s, _, _)| s).collect();
+        self.call(
+            HostCall::Launch(LaunchSpec {
+                ops: specs,
+                grouped: true,
+                origin,
+            }),
+            bufs,
+        )?;
+        Ok(value)
+    }
+
+    #[track_caller]
+    fn with_stream<R>(&self, stream: &SimStream, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.check_stream(Location::caller(), stream)?;
+        self.scoped.borrow_mut().push(stream.id);
+        let result = f();
+        self.scoped.borrow_mut().pop();
+        result
+    }
+
+    fn event(&self) -> Result<SimEvent> {
+        let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        let n = w.machine.setup().events.len();
+        let id = w.machine.setup_mut().add_event(self.rank, format!("event{n}"));
+        w.machine.sync_setup();
+        Ok(SimEvent { id, rank: self.rank })
+    }
+
+    #[track_caller]
+    fn record(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
+        let at = Location::caller();
+        self.check_stream(at, stream)?;
+        if event.rank != self.rank {
+            return Self::invalid(at, format!("record: the event belongs to rank {}", event.rank));
+        }
+        let origin = self.origin(at, "record".into())?;
+        self.call(
+            HostCall::Record {
+                event: event.id,
+                stream: stream.id,
+                origin,
+            },
+            vec![],
+        )
+    }
+
+    #[track_caller]
+    fn wait(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
+        let at = Location::caller();
+        self.check_stream(at, stream)?;
+        if event.rank != self.rank {
+            return Self::invalid(at, format!("wait: the event belongs to rank {}", event.rank));
+        }
+        let origin = self.origin(at, "wait".into())?;
+        self.call(
+            HostCall::Wait {
+                event: event.id,
+                stream: stream.id,
+                origin,
+            },
+            vec![],
+        )
+    }
+
+    #[track_caller]
+    fn sync_stream(&self, stream: &SimStream) -> Result<()> {
+        let at = Location::caller();
+        self.check_stream(at, stream)?;
+        let origin = self.origin(at, "sync_stream".into())?;
+        self.call(
+            HostCall::Sync {
+                stream: Some(stream.id),
+                origin,
+            },
+            vec![],
+        )
+    }
+
+    #[track_caller]
+    fn synchronize(&self) -> Result<()> {
+        let origin = self.origin(Location::caller(), "synchronize".into())?;
+        self.call(HostCall::Sync { stream: None, origin }, vec![])
+    }
+
+    #[track_caller]
+    fn notify(&self, peer: Rank, tag: &str) -> Result<()> {
+        let at = Location::caller();
+        if peer >= self.world_size {
+            return Self::invalid(at, format!("notify rank {peer}: it does not exist"));
+        }
+        let origin = self.origin(at, format!("notify {peer} {tag}"))?;
+        let tag = self.shared.lock().machine.setup_mut().tag(tag);
+        self.call(HostCall::Notify { to: peer, tag, origin }, vec![])
+    }
+
+    #[track_caller]
+    fn await_notify(&self, peer: Rank, tag: &str) -> Result<()> {
+        let at = Location::caller();
+        if peer >= self.world_size {
+            return Self::invalid(at, format!("await_notify rank {peer}: it does not exist"));
+        }
+        let origin = self.origin(at, format!("await {peer} {tag}"))?;
+        let tag = self.shared.lock().machine.setup_mut().tag(tag);
+        self.call(HostCall::Await { from: peer, tag, origin }, vec![])
+    }
+
+    fn spawn<F>(&self, name: &str, f: F) -> Result<SimThread>
+    where
+        F: FnOnce(&Self) -> Result<()> + Send + 'static,
+    {
+        let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        let id = w.machine.setup_mut().add_thread(self.rank, name);
+        w.machine.sync_setup();
+        w.ctl.push(Ctl::Starting);
+        w.results.push(None);
+        let handle = SimRank::new(
+            self.shared.clone(),
+            self.rank,
+            id,
+            self.world_size,
+            self.policy,
+            self.lanes.clone(),
+        );
+        let os = std::thread::Builder::new()
+            .name(format!("duplex-sim rank {} {name}", self.rank))
+            .spawn(move || run_thread(handle, f))
+            .map_err(|e| Error::Aborted(format!("cannot start an OS thread: {e}")))?;
+        w.os_threads.push(os);
+        Ok(SimThread { id })
+    }
+
+    #[track_caller]
+    fn join(&self, thread: SimThread) -> Result<()> {
+        let origin = self.origin(Location::caller(), "join".into())?;
+        self.call(HostCall::Join { thread: thread.id, origin }, vec![])?;
+        let w = self.shared.lock();
+        w.results
+            .get(thread.id.0 as usize)
+            .cloned()
+            .flatten()
+            .unwrap_or(Ok(()))
+    }
+}

@@ -1,0 +1,407 @@
+//! One execution of user code on the simulator: the state machine, the host
+//! threads' control states, the buffers, and the scheduler that lets exactly
+//! one host thread run at a time.
+//!
+//! Every transport call that the rules care about is a *scheduling point*:
+//! the calling thread parks its call and the scheduler (run by whichever
+//! thread just parked) decides who moves next. User code between two calls
+//! touches only its own thread's state and runs eagerly; the only choices are
+//! which parked call is applied next, exactly as in the checker.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use duplex::report::Stuck;
+use duplex::{Error, Hang, Rank};
+
+use super::explore::{Choice, Explorer, Strategy, encode};
+use crate::check::fingerprint;
+use crate::machine::{
+    Delivery, HostCall, Machine, Next, OpRef, OriginInfo, Origin, Status, ThreadId,
+    Unknown,
+};
+
+/// What a host thread is doing.
+#[derive(Debug)]
+pub(crate) enum Ctl {
+    /// Created; runs user code up to its first call when the scheduler lets it.
+    Starting,
+    /// Running user code (only the thread named by `World::running`).
+    Running,
+    /// Waiting to make this call; the buffers its ops use.
+    Parked(HostCall, Vec<usize>),
+    /// The call was made; waits for the machine (a sync, a handshake).
+    InCall,
+    /// The call has returned this result; the thread runs when scheduled.
+    Returned(Result<(), Error>),
+    /// Past its end.
+    Done,
+}
+
+/// Bytes of a buffer.
+#[derive(Debug)]
+pub(crate) struct BufData {
+    pub(crate) rank: Rank,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// How an execution ended, if it failed.
+#[derive(Clone, Debug)]
+pub(crate) enum Ending {
+    /// No thread could move.
+    Hang(Box<Hang>),
+    /// A program error at a thread's call (`None`: found at the end).
+    Program { thread: Option<ThreadId>, error: Error },
+    /// A thread returned an error or panicked.
+    Thread { thread: ThreadId, error: String },
+    /// The explorer pruned this execution.
+    Pruned,
+    /// A replayed schedule does not fit the program.
+    Mismatch,
+}
+
+pub(crate) struct World {
+    pub(crate) machine: Machine,
+    pub(crate) ctl: Vec<Ctl>,
+    pub(crate) running: Option<ThreadId>,
+    /// Set once the execution is over: every further call fails at once.
+    pub(crate) over: bool,
+    pub(crate) ending: Option<Ending>,
+    pub(crate) explorer: Strategy,
+    pub(crate) reduce: bool,
+    pub(crate) buffers: Vec<BufData>,
+    /// Ops still to deliver, and the buffer each reads or writes.
+    pub(crate) op_buffers: HashMap<OpRef, usize>,
+    /// Bytes of sends that completed into a channel's buffer (R5).
+    pub(crate) snapshots: HashMap<OpRef, Vec<u8>>,
+    /// Interned origins.
+    pub(crate) origins: HashMap<(String, String), Origin>,
+    /// The host steps taken, described.
+    pub(crate) steps: Vec<String>,
+    /// The thread chosen at each decision point with more than one option.
+    pub(crate) choices: Vec<ThreadId>,
+    /// Each thread's result, once it has ended (for `join`).
+    pub(crate) results: Vec<Option<Result<(), Error>>>,
+    /// OS threads started by `spawn`, joined when the execution ends.
+    pub(crate) os_threads: Vec<std::thread::JoinHandle<()>>,
+    /// User communicators by creation index: name, members, id.
+    pub(crate) user_comms: Vec<(String, Vec<Rank>, crate::machine::CommId)>,
+    /// Per rank: communicators created so far.
+    pub(crate) comm_calls: Vec<usize>,
+    /// Header of hang reports and the replay hint.
+    pub(crate) describe: String,
+    pub(crate) replay_hint: String,
+}
+
+impl std::fmt::Debug for World {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("World")
+            .field("running", &self.running)
+            .field("over", &self.over)
+            .field("ctl", &self.ctl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The world and the condition variable threads wait on.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) world: Mutex<World>,
+    pub(crate) turn: Condvar,
+}
+
+/// The machine's view of the parked calls.
+struct Parked<'a>(&'a [Ctl]);
+
+impl Parked<'_> {
+    fn call(&self, t: ThreadId) -> Option<HostCall> {
+        match self.0.get(t.0 as usize) {
+            Some(Ctl::Parked(call, _)) => Some(call.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, World> {
+        // A panic while holding the lock is a bug in duplex; keep going with
+        // the data as it is rather than poisoning every thread.
+        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parks thread `t` at `call` and waits until its call returns.
+    pub(crate) fn call(self: &Arc<Self>, t: ThreadId, call: HostCall, bufs: Vec<usize>) -> Result<(), Error> {
+        let mut w = self.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
+        if let Err(e) = w.machine.check_call(t, &call) {
+            return Err(e.into());
+        }
+        w.ctl[t.0 as usize] = Ctl::Parked(call, bufs);
+        w.running = None;
+        w.schedule();
+        self.turn.notify_all();
+        self.wait_turn(w, t)
+    }
+
+    /// Waits until `t` may run again; returns the result of its call.
+    pub(crate) fn wait_turn(&self, mut w: MutexGuard<'_, World>, t: ThreadId) -> Result<(), Error> {
+        loop {
+            if w.running == Some(t) {
+                let ctl = std::mem::replace(&mut w.ctl[t.0 as usize], Ctl::Running);
+                return match ctl {
+                    Ctl::Returned(r) => r,
+                    _ => Ok(()),
+                };
+            }
+            if w.over {
+                let ctl = std::mem::replace(&mut w.ctl[t.0 as usize], Ctl::Running);
+                return match ctl {
+                    Ctl::Returned(r) => r,
+                    _ => Err(w.abort_error()),
+                };
+            }
+            w = self.turn.wait(w).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Thread `t`'s user code has returned `result`: record it, make its
+    /// end call, and pass the turn on.
+    pub(crate) fn finish(&self, t: ThreadId, result: Result<(), String>) {
+        let mut w = self.lock();
+        let failed = result.is_err();
+        w.results[t.0 as usize] = Some(result.clone().map_err(|m| Error::Aborted(format!("the thread failed: {m}"))));
+        if let Err(error) = result
+            && !w.over
+        {
+            w.end(Ending::Thread { thread: t, error });
+        }
+        if w.over || failed {
+            w.ctl[t.0 as usize] = Ctl::Done;
+        } else {
+            w.ctl[t.0 as usize] = Ctl::Parked(HostCall::End, Vec::new());
+            w.running = None;
+            w.schedule();
+        }
+        self.turn.notify_all();
+    }
+}
+
+impl World {
+    pub(crate) fn abort_error(&self) -> Error {
+        match &self.ending {
+            Some(Ending::Hang(h)) => Error::Hang(h.clone()),
+            Some(Ending::Program { error, .. }) => error.clone(),
+            Some(Ending::Thread { thread, error }) => Error::Aborted(format!(
+                "{} failed: {error}",
+                self.thread_name(*thread)
+            )),
+            Some(Ending::Pruned) => Error::Aborted("the explorer has seen the rest of this execution before".into()),
+            Some(Ending::Mismatch) => Error::Aborted("the replayed schedule does not fit this program".into()),
+            None => Error::Aborted("the execution is over".into()),
+        }
+    }
+
+    pub(crate) fn thread_name(&self, t: ThreadId) -> String {
+        let info = &self.machine.setup().threads[t.0 as usize];
+        format!("rank {} thread {}", info.rank, info.name)
+    }
+
+    fn end(&mut self, ending: Ending) {
+        if self.ending.is_none() {
+            self.ending = Some(ending);
+        }
+        self.over = true;
+        self.running = None;
+    }
+
+    /// Interns an origin for a call made at `place`.
+    pub(crate) fn origin(&mut self, place: String, text: String) -> Origin {
+        if let Some(o) = self.origins.get(&(place.clone(), text.clone())) {
+            return *o;
+        }
+        let o = self.machine.setup_mut().add_origin(OriginInfo {
+            text: text.clone(),
+            place: place.clone(),
+            line: None,
+        });
+        self.origins.insert((place, text), o);
+        o
+    }
+
+    /// Decides who runs next, applying parked calls until some thread must
+    /// run user code, the execution is over, or nobody can move.
+    pub(crate) fn schedule(&mut self) {
+        loop {
+            if self.over {
+                return;
+            }
+            // User code runs eagerly: a thread that has not started, or
+            // whose call can return, runs before any decision.
+            for i in 0..self.ctl.len() {
+                let t = ThreadId(i as u32);
+                let wake = match &self.ctl[i] {
+                    Ctl::Starting => true,
+                    Ctl::InCall => self.machine.next(t) == Next::Call,
+                    _ => false,
+                };
+                if wake {
+                    if matches!(self.ctl[i], Ctl::InCall) {
+                        self.ctl[i] = Ctl::Returned(Ok(()));
+                    }
+                    self.running = Some(t);
+                    return;
+                }
+            }
+            if self.ctl.iter().any(|c| matches!(c, Ctl::Running | Ctl::Returned(_))) {
+                return; // someone is about to run (a spawner, say)
+            }
+            let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
+            let threads = Unknown(&next_call);
+            let enabled = self.machine.runnable(&threads);
+            if enabled.is_empty() {
+                match self.machine.status(&threads) {
+                    Status::Stuck => {
+                        let stuck = self.machine.stuck(&threads);
+                        let hang = self.hang(stuck);
+                        self.end(Ending::Hang(Box::new(hang)));
+                    }
+                    Status::Finished | Status::Running => {
+                        if let Some(e) = self.machine.leftover() {
+                            self.end(Ending::Program { thread: None, error: e.into() });
+                        }
+                        self.over = true;
+                        self.running = None;
+                    }
+                }
+                return;
+            }
+            let options = if self.reduce {
+                crate::check::reduce(&self.machine, &enabled)
+            } else {
+                enabled.clone()
+            };
+            let t = match self.explorer.choose(&enabled, &options, fingerprint(&self.machine)) {
+                Choice::Take(t) => t,
+                Choice::Prune => return self.end(Ending::Pruned),
+                Choice::Mismatch => return self.end(Ending::Mismatch),
+            };
+            if enabled.len() > 1 {
+                self.choices.push(t);
+            }
+            self.step(t);
+        }
+    }
+
+    /// Applies thread `t`'s parked call, or finishes its handshake.
+    fn step(&mut self, t: ThreadId) {
+        let i = t.0 as usize;
+        let name = self.thread_name(t);
+        let result = if self.machine.next(t) == Next::Resume {
+            self.steps.push(format!("{}. {name}: returns from its connection handshake (R7)", self.steps.len() + 1));
+            self.machine.resume(t)
+        } else {
+            let Ctl::Parked(call, bufs) = std::mem::replace(&mut self.ctl[i], Ctl::InCall) else {
+                return;
+            };
+            let text = match &call {
+                HostCall::End => "ends: waits for its rank's streams to drain".to_string(),
+                c => call_text(&self.machine, c),
+            };
+            self.steps.push(format!("{}. {name}: {text}", self.steps.len() + 1));
+            let seq = self.machine.calls(t);
+            if let HostCall::Launch(_) = &call {
+                for (index, buf) in bufs.iter().enumerate() {
+                    let op = OpRef {
+                        launch: crate::machine::LaunchRef { thread: t, seq },
+                        index: index as u16,
+                    };
+                    self.op_buffers.insert(op, *buf);
+                }
+            }
+            let end = matches!(call, HostCall::End);
+            let r = self.machine.apply(t, call);
+            if end {
+                self.ctl[i] = Ctl::Done;
+            }
+            r
+        };
+        self.move_bytes();
+        if let Err(e) = result {
+            self.ctl[i] = Ctl::Returned(Err(e.clone().into()));
+            self.end(Ending::Program { thread: Some(t), error: e.into() });
+            self.running = Some(t);
+            return;
+        }
+        if matches!(self.ctl[i], Ctl::Done) {
+            return;
+        }
+        self.ctl[i] = Ctl::InCall;
+    }
+
+    /// Copies the bytes of every message the machine moved.
+    fn move_bytes(&mut self) {
+        for d in self.machine.take_deliveries() {
+            match d {
+                Delivery::Buffered { send } => {
+                    if let Some(b) = self.op_buffers.remove(&send) {
+                        self.snapshots.insert(send, self.buffers[b].bytes.clone());
+                    }
+                }
+                Delivery::Delivered { send, recv } => {
+                    let data = match self.snapshots.remove(&send) {
+                        Some(d) => Some(d),
+                        None => self.op_buffers.remove(&send).map(|b| self.buffers[b].bytes.clone()),
+                    };
+                    if let (Some(data), Some(b)) = (data, self.op_buffers.remove(&recv)) {
+                        let dst = &mut self.buffers[b].bytes;
+                        let n = dst.len().min(data.len());
+                        dst[..n].copy_from_slice(&data[..n]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The ops that still use buffer `b`.
+    pub(crate) fn users_of(&self, b: usize) -> Vec<OpRef> {
+        let mut ops: Vec<OpRef> = self
+            .op_buffers
+            .iter()
+            .filter(|(op, buf)| **buf == b && !self.snapshots.contains_key(op))
+            .map(|(op, _)| *op)
+            .collect();
+        ops.sort();
+        ops
+    }
+
+    fn hang(&self, stuck: Stuck) -> Hang {
+        let schedule = encode(&self.choices);
+        Hang {
+            context: format!("the simulator found that no host thread can move ({})", self.describe),
+            stuck,
+            steps: self.steps.clone(),
+            replay: Some(format!("{}.replay(\"{schedule}\", ...)", self.replay_hint)),
+            schedule: Some(schedule),
+        }
+    }
+}
+
+/// A short description of a call, from its origin.
+fn call_text(m: &Machine, call: &HostCall) -> String {
+    let origin = match call {
+        HostCall::Launch(spec) => Some(spec.origin),
+        HostCall::Record { origin, .. }
+        | HostCall::Wait { origin, .. }
+        | HostCall::Sync { origin, .. }
+        | HostCall::Notify { origin, .. }
+        | HostCall::Await { origin, .. }
+        | HostCall::Join { origin, .. } => Some(*origin),
+        HostCall::End => None,
+    };
+    origin
+        .and_then(|o| m.setup().origins.get(o.0 as usize))
+        .map(|o| format!("{} ({})", o.text, o.place))
+        .unwrap_or_default()
+}

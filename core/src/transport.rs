@@ -1,0 +1,209 @@
+//! The [`Transport`] trait: what rank code is written against, once, for
+//! every backend.
+
+use std::fmt;
+
+use crate::{Dir, Element, Policy, Result};
+
+/// A rank number, `0..world_size`.
+pub type Rank = u32;
+
+/// Where an op goes: a communicator and a stream. What is left `None` comes
+/// from the transport's policy (its lane toward the peer), or from the
+/// innermost [`Transport::with_stream`] scope for the stream.
+pub struct Place<T: Transport> {
+    /// The communicator; `None` for the lane's.
+    pub comm: Option<T::Comm>,
+    /// The stream; `None` for the scoped stream, else the lane's.
+    pub stream: Option<T::Stream>,
+}
+
+impl<T: Transport> Place<T> {
+    /// The policy's lane (the default).
+    pub fn lane() -> Place<T> {
+        Place {
+            comm: None,
+            stream: None,
+        }
+    }
+
+    /// The lane's communicator on this stream.
+    pub fn stream(stream: &T::Stream) -> Place<T> {
+        Place {
+            comm: None,
+            stream: Some(stream.clone()),
+        }
+    }
+
+    /// This communicator and this stream.
+    pub fn on(comm: &T::Comm, stream: &T::Stream) -> Place<T> {
+        Place {
+            comm: Some(comm.clone()),
+            stream: Some(stream.clone()),
+        }
+    }
+}
+
+impl<T: Transport> Default for Place<T> {
+    fn default() -> Self {
+        Place::lane()
+    }
+}
+
+impl<T: Transport> Clone for Place<T> {
+    fn clone(&self) -> Self {
+        Place {
+            comm: self.comm.clone(),
+            stream: self.stream.clone(),
+        }
+    }
+}
+
+impl<T: Transport> fmt::Debug for Place<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Place")
+            .field("comm", &self.comm)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// The communicator and stream a policy gives to one direction of traffic
+/// with one peer.
+pub struct Lane<T: Transport> {
+    /// A name for reports: `pair:0-1` (shared) or `lane:0->1` (per direction).
+    pub name: String,
+    /// The communicator.
+    pub comm: T::Comm,
+    /// The stream on this rank.
+    pub stream: T::Stream,
+}
+
+impl<T: Transport> fmt::Debug for Lane<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lane")
+            .field("name", &self.name)
+            .field("comm", &self.comm)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// Device memory of one rank (host memory on the simulator).
+pub trait DeviceBuffer {
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// True when it holds no element.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Point-to-point communication between ranks, as one host thread of one
+/// rank sees it.
+///
+/// A value of a `Transport` type is a handle for one host thread: the
+/// backend runs a closure per rank and gives it one; [`Transport::spawn`]
+/// starts another host thread of the same rank with its own handle.
+///
+/// Ops are asynchronous, as in NCCL: `send` and `recv` enqueue work on a
+/// stream and return; [`Transport::sync_stream`] and
+/// [`Transport::synchronize`] wait for it. What may hang, and why, is
+/// `shared/design/semantics.md`. Every failure is an [`Error`](crate::Error)
+/// value: a program that can hang gets [`Error::Hang`](crate::Error::Hang)
+/// from the blocked call instead of blocking forever.
+///
+/// Placement: an op without a [`Place`] goes to the lane that the
+/// transport's [`Policy`] gives to its peer and direction
+/// ([`Transport::lane`]); [`Transport::with_stream`] changes the stream of
+/// such ops for the calls inside it; [`Transport::send_on`] places one op
+/// explicitly.
+pub trait Transport: Sized + Send {
+    /// A buffer of `E`s on this rank.
+    type Buffer<E: Element>: DeviceBuffer + Send;
+    /// A stream of this rank.
+    type Stream: Clone + fmt::Debug + Send + Sync;
+    /// An event of this rank.
+    type Event: Clone + fmt::Debug + Send + Sync;
+    /// A communicator.
+    type Comm: Clone + fmt::Debug + Send + Sync;
+    /// A host thread started by [`Transport::spawn`].
+    type Thread: Send;
+
+    /// This rank.
+    fn rank(&self) -> Rank;
+    /// Number of ranks.
+    fn world_size(&self) -> u32;
+    /// The placement policy of ops without a [`Place`].
+    fn policy(&self) -> Policy;
+
+    /// A zeroed buffer of `len` elements.
+    fn alloc<E: Element>(&self, len: usize) -> Result<Self::Buffer<E>>;
+    /// Copies `data` into `buf` (lengths must match). Fails with
+    /// [`Error::Race`](crate::Error::Race) while a device op uses `buf`.
+    fn write<E: Element>(&self, buf: &mut Self::Buffer<E>, data: &[E]) -> Result<()>;
+    /// Copies `buf` out. Fails with [`Error::Race`](crate::Error::Race) while a
+    /// device op uses `buf`: synchronize first.
+    fn read<E: Element>(&self, buf: &Self::Buffer<E>) -> Result<Vec<E>>;
+
+    /// A new stream of this rank.
+    fn stream(&self, name: &str) -> Result<Self::Stream>;
+    /// A communicator over `members`. Collective: every rank of the world
+    /// calls it, in the same order, with the same arguments; ranks outside
+    /// `members` get `None`.
+    fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<Self::Comm>>;
+    /// The communicator of all ranks.
+    fn world(&self) -> Self::Comm;
+    /// The lane the policy gives to traffic with `peer` in direction `dir`.
+    fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>>;
+
+    /// Sends all of `buf` to `peer`, placed by `place`.
+    fn send_on<E: Element>(&self, buf: &Self::Buffer<E>, peer: Rank, place: &Place<Self>) -> Result<()>;
+    /// Receives all of `buf` from `peer`, placed by `place`.
+    fn recv_on<E: Element>(&self, buf: &mut Self::Buffer<E>, peer: Rank, place: &Place<Self>)
+    -> Result<()>;
+    /// Sends all of `buf` to `peer` on the policy's lane (or the scoped stream).
+    #[track_caller]
+    fn send<E: Element>(&self, buf: &Self::Buffer<E>, peer: Rank) -> Result<()> {
+        self.send_on(buf, peer, &Place::lane())
+    }
+    /// Receives all of `buf` from `peer` on the policy's lane (or the scoped stream).
+    #[track_caller]
+    fn recv<E: Element>(&self, buf: &mut Self::Buffer<E>, peer: Rank) -> Result<()> {
+        self.recv_on(buf, peer, &Place::lane())
+    }
+    /// Runs `f` and launches the sends and recvs it issues as one group (R8):
+    /// they progress independently, so a send and a recv in one group cannot
+    /// deadlock each other. Nothing is launched if `f` fails.
+    fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R>;
+    /// Runs `f` with `stream` as the stream of every policy-placed op that
+    /// this thread issues inside it (the communicator stays the lane's).
+    /// Other threads and explicitly placed ops are not affected.
+    fn with_stream<R>(&self, stream: &Self::Stream, f: impl FnOnce() -> Result<R>) -> Result<R>;
+
+    /// A new event of this rank.
+    fn event(&self) -> Result<Self::Event>;
+    /// Records `event` on `stream`: it completes when the work enqueued on
+    /// `stream` so far has.
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// Makes `stream` wait for the latest record of `event` (R9).
+    fn wait(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// Blocks until the work enqueued on `stream` so far has completed.
+    fn sync_stream(&self, stream: &Self::Stream) -> Result<()>;
+    /// Blocks until the work enqueued on every stream of this rank so far has
+    /// completed.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Posts a host-to-host message with `tag` to `peer` (RPC metadata, say).
+    /// Never blocks.
+    fn notify(&self, peer: Rank, tag: &str) -> Result<()>;
+    /// Blocks until a message with `tag` from `peer` has arrived, and takes it.
+    fn await_notify(&self, peer: Rank, tag: &str) -> Result<()>;
+
+    /// Starts another host thread of this rank, running `f` with its own handle.
+    fn spawn<F>(&self, name: &str, f: F) -> Result<Self::Thread>
+    where
+        F: FnOnce(&Self) -> Result<()> + Send + 'static;
+    /// Waits for a thread started by [`Transport::spawn`] and returns its result.
+    fn join(&self, thread: Self::Thread) -> Result<()>;
+}
