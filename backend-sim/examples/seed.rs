@@ -43,11 +43,23 @@ fn main() {
         .policy(Policy::PerDirection)
         .check(|t: &SimRank| seed(t))
         .expect("per-direction lanes remove the hang");
-    println!("under Policy::PerDirection: every interleaving completes ({} executions, {} states)\n", run.executions, run.states);
+    println!(
+        "under Policy::PerDirection: every interleaving completes ({} executions, {} states)\n",
+        run.executions, run.states
+    );
     match shared.check(|t: &SimRank| seed_scoped(t)) {
         Ok(_) => println!("scoped stream under Shared: completes"),
-        Err(f) => println!("scoped stream under Shared still hangs (R2: one communicator):\n{}", f.hang().map(|h| h.stuck.to_string()).unwrap_or_default()),
+        Err(f) => println!(
+            "scoped stream under Shared still hangs (R2: one communicator):\n{}",
+            f.hang().map(|h| h.stuck.to_string()).unwrap_or_default()
+        ),
     }
-    let run = Sim::new(2).policy(Policy::PerDirection).check(|t: &SimRank| seed_scoped(t)).expect("completes");
-    println!("scoped stream under PerDirection: completes ({} executions)", run.executions);
+    let run = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t: &SimRank| seed_scoped(t))
+        .expect("completes");
+    println!(
+        "scoped stream under PerDirection: completes ({} executions)",
+        run.executions
+    );
 }

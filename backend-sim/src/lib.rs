@@ -15,6 +15,8 @@
 //!
 //! Start reading at [`machine`]'s module docs, then [`check::check`].
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod check;
 pub mod compile;
 pub mod machine;

@@ -447,6 +447,9 @@ fn a_reported_trace_replays_to_the_same_stuck_state() {
         .collect();
     let (m, _, result) = check::replay(&compiled, &schedule);
     assert!(result.is_ok());
-    assert_eq!(m.status(&duplex_sim::compile::Remaining(&compiled)), duplex_sim::machine::Status::Stuck);
+    assert_eq!(
+        m.status(&duplex_sim::compile::Remaining(&compiled)),
+        duplex_sim::machine::Status::Stuck
+    );
     assert_eq!(m.stuck(&duplex_sim::compile::Remaining(&compiled)), *stuck);
 }

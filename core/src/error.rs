@@ -104,7 +104,11 @@ impl fmt::Display for Hang {
         writeln!(f, "{}", self.context)?;
         write!(f, "{}", self.stuck)?;
         if !self.steps.is_empty() {
-            writeln!(f, "interleaving that leads there ({} host steps):", self.steps.len())?;
+            writeln!(
+                f,
+                "interleaving that leads there ({} host steps):",
+                self.steps.len()
+            )?;
             for s in &self.steps {
                 writeln!(f, "  {s}")?;
             }

@@ -12,6 +12,8 @@
 //! Start with [`Transport`] if you write rank code, with
 //! [`schedule::parse`] if you write schedule files.
 
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod element;
 mod error;
 mod model;

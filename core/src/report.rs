@@ -7,8 +7,8 @@
 
 use std::fmt;
 
-use crate::{Rank, Size};
 use crate::schedule::Dir;
+use crate::{Rank, Size};
 
 /// One point-to-point op as a report shows it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]

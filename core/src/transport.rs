@@ -118,7 +118,7 @@ pub trait DeviceBuffer {
 /// ([`Transport::lane`]); [`Transport::with_stream`] changes the stream of
 /// such ops for the calls inside it; [`Transport::send_on`] places one op
 /// explicitly.
-pub trait Transport: Sized + Send {
+pub trait Transport: Sized + Send + 'static {
     /// A buffer of `E`s on this rank.
     type Buffer<E: Element>: DeviceBuffer + Send;
     /// A stream of this rank.
@@ -158,10 +158,19 @@ pub trait Transport: Sized + Send {
     fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>>;
 
     /// Sends all of `buf` to `peer`, placed by `place`.
-    fn send_on<E: Element>(&self, buf: &Self::Buffer<E>, peer: Rank, place: &Place<Self>) -> Result<()>;
+    fn send_on<E: Element>(
+        &self,
+        buf: &Self::Buffer<E>,
+        peer: Rank,
+        place: &Place<Self>,
+    ) -> Result<()>;
     /// Receives all of `buf` from `peer`, placed by `place`.
-    fn recv_on<E: Element>(&self, buf: &mut Self::Buffer<E>, peer: Rank, place: &Place<Self>)
-    -> Result<()>;
+    fn recv_on<E: Element>(
+        &self,
+        buf: &mut Self::Buffer<E>,
+        peer: Rank,
+        place: &Place<Self>,
+    ) -> Result<()>;
     /// Sends all of `buf` to `peer` on the policy's lane (or the scoped stream).
     #[track_caller]
     fn send<E: Element>(&self, buf: &Self::Buffer<E>, peer: Rank) -> Result<()> {

@@ -29,8 +29,8 @@ pub mod waitfor;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use duplex::{DType, Model};
 use duplex::schedule::Dir;
+use duplex::{DType, Model};
 
 pub use duplex::report::{OpInfo, Stuck};
 pub use view::describe_origin;
@@ -433,7 +433,9 @@ impl ProgramError {
         match self {
             ProgramError::SizeMismatch { send, recv }
             | ProgramError::TypeMismatch { send, recv }
-            | ProgramError::GroupMismatch { send, recv } => vec![(**send).clone(), (**recv).clone()],
+            | ProgramError::GroupMismatch { send, recv } => {
+                vec![(**send).clone(), (**recv).clone()]
+            }
             ProgramError::NeverReceived { send } => vec![(**send).clone()],
             ProgramError::Invalid { .. } => vec![],
         }
@@ -443,7 +445,9 @@ impl ProgramError {
 impl From<ProgramError> for duplex::Error {
     fn from(e: ProgramError) -> Self {
         match e {
-            ProgramError::Invalid { place, message } => duplex::Error::Invalid { at: place, message },
+            ProgramError::Invalid { place, message } => {
+                duplex::Error::Invalid { at: place, message }
+            }
             other => duplex::Error::Program {
                 kind: other.kind(),
                 message: other.to_string(),
@@ -650,7 +654,10 @@ impl Machine {
 
     /// The deliveries since the last call, in the order they happened.
     pub fn take_deliveries(&mut self) -> Vec<Delivery> {
-        self.deliveries.as_mut().map(std::mem::take).unwrap_or_default()
+        self.deliveries
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// True once op `op` has completed (or was never issued by a live launch).
@@ -664,7 +671,8 @@ impl Machine {
     /// Describes a live op (for data-race reports).
     pub fn describe_op(&self, op: OpRef) -> Option<OpInfo> {
         let launch = self.state.launches.get(&op.launch)?;
-        (usize::from(op.index) < launch.ops.len()).then(|| self.op_view(op.launch, op.index as usize))
+        (usize::from(op.index) < launch.ops.len())
+            .then(|| self.op_view(op.launch, op.index as usize))
     }
 
     /// The setup.
@@ -766,7 +774,8 @@ impl Machine {
                 .get(&(*from, self.rank_of(t), *tag))
                 .is_some_and(|n| *n > 0),
             HostCall::Join { thread, .. } => {
-                self.state.threads.get(thread.ix()).is_some() && self.next(*thread) == Next::Finished
+                self.state.threads.get(thread.ix()).is_some()
+                    && self.next(*thread) == Next::Finished
             }
             _ => true,
         }
@@ -779,18 +788,34 @@ impl Machine {
         let rank = self.rank_of(t);
         match call {
             HostCall::Launch(spec) => self.validate(rank, spec),
-            HostCall::Record { event, stream, origin } | HostCall::Wait { event, stream, origin } => {
+            HostCall::Record {
+                event,
+                stream,
+                origin,
+            }
+            | HostCall::Wait {
+                event,
+                stream,
+                origin,
+            } => {
                 self.check_stream(rank, *stream, *origin)?;
                 self.check_event(rank, *event, *origin)
             }
-            HostCall::Sync { stream: Some(s), origin } => self.check_stream(rank, *s, *origin),
+            HostCall::Sync {
+                stream: Some(s),
+                origin,
+            } => self.check_stream(rank, *s, *origin),
             HostCall::Sync { stream: None, .. } | HostCall::End => Ok(()),
-            HostCall::Notify { to: r, origin, .. } | HostCall::Await { from: r, origin, .. } => {
-                self.check_rank(*r, *origin)
-            }
+            HostCall::Notify { to: r, origin, .. }
+            | HostCall::Await {
+                from: r, origin, ..
+            } => self.check_rank(*r, *origin),
             HostCall::Join { thread, origin } => match self.setup.threads.get(thread.ix()) {
                 Some(info) if info.rank == rank && *thread != t => Ok(()),
-                _ => Err(self.invalid(*origin, format!("thread #{} is not another thread of rank {rank}", thread.0))),
+                _ => Err(self.invalid(
+                    *origin,
+                    format!("thread #{} is not another thread of rank {rank}", thread.0),
+                )),
             },
         }
     }
@@ -823,7 +848,11 @@ impl Machine {
                 s.queue.push_back(Entry::Record);
                 self.state.events[event.ix()] = Some((stream, index));
             }
-            HostCall::Wait { event, stream, origin } => {
+            HostCall::Wait {
+                event,
+                stream,
+                origin,
+            } => {
                 let target = self.state.events[event.ix()];
                 self.state.streams[stream.ix()]
                     .queue

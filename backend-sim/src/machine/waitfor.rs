@@ -29,7 +29,14 @@ pub trait Threads {
     /// Whether thread `t` may still issue a point-to-point op on `comm` whose
     /// direction (seen from `t`) is `dir` and whose peer is `peer`; `None`
     /// for `dir` means either direction.
-    fn may_issue(&self, m: &Machine, t: ThreadId, comm: CommId, dir: Option<Dir>, peer: Rank) -> bool;
+    fn may_issue(
+        &self,
+        m: &Machine,
+        t: ThreadId,
+        comm: CommId,
+        dir: Option<Dir>,
+        peer: Rank,
+    ) -> bool;
     /// Whether thread `t` may still `notify` rank `to` with `tag`.
     fn may_notify(&self, m: &Machine, t: ThreadId, to: Rank, tag: TagId) -> bool;
 }
@@ -93,7 +100,9 @@ impl Machine {
             .map(|i| ThreadId(i as u32))
             .filter(|t| match self.next(*t) {
                 Next::Resume => true,
-                Next::Call => threads.next_call(self, *t).is_some_and(|c| self.enabled(*t, &c)),
+                Next::Call => threads
+                    .next_call(self, *t)
+                    .is_some_and(|c| self.enabled(*t, &c)),
                 Next::Blocked | Next::Finished => false,
             })
             .collect()
@@ -104,15 +113,22 @@ impl Machine {
         if !self.runnable(threads).is_empty() {
             return Status::Running;
         }
-        let finished = (0..self.state.threads.len()).all(|i| self.next(ThreadId(i as u32)) == Next::Finished);
-        if finished { Status::Finished } else { Status::Stuck }
+        let finished =
+            (0..self.state.threads.len()).all(|i| self.next(ThreadId(i as u32)) == Next::Finished);
+        if finished {
+            Status::Finished
+        } else {
+            Status::Stuck
+        }
     }
 
     /// True when thread `t` cannot step now and has not finished.
     fn is_blocked(&self, threads: &dyn Threads, t: ThreadId) -> bool {
         match self.next(t) {
             Next::Blocked => true,
-            Next::Call => !threads.next_call(self, t).is_some_and(|c| self.enabled(t, &c)),
+            Next::Call => !threads
+                .next_call(self, t)
+                .is_some_and(|c| self.enabled(t, &c)),
             Next::Resume | Next::Finished => false,
         }
     }
@@ -248,7 +264,10 @@ impl Graph<'_> {
                 Some(HostCall::Await { from, tag, .. }) => self.await_edges(t, rank, from, tag),
                 Some(HostCall::Join { thread, .. }) => {
                     let info = &m.setup.threads[thread.ix()];
-                    let why = format!("waits for thread {} of rank {} to finish", info.name, info.rank);
+                    let why = format!(
+                        "waits for thread {} of rank {} to finish",
+                        info.name, info.rank
+                    );
                     self.add(Node::Thread(t), Node::Thread(thread), "join", why);
                 }
                 _ => {}
@@ -589,7 +608,8 @@ impl Graph<'_> {
             None
         };
         let origin = match (&th.phase, &th.wait, pending) {
-            (_, _, Some(HostCall::Await { origin, .. })) | (_, _, Some(HostCall::Join { origin, .. })) => Some(origin),
+            (_, _, Some(HostCall::Await { origin, .. }))
+            | (_, _, Some(HostCall::Join { origin, .. })) => Some(origin),
             (Phase::Connecting { spec, .. }, _, _) => Some(spec.origin),
             (_, Wait::Streams { origin, .. }, _) => *origin,
             _ => None,
@@ -618,4 +638,3 @@ impl Graph<'_> {
         }
     }
 }
-

@@ -165,10 +165,9 @@ pub(crate) fn encode(choices: &[ThreadId]) -> String {
 
 /// Decodes a schedule string.
 pub(crate) fn decode(schedule: &str) -> Result<Vec<ThreadId>, String> {
-    let body = schedule
-        .trim()
-        .strip_prefix("v1:")
-        .ok_or_else(|| format!("`{schedule}` is not a duplex schedule: it should start with `v1:`"))?;
+    let body = schedule.trim().strip_prefix("v1:").ok_or_else(|| {
+        format!("`{schedule}` is not a duplex schedule: it should start with `v1:`")
+    })?;
     if body.is_empty() {
         return Ok(Vec::new());
     }

@@ -87,7 +87,7 @@ pub enum Failure {
         /// The thread whose call found it, if any.
         thread: Option<String>,
         /// The error, naming the ops.
-        error: Error,
+        error: Box<Error>,
         /// The schedule that reaches it.
         schedule: String,
         /// The host steps that lead there.
@@ -147,13 +147,24 @@ impl fmt::Display for Failure {
                 steps,
                 replay,
             } => {
-                writeln!(f, "PROGRAM ERROR{}: {error}", thread.as_ref().map(|t| format!(" at {t}")).unwrap_or_default())?;
-                if let Error::Program { ops, .. } = error {
+                writeln!(
+                    f,
+                    "PROGRAM ERROR{}: {error}",
+                    thread
+                        .as_ref()
+                        .map(|t| format!(" at {t}"))
+                        .unwrap_or_default()
+                )?;
+                if let Error::Program { ops, .. } = &**error {
                     for o in ops {
                         writeln!(f, "  {o}")?;
                     }
                 }
-                writeln!(f, "interleaving that leads there ({} host steps):", steps.len())?;
+                writeln!(
+                    f,
+                    "interleaving that leads there ({} host steps):",
+                    steps.len()
+                )?;
                 for s in steps {
                     writeln!(f, "  {s}")?;
                 }
@@ -302,7 +313,10 @@ impl Sim {
         } else {
             format!(".model(/* {} */)", self.model)
         };
-        format!("duplex_sim::Sim::new({}).policy({policy}){model}", self.ranks)
+        format!(
+            "duplex_sim::Sim::new({}).policy({policy}){model}",
+            self.ranks
+        )
     }
 
     fn conclude(&self, ending: Option<Ending>, choices: &[ThreadId]) -> Result<(), Failure> {
@@ -313,7 +327,7 @@ impl Sim {
             Some(Ending::Hang(h)) => Err(Failure::Hang(h)),
             Some(Ending::Program { thread, error }) => Err(Failure::Program {
                 thread: thread.map(|t| t.0.to_string()),
-                error,
+                error: Box::new(error),
                 schedule,
                 steps: Vec::new(),
                 replay,
@@ -384,6 +398,8 @@ impl Sim {
             reduce: self.reduce,
             buffers: Vec::new(),
             op_buffers: HashMap::new(),
+            unsynced: HashMap::new(),
+            sync_covers: HashMap::new(),
             snapshots: HashMap::new(),
             origins: HashMap::new(),
             steps: Vec::new(),
@@ -401,7 +417,14 @@ impl Sim {
         });
         std::thread::scope(|scope| {
             for r in 0..self.ranks {
-                let handle = SimRank::new(shared.clone(), r, ThreadId(r), self.ranks, self.policy, lanes.clone());
+                let handle = SimRank::new(
+                    shared.clone(),
+                    r,
+                    ThreadId(r),
+                    self.ranks,
+                    self.policy,
+                    lanes.clone(),
+                );
                 scope.spawn(move || rank::run_thread(handle, |t| f(t)));
             }
             let mut w = shared.lock();
@@ -425,4 +448,3 @@ impl Sim {
         (ending, strategy, choices)
     }
 }
-

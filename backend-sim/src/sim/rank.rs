@@ -141,11 +141,21 @@ impl SimRank {
     }
 
     /// The comm and stream of an op toward `peer`.
-    fn resolve(&self, at: &Location<'_>, what: &str, peer: Rank, dir: Dir, place: &Place<Self>) -> Result<(CommId, StreamId)> {
+    fn resolve(
+        &self,
+        at: &Location<'_>,
+        what: &str,
+        peer: Rank,
+        dir: Dir,
+        place: &Place<Self>,
+    ) -> Result<(CommId, StreamId)> {
         if peer >= self.world_size {
             return Self::invalid(
                 at,
-                format!("{what}: rank {peer} does not exist (there are {} ranks)", self.world_size),
+                format!(
+                    "{what}: rank {peer} does not exist (there are {} ranks)",
+                    self.world_size
+                ),
             );
         }
         let Some((lane_comm, lane_stream, _)) = self.lanes.map.get(&(self.rank, peer, dir)) else {
@@ -155,7 +165,13 @@ impl SimRank {
         let stream = match (&place.stream, self.scoped.borrow().last()) {
             (Some(s), _) => {
                 if s.rank != self.rank {
-                    return Self::invalid(at, format!("{what}: the stream belongs to rank {}, not rank {}", s.rank, self.rank));
+                    return Self::invalid(
+                        at,
+                        format!(
+                            "{what}: the stream belongs to rank {}, not rank {}",
+                            s.rank, self.rank
+                        ),
+                    );
                 }
                 s.id
             }
@@ -166,7 +182,14 @@ impl SimRank {
         Ok((comm, stream))
     }
 
-    fn p2p<E: Element>(&self, at: &'static Location<'static>, dir: Dir, buf: &SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+    fn p2p<E: Element>(
+        &self,
+        at: &'static Location<'static>,
+        dir: Dir,
+        buf: &SimBuffer<E>,
+        peer: Rank,
+        place: &Place<Self>,
+    ) -> Result<()> {
         let what = format!(
             "{} {} x {} {} rank {peer}",
             dir.name(),
@@ -211,7 +234,13 @@ impl SimRank {
         if s.rank == self.rank {
             Ok(())
         } else {
-            Self::invalid(at, format!("the stream belongs to rank {}, not rank {}", s.rank, self.rank))
+            Self::invalid(
+                at,
+                format!(
+                    "the stream belongs to rank {}, not rank {}",
+                    s.rank, self.rank
+                ),
+            )
         }
     }
 
@@ -224,15 +253,17 @@ impl SimRank {
             Some(b) if b.rank == self.rank => {}
             _ => return Self::invalid(at, format!("{what}: the buffer belongs to another rank")),
         }
-        if let Some(op) = w.users_of(id).first() {
-            let desc = w
-                .machine
-                .describe_op(*op)
-                .map(|o| o.to_string())
-                .unwrap_or_else(|| "an op".into());
+        if let Some((op, text)) = w.user_of(id) {
+            let state = if w.machine.op_done(op) {
+                "has completed on the device, but no synchronize has waited for it"
+            } else {
+                "has not completed"
+            };
             return Err(Error::Race {
                 at: place_of(at),
-                message: format!("{what} while {desc} still uses the buffer: synchronize its stream first"),
+                message: format!(
+                    "{what} of a buffer that `{text}` uses: the op {state}; synchronize its stream first"
+                ),
             });
         }
         Ok(())
@@ -265,7 +296,10 @@ impl Transport for SimRank {
             .filter(|b| *b <= 1 << 34)
             .ok_or_else(|| Error::Invalid {
                 at: place_of(Location::caller()),
-                message: format!("alloc of {len} x {}: too large for the simulator (16 GiB at most)", E::DTYPE),
+                message: format!(
+                    "alloc of {len} x {}: too large for the simulator (16 GiB at most)",
+                    E::DTYPE
+                ),
             })?;
         w.buffers.push(BufData {
             rank: self.rank,
@@ -282,7 +316,14 @@ impl Transport for SimRank {
     fn write<E: Element>(&self, buf: &mut SimBuffer<E>, data: &[E]) -> Result<()> {
         let at = Location::caller();
         if data.len() != buf.len {
-            return Self::invalid(at, format!("write of {} elements into a buffer of {}", data.len(), buf.len));
+            return Self::invalid(
+                at,
+                format!(
+                    "write of {} elements into a buffer of {}",
+                    data.len(),
+                    buf.len
+                ),
+            );
         }
         self.buffer_users(at, buf.id, "write")?;
         let mut bytes = Vec::with_capacity(buf.len * E::DTYPE.size());
@@ -299,7 +340,11 @@ impl Transport for SimRank {
         self.buffer_users(at, buf.id, "read")?;
         let w = self.shared.lock();
         let size = E::DTYPE.size();
-        Ok(w.buffers[buf.id].bytes.chunks_exact(size).map(E::from_le).collect())
+        Ok(w.buffers[buf.id]
+            .bytes
+            .chunks_exact(size)
+            .map(E::from_le)
+            .collect())
     }
 
     fn stream(&self, name: &str) -> Result<SimStream> {
@@ -309,7 +354,10 @@ impl Transport for SimRank {
         }
         let id = w.machine.setup_mut().add_stream(self.rank, name);
         w.machine.sync_setup();
-        Ok(SimStream { id, rank: self.rank })
+        Ok(SimStream {
+            id,
+            rank: self.rank,
+        })
     }
 
     #[track_caller]
@@ -318,10 +366,16 @@ impl Transport for SimRank {
         let mut sorted = members.to_vec();
         sorted.sort();
         sorted.dedup();
-        if sorted.len() != members.len() || members.is_empty() || members.iter().any(|r| *r >= self.world_size) {
+        if sorted.len() != members.len()
+            || members.is_empty()
+            || members.iter().any(|r| *r >= self.world_size)
+        {
             return Self::invalid(
                 at,
-                format!("comm `{name}` over {members:?}: members must be distinct ranks below {}", self.world_size),
+                format!(
+                    "comm `{name}` over {members:?}: members must be distinct ranks below {}",
+                    self.world_size
+                ),
             );
         }
         let mut w = self.shared.lock();
@@ -367,18 +421,31 @@ impl Transport for SimRank {
             }),
             None => Self::invalid(
                 Location::caller(),
-                format!("lane toward rank {peer}: it does not exist (there are {} ranks)", self.world_size),
+                format!(
+                    "lane toward rank {peer}: it does not exist (there are {} ranks)",
+                    self.world_size
+                ),
             ),
         }
     }
 
     #[track_caller]
-    fn send_on<E: Element>(&self, buf: &SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+    fn send_on<E: Element>(
+        &self,
+        buf: &SimBuffer<E>,
+        peer: Rank,
+        place: &Place<Self>,
+    ) -> Result<()> {
         self.p2p(Location::caller(), Dir::Send, buf, peer, place)
     }
 
     #[track_caller]
-    fn recv_on<E: Element>(&self, buf: &mut SimBuffer<E>, peer: Rank, place: &Place<Self>) -> Result<()> {
+    fn recv_on<E: Element>(
+        &self,
+        buf: &mut SimBuffer<E>,
+        peer: Rank,
+        place: &Place<Self>,
+    ) -> Result<()> {
         self.p2p(Location::caller(), Dir::Recv, buf, peer, place)
     }
 
@@ -435,9 +502,15 @@ impl Transport for SimRank {
             return Err(w.abort_error());
         }
         let n = w.machine.setup().events.len();
-        let id = w.machine.setup_mut().add_event(self.rank, format!("event{n}"));
+        let id = w
+            .machine
+            .setup_mut()
+            .add_event(self.rank, format!("event{n}"));
         w.machine.sync_setup();
-        Ok(SimEvent { id, rank: self.rank })
+        Ok(SimEvent {
+            id,
+            rank: self.rank,
+        })
     }
 
     #[track_caller]
@@ -445,7 +518,10 @@ impl Transport for SimRank {
         let at = Location::caller();
         self.check_stream(at, stream)?;
         if event.rank != self.rank {
-            return Self::invalid(at, format!("record: the event belongs to rank {}", event.rank));
+            return Self::invalid(
+                at,
+                format!("record: the event belongs to rank {}", event.rank),
+            );
         }
         let origin = self.origin(at, "record".into())?;
         self.call(
@@ -463,7 +539,10 @@ impl Transport for SimRank {
         let at = Location::caller();
         self.check_stream(at, stream)?;
         if event.rank != self.rank {
-            return Self::invalid(at, format!("wait: the event belongs to rank {}", event.rank));
+            return Self::invalid(
+                at,
+                format!("wait: the event belongs to rank {}", event.rank),
+            );
         }
         let origin = self.origin(at, "wait".into())?;
         self.call(
@@ -493,7 +572,13 @@ impl Transport for SimRank {
     #[track_caller]
     fn synchronize(&self) -> Result<()> {
         let origin = self.origin(Location::caller(), "synchronize".into())?;
-        self.call(HostCall::Sync { stream: None, origin }, vec![])
+        self.call(
+            HostCall::Sync {
+                stream: None,
+                origin,
+            },
+            vec![],
+        )
     }
 
     #[track_caller]
@@ -504,7 +589,14 @@ impl Transport for SimRank {
         }
         let origin = self.origin(at, format!("notify {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
-        self.call(HostCall::Notify { to: peer, tag, origin }, vec![])
+        self.call(
+            HostCall::Notify {
+                to: peer,
+                tag,
+                origin,
+            },
+            vec![],
+        )
     }
 
     #[track_caller]
@@ -515,7 +607,14 @@ impl Transport for SimRank {
         }
         let origin = self.origin(at, format!("await {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
-        self.call(HostCall::Await { from: peer, tag, origin }, vec![])
+        self.call(
+            HostCall::Await {
+                from: peer,
+                tag,
+                origin,
+            },
+            vec![],
+        )
     }
 
     fn spawn<F>(&self, name: &str, f: F) -> Result<SimThread>
@@ -549,7 +648,13 @@ impl Transport for SimRank {
     #[track_caller]
     fn join(&self, thread: SimThread) -> Result<()> {
         let origin = self.origin(Location::caller(), "join".into())?;
-        self.call(HostCall::Join { thread: thread.id, origin }, vec![])?;
+        self.call(
+            HostCall::Join {
+                thread: thread.id,
+                origin,
+            },
+            vec![],
+        )?;
         let w = self.shared.lock();
         w.results
             .get(thread.id.0 as usize)

@@ -17,8 +17,7 @@ use duplex::{Error, Hang, Rank};
 use super::explore::{Choice, Explorer, Strategy, encode};
 use crate::check::fingerprint;
 use crate::machine::{
-    Delivery, HostCall, Machine, Next, OpRef, OriginInfo, Origin, Status, ThreadId,
-    Unknown,
+    Delivery, HostCall, Machine, Next, OpRef, Origin, OriginInfo, Status, ThreadId, Unknown,
 };
 
 /// What a host thread is doing.
@@ -51,7 +50,10 @@ pub(crate) enum Ending {
     /// No thread could move.
     Hang(Box<Hang>),
     /// A program error at a thread's call (`None`: found at the end).
-    Program { thread: Option<ThreadId>, error: Error },
+    Program {
+        thread: Option<ThreadId>,
+        error: Error,
+    },
     /// A thread returned an error or panicked.
     Thread { thread: ThreadId, error: String },
     /// The explorer pruned this execution.
@@ -72,6 +74,11 @@ pub(crate) struct World {
     pub(crate) buffers: Vec<BufData>,
     /// Ops still to deliver, and the buffer each reads or writes.
     pub(crate) op_buffers: HashMap<OpRef, usize>,
+    /// Ops whose completion no host synchronize has observed yet: their
+    /// buffer, rank and stream. The host may not touch such a buffer.
+    pub(crate) unsynced: HashMap<OpRef, (usize, Rank, crate::machine::StreamId, String)>,
+    /// For a thread in a `sync`: the ops that call covers.
+    pub(crate) sync_covers: HashMap<ThreadId, Vec<OpRef>>,
     /// Bytes of sends that completed into a channel's buffer (R5).
     pub(crate) snapshots: HashMap<OpRef, Vec<u8>>,
     /// Interned origins.
@@ -130,7 +137,12 @@ impl Shared {
     }
 
     /// Parks thread `t` at `call` and waits until its call returns.
-    pub(crate) fn call(self: &Arc<Self>, t: ThreadId, call: HostCall, bufs: Vec<usize>) -> Result<(), Error> {
+    pub(crate) fn call(
+        self: &Arc<Self>,
+        t: ThreadId,
+        call: HostCall,
+        bufs: Vec<usize>,
+    ) -> Result<(), Error> {
         let mut w = self.lock();
         if w.over {
             return Err(w.abort_error());
@@ -171,7 +183,11 @@ impl Shared {
     pub(crate) fn finish(&self, t: ThreadId, result: Result<(), String>) {
         let mut w = self.lock();
         let failed = result.is_err();
-        w.results[t.0 as usize] = Some(result.clone().map_err(|m| Error::Aborted(format!("the thread failed: {m}"))));
+        w.results[t.0 as usize] = Some(
+            result
+                .clone()
+                .map_err(|m| Error::Aborted(format!("the thread failed: {m}"))),
+        );
         if let Err(error) = result
             && !w.over
         {
@@ -193,12 +209,15 @@ impl World {
         match &self.ending {
             Some(Ending::Hang(h)) => Error::Hang(h.clone()),
             Some(Ending::Program { error, .. }) => error.clone(),
-            Some(Ending::Thread { thread, error }) => Error::Aborted(format!(
-                "{} failed: {error}",
-                self.thread_name(*thread)
-            )),
-            Some(Ending::Pruned) => Error::Aborted("the explorer has seen the rest of this execution before".into()),
-            Some(Ending::Mismatch) => Error::Aborted("the replayed schedule does not fit this program".into()),
+            Some(Ending::Thread { thread, error }) => {
+                Error::Aborted(format!("{} failed: {error}", self.thread_name(*thread)))
+            }
+            Some(Ending::Pruned) => {
+                Error::Aborted("the explorer has seen the rest of this execution before".into())
+            }
+            Some(Ending::Mismatch) => {
+                Error::Aborted("the replayed schedule does not fit this program".into())
+            }
             None => Error::Aborted("the execution is over".into()),
         }
     }
@@ -249,12 +268,19 @@ impl World {
                 if wake {
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
+                        for op in self.sync_covers.remove(&t).unwrap_or_default() {
+                            self.unsynced.remove(&op);
+                        }
                     }
                     self.running = Some(t);
                     return;
                 }
             }
-            if self.ctl.iter().any(|c| matches!(c, Ctl::Running | Ctl::Returned(_))) {
+            if self
+                .ctl
+                .iter()
+                .any(|c| matches!(c, Ctl::Running | Ctl::Returned(_)))
+            {
                 return; // someone is about to run (a spawner, say)
             }
             let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
@@ -269,7 +295,10 @@ impl World {
                     }
                     Status::Finished | Status::Running => {
                         if let Some(e) = self.machine.leftover() {
-                            self.end(Ending::Program { thread: None, error: e.into() });
+                            self.end(Ending::Program {
+                                thread: None,
+                                error: e.into(),
+                            });
                         }
                         self.over = true;
                         self.running = None;
@@ -282,7 +311,10 @@ impl World {
             } else {
                 enabled.clone()
             };
-            let t = match self.explorer.choose(&enabled, &options, fingerprint(&self.machine)) {
+            let t = match self
+                .explorer
+                .choose(&enabled, &options, fingerprint(&self.machine))
+            {
                 Choice::Take(t) => t,
                 Choice::Prune => return self.end(Ending::Pruned),
                 Choice::Mismatch => return self.end(Ending::Mismatch),
@@ -299,7 +331,10 @@ impl World {
         let i = t.0 as usize;
         let name = self.thread_name(t);
         let result = if self.machine.next(t) == Next::Resume {
-            self.steps.push(format!("{}. {name}: returns from its connection handshake (R7)", self.steps.len() + 1));
+            self.steps.push(format!(
+                "{}. {name}: returns from its connection handshake (R7)",
+                self.steps.len() + 1
+            ));
             self.machine.resume(t)
         } else {
             let Ctl::Parked(call, bufs) = std::mem::replace(&mut self.ctl[i], Ctl::InCall) else {
@@ -309,16 +344,32 @@ impl World {
                 HostCall::End => "ends: waits for its rank's streams to drain".to_string(),
                 c => call_text(&self.machine, c),
             };
-            self.steps.push(format!("{}. {name}: {text}", self.steps.len() + 1));
+            self.steps
+                .push(format!("{}. {name}: {text}", self.steps.len() + 1));
             let seq = self.machine.calls(t);
-            if let HostCall::Launch(_) = &call {
-                for (index, buf) in bufs.iter().enumerate() {
-                    let op = OpRef {
-                        launch: crate::machine::LaunchRef { thread: t, seq },
-                        index: index as u16,
-                    };
-                    self.op_buffers.insert(op, *buf);
+            let rank = self.machine.setup().threads[i].rank;
+            match &call {
+                HostCall::Launch(spec) => {
+                    for (index, (buf, o)) in bufs.iter().zip(&spec.ops).enumerate() {
+                        let op = OpRef {
+                            launch: crate::machine::LaunchRef { thread: t, seq },
+                            index: index as u16,
+                        };
+                        self.op_buffers.insert(op, *buf);
+                        self.unsynced
+                            .insert(op, (*buf, rank, o.stream, text.clone()));
+                    }
                 }
+                HostCall::Sync { stream, .. } => {
+                    let covers = self
+                        .unsynced
+                        .iter()
+                        .filter(|(_, (_, r, s, _))| *r == rank && stream.is_none_or(|x| x == *s))
+                        .map(|(op, _)| *op)
+                        .collect();
+                    self.sync_covers.insert(t, covers);
+                }
+                _ => {}
             }
             let end = matches!(call, HostCall::End);
             let r = self.machine.apply(t, call);
@@ -330,7 +381,10 @@ impl World {
         self.move_bytes();
         if let Err(e) = result {
             self.ctl[i] = Ctl::Returned(Err(e.clone().into()));
-            self.end(Ending::Program { thread: Some(t), error: e.into() });
+            self.end(Ending::Program {
+                thread: Some(t),
+                error: e.into(),
+            });
             self.running = Some(t);
             return;
         }
@@ -352,7 +406,10 @@ impl World {
                 Delivery::Delivered { send, recv } => {
                     let data = match self.snapshots.remove(&send) {
                         Some(d) => Some(d),
-                        None => self.op_buffers.remove(&send).map(|b| self.buffers[b].bytes.clone()),
+                        None => self
+                            .op_buffers
+                            .remove(&send)
+                            .map(|b| self.buffers[b].bytes.clone()),
                     };
                     if let (Some(data), Some(b)) = (data, self.op_buffers.remove(&recv)) {
                         let dst = &mut self.buffers[b].bytes;
@@ -364,22 +421,24 @@ impl World {
         }
     }
 
-    /// The ops that still use buffer `b`.
-    pub(crate) fn users_of(&self, b: usize) -> Vec<OpRef> {
-        let mut ops: Vec<OpRef> = self
-            .op_buffers
+    /// The first op (by issue) that may still use buffer `b` as far as the
+    /// host knows (no synchronize has returned since it was issued), with
+    /// its description.
+    pub(crate) fn user_of(&self, b: usize) -> Option<(OpRef, String)> {
+        self.unsynced
             .iter()
-            .filter(|(op, buf)| **buf == b && !self.snapshots.contains_key(op))
-            .map(|(op, _)| *op)
-            .collect();
-        ops.sort();
-        ops
+            .filter(|(_, (buf, ..))| *buf == b)
+            .map(|(op, (.., text))| (*op, text.clone()))
+            .min_by_key(|(op, _)| *op)
     }
 
     fn hang(&self, stuck: Stuck) -> Hang {
         let schedule = encode(&self.choices);
         Hang {
-            context: format!("the simulator found that no host thread can move ({})", self.describe),
+            context: format!(
+                "the simulator found that no host thread can move ({})",
+                self.describe
+            ),
             stuck,
             steps: self.steps.clone(),
             replay: Some(format!("{}.replay(\"{schedule}\", ...)", self.replay_hint)),

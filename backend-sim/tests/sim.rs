@@ -1,0 +1,239 @@
+//! The simulated transport: replay strings, random schedules, bounds, and
+//! errors that user code gets instead of hangs or panics.
+
+use std::time::{Duration, Instant};
+
+use duplex::{Error, Model, Policy, Transport};
+use duplex_sim::{Failure, Sim, SimRank};
+
+fn seed(t: &SimRank) -> duplex::Result<()> {
+    let peer = 1 - t.rank();
+    let out = t.alloc::<u64>(256)?;
+    let mut inb = t.alloc::<u64>(256)?;
+    t.send(&out, peer)?;
+    t.recv(&mut inb, peer)?;
+    t.synchronize()
+}
+
+/// Three host threads per rank, so that interleavings differ.
+fn rpc(t: &SimRank) -> duplex::Result<()> {
+    let peer = 1 - t.rank();
+    let tx = t.spawn("tx", move |t: &SimRank| {
+        let out = t.alloc::<u8>(64)?;
+        t.notify(peer, "meta")?;
+        t.send(&out, peer)?;
+        t.synchronize()
+    })?;
+    let rx = t.spawn("rx", move |t: &SimRank| {
+        let mut inb = t.alloc::<u8>(64)?;
+        t.await_notify(peer, "meta")?;
+        t.recv(&mut inb, peer)?;
+        t.synchronize()
+    })?;
+    t.join(tx)?;
+    t.join(rx)
+}
+
+#[test]
+fn a_hang_comes_back_as_an_error_with_its_cycle_quickly() {
+    let start = Instant::now();
+    let failure = Sim::new(2).check(seed).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(1));
+    let hang = failure.hang().expect("a hang");
+    assert_eq!(hang.stuck.cycle.len(), 4);
+    assert!(hang.stuck.cycle.iter().any(|l| l.rule == "R4"));
+    assert!(
+        hang.stuck.ops.iter().all(|o| o.at.contains("tests/sim.rs")),
+        "ops name the user's lines"
+    );
+    let text = failure.to_string();
+    assert!(text.contains("wait-for cycle"), "{text}");
+    assert!(text.contains(".replay(\"v1:"), "{text}");
+}
+
+#[test]
+fn every_blocked_call_returns_the_hang() {
+    let seen = std::sync::Mutex::new(Vec::new());
+    let _ = Sim::new(2).run(7, |t| {
+        let r = seed(t);
+        seen.lock()
+            .unwrap()
+            .push(r.as_ref().err().map(|e| e.hang().is_some()));
+        r
+    });
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(
+        seen,
+        vec![Some(true), Some(true)],
+        "both ranks get Error::Hang from their blocked call"
+    );
+}
+
+#[test]
+fn a_failing_schedule_replays_to_the_same_failure() {
+    let failure = Sim::new(2).check(rpc).unwrap_err();
+    let schedule = failure.schedule().expect("a schedule").to_string();
+    let again = Sim::new(2).replay(&schedule, rpc).unwrap_err();
+    assert_eq!(again.schedule(), Some(schedule.as_str()));
+    let (a, b) = (failure.hang().unwrap(), again.hang().unwrap());
+    assert_eq!(a.stuck, b.stuck);
+    assert_eq!(a.steps, b.steps);
+}
+
+#[test]
+fn a_schedule_that_does_not_fit_is_refused() {
+    let e = Sim::new(2).replay("v1:7.7.7", rpc).unwrap_err();
+    assert!(matches!(e, Failure::Schedule(_)), "{e}");
+    let e = Sim::new(2).replay("garbage", rpc).unwrap_err();
+    assert!(e.to_string().contains("v1:"), "{e}");
+}
+
+#[test]
+fn random_schedules_find_the_rpc_hang_and_replay() {
+    let mut found = None;
+    for seed in 0..200 {
+        if let Err(f) = Sim::new(2).run(seed, rpc) {
+            found = Some(f);
+            break;
+        }
+    }
+    let f = found.expect("some random schedule hangs");
+    let replayed = Sim::new(2).replay(f.schedule().unwrap(), rpc).unwrap_err();
+    assert_eq!(f.hang().unwrap().stuck, replayed.hang().unwrap().stuck);
+}
+
+#[test]
+fn per_direction_lanes_make_the_rpc_form_safe_in_every_interleaving() {
+    let run = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(rpc)
+        .expect("no hang");
+    assert!(run.executions > 100, "{run:?}");
+}
+
+#[test]
+fn hitting_the_bound_is_an_error_that_says_what_to_do() {
+    let e = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .max_executions(3)
+        .check(rpc)
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Failure::Bound { executions: 3, .. }), "{text}");
+    assert!(text.contains("DUPLEX_MAX_EXECUTIONS"), "{text}");
+}
+
+#[test]
+fn reading_a_buffer_with_a_pending_recv_is_a_data_race() {
+    let f = Sim::new(2).policy(Policy::PerDirection).check(|t| {
+        let peer = 1 - t.rank();
+        let out = t.alloc::<f32>(8)?;
+        let mut inb = t.alloc::<f32>(8)?;
+        t.recv(&mut inb, peer)?;
+        match t.read(&inb) {
+            Err(Error::Race { message, at }) => {
+                assert!(message.contains("recv 8 x f32 from rank"), "{message}");
+                assert!(at.contains("tests/sim.rs"), "{at}");
+            }
+            other => panic!("expected a race, got {other:?}"),
+        }
+        t.send(&out, peer)?;
+        t.synchronize()?;
+        t.read(&inb).map(drop)
+    });
+    assert!(f.is_ok(), "{}", f.unwrap_err());
+}
+
+#[test]
+fn delivered_data_is_the_sent_data_even_when_buffered() {
+    let model = Model {
+        eager: duplex::Size(1 << 20),
+        ..Model::default()
+    };
+    Sim::new(2)
+        .model(model)
+        .check(|t| {
+            let peer = 1 - t.rank();
+            let mut out = t.alloc::<i64>(16)?;
+            t.write(&mut out, &[t.rank() as i64 + 40; 16])?;
+            let mut inb = t.alloc::<i64>(16)?;
+            t.send(&out, peer)?; // completes into the buffer (eager)
+            t.synchronize()?;
+            t.write(&mut out, &[-1; 16])?; // overwriting after completion is fine
+            t.recv(&mut inb, peer)?;
+            t.synchronize()?;
+            let got = t.read(&inb)?;
+            if got != vec![peer as i64 + 40; 16] {
+                return Err(Error::User(format!("got {got:?}")));
+            }
+            Ok(())
+        })
+        .expect("eager sends deliver what was sent");
+}
+
+#[test]
+fn a_panic_in_rank_code_is_reported_not_propagated() {
+    let e = Sim::new(2).run(1, |t| {
+        if t.rank() == 1 {
+            panic!("boom");
+        }
+        Ok(())
+    });
+    match e {
+        Err(Failure::Thread { error, .. }) => assert!(error.contains("boom")),
+        other => panic!("expected a thread failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalid_calls_are_refused_and_leave_the_rank_usable() {
+    Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t| {
+            let buf = t.alloc::<u8>(4)?;
+            for bad in [t.send(&buf, 9), t.notify(5, "x")] {
+                assert!(matches!(bad, Err(Error::Invalid { .. })), "{bad:?}");
+            }
+            let other = t.stream("s")?;
+            let c = t.comm("only-0", &[0])?;
+            if t.rank() == 1 {
+                assert!(c.is_none());
+            }
+            let _ = other;
+            Ok(())
+        })
+        .expect("the ranks go on");
+}
+
+#[test]
+fn communicators_must_be_created_in_the_same_order_everywhere() {
+    let f = Sim::new(2).run(0, |t| {
+        let name = if t.rank() == 0 { "a" } else { "b" };
+        t.comm(name, &[0, 1]).map(drop)
+    });
+    let text = f.unwrap_err().to_string();
+    assert!(text.contains("same order"), "{text}");
+}
+
+#[test]
+fn explicit_placement_on_user_comms_and_streams() {
+    Sim::new(2)
+        .check(|t| {
+            let peer = 1 - t.rank();
+            let c01 = t.comm("c01", &[0, 1])?.expect("member");
+            let c10 = t.comm("c10", &[0, 1])?.expect("member");
+            let (sc, rc) = if t.rank() == 0 {
+                (&c01, &c10)
+            } else {
+                (&c10, &c01)
+            };
+            let s = t.stream("tx")?;
+            let r = t.stream("rx")?;
+            let out = t.alloc::<u8>(32)?;
+            let mut inb = t.alloc::<u8>(32)?;
+            t.send_on(&out, peer, &duplex::Place::on(sc, &s))?;
+            t.recv_on(&mut inb, peer, &duplex::Place::on(rc, &r))?;
+            t.synchronize()
+        })
+        .expect("a comm and a stream per direction complete, even on shared lanes");
+}

@@ -1,0 +1,553 @@
+//! duplex-tests: the conformance suite, written once against
+//! [`duplex::Transport`] and run on every backend.
+//!
+//! Each scenario is a plain function generic over the transport, with what
+//! it needs (ranks, policy) and what must happen ([`Expect`]): complete with
+//! every delivered byte checked, hang with a report that names the cycle,
+//! or fail with a named program error. A backend has one test that runs
+//! [`scenarios`] through its own runner and hands each outcome to
+//! [`verify`]; a scenario the backend cannot run is reported as skipped,
+//! never as passed. Start at [`scenarios`].
+
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
+use duplex::{Dir, Error, Hang, Place, Policy, Rank, Result, Transport};
+
+/// Elements per message in the scenarios (16 KiB of `u32`).
+pub const LEN: usize = 4096;
+
+/// What a scenario must do on a correct backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Complete on every rank, with every delivered byte checked.
+    Completes,
+    /// Hang: the backend must return its hang error, naming a cycle or a
+    /// missing partner, instead of blocking.
+    Hangs,
+    /// Fail with the program error of this kind (`size-mismatch`,
+    /// `type-mismatch`).
+    Fails(&'static str),
+}
+
+/// One scenario.
+pub struct Scenario<T: Transport> {
+    /// Its name.
+    pub name: &'static str,
+    /// What it shows.
+    pub about: &'static str,
+    /// The ranks it runs on.
+    pub ranks: u32,
+    /// The placement policy.
+    pub policy: Policy,
+    /// What must happen.
+    pub expect: Expect,
+    /// The rank code.
+    pub run: fn(&T) -> Result<()>,
+}
+
+impl<T: Transport> std::fmt::Debug for Scenario<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scenario")
+            .field("name", &self.name)
+            .field("ranks", &self.ranks)
+            .field("policy", &self.policy)
+            .field("expect", &self.expect)
+            .finish()
+    }
+}
+
+/// What a backend observed when it ran a scenario.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// Every rank completed.
+    Completed,
+    /// The backend reported a hang.
+    Hang(Box<Hang>),
+    /// A rank failed with this error.
+    Failed(Error),
+    /// The backend could not run the scenario, and why.
+    Skipped(String),
+}
+
+/// Checks an outcome against the scenario's expectation.
+pub fn verify<T: Transport>(s: &Scenario<T>, outcome: &Outcome) -> std::result::Result<(), String> {
+    match (s.expect, outcome) {
+        (_, Outcome::Skipped(why)) => Err(format!("{}: skipped ({why})", s.name)),
+        (Expect::Completes, Outcome::Completed) => Ok(()),
+        (Expect::Hangs, Outcome::Hang(h)) => {
+            if h.stuck.cycle.is_empty() && h.stuck.missing.is_empty() {
+                Err(format!(
+                    "{}: the hang report names no cycle and no missing partner:\n{h}",
+                    s.name
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        (Expect::Fails(kind), Outcome::Failed(Error::Program { kind: k, ops, .. }))
+            if *k == kind =>
+        {
+            if ops.is_empty() {
+                Err(format!("{}: the {kind} error names no op", s.name))
+            } else {
+                Ok(())
+            }
+        }
+        (expect, got) => Err(format!(
+            "{}: expected {expect:?}, got {}",
+            s.name,
+            describe(got)
+        )),
+    }
+}
+
+fn describe(o: &Outcome) -> String {
+    match o {
+        Outcome::Completed => "completion".into(),
+        Outcome::Hang(h) => format!("a hang:\n{h}"),
+        Outcome::Failed(e) => format!("an error: {e}"),
+        Outcome::Skipped(why) => format!("a skip: {why}"),
+    }
+}
+
+/// Every scenario, for a backend whose transport is `T`.
+pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
+    use Expect::*;
+    use Policy::*;
+    let s = |name, about, ranks, policy, expect, run| Scenario {
+        name,
+        about,
+        ranks,
+        policy,
+        expect,
+        run,
+    };
+    vec![
+        s(
+            "seed/shared",
+            "both ranks send, then receive, on PyTorch's placement: the original hang",
+            2,
+            Shared,
+            Hangs,
+            seed::<T>,
+        ),
+        s(
+            "seed/per-direction",
+            "the same program on per-direction lanes completes",
+            2,
+            PerDirection,
+            Completes,
+            seed::<T>,
+        ),
+        s(
+            "seed-rpc/shared",
+            "a sender and a receiver thread per rank, the receiver awaiting the sender's metadata",
+            2,
+            Shared,
+            Hangs,
+            seed_rpc::<T>,
+        ),
+        s(
+            "seed-rpc/per-direction",
+            "the RPC form on per-direction lanes",
+            2,
+            PerDirection,
+            Completes,
+            seed_rpc::<T>,
+        ),
+        s(
+            "ring",
+            "every rank sends to the next and receives from the previous, sends first",
+            4,
+            PerDirection,
+            Completes,
+            ring::<T>,
+        ),
+        s(
+            "all-to-all",
+            "every rank sends to every other, then receives from every other",
+            4,
+            PerDirection,
+            Completes,
+            all_to_all::<T>,
+        ),
+        s(
+            "all-to-all/grouped",
+            "the same, each rank's sends and recvs in one group, on shared lanes",
+            4,
+            Shared,
+            Completes,
+            all_to_all_grouped::<T>,
+        ),
+        s(
+            "1f1b/per-direction",
+            "a 1F1B pipeline schedule, 4 stages, 4 microbatches",
+            4,
+            PerDirection,
+            Completes,
+            pipeline_1f1b::<T>,
+        ),
+        s(
+            "1f1b/shared",
+            "the same schedule on shared lanes: activations and gradients collide",
+            4,
+            Shared,
+            Hangs,
+            pipeline_1f1b::<T>,
+        ),
+        s(
+            "group/shared",
+            "send and recv fused in a group on one shared lane",
+            2,
+            Shared,
+            Completes,
+            grouped::<T>,
+        ),
+        s(
+            "events",
+            "a recv on one stream, an event, and a send of the received data on another stream",
+            2,
+            PerDirection,
+            Completes,
+            events_across_streams::<T>,
+        ),
+        s(
+            "scoped-stream",
+            "with_stream places the ops inside it on the user's stream",
+            2,
+            PerDirection,
+            Completes,
+            scoped_stream::<T>,
+        ),
+        s(
+            "size-mismatch",
+            "rank 0 sends 4096 elements, rank 1 receives 2048",
+            2,
+            PerDirection,
+            Fails("size-mismatch"),
+            size_mismatch::<T>,
+        ),
+        s(
+            "type-mismatch",
+            "rank 0 sends u32, rank 1 receives f32",
+            2,
+            PerDirection,
+            Fails("type-mismatch"),
+            type_mismatch::<T>,
+        ),
+        s(
+            "wrong-peer",
+            "a send to a rank that does not exist is refused, naming the op; the rank goes on",
+            2,
+            PerDirection,
+            Completes,
+            wrong_peer::<T>,
+        ),
+        s(
+            "unmatched-send",
+            "a send that no rank receives",
+            2,
+            PerDirection,
+            Hangs,
+            unmatched_send::<T>,
+        ),
+    ]
+}
+
+/// The value at `i` of a message from `src` to `dst` with `tag`: every byte
+/// of every message differs from the others'.
+pub fn pattern(src: Rank, dst: Rank, tag: u32, i: usize) -> u32 {
+    (src << 28) ^ (dst << 24) ^ (tag << 16) ^ (i as u32)
+}
+
+fn filled<T: Transport>(t: &T, dst: Rank, tag: u32) -> Result<T::Buffer<u32>> {
+    let mut buf = t.alloc::<u32>(LEN)?;
+    let data: Vec<u32> = (0..LEN).map(|i| pattern(t.rank(), dst, tag, i)).collect();
+    t.write(&mut buf, &data)?;
+    Ok(buf)
+}
+
+/// Checks every element of a message from `src` with `tag`.
+pub fn check<T: Transport>(t: &T, buf: &T::Buffer<u32>, src: Rank, tag: u32) -> Result<()> {
+    let got = t.read(buf)?;
+    for (i, g) in got.iter().enumerate() {
+        let want = pattern(src, t.rank(), tag, i);
+        if *g != want {
+            return Err(Error::User(format!(
+                "rank {} got wrong data from rank {src} (tag {tag}) at element {i}: {g:#x}, expected {want:#x}",
+                t.rank()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The seed: send to the peer, then receive from it.
+pub fn seed<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let out = filled(t, peer, 0)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.send(&out, peer)?;
+    t.recv(&mut inb, peer)?;
+    t.synchronize()?;
+    check(t, &inb, peer, 0)
+}
+
+/// The seed's RPC form: a sender thread and a receiver thread per rank.
+pub fn seed_rpc<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let tx = t.spawn("tx", move |t: &T| {
+        let out = filled(t, peer, 1)?;
+        t.notify(peer, "meta")?;
+        t.send(&out, peer)?;
+        let lane = t.lane(peer, Dir::Send)?;
+        t.sync_stream(&lane.stream)
+    })?;
+    let rx = t.spawn("rx", move |t: &T| {
+        let mut inb = t.alloc::<u32>(LEN)?;
+        t.await_notify(peer, "meta")?;
+        t.recv(&mut inb, peer)?;
+        let lane = t.lane(peer, Dir::Recv)?;
+        t.sync_stream(&lane.stream)?;
+        check(t, &inb, peer, 1)
+    })?;
+    t.join(tx)?;
+    t.join(rx)
+}
+
+/// A ring: send to the next rank, receive from the previous.
+pub fn ring<T: Transport>(t: &T) -> Result<()> {
+    let n = t.world_size();
+    let (next, prev) = ((t.rank() + 1) % n, (t.rank() + n - 1) % n);
+    let out = filled(t, next, 2)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.send(&out, next)?;
+    t.recv(&mut inb, prev)?;
+    t.synchronize()?;
+    check(t, &inb, prev, 2)
+}
+
+/// All-to-all by plain sends, then plain recvs.
+pub fn all_to_all<T: Transport>(t: &T) -> Result<()> {
+    let peers: Vec<Rank> = (0..t.world_size()).filter(|p| *p != t.rank()).collect();
+    let outs = peers
+        .iter()
+        .map(|p| filled(t, *p, 3))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ins = peers
+        .iter()
+        .map(|_| t.alloc::<u32>(LEN))
+        .collect::<Result<Vec<_>>>()?;
+    for (p, out) in peers.iter().zip(&outs) {
+        t.send(out, *p)?;
+    }
+    for (p, inb) in peers.iter().zip(ins.iter_mut()) {
+        t.recv(inb, *p)?;
+    }
+    t.synchronize()?;
+    for (p, inb) in peers.iter().zip(&ins) {
+        check(t, inb, *p, 3)?;
+    }
+    Ok(())
+}
+
+/// All-to-all with each rank's sends and recvs in one group.
+pub fn all_to_all_grouped<T: Transport>(t: &T) -> Result<()> {
+    let peers: Vec<Rank> = (0..t.world_size()).filter(|p| *p != t.rank()).collect();
+    let outs = peers
+        .iter()
+        .map(|p| filled(t, *p, 4))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ins = peers
+        .iter()
+        .map(|_| t.alloc::<u32>(LEN))
+        .collect::<Result<Vec<_>>>()?;
+    t.group(|| {
+        for (p, out) in peers.iter().zip(&outs) {
+            t.send(out, *p)?;
+        }
+        for (p, inb) in peers.iter().zip(ins.iter_mut()) {
+            t.recv(inb, *p)?;
+        }
+        Ok(())
+    })?;
+    t.synchronize()?;
+    for (p, inb) in peers.iter().zip(&ins) {
+        check(t, inb, *p, 4)?;
+    }
+    Ok(())
+}
+
+/// A 1F1B pipeline: stage `s` runs `n - s - 1` warm-up forwards, then
+/// alternates one forward and one backward, then drains the backwards.
+/// Forward: receive activations from `s - 1`, send to `s + 1`. Backward:
+/// receive gradients from `s + 1`, send to `s - 1`.
+pub fn pipeline_1f1b<T: Transport>(t: &T) -> Result<()> {
+    const MICROBATCHES: u32 = 4;
+    let (s, n) = (t.rank(), t.world_size());
+    let warmup = (n - s - 1).min(MICROBATCHES);
+    let mut acts = Vec::new();
+    let mut grads = Vec::new();
+    let mut outs = Vec::new();
+    let forward = |mb: u32,
+                   acts: &mut Vec<(T::Buffer<u32>, u32)>,
+                   outs: &mut Vec<T::Buffer<u32>>|
+     -> Result<()> {
+        if s > 0 {
+            let mut a = t.alloc::<u32>(LEN)?;
+            t.recv(&mut a, s - 1)?;
+            acts.push((a, mb));
+        }
+        if s + 1 < n {
+            let out = filled(t, s + 1, 10 + mb)?;
+            t.send(&out, s + 1)?;
+            outs.push(out);
+        }
+        Ok(())
+    };
+    let backward = |mb: u32,
+                    grads: &mut Vec<(T::Buffer<u32>, u32)>,
+                    outs: &mut Vec<T::Buffer<u32>>|
+     -> Result<()> {
+        if s + 1 < n {
+            let mut g = t.alloc::<u32>(LEN)?;
+            t.recv(&mut g, s + 1)?;
+            grads.push((g, mb));
+        }
+        if s > 0 {
+            let out = filled(t, s - 1, 20 + mb)?;
+            t.send(&out, s - 1)?;
+            outs.push(out);
+        }
+        Ok(())
+    };
+    for mb in 0..warmup {
+        forward(mb, &mut acts, &mut outs)?;
+    }
+    for i in 0..MICROBATCHES - warmup {
+        forward(warmup + i, &mut acts, &mut outs)?;
+        backward(i, &mut grads, &mut outs)?;
+    }
+    for mb in MICROBATCHES - warmup..MICROBATCHES {
+        backward(mb, &mut grads, &mut outs)?;
+    }
+    t.synchronize()?;
+    for (a, mb) in &acts {
+        check(t, a, s - 1, 10 + mb)?;
+    }
+    for (g, mb) in &grads {
+        check(t, g, s + 1, 20 + mb)?;
+    }
+    Ok(())
+}
+
+/// Send and recv in one group, on one shared lane.
+pub fn grouped<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let out = filled(t, peer, 5)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.group(|| {
+        t.send(&out, peer)?;
+        t.recv(&mut inb, peer)
+    })?;
+    t.synchronize()?;
+    check(t, &inb, peer, 5)
+}
+
+/// Rank 0 sends a message to rank 1; rank 1 receives it on stream `a`,
+/// records an event there, makes stream `b` wait for it, and sends the
+/// received buffer back on `b`. Rank 0 must get its own data back: without
+/// the event, the send could read the buffer before the recv filled it.
+pub fn events_across_streams<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 6)?;
+        let mut back = t.alloc::<u32>(LEN)?;
+        t.send(&out, 1)?;
+        t.recv(&mut back, 1)?;
+        t.synchronize()?;
+        let got = t.read(&back)?;
+        let want: Vec<u32> = (0..LEN).map(|i| pattern(0, 1, 6, i)).collect();
+        if got != want {
+            return Err(Error::User(
+                "rank 0 did not get its own data back through rank 1".into(),
+            ));
+        }
+        Ok(())
+    } else {
+        let a = t.stream("a")?;
+        let b = t.stream("b")?;
+        let e = t.event()?;
+        let mut buf = t.alloc::<u32>(LEN)?;
+        let from0 = t.lane(0, Dir::Recv)?;
+        let to0 = t.lane(0, Dir::Send)?;
+        t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
+        t.record(&e, &a)?;
+        t.wait(&e, &b)?;
+        t.send_on(&buf, 0, &Place::on(&to0.comm, &b))?;
+        t.synchronize()?;
+        check(t, &buf, 0, 6)
+    }
+}
+
+/// The feature request's pitch: "with use_stream(s): send(...)".
+pub fn scoped_stream<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let mine = t.stream("mine")?;
+    let out = filled(t, peer, 7)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.with_stream(&mine, || t.send(&out, peer))?;
+    t.recv(&mut inb, peer)?;
+    t.sync_stream(&mine)?;
+    t.synchronize()?;
+    check(t, &inb, peer, 7)
+}
+
+/// Rank 0 sends `LEN` elements, rank 1 receives `LEN / 2`.
+pub fn size_mismatch<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 8)?;
+        t.send(&out, 1)?;
+    } else {
+        let mut inb = t.alloc::<u32>(LEN / 2)?;
+        t.recv(&mut inb, 0)?;
+    }
+    t.synchronize()
+}
+
+/// Rank 0 sends `u32`s, rank 1 receives `f32`s of the same size.
+pub fn type_mismatch<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 9)?;
+        t.send(&out, 1)?;
+    } else {
+        let mut inb = t.alloc::<f32>(LEN)?;
+        t.recv(&mut inb, 0)?;
+    }
+    t.synchronize()
+}
+
+/// A send to a rank that does not exist is refused with an error naming
+/// the op; the program then goes on and completes a real exchange.
+pub fn wrong_peer<T: Transport>(t: &T) -> Result<()> {
+    let out = filled(t, 0, 11)?;
+    let bad = t.world_size();
+    match t.send(&out, bad) {
+        Err(Error::Invalid { message, .. }) if message.contains(&format!("rank {bad}")) => {}
+        Err(e) => {
+            return Err(Error::User(format!(
+                "a send to rank {bad} failed with the wrong error: {e}"
+            )));
+        }
+        Ok(()) => return Err(Error::User(format!("a send to rank {bad} was accepted"))),
+    }
+    seed(t)
+}
+
+/// Rank 0 sends a message that no rank receives.
+pub fn unmatched_send<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 12)?;
+        t.send(&out, 1)?;
+    }
+    t.synchronize()
+}

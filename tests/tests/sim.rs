@@ -1,0 +1,49 @@
+//! The conformance suite on the simulator: every scenario, explored over
+//! every interleaving that matters.
+
+use std::time::{Duration, Instant};
+
+use duplex_sim::{Failure, Sim, SimRank};
+use duplex_tests::{Outcome, scenarios, verify};
+
+fn outcome(result: Result<duplex_sim::Run, Failure>) -> Outcome {
+    match result {
+        Ok(_) => Outcome::Completed,
+        Err(Failure::Hang(h)) => Outcome::Hang(h),
+        Err(Failure::Program { error, .. }) => Outcome::Failed(*error),
+        Err(other) => Outcome::Failed(duplex::Error::User(other.to_string())),
+    }
+}
+
+#[test]
+fn every_scenario_on_the_simulator() {
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for s in scenarios::<SimRank>() {
+        let start = Instant::now();
+        let result = Sim::new(s.ranks).policy(s.policy).check(s.run);
+        let elapsed = start.elapsed();
+        let o = outcome(result);
+        eprintln!(
+            "{:<24} {:?} in {:.3} s",
+            s.name,
+            s.expect,
+            elapsed.as_secs_f64()
+        );
+        if let Err(e) = verify(&s, &o) {
+            failures.push(e);
+        }
+        if matches!(o, Outcome::Hang(_)) {
+            // A program that can hang must return its hang in well under a
+            // second, not block the test.
+            assert!(
+                elapsed < Duration::from_secs(5),
+                "{}: the hang took {elapsed:?}",
+                s.name
+            );
+        }
+        ran += 1;
+    }
+    assert!(ran >= 16, "only {ran} scenarios");
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
