@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::compile::{Compiled, Remaining};
-use crate::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId};
+use crate::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId, Threads};
 
 /// Bounds of a check.
 #[derive(Clone, Copy, Debug)]
@@ -134,16 +134,37 @@ pub fn runnable(c: &Compiled, m: &Machine) -> Vec<ThreadId> {
 /// [`reduce`]'s subset.
 pub fn expand(c: &Compiled, m: &Machine, reduce_steps: bool) -> Vec<ThreadId> {
     let all = runnable(c, m);
-    if reduce_steps { reduce(m, &all) } else { all }
+    if reduce_steps {
+        reduce(m, &all, &Remaining(c))
+    } else {
+        all
+    }
 }
 
-/// The persistent set of the module docs: the runnable threads of one rank
-/// whose every other thread has ended (it will never step again) or is
-/// runnable too; the smallest such rank's, or all of `enabled` if no rank
-/// qualifies.
-pub fn reduce(m: &Machine, enabled: &[ThreadId]) -> Vec<ThreadId> {
+/// A persistent set of the enabled threads (module docs):
+///
+/// * a thread whose next call is a `notify` or a `join` alone: those calls
+///   change nothing another step reads, commute with every step and disable
+///   none;
+/// * else the enabled threads of the rank with fewest of them among the
+///   ranks whose every other thread cannot step before one of these does:
+///   it has ended, or it waits in a `join` for such a thread;
+/// * else all of `enabled`.
+pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<ThreadId> {
     if enabled.len() <= 1 {
         return enabled.to_vec();
+    }
+    let next = |t: ThreadId| match m.next(t) {
+        Next::Call => threads.next_call(m, t),
+        _ => None,
+    };
+    if let Some(t) = enabled.iter().copied().find(|t| {
+        matches!(
+            next(*t),
+            Some(HostCall::Notify { .. } | HostCall::Join { .. })
+        )
+    }) {
+        return vec![t];
     }
     let setup = m.setup();
     let mut best: Option<Vec<ThreadId>> = None;
@@ -156,9 +177,26 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId]) -> Vec<ThreadId> {
         if mine.is_empty() {
             continue;
         }
+        // Waits in a chain of joins that ends at a thread of `mine`, so it
+        // cannot step before that thread does.
+        let held = |start: ThreadId| {
+            let mut t = start;
+            for _ in 0..setup.threads.len() {
+                match next(t) {
+                    Some(HostCall::Join { thread, .. }) if !m.ended(thread) => {
+                        if mine.contains(&thread) {
+                            return true;
+                        }
+                        t = thread;
+                    }
+                    _ => return false,
+                }
+            }
+            false
+        };
         let closed = setup
             .threads_of(rank)
-            .all(|t| mine.contains(&t) || m.ended(t));
+            .all(|t| mine.contains(&t) || m.ended(t) || held(t));
         if closed && best.as_ref().is_none_or(|b| mine.len() < b.len()) {
             best = Some(mine);
         }

@@ -307,7 +307,7 @@ impl World {
                 return;
             }
             let options = if self.reduce {
-                crate::check::reduce(&self.machine, &enabled)
+                crate::check::reduce(&self.machine, &enabled, &threads)
             } else {
                 enabled.clone()
             };

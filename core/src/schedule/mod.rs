@@ -3,11 +3,14 @@
 //! The format is fixed by `shared/design/schedule-format.md`; [`parse`] reads
 //! it into a [`Program`] and validates it completely (every error names the
 //! line), and [`Program`]'s `Display` prints it back in a canonical form that
-//! parses to the same program.
+//! parses to the same program, and [`execute`] runs it through any
+//! [`Transport`](crate::Transport).
 
+mod execute;
 mod parse;
 mod print;
 
+pub use execute::{execute, payload};
 pub use parse::{MAX_RANKS, ParseError, parse};
 
 use crate::{Model, Policy, Size};

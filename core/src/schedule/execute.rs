@@ -1,0 +1,213 @@
+//! Runs a schedule [`Program`] through any [`Transport`]: the same file that
+//! `duplex check` reasons about, executed by the simulated transport or on
+//! GPUs.
+//!
+//! Each rank calls [`execute`] with its own handle. Named host threads are
+//! started with [`Transport::spawn`] and joined at the end; every thread ends
+//! with a synchronize of all its rank's streams, as the format says. A send
+//! carries bytes derived from (source, destination, size) and every recv
+//! checks them, so a corrupted or misrouted message is an error.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::{Dir, P2p, Program, StmtKind};
+use crate::{Error, Place, Rank, Result, Transport};
+
+/// Per-rank objects shared by the rank's host threads.
+struct RankObjects<T: Transport> {
+    comms: HashMap<String, T::Comm>,
+    streams: Mutex<HashMap<String, T::Stream>>,
+    events: Mutex<HashMap<String, T::Event>>,
+}
+
+/// The byte at `i` of a message of `len` bytes from `src` to `dst`.
+pub fn payload(src: Rank, dst: Rank, len: u64, i: u64) -> u8 {
+    let x = (u64::from(src) << 40)
+        ^ (u64::from(dst) << 32)
+        ^ len.wrapping_mul(0x9E37_79B9)
+        ^ i.wrapping_mul(31);
+    (x ^ (x >> 8) ^ (x >> 16)) as u8
+}
+
+/// Runs rank `t.rank()`'s part of `program`. Every rank must call it; the
+/// transport's policy should be the program's.
+pub fn execute<T: Transport>(program: &Arc<Program>, t: &T) -> Result<()> {
+    let rank = t.rank();
+    if t.world_size() != program.ranks {
+        return Err(Error::Invalid {
+            at: "schedule".into(),
+            message: format!(
+                "the program has {} ranks, the transport {}",
+                program.ranks,
+                t.world_size()
+            ),
+        });
+    }
+    let mut comms = HashMap::new();
+    for c in &program.comms {
+        if let Some(comm) = t.comm(&c.name, &c.ranks)? {
+            comms.insert(c.name.clone(), comm);
+        }
+    }
+    comms.insert("world".to_string(), t.world());
+    let objects = Arc::new(RankObjects::<T> {
+        comms,
+        streams: Mutex::new(HashMap::new()),
+        events: Mutex::new(HashMap::new()),
+    });
+    let mut spawned = Vec::new();
+    for (i, thread) in program.threads.iter().enumerate() {
+        if thread.rank != rank || thread.name.is_none() {
+            continue;
+        }
+        let (program, objects) = (program.clone(), objects.clone());
+        let name = thread.display_name().to_string();
+        spawned.push(t.spawn(&name, move |t: &T| run_thread(&program, i, &objects, t))?);
+    }
+    let main = program
+        .threads
+        .iter()
+        .position(|th| th.rank == rank && th.name.is_none());
+    let mut result = match main {
+        Some(i) => run_thread(program, i, &objects, t),
+        None => t.synchronize(),
+    };
+    for s in spawned {
+        let r = t.join(s);
+        if result.is_ok() {
+            result = r;
+        }
+    }
+    result
+}
+
+fn stream<T: Transport>(objects: &RankObjects<T>, t: &T, name: &str) -> Result<T::Stream> {
+    let mut streams = objects.streams.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = streams.get(name) {
+        return Ok(s.clone());
+    }
+    let s = t.stream(name)?;
+    streams.insert(name.to_string(), s.clone());
+    Ok(s)
+}
+
+fn event<T: Transport>(objects: &RankObjects<T>, t: &T, name: &str) -> Result<T::Event> {
+    let mut events = objects.events.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = events.get(name) {
+        return Ok(e.clone());
+    }
+    let e = t.event()?;
+    events.insert(name.to_string(), e.clone());
+    Ok(e)
+}
+
+/// A recv buffer and what it must hold once received.
+struct Pending<T: Transport> {
+    buf: T::Buffer<u8>,
+    src: Rank,
+    line: u32,
+}
+
+fn run_thread<T: Transport>(
+    program: &Program,
+    index: usize,
+    objects: &RankObjects<T>,
+    t: &T,
+) -> Result<()> {
+    let thread = &program.threads[index];
+    let mut sent = Vec::new();
+    let mut received: Vec<Pending<T>> = Vec::new();
+    for stmt in &thread.body {
+        match &stmt.kind {
+            StmtKind::Op(op) => p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?,
+            StmtKind::Group(ops) => t.group(|| {
+                for op in ops {
+                    p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?;
+                }
+                Ok(())
+            })?,
+            StmtKind::Record {
+                event: e,
+                stream: s,
+            } => {
+                let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
+                t.record(&event(objects, t, e)?, &s)?;
+            }
+            StmtKind::Wait {
+                event: e,
+                stream: s,
+            } => {
+                let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
+                t.wait(&event(objects, t, e)?, &s)?;
+            }
+            StmtKind::Sync { stream: None } => t.synchronize()?,
+            StmtKind::Sync { stream: Some(s) } => t.sync_stream(&stream(objects, t, s)?)?,
+            StmtKind::Notify { peer, tag } => t.notify(*peer, tag)?,
+            StmtKind::Await { peer, tag } => t.await_notify(*peer, tag)?,
+        }
+    }
+    t.synchronize()?;
+    for p in &received {
+        let got = t.read(&p.buf)?;
+        let len = got.len() as u64;
+        if let Some(i) = (0..len).find(|i| got[*i as usize] != payload(p.src, t.rank(), len, *i)) {
+            return Err(Error::User(format!(
+                "line {}: rank {} received wrong bytes from rank {} at byte {i}",
+                p.line,
+                t.rank(),
+                p.src
+            )));
+        }
+    }
+    drop(sent);
+    Ok(())
+}
+
+fn p2p<T: Transport>(
+    objects: &RankObjects<T>,
+    t: &T,
+    op: &P2p,
+    line: u32,
+    sent: &mut Vec<T::Buffer<u8>>,
+    received: &mut Vec<Pending<T>>,
+) -> Result<()> {
+    let len = usize::try_from(op.size.bytes()).map_err(|_| Error::Invalid {
+        at: format!("line {line}"),
+        message: "message too large for this machine".into(),
+    })?;
+    let place = if op.is_explicit() {
+        let name = op.comm.as_deref().unwrap_or("world");
+        let comm = objects.comms.get(name).ok_or_else(|| Error::Invalid {
+            at: format!("line {line}"),
+            message: format!("rank {} is not in communicator `{name}`", t.rank()),
+        })?;
+        Place::on(
+            comm,
+            &stream(objects, t, op.stream.as_deref().unwrap_or("default"))?,
+        )
+    } else {
+        Place::lane()
+    };
+    match op.dir {
+        Dir::Send => {
+            let mut buf = t.alloc::<u8>(len)?;
+            let data: Vec<u8> = (0..len as u64)
+                .map(|i| payload(t.rank(), op.peer, len as u64, i))
+                .collect();
+            t.write(&mut buf, &data)?;
+            t.send_on(&buf, op.peer, &place)?;
+            sent.push(buf);
+        }
+        Dir::Recv => {
+            let mut buf = t.alloc::<u8>(len)?;
+            t.recv_on(&mut buf, op.peer, &place)?;
+            received.push(Pending {
+                buf,
+                src: op.peer,
+                line,
+            });
+        }
+    }
+    Ok(())
+}
