@@ -5,8 +5,15 @@
 //! prints whether the program can hang, with the wait-for cycle and the
 //! interleaving that leads there. Exit status: 0 no hang and no error, 1 a
 //! hang or a program error, 2 the file cannot be read or is not valid, 3 the
-//! search hit its state bound. This crate only parses arguments and prints;
-//! the work is in `duplex` (the format) and `duplex-sim` (the rules).
+//! search hit its state bound. `duplex run FILE --backend nccl|sim` executes
+//! a schedule file (on GPUs, or one random schedule of the simulator);
+//! `duplex calibrate DIR` measures this machine's NCCL and compares every
+//! file of DIR run on the GPUs with the checker's verdict. This crate only
+//! parses arguments and prints; the work is in `duplex` (the format),
+//! `duplex-sim` (the rules) and `duplex-nccl` (the GPUs).
+
+mod calibrate;
+mod run;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -26,6 +33,57 @@ struct Cli {
 enum Command {
     /// Answers "can this program hang?" for a schedule file, on the simulator.
     Check(CheckArgs),
+    /// Executes a schedule file on GPUs (`--backend nccl`) or on one random
+    /// schedule of the simulator (`--backend sim`), and reports what happened.
+    Run(RunArgs),
+    /// Measures this machine's NCCL (eager capacity) and runs every schedule
+    /// file of DIR on the GPUs, comparing each outcome with `duplex check`.
+    Calibrate(CalibrateArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Backend {
+    Nccl,
+    Sim,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// The schedule file.
+    file: String,
+    /// Where to run it.
+    #[arg(long, value_enum, default_value_t = Backend::Sim)]
+    backend: Backend,
+    /// Place ops without comm=/stream= by this policy (overrides the file).
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<Policy>,
+    /// Deadline of every wait on GPUs, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    /// The simulator's random schedule.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+}
+
+#[derive(clap::Args, Debug)]
+struct CalibrateArgs {
+    /// The folder of schedule files.
+    dir: String,
+    /// Deadline of every wait, in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    timeout_ms: u64,
+    /// Output format: markdown or json.
+    #[arg(long, value_enum, default_value_t = TableFormat::Markdown)]
+    format: TableFormat,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TableFormat {
+    Markdown,
+    Json,
 }
 
 #[derive(clap::Args, Debug)]
@@ -68,6 +126,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => run_check(&args),
+        Command::Run(args) => run_run(&args),
+        Command::Calibrate(args) => run_calibrate(&args),
     }
 }
 
@@ -76,8 +136,9 @@ fn fail(message: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
-fn run_check(args: &CheckArgs) -> ExitCode {
-    let text = match std::fs::read(&args.file) {
+/// Reads and parses a schedule file; the error is the message to print.
+fn load(file: &str) -> Result<duplex::schedule::Program, String> {
+    let text = match std::fs::read(file) {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(t) => t,
             Err(e) => {
@@ -85,14 +146,87 @@ fn run_check(args: &CheckArgs) -> ExitCode {
                     .iter()
                     .filter(|b| **b == b'\n')
                     .count();
-                return fail(&format!("{}:{line}: the file is not UTF-8 text", args.file));
+                return Err(format!("{file}:{line}: the file is not UTF-8 text"));
             }
         },
-        Err(e) => return fail(&format!("cannot read {}: {e}", args.file)),
+        Err(e) => return Err(format!("cannot read {file}: {e}")),
     };
-    let mut program = match duplex::schedule::parse(&text) {
+    duplex::schedule::parse(&text).map_err(|e| format!("{file}:{}: {}", e.line, e.message))
+}
+
+fn print(text: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed pipe (`duplex ... | head`) is not an error of the command.
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+}
+
+fn run_run(args: &RunArgs) -> ExitCode {
+    let mut program = match load(&args.file) {
         Ok(p) => p,
-        Err(e) => return fail(&format!("{}:{}: {}", args.file, e.line, e.message)),
+        Err(m) => return fail(&m),
+    };
+    if let Some(p) = args.policy {
+        program.policy = p;
+    }
+    let ran = match args.backend {
+        Backend::Sim => run::on_sim(&program, args.seed),
+        Backend::Nccl => {
+            match run::on_nccl(&program, std::time::Duration::from_millis(args.timeout_ms)) {
+                Ok(r) => r,
+                Err(e) => return fail(&e.to_string()),
+            }
+        }
+    };
+    match args.format {
+        Format::Json => match serde_json::to_string_pretty(&ran) {
+            Ok(j) => print(&format!("{j}\n")),
+            Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
+        },
+        Format::Text => {
+            let head = match ran.outcome {
+                "ok" => "completed",
+                "deadlock" => {
+                    "HUNG (the deadline expired; the backend aborted the communicators involved)"
+                }
+                _ => "FAILED",
+            };
+            print(&format!(
+                "{}: {head} in {:.3} s\n{}",
+                args.file, ran.seconds, ran.detail
+            ));
+        }
+    }
+    ExitCode::from(if ran.outcome == "ok" { 0 } else { 1 })
+}
+
+fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
+    let timeout = std::time::Duration::from_millis(args.timeout_ms);
+    let (cap, rows) = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout) {
+        Ok(r) => r,
+        Err(e) => return fail(&e.to_string()),
+    };
+    let model = duplex::Model {
+        eager: Size(cap.fits),
+        ..duplex::Model::default()
+    };
+    match args.format {
+        TableFormat::Markdown => print(&calibrate::markdown(&cap, &rows, &model)),
+        TableFormat::Json => {
+            match serde_json::to_string_pretty(&serde_json::json!({"capacity": cap, "rows": rows}))
+            {
+                Ok(j) => print(&format!("{j}\n")),
+                Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
+            }
+        }
+    }
+    let disagree = rows.iter().any(|r| r.agrees == "NO");
+    ExitCode::from(if disagree { 1 } else { 0 })
+}
+
+fn run_check(args: &CheckArgs) -> ExitCode {
+    let mut program = match load(&args.file) {
+        Ok(p) => p,
+        Err(m) => return fail(&m),
     };
     if let Some(p) = args.policy {
         program.policy = p;
@@ -112,15 +246,12 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     };
     let outcome = check::check(&compiled, &options);
     let report = Report::new(&args.file, program.policy, program.model, &outcome);
-    let mut out = std::io::stdout().lock();
-    let written = match args.format {
-        Format::Text => write!(out, "{report}"),
+    match args.format {
+        Format::Text => print(&report.to_string()),
         Format::Json => match serde_json::to_string_pretty(&report) {
-            Ok(json) => writeln!(out, "{json}"),
+            Ok(json) => print(&format!("{json}\n")),
             Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
         },
-    };
-    // A closed pipe (`duplex check f | head`) is not an error of the check.
-    let _ = written.and_then(|()| out.flush());
+    }
     ExitCode::from(report.exit_code() as u8)
 }

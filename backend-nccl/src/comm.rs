@@ -1,0 +1,242 @@
+//! Communicators: creation (init, split), readiness under a deadline, and
+//! abort. Every communicator is non-blocking, so no NCCL call can hold a
+//! thread past duplex's deadline.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::time::{Duration, Instant};
+
+use duplex::{Error, Rank};
+
+use crate::nccl::sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclUniqueId};
+use crate::nccl::{Nccl, nccl};
+
+/// A communicator of this rank: the raw handle and what reports call it.
+#[derive(Debug)]
+pub struct CommInner {
+    raw: ncclComm_t,
+    /// Its number, the same on every rank (world 0, then lanes, then user
+    /// communicators in creation order).
+    pub logical: u32,
+    /// Its name (`world`, `lane:0->1`, `pair:0-1`, a user's name).
+    pub name: String,
+    /// Member ranks in communicator-rank order.
+    pub members: Vec<Rank>,
+    aborted: AtomicBool,
+}
+
+// SAFETY: NCCL communicator handles may be used from any thread; duplex
+// serializes the calls of one rank with its issue lock.
+unsafe impl Send for CommInner {}
+// SAFETY: as above.
+unsafe impl Sync for CommInner {}
+
+/// A shared handle to a communicator.
+pub type Comm = Arc<CommInner>;
+
+/// Polls `done` until it returns true or `timeout` passes. Spins briefly,
+/// then yields, then sleeps, so that short waits stay short.
+pub fn poll(
+    timeout: Duration,
+    mut done: impl FnMut() -> Result<bool, Error>,
+) -> Result<bool, Error> {
+    let start = Instant::now();
+    let mut n: u32 = 0;
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        if start.elapsed() >= timeout {
+            return Ok(false);
+        }
+        n = n.saturating_add(1);
+        if n < 2000 {
+            std::hint::spin_loop();
+        } else if n < 4000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(if n < 6000 { 20 } else { 200 }));
+        }
+    }
+}
+
+impl CommInner {
+    /// The raw handle, unless the communicator was aborted.
+    pub fn raw(&self) -> Result<ncclComm_t, Error> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::Aborted(format!(
+                "communicator {} was aborted after a hang or an error; create a new transport to get new lanes",
+                self.name
+            )));
+        }
+        Ok(self.raw)
+    }
+
+    /// This communicator's rank of global rank `r`, if a member.
+    pub fn rank_of(&self, r: Rank) -> Option<i32> {
+        self.members.iter().position(|m| *m == r).map(|i| i as i32)
+    }
+
+    /// True once aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Waits until no operation is in progress on it.
+    pub fn ready(&self, timeout: Duration, what: &str) -> Result<(), Error> {
+        let lib = nccl()?;
+        let raw = self.raw()?;
+        // SAFETY: `raw` is live (not aborted).
+        let ok = poll(timeout, || unsafe { lib.async_error(raw) })?;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Aborted(format!(
+                "{what} on communicator {} did not finish within {timeout:?}",
+                self.name
+            )))
+        }
+    }
+
+    /// Non-fatal check of the communicator's asynchronous state: `Err` when
+    /// NCCL reports a failure (a peer that died, say).
+    pub fn check(&self) -> Result<(), Error> {
+        if self.is_aborted() {
+            return Ok(());
+        }
+        let lib = nccl()?;
+        // SAFETY: live.
+        unsafe { lib.async_error(self.raw) }.map(drop)
+    }
+
+    /// Aborts the communicator (kills its device work); idempotent.
+    pub fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Ok(lib) = nccl() {
+            // SAFETY: live until now, never used again (the flag is set).
+            if let Err(e) = unsafe { lib.abort(self.raw) } {
+                tracing::warn!(comm = %self.name, error = %e, "abort failed");
+            }
+        }
+    }
+}
+
+impl Drop for CommInner {
+    fn drop(&mut self) {
+        // Every op has completed or the communicator was aborted; abort is the
+        // destroy that cannot block.
+        self.abort();
+    }
+}
+
+/// Where NCCL stores a new communicator's handle. NCCL writes it from its
+/// own thread when an asynchronous setup finishes, so it lives on the heap
+/// until the setup is over (and is leaked if the setup never ends).
+struct Slot(Box<AtomicPtr<c_void>>);
+
+impl Slot {
+    fn new() -> Slot {
+        Slot(Box::new(AtomicPtr::new(std::ptr::null_mut())))
+    }
+
+    fn ptr(&self) -> *mut ncclComm_t {
+        self.0.as_ptr()
+    }
+
+    fn get(&self) -> ncclComm_t {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Gives the slot up to NCCL for good: for a setup that did not finish.
+    fn abandon(self) {
+        std::mem::forget(self);
+    }
+}
+
+/// Creates this rank's handle on a new communicator of `nranks` ranks.
+pub fn init(
+    lib: &Nccl,
+    id: ncclUniqueId,
+    nranks: u32,
+    rank: Rank,
+    timeout: Duration,
+    ctas: (Option<i32>, Option<i32>),
+) -> Result<Comm, Error> {
+    let mut config = lib.config(ctas.0, ctas.1);
+    let slot = Slot::new();
+    // SAFETY: the caller made the rank's device current; the slot lives
+    // until the setup finishes (or is leaked below).
+    unsafe { lib.init_rank(nranks as i32, id, rank as i32, &mut config, slot.ptr()) }?;
+    let raw = slot.get();
+    if raw.is_null() {
+        return Err(Error::Aborted(
+            "ncclCommInitRankConfig returned no communicator".into(),
+        ));
+    }
+    // SAFETY: `raw` is the communicator NCCL is setting up.
+    let ready = poll(timeout, || unsafe { lib.async_error(raw) });
+    match ready {
+        Ok(true) => {}
+        other => {
+            slot.abandon();
+            // SAFETY: abort is allowed while setup is in progress.
+            let _ = unsafe { lib.abort(raw) };
+            return Err(other.err().unwrap_or_else(|| Error::Aborted(format!(
+                "ncclCommInitRankConfig did not finish within {timeout:?}: is every rank starting?"
+            ))));
+        }
+    }
+    Ok(Arc::new(CommInner {
+        raw,
+        logical: 0,
+        name: "world".into(),
+        members: (0..nranks).collect(),
+        aborted: AtomicBool::new(false),
+    }))
+}
+
+/// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
+/// the new communicator, the others `None`.
+#[allow(clippy::too_many_arguments)]
+pub fn split(
+    lib: &Nccl,
+    parent: &Comm,
+    rank: Rank,
+    members: &[Rank],
+    logical: u32,
+    name: &str,
+    timeout: Duration,
+    ctas: (Option<i32>, Option<i32>),
+) -> Result<Option<Comm>, Error> {
+    let mut sorted = members.to_vec();
+    sorted.sort_unstable();
+    let mine = sorted.contains(&rank);
+    let color = if mine { 0 } else { NCCL_SPLIT_NOCOLOR };
+    let mut config = lib.config(ctas.0, ctas.1);
+    let parent_raw = parent.raw()?;
+    let slot = Slot::new();
+    // SAFETY: the parent is live and ready; the slot lives until the split
+    // is over (or is leaked below).
+    unsafe { lib.split(parent_raw, color, rank as i32, &mut config, slot.ptr()) }?;
+    // The split is collective over the parent, and its job reports there.
+    if let Err(e) = parent.ready(timeout, "ncclCommSplit") {
+        slot.abandon();
+        return Err(e);
+    }
+    let raw = slot.get();
+    if !mine || raw.is_null() {
+        return Ok(None);
+    }
+    let comm = Arc::new(CommInner {
+        raw,
+        logical,
+        name: name.to_string(),
+        members: sorted,
+        aborted: AtomicBool::new(false),
+    });
+    comm.ready(timeout, "ncclCommSplit")?;
+    Ok(Some(comm))
+}

@@ -1,0 +1,271 @@
+//! The few CUDA driver calls duplex makes, through `cudarc`'s driver API
+//! with dynamic loading: devices, streams, events and device memory. Each
+//! wrapper owns its handle and releases it in `Drop` without panicking;
+//! every failure is a [`duplex::Error`] naming the call.
+
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+use cudarc::driver::{result, sys};
+use duplex::Error;
+
+/// A CUDA error as a duplex error.
+fn err(call: &str, e: result::DriverError) -> Error {
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    Error::Library {
+        library: "CUDA",
+        call: call.to_string(),
+        code: e.0 as i32,
+        text,
+    }
+}
+
+/// Loads the driver and initializes it, once; returns the number of devices.
+pub fn init() -> Result<usize, Error> {
+    static INIT: OnceLock<Result<usize, Error>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes for the library; loads nothing else.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::Unavailable {
+                what: "the CUDA driver (libcuda.so.1)".into(),
+                how: "no NVIDIA driver library was found: run on a machine with an NVIDIA GPU and driver, or add the driver's folder to LD_LIBRARY_PATH".into(),
+            });
+        }
+        result::init().map_err(|e| err("cuInit", e))?;
+        let n = result::device::get_count().map_err(|e| err("cuDeviceGetCount", e))?;
+        Ok(n.max(0) as usize)
+    })
+    .clone()
+}
+
+/// A device's primary context.
+#[derive(Debug)]
+pub struct Device {
+    ordinal: i32,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUDA context handle may be used from any thread once made current there.
+unsafe impl Send for Device {}
+// SAFETY: as above; the driver synchronizes access to the context.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Retains device `ordinal`'s primary context and makes it current on
+    /// this thread.
+    pub fn new(ordinal: i32) -> Result<Device, Error> {
+        let n = init()?;
+        if ordinal < 0 || ordinal as usize >= n {
+            return Err(Error::Unavailable {
+                what: format!("GPU {ordinal}"),
+                how: format!(
+                    "this machine has {n} GPU(s); ask for fewer ranks or run where there are more"
+                ),
+            });
+        }
+        let dev = result::device::get(ordinal).map_err(|e| err("cuDeviceGet", e))?;
+        // SAFETY: `dev` is a valid device handle.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }
+            .map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;
+        let d = Device { ordinal, ctx };
+        d.bind()?;
+        Ok(d)
+    }
+
+    /// The device number.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), Error> {
+        // SAFETY: the context is retained for the life of `self`.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| err("cuCtxSetCurrent", e))
+    }
+
+    /// Free and total device memory, in bytes.
+    pub fn memory(&self) -> Result<(usize, usize), Error> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| err("cuMemGetInfo", e))
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if let Ok(dev) = result::device::get(self.ordinal) {
+            // SAFETY: releases the retain taken in `new`.
+            let _ = unsafe { result::primary_ctx::release(dev) };
+        }
+    }
+}
+
+/// A non-blocking stream.
+#[derive(Debug)]
+pub struct Stream {
+    raw: sys::CUstream,
+}
+
+// SAFETY: stream handles are usable from any thread of the process.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A new stream on the current context, not synchronizing with the
+    /// legacy default stream.
+    pub fn new() -> Result<Stream, Error> {
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| err("cuStreamCreate", e))?;
+        Ok(Stream { raw })
+    }
+
+    /// The raw handle (NCCL's `cudaStream_t`).
+    pub fn raw(&self) -> *mut c_void {
+        self.raw as *mut c_void
+    }
+
+    /// Makes the stream wait for `event` (R9).
+    pub fn wait(&self, event: &Event) -> Result<(), Error> {
+        // SAFETY: both handles are live.
+        unsafe {
+            result::stream::wait_event(
+                self.raw,
+                event.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| err("cuStreamWaitEvent", e))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: the stream is live; work still queued completes first.
+        let _ = unsafe { result::stream::destroy(self.raw) };
+    }
+}
+
+/// An event without timing.
+#[derive(Debug)]
+pub struct Event {
+    raw: sys::CUevent,
+}
+
+// SAFETY: event handles are usable from any thread of the process.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A new event on the current context; `timing` enables elapsed times.
+    pub fn new(timing: bool) -> Result<Event, Error> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let raw = result::event::create(flags).map_err(|e| err("cuEventCreate", e))?;
+        Ok(Event { raw })
+    }
+
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<(), Error> {
+        // SAFETY: both handles are live.
+        unsafe { result::event::record(self.raw, stream.raw) }.map_err(|e| err("cuEventRecord", e))
+    }
+
+    /// True once the work recorded before the event has completed.
+    pub fn done(&self) -> Result<bool, Error> {
+        // SAFETY: the event is live.
+        match unsafe { result::event::query(self.raw) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(err("cuEventQuery", e)),
+        }
+    }
+
+    /// Milliseconds between `start` and this event (both recorded with timing).
+    pub fn since(&self, start: &Event) -> Result<f32, Error> {
+        // SAFETY: both events are live and have completed.
+        unsafe { result::event::elapsed(start.raw, self.raw) }
+            .map_err(|e| err("cuEventElapsedTime", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is live.
+        let _ = unsafe { result::event::destroy(self.raw) };
+    }
+}
+
+/// Device memory on the current context.
+#[derive(Debug)]
+pub struct Memory {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+// SAFETY: a device pointer is a plain address, valid in every thread.
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    /// `bytes` of zeroed device memory (at least one byte is allocated).
+    pub fn zeroed(bytes: usize) -> Result<Memory, Error> {
+        let n = bytes.max(1);
+        // SAFETY: allocates on the current context.
+        let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| err("cuMemAlloc", e))?;
+        // SAFETY: `ptr` points to `n` bytes just allocated.
+        unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| err("cuMemsetD8", e))?;
+        Ok(Memory { ptr, bytes })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Copies `data` (at most the allocation's size) to the device.
+    pub fn write(&self, data: &[u8]) -> Result<(), Error> {
+        let n = data.len().min(self.bytes);
+        // SAFETY: the destination holds at least `n` bytes.
+        unsafe { result::memcpy_htod_sync(self.ptr, &data[..n]) }
+            .map_err(|e| err("cuMemcpyHtoD", e))
+    }
+
+    /// Copies the allocation to the host.
+    pub fn read(&self) -> Result<Vec<u8>, Error> {
+        let mut out = vec![0u8; self.bytes];
+        // SAFETY: the source holds `self.bytes` bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut out, self.ptr) }
+            .map_err(|e| err("cuMemcpyDtoH", e))?;
+        Ok(out)
+    }
+
+    /// Frees the memory now. Only when no device work uses it any more.
+    pub fn free(mut self) -> Result<(), Error> {
+        let ptr = std::mem::replace(&mut self.ptr, 0);
+        std::mem::forget(self);
+        // SAFETY: `ptr` came from `malloc_sync` and is freed once.
+        unsafe { result::free_sync(ptr) }.map_err(|e| err("cuMemFree", e))
+    }
+
+    /// Never frees the memory: for memory a stuck device op may still use.
+    pub fn leak(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: `ptr` came from `malloc_sync` and is freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! duplex-nccl: [`duplex::Transport`] on real NCCL and CUDA.
+//!
+//! NCCL is opened at run time ([`nccl::nccl`]: `$DUPLEX_NCCL_LIBRARY`, then
+//! `libnccl.so.2`, `libnccl.so`, then Python wheels' `nvidia/nccl/lib`), and
+//! CUDA through `cudarc`'s driver API with dynamic loading, so this crate
+//! builds and its CPU tests run on machines without either; using it there
+//! returns [`duplex::Error::Unavailable`] saying what is missing.
+//!
+//! Start at [`Local`] (several GPUs of one process, a thread per rank) or
+//! [`Process`] (one rank per process, configured as torchrun configures
+//! PyTorch). Both hand rank code an [`NcclRank`]. Its lanes are
+//! communicators made by `ncclCommSplit` from the world communicator; under
+//! [`duplex::Policy::PerDirection`] each ordered pair of ranks gets its own,
+//! with a stream on each end, connected at creation in one group so that
+//! no connection handshake can hang (R6, R7). Every communicator is
+//! non-blocking and every wait has a deadline: a hang becomes
+//! [`duplex::Error::Hang`] listing every pending op and, in a local run,
+//! the wait-for cycle that the simulator's state machine finds in what the
+//! ranks issued ([`registry`]); the communicators involved are aborted, so
+//! the process stays usable.
+//!
+//! Layers, as in `cudarc`: [`nccl::sys`] (raw ABI) → [`nccl`] (one checked
+//! function per call) and [`cuda`] → [`comm`] and [`rank`] (owning types).
+
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
+pub mod board;
+pub mod comm;
+pub mod cuda;
+pub mod nccl;
+pub mod rank;
+pub mod registry;
+mod run;
+
+pub use rank::{
+    LaneCost, NcclBuffer, NcclComm, NcclEvent, NcclRank, NcclStream, NcclThread, Options,
+};
+pub use run::{Local, Process, RankReport};

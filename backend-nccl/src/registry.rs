@@ -1,0 +1,397 @@
+//! What every rank of one process has issued, shared between them (local
+//! mode): it catches size and type mismatches before NCCL sees them, and it
+//! replays the issued ops into the simulator's state machine when a deadline
+//! expires, so that a real hang is reported with the model's wait-for cycle.
+//!
+//! The backend does not re-implement any rule: the analysis is
+//! [`duplex_sim::machine::Machine::stuck`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use duplex::report::{OpInfo, Stuck};
+use duplex::{DType, Dir, Error, Model, Rank};
+use duplex_sim::machine::{
+    EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Setup, Status, StreamId, ThreadId,
+    Unknown,
+};
+
+/// One op as the registry knows it.
+#[derive(Clone, Debug)]
+pub struct OpRec {
+    /// Send or recv.
+    pub dir: Dir,
+    /// Peer rank.
+    pub peer: Rank,
+    /// Bytes.
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Logical communicator.
+    pub comm: u32,
+    /// Stream number in the registry.
+    pub stream: u32,
+}
+
+/// What a host thread is blocked in; the last field is the call's text
+/// and place.
+#[derive(Clone, Debug)]
+pub enum Blocked {
+    /// `sync_stream` (one stream) or `synchronize` (`None`).
+    Sync(Option<u32>, (String, String)),
+    /// `await_notify(from, tag)`.
+    Await(Rank, String, (String, String)),
+    /// `join` of a thread.
+    Join(usize, (String, String)),
+}
+
+#[derive(Debug)]
+enum Call {
+    Launch {
+        ops: Vec<OpRec>,
+        grouped: bool,
+        text: String,
+        at: String,
+    },
+    Record {
+        event: u32,
+        stream: u32,
+    },
+    Wait {
+        event: u32,
+        stream: u32,
+    },
+}
+
+#[derive(Debug, Default)]
+struct Reg {
+    comms: Vec<(String, Vec<Rank>)>,
+    streams: Vec<(Rank, String)>,
+    events: Vec<Rank>,
+    threads: Vec<(Rank, String)>,
+    calls: Vec<(usize, Call)>,
+    blocked: HashMap<usize, Blocked>,
+    /// (comm, src, dst) → sends and recvs issued, with their descriptions.
+    channels: HashMap<(u32, Rank, Rank), (Vec<Side>, Vec<Side>)>,
+    user_comms: Vec<(String, Vec<Rank>)>,
+}
+
+#[derive(Clone, Debug)]
+struct Side {
+    bytes: u64,
+    dtype: DType,
+    grouped: bool,
+    info: OpInfo,
+}
+
+/// The registry of one local run.
+#[derive(Debug)]
+pub struct Registry {
+    ranks: u32,
+    model: Model,
+    inner: Mutex<Reg>,
+}
+
+impl Registry {
+    /// A registry for `ranks` ranks whose hangs are analysed under `model`.
+    pub fn new(ranks: u32, model: Model) -> Arc<Registry> {
+        Arc::new(Registry {
+            ranks,
+            model,
+            inner: Mutex::new(Reg::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Reg> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Declares communicator `logical` (every rank declares the same ones).
+    pub fn comm(&self, logical: u32, name: &str, members: &[Rank]) {
+        let mut r = self.lock();
+        let i = logical as usize;
+        if r.comms.len() <= i {
+            r.comms.resize(i + 1, (String::new(), Vec::new()));
+        }
+        r.comms[i] = (name.to_string(), members.to_vec());
+    }
+
+    /// Checks that the `k`-th user communicator is the same on every rank.
+    pub fn user_comm(&self, k: usize, name: &str, members: &[Rank]) -> Result<(), String> {
+        let mut r = self.lock();
+        match r.user_comms.get(k) {
+            Some((n, m)) if n == name && m == members => Ok(()),
+            Some((n, m)) => Err(format!(
+                "communicator #{k} is `{name}` over {members:?} here but `{n}` over {m:?} on another rank: every rank must create communicators in the same order"
+            )),
+            None => {
+                r.user_comms.push((name.to_string(), members.to_vec()));
+                Ok(())
+            }
+        }
+    }
+
+    /// Registers a stream; returns its number.
+    pub fn stream(&self, rank: Rank, name: &str) -> u32 {
+        let mut r = self.lock();
+        r.streams.push((rank, name.to_string()));
+        (r.streams.len() - 1) as u32
+    }
+
+    /// Registers an event; returns its number.
+    pub fn event(&self, rank: Rank) -> u32 {
+        let mut r = self.lock();
+        r.events.push(rank);
+        (r.events.len() - 1) as u32
+    }
+
+    /// Registers a host thread; returns its number.
+    pub fn thread(&self, rank: Rank, name: &str) -> usize {
+        let mut r = self.lock();
+        r.threads.push((rank, name.to_string()));
+        r.threads.len() - 1
+    }
+
+    /// Checks a launch against what the other side of each channel has
+    /// issued (R3 size and type, R8 grouping) and records it. Nothing is
+    /// recorded when it fails.
+    pub fn launch(
+        &self,
+        thread: usize,
+        rank: Rank,
+        ops: &[OpRec],
+        infos: &[OpInfo],
+        grouped: bool,
+        text: &str,
+        at: &str,
+    ) -> Result<(), Error> {
+        let mut r = self.lock();
+        // First check every op, then record them all.
+        let mut positions = HashMap::new();
+        for (op, info) in ops.iter().zip(infos) {
+            let key = channel(rank, op);
+            let (sends, recvs) = r
+                .channels
+                .get(&key)
+                .map(|(s, v)| (s.len(), v.len()))
+                .unwrap_or((0, 0));
+            let offset = positions.entry((key, op.dir)).or_insert(0usize);
+            let (mine, theirs) = match op.dir {
+                Dir::Send => (sends + *offset, r.channels.get(&key).map(|c| &c.1)),
+                Dir::Recv => (recvs + *offset, r.channels.get(&key).map(|c| &c.0)),
+            };
+            *offset += 1;
+            if let Some(other) = theirs.and_then(|t| t.get(mine)) {
+                let kind = if other.bytes != op.bytes {
+                    Some("size-mismatch")
+                } else if other.dtype != op.dtype {
+                    Some("type-mismatch")
+                } else if other.grouped != grouped {
+                    Some("group-mismatch")
+                } else {
+                    None
+                };
+                if let Some(kind) = kind {
+                    let mut this = info.clone();
+                    this.fifo = mine as u32;
+                    let (send, recv) = if op.dir == Dir::Send {
+                        (this, other.info.clone())
+                    } else {
+                        (other.info.clone(), this)
+                    };
+                    return Err(Error::Program {
+                        kind,
+                        message: format!(
+                            "{send} is matched with {recv} ({}); duplex refused to launch it, since NCCL's behaviour is undefined",
+                            match kind {
+                                "size-mismatch" => "R3: their sizes differ",
+                                "type-mismatch" => "R3: their element types differ",
+                                _ => "R8: only one of them is in a group",
+                            }
+                        ),
+                        ops: vec![send, recv],
+                    });
+                }
+            }
+        }
+        for (op, info) in ops.iter().zip(infos) {
+            let key = channel(rank, op);
+            let entry = r.channels.entry(key).or_default();
+            let list = if op.dir == Dir::Send {
+                &mut entry.0
+            } else {
+                &mut entry.1
+            };
+            let mut info = info.clone();
+            info.fifo = list.len() as u32;
+            list.push(Side {
+                bytes: op.bytes,
+                dtype: op.dtype,
+                grouped,
+                info,
+            });
+        }
+        r.calls.push((
+            thread,
+            Call::Launch {
+                ops: ops.to_vec(),
+                grouped,
+                text: text.to_string(),
+                at: at.to_string(),
+            },
+        ));
+        Ok(())
+    }
+
+    /// The FIFO position the next op of this side of a channel gets.
+    pub fn fifo(&self, rank: Rank, op: &OpRec) -> u32 {
+        let r = self.lock();
+        let key = channel(rank, op);
+        r.channels
+            .get(&key)
+            .map(|(s, v)| {
+                if op.dir == Dir::Send {
+                    s.len()
+                } else {
+                    v.len()
+                }
+            })
+            .unwrap_or(0) as u32
+    }
+
+    /// Records a `record` or `wait` of an event on a stream.
+    pub fn event_call(&self, thread: usize, record: bool, event: u32, stream: u32) {
+        let call = if record {
+            Call::Record { event, stream }
+        } else {
+            Call::Wait { event, stream }
+        };
+        self.lock().calls.push((thread, call));
+    }
+
+    /// Marks a thread blocked (or not).
+    pub fn blocked(&self, thread: usize, what: Option<Blocked>) {
+        let mut r = self.lock();
+        match what {
+            Some(b) => r.blocked.insert(thread, b),
+            None => r.blocked.remove(&thread),
+        };
+    }
+
+    /// Replays what every rank issued into the state machine and explains
+    /// the stuck state, if the model finds one.
+    pub fn analyze(&self) -> Option<Stuck> {
+        let r = self.lock();
+        let mut setup = Setup::new(self.ranks, self.model);
+        for (name, members) in &r.comms {
+            setup.add_comm(name.clone(), members.clone(), true);
+        }
+        for (rank, name) in &r.streams {
+            setup.add_stream(*rank, name.clone());
+        }
+        for rank in &r.events {
+            setup.add_event(*rank, "event");
+        }
+        for (rank, name) in &r.threads {
+            setup.add_thread(*rank, name.clone());
+        }
+        let mut origins = Vec::new();
+        for (_, call) in &r.calls {
+            if let Call::Launch { text, at, .. } = call {
+                origins.push(setup.add_origin(OriginInfo {
+                    text: text.clone(),
+                    place: at.clone(),
+                    line: None,
+                }));
+            }
+        }
+        let mut next: HashMap<ThreadId, HostCall> = HashMap::new();
+        let mut blocked_calls = Vec::new();
+        for (t, b) in &r.blocked {
+            let (text, place) = match b {
+                Blocked::Sync(_, w) | Blocked::Await(_, _, w) | Blocked::Join(_, w) => w.clone(),
+            };
+            let origin = setup.add_origin(OriginInfo {
+                text,
+                place,
+                line: None,
+            });
+            let call = match b {
+                Blocked::Sync(s, _) => HostCall::Sync {
+                    stream: s.map(StreamId),
+                    origin,
+                },
+                Blocked::Await(from, tag, _) => HostCall::Await {
+                    from: *from,
+                    tag: setup.tag(tag),
+                    origin,
+                },
+                Blocked::Join(u, _) => HostCall::Join {
+                    thread: ThreadId(*u as u32),
+                    origin,
+                },
+            };
+            blocked_calls.push((ThreadId(*t as u32), call));
+        }
+        let mut m = Machine::new(Arc::new(setup));
+        let mut o = origins.into_iter();
+        for (t, call) in &r.calls {
+            let t = ThreadId(*t as u32);
+            let hc = match call {
+                Call::Launch { ops, grouped, .. } => HostCall::Launch(LaunchSpec {
+                    ops: ops
+                        .iter()
+                        .map(|op| OpSpec {
+                            dir: op.dir,
+                            peer: op.peer,
+                            bytes: op.bytes,
+                            dtype: op.dtype,
+                            comm: duplex_sim::machine::CommId(op.comm),
+                            stream: StreamId(op.stream),
+                        })
+                        .collect(),
+                    grouped: *grouped,
+                    origin: o.next().unwrap_or(duplex_sim::machine::Origin(0)),
+                }),
+                Call::Record { event, stream } => HostCall::Record {
+                    event: EventId(*event),
+                    stream: StreamId(*stream),
+                    origin: duplex_sim::machine::Origin(0),
+                },
+                Call::Wait { event, stream } => HostCall::Wait {
+                    event: EventId(*event),
+                    stream: StreamId(*stream),
+                    origin: duplex_sim::machine::Origin(0),
+                },
+            };
+            if m.enabled(t, &hc) && m.apply(t, hc).is_err() {
+                return None;
+            }
+        }
+        for (t, call) in blocked_calls {
+            match call {
+                HostCall::Sync { .. } => {
+                    if m.enabled(t, &call) && m.apply(t, call).is_err() {
+                        return None;
+                    }
+                }
+                other => {
+                    next.insert(t, other);
+                }
+            }
+        }
+        let lookup = |t: ThreadId| next.get(&t).cloned();
+        let threads = Unknown(&lookup);
+        match m.status(&threads) {
+            Status::Stuck => Some(m.stuck(&threads)),
+            Status::Running | Status::Finished => None,
+        }
+    }
+}
+
+fn channel(rank: Rank, op: &OpRec) -> (u32, Rank, Rank) {
+    match op.dir {
+        Dir::Send => (op.comm, rank, op.peer),
+        Dir::Recv => (op.comm, op.peer, rank),
+    }
+}

@@ -1,0 +1,397 @@
+//! Running rank code: [`Local`] drives several GPUs from one process with a
+//! thread per rank; [`Process`] is one rank of a one-process-per-rank job
+//! (torchrun, Slurm, mpirun), configured from the environment.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duplex::{Error, Model, Policy, Rank, Result, Transport};
+
+use crate::board::{Board, LocalBoard, Store, hex, unhex};
+use crate::comm;
+use crate::cuda::{self, Device};
+use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
+use crate::nccl::{Nccl, nccl};
+use crate::rank::{LaneCost, NcclRank, Options, RankCtx, RankSetup, panic_text};
+use crate::registry::Registry;
+
+/// What a rank's run reports besides its result.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: Rank,
+    /// Setup time (world communicator, lanes, connections), milliseconds.
+    pub setup_ms: f64,
+    /// What each lane cost.
+    pub lanes: Vec<LaneCost>,
+}
+
+/// Settings shared by both runners.
+#[derive(Clone, Debug)]
+struct Settings {
+    policy: Policy,
+    opts: Options,
+}
+
+macro_rules! builder {
+    () => {
+        /// Places ops without a [`duplex::Place`] by `policy`.
+        pub fn policy(mut self, policy: Policy) -> Self {
+            self.settings.policy = policy;
+            self
+        }
+
+        /// The deadline of every wait (default 10 s or `DUPLEX_TIMEOUT_MS`).
+        pub fn timeout(mut self, timeout: Duration) -> Self {
+            self.settings.opts.timeout = timeout;
+            self
+        }
+
+        /// Connects the world communicator, shared lanes and user
+        /// communicators at creation (`lazy-connect=off`).
+        pub fn warm(mut self, warm: bool) -> Self {
+            self.settings.opts.warm = warm;
+            self
+        }
+
+        /// The model under which hangs are explained.
+        pub fn model(mut self, model: Model) -> Self {
+            self.settings.opts.model = model;
+            self
+        }
+
+        /// CTA bounds for lane communicators.
+        pub fn ctas(mut self, min: Option<i32>, max: Option<i32>) -> Self {
+            self.settings.opts.ctas = (min, max);
+            self
+        }
+    };
+}
+
+/// Several GPUs of this process, a thread per rank.
+#[derive(Clone, Debug)]
+pub struct Local {
+    ranks: u32,
+    lib: &'static Nccl,
+    settings: Settings,
+}
+
+impl Local {
+    /// A run over GPUs `0..ranks`. Fails, saying what is missing and how to
+    /// point duplex at it, without NCCL, a CUDA driver or enough GPUs.
+    pub fn new(ranks: u32) -> Result<Local> {
+        let lib = nccl()?;
+        let n = cuda::init()?;
+        if (n as u32) < ranks || ranks == 0 {
+            return Err(Error::Unavailable {
+                what: format!("{ranks} GPUs"),
+                how: format!(
+                    "this machine has {n}; run with fewer ranks, or one process per rank across machines"
+                ),
+            });
+        }
+        Ok(Local {
+            ranks,
+            lib,
+            settings: Settings {
+                policy: Policy::PerDirection,
+                opts: Options::default(),
+            },
+        })
+    }
+
+    builder!();
+
+    /// Runs `f` on every rank (each on its own thread and GPU). Every rank's
+    /// streams are synchronized when `f` returns; every communicator is
+    /// destroyed before this returns, also after a hang. Returns the most
+    /// telling error of any rank.
+    pub fn run<F>(&self, f: F) -> Result<Vec<RankReport>>
+    where
+        F: Fn(&NcclRank) -> Result<()> + Sync,
+    {
+        let id = self.lib.unique_id()?;
+        let registry = Registry::new(self.ranks, self.settings.opts.model);
+        let board: Arc<dyn Board> = Arc::new(LocalBoard::default());
+        let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..self.ranks)
+                .map(|r| {
+                    let (registry, board, f) = (registry.clone(), board.clone(), &f);
+                    scope.spawn(move || {
+                        rank_main(
+                            self.lib,
+                            r,
+                            self.ranks,
+                            r as i32,
+                            id,
+                            &self.settings,
+                            board,
+                            Some(registry),
+                            f,
+                        )
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|p| {
+                        Err(Error::User(format!(
+                            "rank thread panicked: {}",
+                            panic_text(&p)
+                        )))
+                    })
+                })
+                .collect()
+        });
+        combine(results)
+    }
+}
+
+/// One rank of a one-process-per-rank job.
+#[derive(Clone, Debug)]
+pub struct Process {
+    rank: Rank,
+    world: u32,
+    device: i32,
+    store: String,
+    lib: &'static Nccl,
+    settings: Settings,
+}
+
+fn env_var(name: &str) -> Result<String> {
+    std::env::var(name).map_err(|_| Error::Unavailable {
+        what: format!("the environment variable {name}"),
+        how: "run under torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun does".into(),
+    })
+}
+
+fn env_num(name: &str) -> Result<u32> {
+    let v = env_var(name)?;
+    v.parse().map_err(|_| Error::Invalid {
+        at: name.into(),
+        message: format!("{name}={v} is not a number"),
+    })
+}
+
+impl Process {
+    /// This process's rank, from the variables torchrun sets: `RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK` (the GPU), `MASTER_ADDR` and `MASTER_PORT`.
+    /// Rank 0 serves a small store on `MASTER_PORT + 1` (or `DUPLEX_PORT`)
+    /// for the NCCL unique id and the `notify` messages.
+    pub fn from_env() -> Result<Process> {
+        let rank = env_num("RANK")?;
+        let world = env_num("WORLD_SIZE")?;
+        let device = env_num("LOCAL_RANK")? as i32;
+        let addr = env_var("MASTER_ADDR")?;
+        let port = match std::env::var("DUPLEX_PORT") {
+            Ok(p) => p.parse::<u16>().map_err(|_| Error::Invalid {
+                at: "DUPLEX_PORT".into(),
+                message: format!("DUPLEX_PORT={p} is not a port"),
+            })?,
+            Err(_) => (env_num("MASTER_PORT")? as u16).wrapping_add(1),
+        };
+        if rank >= world {
+            return Err(Error::Invalid {
+                at: "RANK".into(),
+                message: format!("RANK={rank} is not below WORLD_SIZE={world}"),
+            });
+        }
+        let lib = nccl()?;
+        cuda::init()?;
+        Ok(Process {
+            rank,
+            world,
+            device,
+            store: format!("{addr}:{port}"),
+            lib,
+            settings: Settings {
+                policy: Policy::PerDirection,
+                opts: Options::default(),
+            },
+        })
+    }
+
+    builder!();
+
+    /// This process's rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Runs `f` as this rank. Rank 0 must be started for the others to
+    /// connect; every wait, the rendezvous included, has the deadline.
+    pub fn run<F>(&self, f: F) -> Result<RankReport>
+    where
+        F: Fn(&NcclRank) -> Result<()>,
+    {
+        if self.rank == 0 {
+            let id = self.lib.unique_id()?;
+            let port = self
+                .store
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            Store::serve(port, hex(&id.internal))?;
+        }
+        let client = Store::client(self.store.clone());
+        let text = client.unique_id(self.settings.opts.timeout)?;
+        let bytes = unhex(&text)
+            .filter(|b| b.len() == NCCL_UNIQUE_ID_BYTES)
+            .ok_or_else(|| {
+                Error::Aborted(format!("the store sent a malformed unique id: {text}"))
+            })?;
+        let mut id = ncclUniqueId {
+            internal: [0; NCCL_UNIQUE_ID_BYTES],
+        };
+        id.internal.copy_from_slice(&bytes);
+        let board: Arc<dyn Board> = Arc::new(client);
+        rank_main(
+            self.lib,
+            self.rank,
+            self.world,
+            self.device,
+            id,
+            &self.settings,
+            board,
+            None,
+            &f,
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_main<F>(
+    lib: &'static Nccl,
+    rank: Rank,
+    world: u32,
+    device: i32,
+    id: ncclUniqueId,
+    settings: &Settings,
+    board: Arc<dyn Board>,
+    registry: Option<Arc<Registry>>,
+    f: &F,
+) -> Result<RankReport>
+where
+    F: Fn(&NcclRank) -> Result<()>,
+{
+    let start = Instant::now();
+    let device = Arc::new(Device::new(device)?);
+    let opts = settings.opts.clone();
+    let world_comm = comm::init(lib, id, world, rank, opts.timeout, (None, None))?;
+    let ctx = RankCtx::create(RankSetup {
+        rank,
+        world_size: world,
+        policy: settings.policy,
+        opts,
+        lib,
+        device,
+        world: world_comm,
+        board,
+        registry,
+    })?;
+    let setup_ms = start.elapsed().as_secs_f64() * 1e3;
+    let lanes = ctx.costs.clone();
+    let handle = NcclRank::new(ctx, "main");
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&handle)))
+        .unwrap_or_else(|p| {
+            Err(Error::User(format!(
+                "rank {rank} panicked: {}",
+                panic_text(&p)
+            )))
+        });
+    // The end of a rank's code waits for its streams, as a real program's
+    // final synchronize (and as the simulator's end of thread).
+    let result = result.and_then(|()| handle.synchronize());
+    // Whatever happened, nothing of this rank stays stuck on the device.
+    handle.teardown();
+    drop(handle);
+    result.map(|()| RankReport {
+        rank,
+        setup_ms,
+        lanes,
+    })
+}
+
+/// The most telling of several ranks' errors: a hang or a program error
+/// first, an error that is only the echo of another rank's last.
+fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
+    let rank_of = |e: &Error| match e {
+        Error::Program { .. } => 0,
+        Error::Invalid { .. } | Error::Race { .. } => 1,
+        Error::Hang(h) if !h.stuck.cycle.is_empty() || !h.stuck.missing.is_empty() => 2,
+        Error::Hang(_) => 3,
+        Error::User(_) | Error::Library { .. } | Error::Unavailable { .. } => 4,
+        Error::Aborted(_) => 5,
+    };
+    let mut errors: Vec<Error> = Vec::new();
+    let mut ok = Vec::new();
+    for r in results {
+        match r {
+            Ok(rep) => ok.push(rep),
+            Err(e) => errors.push(e),
+        }
+    }
+    match errors.into_iter().min_by_key(rank_of) {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_nccl_or_a_gpu_the_error_says_what_is_missing_and_how_to_fix_it() {
+        match Local::new(2) {
+            Ok(_) => {} // a machine with NCCL and two GPUs: nothing to check here
+            Err(Error::Unavailable { what, how }) => {
+                assert!(!what.is_empty());
+                assert!(
+                    how.contains("DUPLEX_NCCL_LIBRARY")
+                        || how.contains("LD_LIBRARY_PATH")
+                        || how.contains("GPU"),
+                    "{how}"
+                );
+            }
+            Err(e) => panic!("expected Unavailable, got {e}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_torchrun_variable_is_named() {
+        // The test process has no RANK (cargo test does not set it).
+        if std::env::var_os("RANK").is_none() {
+            let e = Process::from_env().unwrap_err().to_string();
+            assert!(e.contains("RANK") && e.contains("torchrun"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_worst_error_of_the_ranks_is_reported() {
+        let hang = Error::Hang(Box::new(duplex::Hang {
+            context: String::new(),
+            stuck: duplex::report::Stuck {
+                cycle: vec![],
+                missing: vec![],
+                blocked: vec![],
+                ops: vec![],
+            },
+            steps: vec![],
+            schedule: None,
+            replay: None,
+        }));
+        let r = combine(vec![
+            Err(Error::Aborted("echo".into())),
+            Err(hang),
+            Ok(RankReport {
+                rank: 2,
+                setup_ms: 0.0,
+                lanes: vec![],
+            }),
+        ]);
+        assert!(matches!(r, Err(Error::Hang(_))));
+    }
+}

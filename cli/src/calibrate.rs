@@ -1,0 +1,289 @@
+//! `duplex calibrate DIR`: measures the eager capacity of this machine's
+//! NCCL (R5), runs every schedule file of DIR on the GPUs, and compares each
+//! real outcome with `duplex check`'s verdict under the model fitted to
+//! the machine.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use duplex::{Dir, Error, Model, Place, Policy, Size, Transport};
+use duplex_nccl::{Local, NcclRank};
+use duplex_sim::check::{self, Verdict};
+
+use crate::run::{Ran, on_nccl};
+
+/// One probe of the eager capacity.
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct Probe {
+    /// Messages sent back to back.
+    pub(crate) messages: u32,
+    /// Bytes of each.
+    pub(crate) bytes: u64,
+    /// True when every send completed before any recv was posted.
+    pub(crate) completed_alone: bool,
+}
+
+/// The measured capacity: the largest total that completed without a recv,
+/// the smallest that did not, and whether a cold channel's first message
+/// waited (R6).
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct Capacity {
+    pub(crate) probes: Vec<Probe>,
+    pub(crate) fits: u64,
+    pub(crate) waits: Option<u64>,
+    pub(crate) cold_first_message_waited: bool,
+}
+
+/// One example's row.
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct Row {
+    pub(crate) file: String,
+    pub(crate) real: Ran,
+    pub(crate) predicted: &'static str,
+    pub(crate) agrees: &'static str,
+}
+
+const SIZES: &[(u32, u64)] = &[
+    (1, 4 << 10),
+    (1, 1 << 20),
+    (1, 16 << 20),
+    (1, 32 << 20),
+    (1, 48 << 20),
+    (1, 64 << 20),
+    (1, 80 << 20),
+    (1, 96 << 20),
+    (1, 128 << 20),
+    (1, 256 << 20),
+    (2, 16 << 20),
+    (4, 16 << 20),
+    (5, 16 << 20),
+    (6, 16 << 20),
+    (8, 16 << 20),
+    (2, 32 << 20),
+    (2, 48 << 20),
+    (2, 64 << 20),
+];
+
+/// Rank 0 sends `messages` x `bytes` on its lane and waits up to 300 ms for
+/// them to complete with no recv posted; then tells rank 1 to receive.
+fn probe(t: &NcclRank, messages: u32, bytes: u64, tag: &str) -> duplex::Result<bool> {
+    let n = bytes as usize;
+    if t.rank() == 0 {
+        let bufs = (0..messages)
+            .map(|_| t.alloc::<u8>(n))
+            .collect::<duplex::Result<Vec<_>>>()?;
+        for b in &bufs {
+            t.send(b, 1)?;
+        }
+        let lane = t.lane(1, Dir::Send)?;
+        let alone = t.try_sync(&lane.stream, Duration::from_millis(300))?;
+        t.notify(1, tag)?;
+        t.synchronize()?;
+        Ok(alone)
+    } else {
+        let mut bufs = (0..messages)
+            .map(|_| t.alloc::<u8>(n))
+            .collect::<duplex::Result<Vec<_>>>()?;
+        t.await_notify(0, tag)?;
+        for b in bufs.iter_mut() {
+            t.recv(b, 0)?;
+        }
+        t.synchronize()?;
+        Ok(false)
+    }
+}
+
+/// Measures the eager capacity on warm per-direction lanes, and whether the
+/// first message of a never-used communicator waits for its recv.
+pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
+    let results = std::sync::Mutex::new(Vec::new());
+    let cold = std::sync::Mutex::new(false);
+    Local::new(2)?
+        .policy(Policy::PerDirection)
+        .timeout(timeout)
+        .run(|t| {
+            for (i, (m, b)) in SIZES.iter().enumerate() {
+                let alone = probe(t, *m, *b, &format!("p{i}"))?;
+                if t.rank() == 0 {
+                    results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(Probe {
+                            messages: *m,
+                            bytes: *b,
+                            completed_alone: alone,
+                        });
+                }
+            }
+            // R6: a fresh communicator (not connected: the run is not `warm`).
+            let c = t
+                .comm("cold", &[0, 1])?
+                .ok_or_else(|| Error::User("rank not in comm".into()))?;
+            let s = t.stream("cold")?;
+            let mut buf = t.alloc::<u8>(4096)?;
+            if t.rank() == 0 {
+                t.send_on(&buf, 1, &Place::on(&c, &s))?;
+                let alone = t.try_sync(&s, Duration::from_millis(300))?;
+                *cold.lock().unwrap_or_else(|e| e.into_inner()) = !alone;
+                t.notify(1, "cold")?;
+            } else {
+                t.await_notify(0, "cold")?;
+                t.recv_on(&mut buf, 0, &Place::on(&c, &s))?;
+            }
+            t.synchronize()
+        })?;
+    let probes = results.into_inner().unwrap_or_default();
+    let fits = probes
+        .iter()
+        .filter(|p| p.completed_alone)
+        .map(|p| p.bytes * u64::from(p.messages))
+        .max()
+        .unwrap_or(0);
+    let waits = probes
+        .iter()
+        .filter(|p| !p.completed_alone)
+        .map(|p| p.bytes * u64::from(p.messages))
+        .min();
+    Ok(Capacity {
+        probes,
+        fits,
+        waits,
+        cold_first_message_waited: cold.into_inner().unwrap_or(false),
+    })
+}
+
+fn verdict(program: &duplex::schedule::Program) -> &'static str {
+    let outcome = check::check(
+        &duplex_sim::compile::compile(program),
+        &check::Options::default(),
+    );
+    match outcome.verdict {
+        Verdict::Ok => "ok",
+        Verdict::Deadlock { .. } => "deadlock",
+        Verdict::Error { .. } => "error",
+        Verdict::Inconclusive => "inconclusive",
+    }
+}
+
+/// Runs every `.sched` file of `dir` and builds the table.
+pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<Row>), Error> {
+    let cap = capacity(timeout)?;
+    eprintln!(
+        "eager capacity: {} completes alone, {} waits",
+        Size(cap.fits),
+        cap.waits
+            .map(|w| Size(w).to_string())
+            .unwrap_or("nothing".into())
+    );
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| Error::Invalid {
+            at: dir.display().to_string(),
+            message: e.to_string(),
+        })?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+        .collect();
+    files.sort();
+    let mut rows = Vec::new();
+    for f in files {
+        let name = f
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let text = std::fs::read_to_string(&f).map_err(|e| Error::Invalid {
+            at: name.clone(),
+            message: e.to_string(),
+        })?;
+        let mut program = match duplex::schedule::parse(&text) {
+            Ok(p) => p,
+            Err(e) => {
+                return Err(Error::Invalid {
+                    at: format!("{name}:{}", e.line),
+                    message: e.message,
+                });
+            }
+        };
+        // The model fitted to this machine: its measured capacity, kernels
+        // in progress at once without bound and communicator order (both
+        // measured in semantics.md); the file keeps whether its
+        // communicators are used cold.
+        program.model.eager = Size(cap.fits);
+        program.model.kernels = None;
+        program.model.comm_order = true;
+        let predicted = verdict(&program);
+        eprintln!("running {name} (predicted {predicted})");
+        let real = on_nccl(&program, timeout)?;
+        let many_threads = program.threads.iter().any(|t| t.name.is_some());
+        let agrees = match (predicted, real.outcome) {
+            (p, r) if p == r => "yes",
+            ("deadlock", "ok") if many_threads => {
+                "consistent: the hang needs an interleaving this run did not take"
+            }
+            _ => "NO",
+        };
+        eprintln!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
+        rows.push(Row {
+            file: name,
+            real,
+            predicted,
+            agrees,
+        });
+    }
+    Ok((cap, rows))
+}
+
+/// The table as Markdown.
+pub(crate) fn markdown(cap: &Capacity, rows: &[Row], model: &Model) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "## Eager capacity (R5, R6), measured\n");
+    let _ = writeln!(
+        s,
+        "| messages | bytes each | completed with no recv posted |\n|---|---|---|"
+    );
+    for p in &cap.probes {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} |",
+            p.messages,
+            Size(p.bytes),
+            if p.completed_alone {
+                "yes"
+            } else {
+                "no (waited)"
+            }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nFitted: eager={} (largest total that completed alone; smallest that waited: {}). First message of a never-used communicator waited for its recv (R6): {}.\n",
+        Size(cap.fits),
+        cap.waits
+            .map(|w| Size(w).to_string())
+            .unwrap_or("none".into()),
+        if cap.cold_first_message_waited {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    let _ = writeln!(
+        s,
+        "## Every example on the GPUs vs `duplex check` (model {model})\n"
+    );
+    let _ = writeln!(
+        s,
+        "| example | real outcome | time (s) | checker | agree |\n|---|---|---|---|---|"
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.2} | {} | {} |",
+            r.file, r.real.outcome, r.real.seconds, r.predicted, r.agrees
+        );
+    }
+    let agree = rows.iter().filter(|r| r.agrees != "NO").count();
+    let _ = writeln!(s, "\n{agree} of {} examples agree.", rows.len());
+    s
+}
