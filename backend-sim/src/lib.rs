@@ -19,9 +19,11 @@
 
 pub mod check;
 pub mod compile;
+pub mod fuzzing;
 pub mod machine;
 pub mod report;
 pub mod sim;
+pub mod strategies;
 
 pub use sim::{Failure, Run, Sim, SimRank};
 

@@ -1,0 +1,5 @@
+//! Random programs against the checker's invariants: see
+//! `duplex_sim::fuzzing::program`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| duplex_sim::fuzzing::program(data));

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs one fuzz target for a number of minutes:
+#
+#   scripts/fuzz.sh parse 30        # or: program
+#
+# Needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
+# New inputs go to fuzz/work/TARGET (not committed); at the end the ones
+# that add coverage are merged into the committed corpus fuzz/corpus/TARGET.
+# A crash is written to fuzz/artifacts/TARGET/: minimize it with
+# `cargo +nightly fuzz tmin TARGET FILE`, fix the bug, and commit the
+# minimized input to fuzz/regressions/TARGET/, which `cargo test` replays
+# (backend-sim/tests/fuzz_corpus.rs). Extra arguments go to libFuzzer.
+set -euo pipefail
+if [ $# -lt 2 ]; then
+    echo "usage: $0 TARGET MINUTES [libFuzzer options...]  (TARGET: parse or program)" >&2
+    exit 2
+fi
+target=$1
+minutes=$2
+shift 2
+cd "$(dirname "$0")/../fuzz"
+mkdir -p "work/$target" "corpus/$target" "regressions/$target"
+flags=(--sanitizer none --debug-assertions --release)
+cargo +nightly fuzz build "${flags[@]}" "$target"
+start=$(date +%s)
+status=0
+cargo +nightly fuzz run "${flags[@]}" "$target" "work/$target" "corpus/$target" "regressions/$target" -- \
+    -max_total_time=$((minutes * 60)) -timeout=60 -print_final_stats=1 "$@" || status=$?
+echo "fuzz.sh: $target ran $(( $(date +%s) - start )) s, exit status $status"
+# Keep the committed corpus small: only inputs that add coverage.
+cargo +nightly fuzz run "${flags[@]}" "$target" "corpus/$target" "work/$target" -- -merge=1
+exit "$status"
