@@ -22,6 +22,12 @@ use crate::strategies::{Bytes, Mutation, Recipe, Shape};
 /// what the programs of [`shape`] need, so reaching it is a finding.
 pub const MAX_STATES: usize = 200_000;
 
+/// The state bound of the search without reduction that [`invariants`]
+/// compares with the reduced one: that search grows fast with the number of
+/// threads, and a program it cannot finish within this bound is not
+/// compared.
+pub const FULL_MAX_STATES: usize = 4_000;
+
 /// The state bound of a check of a program that [`parse`] read: such
 /// programs may be arbitrarily large, so reaching it is not a finding.
 pub const PARSED_MAX_STATES: usize = 5_000;
@@ -81,8 +87,8 @@ pub fn parse(data: &[u8]) {
 /// [`shape`] and, optionally, a [`Mutation`] of it. The program prints and
 /// parses back; the checker decides it within [`MAX_STATES`] and passes
 /// [`invariants`]; a well-formed (unmutated) program never has a program
-/// error; and when it is `ok`, it stays `ok` with more eager capacity and
-/// with `lazy-connect=off`.
+/// error; and when it is `ok`, it stays `ok` with more eager capacity and,
+/// if each rank has one host thread, with `lazy-connect=off`.
 pub fn program(data: &[u8]) {
     let shape = shape();
     let mut bytes = Bytes::new(data);
@@ -118,7 +124,10 @@ pub fn program(data: &[u8]) {
         p.model.eager,
         more.model.eager
     );
-    if p.model.lazy_connect {
+    // With several host threads on a rank this does not hold (a handshake
+    // can hide a race with another thread's `sync`: see
+    // tests/properties.rs), so only with one thread per rank.
+    if p.model.lazy_connect && p.threads.iter().all(|t| t.name.is_none()) {
         let mut warm = p.clone();
         warm.model.lazy_connect = false;
         assert!(
@@ -164,7 +173,8 @@ pub fn round_trip(p: &Program) {
 ///   explanation; an error's replays to the same error;
 /// * the search without reduction ([`Options::reduce`] off) finds an
 ///   interleaving that hangs or errs exactly when the reduced one does
-///   (compared when both decide).
+///   (compared when both decide, the full one within
+///   [`FULL_MAX_STATES`]).
 ///
 /// Returns the reduced search's verdict.
 ///
@@ -233,7 +243,7 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
     let full = check::check(
         &c,
         &Options {
-            max_states,
+            max_states: max_states.min(FULL_MAX_STATES),
             reduce: false,
         },
     )
