@@ -44,13 +44,13 @@ run)
   for s in "${steps[@]}"; do
     case "$s" in
     suite)
-      DUPLEX_NCCL=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout 500 .gpu/nccl-suite --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt" || true ;;
+      DUPLEX_NCCL=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout ${SUITE_S:-150} .gpu/nccl-suite --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt" || true ;;
     calibrate)
-      timeout 500 .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log" || true
+      timeout ${CALIBRATE_S:-200} .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log" || true
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;
     bench)
-      timeout 500 .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-duplex.txt" || true
-      (cd .gpu && timeout 300 python3 bench_torch.py "$out/bench-torch.json") 2>&1 | tee "$out/bench-torch.txt" || true
+      timeout ${BENCH_S:-90} .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-duplex.txt" || true
+      (cd .gpu && timeout ${TORCH_S:-120} python3 bench_torch.py "$out/bench-torch.json") 2>&1 | tee "$out/bench-torch.txt" || true
       python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" > "$out/benchmarks.md" 2>&1 || true
       cat "$out/benchmarks.md" ;;
     *) echo "unknown step $s"; exit 2 ;;

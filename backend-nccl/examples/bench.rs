@@ -73,7 +73,8 @@ fn bandwidth(t: &NcclRank, bytes: u64, both: bool) -> duplex::Result<f64> {
 }
 
 /// Round trips of 4 KiB on one stream of each rank: rank 0 sends then
-/// receives, rank 1 receives then sends; half the mean round trip.
+/// receives, rank 1 receives then sends; half the mean round trip. `raw`
+/// issues plain ncclSend/ncclRecv on the same communicators and stream.
 fn latency(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
     const N: u32 = 2000;
     let peer = 1 - t.rank();
@@ -82,31 +83,22 @@ fn latency(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
     let in_lane = t.lane(peer, Dir::Recv)?;
     let out = t.alloc::<u8>(4096)?;
     let mut inb = t.alloc::<u8>(4096)?;
-    let (out_raw, in_raw) = (t.raw_lane(peer, Dir::Send), t.raw_lane(peer, Dir::Recv));
-    let lib = t.nccl();
-    let stream_raw = t.raw_stream(&s);
-    let one = |inb: &mut _| -> duplex::Result<()> {
-        let send = |inb: &mut _| -> duplex::Result<()> {
-            let _ = inb;
-            if raw {
-                let (comm, _, p) = out_raw.ok_or_else(|| duplex::Error::User("no lane".into()))?;
-                let _g = t.issue_lock();
-                // SAFETY: the buffer lives until the final synchronize.
-                unsafe { lib.send(t.raw_ptr(&out), 4096, 1, p, comm, stream_raw) }
-            } else {
-                t.send_on(&out, peer, &Place::on(&out_lane.comm, &s))
-            }
-        };
-        let recv = |inb: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
-            if raw {
-                let (comm, _, p) = in_raw.ok_or_else(|| duplex::Error::User("no lane".into()))?;
-                let _g = t.issue_lock();
-                // SAFETY: as above.
-                unsafe { lib.recv(t.raw_ptr(inb), 4096, 1, p, comm, stream_raw) }
-            } else {
-                t.recv_on(inb, peer, &Place::on(&in_lane.comm, &s))
-            }
-        };
+    let (out_ptr, in_ptr) = (t.raw_ptr(&out), t.raw_ptr(&inb));
+    let send = |_: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
+        if raw {
+            t.raw_p2p(Dir::Send, peer, out_ptr, 4096, Some(&s))
+        } else {
+            t.send_on(&out, peer, &Place::on(&out_lane.comm, &s))
+        }
+    };
+    let recv = |inb: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
+        if raw {
+            t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, Some(&s))
+        } else {
+            t.recv_on(inb, peer, &Place::on(&in_lane.comm, &s))
+        }
+    };
+    let one = |inb: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
         if t.rank() == 0 {
             send(inb)?;
             recv(inb)
@@ -136,30 +128,15 @@ fn host_overhead(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
     let peer = 1 - t.rank();
     let out = t.alloc::<u8>(4096)?;
     let mut inb = t.alloc::<u8>(4096)?;
-    let lib = t.nccl();
+    let (out_ptr, in_ptr) = (t.raw_ptr(&out), t.raw_ptr(&inb));
     barrier(t, &format!("host{raw}"))?;
     let start = Instant::now();
     for _ in 0..N {
-        if t.rank() == 0 {
-            if raw {
-                let (comm, stream, p) = t
-                    .raw_lane(peer, Dir::Send)
-                    .ok_or_else(|| duplex::Error::User("no lane".into()))?;
-                let _g = t.issue_lock();
-                // SAFETY: the buffer lives until the synchronize below.
-                unsafe { lib.send(t.raw_ptr(&out), 4096, 1, p, comm, stream) }?;
-            } else {
-                t.send(&out, peer)?;
-            }
-        } else if raw {
-            let (comm, stream, p) = t
-                .raw_lane(peer, Dir::Recv)
-                .ok_or_else(|| duplex::Error::User("no lane".into()))?;
-            let _g = t.issue_lock();
-            // SAFETY: as above.
-            unsafe { lib.recv(t.raw_ptr(&inb), 4096, 1, p, comm, stream) }?;
-        } else {
-            t.recv(&mut inb, peer)?;
+        match (t.rank(), raw) {
+            (0, true) => t.raw_p2p(Dir::Send, peer, out_ptr, 4096, None)?,
+            (0, false) => t.send(&out, peer)?,
+            (_, true) => t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, None)?,
+            (_, false) => t.recv(&mut inb, peer)?,
         }
     }
     let enqueue = start.elapsed();
@@ -196,16 +173,22 @@ fn main() {
     let r = local.run(|t| {
         let mut one = Vec::new();
         let mut both = Vec::new();
+        let phase = |name: &str| eprintln!("rank {}: {name}", t.rank());
         for bytes in [1u64 << 20, 64 << 20, 256 << 20] {
+            phase(&format!("one way {bytes}"));
             one.push((bytes, bandwidth(t, bytes, false)?));
+            phase(&format!("both ways {bytes}"));
             both.push((bytes, bandwidth(t, bytes, true)?));
         }
+        phase("latency");
         let lat_d = latency(t, false)?;
         let lat_r = latency(t, true)?;
         let lat_d2 = latency(t, false)?;
         let lat_r2 = latency(t, true)?;
+        phase("host overhead");
         let host_d = host_overhead(t, false)?;
         let host_r = host_overhead(t, true)?;
+        phase("done");
         if t.rank() == 1 {
             // The receiver's clock: it sees the data arrive.
             let mut r = results.lock().unwrap_or_else(|e| e.into_inner());

@@ -19,7 +19,7 @@ use crate::board::Board;
 use crate::comm::{self, Comm, poll};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::nccl::Nccl;
-use crate::registry::{Blocked, OpRec, Registry};
+use crate::registry::{Blocked, LaunchRec, OpRec, Registry};
 
 /// Settings of a run.
 #[derive(Clone, Debug)]
@@ -243,7 +243,7 @@ impl RankCtx {
             Ok(st)
         };
         if let Some(r) = &registry {
-            r.comm(0, "world", &world.members);
+            r.comm(0, "world", &world.members, opts.warm);
         }
         let default_stream = new_stream("default", &mut streams)?;
         let mut lanes = HashMap::new();
@@ -272,7 +272,12 @@ impl RankCtx {
                     opts.ctas,
                 )?;
                 if let Some(r) = &registry {
-                    r.comm(logical, &name, &members);
+                    r.comm(
+                        logical,
+                        &name,
+                        &members,
+                        policy == Policy::PerDirection || opts.warm,
+                    );
                 }
                 logical += 1;
                 let Some(comm) = comm else { continue };
@@ -502,30 +507,48 @@ impl NcclRank {
         poll(timeout, || ev.done())
     }
 
-    /// The raw pieces of a lane, for benchmarks that compare duplex with
-    /// plain NCCL calls on the same communicator.
-    pub fn raw_lane(
-        &self,
-        peer: Rank,
-        dir: Dir,
-    ) -> Option<(crate::nccl::sys::ncclComm_t, *mut std::ffi::c_void, i32)> {
-        let (_, comm, stream) = self.ctx.lanes.get(&(peer, dir))?;
-        Some((comm.raw().ok()?, stream.0.raw.raw(), comm.rank_of(peer)?))
-    }
-
-    /// The raw handle of a stream of this rank, for the same benchmarks.
-    pub fn raw_stream(&self, stream: &NcclStream) -> *mut std::ffi::c_void {
-        stream.0.raw.raw()
-    }
-
-    /// The device address of a buffer, for the same benchmarks.
+    /// The device address of a buffer, for benchmarks that compare duplex
+    /// with plain NCCL calls ([`NcclRank::raw_p2p`]).
     pub fn raw_ptr<E: Element>(&self, buf: &NcclBuffer<E>) -> u64 {
         buf.state.ptr()
     }
 
-    /// Serializes raw NCCL calls with this rank's own.
-    pub fn issue_lock(&self) -> MutexGuard<'_, ()> {
-        lock(&self.ctx.issue)
+    /// A plain `ncclSend`/`ncclRecv` of `bytes` at `ptr` on a lane's
+    /// communicator and `stream` (the lane's when `None`), bypassing duplex's
+    /// bookkeeping: the baseline that benchmarks compare duplex with. It
+    /// takes the rank's issue lock and, on a non-blocking communicator,
+    /// waits out an operation NCCL reports in progress, as any correct
+    /// caller must.
+    pub fn raw_p2p(
+        &self,
+        dir: Dir,
+        peer: Rank,
+        ptr: u64,
+        bytes: usize,
+        stream: Option<&NcclStream>,
+    ) -> Result<()> {
+        let Some((_, comm, lane_stream)) = self.ctx.lanes.get(&(peer, dir)) else {
+            return Err(Error::Invalid {
+                at: "raw_p2p".into(),
+                message: format!("no lane toward rank {peer}"),
+            });
+        };
+        let raw = comm.raw()?;
+        let p = comm.rank_of(peer).unwrap_or(0);
+        let s = stream.unwrap_or(lane_stream).0.raw.raw();
+        let _g = lock(&self.ctx.issue);
+        // SAFETY: the caller keeps the memory alive until the stream is
+        // synchronized; the communicator and stream are live.
+        let launched = unsafe {
+            match dir {
+                Dir::Send => self.ctx.lib.send(ptr, bytes, DType::U8.nccl(), p, raw, s),
+                Dir::Recv => self.ctx.lib.recv(ptr, bytes, DType::U8.nccl(), p, raw, s),
+            }
+        }?;
+        if !launched {
+            comm.ready(self.ctx.opts.timeout, "ncclSend/ncclRecv")?;
+        }
+        Ok(())
     }
 
     fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
@@ -680,15 +703,15 @@ impl NcclRank {
             } else {
                 text.join("")
             };
-            reg.launch(
-                self.thread_id,
-                ctx.rank,
-                &recs,
-                &infos,
+            reg.launch(LaunchRec {
+                thread: self.thread_id,
+                rank: ctx.rank,
+                ops: &recs,
+                infos: &infos,
                 grouped,
-                &text,
-                &place(at),
-            )?;
+                text: &text,
+                at: &place(at),
+            })?;
         }
         ctx.device.bind()?;
         ctx.lib.group_start()?;
@@ -722,6 +745,7 @@ impl NcclRank {
                 let _ = ctx.lib.group_end();
                 return Err(e);
             }
+            let _ = res;
         }
         let launched = ctx.lib.group_end()?;
         if !launched {
@@ -1021,7 +1045,7 @@ impl Transport for NcclRank {
             )?
         };
         if let Some(reg) = &self.ctx.registry {
-            reg.comm(logical, name, &sorted);
+            reg.comm(logical, name, &sorted, self.ctx.opts.warm);
         }
         if let Some(c) = &comm {
             lock(&self.ctx.comms).push(c.clone());

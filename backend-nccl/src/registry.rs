@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use duplex::report::{OpInfo, Stuck};
 use duplex::{DType, Dir, Error, Model, Rank};
 use duplex_sim::machine::{
-    EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Setup, Status, StreamId, ThreadId,
-    Unknown,
+    EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, Status, StreamId,
+    ThreadId, Unknown,
 };
 
 /// One op as the registry knows it.
@@ -65,15 +65,38 @@ enum Call {
 
 #[derive(Debug, Default)]
 struct Reg {
-    comms: Vec<(String, Vec<Rank>)>,
+    /// Name, members, and whether it was connected at creation.
+    comms: Vec<(String, Vec<Rank>, bool)>,
     streams: Vec<(Rank, String)>,
     events: Vec<Rank>,
     threads: Vec<(Rank, String)>,
     calls: Vec<(usize, Call)>,
     blocked: HashMap<usize, Blocked>,
     /// (comm, src, dst) → sends and recvs issued, with their descriptions.
-    channels: HashMap<(u32, Rank, Rank), (Vec<Side>, Vec<Side>)>,
+    channels: HashMap<ChannelKey, (Vec<Side>, Vec<Side>)>,
     user_comms: Vec<(String, Vec<Rank>)>,
+}
+
+/// (communicator, source rank, destination rank).
+type ChannelKey = (u32, Rank, Rank);
+
+/// A launch as a rank reports it to the registry.
+#[derive(Debug)]
+pub struct LaunchRec<'a> {
+    /// The registry's number of the issuing thread.
+    pub thread: usize,
+    /// The issuing rank.
+    pub rank: Rank,
+    /// Its ops.
+    pub ops: &'a [OpRec],
+    /// Their descriptions.
+    pub infos: &'a [OpInfo],
+    /// Issued as a group.
+    pub grouped: bool,
+    /// The call, as text.
+    pub text: &'a str,
+    /// Where it was made.
+    pub at: &'a str,
 }
 
 #[derive(Clone, Debug)]
@@ -106,14 +129,34 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Declares communicator `logical` (every rank declares the same ones).
-    pub fn comm(&self, logical: u32, name: &str, members: &[Rank]) {
+    /// Declares communicator `logical` (every rank declares the same ones);
+    /// `warm` when it was connected at creation, so that R6 and R7 never
+    /// apply to it.
+    pub fn comm(&self, logical: u32, name: &str, members: &[Rank], warm: bool) {
         let mut r = self.lock();
         let i = logical as usize;
         if r.comms.len() <= i {
-            r.comms.resize(i + 1, (String::new(), Vec::new()));
+            r.comms.resize(i + 1, (String::new(), Vec::new(), true));
         }
-        r.comms[i] = (name.to_string(), members.to_vec());
+        r.comms[i] = (name.to_string(), members.to_vec(), warm);
+    }
+
+    /// Sends or recvs that no op of the other side ever matched: at the end
+    /// of a run that otherwise completed, a send that completed into the
+    /// channel's buffer (R5) and that nobody received.
+    pub fn unmatched(&self) -> Vec<OpInfo> {
+        let r = self.lock();
+        let mut out = Vec::new();
+        for (sends, recvs) in r.channels.values() {
+            for side in sends
+                .iter()
+                .skip(recvs.len())
+                .chain(recvs.iter().skip(sends.len()))
+            {
+                out.push(side.info.clone());
+            }
+        }
+        out
     }
 
     /// Checks that the `k`-th user communicator is the same on every rank.
@@ -155,16 +198,16 @@ impl Registry {
     /// Checks a launch against what the other side of each channel has
     /// issued (R3 size and type, R8 grouping) and records it. Nothing is
     /// recorded when it fails.
-    pub fn launch(
-        &self,
-        thread: usize,
-        rank: Rank,
-        ops: &[OpRec],
-        infos: &[OpInfo],
-        grouped: bool,
-        text: &str,
-        at: &str,
-    ) -> Result<(), Error> {
+    pub fn launch(&self, l: LaunchRec<'_>) -> Result<(), Error> {
+        let LaunchRec {
+            thread,
+            rank,
+            ops,
+            infos,
+            grouped,
+            text,
+            at,
+        } = l;
         let mut r = self.lock();
         // First check every op, then record them all.
         let mut positions = HashMap::new();
@@ -283,8 +326,8 @@ impl Registry {
     pub fn analyze(&self) -> Option<Stuck> {
         let r = self.lock();
         let mut setup = Setup::new(self.ranks, self.model);
-        for (name, members) in &r.comms {
-            setup.add_comm(name.clone(), members.clone(), true);
+        for (name, members, warm) in &r.comms {
+            setup.add_comm(name.clone(), members.clone(), *warm);
         }
         for (rank, name) in &r.streams {
             setup.add_stream(*rank, name.clone());
@@ -364,8 +407,23 @@ impl Registry {
                     origin: duplex_sim::machine::Origin(0),
                 },
             };
+            // A call that waited for a connection handshake (R7) returns
+            // once the other side has issued its own first op.
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    return None;
+                }
+            }
             if m.enabled(t, &hc) && m.apply(t, hc).is_err() {
                 return None;
+            }
+        }
+        for i in 0..r.threads.len() {
+            let t = ThreadId(i as u32);
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    return None;
+                }
             }
         }
         for (t, call) in blocked_calls {
@@ -389,7 +447,7 @@ impl Registry {
     }
 }
 
-fn channel(rank: Rank, op: &OpRec) -> (u32, Rank, Rank) {
+fn channel(rank: Rank, op: &OpRec) -> ChannelKey {
     match op.dir {
         Dir::Send => (op.comm, rank, op.peer),
         Dir::Recv => (op.comm, op.peer, rank),

@@ -117,19 +117,25 @@ pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
                 }
             }
             // R6: a fresh communicator (not connected: the run is not `warm`).
+            // Rank 1's first op on it is a send toward rank 0, which completes
+            // both ranks' connection handshakes (R7) without receiving rank
+            // 0's first message: does that message wait for its recv?
             let c = t
                 .comm("cold", &[0, 1])?
                 .ok_or_else(|| Error::User("rank not in comm".into()))?;
-            let s = t.stream("cold")?;
-            let mut buf = t.alloc::<u8>(4096)?;
+            let (s1, s2) = (t.stream("cold-a")?, t.stream("cold-b")?);
+            let out = t.alloc::<u8>(4096)?;
+            let mut inb = t.alloc::<u8>(4096)?;
             if t.rank() == 0 {
-                t.send_on(&buf, 1, &Place::on(&c, &s))?;
-                let alone = t.try_sync(&s, Duration::from_millis(300))?;
+                t.send_on(&out, 1, &Place::on(&c, &s1))?;
+                let alone = t.try_sync(&s1, Duration::from_millis(300))?;
                 *cold.lock().unwrap_or_else(|e| e.into_inner()) = !alone;
+                t.recv_on(&mut inb, 1, &Place::on(&c, &s2))?;
                 t.notify(1, "cold")?;
             } else {
+                t.send_on(&out, 0, &Place::on(&c, &s1))?;
                 t.await_notify(0, "cold")?;
-                t.recv_on(&mut buf, 0, &Place::on(&c, &s))?;
+                t.recv_on(&mut inb, 0, &Place::on(&c, &s2))?;
             }
             t.synchronize()
         })?;

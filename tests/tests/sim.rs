@@ -30,7 +30,7 @@ fn every_scenario_on_the_simulator() {
             s.expect,
             elapsed.as_secs_f64()
         );
-        if let Err(e) = verify(&s, &o) {
+        if let Err(e) = verify(&s, &o, true) {
             failures.push(e);
         }
         if matches!(o, Outcome::Hang(_)) {

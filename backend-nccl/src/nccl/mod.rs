@@ -368,7 +368,8 @@ impl Nccl {
         Ok(r == sys::NCCL_SUCCESS)
     }
 
-    /// `ncclSend`.
+    /// `ncclSend`: `Ok(true)` when launched (or queued in an open group),
+    /// `Ok(false)` when a non-blocking communicator reports it in progress.
     ///
     /// # Safety
     /// `buf` must point to `count` elements of `dtype` on the communicator's
@@ -382,13 +383,14 @@ impl Nccl {
         peer: i32,
         comm: ncclComm_t,
         stream: *mut c_void,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
         // SAFETY: as documented.
         let r = unsafe { (self.send)(buf as *const c_void, count, dtype, peer, comm, stream) };
-        self.check("ncclSend", r, Some(comm))
+        self.check("ncclSend", r, Some(comm))?;
+        Ok(r == sys::NCCL_SUCCESS)
     }
 
-    /// `ncclRecv`.
+    /// `ncclRecv`, answering as [`Nccl::send`].
     ///
     /// # Safety
     /// As [`Nccl::send`], and the buffer must be writable.
@@ -400,10 +402,11 @@ impl Nccl {
         peer: i32,
         comm: ncclComm_t,
         stream: *mut c_void,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
         // SAFETY: as documented.
         let r = unsafe { (self.recv)(buf as *mut c_void, count, dtype, peer, comm, stream) };
-        self.check("ncclRecv", r, Some(comm))
+        self.check("ncclRecv", r, Some(comm))?;
+        Ok(r == sys::NCCL_SUCCESS)
     }
 
     /// `ncclCommMemStats(ncclStatGpuMemTotal)`, where the library has it
