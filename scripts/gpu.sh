@@ -50,8 +50,15 @@ run)
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;
     bench)
       timeout ${BENCH_S:-90} .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-duplex.txt" || true
+      # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the table.
+      for c in 16 32 64; do
+        echo "== lane CTAs $c" >> "$out/bench-sweep.txt"
+        timeout 40 .gpu/bench --quick --min-ctas $c --max-ctas $c >> "$out/bench-sweep.txt" 2>/dev/null || echo "failed" >> "$out/bench-sweep.txt"
+      done
+      cat "$out/bench-sweep.txt"
       (cd .gpu && timeout ${TORCH_S:-120} python3 bench_torch.py "$out/bench-torch.json") 2>&1 | tee "$out/bench-torch.txt" || true
       python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" > "$out/benchmarks.md" 2>&1 || true
+      { echo; echo '### Lane CTA bounds (256 MiB, duplex only)'; echo; echo '```'; cat "$out/bench-sweep.txt"; echo '```'; } >> "$out/benchmarks.md"
       cat "$out/benchmarks.md" ;;
     *) echo "unknown step $s"; exit 2 ;;
     esac

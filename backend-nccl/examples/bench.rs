@@ -156,6 +156,8 @@ fn main() {
         arg("--min-ctas").and_then(|v| v.parse().ok()),
         arg("--max-ctas").and_then(|v| v.parse().ok()),
     );
+    // --quick: only 256 MiB bandwidth, for sweeps of settings.
+    let quick = args.iter().any(|a| a == "--quick");
     let results = Mutex::new(Results {
         ctas,
         ..Default::default()
@@ -174,11 +176,25 @@ fn main() {
         let mut one = Vec::new();
         let mut both = Vec::new();
         let phase = |name: &str| eprintln!("rank {}: {name}", t.rank());
-        for bytes in [1u64 << 20, 64 << 20, 256 << 20] {
+        let sizes: &[u64] = if quick {
+            &[256 << 20]
+        } else {
+            &[1 << 20, 64 << 20, 256 << 20]
+        };
+        for &bytes in sizes {
             phase(&format!("one way {bytes}"));
             one.push((bytes, bandwidth(t, bytes, false)?));
             phase(&format!("both ways {bytes}"));
             both.push((bytes, bandwidth(t, bytes, true)?));
+        }
+        if quick {
+            let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
+            if t.rank() == 1 {
+                r.one_way = one;
+                r.both_ways = both;
+                r.nccl = t.nccl().version_string();
+            }
+            return Ok(());
         }
         phase("latency");
         let lat_d = latency(t, false)?;

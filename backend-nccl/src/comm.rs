@@ -23,6 +23,11 @@ pub struct CommInner {
     pub name: String,
     /// Member ranks in communicator-rank order.
     pub members: Vec<Rank>,
+    /// A blocking communicator: its calls return when done. duplex makes
+    /// blocking only communicators connected at creation, whose calls never
+    /// wait for a peer's host; a rank's watchdog aborts it if a call still
+    /// overstays the deadline.
+    pub blocking: bool,
     aborted: AtomicBool,
 }
 
@@ -165,7 +170,7 @@ pub fn init(
     timeout: Duration,
     ctas: (Option<i32>, Option<i32>),
 ) -> Result<Comm, Error> {
-    let mut config = lib.config(ctas.0, ctas.1);
+    let mut config = lib.config(ctas.0, ctas.1, false);
     let slot = Slot::new();
     // SAFETY: the caller made the rank's device current; the slot lives
     // until the setup finishes (or is leaked below).
@@ -194,12 +199,15 @@ pub fn init(
         logical: 0,
         name: "world".into(),
         members: (0..nranks).collect(),
+        blocking: false,
         aborted: AtomicBool::new(false),
     }))
 }
 
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
-/// the new communicator, the others `None`.
+/// the new communicator, the others `None`. The split itself follows the
+/// parent's mode (non-blocking, under the deadline); the new communicator
+/// is `blocking` or not.
 #[allow(clippy::too_many_arguments)]
 pub fn split(
     lib: &Nccl,
@@ -210,12 +218,13 @@ pub fn split(
     name: &str,
     timeout: Duration,
     ctas: (Option<i32>, Option<i32>),
+    blocking: bool,
 ) -> Result<Option<Comm>, Error> {
     let mut sorted = members.to_vec();
     sorted.sort_unstable();
     let mine = sorted.contains(&rank);
     let color = if mine { 0 } else { NCCL_SPLIT_NOCOLOR };
-    let mut config = lib.config(ctas.0, ctas.1);
+    let mut config = lib.config(ctas.0, ctas.1, blocking);
     let parent_raw = parent.raw()?;
     let slot = Slot::new();
     // SAFETY: the parent is live and ready; the slot lives until the split
@@ -235,6 +244,7 @@ pub fn split(
         logical,
         name: name.to_string(),
         members: sorted,
+        blocking,
         aborted: AtomicBool::new(false),
     });
     comm.ready(timeout, "ncclCommSplit")?;

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::panic::Location;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -158,14 +158,29 @@ pub struct NcclThread {
 #[derive(Debug)]
 pub(crate) struct Issued {
     info: OpInfo,
-    event: Event,
+    event: Option<Event>,
     comm: Comm,
+    ctx: std::sync::Weak<RankCtx>,
     _buf: Arc<BufState>,
 }
 
 impl Issued {
     fn done(&self) -> bool {
-        self.event.done().unwrap_or(true)
+        self.event.as_ref().is_none_or(|e| e.done().unwrap_or(true))
+    }
+}
+
+impl Drop for Issued {
+    fn drop(&mut self) {
+        // A completed op's event goes back to its rank's pool.
+        if let (Some(e), Some(ctx)) = (self.event.take(), self.ctx.upgrade())
+            && e.done().unwrap_or(false)
+        {
+            let mut pool = lock(&ctx.events);
+            if pool.len() < 4096 {
+                pool.push(e);
+            }
+        }
     }
 }
 
@@ -189,6 +204,14 @@ pub(crate) struct RankCtx {
     user_comms: AtomicUsize,
     next_logical: AtomicU32,
     fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
+    /// Events of completed ops, for reuse.
+    events: Mutex<Vec<Event>>,
+    /// When an NCCL call of this rank started (nanoseconds since `epoch`),
+    /// 0 when none is in progress; the watchdog reads it.
+    busy_since: AtomicU64,
+    epoch: Instant,
+    /// Set when the watchdog aborted this rank's communicators.
+    fired: AtomicBool,
     pub(crate) costs: Vec<LaneCost>,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
@@ -261,6 +284,9 @@ impl RankCtx {
                 };
                 let before = device.memory().map(|m| m.0).unwrap_or(0);
                 let start = Instant::now();
+                // Lanes connected at creation are blocking communicators:
+                // their calls never wait for a peer's host (see `watchdog`).
+                let connected = policy == Policy::PerDirection || opts.warm;
                 let comm = comm::split(
                     lib,
                     &world,
@@ -270,6 +296,7 @@ impl RankCtx {
                     &name,
                     opts.timeout,
                     opts.ctas,
+                    connected,
                 )?;
                 if let Some(r) = &registry {
                     r.comm(
@@ -331,10 +358,15 @@ impl RankCtx {
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
             fifo: Mutex::new(HashMap::new()),
+            events: Mutex::new(Vec::new()),
+            busy_since: AtomicU64::new(0),
+            epoch: Instant::now(),
+            fired: AtomicBool::new(false),
             costs,
             device,
             opts,
         });
+        watchdog(&ctx);
         // Per-direction lanes are connected now (R6, R7); with `warm`, the
         // world communicator and shared lanes too. One group per rank holding
         // every connection: a group's ops cannot block each other (R8).
@@ -367,10 +399,16 @@ impl RankCtx {
         self.device.bind()?;
         let mem = Memory::zeroed(2)?;
         let stream = Stream::new()?;
-        {
+        // NCCL refuses blocking and non-blocking communicators in one group.
+        for blocking in [true, false] {
+            let group: Vec<&&Comm> = comms.iter().filter(|c| c.blocking == blocking).collect();
+            if group.is_empty() {
+                continue;
+            }
             let _g = lock(&self.issue);
+            let _busy = self.busy();
             self.lib.group_start()?;
-            for c in &comms {
+            for c in &group {
                 let raw = c.raw()?;
                 for peer in &c.members {
                     if *peer == self.rank {
@@ -386,8 +424,10 @@ impl RankCtx {
                     }
                 }
             }
-            self.lib.group_end()?;
-            for c in &comms {
+            if let Err(e) = self.lib.group_end() {
+                return Err(self.watchdog_error(e, "connecting the lanes"));
+            }
+            for c in &group {
                 c.ready(self.opts.timeout, "connecting")?;
             }
         }
@@ -408,6 +448,45 @@ impl RankCtx {
         ops.clone()
     }
 
+    /// Marks an NCCL call in progress until the guard drops.
+    fn busy(&self) -> Busy<'_> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        self.busy_since.store(now.max(1), Ordering::Release);
+        Busy(self)
+    }
+
+    /// The error of an NCCL call that failed: after the watchdog aborted the
+    /// communicators, a hang.
+    fn watchdog_error(&self, e: Error, what: &str) -> Error {
+        if self.fired.load(Ordering::Acquire) {
+            Error::Aborted(format!(
+                "{what}: an NCCL call of rank {} did not return within {:?}; the watchdog aborted the rank's communicators ({e})",
+                self.rank, self.opts.timeout
+            ))
+        } else {
+            e
+        }
+    }
+
+    /// An event for a new op: a completed op's, or a new one.
+    fn event(&self) -> Result<Event> {
+        match lock(&self.events).pop() {
+            Some(e) => Ok(e),
+            None => Event::new(false),
+        }
+    }
+
+    /// Aborts every communicator of the rank.
+    fn abort_all(&self) {
+        for c in lock(&self.comms).iter() {
+            c.abort();
+        }
+        for (_, c, _) in self.lanes.values() {
+            c.abort();
+        }
+        self.world.abort();
+    }
+
     /// The end of a run: waits (under the deadline) for every op of this
     /// rank; if some never complete, aborts every communicator of the rank
     /// so that no kernel stays stuck, waits briefly for the aborted work to
@@ -425,13 +504,7 @@ impl RankCtx {
             rank = self.rank,
             "ops still pending at the end of the run: aborting this rank's communicators"
         );
-        for c in lock(&self.comms).iter() {
-            c.abort();
-        }
-        for (_, c, _) in self.lanes.values() {
-            c.abort();
-        }
-        self.world.abort();
+        self.abort_all();
         if !matches!(
             poll(Duration::from_secs(2), || Ok(self.pending().is_empty())),
             Ok(true)
@@ -445,6 +518,44 @@ impl RankCtx {
             std::mem::forget(stuck);
         }
     }
+}
+
+/// An NCCL call in progress (see [`RankCtx::busy`]).
+struct Busy<'a>(&'a RankCtx);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy_since.store(0, Ordering::Release);
+    }
+}
+
+/// Starts the rank's watchdog: a thread that aborts every communicator of
+/// the rank when one NCCL call has been in progress longer than the
+/// deadline (a blocking communicator whose call waits on a peer, say), so
+/// that no thread stays blocked inside NCCL. It ends with the rank.
+fn watchdog(ctx: &Arc<RankCtx>) {
+    let weak = Arc::downgrade(ctx);
+    let limit = ctx.opts.timeout.as_nanos() as u64;
+    let _ = std::thread::Builder::new()
+        .name(format!("duplex watchdog {}", ctx.rank))
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(20));
+                let Some(ctx) = weak.upgrade() else { return };
+                let since = ctx.busy_since.load(Ordering::Acquire);
+                let now = ctx.epoch.elapsed().as_nanos() as u64;
+                if since != 0
+                    && now.saturating_sub(since) > limit
+                    && !ctx.fired.swap(true, Ordering::AcqRel)
+                {
+                    tracing::warn!(
+                        rank = ctx.rank,
+                        "an NCCL call overstayed the deadline: aborting the rank's communicators"
+                    );
+                    ctx.abort_all();
+                }
+            }
+        });
 }
 
 /// One host thread's handle on a rank.
@@ -537,6 +648,7 @@ impl NcclRank {
         let p = comm.rank_of(peer).unwrap_or(0);
         let s = stream.unwrap_or(lane_stream).0.raw.raw();
         let _g = lock(&self.ctx.issue);
+        let _busy = self.ctx.busy();
         // SAFETY: the caller keeps the memory alive until the stream is
         // synchronized; the communicator and stream are live.
         let launched = unsafe {
@@ -665,6 +777,18 @@ impl NcclRank {
         for r in &reqs {
             r.comm.raw()?;
         }
+        if let (Some(a), Some(b)) = (
+            reqs.iter().find(|r| r.comm.blocking),
+            reqs.iter().find(|r| !r.comm.blocking),
+        ) {
+            return Self::invalid(
+                at,
+                format!(
+                    "this group mixes {} (on {}, connected at creation, a blocking communicator) and {} (on {}, connected on first use, non-blocking); NCCL cannot launch them together: put them in separate groups, or connect every communicator at creation (Local::warm)",
+                    a.text, a.comm.name, b.text, b.comm.name
+                ),
+            );
+        }
         let recs: Vec<OpRec> = reqs
             .iter()
             .map(|r| OpRec {
@@ -714,6 +838,7 @@ impl NcclRank {
             })?;
         }
         ctx.device.bind()?;
+        let busy = ctx.busy();
         ctx.lib.group_start()?;
         for r in &reqs {
             let raw = r.comm.raw()?;
@@ -743,11 +868,14 @@ impl NcclRank {
             };
             if let Err(e) = res {
                 let _ = ctx.lib.group_end();
-                return Err(e);
+                return Err(ctx.watchdog_error(e, &reqs[0].text));
             }
-            let _ = res;
         }
-        let launched = ctx.lib.group_end()?;
+        let launched = ctx
+            .lib
+            .group_end()
+            .map_err(|e| ctx.watchdog_error(e, &reqs[0].text))?;
+        drop(busy);
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
@@ -771,16 +899,26 @@ impl NcclRank {
             }
         }
         for (r, info) in reqs.iter().zip(infos) {
-            let event = Event::new(false)?;
+            let event = ctx.event()?;
             event.record(&r.stream.0.raw)?;
             let issued = Arc::new(Issued {
                 info,
-                event,
+                event: Some(event),
                 comm: r.comm.clone(),
+                ctx: Arc::downgrade(ctx),
                 _buf: r.buf.clone(),
             });
-            lock(&r.buf.users).push(Arc::downgrade(&issued));
-            lock(&ctx.ops).push(issued);
+            {
+                let mut users = lock(&r.buf.users);
+                users.retain(|w| w.strong_count() > 0);
+                users.push(Arc::downgrade(&issued));
+            }
+            let mut ops = lock(&ctx.ops);
+            if ops.len() >= 256 {
+                // Amortized: completed ops leave, and give their events back.
+                ops.retain(|o| !o.done());
+            }
+            ops.push(issued);
         }
         Ok(())
     }
@@ -1042,6 +1180,7 @@ impl Transport for NcclRank {
                 name,
                 self.ctx.opts.timeout,
                 (None, None),
+                self.ctx.opts.warm,
             )?
         };
         if let Some(reg) = &self.ctx.registry {

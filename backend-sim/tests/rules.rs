@@ -241,6 +241,27 @@ fn r7_the_handshake_is_completed_by_an_op_in_either_direction() {
 }
 
 #[test]
+fn r7_each_side_of_a_connection_is_set_up_in_its_own_round() {
+    // Both ranks' first sends pair up; rank 0's first recv then needs its
+    // receive side, which pairs only with rank 1's next call that needs a
+    // new side: rank 1's recv, issued after the notify that rank 0 posts
+    // after its recv. Measured on the H200s (examples/cold-recv-needs-its-own-handshake.sched).
+    let src = two_ranks(
+        "model lazy-connect=on eager=64MiB",
+        "send 1 4KiB comm=world stream=a\nrecv 1 4KiB comm=world stream=b\nnotify 1 go",
+        "send 0 4KiB comm=world stream=a\nawait 0 go\nrecv 0 4KiB comm=world stream=b",
+    );
+    assert_eq!(verdict(&src), "deadlock");
+    assert!(cycle_rules(&src).contains(&"R7"));
+    // Notifying before the recv lets rank 1's recv pair with rank 0's: no
+    // host call waits in a handshake any more (the program still hangs on
+    // the device, R2 and R6, as the first messages of cold channels meet
+    // sends serialized on one communicator).
+    let fixed = src.replace("recv 1 4KiB comm=world stream=b\nnotify 1 go", "notify 1 go\nrecv 1 4KiB comm=world stream=b");
+    assert!(!cycle_rules(&fixed).contains(&"R7"), "{:?}", cycle_rules(&fixed));
+}
+
+#[test]
 fn r7_per_direction_lanes_are_connected_at_creation() {
     let src = two_ranks(
         "model lazy-connect=on\npolicy per-direction",

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
-use duplex::{Dir, Error, Model, Place, Policy, Size, Transport};
+use duplex::{Dir, Error, Model, Policy, Size, Transport};
 use duplex_nccl::{Local, NcclRank};
 use duplex_sim::check::{self, Verdict};
 
@@ -25,14 +25,13 @@ pub(crate) struct Probe {
 }
 
 /// The measured capacity: the largest total that completed without a recv,
-/// the smallest that did not, and whether a cold channel's first message
-/// waited (R6).
+/// and the smallest that did not. (R6, cold channels, is measured by the
+/// examples that run the same exchange on cold and warm communicators.)
 #[derive(Clone, Debug, serde::Serialize)]
 pub(crate) struct Capacity {
     pub(crate) probes: Vec<Probe>,
     pub(crate) fits: u64,
     pub(crate) waits: Option<u64>,
-    pub(crate) cold_first_message_waited: bool,
 }
 
 /// One example's row.
@@ -94,11 +93,9 @@ fn probe(t: &NcclRank, messages: u32, bytes: u64, tag: &str) -> duplex::Result<b
     }
 }
 
-/// Measures the eager capacity on warm per-direction lanes, and whether the
-/// first message of a never-used communicator waits for its recv.
+/// Measures the eager capacity on warm per-direction lanes.
 pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
     let results = std::sync::Mutex::new(Vec::new());
-    let cold = std::sync::Mutex::new(false);
     Local::new(2)?
         .policy(Policy::PerDirection)
         .timeout(timeout)
@@ -115,27 +112,6 @@ pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
                             completed_alone: alone,
                         });
                 }
-            }
-            // R6: a fresh communicator (not connected: the run is not `warm`).
-            // Rank 1's first op on it is a send toward rank 0, which completes
-            // both ranks' connection handshakes (R7) without receiving rank
-            // 0's first message: does that message wait for its recv?
-            let c = t
-                .comm("cold", &[0, 1])?
-                .ok_or_else(|| Error::User("rank not in comm".into()))?;
-            let (s1, s2) = (t.stream("cold-a")?, t.stream("cold-b")?);
-            let out = t.alloc::<u8>(4096)?;
-            let mut inb = t.alloc::<u8>(4096)?;
-            if t.rank() == 0 {
-                t.send_on(&out, 1, &Place::on(&c, &s1))?;
-                let alone = t.try_sync(&s1, Duration::from_millis(300))?;
-                *cold.lock().unwrap_or_else(|e| e.into_inner()) = !alone;
-                t.recv_on(&mut inb, 1, &Place::on(&c, &s2))?;
-                t.notify(1, "cold")?;
-            } else {
-                t.send_on(&out, 0, &Place::on(&c, &s1))?;
-                t.await_notify(0, "cold")?;
-                t.recv_on(&mut inb, 0, &Place::on(&c, &s2))?;
             }
             t.synchronize()
         })?;
@@ -155,7 +131,6 @@ pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
         probes,
         fits,
         waits,
-        cold_first_message_waited: cold.into_inner().unwrap_or(false),
     })
 }
 
@@ -263,16 +238,11 @@ pub(crate) fn markdown(cap: &Capacity, rows: &[Row], model: &Model) -> String {
     }
     let _ = writeln!(
         s,
-        "\nFitted: eager={} (largest total that completed alone; smallest that waited: {}). First message of a never-used communicator waited for its recv (R6): {}.\n",
+        "\nFitted: eager={} (largest total that completed alone; smallest that waited: {}).\n",
         Size(cap.fits),
         cap.waits
             .map(|w| Size(w).to_string())
             .unwrap_or("none".into()),
-        if cap.cold_first_message_waited {
-            "yes"
-        } else {
-            "no"
-        }
     );
     let _ = writeln!(
         s,

@@ -248,13 +248,18 @@ impl Nccl {
         }
     }
 
-    /// A config for a communicator of this library: non-blocking, with the
-    /// given CTA bounds.
-    pub fn config(&self, min_ctas: Option<i32>, max_ctas: Option<i32>) -> ncclConfig_t {
+    /// A config for a communicator of this library, blocking or not, with
+    /// the given CTA bounds.
+    pub fn config(
+        &self,
+        min_ctas: Option<i32>,
+        max_ctas: Option<i32>,
+        blocking: bool,
+    ) -> ncclConfig_t {
         // `from_library` refused versions below MIN_VERSION, so `new` succeeds.
         let mut c = ncclConfig_t::new(self.version)
             .unwrap_or(ncclConfig_t::new(MIN_VERSION).expect("2.18 is supported"));
-        c.blocking = 0;
+        c.blocking = i32::from(blocking);
         if let Some(n) = min_ctas {
             c.minCTAs = n;
         }

@@ -478,9 +478,9 @@ enum Wait {
         targets: Vec<(StreamId, u32)>,
         origin: Option<Origin>,
     },
-    /// Handshakes with these (comm, peer) pairs have completed.
+    /// The peers have entered these connection setup rounds (R7).
     Connect {
-        pairs: Vec<(CommId, Rank)>,
+        pairs: Vec<(CommId, Rank, u32)>,
     },
 }
 
@@ -593,7 +593,11 @@ pub struct State {
     /// Messages posted and not consumed: (from, to, tag) → count.
     mail: BTreeMap<(Rank, Rank, TagId), u32>,
     /// R7: (comm, a, b) means rank a has issued an op toward b on comm.
-    marks: BTreeSet<(CommId, Rank, Rank)>,
+    /// R7: connection setup rounds rank a has entered toward b on comm c.
+    rounds: BTreeMap<(CommId, Rank, Rank), u32>,
+    /// R7: connected sides: (comm, a, b, Send) is a's send side toward b,
+    /// (comm, a, b, Recv) a's receive side from b.
+    sides: BTreeSet<(CommId, Rank, Rank, Dir)>,
 }
 
 /// A message movement, reported to drivers that move real bytes.
@@ -636,7 +640,8 @@ impl Machine {
             channels: BTreeMap::new(),
             events: Vec::new(),
             mail: BTreeMap::new(),
-            marks: BTreeSet::new(),
+            rounds: BTreeMap::new(),
+            sides: BTreeSet::new(),
         };
         let mut m = Machine {
             setup,
@@ -755,7 +760,7 @@ impl Machine {
                 let rank = self.rank_of(t);
                 pairs
                     .iter()
-                    .all(|(c, peer)| self.state.marks.contains(&(*c, *peer, rank)))
+                    .all(|(c, peer, round)| self.peer_rounds(*c, *peer, rank) >= *round)
             }
         }
     }
@@ -902,6 +907,8 @@ impl Machine {
             debug_assert!(false, "resume without a pending handshake");
             return Ok(());
         };
+        let rank = self.rank_of(t);
+        self.connect_sides(rank, &spec);
         self.enqueue(t, seq, spec)?;
         self.progress();
         Ok(())
@@ -1000,29 +1007,47 @@ impl Machine {
         Ok(())
     }
 
-    /// R7: marks this rank's use of each cold (comm, peer) pair and returns
-    /// the pairs that were not connected before this call. The call then
-    /// blocks in the handshake until the peer has marked the pair too, and
-    /// returns by a [`Machine::resume`] step: both sides of a handshake take
-    /// that step, whichever called first (both run the setup exchange), which
-    /// also makes the two orders of two first uses lead to the same state.
-    fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank)> {
-        let mut pairs = Vec::new();
+    /// Rounds of connection setup `peer` has entered toward `rank` on `comm`.
+    pub(crate) fn peer_rounds(&self, comm: CommId, peer: Rank, rank: Rank) -> u32 {
+        self.state.rounds.get(&(comm, peer, rank)).copied().unwrap_or(0)
+    }
+
+    /// R7, as measured: a call whose ops need a side of a connection this
+    /// rank has not set up (its send side toward a peer, or its receive side
+    /// from it) enters a setup round with that peer, and blocks until the
+    /// peer has entered the same round, by any call that needs a new side
+    /// toward this rank. Each round connects the sides its own call needed.
+    /// Returns the (comm, peer, round) the call waits for. The call returns
+    /// by a [`Machine::resume`] step, on both sides of a round, which also
+    /// makes the two orders of two first uses lead to the same state.
+    fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank, u32)> {
+        let mut peers: Vec<(CommId, Rank)> = Vec::new();
         for op in &spec.ops {
-            if self.setup.comms[op.comm.ix()].warm {
+            if self.setup.comms[op.comm.ix()].warm || op.peer == rank {
                 continue;
             }
             let pair = (op.comm, op.peer);
-            let connected = self.state.marks.contains(&(op.comm, rank, op.peer))
-                && self.state.marks.contains(&(op.comm, op.peer, rank));
-            if !connected && !pairs.contains(&pair) {
-                pairs.push(pair);
+            if !self.state.sides.contains(&(op.comm, rank, op.peer, op.dir)) && !peers.contains(&pair) {
+                peers.push(pair);
             }
         }
-        for (comm, peer) in &pairs {
-            self.state.marks.insert((*comm, rank, *peer));
+        peers
+            .into_iter()
+            .map(|(comm, peer)| {
+                let n = self.state.rounds.entry((comm, rank, peer)).or_insert(0);
+                *n += 1;
+                (comm, peer, *n)
+            })
+            .collect()
+    }
+
+    /// The sides a launch's handshake connected (on [`Machine::resume`]).
+    fn connect_sides(&mut self, rank: Rank, spec: &LaunchSpec) {
+        for op in &spec.ops {
+            if !self.setup.comms[op.comm.ix()].warm {
+                self.state.sides.insert((op.comm, rank, op.peer, op.dir));
+            }
         }
-        pairs
     }
 
     /// Puts a launch on its streams and its ops in their channels; finds size

@@ -289,13 +289,13 @@ impl Graph<'_> {
                 }
             }
             Wait::Connect { pairs } => {
-                for (c, peer) in pairs {
-                    if m.state.marks.contains(&(*c, *peer, rank)) {
+                for (c, peer, round) in pairs {
+                    if m.peer_rounds(*c, *peer, rank) >= *round {
                         continue;
                     }
                     let comm = m.comm_name(*c).to_string();
                     let why = format!(
-                        "connection handshake: waits for rank {peer} to issue its first op toward rank {rank} on comm {comm}"
+                        "connection handshake: waits for rank {peer} to issue an op toward rank {rank} on comm {comm} that needs a connection it has not set up (setup round {round})"
                     );
                     let others = self.issuers(*peer, *c, None, rank);
                     if others.is_empty() {
