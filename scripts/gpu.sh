@@ -49,16 +49,16 @@ run)
       timeout ${CALIBRATE_S:-200} .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log" || true
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;
     bench)
-      timeout ${BENCH_S:-90} .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-duplex.txt" || true
+      timeout ${BENCH_S:-90} .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt" || true
       # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the table.
       for c in 16 32 64; do
-        echo "== lane CTAs $c" >> "$out/bench-sweep.txt"
-        timeout 40 .gpu/bench --quick --min-ctas $c --max-ctas $c >> "$out/bench-sweep.txt" 2>/dev/null || echo "failed" >> "$out/bench-sweep.txt"
+        echo "== lane CTAs $c" >> /tmp/bench-sweep.txt
+        timeout 40 .gpu/bench --quick --min-ctas $c --max-ctas $c 2>/dev/null | grep -E "^ +[0-9]+MiB|^duplex" >> /tmp/bench-sweep.txt || echo "failed" >> /tmp/bench-sweep.txt
       done
-      cat "$out/bench-sweep.txt"
-      (cd .gpu && timeout ${TORCH_S:-120} python3 bench_torch.py "$out/bench-torch.json") 2>&1 | tee "$out/bench-torch.txt" || true
+      cat /tmp/bench-sweep.txt | tee -a "$out/bench-log.txt"
+      (cd .gpu && timeout ${TORCH_S:-120} python3 bench_torch.py "$out/bench-torch.json") 2>&1 | grep -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt" || true
       python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" > "$out/benchmarks.md" 2>&1 || true
-      { echo; echo '### Lane CTA bounds (256 MiB, duplex only)'; echo; echo '```'; cat "$out/bench-sweep.txt"; echo '```'; } >> "$out/benchmarks.md"
+      { echo; echo '### Lane CTA bounds (256 MiB, duplex only)'; echo; echo '```'; cat /tmp/bench-sweep.txt; echo '```'; } >> "$out/benchmarks.md"
       cat "$out/benchmarks.md" ;;
     *) echo "unknown step $s"; exit 2 ;;
     esac

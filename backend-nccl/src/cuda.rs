@@ -80,8 +80,13 @@ impl Device {
         self.ordinal
     }
 
-    /// Makes this device's context current on the calling thread.
+    /// Makes this device's context current on the calling thread (a
+    /// no-op when it already is: reading the current context is cheaper
+    /// than setting it, and this runs before every op).
     pub fn bind(&self) -> Result<(), Error> {
+        if matches!(result::ctx::get_current(), Ok(Some(c)) if c == self.ctx) {
+            return Ok(());
+        }
         // SAFETY: the context is retained for the life of `self`.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| err("cuCtxSetCurrent", e))
     }

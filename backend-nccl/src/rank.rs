@@ -74,7 +74,7 @@ pub struct NcclStream(Arc<StreamInner>);
 #[derive(Debug)]
 struct StreamInner {
     raw: Stream,
-    name: String,
+    name: Arc<str>,
     rank: Rank,
     id: u32,
 }
@@ -157,9 +157,8 @@ pub struct NcclThread {
 /// the buffer it uses (kept alive until the op is dropped, after it completed).
 #[derive(Debug)]
 pub(crate) struct Issued {
-    info: OpInfo,
+    meta: OpMeta,
     event: Option<Event>,
-    comm: Comm,
     ctx: std::sync::Weak<RankCtx>,
     _buf: Arc<BufState>,
 }
@@ -180,6 +179,62 @@ impl Drop for Issued {
             if pool.len() < 4096 {
                 pool.push(e);
             }
+        }
+    }
+}
+
+/// What describes an op, made of cheap clones on the hot path; the words
+/// of a report ([`OpMeta::info`]) are built only when one is needed.
+#[derive(Clone, Debug)]
+pub(crate) struct OpMeta {
+    pub(crate) rank: Rank,
+    pub(crate) thread: Arc<str>,
+    pub(crate) dir: Dir,
+    pub(crate) peer: Rank,
+    pub(crate) count: usize,
+    pub(crate) dtype: DType,
+    pub(crate) comm: Comm,
+    pub(crate) stream: Arc<str>,
+    pub(crate) fifo: u32,
+    pub(crate) grouped: bool,
+    pub(crate) at: &'static Location<'static>,
+}
+
+impl OpMeta {
+    /// `send 1024 x f32 to rank 1`.
+    pub(crate) fn text(&self) -> String {
+        format!(
+            "{} {} x {} {} rank {}",
+            self.dir.name(),
+            self.count,
+            self.dtype,
+            if self.dir == Dir::Send { "to" } else { "from" },
+            self.peer
+        )
+    }
+
+    /// Where the call was made.
+    pub(crate) fn place(&self) -> String {
+        place(self.at)
+    }
+
+    /// The op as a report shows it.
+    pub(crate) fn info(&self) -> OpInfo {
+        OpInfo {
+            rank: self.rank,
+            thread: self.thread.to_string(),
+            op: self.dir,
+            peer: self.peer,
+            bytes: (self.count * self.dtype.size()) as u64,
+            dtype: self.dtype,
+            comm: self.comm.name.clone(),
+            stream: self.stream.to_string(),
+            fifo: self.fifo,
+            state: "not complete",
+            grouped: self.grouped,
+            call: self.text(),
+            at: self.place(),
+            line: None,
         }
     }
 }
@@ -206,6 +261,8 @@ pub(crate) struct RankCtx {
     fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
     /// Events of completed ops, for reuse.
     events: Mutex<Vec<Event>>,
+    /// Length of `ops` at which completed ops are next pruned.
+    prune_at: AtomicUsize,
     /// When an NCCL call of this rank started (nanoseconds since `epoch`),
     /// 0 when none is in progress; the watchdog reads it.
     busy_since: AtomicU64,
@@ -258,7 +315,7 @@ impl RankCtx {
         let new_stream = |name: &str, streams: &mut Vec<NcclStream>| -> Result<NcclStream> {
             let st = NcclStream(Arc::new(StreamInner {
                 raw: Stream::new()?,
-                name: name.to_string(),
+                name: name.into(),
                 rank,
                 id: reg_stream(name),
             }));
@@ -359,6 +416,7 @@ impl RankCtx {
             next_logical: AtomicU32::new(logical),
             fifo: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
+            prune_at: AtomicUsize::new(256),
             busy_since: AtomicU64::new(0),
             epoch: Instant::now(),
             fired: AtomicBool::new(false),
@@ -562,7 +620,7 @@ fn watchdog(ctx: &Arc<RankCtx>) {
 #[derive(Debug)]
 pub struct NcclRank {
     ctx: Arc<RankCtx>,
-    thread: String,
+    thread: Arc<str>,
     thread_id: usize,
     group: RefCell<Option<Vec<Req>>>,
     scoped: RefCell<Vec<NcclStream>>,
@@ -570,16 +628,10 @@ pub struct NcclRank {
 
 #[derive(Debug)]
 struct Req {
-    dir: Dir,
-    peer: Rank,
+    meta: OpMeta,
     ptr: u64,
-    count: usize,
-    dtype: DType,
-    comm: Comm,
     stream: NcclStream,
     buf: Arc<BufState>,
-    text: String,
-    at: String,
 }
 
 impl NcclRank {
@@ -591,7 +643,7 @@ impl NcclRank {
             .unwrap_or(0);
         NcclRank {
             ctx,
-            thread: thread.to_string(),
+            thread: thread.into(),
             thread_id,
             group: RefCell::new(None),
             scoped: RefCell::new(Vec::new()),
@@ -675,25 +727,6 @@ impl NcclRank {
         self.ctx.teardown();
     }
 
-    fn info(&self, r: &Req, fifo: u32) -> OpInfo {
-        OpInfo {
-            rank: self.ctx.rank,
-            thread: self.thread.clone(),
-            op: r.dir,
-            peer: r.peer,
-            bytes: (r.count * r.dtype.size()) as u64,
-            dtype: r.dtype,
-            comm: r.comm.name.clone(),
-            stream: r.stream.0.name.clone(),
-            fifo,
-            state: "not complete",
-            grouped: false,
-            call: r.text.clone(),
-            at: r.at.clone(),
-            line: None,
-        }
-    }
-
     fn req<E: Element>(
         &self,
         at: &'static Location<'static>,
@@ -702,18 +735,21 @@ impl NcclRank {
         peer: Rank,
         place_: &Place<Self>,
     ) -> Result<Req> {
-        let what = format!(
-            "{} {} x {} {} rank {peer}",
-            dir.name(),
-            buf.len,
-            E::DTYPE,
-            if dir == Dir::Send { "to" } else { "from" }
-        );
+        let what = || {
+            format!(
+                "{} {} x {} {} rank {peer}",
+                dir.name(),
+                buf.len,
+                E::DTYPE,
+                if dir == Dir::Send { "to" } else { "from" }
+            )
+        };
         if peer >= self.ctx.world_size {
             return Self::invalid(
                 at,
                 format!(
-                    "{what}: rank {peer} does not exist (there are {} ranks)",
+                    "{}: rank {peer} does not exist (there are {} ranks)",
+                    what(),
                     self.ctx.world_size
                 ),
             );
@@ -721,7 +757,7 @@ impl NcclRank {
         if buf.state.rank != self.ctx.rank {
             return Self::invalid(
                 at,
-                format!("{what}: the buffer belongs to rank {}", buf.state.rank),
+                format!("{}: the buffer belongs to rank {}", what(), buf.state.rank),
             );
         }
         let lane = if peer == self.ctx.rank {
@@ -738,7 +774,8 @@ impl NcclRank {
             return Self::invalid(
                 at,
                 format!(
-                    "{what}: rank {peer} is not a member of communicator {}",
+                    "{}: rank {peer} is not a member of communicator {}",
+                    what(),
                     comm.name
                 ),
             );
@@ -748,7 +785,7 @@ impl NcclRank {
                 if s.0.rank != self.ctx.rank {
                     return Self::invalid(
                         at,
-                        format!("{what}: the stream belongs to rank {}", s.0.rank),
+                        format!("{}: the stream belongs to rank {}", what(), s.0.rank),
                     );
                 }
                 s.clone()
@@ -758,128 +795,128 @@ impl NcclRank {
             _ => self.ctx.default_stream.clone(),
         };
         Ok(Req {
-            dir,
-            peer,
+            meta: OpMeta {
+                rank: self.ctx.rank,
+                thread: self.thread.clone(),
+                dir,
+                peer,
+                count: buf.len,
+                dtype: E::DTYPE,
+                comm,
+                stream: stream.0.name.clone(),
+                fifo: 0,
+                grouped: false,
+                at,
+            },
             ptr: buf.state.ptr(),
-            count: buf.len,
-            dtype: E::DTYPE,
-            comm,
             stream,
             buf: buf.state.clone(),
-            text: what,
-            at: place(at),
         })
     }
 
     /// Launches `reqs` as one group.
-    fn issue(&self, reqs: Vec<Req>, grouped: bool, at: &Location<'_>) -> Result<()> {
+    fn issue(
+        &self,
+        mut reqs: Vec<Req>,
+        grouped: bool,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
-            r.comm.raw()?;
+            r.meta.comm.raw()?;
         }
         if let (Some(a), Some(b)) = (
-            reqs.iter().find(|r| r.comm.blocking),
-            reqs.iter().find(|r| !r.comm.blocking),
+            reqs.iter().find(|r| r.meta.comm.blocking),
+            reqs.iter().find(|r| !r.meta.comm.blocking),
         ) {
             return Self::invalid(
                 at,
                 format!(
                     "this group mixes {} (on {}, connected at creation, a blocking communicator) and {} (on {}, connected on first use, non-blocking); NCCL cannot launch them together: put them in separate groups, or connect every communicator at creation (Local::warm)",
-                    a.text, a.comm.name, b.text, b.comm.name
+                    a.meta.text(),
+                    a.meta.comm.name,
+                    b.meta.text(),
+                    b.meta.comm.name
                 ),
             );
         }
-        let recs: Vec<OpRec> = reqs
-            .iter()
-            .map(|r| OpRec {
-                dir: r.dir,
-                peer: r.peer,
-                bytes: (r.count * r.dtype.size()) as u64,
-                dtype: r.dtype,
-                comm: r.comm.logical,
-                stream: r.stream.0.id,
-            })
-            .collect();
         let _g = lock(&ctx.issue);
-        let mut infos = Vec::new();
-        for (r, rec) in reqs.iter().zip(&recs) {
-            let fifo = match &ctx.registry {
-                Some(reg) => reg.fifo(ctx.rank, rec),
-                None => {
-                    let key = match r.dir {
-                        Dir::Send => (r.comm.logical, ctx.rank, r.peer),
-                        Dir::Recv => (r.comm.logical, r.peer, ctx.rank),
-                    };
-                    let mut f = lock(&ctx.fifo);
-                    let n = f.entry(key).or_insert(0);
-                    *n += 1;
-                    *n - 1
-                }
-            };
-            let mut info = self.info(r, fifo);
-            info.grouped = grouped;
-            infos.push(info);
+        for r in reqs.iter_mut() {
+            r.meta.grouped = grouped;
         }
-        if let Some(reg) = &ctx.registry {
-            let text: Vec<&str> = reqs.iter().map(|r| r.text.as_str()).collect();
-            let text = if grouped {
-                format!("group {{ {} }}", text.join("; "))
-            } else {
-                text.join("")
-            };
-            reg.launch(LaunchRec {
-                thread: self.thread_id,
-                rank: ctx.rank,
-                ops: &recs,
-                infos: &infos,
-                grouped,
-                text: &text,
-                at: &place(at),
-            })?;
+        match &ctx.registry {
+            Some(reg) => {
+                let mut metas: Vec<OpMeta> = reqs.iter().map(|r| r.meta.clone()).collect();
+                let recs: Vec<OpRec> = reqs
+                    .iter()
+                    .map(|r| OpRec {
+                        dir: r.meta.dir,
+                        peer: r.meta.peer,
+                        bytes: (r.meta.count * r.meta.dtype.size()) as u64,
+                        dtype: r.meta.dtype,
+                        comm: r.meta.comm.logical,
+                        stream: r.stream.0.id,
+                    })
+                    .collect();
+                reg.launch(LaunchRec {
+                    thread: self.thread_id,
+                    rank: ctx.rank,
+                    ops: &recs,
+                    metas: &mut metas,
+                    grouped,
+                })?;
+                for (r, m) in reqs.iter_mut().zip(metas) {
+                    r.meta.fifo = m.fifo;
+                }
+            }
+            None => {
+                let mut f = lock(&ctx.fifo);
+                for r in reqs.iter_mut() {
+                    let key = match r.meta.dir {
+                        Dir::Send => (r.meta.comm.logical, ctx.rank, r.meta.peer),
+                        Dir::Recv => (r.meta.comm.logical, r.meta.peer, ctx.rank),
+                    };
+                    let n = f.entry(key).or_insert(0);
+                    r.meta.fifo = *n;
+                    *n += 1;
+                }
+            }
         }
         ctx.device.bind()?;
         let busy = ctx.busy();
         ctx.lib.group_start()?;
         for r in &reqs {
-            let raw = r.comm.raw()?;
-            let peer = r.comm.rank_of(r.peer).unwrap_or(0);
+            let m = &r.meta;
+            let raw = m.comm.raw()?;
+            let peer = m.comm.rank_of(m.peer).unwrap_or(0);
+            let stream = r.stream.0.raw.raw();
             // SAFETY: the op keeps its buffer alive until it is dropped, which
             // happens only after its event completed; the communicator and
             // stream are live.
             let res = unsafe {
-                match r.dir {
-                    Dir::Send => ctx.lib.send(
-                        r.ptr,
-                        r.count,
-                        r.dtype.nccl(),
-                        peer,
-                        raw,
-                        r.stream.0.raw.raw(),
-                    ),
-                    Dir::Recv => ctx.lib.recv(
-                        r.ptr,
-                        r.count,
-                        r.dtype.nccl(),
-                        peer,
-                        raw,
-                        r.stream.0.raw.raw(),
-                    ),
+                match m.dir {
+                    Dir::Send => ctx
+                        .lib
+                        .send(r.ptr, m.count, m.dtype.nccl(), peer, raw, stream),
+                    Dir::Recv => ctx
+                        .lib
+                        .recv(r.ptr, m.count, m.dtype.nccl(), peer, raw, stream),
                 }
             };
             if let Err(e) = res {
                 let _ = ctx.lib.group_end();
-                return Err(ctx.watchdog_error(e, &reqs[0].text));
+                return Err(ctx.watchdog_error(e, &m.text()));
             }
         }
         let launched = ctx
             .lib
             .group_end()
-            .map_err(|e| ctx.watchdog_error(e, &reqs[0].text))?;
+            .map_err(|e| ctx.watchdog_error(e, &reqs[0].meta.text()))?;
         drop(busy);
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
-            let comms: Vec<Comm> = reqs.iter().map(|r| r.comm.clone()).collect();
+            let comms: Vec<Comm> = reqs.iter().map(|r| r.meta.comm.clone()).collect();
             let ok = poll(ctx.opts.timeout, || {
                 for c in &comms {
                     // SAFETY: live (checked above).
@@ -892,19 +929,18 @@ impl NcclRank {
             if !ok {
                 drop(_g);
                 return Err(self.hang(
-                    &format!("{} (its connection handshake, R7)", reqs[0].text),
+                    &format!("{} (its connection handshake, R7)", reqs[0].meta.text()),
                     &place(at),
                     None,
                 ));
             }
         }
-        for (r, info) in reqs.iter().zip(infos) {
+        for r in reqs {
             let event = ctx.event()?;
             event.record(&r.stream.0.raw)?;
             let issued = Arc::new(Issued {
-                info,
+                meta: r.meta,
                 event: Some(event),
-                comm: r.comm.clone(),
                 ctx: Arc::downgrade(ctx),
                 _buf: r.buf.clone(),
             });
@@ -914,11 +950,15 @@ impl NcclRank {
                 users.push(Arc::downgrade(&issued));
             }
             let mut ops = lock(&ctx.ops);
-            if ops.len() >= 256 {
-                // Amortized: completed ops leave, and give their events back.
-                ops.retain(|o| !o.done());
-            }
             ops.push(issued);
+            if ops.len() >= ctx.prune_at.load(Ordering::Relaxed) {
+                // Completed ops leave (and give their events back); the next
+                // pruning waits until the list has doubled, so the cost per
+                // op stays constant however many ops are in flight.
+                ops.retain(|o| !o.done());
+                ctx.prune_at
+                    .store((2 * ops.len()).max(256), Ordering::Relaxed);
+            }
         }
         Ok(())
     }
@@ -943,7 +983,7 @@ impl NcclRank {
             if checks % 256 == 0 {
                 // A failed communicator (a peer that died, say) is an error now.
                 for op in self.ctx.pending() {
-                    op.comm.check()?;
+                    op.meta.comm.check()?;
                 }
             }
             Ok(false)
@@ -965,7 +1005,7 @@ impl NcclRank {
     fn hang(&self, call: &str, at: &str, blocked: Option<Blocked>) -> Error {
         let ctx = &self.ctx;
         let pending = ctx.pending();
-        let mine: Vec<OpInfo> = pending.iter().map(|p| p.info.clone()).collect();
+        let mine: Vec<OpInfo> = pending.iter().map(|p| p.meta.info()).collect();
         if let (Some(reg), Some(b)) = (&ctx.registry, &blocked) {
             reg.blocked(self.thread_id, Some(b.clone()));
         }
@@ -994,7 +1034,7 @@ impl NcclRank {
                     missing: Vec::new(),
                     blocked: vec![BlockedCall {
                         rank: ctx.rank,
-                        thread: self.thread.clone(),
+                        thread: self.thread.to_string(),
                         call: call.to_string(),
                         at: at.to_string(),
                         line: None,
@@ -1006,9 +1046,9 @@ impl NcclRank {
         };
         let mut aborted = Vec::new();
         for p in &pending {
-            if !p.comm.is_aborted() {
-                aborted.push(p.comm.name.clone());
-                p.comm.abort();
+            if !p.meta.comm.is_aborted() {
+                aborted.push(p.meta.comm.name.clone());
+                p.meta.comm.abort();
             }
         }
         aborted.sort();
@@ -1038,7 +1078,7 @@ impl NcclRank {
                 at: place(at),
                 message: format!(
                     "{what} of a buffer that {} still uses: synchronize its stream first",
-                    op.info
+                    op.meta.info()
                 ),
             });
         }
@@ -1135,7 +1175,7 @@ impl Transport for NcclRank {
             .unwrap_or(0);
         let s = NcclStream(Arc::new(StreamInner {
             raw: Stream::new()?,
-            name: name.to_string(),
+            name: name.into(),
             rank: self.ctx.rank,
             id,
         }));

@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use duplex::report::{OpInfo, Stuck};
+
+use crate::rank::OpMeta;
 use duplex::{DType, Dir, Error, Model, Rank};
 use duplex_sim::machine::{
     EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, Status, StreamId,
@@ -50,8 +52,7 @@ enum Call {
     Launch {
         ops: Vec<OpRec>,
         grouped: bool,
-        text: String,
-        at: String,
+        metas: Vec<OpMeta>,
     },
     Record {
         event: u32,
@@ -82,21 +83,17 @@ type ChannelKey = (u32, Rank, Rank);
 
 /// A launch as a rank reports it to the registry.
 #[derive(Debug)]
-pub struct LaunchRec<'a> {
+pub(crate) struct LaunchRec<'a> {
     /// The registry's number of the issuing thread.
-    pub thread: usize,
+    pub(crate) thread: usize,
     /// The issuing rank.
-    pub rank: Rank,
+    pub(crate) rank: Rank,
     /// Its ops.
-    pub ops: &'a [OpRec],
-    /// Their descriptions.
-    pub infos: &'a [OpInfo],
+    pub(crate) ops: &'a [OpRec],
+    /// Their descriptions; the registry sets their FIFO positions.
+    pub(crate) metas: &'a mut [OpMeta],
     /// Issued as a group.
-    pub grouped: bool,
-    /// The call, as text.
-    pub text: &'a str,
-    /// Where it was made.
-    pub at: &'a str,
+    pub(crate) grouped: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -104,7 +101,7 @@ struct Side {
     bytes: u64,
     dtype: DType,
     grouped: bool,
-    info: OpInfo,
+    meta: OpMeta,
 }
 
 /// The registry of one local run.
@@ -153,7 +150,7 @@ impl Registry {
                 .skip(recvs.len())
                 .chain(recvs.iter().skip(sends.len()))
             {
-                out.push(side.info.clone());
+                out.push(side.meta.info());
             }
         }
         out
@@ -198,32 +195,37 @@ impl Registry {
     /// Checks a launch against what the other side of each channel has
     /// issued (R3 size and type, R8 grouping) and records it. Nothing is
     /// recorded when it fails.
-    pub fn launch(&self, l: LaunchRec<'_>) -> Result<(), Error> {
+    pub(crate) fn launch(&self, l: LaunchRec<'_>) -> Result<(), Error> {
         let LaunchRec {
             thread,
             rank,
             ops,
-            infos,
+            metas,
             grouped,
-            text,
-            at,
         } = l;
         let mut r = self.lock();
         // First check every op, then record them all.
-        let mut positions = HashMap::new();
-        for (op, info) in ops.iter().zip(infos) {
+        let mut positions: Vec<((ChannelKey, Dir), usize)> = Vec::new();
+        for (op, meta) in ops.iter().zip(metas.iter_mut()) {
             let key = channel(rank, op);
             let (sends, recvs) = r
                 .channels
                 .get(&key)
                 .map(|(s, v)| (s.len(), v.len()))
                 .unwrap_or((0, 0));
-            let offset = positions.entry((key, op.dir)).or_insert(0usize);
+            let offset = match positions.iter_mut().find(|(k, _)| *k == (key, op.dir)) {
+                Some((_, n)) => n,
+                None => {
+                    positions.push(((key, op.dir), 0));
+                    &mut positions.last_mut().expect("just pushed").1
+                }
+            };
             let (mine, theirs) = match op.dir {
                 Dir::Send => (sends + *offset, r.channels.get(&key).map(|c| &c.1)),
                 Dir::Recv => (recvs + *offset, r.channels.get(&key).map(|c| &c.0)),
             };
             *offset += 1;
+            meta.fifo = mine as u32;
             if let Some(other) = theirs.and_then(|t| t.get(mine)) {
                 let kind = if other.bytes != op.bytes {
                     Some("size-mismatch")
@@ -235,12 +237,12 @@ impl Registry {
                     None
                 };
                 if let Some(kind) = kind {
-                    let mut this = info.clone();
-                    this.fifo = mine as u32;
+                    let this = meta.info();
+                    let that = other.meta.info();
                     let (send, recv) = if op.dir == Dir::Send {
-                        (this, other.info.clone())
+                        (this, that)
                     } else {
-                        (other.info.clone(), this)
+                        (that, this)
                     };
                     return Err(Error::Program {
                         kind,
@@ -257,7 +259,7 @@ impl Registry {
                 }
             }
         }
-        for (op, info) in ops.iter().zip(infos) {
+        for (op, meta) in ops.iter().zip(metas.iter()) {
             let key = channel(rank, op);
             let entry = r.channels.entry(key).or_default();
             let list = if op.dir == Dir::Send {
@@ -265,13 +267,11 @@ impl Registry {
             } else {
                 &mut entry.1
             };
-            let mut info = info.clone();
-            info.fifo = list.len() as u32;
             list.push(Side {
                 bytes: op.bytes,
                 dtype: op.dtype,
                 grouped,
-                info,
+                meta: meta.clone(),
             });
         }
         r.calls.push((
@@ -279,27 +279,10 @@ impl Registry {
             Call::Launch {
                 ops: ops.to_vec(),
                 grouped,
-                text: text.to_string(),
-                at: at.to_string(),
+                metas: metas.to_vec(),
             },
         ));
         Ok(())
-    }
-
-    /// The FIFO position the next op of this side of a channel gets.
-    pub fn fifo(&self, rank: Rank, op: &OpRec) -> u32 {
-        let r = self.lock();
-        let key = channel(rank, op);
-        r.channels
-            .get(&key)
-            .map(|(s, v)| {
-                if op.dir == Dir::Send {
-                    s.len()
-                } else {
-                    v.len()
-                }
-            })
-            .unwrap_or(0) as u32
     }
 
     /// Records a `record` or `wait` of an event on a stream.
@@ -340,10 +323,17 @@ impl Registry {
         }
         let mut origins = Vec::new();
         for (_, call) in &r.calls {
-            if let Call::Launch { text, at, .. } = call {
+            if let Call::Launch { metas, grouped, .. } = call {
+                let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
+                let text = if *grouped {
+                    format!("group {{ {} }}", texts.join("; "))
+                } else {
+                    texts.join("; ")
+                };
+                let place = metas.first().map(OpMeta::place).unwrap_or_default();
                 origins.push(setup.add_origin(OriginInfo {
-                    text: text.clone(),
-                    place: at.clone(),
+                    text,
+                    place,
                     line: None,
                 }));
             }

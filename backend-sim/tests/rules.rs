@@ -108,8 +108,8 @@ fn r3_channels_are_per_communicator() {
     // matches on its own.
     let src = two_ranks(
         "comm a 0 1\ncomm b 0 1",
-        "group { send 1 4KiB comm=a stream=s; send 1 8KiB comm=b stream=s }",
-        "group { recv 0 8KiB comm=b stream=s; recv 0 4KiB comm=a stream=s }",
+        "group { send 1 4KiB comm=a stream=s; send 1 8KiB comm=b stream=t }",
+        "group { recv 0 8KiB comm=b stream=t; recv 0 4KiB comm=a stream=s }",
     );
     assert_eq!(verdict(&src), "ok");
 }
@@ -257,8 +257,15 @@ fn r7_each_side_of_a_connection_is_set_up_in_its_own_round() {
     // host call waits in a handshake any more (the program still hangs on
     // the device, R2 and R6, as the first messages of cold channels meet
     // sends serialized on one communicator).
-    let fixed = src.replace("recv 1 4KiB comm=world stream=b\nnotify 1 go", "notify 1 go\nrecv 1 4KiB comm=world stream=b");
-    assert!(!cycle_rules(&fixed).contains(&"R7"), "{:?}", cycle_rules(&fixed));
+    let fixed = src.replace(
+        "recv 1 4KiB comm=world stream=b\nnotify 1 go",
+        "notify 1 go\nrecv 1 4KiB comm=world stream=b",
+    );
+    assert!(
+        !cycle_rules(&fixed).contains(&"R7"),
+        "{:?}",
+        cycle_rules(&fixed)
+    );
 }
 
 #[test]
@@ -287,30 +294,53 @@ fn r8_ops_in_a_group_progress_independently() {
 
 #[test]
 fn r8_a_group_waits_for_every_stream_it_spans() {
-    // Rank 0's group spans streams a and b; stream b holds a recv that needs
-    // rank 1's second op, which is behind rank 1's recv of the group's send.
-    // (Rank 1 groups its side too: grouping on one side only is an error.)
+    // Rank 0's group, on one communicator, spans streams a and b; stream b
+    // first holds a recv that needs rank 1's second op, which is behind
+    // rank 1's recv of the group's send. (Rank 1 groups its side too:
+    // grouping on one side only is an error.)
     let src = two_ranks(
-        "comm c1 0 1\ncomm c3 0 1\ncomm c4 0 1",
-        "recv 1 4KiB comm=c3 stream=b\ngroup { send 1 4KiB comm=c1 stream=a; recv 1 4KiB comm=c4 stream=b }",
-        "group { recv 0 4KiB comm=c1 stream=x }\nsend 0 4KiB comm=c3 stream=x\ngroup { send 0 4KiB comm=c4 stream=x }",
+        "comm c1 0 1\ncomm c3 0 1",
+        "recv 1 1MiB comm=c3 stream=b\ngroup { send 1 1MiB comm=c1 stream=a; recv 1 1MiB comm=c1 stream=b }",
+        "group { recv 0 1MiB comm=c1 stream=x }\nsend 0 1MiB comm=c3 stream=x\ngroup { send 0 1MiB comm=c1 stream=y }",
     );
     assert_eq!(verdict(&src), "deadlock");
     // Without the groups, the send on stream a is free to go.
     let ungrouped = src
         .replace(
-            "group { send 1 4KiB comm=c1 stream=a; recv 1 4KiB comm=c4 stream=b }",
-            "send 1 4KiB comm=c1 stream=a\nrecv 1 4KiB comm=c4 stream=b",
+            "group { send 1 1MiB comm=c1 stream=a; recv 1 1MiB comm=c1 stream=b }",
+            "send 1 1MiB comm=c1 stream=a\nrecv 1 1MiB comm=c1 stream=b",
         )
         .replace(
-            "group { recv 0 4KiB comm=c1 stream=x }",
-            "recv 0 4KiB comm=c1 stream=x",
+            "group { recv 0 1MiB comm=c1 stream=x }",
+            "recv 0 1MiB comm=c1 stream=x",
         )
         .replace(
-            "group { send 0 4KiB comm=c4 stream=x }",
-            "send 0 4KiB comm=c4 stream=x",
+            "group { send 0 1MiB comm=c1 stream=y }",
+            "send 0 1MiB comm=c1 stream=y",
         );
-    assert_eq!(verdict(&ungrouped), "ok");
+    assert_ne!(verdict(&ungrouped), "deadlock");
+}
+
+#[test]
+fn r8_a_group_is_launched_once_per_communicator() {
+    // As measured on the H200s (examples/group-two-comms.sched): a group's
+    // ops on two communicators are two launches, and only ops of one
+    // communicator wait for each other's streams. The same program as
+    // above with the group's recv on another communicator completes.
+    let src = two_ranks(
+        "comm c1 0 1\ncomm c3 0 1\ncomm c4 0 1",
+        "recv 1 1MiB comm=c3 stream=b\ngroup { send 1 1MiB comm=c1 stream=a; recv 1 1MiB comm=c4 stream=b }",
+        "group { recv 0 1MiB comm=c1 stream=x }\nsend 0 1MiB comm=c3 stream=x\ngroup { send 0 1MiB comm=c4 stream=x }",
+    );
+    assert_eq!(verdict(&src), "ok");
+    // And two communicators' parts of one group on one stream run one
+    // after the other (R1).
+    let one_stream = two_ranks(
+        "comm a 0 1\ncomm b 0 1",
+        "group { send 1 4KiB comm=a stream=s; recv 1 4KiB comm=b stream=s }",
+        "group { send 0 4KiB comm=b stream=s; recv 0 4KiB comm=a stream=s }",
+    );
+    assert_eq!(verdict(&one_stream), "deadlock");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use duplex::{Dir, Error, Model, Policy, Size, Transport};
 use duplex_nccl::{Local, NcclRank};
 use duplex_sim::check::{self, Verdict};
 
-use crate::run::{Ran, on_nccl};
+use crate::run::{Ran, on_nccl_isolated};
 
 /// One probe of the eager capacity.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -195,13 +195,14 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<
         program.model.comm_order = true;
         let predicted = verdict(&program);
         eprintln!("running {name} (predicted {predicted})");
-        let real = on_nccl(&program, timeout)?;
+        let real = on_nccl_isolated(&f, timeout);
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
-        let agrees = match (predicted, real.outcome) {
+        let agrees = match (predicted, real.outcome.as_str()) {
             (p, r) if p == r => "yes",
             ("deadlock", "ok") if many_threads => {
                 "consistent: the hang needs an interleaving this run did not take"
             }
+            ("deadlock", "crash") => "no: NCCL failed instead of hanging (see below)",
             _ => "NO",
         };
         eprintln!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
@@ -259,7 +260,17 @@ pub(crate) fn markdown(cap: &Capacity, rows: &[Row], model: &Model) -> String {
             r.file, r.real.outcome, r.real.seconds, r.predicted, r.agrees
         );
     }
-    let agree = rows.iter().filter(|r| r.agrees != "NO").count();
+    let agree = rows
+        .iter()
+        .filter(|r| r.agrees == "yes" || r.agrees.starts_with("consistent"))
+        .count();
     let _ = writeln!(s, "\n{agree} of {} examples agree.", rows.len());
+    for r in rows
+        .iter()
+        .filter(|r| r.agrees != "yes" && !r.real.detail.is_empty())
+    {
+        let first: Vec<&str> = r.real.detail.lines().take(2).collect();
+        let _ = writeln!(s, "\n- {}: {}", r.file, first.join(" "));
+    }
     s
 }

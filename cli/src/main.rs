@@ -183,8 +183,11 @@ fn run_run(args: &RunArgs) -> ExitCode {
             Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
         },
         Format::Text => {
-            let head = match ran.outcome {
+            let head = match ran.outcome.as_str() {
                 "ok" => "completed",
+                "deadlock" if matches!(args.backend, Backend::Sim) => {
+                    "HANGS (the simulator reached a state where no host thread can move)"
+                }
                 "deadlock" => {
                     "HUNG (the deadline expired; the backend aborted the communicators involved)"
                 }
@@ -219,7 +222,9 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
             }
         }
     }
-    let disagree = rows.iter().any(|r| r.agrees == "NO");
+    let disagree = rows
+        .iter()
+        .any(|r| r.agrees == "NO" || r.agrees.starts_with("no"));
     ExitCode::from(if disagree { 1 } else { 0 })
 }
 

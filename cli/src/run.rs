@@ -4,46 +4,37 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use duplex::Error;
 use duplex::schedule::Program;
-use duplex::{Error, Hang};
 use duplex_nccl::Local;
 use duplex_sim::{Failure, Sim};
 
 /// What a run of a program did.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Ran {
-    /// `ok`, `deadlock` or `error`.
-    pub(crate) outcome: &'static str,
+    /// `ok`, `deadlock`, `error` (a program error duplex found) or `crash`
+    /// (NCCL or CUDA failed).
+    pub(crate) outcome: String,
     /// Wall-clock seconds.
     pub(crate) seconds: f64,
     /// The hang report or the error, as text.
     pub(crate) detail: String,
-    /// The hang report, structured.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) hang: Option<Box<Hang>>,
+}
+
+fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
+    Ran {
+        outcome: outcome.to_string(),
+        seconds: start.elapsed().as_secs_f64(),
+        detail,
+    }
 }
 
 fn classify(start: Instant, r: Result<(), Error>) -> Ran {
-    let seconds = start.elapsed().as_secs_f64();
     match r {
-        Ok(()) => Ran {
-            outcome: "ok",
-            seconds,
-            detail: String::new(),
-            hang: None,
-        },
-        Err(Error::Hang(h)) => Ran {
-            outcome: "deadlock",
-            seconds,
-            detail: h.to_string(),
-            hang: Some(h),
-        },
-        Err(e) => Ran {
-            outcome: "error",
-            seconds,
-            detail: e.to_string(),
-            hang: None,
-        },
+        Ok(()) => ran("ok", start, String::new()),
+        Err(Error::Hang(h)) => ran("deadlock", start, h.to_string()),
+        Err(e @ Error::Library { .. }) => ran("crash", start, e.to_string()),
+        Err(e) => ran("error", start, e.to_string()),
     }
 }
 
@@ -64,6 +55,69 @@ pub(crate) fn on_nccl(program: &Program, timeout: Duration) -> Result<Ran, Error
     ))
 }
 
+/// Runs `duplex run FILE --backend nccl` in a child process, so that a
+/// crash of NCCL or CUDA (a sticky CUDA error poisons its process) affects
+/// that file alone; the child is killed if it outlives every deadline.
+pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration) -> Ran {
+    use std::process::{Command, Stdio};
+    let start = Instant::now();
+    let exe = std::env::current_exe().unwrap_or_else(|_| "duplex".into());
+    let child = Command::new(exe)
+        .args([
+            "run",
+            &file.display().to_string(),
+            "--backend",
+            "nccl",
+            "--format",
+            "json",
+            "--timeout-ms",
+        ])
+        .arg(timeout.as_millis().to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let crash = |detail: String| ran("crash", start, detail);
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return crash(format!("cannot start a child process: {e}")),
+    };
+    let limit = timeout * 6 + Duration::from_secs(60);
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if start.elapsed() > limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return crash(format!("the run outlived {limit:?} and was killed"));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return crash(format!("waiting for the child: {e}")),
+        }
+    }
+    let out = match child.wait_with_output() {
+        Ok(o) => o,
+        Err(e) => return crash(format!("reading the child's output: {e}")),
+    };
+    match serde_json::from_slice::<Ran>(&out.stdout) {
+        Ok(r) => r,
+        Err(_) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let mut tail: Vec<&str> = err
+                .lines()
+                .rev()
+                .filter(|l| !l.trim().is_empty())
+                .take(3)
+                .collect();
+            tail.reverse();
+            crash(format!(
+                "the run died ({}): {}",
+                out.status,
+                tail.join(" / ")
+            ))
+        }
+    }
+}
+
 /// Runs `program` on the simulator, following the random schedule of `seed`.
 pub(crate) fn on_sim(program: &Program, seed: u64) -> Ran {
     let p = Arc::new(program.clone());
@@ -72,25 +126,9 @@ pub(crate) fn on_sim(program: &Program, seed: u64) -> Ran {
         .policy(program.policy)
         .model(program.model)
         .run(seed, |t| duplex::schedule::execute(&p, t));
-    let seconds = start.elapsed().as_secs_f64();
     match r {
-        Ok(_) => Ran {
-            outcome: "ok",
-            seconds,
-            detail: String::new(),
-            hang: None,
-        },
-        Err(Failure::Hang(h)) => Ran {
-            outcome: "deadlock",
-            seconds,
-            detail: h.to_string(),
-            hang: Some(h),
-        },
-        Err(f) => Ran {
-            outcome: "error",
-            seconds,
-            detail: f.to_string(),
-            hang: None,
-        },
+        Ok(_) => ran("ok", start, String::new()),
+        Err(Failure::Hang(h)) => ran("deadlock", start, h.to_string()),
+        Err(f) => ran("error", start, f.to_string()),
     }
 }

@@ -370,6 +370,10 @@ pub struct LaunchRef {
     pub thread: ThreadId,
     /// The thread's call number.
     pub seq: u32,
+    /// Which communicator's part of the call: a group's ops are launched
+    /// once per communicator, in the order the communicators first appear
+    /// in the group (R8).
+    pub part: u16,
 }
 
 /// A program error found while running: both ops where two are involved.
@@ -1009,7 +1013,11 @@ impl Machine {
 
     /// Rounds of connection setup `peer` has entered toward `rank` on `comm`.
     pub(crate) fn peer_rounds(&self, comm: CommId, peer: Rank, rank: Rank) -> u32 {
-        self.state.rounds.get(&(comm, peer, rank)).copied().unwrap_or(0)
+        self.state
+            .rounds
+            .get(&(comm, peer, rank))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// R7, as measured: a call whose ops need a side of a connection this
@@ -1027,7 +1035,9 @@ impl Machine {
                 continue;
             }
             let pair = (op.comm, op.peer);
-            if !self.state.sides.contains(&(op.comm, rank, op.peer, op.dir)) && !peers.contains(&pair) {
+            if !self.state.sides.contains(&(op.comm, rank, op.peer, op.dir))
+                && !peers.contains(&pair)
+            {
                 peers.push(pair);
             }
         }
@@ -1050,21 +1060,50 @@ impl Machine {
         }
     }
 
-    /// Puts a launch on its streams and its ops in their channels; finds size
-    /// (R3) and grouping (R8) mismatches as soon as both sides exist.
+    /// The [`OpRef`] each op of a call gets, in the call's order: a group's
+    /// ops are launched once per communicator (R8, as measured: only ops of
+    /// one communicator wait for each other's streams), in the order the
+    /// communicators first appear.
+    pub fn op_refs(thread: ThreadId, seq: u32, spec: &LaunchSpec) -> Vec<OpRef> {
+        let mut comms: Vec<CommId> = Vec::new();
+        let mut counts: Vec<u16> = Vec::new();
+        spec.ops
+            .iter()
+            .map(|o| {
+                let part = match comms.iter().position(|c| *c == o.comm) {
+                    Some(p) => p,
+                    None => {
+                        comms.push(o.comm);
+                        counts.push(0);
+                        comms.len() - 1
+                    }
+                };
+                let index = counts[part];
+                counts[part] += 1;
+                OpRef {
+                    launch: LaunchRef {
+                        thread,
+                        seq,
+                        part: part as u16,
+                    },
+                    index,
+                }
+            })
+            .collect()
+    }
+
+    /// Puts a call's launches (one per communicator, R8) on their streams
+    /// and their ops in their channels; finds size (R3) and grouping (R8)
+    /// mismatches as soon as both sides exist.
     fn enqueue(&mut self, t: ThreadId, seq: u32, spec: LaunchSpec) -> Result<(), ProgramError> {
         let rank = self.rank_of(t);
-        let lref = LaunchRef { thread: t, seq };
-        let mut ops = Vec::with_capacity(spec.ops.len());
-        let mut streams: Vec<StreamId> = Vec::new();
-        for (i, o) in spec.ops.iter().enumerate() {
+        let refs = Machine::op_refs(t, seq, &spec);
+        let mut parts: Vec<(LaunchRef, Vec<Op>, Vec<StreamId>)> = Vec::new();
+        for (o, op_ref) in spec.ops.iter().zip(&refs) {
             let key = channel_key(rank, o);
             let ch = self.state.channels.entry(key).or_default();
             let slot = Slot {
-                op: OpRef {
-                    launch: lref,
-                    index: i as u16,
-                },
+                op: *op_ref,
                 bytes: o.bytes,
                 dtype: o.dtype,
                 grouped: spec.grouped,
@@ -1108,6 +1147,11 @@ impl Machine {
                     ProgramError::GroupMismatch { send, recv }
                 });
             }
+            let part = op_ref.launch.part as usize;
+            if parts.len() <= part {
+                parts.push((op_ref.launch, Vec::new(), Vec::new()));
+            }
+            let (_, ops, streams) = &mut parts[part];
             ops.push(Op {
                 spec: o.clone(),
                 fifo,
@@ -1117,23 +1161,25 @@ impl Machine {
                 streams.push(o.stream);
             }
         }
-        for s in &streams {
-            self.state.streams[s.ix()]
-                .queue
-                .push_back(Entry::Launch(lref));
+        for (lref, ops, streams) in parts {
+            for s in &streams {
+                self.state.streams[s.ix()]
+                    .queue
+                    .push_back(Entry::Launch(lref));
+            }
+            self.state.ranks[rank as usize].pending.push(lref);
+            self.state.launches.insert(
+                lref,
+                Launch {
+                    rank,
+                    streams,
+                    ops,
+                    started: false,
+                    grouped: spec.grouped,
+                    origin: spec.origin,
+                },
+            );
         }
-        self.state.ranks[rank as usize].pending.push(lref);
-        self.state.launches.insert(
-            lref,
-            Launch {
-                rank,
-                streams,
-                ops,
-                started: false,
-                grouped: spec.grouped,
-                origin: spec.origin,
-            },
-        );
         Ok(())
     }
 }

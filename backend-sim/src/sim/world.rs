@@ -350,11 +350,8 @@ impl World {
             let rank = self.machine.setup().threads[i].rank;
             match &call {
                 HostCall::Launch(spec) => {
-                    for (index, (buf, o)) in bufs.iter().zip(&spec.ops).enumerate() {
-                        let op = OpRef {
-                            launch: crate::machine::LaunchRef { thread: t, seq },
-                            index: index as u16,
-                        };
+                    let refs = Machine::op_refs(t, seq, spec);
+                    for ((buf, o), op) in bufs.iter().zip(&spec.ops).zip(refs) {
                         self.op_buffers.insert(op, *buf);
                         self.unsynced
                             .insert(op, (*buf, rank, o.stream, text.clone()));

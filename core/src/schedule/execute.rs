@@ -21,13 +21,21 @@ struct RankObjects<T: Transport> {
     events: Mutex<HashMap<String, T::Event>>,
 }
 
-/// The byte at `i` of a message of `len` bytes from `src` to `dst`.
-pub fn payload(src: Rank, dst: Rank, len: u64, i: u64) -> u8 {
-    let x = (u64::from(src) << 40)
-        ^ (u64::from(dst) << 32)
-        ^ len.wrapping_mul(0x9E37_79B9)
-        ^ i.wrapping_mul(31);
-    (x ^ (x >> 8) ^ (x >> 16)) as u8
+/// The bytes of a message of `len` bytes from `src` to `dst`: a 4 KiB block
+/// derived from (source, destination, length), each repetition offset by its
+/// index, so that a message from another pair, of another length, or shifted
+/// by a block, differs.
+pub fn payload(src: Rank, dst: Rank, len: u64) -> Vec<u8> {
+    let seed = (u64::from(src) << 40) ^ (u64::from(dst) << 32) ^ len.wrapping_mul(0x9E37_79B9);
+    let block: Vec<u8> = (0..4096u64)
+        .map(|i| {
+            let x = seed ^ i.wrapping_mul(0x2545_F491_4F6C_DD1D);
+            (x ^ (x >> 29) ^ (x >> 47)) as u8
+        })
+        .collect();
+    (0..len)
+        .map(|i| block[(i % 4096) as usize] ^ (i / 4096) as u8)
+        .collect()
 }
 
 /// Runs rank `t.rank()`'s part of `program`. Every rank must call it; the
@@ -150,8 +158,8 @@ fn run_thread<T: Transport>(
     t.synchronize()?;
     for p in &received {
         let got = t.read(&p.buf)?;
-        let len = got.len() as u64;
-        if let Some(i) = (0..len).find(|i| got[*i as usize] != payload(p.src, t.rank(), len, *i)) {
+        let want = payload(p.src, t.rank(), got.len() as u64);
+        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
             return Err(Error::User(format!(
                 "line {}: rank {} received wrong bytes from rank {} at byte {i}",
                 p.line,
@@ -192,10 +200,7 @@ fn p2p<T: Transport>(
     match op.dir {
         Dir::Send => {
             let mut buf = t.alloc::<u8>(len)?;
-            let data: Vec<u8> = (0..len as u64)
-                .map(|i| payload(t.rank(), op.peer, len as u64, i))
-                .collect();
-            t.write(&mut buf, &data)?;
+            t.write(&mut buf, &payload(t.rank(), op.peer, len as u64))?;
             t.send_on(&buf, op.peer, &place)?;
             sent.push(buf);
         }
