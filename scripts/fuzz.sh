@@ -4,8 +4,9 @@
 #   scripts/fuzz.sh parse 30        # or: program
 #
 # Needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
-# New inputs go to fuzz/work/TARGET (not committed); at the end the ones
-# that add coverage are merged into the committed corpus fuzz/corpus/TARGET.
+# New inputs go to fuzz/work/TARGET (not committed); at the end the
+# committed corpus fuzz/corpus/TARGET is replaced by a minimal set of old
+# and new inputs that covers every edge either saw.
 # A crash is written to fuzz/artifacts/TARGET/: minimize it with
 # `cargo +nightly fuzz tmin TARGET FILE`, fix the bug, and commit the
 # minimized input to fuzz/regressions/TARGET/, which `cargo test` replays
@@ -27,6 +28,14 @@ status=0
 cargo +nightly fuzz run "${flags[@]}" "$target" "work/$target" "corpus/$target" "regressions/$target" -- \
     -max_total_time=$((minutes * 60)) -timeout=60 -print_final_stats=1 "$@" || status=$?
 echo "fuzz.sh: $target ran $(( $(date +%s) - start )) s, exit status $status"
-# Keep the committed corpus small: only inputs that add coverage.
-cargo +nightly fuzz run "${flags[@]}" "$target" "corpus/$target" "work/$target" -- -merge=1
+# Keep the committed corpus small: of the old corpus and the new inputs, a
+# set that covers every edge seen (a set cover; hit counts ignored).
+min="work/$target.min"
+rm -rf "$min"
+mkdir -p "$min"
+cargo +nightly fuzz run "${flags[@]}" "$target" "$min" "corpus/$target" "work/$target" -- \
+    -set_cover_merge=1 -use_counters=0
+rm -rf "corpus/$target"
+mv "$min" "corpus/$target"
+echo "fuzz.sh: corpus/$target now holds $(ls "corpus/$target" | wc -l) inputs"
 exit "$status"
