@@ -98,7 +98,14 @@ pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration) -> Ran
         Ok(o) => o,
         Err(e) => return crash(format!("reading the child's output: {e}")),
     };
-    match serde_json::from_slice::<Ran>(&out.stdout) {
+    // NCCL prints its banner ("NCCL version ...") on stdout: the report is
+    // the JSON object that starts a line after it.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = stdout
+        .find("\n{")
+        .map(|i| &stdout[i + 1..])
+        .unwrap_or(if stdout.starts_with('{') { &stdout } else { "" });
+    match serde_json::from_str::<Ran>(json) {
         Ok(r) => r,
         Err(_) => {
             let err = String::from_utf8_lossy(&out.stderr);
