@@ -722,6 +722,13 @@ impl NcclRank {
         })
     }
 
+    /// Marks this thread's code as returned (for hang reports).
+    pub(crate) fn end(&self) {
+        if let Some(reg) = &self.ctx.registry {
+            reg.ended(self.thread_id);
+        }
+    }
+
     /// See [`RankCtx::teardown`].
     pub(crate) fn teardown(&self) {
         self.ctx.teardown();
@@ -1495,6 +1502,7 @@ impl Transport for NcclRank {
                             )))
                         })
                 });
+                handle.end();
                 let _ = tx.send(r);
             })
             .map_err(|e| Error::Aborted(format!("cannot start a thread: {e}")))?;

@@ -71,6 +71,8 @@ struct Reg {
     streams: Vec<(Rank, String)>,
     events: Vec<Rank>,
     threads: Vec<(Rank, String)>,
+    /// Threads whose code has returned: they will issue nothing more.
+    ended: Vec<usize>,
     calls: Vec<(usize, Call)>,
     blocked: HashMap<usize, Blocked>,
     /// (comm, src, dst) → sends and recvs issued, with their descriptions.
@@ -295,6 +297,15 @@ impl Registry {
         self.lock().calls.push((thread, call));
     }
 
+    /// Marks a thread's code as returned: it issues nothing more, so a
+    /// hang's report can say that a partner will never come.
+    pub fn ended(&self, thread: usize) {
+        let mut r = self.lock();
+        if !r.ended.contains(&thread) {
+            r.ended.push(thread);
+        }
+    }
+
     /// Marks a thread blocked (or not).
     pub fn blocked(&self, thread: usize, what: Option<Blocked>) {
         let mut r = self.lock();
@@ -416,6 +427,17 @@ impl Registry {
                 }
             }
         }
+        for t in &r.ended {
+            let t = ThreadId(*t as u32);
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    return None;
+                }
+            }
+            if m.enabled(t, &HostCall::End) && m.apply(t, HostCall::End).is_err() {
+                return None;
+            }
+        }
         for (t, call) in blocked_calls {
             match call {
                 HostCall::Sync { .. } => {
@@ -441,5 +463,64 @@ fn channel(rank: Rank, op: &OpRec) -> ChannelKey {
     match op.dir {
         Dir::Send => (op.comm, rank, op.peer),
         Dir::Recv => (op.comm, op.peer, rank),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(rank: Rank, dir: Dir, peer: Rank) -> OpRec {
+        OpRec {
+            dir,
+            peer,
+            bytes: 128 << 20,
+            dtype: DType::U32,
+            comm: 1,
+            stream: rank,
+        }
+    }
+
+    /// A send that no rank receives, once the other rank's code has
+    /// returned: the report names the missing partner (seen on the H200s
+    /// without `ended`: a hang whose report named nothing).
+    #[test]
+    fn a_send_whose_receiver_has_ended_is_reported_as_missing_its_partner() {
+        let reg = Registry::new(2, Model::default());
+        reg.comm(0, "world", &[0, 1], true);
+        reg.comm(1, "lane:0->1", &[0, 1], true);
+        let s0 = reg.stream(0, "lane:0->1");
+        let s1 = reg.stream(1, "lane:0->1");
+        assert_eq!((s0, s1), (0, 1));
+        let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+        let mut calls = reg.lock();
+        calls.calls.push((
+            t0,
+            Call::Launch {
+                ops: vec![meta(0, Dir::Send, 1)],
+                grouped: false,
+                metas: Vec::new(),
+            },
+        ));
+        drop(calls);
+        reg.blocked(
+            t0,
+            Some(Blocked::Sync(
+                None,
+                ("synchronize".into(), "x.rs:1:1".into()),
+            )),
+        );
+        // While rank 1 may still issue the recv, the report cannot blame anyone.
+        let open = reg.analyze().expect("stuck");
+        assert!(open.missing.is_empty());
+        reg.ended(t1);
+        let stuck = reg.analyze().expect("stuck");
+        assert_eq!(stuck.missing.len(), 1, "{stuck}");
+        assert!(
+            stuck.missing[0]
+                .waits_for
+                .contains("no thread of rank 1 will ever issue the matching recv"),
+            "{stuck}"
+        );
     }
 }

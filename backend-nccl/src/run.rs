@@ -303,6 +303,7 @@ where
         });
     // The end of a rank's code waits for its streams, as a real program's
     // final synchronize (and as the simulator's end of thread).
+    handle.end();
     let result = result.and_then(|()| handle.synchronize());
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();

@@ -98,14 +98,22 @@ pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration) -> Ran
         Ok(o) => o,
         Err(e) => return crash(format!("reading the child's output: {e}")),
     };
-    // NCCL prints its banner ("NCCL version ...") on stdout: the report is
-    // the JSON object that starts a line after it.
+    // NCCL prints its banner ("NCCL version ...") with C's stdio, which a
+    // pipe buffers until exit: it may come before or after the report. The
+    // report is the first JSON value that starts a line.
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = stdout
-        .find("\n{")
-        .map(|i| &stdout[i + 1..])
-        .unwrap_or(if stdout.starts_with('{') { &stdout } else { "" });
-    match serde_json::from_str::<Ran>(json) {
+    let start = if stdout.starts_with('{') {
+        Some(0)
+    } else {
+        stdout.find("\n{").map(|i| i + 1)
+    };
+    let parsed = start.and_then(|i| {
+        serde_json::Deserializer::from_str(&stdout[i..])
+            .into_iter::<Ran>()
+            .next()
+            .and_then(Result::ok)
+    });
+    match parsed.ok_or(()) {
         Ok(r) => r,
         Err(_) => {
             let err = String::from_utf8_lossy(&out.stderr);
