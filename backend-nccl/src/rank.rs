@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use duplex::report::{BlockedCall, OpInfo, Stuck};
-use duplex::transport::DeviceBuffer;
+use duplex::transport::{DeviceBuffer, check};
 use duplex::{
     DType, Dir, Element, Error, Hang, Lane, Model, Place, Policy, Rank, Result, Transport,
 };
@@ -215,7 +215,7 @@ impl OpMeta {
 
     /// Where the call was made.
     pub(crate) fn place(&self) -> String {
-        place(self.at)
+        check::place(self.at)
     }
 
     /// The op as a report shows it.
@@ -276,10 +276,6 @@ pub(crate) struct RankCtx {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn place(at: &Location<'_>) -> String {
-    format!("{}:{}:{}", at.file(), at.line(), at.column())
 }
 
 /// Everything a rank needs to create its context.
@@ -715,13 +711,6 @@ impl NcclRank {
         Ok(())
     }
 
-    fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
-        Err(Error::Invalid {
-            at: place(at),
-            message,
-        })
-    }
-
     /// Marks this thread's code as returned (for hang reports).
     pub(crate) fn end(&self) {
         if let Some(reg) = &self.ctx.registry {
@@ -751,18 +740,9 @@ impl NcclRank {
                 if dir == Dir::Send { "to" } else { "from" }
             )
         };
-        if peer >= self.ctx.world_size {
-            return Self::invalid(
-                at,
-                format!(
-                    "{}: rank {peer} does not exist (there are {} ranks)",
-                    what(),
-                    self.ctx.world_size
-                ),
-            );
-        }
+        check::peer(at, what, peer, self.ctx.world_size)?;
         if buf.state.rank != self.ctx.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!("{}: the buffer belongs to rank {}", what(), buf.state.rank),
             );
@@ -778,7 +758,7 @@ impl NcclRank {
             (None, None) => self.ctx.world.clone(),
         };
         if comm.rank_of(peer).is_none() || comm.rank_of(self.ctx.rank).is_none() {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!(
                     "{}: rank {peer} is not a member of communicator {}",
@@ -790,7 +770,7 @@ impl NcclRank {
         let stream = match (&place_.stream, self.scoped.borrow().last(), lane) {
             (Some(s), _, _) => {
                 if s.0.rank != self.ctx.rank {
-                    return Self::invalid(
+                    return check::invalid(
                         at,
                         format!("{}: the stream belongs to rank {}", what(), s.0.rank),
                     );
@@ -836,7 +816,7 @@ impl NcclRank {
             reqs.iter().find(|r| r.meta.comm.blocking),
             reqs.iter().find(|r| !r.meta.comm.blocking),
         ) {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!(
                     "this group mixes {} (on {}, connected at creation, a blocking communicator) and {} (on {}, connected on first use, non-blocking); NCCL cannot launch them together: put them in separate groups, or connect every communicator at creation (Local::warm)",
@@ -937,7 +917,7 @@ impl NcclRank {
                 drop(_g);
                 return Err(self.hang(
                     &format!("{} (its connection handshake, R7)", reqs[0].meta.text()),
-                    &place(at),
+                    &check::place(at),
                     None,
                 ));
             }
@@ -1082,7 +1062,7 @@ impl NcclRank {
     fn check_users(&self, at: &Location<'_>, buf: &BufState, what: &str) -> Result<()> {
         if let Some(op) = buf.busy() {
             return Err(Error::Race {
-                at: place(at),
+                at: check::place(at),
                 message: format!(
                     "{what} of a buffer that {} still uses: synchronize its stream first",
                     op.meta.info()
@@ -1116,7 +1096,7 @@ impl Transport for NcclRank {
     fn alloc<E: Element>(&self, len: usize) -> Result<NcclBuffer<E>> {
         let at = Location::caller();
         let Some(bytes) = len.checked_mul(E::DTYPE.size()) else {
-            return Self::invalid(at, format!("alloc of {len} x {}: too large", E::DTYPE));
+            return check::invalid(at, format!("alloc of {len} x {}: too large", E::DTYPE));
         };
         self.ctx.device.bind()?;
         Ok(NcclBuffer {
@@ -1134,16 +1114,7 @@ impl Transport for NcclRank {
     #[track_caller]
     fn write<E: Element>(&self, buf: &mut NcclBuffer<E>, data: &[E]) -> Result<()> {
         let at = Location::caller();
-        if data.len() != buf.len {
-            return Self::invalid(
-                at,
-                format!(
-                    "write of {} elements into a buffer of {}",
-                    data.len(),
-                    buf.len
-                ),
-            );
-        }
+        check::write_len(at, data.len(), buf.len)?;
         self.check_users(at, &buf.state, "write")?;
         let mut bytes = Vec::with_capacity(buf.len * E::DTYPE.size());
         for x in data {
@@ -1193,26 +1164,12 @@ impl Transport for NcclRank {
     #[track_caller]
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<NcclComm>> {
         let at = Location::caller();
-        let mut sorted = members.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != members.len()
-            || members.is_empty()
-            || members.iter().any(|r| *r >= self.ctx.world_size)
-        {
-            return Self::invalid(
-                at,
-                format!(
-                    "comm `{name}` over {members:?}: members must be distinct ranks below {}",
-                    self.ctx.world_size
-                ),
-            );
-        }
+        let sorted = check::members(at, name, members, self.ctx.world_size)?;
         let k = self.ctx.user_comms.fetch_add(1, Ordering::AcqRel);
         if let Some(reg) = &self.ctx.registry
             && let Err(m) = reg.user_comm(k, name, members)
         {
-            return Self::invalid(at, m);
+            return check::invalid(at, m);
         }
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
         self.ctx.device.bind()?;
@@ -1254,7 +1211,7 @@ impl Transport for NcclRank {
                 comm: NcclComm(comm.clone()),
                 stream: stream.clone(),
             }),
-            None => Self::invalid(
+            None => check::invalid(
                 Location::caller(),
                 format!(
                     "lane toward rank {peer}: there is none (there are {} ranks)",
@@ -1325,7 +1282,7 @@ impl Transport for NcclRank {
     #[track_caller]
     fn with_stream<R>(&self, stream: &NcclStream, f: impl FnOnce() -> Result<R>) -> Result<R> {
         if stream.0.rank != self.ctx.rank {
-            return Self::invalid(
+            return check::invalid(
                 Location::caller(),
                 format!("with_stream: the stream belongs to rank {}", stream.0.rank),
             );
@@ -1355,7 +1312,7 @@ impl Transport for NcclRank {
     fn record(&self, event: &NcclEvent, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
         if event.0.rank != self.ctx.rank || stream.0.rank != self.ctx.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 "record: the event and the stream must belong to this rank".into(),
             );
@@ -1372,7 +1329,7 @@ impl Transport for NcclRank {
     fn wait(&self, event: &NcclEvent, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
         if event.0.rank != self.ctx.rank || stream.0.rank != self.ctx.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 "wait: the event and the stream must belong to this rank".into(),
             );
@@ -1389,7 +1346,7 @@ impl Transport for NcclRank {
     fn sync_stream(&self, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
         if stream.0.rank != self.ctx.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!("sync_stream: the stream belongs to rank {}", stream.0.rank),
             );
@@ -1400,8 +1357,8 @@ impl Transport for NcclRank {
         let what = format!("sync_stream({})", stream.0.name);
         self.wait(
             &what,
-            &place(at),
-            Blocked::Sync(Some(stream.0.id), (what.clone(), place(at))),
+            &check::place(at),
+            Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at))),
             || ev.done(),
         )
     }
@@ -1419,8 +1376,8 @@ impl Transport for NcclRank {
         }
         self.wait(
             "synchronize",
-            &place(at),
-            Blocked::Sync(None, ("synchronize".into(), place(at))),
+            &check::place(at),
+            Blocked::Sync(None, ("synchronize".into(), check::place(at))),
             || {
                 for e in &events {
                     if !e.done()? {
@@ -1435,7 +1392,7 @@ impl Transport for NcclRank {
     #[track_caller]
     fn notify(&self, peer: Rank, tag: &str) -> Result<()> {
         if peer >= self.ctx.world_size {
-            return Self::invalid(
+            return check::invalid(
                 Location::caller(),
                 format!("notify rank {peer}: it does not exist"),
             );
@@ -1447,7 +1404,7 @@ impl Transport for NcclRank {
     fn await_notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
         if peer >= self.ctx.world_size {
-            return Self::invalid(at, format!("await_notify rank {peer}: it does not exist"));
+            return check::invalid(at, format!("await_notify rank {peer}: it does not exist"));
         }
         let what = format!("await_notify({peer}, {tag})");
         if let Some(reg) = &self.ctx.registry {
@@ -1456,7 +1413,7 @@ impl Transport for NcclRank {
                 Some(Blocked::Await(
                     peer,
                     tag.to_string(),
-                    (what.clone(), place(at)),
+                    (what.clone(), check::place(at)),
                 )),
             );
         }
@@ -1468,11 +1425,11 @@ impl Transport for NcclRank {
             Ok(true) => Ok(()),
             Ok(false) => Err(self.hang(
                 &what,
-                &place(at),
+                &check::place(at),
                 Some(Blocked::Await(
                     peer,
                     tag.to_string(),
-                    (what.clone(), place(at)),
+                    (what.clone(), check::place(at)),
                 )),
             )),
             Err(e) => Err(e),
@@ -1521,7 +1478,10 @@ impl Transport for NcclRank {
         if let Some(reg) = &self.ctx.registry {
             reg.blocked(
                 self.thread_id,
-                Some(Blocked::Join(thread.registry_id, (what.clone(), place(at)))),
+                Some(Blocked::Join(
+                    thread.registry_id,
+                    (what.clone(), check::place(at)),
+                )),
             );
         }
         // The joined thread's own waits expire first; allow for them.
@@ -1535,8 +1495,11 @@ impl Transport for NcclRank {
             }
             Err(_) => Err(self.hang(
                 &what,
-                &place(at),
-                Some(Blocked::Join(thread.registry_id, (what.clone(), place(at)))),
+                &check::place(at),
+                Some(Blocked::Join(
+                    thread.registry_id,
+                    (what.clone(), check::place(at)),
+                )),
             )),
         };
         if let Some(reg) = &self.ctx.registry {

@@ -216,3 +216,82 @@ pub trait Transport: Sized + Send + 'static {
     /// Waits for a thread started by [`Transport::spawn`] and returns its result.
     fn join(&self, thread: Self::Thread) -> Result<()>;
 }
+
+/// Checks of user input that every backend makes the same way, so that the
+/// same mistake gets the same error, naming the call and where it was made.
+pub mod check {
+    use std::panic::Location;
+
+    use crate::{Error, Rank, Result};
+
+    /// `file:line:column` of a call.
+    pub fn place(at: &Location<'_>) -> String {
+        format!("{}:{}:{}", at.file(), at.line(), at.column())
+    }
+
+    /// An invalid-call error at `at`.
+    pub fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
+        Err(Error::Invalid {
+            at: place(at),
+            message,
+        })
+    }
+
+    /// `peer` must be a rank of a world of `world` ranks; `what` names the
+    /// call (built only on failure).
+    pub fn peer(
+        at: &Location<'_>,
+        what: impl FnOnce() -> String,
+        peer: Rank,
+        world: u32,
+    ) -> Result<()> {
+        if peer < world {
+            Ok(())
+        } else {
+            invalid(
+                at,
+                format!(
+                    "{}: rank {peer} does not exist (there are {world} ranks)",
+                    what()
+                ),
+            )
+        }
+    }
+
+    /// A write must fill its buffer exactly.
+    pub fn write_len(at: &Location<'_>, data: usize, buffer: usize) -> Result<()> {
+        if data == buffer {
+            Ok(())
+        } else {
+            invalid(
+                at,
+                format!("write of {data} elements into a buffer of {buffer}"),
+            )
+        }
+    }
+
+    /// A communicator's members: distinct ranks of the world, at least one.
+    /// Returns them sorted.
+    pub fn members(
+        at: &Location<'_>,
+        name: &str,
+        members: &[Rank],
+        world: u32,
+    ) -> Result<Vec<Rank>> {
+        let mut sorted = members.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != members.len()
+            || members.is_empty()
+            || members.iter().any(|r| *r >= world)
+        {
+            return invalid(
+                at,
+                format!(
+                    "comm `{name}` over {members:?}: members must be distinct ranks below {world}"
+                ),
+            );
+        }
+        Ok(sorted)
+    }
+}

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::Arc;
 
-use duplex::transport::DeviceBuffer;
+use duplex::transport::{DeviceBuffer, check};
 use duplex::{Dir, Element, Error, Lane, Place, Policy, Rank, Result, Transport};
 
 use super::Lanes;
@@ -95,10 +95,6 @@ where
     shared.finish(t, result);
 }
 
-fn place_of(loc: &Location<'_>) -> String {
-    format!("{}:{}:{}", loc.file(), loc.line(), loc.column())
-}
-
 impl SimRank {
     pub(crate) fn new(
         shared: Arc<Shared>,
@@ -120,13 +116,6 @@ impl SimRank {
         }
     }
 
-    fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
-        Err(Error::Invalid {
-            at: place_of(at),
-            message,
-        })
-    }
-
     /// Makes a host call that goes through the scheduler.
     fn call(&self, call: HostCall, bufs: Vec<usize>) -> Result<()> {
         self.shared.call(self.thread, call, bufs)
@@ -137,7 +126,7 @@ impl SimRank {
         if w.over {
             return Err(w.abort_error());
         }
-        Ok(w.origin(place_of(at), text))
+        Ok(w.origin(check::place(at), text))
     }
 
     /// The comm and stream of an op toward `peer`.
@@ -149,23 +138,15 @@ impl SimRank {
         dir: Dir,
         place: &Place<Self>,
     ) -> Result<(CommId, StreamId)> {
-        if peer >= self.world_size {
-            return Self::invalid(
-                at,
-                format!(
-                    "{what}: rank {peer} does not exist (there are {} ranks)",
-                    self.world_size
-                ),
-            );
-        }
+        check::peer(at, || what.to_string(), peer, self.world_size)?;
         let Some((lane_comm, lane_stream, _)) = self.lanes.map.get(&(self.rank, peer, dir)) else {
-            return Self::invalid(at, format!("{what}: no lane toward rank {peer}"));
+            return check::invalid(at, format!("{what}: no lane toward rank {peer}"));
         };
         let comm = place.comm.as_ref().map(|c| c.id).unwrap_or(*lane_comm);
         let stream = match (&place.stream, self.scoped.borrow().last()) {
             (Some(s), _) => {
                 if s.rank != self.rank {
-                    return Self::invalid(
+                    return check::invalid(
                         at,
                         format!(
                             "{what}: the stream belongs to rank {}, not rank {}",
@@ -203,7 +184,7 @@ impl SimRank {
                 return Err(w.abort_error());
             }
             if w.buffers.get(buf.id).is_none_or(|b| b.rank != self.rank) {
-                return Self::invalid(at, format!("{what}: the buffer belongs to another rank"));
+                return check::invalid(at, format!("{what}: the buffer belongs to another rank"));
             }
         }
         let (comm, stream) = self.resolve(at, &what, peer, dir, place)?;
@@ -234,7 +215,7 @@ impl SimRank {
         if s.rank == self.rank {
             Ok(())
         } else {
-            Self::invalid(
+            check::invalid(
                 at,
                 format!(
                     "the stream belongs to rank {}, not rank {}",
@@ -251,7 +232,7 @@ impl SimRank {
         }
         match w.buffers.get(id) {
             Some(b) if b.rank == self.rank => {}
-            _ => return Self::invalid(at, format!("{what}: the buffer belongs to another rank")),
+            _ => return check::invalid(at, format!("{what}: the buffer belongs to another rank")),
         }
         if let Some((op, text)) = w.user_of(id) {
             let state = if w.machine.op_done(op) {
@@ -260,7 +241,7 @@ impl SimRank {
                 "has not completed"
             };
             return Err(Error::Race {
-                at: place_of(at),
+                at: check::place(at),
                 message: format!(
                     "{what} of a buffer that `{text}` uses: the op {state}; synchronize its stream first"
                 ),
@@ -295,7 +276,7 @@ impl Transport for SimRank {
             .checked_mul(E::DTYPE.size())
             .filter(|b| *b <= 1 << 34)
             .ok_or_else(|| Error::Invalid {
-                at: place_of(Location::caller()),
+                at: check::place(Location::caller()),
                 message: format!(
                     "alloc of {len} x {}: too large for the simulator (16 GiB at most)",
                     E::DTYPE
@@ -315,16 +296,7 @@ impl Transport for SimRank {
     #[track_caller]
     fn write<E: Element>(&self, buf: &mut SimBuffer<E>, data: &[E]) -> Result<()> {
         let at = Location::caller();
-        if data.len() != buf.len {
-            return Self::invalid(
-                at,
-                format!(
-                    "write of {} elements into a buffer of {}",
-                    data.len(),
-                    buf.len
-                ),
-            );
-        }
+        check::write_len(at, data.len(), buf.len)?;
         self.buffer_users(at, buf.id, "write")?;
         let mut bytes = Vec::with_capacity(buf.len * E::DTYPE.size());
         for x in data {
@@ -363,21 +335,7 @@ impl Transport for SimRank {
     #[track_caller]
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<SimComm>> {
         let at = Location::caller();
-        let mut sorted = members.to_vec();
-        sorted.sort();
-        sorted.dedup();
-        if sorted.len() != members.len()
-            || members.is_empty()
-            || members.iter().any(|r| *r >= self.world_size)
-        {
-            return Self::invalid(
-                at,
-                format!(
-                    "comm `{name}` over {members:?}: members must be distinct ranks below {}",
-                    self.world_size
-                ),
-            );
-        }
+        check::members(at, name, members, self.world_size)?;
         let mut w = self.shared.lock();
         if w.over {
             return Err(w.abort_error());
@@ -387,7 +345,7 @@ impl Transport for SimRank {
         let id = match w.user_comms.get(k) {
             Some((n, m, id)) if n == name && m == members => *id,
             Some((n, m, _)) => {
-                return Self::invalid(
+                return check::invalid(
                     at,
                     format!(
                         "comm `{name}` over {members:?} is this rank's communicator #{k}, but another rank created `{n}` over {m:?} as #{k}: every rank must create communicators in the same order"
@@ -419,7 +377,7 @@ impl Transport for SimRank {
                     rank: self.rank,
                 },
             }),
-            None => Self::invalid(
+            None => check::invalid(
                 Location::caller(),
                 format!(
                     "lane toward rank {peer}: it does not exist (there are {} ranks)",
@@ -518,7 +476,7 @@ impl Transport for SimRank {
         let at = Location::caller();
         self.check_stream(at, stream)?;
         if event.rank != self.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!("record: the event belongs to rank {}", event.rank),
             );
@@ -539,7 +497,7 @@ impl Transport for SimRank {
         let at = Location::caller();
         self.check_stream(at, stream)?;
         if event.rank != self.rank {
-            return Self::invalid(
+            return check::invalid(
                 at,
                 format!("wait: the event belongs to rank {}", event.rank),
             );
@@ -585,7 +543,7 @@ impl Transport for SimRank {
     fn notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
         if peer >= self.world_size {
-            return Self::invalid(at, format!("notify rank {peer}: it does not exist"));
+            return check::invalid(at, format!("notify rank {peer}: it does not exist"));
         }
         let origin = self.origin(at, format!("notify {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
@@ -603,7 +561,7 @@ impl Transport for SimRank {
     fn await_notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
         if peer >= self.world_size {
-            return Self::invalid(at, format!("await_notify rank {peer}: it does not exist"));
+            return check::invalid(at, format!("await_notify rank {peer}: it does not exist"));
         }
         let origin = self.origin(at, format!("await {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
