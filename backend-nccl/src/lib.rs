@@ -20,19 +20,20 @@
 //! the process stays usable.
 //!
 //! Layers, as in `cudarc`: [`nccl::sys`] (raw ABI) → [`nccl`] (one checked
-//! function per call) and [`cuda`] → [`comm`] and [`rank`] (owning types).
+//! function per call) and [`cuda`] → [`comm`], [`ctx`] and [`rank`] (owning
+//! types: a rank's shared context, and the per-thread handle).
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod board;
 pub mod comm;
+pub mod ctx;
 pub mod cuda;
 pub mod nccl;
 pub mod rank;
 pub mod registry;
 mod run;
 
-pub use rank::{
-    LaneCost, NcclBuffer, NcclComm, NcclEvent, NcclRank, NcclStream, NcclThread, Options,
-};
+pub use ctx::{LaneCost, NcclComm, NcclEvent, NcclStream, Options};
+pub use rank::{NcclBuffer, NcclRank, NcclThread};
 pub use run::{Local, Process, RankReport};

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use duplex::report::{OpInfo, Stuck};
 
-use crate::rank::OpMeta;
+use crate::ctx::OpMeta;
 use duplex::{DType, Dir, Error, Model, Rank};
 use duplex_sim::machine::{
     EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, Status, StreamId,

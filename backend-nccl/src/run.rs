@@ -9,10 +9,11 @@ use duplex::{Error, Model, Policy, Rank, Result, Transport};
 
 use crate::board::{Board, LocalBoard, Store, hex, unhex};
 use crate::comm;
+use crate::ctx::{LaneCost, Options, RankCtx, RankSetup, panic_text};
 use crate::cuda::{self, Device};
 use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
 use crate::nccl::{Nccl, nccl};
-use crate::rank::{LaneCost, NcclRank, Options, RankCtx, RankSetup, panic_text};
+use crate::rank::NcclRank;
 use crate::registry::Registry;
 
 /// What a rank's run reports besides its result.

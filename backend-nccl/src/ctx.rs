@@ -1,0 +1,596 @@
+//! What the host threads of one rank share: [`RankCtx`] (its device, world
+//! communicator and lanes, streams, the ops in flight, the watchdog), the
+//! settings of a run, and the small handle types of streams, events and
+//! communicators. [`crate::rank`] builds the per-thread handle on it.
+
+use std::collections::HashMap;
+use std::panic::Location;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use duplex::report::OpInfo;
+use duplex::transport::check;
+use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
+
+use crate::board::Board;
+use crate::comm::{self, Comm, poll};
+use crate::cuda::{Device, Event, Memory, Stream};
+use crate::nccl::Nccl;
+use crate::registry::Registry;
+
+/// Settings of a run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The deadline of every wait: a sync, an `await_notify`, a `join`, a
+    /// communicator's setup. Default 10 s, or `DUPLEX_TIMEOUT_MS`.
+    pub timeout: Duration,
+    /// Connect the world communicator, shared lanes and user communicators
+    /// at creation (the schedule format's `lazy-connect=off`). Per-direction
+    /// lanes are always connected at creation.
+    pub warm: bool,
+    /// The model under which a real hang is explained.
+    pub model: Model,
+    /// CTA bounds of lane communicators (`ncclConfig_t.minCTAs`/`maxCTAs`).
+    pub ctas: (Option<i32>, Option<i32>),
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let ms = std::env::var("DUPLEX_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10_000);
+        Options {
+            timeout: Duration::from_millis(ms),
+            warm: false,
+            model: Model::default(),
+            ctas: (None, None),
+        }
+    }
+}
+
+/// What a lane cost to make.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LaneCost {
+    /// The lane.
+    pub name: String,
+    /// Creation time (split, setup and warm-up), milliseconds.
+    pub create_ms: f64,
+    /// Device memory it took: from `ncclCommMemStats` where the library has
+    /// it (2.29.7 and later), else the drop in free device memory across its
+    /// creation (other work on the device skews the latter).
+    pub bytes: u64,
+    /// How `bytes` was measured.
+    pub measured_by: &'static str,
+}
+
+/// A stream of a rank.
+#[derive(Clone, Debug)]
+pub struct NcclStream(pub(crate) Arc<StreamInner>);
+
+#[derive(Debug)]
+pub(crate) struct StreamInner {
+    pub(crate) raw: Stream,
+    pub(crate) name: Arc<str>,
+    pub(crate) rank: Rank,
+    pub(crate) id: u32,
+}
+
+/// An event of a rank.
+#[derive(Clone, Debug)]
+pub struct NcclEvent(pub(crate) Arc<EventInner>);
+
+#[derive(Debug)]
+pub(crate) struct EventInner {
+    pub(crate) raw: Event,
+    pub(crate) rank: Rank,
+    pub(crate) id: u32,
+}
+
+/// A communicator.
+#[derive(Clone, Debug)]
+pub struct NcclComm(pub(crate) Comm);
+
+/// A buffer's memory, kept alive by the buffer and by every op that uses it:
+/// it is freed only once no launched op can touch it.
+#[derive(Debug)]
+pub(crate) struct BufState {
+    pub(crate) mem: Option<Memory>,
+    pub(crate) rank: Rank,
+    pub(crate) device: Arc<Device>,
+    /// Ops launched on it (weak: an op holds its buffer, not the reverse).
+    pub(crate) users: Mutex<Vec<std::sync::Weak<Issued>>>,
+}
+
+impl BufState {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.mem.as_ref().map(|m| m.ptr()).unwrap_or(0)
+    }
+
+    /// The first op on this buffer that has not completed.
+    pub(crate) fn busy(&self) -> Option<Arc<Issued>> {
+        let mut users = lock(&self.users);
+        users.retain(|w| w.upgrade().is_some_and(|i| !i.done()));
+        users.first().and_then(std::sync::Weak::upgrade)
+    }
+}
+
+impl Drop for BufState {
+    fn drop(&mut self) {
+        // No op holds this buffer any more, so none can touch it.
+        if let Some(mem) = self.mem.take() {
+            let _ = self.device.bind();
+            if let Err(e) = mem.free() {
+                tracing::warn!(rank = self.rank, error = %e, "freeing a buffer failed");
+            }
+        }
+    }
+}
+
+/// An op that was launched: what it is, an event recorded after it, and
+/// the buffer it uses (kept alive until the op is dropped, after it completed).
+#[derive(Debug)]
+pub(crate) struct Issued {
+    pub(crate) meta: OpMeta,
+    pub(crate) event: Option<Event>,
+    pub(crate) ctx: std::sync::Weak<RankCtx>,
+    pub(crate) _buf: Arc<BufState>,
+}
+
+impl Issued {
+    pub(crate) fn done(&self) -> bool {
+        self.event.as_ref().is_none_or(|e| e.done().unwrap_or(true))
+    }
+}
+
+impl Drop for Issued {
+    fn drop(&mut self) {
+        // A completed op's event goes back to its rank's pool.
+        if let (Some(e), Some(ctx)) = (self.event.take(), self.ctx.upgrade())
+            && e.done().unwrap_or(false)
+        {
+            let mut pool = lock(&ctx.events);
+            if pool.len() < 4096 {
+                pool.push(e);
+            }
+        }
+    }
+}
+
+/// What describes an op, made of cheap clones on the hot path; the words
+/// of a report ([`OpMeta::info`]) are built only when one is needed.
+#[derive(Clone, Debug)]
+pub(crate) struct OpMeta {
+    pub(crate) rank: Rank,
+    pub(crate) thread: Arc<str>,
+    pub(crate) dir: Dir,
+    pub(crate) peer: Rank,
+    pub(crate) count: usize,
+    pub(crate) dtype: DType,
+    pub(crate) comm: Comm,
+    pub(crate) stream: Arc<str>,
+    pub(crate) fifo: u32,
+    pub(crate) grouped: bool,
+    pub(crate) at: &'static Location<'static>,
+}
+
+impl OpMeta {
+    /// `send 1024 x f32 to rank 1`.
+    pub(crate) fn text(&self) -> String {
+        format!(
+            "{} {} x {} {} rank {}",
+            self.dir.name(),
+            self.count,
+            self.dtype,
+            if self.dir == Dir::Send { "to" } else { "from" },
+            self.peer
+        )
+    }
+
+    /// Where the call was made.
+    pub(crate) fn place(&self) -> String {
+        check::place(self.at)
+    }
+
+    /// The op as a report shows it.
+    pub(crate) fn info(&self) -> OpInfo {
+        OpInfo {
+            rank: self.rank,
+            thread: self.thread.to_string(),
+            op: self.dir,
+            peer: self.peer,
+            bytes: (self.count * self.dtype.size()) as u64,
+            dtype: self.dtype,
+            comm: self.comm.name.clone(),
+            stream: self.stream.to_string(),
+            fifo: self.fifo,
+            state: "not complete",
+            grouped: self.grouped,
+            call: self.text(),
+            at: self.place(),
+            line: None,
+        }
+    }
+}
+
+/// What the host threads of one rank share.
+#[derive(Debug)]
+pub(crate) struct RankCtx {
+    pub(crate) rank: Rank,
+    pub(crate) world_size: u32,
+    pub(crate) policy: Policy,
+    pub(crate) opts: Options,
+    pub(crate) lib: &'static Nccl,
+    pub(crate) lanes: HashMap<(Rank, Dir), (String, Comm, NcclStream)>,
+    pub(crate) world: Comm,
+    pub(crate) default_stream: NcclStream,
+    pub(crate) streams: Mutex<Vec<NcclStream>>,
+    pub(crate) comms: Mutex<Vec<Comm>>,
+    pub(crate) issue: Mutex<()>,
+    pub(crate) ops: Mutex<Vec<Arc<Issued>>>,
+    pub(crate) board: Arc<dyn Board>,
+    pub(crate) registry: Option<Arc<Registry>>,
+    pub(crate) user_comms: AtomicUsize,
+    pub(crate) next_logical: AtomicU32,
+    pub(crate) fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
+    /// Events of completed ops, for reuse.
+    pub(crate) events: Mutex<Vec<Event>>,
+    /// Length of `ops` at which completed ops are next pruned.
+    pub(crate) prune_at: AtomicUsize,
+    /// When an NCCL call of this rank started (nanoseconds since `epoch`),
+    /// 0 when none is in progress; the watchdog reads it.
+    pub(crate) busy_since: AtomicU64,
+    pub(crate) epoch: Instant,
+    /// Set when the watchdog aborted this rank's communicators.
+    pub(crate) fired: AtomicBool,
+    pub(crate) costs: Vec<LaneCost>,
+    // Last, so that it is released after every stream and communicator.
+    pub(crate) device: Arc<Device>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Everything a rank needs to create its context.
+pub(crate) struct RankSetup {
+    pub rank: Rank,
+    pub world_size: u32,
+    pub policy: Policy,
+    pub opts: Options,
+    pub lib: &'static Nccl,
+    pub device: Arc<Device>,
+    pub world: Comm,
+    pub board: Arc<dyn Board>,
+    pub registry: Option<Arc<Registry>>,
+}
+
+impl RankCtx {
+    /// Creates the rank's lanes from its world communicator, in an order
+    /// every rank follows, and connects them.
+    pub(crate) fn create(s: RankSetup) -> Result<Arc<RankCtx>> {
+        let RankSetup {
+            rank,
+            world_size: n,
+            policy,
+            opts,
+            lib,
+            device,
+            world,
+            board,
+            registry,
+        } = s;
+        let mut streams = Vec::new();
+        let reg_stream = |name: &str| registry.as_ref().map(|r| r.stream(rank, name)).unwrap_or(0);
+        let new_stream = |name: &str, streams: &mut Vec<NcclStream>| -> Result<NcclStream> {
+            let st = NcclStream(Arc::new(StreamInner {
+                raw: Stream::new()?,
+                name: name.into(),
+                rank,
+                id: reg_stream(name),
+            }));
+            streams.push(st.clone());
+            Ok(st)
+        };
+        if let Some(r) = &registry {
+            r.comm(0, "world", &world.members, opts.warm);
+        }
+        let default_stream = new_stream("default", &mut streams)?;
+        let mut lanes = HashMap::new();
+        let mut costs = Vec::new();
+        let mut comms = vec![world.clone()];
+        let mut logical = 1u32;
+        // Every rank walks the same pairs in the same order: each split is
+        // collective over the world communicator.
+        for a in 0..n {
+            for b in 0..n {
+                let (members, name) = match policy {
+                    Policy::PerDirection if a != b => (vec![a, b], format!("lane:{a}->{b}")),
+                    Policy::Shared if a < b => (vec![a, b], format!("pair:{a}-{b}")),
+                    _ => continue,
+                };
+                let before = device.memory().map(|m| m.0).unwrap_or(0);
+                let start = Instant::now();
+                // Lanes connected at creation are blocking communicators:
+                // their calls never wait for a peer's host (see `watchdog`).
+                let connected = policy == Policy::PerDirection || opts.warm;
+                let comm = comm::split(
+                    lib,
+                    &world,
+                    rank,
+                    &members,
+                    logical,
+                    &name,
+                    opts.timeout,
+                    opts.ctas,
+                    connected,
+                )?;
+                if let Some(r) = &registry {
+                    r.comm(
+                        logical,
+                        &name,
+                        &members,
+                        policy == Policy::PerDirection || opts.warm,
+                    );
+                }
+                logical += 1;
+                let Some(comm) = comm else { continue };
+                let stream = new_stream(&name, &mut streams)?;
+                let peer = if a == rank { b } else { a };
+                match policy {
+                    Policy::PerDirection => {
+                        let dir = if a == rank { Dir::Send } else { Dir::Recv };
+                        lanes.insert((peer, dir), (name.clone(), comm.clone(), stream));
+                    }
+                    Policy::Shared => {
+                        lanes.insert(
+                            (peer, Dir::Send),
+                            (name.clone(), comm.clone(), stream.clone()),
+                        );
+                        lanes.insert((peer, Dir::Recv), (name.clone(), comm.clone(), stream));
+                    }
+                }
+                comms.push(comm.clone());
+                let after = device.memory().map(|m| m.0).unwrap_or(0);
+                // SAFETY: the communicator is live.
+                let (bytes, measured_by) = match unsafe { lib.memory(comm.raw()?) } {
+                    Some(b) => (b, "ncclCommMemStats"),
+                    None => (
+                        before.saturating_sub(after) as u64,
+                        "free device memory before and after",
+                    ),
+                };
+                costs.push(LaneCost {
+                    name,
+                    create_ms: start.elapsed().as_secs_f64() * 1e3,
+                    bytes,
+                    measured_by,
+                });
+            }
+        }
+        let ctx = Arc::new(RankCtx {
+            rank,
+            world_size: n,
+            policy,
+            lib,
+            lanes,
+            world,
+            default_stream,
+            streams: Mutex::new(streams),
+            comms: Mutex::new(comms),
+            issue: Mutex::new(()),
+            ops: Mutex::new(Vec::new()),
+            board,
+            registry,
+            user_comms: AtomicUsize::new(0),
+            next_logical: AtomicU32::new(logical),
+            fifo: Mutex::new(HashMap::new()),
+            events: Mutex::new(Vec::new()),
+            prune_at: AtomicUsize::new(256),
+            busy_since: AtomicU64::new(0),
+            epoch: Instant::now(),
+            fired: AtomicBool::new(false),
+            costs,
+            device,
+            opts,
+        });
+        watchdog(&ctx);
+        // Per-direction lanes are connected now (R6, R7); with `warm`, the
+        // world communicator and shared lanes too. One group per rank holding
+        // every connection: a group's ops cannot block each other (R8).
+        let mut warm: Vec<Comm> = Vec::new();
+        if ctx.policy == Policy::PerDirection || ctx.opts.warm {
+            warm.extend(ctx.lanes.values().map(|(_, c, _)| c.clone()));
+        }
+        if ctx.opts.warm {
+            warm.push(ctx.world.clone());
+        }
+        ctx.connect(&warm)?;
+        Ok(ctx)
+    }
+
+    /// Connects `comms` by a one-byte exchange between every pair of their
+    /// members, in one group.
+    pub(crate) fn connect(&self, comms: &[Comm]) -> Result<()> {
+        let mut seen = Vec::new();
+        let comms: Vec<&Comm> = comms
+            .iter()
+            .filter(|c| {
+                let new = !seen.contains(&c.logical);
+                seen.push(c.logical);
+                new
+            })
+            .collect();
+        if comms.is_empty() {
+            return Ok(());
+        }
+        self.device.bind()?;
+        let mem = Memory::zeroed(2)?;
+        let stream = Stream::new()?;
+        // NCCL refuses blocking and non-blocking communicators in one group.
+        for blocking in [true, false] {
+            let group: Vec<&&Comm> = comms.iter().filter(|c| c.blocking == blocking).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let _g = lock(&self.issue);
+            let _busy = self.busy();
+            self.lib.group_start()?;
+            for c in &group {
+                let raw = c.raw()?;
+                for peer in &c.members {
+                    if *peer == self.rank {
+                        continue;
+                    }
+                    let p = c.rank_of(*peer).unwrap_or(0);
+                    // SAFETY: the 2-byte buffer lives until the stream is synchronized below.
+                    unsafe {
+                        self.lib
+                            .send(mem.ptr(), 1, DType::U8.nccl(), p, raw, stream.raw())?;
+                        self.lib
+                            .recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, raw, stream.raw())?;
+                    }
+                }
+            }
+            if let Err(e) = self.lib.group_end() {
+                return Err(self.watchdog_error(e, "connecting the lanes"));
+            }
+            for c in &group {
+                c.ready(self.opts.timeout, "connecting")?;
+            }
+        }
+        let ev = Event::new(false)?;
+        ev.record(&stream)?;
+        if !poll(self.opts.timeout, || ev.done())? {
+            return Err(Error::Aborted(format!(
+                "connecting the lanes of rank {} did not finish within {:?}",
+                self.rank, self.opts.timeout
+            )));
+        }
+        mem.free()
+    }
+
+    pub(crate) fn pending(&self) -> Vec<Arc<Issued>> {
+        let mut ops = lock(&self.ops);
+        ops.retain(|o| !o.done());
+        ops.clone()
+    }
+
+    /// Marks an NCCL call in progress until the guard drops.
+    pub(crate) fn busy(&self) -> Busy<'_> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        self.busy_since.store(now.max(1), Ordering::Release);
+        Busy(self)
+    }
+
+    /// The error of an NCCL call that failed: after the watchdog aborted the
+    /// communicators, a hang.
+    pub(crate) fn watchdog_error(&self, e: Error, what: &str) -> Error {
+        if self.fired.load(Ordering::Acquire) {
+            Error::Aborted(format!(
+                "{what}: an NCCL call of rank {} did not return within {:?}; the watchdog aborted the rank's communicators ({e})",
+                self.rank, self.opts.timeout
+            ))
+        } else {
+            e
+        }
+    }
+
+    /// An event for a new op: a completed op's, or a new one.
+    pub(crate) fn event(&self) -> Result<Event> {
+        match lock(&self.events).pop() {
+            Some(e) => Ok(e),
+            None => Event::new(false),
+        }
+    }
+
+    /// Aborts every communicator of the rank.
+    pub(crate) fn abort_all(&self) {
+        for c in lock(&self.comms).iter() {
+            c.abort();
+        }
+        for (_, c, _) in self.lanes.values() {
+            c.abort();
+        }
+        self.world.abort();
+    }
+
+    /// The end of a run: waits (under the deadline) for every op of this
+    /// rank; if some never complete, aborts every communicator of the rank
+    /// so that no kernel stays stuck, waits briefly for the aborted work to
+    /// stop, and leaks the buffers of what is still not complete rather than
+    /// free memory a kernel may use. Never blocks past the deadline.
+    pub(crate) fn teardown(&self) {
+        let _ = self.device.bind();
+        if matches!(
+            poll(self.opts.timeout, || Ok(self.pending().is_empty())),
+            Ok(true)
+        ) {
+            return;
+        }
+        tracing::warn!(
+            rank = self.rank,
+            "ops still pending at the end of the run: aborting this rank's communicators"
+        );
+        self.abort_all();
+        if !matches!(
+            poll(Duration::from_secs(2), || Ok(self.pending().is_empty())),
+            Ok(true)
+        ) {
+            let stuck = std::mem::take(&mut *lock(&self.ops));
+            tracing::warn!(
+                rank = self.rank,
+                ops = stuck.len(),
+                "ops did not stop after abort: leaking their buffers"
+            );
+            std::mem::forget(stuck);
+        }
+    }
+}
+
+/// An NCCL call in progress (see [`RankCtx::busy`]).
+pub(crate) struct Busy<'a>(&'a RankCtx);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy_since.store(0, Ordering::Release);
+    }
+}
+
+/// Starts the rank's watchdog: a thread that aborts every communicator of
+/// the rank when one NCCL call has been in progress longer than the
+/// deadline (a blocking communicator whose call waits on a peer, say), so
+/// that no thread stays blocked inside NCCL. It ends with the rank.
+pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
+    let weak = Arc::downgrade(ctx);
+    let limit = ctx.opts.timeout.as_nanos() as u64;
+    let _ = std::thread::Builder::new()
+        .name(format!("duplex watchdog {}", ctx.rank))
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(20));
+                let Some(ctx) = weak.upgrade() else { return };
+                let since = ctx.busy_since.load(Ordering::Acquire);
+                let now = ctx.epoch.elapsed().as_nanos() as u64;
+                if since != 0
+                    && now.saturating_sub(since) > limit
+                    && !ctx.fired.swap(true, Ordering::AcqRel)
+                {
+                    tracing::warn!(
+                        rank = ctx.rank,
+                        "an NCCL call overstayed the deadline: aborting the rank's communicators"
+                    );
+                    ctx.abort_all();
+                }
+            }
+        });
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
