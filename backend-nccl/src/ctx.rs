@@ -1,4 +1,4 @@
-//! What the host threads of one rank share: [`RankCtx`] (its device, world
+//! What the host threads of one rank share: `RankCtx` (its device, world
 //! communicator and lanes, streams, the ops in flight, the watchdog), the
 //! settings of a run, and the small handle types of streams, events and
 //! communicators. [`crate::rank`] builds the per-thread handle on it.

@@ -1,5 +1,5 @@
 //! [`NcclRank`]: the NCCL backend's [`Transport`], one handle per host
-//! thread of a rank, on the [`RankCtx`] its threads share; and the buffers
+//! thread of a rank, on the `RankCtx` its threads share; and the buffers
 //! and threads it hands out.
 
 use std::cell::RefCell;

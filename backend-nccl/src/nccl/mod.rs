@@ -1,4 +1,4 @@
-//! NCCL, opened at run time: the library search ([`load`]), the loaded
+//! NCCL, opened at run time: the library search ([`candidates`], [`nccl`]), the loaded
 //! function table ([`Nccl`]), and one thin function per call that turns
 //! `ncclResult_t` into [`duplex::Error`] with NCCL's own text.
 

@@ -11,7 +11,7 @@
 //! * [`Machine::apply`] performs a thread's next [`HostCall`];
 //! * [`Machine::resume`] completes a call that waited for a handshake.
 //!
-//! After every host step the device runs to a fixpoint ([`device`]): device
+//! After every host step the device runs to a fixpoint (module `device`): device
 //! progress is deterministic, so the only choices an execution makes are which
 //! host thread steps next. `notify` messages carry no payload and are counted
 //! per (sender rank, receiver rank, tag), so which `notify` an `await`
