@@ -7,12 +7,17 @@
 //! hits it), then fails that scenario alone. Communicators are connected at
 //! creation (`Local::warm`); cold communicators are exercised by the
 //! calibration's examples, each in its own process too.
+//!
+//! The `process:` jobs run a scenario as two processes, one rank each
+//! ([`Process`], configured as torchrun would), through the TCP rendezvous;
+//! `process:peer-dies` kills one rank after setup and requires the other to
+//! fail within its deadline.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use duplex::Error;
-use duplex_nccl::{Local, NcclRank};
+use duplex::{Error, Policy, Transport};
+use duplex_nccl::{Local, NcclRank, Process};
 use duplex_tests::{Expect, Outcome, scenarios, verify};
 
 fn outcome(result: duplex::Result<Vec<duplex_nccl::RankReport>>) -> Outcome {
@@ -44,6 +49,14 @@ fn child(name: &str) {
     // 128 MiB messages: above the eager capacity measured on the H200s
     // (64 MiB <= C < 96 MiB), so that what hangs under NCCL's contract hangs.
     duplex_tests::set_len(32 << 20);
+    if let Some(job) = name.strip_prefix("process:") {
+        println!("RESULT {}", two_processes(job));
+        return;
+    }
+    if let Some(job) = name.strip_prefix("rank:") {
+        one_process_rank(job);
+        return;
+    }
     if name == "reuse-after-hang" {
         // After a hang (the communicators involved aborted), the process
         // makes new lanes and completes a run.
@@ -109,6 +122,7 @@ fn every_scenario_on_nccl() {
         .map(|s| s.name.to_string())
         .collect();
     names.push("reuse-after-hang".into());
+    names.extend(PROCESS_JOBS.iter().map(|j| format!("process:{j}")));
     let mut failures = Vec::new();
     for name in &names {
         let start = Instant::now();
@@ -158,4 +172,133 @@ fn every_scenario_on_nccl() {
         names.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The jobs run with one process per rank (`Process`, configured from the
+/// variables torchrun sets): two scenarios that must complete, one that must
+/// hang, and one whose second rank's process dies.
+const PROCESS_JOBS: [&str; 4] = [
+    "seed/per-direction",
+    "seed-rpc/per-direction",
+    "seed/shared",
+    "peer-dies",
+];
+
+/// In a grandchild: this process is one rank (`RANK` and the rest set by
+/// [`two_processes`]); prints `RANK OK`, `RANK HANG`, or `RANK ERROR ...`.
+fn one_process_rank(job: &str) {
+    let run = |policy: Policy, f: fn(&NcclRank) -> duplex::Result<()>| {
+        Process::from_env().and_then(|p| p.timeout(timeout()).warm(true).policy(policy).run(f))
+    };
+    let result = match job {
+        "peer-dies" => run(Policy::PerDirection, |t| {
+            if t.rank() == 1 {
+                // As a killed process: no unwinding, no goodbye to the peer.
+                std::process::abort();
+            }
+            duplex_tests::seed(t)
+        }),
+        _ => match scenarios::<NcclRank>().into_iter().find(|s| s.name == job) {
+            Some(s) => run(s.policy, s.run),
+            None => {
+                println!("RANK ERROR no scenario {job}");
+                return;
+            }
+        },
+    };
+    match result {
+        Ok(_) => println!("RANK OK"),
+        Err(Error::Hang(h)) => {
+            eprintln!("{h}");
+            println!("RANK HANG")
+        }
+        Err(e) => println!("RANK ERROR {e}"),
+    }
+}
+
+/// Runs `job` as two processes, one per GPU, through the TCP rendezvous, and
+/// judges what each printed: `PASS ...` or `FAIL ...`.
+fn two_processes(job: &str) -> String {
+    use std::process::Stdio;
+    let exe = std::env::current_exe().expect("the test binary");
+    let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => return format!("FAIL no free port: {e}"),
+    };
+    let start = Instant::now();
+    let mut children = Vec::new();
+    for rank in 0..2 {
+        let child = Command::new(&exe)
+            .args([
+                "--exact",
+                "every_scenario_on_nccl",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("DUPLEX_SCENARIO", format!("rank:{job}"))
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("DUPLEX_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => return format!("FAIL cannot start rank {rank}: {e}"),
+        }
+    }
+    // A rank that outlives every deadline is the hung process this backend
+    // must never leave: kill it and say so.
+    let limit = timeout() * 4 + Duration::from_secs(20);
+    let mut said = Vec::new();
+    for (rank, mut c) in children.into_iter().enumerate() {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if start.elapsed() < limit => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                _ => {
+                    let _ = c.kill();
+                    break;
+                }
+            }
+        }
+        let out = c.wait_with_output().expect("the rank's output");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let verdict = stdout
+            .lines()
+            .find_map(|l| l.split_once("RANK ").map(|(_, v)| v.to_string()))
+            .unwrap_or_else(|| format!("(none; exit {:?})", out.status.code()));
+        for l in stderr.lines().filter(|l| !l.contains("NCCL WARN")).take(20) {
+            eprintln!("  rank {rank}: {l}");
+        }
+        said.push(verdict);
+    }
+    let elapsed = start.elapsed();
+    let summary = format!(
+        "{:.2} s; rank 0: {}; rank 1: {}",
+        elapsed.as_secs_f64(),
+        said[0],
+        said[1]
+    );
+    if elapsed >= limit {
+        return format!("FAIL a rank outlived every deadline and was killed ({summary})");
+    }
+    let ok = match job {
+        "seed/shared" => said.iter().all(|v| v == "HANG"),
+        // The survivor fails (a hang past its deadline, or NCCL's report of
+        // the lost peer) instead of waiting for ever.
+        // Rank 1 printed nothing: it reached its rank code (after the
+        // rendezvous and the lanes) and died there.
+        "peer-dies" => {
+            said[1].starts_with("(none") && (said[0] == "HANG" || said[0].starts_with("ERROR"))
+        }
+        _ => said.iter().all(|v| v == "OK"),
+    };
+    format!("{} {summary}", if ok { "PASS" } else { "FAIL" })
 }
