@@ -108,10 +108,13 @@ fn every_scenario_on_nccl() {
         return;
     }
     if std::env::var("DUPLEX_NCCL").as_deref() != Ok("1") {
-        for s in scenarios::<NcclRank>() {
+        let names = scenarios::<NcclRank>()
+            .into_iter()
+            .map(|s| s.name.to_string());
+        let jobs = PROCESS_JOBS.iter().map(|j| format!("process:{j}"));
+        for name in names.chain(["reuse-after-hang".into()]).chain(jobs) {
             eprintln!(
-                "SKIPPED {:<24} (set DUPLEX_NCCL=1 on a machine with 2 GPUs and NCCL to run it)",
-                s.name
+                "SKIPPED {name:<24} (set DUPLEX_NCCL=1 on a machine with 2 GPUs and NCCL to run it)"
             );
         }
         return;
