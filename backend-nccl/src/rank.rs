@@ -824,22 +824,20 @@ impl Transport for NcclRank {
 
     #[track_caller]
     fn notify(&self, peer: Rank, tag: &str) -> Result<()> {
-        if peer >= self.ctx.world_size {
-            return check::invalid(
-                Location::caller(),
-                format!("notify rank {peer}: it does not exist"),
-            );
-        }
+        check::peer(
+            Location::caller(),
+            || format!("notify({peer}, {tag})"),
+            peer,
+            self.ctx.world_size,
+        )?;
         self.ctx.board.post(self.ctx.rank, peer, tag)
     }
 
     #[track_caller]
     fn await_notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
-        if peer >= self.ctx.world_size {
-            return check::invalid(at, format!("await_notify rank {peer}: it does not exist"));
-        }
         let what = format!("await_notify({peer}, {tag})");
+        check::peer(at, || what.clone(), peer, self.ctx.world_size)?;
         if let Some(reg) = &self.ctx.registry {
             reg.blocked(
                 self.thread_id,

@@ -191,8 +191,18 @@ fn invalid_calls_are_refused_and_leave_the_rank_usable() {
         .policy(Policy::PerDirection)
         .check(|t| {
             let buf = t.alloc::<u8>(4)?;
-            for bad in [t.send(&buf, 9), t.notify(5, "x")] {
+            for bad in [t.send(&buf, 9), t.notify(5, "x"), t.await_notify(5, "x")] {
                 assert!(matches!(bad, Err(Error::Invalid { .. })), "{bad:?}");
+            }
+            for (bad, call) in [
+                (t.notify(5, "x"), "notify(5, x)"),
+                (t.await_notify(5, "x"), "await_notify(5, x)"),
+            ] {
+                let text = bad.unwrap_err().to_string();
+                assert!(
+                    text.contains(call) && text.contains("rank 5 does not exist"),
+                    "{text}"
+                );
             }
             let other = t.stream("s")?;
             let c = t.comm("only-0", &[0])?;

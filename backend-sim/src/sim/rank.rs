@@ -542,9 +542,12 @@ impl Transport for SimRank {
     #[track_caller]
     fn notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
-        if peer >= self.world_size {
-            return check::invalid(at, format!("notify rank {peer}: it does not exist"));
-        }
+        check::peer(
+            at,
+            || format!("notify({peer}, {tag})"),
+            peer,
+            self.world_size,
+        )?;
         let origin = self.origin(at, format!("notify {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
         self.call(
@@ -560,9 +563,12 @@ impl Transport for SimRank {
     #[track_caller]
     fn await_notify(&self, peer: Rank, tag: &str) -> Result<()> {
         let at = Location::caller();
-        if peer >= self.world_size {
-            return check::invalid(at, format!("await_notify rank {peer}: it does not exist"));
-        }
+        check::peer(
+            at,
+            || format!("await_notify({peer}, {tag})"),
+            peer,
+            self.world_size,
+        )?;
         let origin = self.origin(at, format!("await {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
         self.call(
