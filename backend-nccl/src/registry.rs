@@ -4,7 +4,7 @@
 //! expires, so that a real hang is reported with the model's wait-for cycle.
 //!
 //! The backend does not re-implement any rule: the analysis is
-//! [`duplex_sim::machine::Machine::stuck`].
+//! [`duplex::machine::Machine::stuck`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 use duplex::report::{OpInfo, Stuck};
 
 use crate::ctx::OpMeta;
-use duplex::{DType, Dir, Error, Model, Rank};
-use duplex_sim::machine::{
+use duplex::machine::{
     EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, Status, StreamId,
     ThreadId, Unknown,
 };
+use duplex::{DType, Dir, Error, Model, Rank};
 
 /// One op as the registry knows it.
 #[derive(Clone, Debug)]
@@ -390,22 +390,22 @@ impl Registry {
                             peer: op.peer,
                             bytes: op.bytes,
                             dtype: op.dtype,
-                            comm: duplex_sim::machine::CommId(op.comm),
+                            comm: duplex::machine::CommId(op.comm),
                             stream: StreamId(op.stream),
                         })
                         .collect(),
                     grouped: *grouped,
-                    origin: o.next().unwrap_or(duplex_sim::machine::Origin(0)),
+                    origin: o.next().unwrap_or(duplex::machine::Origin(0)),
                 }),
                 Call::Record { event, stream } => HostCall::Record {
                     event: EventId(*event),
                     stream: StreamId(*stream),
-                    origin: duplex_sim::machine::Origin(0),
+                    origin: duplex::machine::Origin(0),
                 },
                 Call::Wait { event, stream } => HostCall::Wait {
                     event: EventId(*event),
                     stream: StreamId(*stream),
-                    origin: duplex_sim::machine::Origin(0),
+                    origin: duplex::machine::Origin(0),
                 },
             };
             // A call that waited for a connection handshake (R7) returns

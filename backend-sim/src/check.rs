@@ -2,7 +2,7 @@
 //! can hang or hit a program error.
 //!
 //! The search is breadth-first over host steps, with a set of visited state
-//! fingerprints (128-bit xxh3 of [`State`](crate::machine::State)): it is
+//! fingerprints (128-bit xxh3 of [`State`](duplex::machine::State)): it is
 //! exhaustive, and the interleaving it reports is a shortest one. It knows
 //! nothing of the rules; it only asks the [`Machine`] which threads can step.
 //!
@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::Xxh3Default;
 
-use crate::compile::{Compiled, Remaining};
-use crate::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId, Threads};
+use duplex::compile::{Compiled, Remaining};
+use duplex::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId, Threads};
 
 /// Bounds of a check.
 #[derive(Clone, Copy, Debug)]
@@ -207,7 +207,7 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
 /// Describes the step thread `t` is about to take in `m`.
 pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
     let setup = m.setup();
-    let origin_text = |o: crate::machine::Origin| {
+    let origin_text = |o: duplex::machine::Origin| {
         setup
             .origins
             .get(o.0 as usize)

@@ -18,12 +18,8 @@
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod check;
-pub mod compile;
-pub mod fuzzing;
-pub mod machine;
 pub mod report;
 pub mod sim;
-pub mod strategies;
 
 pub use sim::{Failure, Run, Sim, SimRank};
 
@@ -32,5 +28,8 @@ use duplex::schedule::Program;
 /// Checks a program with the default bounds: the one-call form of
 /// [`compile::compile`] followed by [`check::check`].
 pub fn check_program(program: &Program) -> check::Outcome {
-    check::check(&compile::compile(program), &check::Options::default())
+    check::check(
+        &duplex::compile::compile(program),
+        &check::Options::default(),
+    )
 }

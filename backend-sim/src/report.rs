@@ -7,7 +7,7 @@ use duplex::{Model, Policy};
 use serde::Serialize;
 
 use crate::check::{Outcome, Stats, Step, Verdict};
-use crate::machine::{OpInfo, ProgramError, Stuck};
+use duplex::machine::{OpInfo, ProgramError, Stuck};
 
 /// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
 #[derive(Clone, Debug, Serialize)]

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use duplex::Size;
+use duplex::compile::compile;
 use duplex::schedule::{Program, StmtKind, parse};
 use duplex_sim::check::{self, Verdict};
-use duplex_sim::compile::compile;
 use duplex_sim::{Failure, Sim};
 
 /// Divides every size (rounding up) and the eager capacity by `2^16`, so

@@ -9,9 +9,9 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+use duplex::compile::{Compiled, compile};
+use duplex::machine::{HostCall, Machine, Next, ThreadId};
 use duplex_sim::check::{self, Verdict, fingerprint, runnable, step};
-use duplex_sim::compile::{Compiled, compile};
-use duplex_sim::machine::{HostCall, Machine, Next, ThreadId};
 
 fn examples() -> Vec<(String, Compiled)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");

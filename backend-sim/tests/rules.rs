@@ -2,9 +2,9 @@
 //! pair of programs that differ only in what the rule is about, so that a
 //! checker without the rule gets one of the two verdicts wrong.
 
+use duplex::compile::compile;
+use duplex::machine::ProgramError;
 use duplex_sim::check::{self, Outcome, Verdict};
-use duplex_sim::compile::compile;
-use duplex_sim::machine::ProgramError;
 
 fn run(src: &str) -> Outcome {
     let program = duplex::schedule::parse(src).unwrap_or_else(|e| panic!("{e}\n{src}"));
@@ -493,14 +493,14 @@ fn a_reported_trace_replays_to_the_same_stuck_state() {
                 .threads
                 .iter()
                 .position(|t| t.rank == s.rank && t.name == s.thread);
-            duplex_sim::machine::ThreadId(t.expect("thread exists") as u32)
+            duplex::machine::ThreadId(t.expect("thread exists") as u32)
         })
         .collect();
     let (m, _, result) = check::replay(&compiled, &schedule);
     assert!(result.is_ok());
     assert_eq!(
-        m.status(&duplex_sim::compile::Remaining(&compiled)),
-        duplex_sim::machine::Status::Stuck
+        m.status(&duplex::compile::Remaining(&compiled)),
+        duplex::machine::Status::Stuck
     );
-    assert_eq!(m.stuck(&duplex_sim::compile::Remaining(&compiled)), *stuck);
+    assert_eq!(m.stuck(&duplex::compile::Remaining(&compiled)), *stuck);
 }

@@ -136,7 +136,7 @@ pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
 
 fn verdict(program: &duplex::schedule::Program) -> &'static str {
     let outcome = check::check(
-        &duplex_sim::compile::compile(program),
+        &duplex::compile::compile(program),
         &check::Options::default(),
     );
     match outcome.verdict {

@@ -19,8 +19,9 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use duplex::compile;
 use duplex::{Policy, Size};
-use duplex_sim::{check, compile, report::Report};
+use duplex_sim::{check, report::Report};
 
 #[derive(Parser, Debug)]
 #[command(name = "duplex", version, about = "NCCL point-to-point without hangs")]

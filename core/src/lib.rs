@@ -14,8 +14,10 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod compile;
 mod element;
 mod error;
+pub mod machine;
 mod model;
 pub mod report;
 pub mod schedule;

@@ -1,4 +1,4 @@
-//! The schedule parser on arbitrary bytes: see `duplex_sim::fuzzing::parse`.
+//! The schedule parser on arbitrary bytes: see `duplex_tests::fuzzing::parse`.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| duplex_sim::fuzzing::parse(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| duplex_tests::fuzzing::parse(data));

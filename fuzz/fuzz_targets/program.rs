@@ -1,5 +1,5 @@
 //! Random programs against the checker's invariants: see
-//! `duplex_sim::fuzzing::program`.
+//! `duplex_tests::fuzzing::program`.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| duplex_sim::fuzzing::program(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| duplex_tests::fuzzing::program(data));

@@ -13,6 +13,9 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod fuzzing;
+pub mod strategies;
+
 use duplex::{Dir, Error, Hang, Place, Policy, Rank, Result, Transport};
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -5,7 +5,7 @@
 
 use std::collections::{HashSet, VecDeque};
 
-use crate::machine::ThreadId;
+use duplex::machine::ThreadId;
 
 /// What an explorer answers at a decision point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! The simulated transport: user rank code, written against
 //! [`duplex::Transport`], runs on real threads on the CPU, driven through the
-//! state machine of [`crate::machine`] by a deterministic scheduler.
+//! state machine of [`duplex::machine`] by a deterministic scheduler.
 //!
 //! ```
 //! use duplex::{Policy, Transport};
@@ -45,7 +45,7 @@ use duplex::{Dir, Error, Hang, Model, Policy, Rank};
 
 pub use rank::{SimBuffer, SimComm, SimEvent, SimRank, SimStream, SimThread};
 
-use crate::machine::{CommId, Machine, Setup, StreamId, ThreadId};
+use duplex::machine::{CommId, Machine, Setup, StreamId, ThreadId};
 use explore::{Dfs, Random, Replay, Strategy};
 use world::{Ctl, Ending, Shared, World};
 
@@ -364,7 +364,7 @@ impl Sim {
         for a in 0..self.ranks {
             for b in 0..self.ranks {
                 for dir in [Dir::Send, Dir::Recv] {
-                    let (name, members, stream) = crate::compile::lane(self.policy, a, dir, b);
+                    let (name, members, stream) = duplex::compile::lane(self.policy, a, dir, b);
                     let comm = *comms
                         .entry(name.clone())
                         .or_insert_with(|| s.add_comm(name.clone(), members, warm));

@@ -10,7 +10,7 @@ use duplex::{Dir, Element, Error, Lane, Place, Policy, Rank, Result, Transport};
 
 use super::Lanes;
 use super::world::{BufData, Ctl, Shared};
-use crate::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
+use duplex::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
 
 /// A buffer of simulated device memory (host memory; real bytes move).
 #[derive(Debug)]
@@ -121,7 +121,7 @@ impl SimRank {
         self.shared.call(self.thread, call, bufs)
     }
 
-    fn origin(&self, at: &Location<'_>, text: String) -> Result<crate::machine::Origin> {
+    fn origin(&self, at: &Location<'_>, text: String) -> Result<duplex::machine::Origin> {
         let mut w = self.shared.lock();
         if w.over {
             return Err(w.abort_error());

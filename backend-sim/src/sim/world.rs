@@ -16,7 +16,7 @@ use duplex::{Error, Hang, Rank};
 
 use super::explore::{Choice, Explorer, Strategy, encode};
 use crate::check::fingerprint;
-use crate::machine::{
+use duplex::machine::{
     Delivery, HostCall, Machine, Next, OpRef, Origin, OriginInfo, Status, ThreadId, Unknown,
 };
 
@@ -76,7 +76,7 @@ pub(crate) struct World {
     pub(crate) op_buffers: HashMap<OpRef, usize>,
     /// Ops whose completion no host synchronize has observed yet: their
     /// buffer, rank and stream. The host may not touch such a buffer.
-    pub(crate) unsynced: HashMap<OpRef, (usize, Rank, crate::machine::StreamId, String)>,
+    pub(crate) unsynced: HashMap<OpRef, (usize, Rank, duplex::machine::StreamId, String)>,
     /// For a thread in a `sync`: the ops that call covers.
     pub(crate) sync_covers: HashMap<ThreadId, Vec<OpRef>>,
     /// Bytes of sends that completed into a channel's buffer (R5).
@@ -92,7 +92,7 @@ pub(crate) struct World {
     /// OS threads started by `spawn`, joined when the execution ends.
     pub(crate) os_threads: Vec<std::thread::JoinHandle<()>>,
     /// User communicators by creation index: name, members, id.
-    pub(crate) user_comms: Vec<(String, Vec<Rank>, crate::machine::CommId)>,
+    pub(crate) user_comms: Vec<(String, Vec<Rank>, duplex::machine::CommId)>,
     /// Per rank: communicators created so far.
     pub(crate) comm_calls: Vec<usize>,
     /// Header of hang reports and the replay hint.

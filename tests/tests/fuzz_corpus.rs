@@ -1,6 +1,6 @@
 //! Replays the fuzzers' committed corpus (`fuzz/corpus/TARGET/`) and every
 //! past crash (`fuzz/regressions/TARGET/`) through the harnesses the fuzz
-//! targets call (`duplex_sim::fuzzing`), on the stable toolchain, so that
+//! targets call (`duplex_tests::fuzzing`), on the stable toolchain, so that
 //! `cargo test` keeps every fuzzing finding fixed. `scripts/fuzz.sh` runs
 //! the fuzzers themselves.
 
@@ -41,13 +41,13 @@ fn replay(target: &str, harness: fn(&[u8])) -> (usize, usize) {
 
 #[test]
 fn the_parse_corpus_and_its_regressions_pass() {
-    let (corpus, _) = replay("parse", duplex_sim::fuzzing::parse);
+    let (corpus, _) = replay("parse", duplex_tests::fuzzing::parse);
     assert!(corpus >= 10, "fuzz/corpus/parse holds only {corpus} inputs");
 }
 
 #[test]
 fn the_program_corpus_and_its_regressions_pass() {
-    let (corpus, _) = replay("program", duplex_sim::fuzzing::program);
+    let (corpus, _) = replay("program", duplex_tests::fuzzing::program);
     assert!(
         corpus >= 10,
         "fuzz/corpus/program holds only {corpus} inputs"

@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use duplex::schedule::{Dir, P2p, Program, StmtKind};
-use duplex::{DType, Policy, Size};
+use crate::schedule::{Dir, P2p, Program, StmtKind};
+use crate::{DType, Policy, Size};
 
 use crate::machine::{
     CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Rank, Setup, StreamId,

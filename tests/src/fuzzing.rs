@@ -13,10 +13,10 @@
 use duplex::Size;
 use duplex::schedule::Program;
 
-use crate::check::{self, Options, Step, Verdict};
-use crate::compile::{Compiled, Remaining, compile};
-use crate::machine::{Status, ThreadId};
 use crate::strategies::{Bytes, Mutation, Recipe, Shape};
+use duplex::compile::{Compiled, Remaining, compile};
+use duplex::machine::{Status, ThreadId};
+use duplex_sim::check::{self, Options, Step, Verdict};
 
 /// The state bound of a check of a program built by [`program`]: far above
 /// what the programs of [`shape`] need, so reaching it is a finding.

@@ -1,8 +1,8 @@
 //! Descriptions of ops for errors and reports: every field a user needs to
 //! find the op in their program.
 
-use duplex::report::OpInfo;
-use duplex::schedule::Dir;
+use crate::report::OpInfo;
+use crate::schedule::Dir;
 
 use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
 
@@ -90,7 +90,7 @@ impl Machine {
         dir: Dir,
         peer: u32,
         bytes: u64,
-        dtype: duplex::DType,
+        dtype: crate::DType,
         comm: super::CommId,
         stream: super::StreamId,
         fifo: u32,

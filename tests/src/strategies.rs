@@ -29,7 +29,7 @@
 //! use duplex::schedule::parse;
 //! use duplex_sim::check::Verdict;
 //! use duplex_sim::check_program;
-//! use duplex_sim::strategies::{self, Mutation, Shape};
+//! use duplex_tests::strategies::{self, Mutation, Shape};
 //! use proptest::prelude::*;
 //!
 //! fn ok(p: &duplex::schedule::Program) -> bool {

@@ -11,10 +11,10 @@
 
 use std::collections::BTreeMap;
 
-use duplex::report::{BlockedCall, Link, Stuck};
+use crate::report::{BlockedCall, Link, Stuck};
 
-use duplex::Size;
-use duplex::schedule::Dir;
+use crate::Size;
+use crate::schedule::Dir;
 
 use super::{
     ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Status,

@@ -29,10 +29,10 @@ pub mod waitfor;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use duplex::schedule::Dir;
-use duplex::{DType, Model};
+use crate::schedule::Dir;
+use crate::{DType, Model};
 
-pub use duplex::report::{OpInfo, Stuck};
+pub use crate::report::{OpInfo, Stuck};
 pub use view::describe_origin;
 pub use waitfor::{Threads, Unknown};
 
@@ -446,13 +446,13 @@ impl ProgramError {
     }
 }
 
-impl From<ProgramError> for duplex::Error {
+impl From<ProgramError> for crate::Error {
     fn from(e: ProgramError) -> Self {
         match e {
             ProgramError::Invalid { place, message } => {
-                duplex::Error::Invalid { at: place, message }
+                crate::Error::Invalid { at: place, message }
             }
-            other => duplex::Error::Program {
+            other => crate::Error::Program {
                 kind: other.kind(),
                 message: other.to_string(),
                 ops: other.ops(),
@@ -1001,7 +1001,7 @@ impl Machine {
                             "{} {} {}: rank {r} ({who}) is not a member of communicator `{}`",
                             op.dir.name(),
                             op.peer,
-                            duplex::Size(op.bytes),
+                            crate::Size(op.bytes),
                             comm.name
                         ),
                     ));
