@@ -205,7 +205,7 @@ impl OpMeta {
             comm: self.comm.name.clone(),
             stream: self.stream.to_string(),
             fifo: self.fifo,
-            state: "not complete",
+            state: duplex::report::OpState::NotComplete,
             grouped: self.grouped,
             call: self.text(),
             at: self.place(),

@@ -280,7 +280,6 @@ impl NcclRank {
                     .collect();
                 reg.launch(LaunchRec {
                     thread: self.thread_id,
-                    rank: ctx.rank,
                     ops: &recs,
                     metas: &mut metas,
                     grouped,
@@ -429,9 +428,13 @@ impl NcclRank {
         if let (Some(reg), Some(b)) = (&ctx.registry, &blocked) {
             reg.blocked(self.thread_id, Some(b.clone()));
         }
-        let analysis = ctx.registry.as_ref().and_then(|r| r.analyze());
+        let analysis = ctx.registry.as_ref().map(|r| r.analyze());
+        let disagreements = analysis
+            .as_ref()
+            .map(|a| a.disagreements.clone())
+            .unwrap_or_default();
         let note;
-        let stuck = match analysis {
+        let stuck = match analysis.and_then(|a| a.stuck) {
             Some(mut s) => {
                 note = format!(
                     "the wait-for cycle is the model's ({}), replayed from what every rank issued",
@@ -489,6 +492,7 @@ impl NcclRank {
             steps: Vec::new(),
             schedule: None,
             replay: None,
+            disagreements,
         }))
     }
 

@@ -1,39 +1,24 @@
 //! What every rank of one process has issued, shared between them (local
-//! mode): it catches size and type mismatches before NCCL sees them, and it
-//! replays the issued ops into the simulator's state machine when a deadline
-//! expires, so that a real hang is reported with the model's wait-for cycle.
-//!
-//! The backend does not re-implement any rule: the analysis is
-//! [`duplex::machine::Machine::stuck`].
+//! mode). The registry holds no rule of its own: it records each call in a
+//! [`Trace`] and applies it to a live [`Machine`], whose issue check (R3
+//! sizes and types, R8 grouping) refuses a mismatch before NCCL sees it;
+//! when a deadline expires, [`Registry::analyze`] replays the trace through
+//! the machine ([`Trace::analyze`]) and explains the hang with the model's
+//! wait-for cycle. Calls the model refuses are kept as disagreements
+//! between the model and the GPU, and reported with the hang.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use duplex::machine::{
+    CommId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, ThreadId,
+};
 use duplex::report::{OpInfo, Stuck};
+use duplex::trace::{Analysis, Call, Disagreement, Trace, TraceCall};
+use duplex::{Error, Model, Rank};
 
 use crate::ctx::OpMeta;
-use duplex::machine::{
-    EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, Status, StreamId,
-    ThreadId, Unknown,
-};
-use duplex::{DType, Dir, Error, Model, Rank};
 
-/// One op as the registry knows it.
-#[derive(Clone, Debug)]
-pub struct OpRec {
-    /// Send or recv.
-    pub dir: Dir,
-    /// Peer rank.
-    pub peer: Rank,
-    /// Bytes.
-    pub bytes: u64,
-    /// Element type.
-    pub dtype: DType,
-    /// Logical communicator.
-    pub comm: u32,
-    /// Stream number in the registry.
-    pub stream: u32,
-}
+pub use duplex::trace::TraceOp as OpRec;
 
 /// What a host thread is blocked in; the last field is the call's text
 /// and place.
@@ -47,49 +32,42 @@ pub enum Blocked {
     Join(usize, (String, String)),
 }
 
-#[derive(Debug)]
-enum Call {
-    Launch {
-        ops: Vec<OpRec>,
-        grouped: bool,
-        metas: Vec<OpMeta>,
-    },
-    Record {
-        event: u32,
-        stream: u32,
-    },
-    Wait {
-        event: u32,
-        stream: u32,
-    },
+impl Blocked {
+    fn trace_call(&self, thread: usize) -> TraceCall {
+        let (call, (text, place)) = match self {
+            Blocked::Sync(s, w) => (Call::Sync { stream: *s }, w),
+            Blocked::Await(from, tag, w) => (
+                Call::Await {
+                    from: *from,
+                    tag: tag.clone(),
+                },
+                w,
+            ),
+            Blocked::Join(u, w) => (Call::Join { thread: *u as u32 }, w),
+        };
+        TraceCall {
+            thread: thread as u32,
+            call,
+            text: text.clone(),
+            place: place.clone(),
+        }
+    }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Reg {
-    /// Name, members, and whether it was connected at creation.
-    comms: Vec<(String, Vec<Rank>, bool)>,
-    streams: Vec<(Rank, String)>,
-    events: Vec<Rank>,
-    threads: Vec<(Rank, String)>,
-    /// Threads whose code has returned: they will issue nothing more.
-    ended: Vec<usize>,
-    calls: Vec<(usize, Call)>,
-    blocked: HashMap<usize, Blocked>,
-    /// (comm, src, dst) → sends and recvs issued, with their descriptions.
-    channels: HashMap<ChannelKey, (Vec<Side>, Vec<Side>)>,
+    trace: Trace,
+    /// The calls applied as they are made; `None` once the model refused
+    /// one (the trace keeps everything; its replay reports the refusal).
+    live: Option<Machine>,
     user_comms: Vec<(String, Vec<Rank>)>,
 }
-
-/// (communicator, source rank, destination rank).
-type ChannelKey = (u32, Rank, Rank);
 
 /// A launch as a rank reports it to the registry.
 #[derive(Debug)]
 pub(crate) struct LaunchRec<'a> {
     /// The registry's number of the issuing thread.
     pub(crate) thread: usize,
-    /// The issuing rank.
-    pub(crate) rank: Rank,
     /// Its ops.
     pub(crate) ops: &'a [OpRec],
     /// Their descriptions; the registry sets their FIFO positions.
@@ -98,29 +76,32 @@ pub(crate) struct LaunchRec<'a> {
     pub(crate) grouped: bool,
 }
 
-#[derive(Clone, Debug)]
-struct Side {
-    bytes: u64,
-    dtype: DType,
-    grouped: bool,
-    meta: OpMeta,
-}
-
 /// The registry of one local run.
 #[derive(Debug)]
 pub struct Registry {
-    ranks: u32,
     model: Model,
     inner: Mutex<Reg>,
+}
+
+/// A hang's analysis: the model's explanation, and the calls it refused.
+#[derive(Clone, Debug)]
+pub struct HangAnalysis {
+    /// The stuck state, when the model finds one.
+    pub stuck: Option<Stuck>,
+    /// Calls the model refused while replaying.
+    pub disagreements: Vec<Disagreement>,
 }
 
 impl Registry {
     /// A registry for `ranks` ranks whose hangs are analysed under `model`.
     pub fn new(ranks: u32, model: Model) -> Arc<Registry> {
         Arc::new(Registry {
-            ranks,
             model,
-            inner: Mutex::new(Reg::default()),
+            inner: Mutex::new(Reg {
+                trace: Trace::new(ranks),
+                live: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
+                user_comms: Vec::new(),
+            }),
         })
     }
 
@@ -134,28 +115,36 @@ impl Registry {
     pub fn comm(&self, logical: u32, name: &str, members: &[Rank], warm: bool) {
         let mut r = self.lock();
         let i = logical as usize;
-        if r.comms.len() <= i {
-            r.comms.resize(i + 1, (String::new(), Vec::new(), true));
+        while r.trace.comms.len() <= i {
+            r.trace.add_comm("", &[], true);
         }
-        r.comms[i] = (name.to_string(), members.to_vec(), warm);
+        r.trace.comms[i] = duplex::trace::TraceComm {
+            name: name.to_string(),
+            members: members.to_vec(),
+            warm,
+        };
+        let comms = r.trace.comms.clone();
+        if let Some(m) = r.live.as_mut() {
+            let setup = m.setup_mut();
+            while setup.comms.len() < comms.len() {
+                setup.add_comm("", Vec::new(), true);
+            }
+            let c = &mut setup.comms[i];
+            c.name = name.to_string();
+            c.members = members.to_vec();
+            c.warm = warm;
+        }
     }
 
-    /// Sends or recvs that no op of the other side ever matched: at the end
-    /// of a run that otherwise completed, a send that completed into the
+    /// Sends or recvs that no op of the other side matched: at the end of
+    /// a run that otherwise completed, a send that completed into the
     /// channel's buffer (R5) and that nobody received.
     pub fn unmatched(&self) -> Vec<OpInfo> {
         let r = self.lock();
-        let mut out = Vec::new();
-        for (sends, recvs) in r.channels.values() {
-            for side in sends
-                .iter()
-                .skip(recvs.len())
-                .chain(recvs.iter().skip(sends.len()))
-            {
-                out.push(side.meta.info());
-            }
+        match &r.live {
+            Some(m) => m.unmatched(),
+            None => Vec::new(),
         }
-        out
     }
 
     /// Checks that the `k`-th user communicator is the same on every rank.
@@ -176,114 +165,112 @@ impl Registry {
     /// Registers a stream; returns its number.
     pub fn stream(&self, rank: Rank, name: &str) -> u32 {
         let mut r = self.lock();
-        r.streams.push((rank, name.to_string()));
-        (r.streams.len() - 1) as u32
+        if let Some(m) = r.live.as_mut() {
+            m.setup_mut().add_stream(rank, name);
+            m.sync_setup();
+        }
+        r.trace.add_stream(rank, name)
     }
 
     /// Registers an event; returns its number.
     pub fn event(&self, rank: Rank) -> u32 {
         let mut r = self.lock();
-        r.events.push(rank);
-        (r.events.len() - 1) as u32
+        if let Some(m) = r.live.as_mut() {
+            m.setup_mut().add_event(rank, "event");
+            m.sync_setup();
+        }
+        r.trace.add_event(rank, "event")
     }
 
     /// Registers a host thread; returns its number.
     pub fn thread(&self, rank: Rank, name: &str) -> usize {
         let mut r = self.lock();
-        r.threads.push((rank, name.to_string()));
-        r.threads.len() - 1
+        if let Some(m) = r.live.as_mut() {
+            m.setup_mut().add_thread(rank, name);
+            m.sync_setup();
+        }
+        r.trace.add_thread(rank, name) as usize
     }
 
-    /// Checks a launch against what the other side of each channel has
-    /// issued (R3 size and type, R8 grouping) and records it. Nothing is
-    /// recorded when it fails.
+    /// Records a launch. The live machine checks it first (R3 size and
+    /// type, R8 grouping, against what the other side of each channel has
+    /// issued, [`Machine::check_issue`]); nothing is recorded when it fails.
     pub(crate) fn launch(&self, l: LaunchRec<'_>) -> Result<(), Error> {
         let LaunchRec {
             thread,
-            rank,
             ops,
             metas,
             grouped,
         } = l;
-        let mut r = self.lock();
-        // First check every op, then record them all.
-        let mut positions: Vec<((ChannelKey, Dir), usize)> = Vec::new();
-        for (op, meta) in ops.iter().zip(metas.iter_mut()) {
-            let key = channel(rank, op);
-            let (sends, recvs) = r
-                .channels
-                .get(&key)
-                .map(|(s, v)| (s.len(), v.len()))
-                .unwrap_or((0, 0));
-            let offset = match positions.iter_mut().find(|(k, _)| *k == (key, op.dir)) {
-                Some((_, n)) => n,
-                None => {
-                    positions.push(((key, op.dir), 0));
-                    &mut positions.last_mut().expect("just pushed").1
-                }
-            };
-            let (mine, theirs) = match op.dir {
-                Dir::Send => (sends + *offset, r.channels.get(&key).map(|c| &c.1)),
-                Dir::Recv => (recvs + *offset, r.channels.get(&key).map(|c| &c.0)),
-            };
-            *offset += 1;
-            meta.fifo = mine as u32;
-            if let Some(other) = theirs.and_then(|t| t.get(mine)) {
-                let kind = if other.bytes != op.bytes {
-                    Some("size-mismatch")
-                } else if other.dtype != op.dtype {
-                    Some("type-mismatch")
-                } else if other.grouped != grouped {
-                    Some("group-mismatch")
-                } else {
-                    None
-                };
-                if let Some(kind) = kind {
-                    let this = meta.info();
-                    let that = other.meta.info();
-                    let (send, recv) = if op.dir == Dir::Send {
-                        (this, that)
-                    } else {
-                        (that, this)
-                    };
-                    return Err(Error::Program {
-                        kind,
-                        message: format!(
-                            "{send} is matched with {recv} ({}); duplex refused to launch it, since NCCL's behaviour is undefined",
-                            match kind {
-                                "size-mismatch" => "R3: their sizes differ",
-                                "type-mismatch" => "R3: their element types differ",
-                                _ => "R8: only one of them is in a group",
-                            }
-                        ),
-                        ops: vec![send, recv],
-                    });
-                }
-            }
-        }
-        for (op, meta) in ops.iter().zip(metas.iter()) {
-            let key = channel(rank, op);
-            let entry = r.channels.entry(key).or_default();
-            let list = if op.dir == Dir::Send {
-                &mut entry.0
-            } else {
-                &mut entry.1
-            };
-            list.push(Side {
-                bytes: op.bytes,
-                dtype: op.dtype,
-                grouped,
-                meta: meta.clone(),
-            });
-        }
-        r.calls.push((
-            thread,
-            Call::Launch {
+        let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
+        let text = if grouped {
+            format!("group {{ {} }}", texts.join("; "))
+        } else {
+            texts.join("; ")
+        };
+        let place = metas.first().map(OpMeta::place).unwrap_or_default();
+        let call = TraceCall {
+            thread: thread as u32,
+            call: Call::Launch {
                 ops: ops.to_vec(),
                 grouped,
-                metas: metas.to_vec(),
             },
-        ));
+            text,
+            place,
+        };
+        let mut r = self.lock();
+        if let Some(m) = r.live.as_mut() {
+            let t = ThreadId(thread as u32);
+            let origin = m.setup_mut().add_origin(OriginInfo {
+                text: call.text.clone(),
+                place: call.place.clone(),
+                line: None,
+            });
+            let hc = HostCall::Launch(LaunchSpec {
+                ops: ops
+                    .iter()
+                    .map(|o| OpSpec {
+                        dir: o.dir,
+                        peer: o.peer,
+                        bytes: o.bytes,
+                        dtype: o.dtype,
+                        comm: CommId(o.comm),
+                        stream: duplex::machine::StreamId(o.stream),
+                    })
+                    .collect(),
+                grouped,
+                origin,
+            });
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    break;
+                }
+            }
+            if m.enabled(t, &hc) {
+                if let Err(e) = m.check_issue(t, &hc) {
+                    let e: Error = e.into();
+                    return Err(match e {
+                        Error::Program { kind, message, ops } => Error::Program {
+                            kind,
+                            message: format!(
+                                "{message}; duplex refused to launch it, since NCCL's behaviour is undefined"
+                            ),
+                            ops,
+                        },
+                        other => other,
+                    });
+                }
+                for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
+                    meta.fifo = fifo;
+                }
+                let _ = m.apply(t, hc);
+            } else {
+                // The model says this thread could not make a call now: keep
+                // the trace, whose replay reports the disagreement.
+                r.live = None;
+            }
+        }
+        r.trace.push(call);
         Ok(())
     }
 
@@ -294,192 +281,78 @@ impl Registry {
         } else {
             Call::Wait { event, stream }
         };
-        self.lock().calls.push((thread, call));
+        let mut r = self.lock();
+        let c = TraceCall {
+            thread: thread as u32,
+            call,
+            text: if record { "record" } else { "wait" }.into(),
+            place: String::new(),
+        };
+        if let Some(m) = r.live.as_mut() {
+            let t = ThreadId(thread as u32);
+            let hc = match c.call {
+                Call::Record { event, stream } => HostCall::Record {
+                    event: duplex::machine::EventId(event),
+                    stream: duplex::machine::StreamId(stream),
+                    origin: duplex::machine::Origin(u32::MAX),
+                },
+                _ => HostCall::Wait {
+                    event: duplex::machine::EventId(event),
+                    stream: duplex::machine::StreamId(stream),
+                    origin: duplex::machine::Origin(u32::MAX),
+                },
+            };
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    break;
+                }
+            }
+            if !(m.enabled(t, &hc) && m.apply(t, hc).is_ok()) {
+                r.live = None;
+            }
+        }
+        r.trace.push(c);
     }
 
     /// Marks a thread's code as returned: it issues nothing more, so a
     /// hang's report can say that a partner will never come.
     pub fn ended(&self, thread: usize) {
-        let mut r = self.lock();
-        if !r.ended.contains(&thread) {
-            r.ended.push(thread);
-        }
+        self.lock().trace.end(thread as u32);
     }
 
     /// Marks a thread blocked (or not).
     pub fn blocked(&self, thread: usize, what: Option<Blocked>) {
-        let mut r = self.lock();
-        match what {
-            Some(b) => r.blocked.insert(thread, b),
-            None => r.blocked.remove(&thread),
-        };
+        let call = what.map(|b| b.trace_call(thread));
+        self.lock().trace.block(thread as u32, call);
     }
 
-    /// Replays what every rank issued into the state machine and explains
-    /// the stuck state, if the model finds one.
-    pub fn analyze(&self) -> Option<Stuck> {
-        let r = self.lock();
-        let mut setup = Setup::new(self.ranks, self.model);
-        for (name, members, warm) in &r.comms {
-            setup.add_comm(name.clone(), members.clone(), *warm);
-        }
-        for (rank, name) in &r.streams {
-            setup.add_stream(*rank, name.clone());
-        }
-        for rank in &r.events {
-            setup.add_event(*rank, "event");
-        }
-        for (rank, name) in &r.threads {
-            setup.add_thread(*rank, name.clone());
-        }
-        let mut origins = Vec::new();
-        for (_, call) in &r.calls {
-            if let Call::Launch { metas, grouped, .. } = call {
-                let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
-                let text = if *grouped {
-                    format!("group {{ {} }}", texts.join("; "))
-                } else {
-                    texts.join("; ")
-                };
-                let place = metas.first().map(OpMeta::place).unwrap_or_default();
-                origins.push(setup.add_origin(OriginInfo {
-                    text,
-                    place,
-                    line: None,
-                }));
-            }
-        }
-        let mut next: HashMap<ThreadId, HostCall> = HashMap::new();
-        let mut blocked_calls = Vec::new();
-        for (t, b) in &r.blocked {
-            let (text, place) = match b {
-                Blocked::Sync(_, w) | Blocked::Await(_, _, w) | Blocked::Join(_, w) => w.clone(),
-            };
-            let origin = setup.add_origin(OriginInfo {
-                text,
-                place,
-                line: None,
-            });
-            let call = match b {
-                Blocked::Sync(s, _) => HostCall::Sync {
-                    stream: s.map(StreamId),
-                    origin,
-                },
-                Blocked::Await(from, tag, _) => HostCall::Await {
-                    from: *from,
-                    tag: setup.tag(tag),
-                    origin,
-                },
-                Blocked::Join(u, _) => HostCall::Join {
-                    thread: ThreadId(*u as u32),
-                    origin,
-                },
-            };
-            blocked_calls.push((ThreadId(*t as u32), call));
-        }
-        let mut m = Machine::new(Arc::new(setup));
-        let mut o = origins.into_iter();
-        for (t, call) in &r.calls {
-            let t = ThreadId(*t as u32);
-            let hc = match call {
-                Call::Launch { ops, grouped, .. } => HostCall::Launch(LaunchSpec {
-                    ops: ops
-                        .iter()
-                        .map(|op| OpSpec {
-                            dir: op.dir,
-                            peer: op.peer,
-                            bytes: op.bytes,
-                            dtype: op.dtype,
-                            comm: duplex::machine::CommId(op.comm),
-                            stream: StreamId(op.stream),
-                        })
-                        .collect(),
-                    grouped: *grouped,
-                    origin: o.next().unwrap_or(duplex::machine::Origin(0)),
-                }),
-                Call::Record { event, stream } => HostCall::Record {
-                    event: EventId(*event),
-                    stream: StreamId(*stream),
-                    origin: duplex::machine::Origin(0),
-                },
-                Call::Wait { event, stream } => HostCall::Wait {
-                    event: EventId(*event),
-                    stream: StreamId(*stream),
-                    origin: duplex::machine::Origin(0),
-                },
-            };
-            // A call that waited for a connection handshake (R7) returns
-            // once the other side has issued its own first op.
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    return None;
-                }
-            }
-            if m.enabled(t, &hc) && m.apply(t, hc).is_err() {
-                return None;
-            }
-        }
-        for i in 0..r.threads.len() {
-            let t = ThreadId(i as u32);
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    return None;
-                }
-            }
-        }
-        for t in &r.ended {
-            let t = ThreadId(*t as u32);
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    return None;
-                }
-            }
-            if m.enabled(t, &HostCall::End) && m.apply(t, HostCall::End).is_err() {
-                return None;
-            }
-        }
-        for (t, call) in blocked_calls {
-            match call {
-                HostCall::Sync { .. } => {
-                    if m.enabled(t, &call) && m.apply(t, call).is_err() {
-                        return None;
-                    }
-                }
-                other => {
-                    next.insert(t, other);
-                }
-            }
-        }
-        let lookup = |t: ThreadId| next.get(&t).cloned();
-        let threads = Unknown(&lookup);
-        match m.status(&threads) {
-            Status::Stuck => Some(m.stuck(&threads)),
-            Status::Running | Status::Finished => None,
-        }
+    /// What every rank issued so far.
+    pub fn trace(&self) -> Trace {
+        self.lock().trace.clone()
     }
-}
 
-fn channel(rank: Rank, op: &OpRec) -> ChannelKey {
-    match op.dir {
-        Dir::Send => (op.comm, rank, op.peer),
-        Dir::Recv => (op.comm, op.peer, rank),
+    /// Replays what every rank issued through the state machine and
+    /// explains the stuck state, if the model finds one; lists every call
+    /// the model refused.
+    pub fn analyze(&self) -> HangAnalysis {
+        let trace = self.trace();
+        let Analysis {
+            stuck,
+            disagreements,
+            ..
+        } = trace.analyze(self.model);
+        HangAnalysis {
+            stuck,
+            disagreements,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn meta(rank: Rank, dir: Dir, peer: Rank) -> OpRec {
-        OpRec {
-            dir,
-            peer,
-            bytes: 128 << 20,
-            dtype: DType::U32,
-            comm: 1,
-            stream: rank,
-        }
-    }
+    use duplex::trace::TraceOp;
+    use duplex::{DType, Dir};
 
     /// A send that no rank receives, once the other rank's code has
     /// returned: the report names the missing partner (seen on the H200s
@@ -493,28 +366,35 @@ mod tests {
         let s1 = reg.stream(1, "lane:0->1");
         assert_eq!((s0, s1), (0, 1));
         let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
-        let mut calls = reg.lock();
-        calls.calls.push((
-            t0,
-            Call::Launch {
-                ops: vec![meta(0, Dir::Send, 1)],
+        reg.lock().trace.push(TraceCall {
+            thread: t0 as u32,
+            call: Call::Launch {
+                ops: vec![TraceOp {
+                    dir: Dir::Send,
+                    peer: 1,
+                    bytes: 128 << 20,
+                    dtype: DType::U32,
+                    comm: 1,
+                    stream: s0,
+                }],
                 grouped: false,
-                metas: Vec::new(),
             },
-        ));
-        drop(calls);
+            text: "send".into(),
+            place: "x.rs:1:1".into(),
+        });
         reg.blocked(
             t0,
             Some(Blocked::Sync(
                 None,
-                ("synchronize".into(), "x.rs:1:1".into()),
+                ("synchronize".into(), "x.rs:2:1".into()),
             )),
         );
         // While rank 1 may still issue the recv, the report cannot blame anyone.
-        let open = reg.analyze().expect("stuck");
-        assert!(open.missing.is_empty());
+        let open = reg.analyze();
+        assert!(open.disagreements.is_empty(), "{:?}", open.disagreements);
+        assert!(open.stuck.expect("stuck").missing.is_empty());
         reg.ended(t1);
-        let stuck = reg.analyze().expect("stuck");
+        let stuck = reg.analyze().stuck.expect("stuck");
         assert_eq!(stuck.missing.len(), 1, "{stuck}");
         assert!(
             stuck.missing[0]
@@ -522,5 +402,32 @@ mod tests {
                 .contains("no thread of rank 1 will ever issue the matching recv"),
             "{stuck}"
         );
+    }
+
+    /// A call that the model says could not have been made (here: an
+    /// `await` whose `notify` never came) is reported, not dropped.
+    #[test]
+    fn a_call_the_model_refuses_is_a_disagreement() {
+        let reg = Registry::new(2, Model::default());
+        reg.comm(0, "world", &[0, 1], true);
+        let t0 = reg.thread(0, "main");
+        reg.thread(1, "main");
+        let s0 = reg.stream(0, "default");
+        reg.lock().trace.push(TraceCall {
+            thread: t0 as u32,
+            call: Call::Await {
+                from: 1,
+                tag: "go".into(),
+            },
+            text: "await_notify(1, go)".into(),
+            place: "x.rs:3:1".into(),
+        });
+        reg.event_call(t0, true, reg.event(0), s0);
+        let a = reg.analyze();
+        assert_eq!(a.disagreements.len(), 1, "{:?}", a.disagreements);
+        let d = &a.disagreements[0];
+        assert_eq!(d.call, "await_notify(1, go)");
+        assert!(d.why.contains("notify"), "{d}");
+        assert!(d.why.contains("1 later calls"), "{d}");
     }
 }

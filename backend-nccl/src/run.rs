@@ -384,6 +384,7 @@ mod tests {
             steps: vec![],
             schedule: None,
             replay: None,
+            disagreements: vec![],
         }));
         let r = combine(vec![
             Err(Error::Aborted("echo".into())),

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use duplex::{Model, Policy};
+use duplex::{Model, Policy, ProgramErrorKind};
 use serde::Serialize;
 
 use crate::check::{Outcome, Stats, Step, Verdict};
@@ -12,8 +12,8 @@ use duplex::machine::{OpInfo, ProgramError, Stuck};
 /// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
-    /// `ok`, `deadlock`, `error` or `inconclusive`.
-    pub verdict: &'static str,
+    /// What the check decided.
+    pub verdict: VerdictKind,
     /// The file checked.
     pub file: String,
     /// The policy it was checked under.
@@ -33,12 +33,26 @@ pub struct Report {
     pub stats: Stats,
 }
 
+/// What a check decided. Serializes as `ok`, `deadlock`, `error`,
+/// `inconclusive`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VerdictKind {
+    /// No interleaving hangs or errs.
+    Ok,
+    /// Some interleaving hangs.
+    Deadlock,
+    /// Some interleaving hits a program error.
+    Error,
+    /// The search hit its bound before it could decide.
+    Inconclusive,
+}
+
 /// A program error as the report shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct ErrorReport {
-    /// `size-mismatch`, `type-mismatch`, `group-mismatch`, `never-received`
-    /// or `invalid`.
-    pub kind: &'static str,
+    /// Which error.
+    pub kind: ProgramErrorKind,
     /// The error in words.
     pub message: String,
     /// The ops involved.
@@ -59,12 +73,17 @@ impl Report {
     /// Builds the report of `outcome` for `file`.
     pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
         let (verdict, stuck, error, steps) = match &outcome.verdict {
-            Verdict::Ok => ("ok", None, None, vec![]),
-            Verdict::Inconclusive => ("inconclusive", None, None, vec![]),
-            Verdict::Deadlock { stuck, trace } => {
-                ("deadlock", Some((**stuck).clone()), None, trace.clone())
+            Verdict::Ok => (VerdictKind::Ok, None, None, vec![]),
+            Verdict::Inconclusive => (VerdictKind::Inconclusive, None, None, vec![]),
+            Verdict::Deadlock { stuck, trace } => (
+                VerdictKind::Deadlock,
+                Some((**stuck).clone()),
+                None,
+                trace.clone(),
+            ),
+            Verdict::Error { error, trace } => {
+                (VerdictKind::Error, None, Some(error.into()), trace.clone())
             }
-            Verdict::Error { error, trace } => ("error", None, Some(error.into()), trace.clone()),
         };
         Report {
             verdict,
@@ -82,9 +101,9 @@ impl Report {
     /// ok, 1 for a hang or an error, 3 when the search hit its bound.
     pub fn exit_code(&self) -> i32 {
         match self.verdict {
-            "ok" => 0,
-            "inconclusive" => 3,
-            _ => 1,
+            VerdictKind::Ok => 0,
+            VerdictKind::Inconclusive => 3,
+            VerdictKind::Deadlock | VerdictKind::Error => 1,
         }
     }
 }
@@ -92,12 +111,14 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let headline = match self.verdict {
-            "ok" => {
+            VerdictKind::Ok => {
                 "OK: no interleaving of the host threads can hang, and no program error was found"
             }
-            "deadlock" => "DEADLOCK: this program can hang",
-            "error" => "ERROR: this program has an error",
-            _ => "INCONCLUSIVE: the search hit its state bound before it could decide",
+            VerdictKind::Deadlock => "DEADLOCK: this program can hang",
+            VerdictKind::Error => "ERROR: this program has an error",
+            VerdictKind::Inconclusive => {
+                "INCONCLUSIVE: the search hit its state bound before it could decide"
+            }
         };
         writeln!(f, "{}: {headline}", self.file)?;
         writeln!(
@@ -109,12 +130,16 @@ impl fmt::Display for Report {
             writeln!(f)?;
             match e.ops.as_slice() {
                 [send, recv] => {
-                    let what = if e.kind == "size-mismatch" {
-                        "size mismatch (R3): these ops are matched (same channel, same position) but disagree on their size"
-                    } else if e.kind == "type-mismatch" {
-                        "type mismatch (R3): these ops are matched (same channel, same position) but disagree on their element type"
-                    } else {
-                        "grouped on one side only (R8): these ops are matched, but only one of them is in a group"
+                    let what = match e.kind {
+                        ProgramErrorKind::SizeMismatch => {
+                            "size mismatch (R3): these ops are matched (same channel, same position) but disagree on their size"
+                        }
+                        ProgramErrorKind::TypeMismatch => {
+                            "type mismatch (R3): these ops are matched (same channel, same position) but disagree on their element type"
+                        }
+                        _ => {
+                            "grouped on one side only (R8): these ops are matched, but only one of them is in a group"
+                        }
                     };
                     writeln!(f, "{what}:")?;
                     writeln!(f, "  send: {send}")?;
@@ -153,14 +178,14 @@ impl fmt::Display for Report {
             s.ops.iter().any(|o| o.comm.starts_with("pair:"))
                 || s.blocked.iter().any(|b| b.waits_for.contains("comm pair:"))
         });
-        if self.verdict == "deadlock" && on_shared_lane {
+        if self.verdict == VerdictKind::Deadlock && on_shared_lane {
             writeln!(f)?;
             writeln!(
                 f,
                 "hint: try `--policy per-direction`: a lane per direction removes every hang caused by sharing a stream or a communicator."
             )?;
         }
-        if self.verdict == "inconclusive" {
+        if self.verdict == VerdictKind::Inconclusive {
             writeln!(
                 f,
                 "  raise the bound with --max-states, or split the program into smaller schedules."

@@ -4,6 +4,7 @@
 
 use duplex::compile::compile;
 use duplex::machine::ProgramError;
+use duplex::report::Rule;
 use duplex_sim::check::{self, Outcome, Verdict};
 
 fn run(src: &str) -> Outcome {
@@ -21,7 +22,7 @@ fn verdict(src: &str) -> &'static str {
 }
 
 /// The rules named in the deadlock's cycle (or missing-partner chains).
-fn cycle_rules(src: &str) -> Vec<&'static str> {
+fn cycle_rules(src: &str) -> Vec<Rule> {
     match run(src).verdict {
         Verdict::Deadlock { stuck, .. } => stuck
             .cycle
@@ -50,7 +51,7 @@ fn r1_ops_on_one_stream_run_in_order() {
         .replace("recv 1 1MiB comm=b stream=s", "recv 1 1MiB comm=b stream=t")
         .replace("recv 0 1MiB comm=a stream=s", "recv 0 1MiB comm=a stream=t");
     assert_eq!(verdict(&one_stream), "deadlock");
-    assert!(cycle_rules(&one_stream).contains(&"R1"));
+    assert!(cycle_rules(&one_stream).contains(&Rule::R1));
     assert_eq!(verdict(&two_streams), "ok");
 }
 
@@ -64,7 +65,7 @@ fn r2_ops_of_one_communicator_are_serialized_across_streams() {
         "send 0 1MiB comm=world stream=a\nrecv 0 1MiB comm=world stream=b",
     );
     assert_eq!(verdict(&src), "deadlock");
-    assert!(cycle_rules(&src).contains(&"R2"));
+    assert!(cycle_rules(&src).contains(&Rule::R2));
     let off = src.replace("ranks 2\n", "ranks 2\nmodel comm-order=off\n");
     assert_eq!(verdict(&off), "ok");
 }
@@ -132,7 +133,7 @@ fn r3_a_buffered_message_never_received_is_an_error() {
 fn r4_a_send_waits_for_its_recv_to_start() {
     let send_first = two_ranks("", "send 1 4KiB\nrecv 1 4KiB", "send 0 4KiB\nrecv 0 4KiB");
     assert_eq!(verdict(&send_first), "deadlock");
-    assert!(cycle_rules(&send_first).contains(&"R4"));
+    assert!(cycle_rules(&send_first).contains(&Rule::R4));
     let recv_first = two_ranks("", "send 1 4KiB\nrecv 1 4KiB", "recv 0 4KiB\nsend 0 4KiB");
     assert_eq!(verdict(&recv_first), "ok");
 }
@@ -198,7 +199,7 @@ fn r6_the_first_message_of_a_cold_channel_is_a_rendezvous() {
         "send 0 4KiB comm=world stream=s\nrecv 0 4KiB comm=world stream=s",
     );
     assert_eq!(verdict(&cold), "deadlock");
-    assert!(cycle_rules(&cold).contains(&"R4"));
+    assert!(cycle_rules(&cold).contains(&Rule::R4));
     // Once a message has been delivered in each direction, the same
     // send-first exchange completes.
     let used = two_ranks(
@@ -223,7 +224,7 @@ fn r7_first_use_blocks_the_host_until_the_peer_uses_the_comm() {
     };
     assert!(stuck.ops.is_empty(), "nothing reaches the device");
     assert_eq!(stuck.blocked.len(), 2);
-    assert!(stuck.cycle.iter().all(|l| l.rule == "R7"));
+    assert!(stuck.cycle.iter().all(|l| l.rule == Rule::R7));
     let warm = src.replace("model lazy-connect=on\n", "");
     assert_eq!(verdict(&warm), "ok");
 }
@@ -252,7 +253,7 @@ fn r7_each_side_of_a_connection_is_set_up_in_its_own_round() {
         "send 0 4KiB comm=world stream=a\nawait 0 go\nrecv 0 4KiB comm=world stream=b",
     );
     assert_eq!(verdict(&src), "deadlock");
-    assert!(cycle_rules(&src).contains(&"R7"));
+    assert!(cycle_rules(&src).contains(&Rule::R7));
     // Notifying before the recv lets rank 1's recv pair with rank 0's: no
     // host call waits in a handshake any more (the program still hangs on
     // the device, R2 and R6, as the first messages of cold channels meet
@@ -262,7 +263,7 @@ fn r7_each_side_of_a_connection_is_set_up_in_its_own_round() {
         "notify 1 go\nrecv 1 4KiB comm=world stream=b",
     );
     assert!(
-        !cycle_rules(&fixed).contains(&"R7"),
+        !cycle_rules(&fixed).contains(&Rule::R7),
         "{:?}",
         cycle_rules(&fixed)
     );
@@ -365,7 +366,7 @@ fn r9_wait_blocks_a_stream_until_the_recorded_op_completes() {
         "send 0 4KiB comm=c2 stream=x\nrecv 0 4KiB comm=c1 stream=x",
     );
     assert_eq!(verdict(&src), "deadlock");
-    assert!(cycle_rules(&src).contains(&"R9"));
+    assert!(cycle_rules(&src).contains(&Rule::R9));
     let no_wait = src.replace("wait e stream=b\n", "");
     assert_eq!(verdict(&no_wait), "ok");
 }
@@ -409,7 +410,7 @@ fn r10_a_bounded_number_of_launches_in_progress() {
     assert_eq!(verdict(&src), "ok");
     let one = src.replace("ranks 2\n", "ranks 2\nmodel kernels=1\n");
     assert_eq!(verdict(&one), "deadlock");
-    assert!(cycle_rules(&one).contains(&"R10"));
+    assert!(cycle_rules(&one).contains(&Rule::R10));
     let two = src.replace("ranks 2\n", "ranks 2\nmodel kernels=2\n");
     assert_eq!(verdict(&two), "ok");
 }

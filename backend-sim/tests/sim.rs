@@ -41,7 +41,12 @@ fn a_hang_comes_back_as_an_error_with_its_cycle_quickly() {
     assert!(start.elapsed() < Duration::from_secs(1));
     let hang = failure.hang().expect("a hang");
     assert_eq!(hang.stuck.cycle.len(), 4);
-    assert!(hang.stuck.cycle.iter().any(|l| l.rule == "R4"));
+    assert!(
+        hang.stuck
+            .cycle
+            .iter()
+            .any(|l| l.rule == duplex::report::Rule::R4)
+    );
     assert!(
         hang.stuck.ops.iter().all(|o| o.at.contains("tests/sim.rs")),
         "ops name the user's lines"

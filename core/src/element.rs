@@ -3,7 +3,9 @@
 use std::fmt;
 
 /// A datatype as NCCL knows it. Schedule files move raw bytes (`U8`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     /// `ncclInt8`

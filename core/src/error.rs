@@ -19,8 +19,8 @@ pub enum Error {
     /// side only (R8), a message never received. Names every op involved.
     #[error("program error ({kind}): {message}")]
     Program {
-        /// `size-mismatch`, `type-mismatch`, `group-mismatch`, `never-received`.
-        kind: &'static str,
+        /// Which error.
+        kind: ProgramErrorKind,
         /// What is wrong, naming the ops.
         message: String,
         /// The ops involved.
@@ -82,6 +82,43 @@ impl Error {
     }
 }
 
+/// The kinds of program error. Prints (and serializes) as `size-mismatch`,
+/// `type-mismatch`, `group-mismatch`, `never-received`, `invalid`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProgramErrorKind {
+    /// R3: the k-th send and the k-th recv of a channel disagree on size.
+    SizeMismatch,
+    /// R3: they disagree on element type.
+    TypeMismatch,
+    /// R8: a matched pair where only one side is in a group of two or more.
+    GroupMismatch,
+    /// A send completed into a channel's buffer (R5) and no recv took it.
+    NeverReceived,
+    /// A call that cannot be made (reported as [`Error::Invalid`] by the
+    /// transports; `invalid` in `duplex check` reports).
+    Invalid,
+}
+
+impl ProgramErrorKind {
+    /// The name reports print.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProgramErrorKind::SizeMismatch => "size-mismatch",
+            ProgramErrorKind::TypeMismatch => "type-mismatch",
+            ProgramErrorKind::GroupMismatch => "group-mismatch",
+            ProgramErrorKind::NeverReceived => "never-received",
+            ProgramErrorKind::Invalid => "invalid",
+        }
+    }
+}
+
+impl fmt::Display for ProgramErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A hang report: the stuck state with its wait-for analysis, and how to get
 /// back to it.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -97,12 +134,25 @@ pub struct Hang {
     pub schedule: Option<String>,
     /// The exact call or command that replays it.
     pub replay: Option<String>,
+    /// Calls a real backend made that the model refuses: the model and the
+    /// hardware disagree here (see [`crate::trace`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disagreements: Vec<crate::trace::Disagreement>,
 }
 
 impl fmt::Display for Hang {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.context)?;
         write!(f, "{}", self.stuck)?;
+        if !self.disagreements.is_empty() {
+            writeln!(
+                f,
+                "calls the model refuses (the model and the hardware disagree; please report this):"
+            )?;
+            for d in &self.disagreements {
+                writeln!(f, "  {d}")?;
+            }
+        }
         if !self.steps.is_empty() {
             writeln!(
                 f,

@@ -22,10 +22,11 @@ mod model;
 pub mod report;
 pub mod schedule;
 mod size;
+pub mod trace;
 pub mod transport;
 
 pub use element::{DType, Element};
-pub use error::{Error, Hang, Result};
+pub use error::{Error, Hang, ProgramErrorKind, Result};
 pub use model::{Model, Policy};
 pub use schedule::Dir;
 pub use size::Size;

@@ -10,6 +10,125 @@ use std::fmt;
 use crate::schedule::Dir;
 use crate::{Rank, Size};
 
+/// A rule of `docs/semantics.md`, or a host call that waits by its own
+/// nature: what a wait-for edge names. Prints (and serializes) as `R1` …
+/// `R11`, `sync`, `end`, `await`, `join`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Rule {
+    /// Stream order.
+    R1,
+    /// Communicator order.
+    R2,
+    /// Matching: the k-th send meets the k-th recv of a channel.
+    R3,
+    /// Rendezvous: a pair completes once both sides have started.
+    R4,
+    /// Eager capacity of a connected channel.
+    R5,
+    /// A cold channel's first message is a rendezvous.
+    R6,
+    /// The lazy connection handshake.
+    R7,
+    /// Groups.
+    R8,
+    /// Events.
+    R9,
+    /// Kernel concurrency.
+    R10,
+    /// One caller per communicator at a time.
+    R11,
+    /// A host `sync` waits for streams to drain.
+    #[serde(rename = "sync")]
+    Sync,
+    /// A thread's end waits for its rank's streams to drain.
+    #[serde(rename = "end")]
+    End,
+    /// An `await` waits for a `notify`.
+    #[serde(rename = "await")]
+    Await,
+    /// A `join` waits for a thread to finish.
+    #[serde(rename = "join")]
+    Join,
+}
+
+impl Rule {
+    /// The name reports print: `R4`, `sync`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rule::R1 => "R1",
+            Rule::R2 => "R2",
+            Rule::R3 => "R3",
+            Rule::R4 => "R4",
+            Rule::R5 => "R5",
+            Rule::R6 => "R6",
+            Rule::R7 => "R7",
+            Rule::R8 => "R8",
+            Rule::R9 => "R9",
+            Rule::R10 => "R10",
+            Rule::R11 => "R11",
+            Rule::Sync => "sync",
+            Rule::End => "end",
+            Rule::Await => "await",
+            Rule::Join => "join",
+        }
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How far a point-to-point op got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum OpState {
+    /// Issued; its launch has not started (R1, R2, R10 hold it).
+    #[serde(rename = "not started")]
+    NotStarted,
+    /// Its launch started, but an earlier op of its group to the same peer
+    /// and in the same direction has not completed (R8).
+    #[serde(rename = "started, behind an earlier op of its group")]
+    BehindInGroup,
+    /// Started: it waits for its partner (R4) or its turn (R3).
+    #[serde(rename = "started")]
+    Started,
+    /// A send that completed into the channel's buffer (R5), not yet
+    /// received.
+    #[serde(rename = "buffered")]
+    Buffered,
+    /// Completed.
+    #[serde(rename = "done")]
+    Done,
+    /// The op being issued when an error was found.
+    #[serde(rename = "just issued")]
+    JustIssued,
+    /// A real backend's op whose completion is not known.
+    #[serde(rename = "not complete")]
+    NotComplete,
+}
+
+impl OpState {
+    /// The words reports print.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpState::NotStarted => "not started",
+            OpState::BehindInGroup => "started, behind an earlier op of its group",
+            OpState::Started => "started",
+            OpState::Buffered => "buffered",
+            OpState::Done => "done",
+            OpState::JustIssued => "just issued",
+            OpState::NotComplete => "not complete",
+        }
+    }
+}
+
+impl fmt::Display for OpState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One point-to-point op as a report shows it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct OpInfo {
@@ -32,9 +151,8 @@ pub struct OpInfo {
     /// Its position in its channel's FIFO: it is message `#fifo` (from 0)
     /// from `src` to `dst` on `comm`.
     pub fifo: u32,
-    /// `not started`, `started`, `buffered` (completed into the channel's
-    /// buffer, R5) or `done`.
-    pub state: &'static str,
+    /// How far it got.
+    pub state: OpState,
     /// Issued inside a group.
     pub grouped: bool,
     /// The statement or call that issued it.
@@ -101,8 +219,8 @@ pub struct BlockedCall {
 pub struct Link {
     /// The waiting host call or device op.
     pub node: String,
-    /// The rule that makes it wait (`R1` … `R10`, `sync`, `await`).
-    pub rule: &'static str,
+    /// The rule that makes it wait.
+    pub rule: Rule,
     /// What it waits for.
     pub waits_for: String,
 }

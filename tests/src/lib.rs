@@ -16,7 +16,7 @@
 pub mod fuzzing;
 pub mod strategies;
 
-use duplex::{Dir, Error, Hang, Place, Policy, Rank, Result, Transport};
+use duplex::{Dir, Error, Hang, Place, Policy, ProgramErrorKind, Rank, Result, Transport};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -50,7 +50,7 @@ pub enum Expect {
     MayHang,
     /// Fail with the program error of this kind (`size-mismatch`,
     /// `type-mismatch`).
-    Fails(&'static str),
+    Fails(ProgramErrorKind),
 }
 
 /// One scenario.
@@ -255,7 +255,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             "rank 0 sends 4096 elements, rank 1 receives 2048",
             2,
             PerDirection,
-            Fails("size-mismatch"),
+            Fails(ProgramErrorKind::SizeMismatch),
             size_mismatch::<T>,
         ),
         s(
@@ -263,7 +263,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             "rank 0 sends u32, rank 1 receives f32",
             2,
             PerDirection,
-            Fails("type-mismatch"),
+            Fails(ProgramErrorKind::TypeMismatch),
             type_mismatch::<T>,
         ),
         s(

@@ -440,6 +440,7 @@ impl World {
             steps: self.steps.clone(),
             replay: Some(format!("{}.replay(\"{schedule}\", ...)", self.replay_hint)),
             schedule: Some(schedule),
+            disagreements: Vec::new(),
         }
     }
 }

@@ -2,7 +2,8 @@
 //! step. Nothing here is a choice; the order of the passes only matters for
 //! kernel slots (R10), which go to ready launches in issue order.
 
-use super::{Entry, LaunchRef, Machine, OpStatus, Wait};
+use super::rules::{Front, free};
+use super::{Entry, LaunchRef, Machine, OpRef, OpStatus, StreamId, Wait};
 
 impl Machine {
     /// Applies every device step that can happen, until none can.
@@ -42,9 +43,8 @@ impl Machine {
         for i in 0..self.state.streams.len() {
             loop {
                 let done = match self.state.streams[i].queue.front() {
-                    Some(Entry::Record) | Some(Entry::WaitEvent(None, _)) => true,
-                    Some(Entry::WaitEvent(Some((s, index)), _)) => {
-                        self.state.streams[s.ix()].base > *index
+                    Some(Entry::Record | Entry::WaitEvent(..)) => {
+                        free(|f| self.marker_blockers(StreamId(i as u32), f))
                     }
                     Some(Entry::Launch(_)) | None => false,
                 };
@@ -60,34 +60,21 @@ impl Machine {
         changed
     }
 
-    /// Starts launches that are at the head of all their streams (R1, R8),
-    /// whose communicators have no earlier unfinished launch on this rank
-    /// (R2), and for which a kernel slot is free (R10).
+    /// Starts every launch that nothing holds back
+    /// ([`Machine::launch_blockers`]: R1, R2, R10), in issue order per rank.
     fn start_launches(&mut self) -> bool {
         let mut changed = false;
-        let comm_order = self.setup.model.comm_order;
-        let kernels = self.setup.model.kernels;
         for r in 0..self.state.ranks.len() {
             let pending = self.state.ranks[r].pending.clone();
-            for (pos, lref) in pending.iter().enumerate() {
-                let launch = &self.state.launches[lref];
-                if launch.started {
+            for lref in pending {
+                if self.state.launches[&lref].started || !free(|f| self.launch_blockers(lref, f)) {
                     continue;
-                }
-                if !self.at_heads(*lref) {
-                    continue;
-                }
-                if comm_order && self.earlier_on_same_comm(&pending[..pos], *lref).is_some() {
-                    continue;
-                }
-                if kernels.is_some_and(|k| self.state.ranks[r].running >= k) {
-                    break;
                 }
                 self.state.ranks[r].running += 1;
                 let launch = self
                     .state
                     .launches
-                    .get_mut(lref)
+                    .get_mut(&lref)
                     .expect("pending launch is live");
                 launch.started = true;
                 changed = true;
@@ -96,52 +83,29 @@ impl Machine {
         changed
     }
 
-    /// True when `lref` is the first entry of every stream it is on.
-    pub(super) fn at_heads(&self, lref: LaunchRef) -> bool {
-        self.state.launches[&lref]
-            .streams
-            .iter()
-            .all(|s| self.state.streams[s.ix()].queue.front() == Some(&Entry::Launch(lref)))
-    }
-
-    /// The first launch in `earlier` that shares a communicator with `lref`.
-    pub(super) fn earlier_on_same_comm(
-        &self,
-        earlier: &[LaunchRef],
-        lref: LaunchRef,
-    ) -> Option<LaunchRef> {
-        let launch = &self.state.launches[&lref];
-        earlier.iter().copied().find(|e| {
-            let other = &self.state.launches[e];
-            other
-                .ops
-                .iter()
-                .any(|o| launch.ops.iter().any(|p| p.spec.comm == o.spec.comm))
-        })
-    }
-
-    /// In a started launch, an op becomes active once the earlier ops of its
-    /// launch on the same channel have completed (R8: ops to the same peer
-    /// execute in order; sends and receives progress independently).
+    /// In a started launch, an op becomes active once nothing of its own
+    /// launch holds it back ([`Machine::behind_in_group`], R8).
     fn activate_group_ops(&mut self) -> bool {
         let mut changed = false;
-        for launch in self.state.launches.values_mut() {
-            if !launch.started {
-                continue;
-            }
-            for i in 0..launch.ops.len() {
-                if launch.ops[i].status != OpStatus::Waiting {
-                    continue;
-                }
-                let me = &launch.ops[i].spec;
-                let blocked = launch.ops[..i].iter().any(|o| {
-                    o.status != OpStatus::Done
-                        && o.spec.comm == me.comm
-                        && o.spec.peer == me.peer
-                        && o.spec.dir == me.dir
-                });
-                if !blocked {
-                    launch.ops[i].status = OpStatus::Active;
+        let started: Vec<LaunchRef> = self
+            .state
+            .launches
+            .iter()
+            .filter(|(_, l)| l.started && l.ops.iter().any(|o| o.status == OpStatus::Waiting))
+            .map(|(r, _)| *r)
+            .collect();
+        for lref in started {
+            for i in 0..self.state.launches[&lref].ops.len() {
+                if self.state.launches[&lref].ops[i].status == OpStatus::Waiting
+                    && !self.behind_in_group(lref, i)
+                {
+                    self.set_status(
+                        OpRef {
+                            launch: lref,
+                            index: i as u16,
+                        },
+                        OpStatus::Active,
+                    );
                     changed = true;
                 }
             }
@@ -158,20 +122,7 @@ impl Machine {
         let keys: Vec<_> = self.state.channels.keys().copied().collect();
         for key in keys {
             let warm = self.setup.comms[key.0.ix()].warm;
-            let status = |m: &Machine, op: super::OpRef| {
-                m.state.launches[&op.launch].ops[op.index as usize].status
-            };
-            loop {
-                let ch = &self.state.channels[&key];
-                let (Some(send), Some(recv)) =
-                    (ch.sends.front().copied(), ch.recvs.front().copied())
-                else {
-                    break;
-                };
-                let send_ready = send.buffered || status(self, send.op) == OpStatus::Active;
-                if !(send_ready && status(self, recv.op) == OpStatus::Active) {
-                    break;
-                }
+            while let Some(Front::Ready(send, recv)) = self.front(key) {
                 self.set_status(recv.op, OpStatus::Done);
                 if !send.buffered {
                     self.set_status(send.op, OpStatus::Done);
@@ -202,7 +153,8 @@ impl Machine {
                     inflight += slot.bytes;
                     continue;
                 }
-                if status(self, slot.op) == OpStatus::Active
+                if self.state.launches[&slot.op.launch].ops[slot.op.index as usize].status
+                    == OpStatus::Active
                     && inflight.saturating_add(slot.bytes) <= eager
                 {
                     inflight += slot.bytes;
@@ -229,7 +181,7 @@ impl Machine {
         changed
     }
 
-    fn set_status(&mut self, op: super::OpRef, status: OpStatus) {
+    fn set_status(&mut self, op: OpRef, status: OpStatus) {
         if let Some(l) = self.state.launches.get_mut(&op.launch) {
             l.ops[op.index as usize].status = status;
         }

@@ -23,6 +23,7 @@
 //! them ([`waitfor`]).
 
 mod device;
+mod rules;
 mod view;
 pub mod waitfor;
 
@@ -30,7 +31,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use crate::schedule::Dir;
-use crate::{DType, Model};
+use crate::{DType, Model, ProgramErrorKind};
 
 pub use crate::report::{OpInfo, Stuck};
 pub use view::describe_origin;
@@ -421,14 +422,14 @@ pub enum ProgramError {
 }
 
 impl ProgramError {
-    /// A short name of the kind of error.
-    pub fn kind(&self) -> &'static str {
+    /// The kind of error.
+    pub fn kind(&self) -> ProgramErrorKind {
         match self {
-            ProgramError::SizeMismatch { .. } => "size-mismatch",
-            ProgramError::TypeMismatch { .. } => "type-mismatch",
-            ProgramError::GroupMismatch { .. } => "group-mismatch",
-            ProgramError::NeverReceived { .. } => "never-received",
-            ProgramError::Invalid { .. } => "invalid",
+            ProgramError::SizeMismatch { .. } => ProgramErrorKind::SizeMismatch,
+            ProgramError::TypeMismatch { .. } => ProgramErrorKind::TypeMismatch,
+            ProgramError::GroupMismatch { .. } => ProgramErrorKind::GroupMismatch,
+            ProgramError::NeverReceived { .. } => ProgramErrorKind::NeverReceived,
+            ProgramError::Invalid { .. } => ProgramErrorKind::Invalid,
         }
     }
 
@@ -755,39 +756,16 @@ impl Machine {
     }
 
     fn wait_satisfied(&self, t: ThreadId, wait: &Wait) -> bool {
-        match wait {
-            Wait::None => true,
-            Wait::Streams { targets, .. } => targets
-                .iter()
-                .all(|(s, n)| self.state.streams[s.ix()].base >= *n),
-            Wait::Connect { pairs } => {
-                let rank = self.rank_of(t);
-                pairs
-                    .iter()
-                    .all(|(c, peer, round)| self.peer_rounds(*c, *peer, rank) >= *round)
-            }
-        }
+        rules::free(|f| self.wait_blockers(t, wait, f))
     }
 
-    /// Whether thread `t` can make `call` now: it is between calls and, for
-    /// `await`, a matching message has arrived; for `join`, the joined thread
-    /// has finished.
+    /// Whether thread `t` can make `call` now: it is between calls and
+    /// nothing holds the call back ([`Machine::call_blockers`]: for `await`,
+    /// a matching message has arrived; for `join`, the joined thread has
+    /// finished; for a launch, no other thread of the rank is inside a call
+    /// on its communicators, R11).
     pub fn enabled(&self, t: ThreadId, call: &HostCall) -> bool {
-        if self.next(t) != Next::Call {
-            return false;
-        }
-        match call {
-            HostCall::Await { from, tag, .. } => self
-                .state
-                .mail
-                .get(&(*from, self.rank_of(t), *tag))
-                .is_some_and(|n| *n > 0),
-            HostCall::Join { thread, .. } => {
-                self.state.threads.get(thread.ix()).is_some()
-                    && self.next(*thread) == Next::Finished
-            }
-            _ => true,
-        }
+        self.next(t) == Next::Call && rules::free(|f| self.call_blockers(t, call, f))
     }
 
     /// Checks a call without changing anything: an invalid call (a rank that
@@ -829,13 +807,25 @@ impl Machine {
         }
     }
 
+    /// Checks a call as [`Machine::apply`] would, without changing
+    /// anything: [`Machine::check_call`], and for a launch whether an op
+    /// meets a partner already issued that disagrees with it on size, type
+    /// or grouping (R3, R8). A real backend calls this before NCCL sees the
+    /// call.
+    pub fn check_issue(&self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
+        self.check_call(t, call)?;
+        match call {
+            HostCall::Launch(spec) => self.match_check(t, spec),
+            _ => Ok(()),
+        }
+    }
+
     /// Performs thread `t`'s next call, which must be [`Machine::enabled`].
-    /// An invalid call ([`Machine::check_call`]) changes nothing. After any
-    /// other error (a mismatch found when the op joined its channel) the
-    /// machine must not be stepped again.
+    /// A call that fails [`Machine::check_issue`] (invalid, or a mismatch
+    /// with its partner) changes nothing, so the machine stays usable.
     pub fn apply(&mut self, t: ThreadId, call: HostCall) -> Result<(), ProgramError> {
         debug_assert!(self.enabled(t, &call));
-        self.check_call(t, &call)?;
+        self.check_issue(t, &call)?;
         let rank = self.rank_of(t);
         let th = &mut self.state.threads[t.ix()];
         let seq = th.calls;
@@ -844,7 +834,7 @@ impl Machine {
             HostCall::Launch(spec) => {
                 let pairs = self.handshakes(rank, &spec);
                 if pairs.is_empty() {
-                    self.enqueue(t, seq, spec)?;
+                    self.enqueue(t, seq, spec);
                 } else {
                     let th = &mut self.state.threads[t.ix()];
                     th.phase = Phase::Connecting { spec, seq };
@@ -904,16 +894,20 @@ impl Machine {
     /// Finishes thread `t`'s call that waited for handshakes. Requires
     /// [`Machine::next`] to be [`Next::Resume`].
     pub fn resume(&mut self, t: ThreadId) -> Result<(), ProgramError> {
+        let Phase::Connecting { spec, .. } = &self.state.threads[t.ix()].phase else {
+            debug_assert!(false, "resume without a pending handshake");
+            return Ok(());
+        };
+        self.match_check(t, spec)?;
         let th = &mut self.state.threads[t.ix()];
         let phase = std::mem::replace(&mut th.phase, Phase::Running);
         th.wait = Wait::None;
         let Phase::Connecting { spec, seq } = phase else {
-            debug_assert!(false, "resume without a pending handshake");
             return Ok(());
         };
         let rank = self.rank_of(t);
         self.connect_sides(rank, &spec);
-        self.enqueue(t, seq, spec)?;
+        self.enqueue(t, seq, spec);
         self.progress();
         Ok(())
     }
@@ -1092,16 +1086,103 @@ impl Machine {
             .collect()
     }
 
+    /// R3 and R8 at issue: each op of a launch by `rank` meets the op at
+    /// its position on the other side of its channel, if that one has been
+    /// issued; they must agree on size, element type and grouping. Changes
+    /// nothing.
+    fn match_check(&self, t: ThreadId, spec: &LaunchSpec) -> Result<(), ProgramError> {
+        let rank = self.rank_of(t);
+        for (i, o) in spec.ops.iter().enumerate() {
+            let key = channel_key(rank, o);
+            let Some(ch) = self.state.channels.get(&key) else {
+                continue;
+            };
+            let (mine, theirs) = match o.dir {
+                Dir::Send => (&ch.sends, &ch.recvs),
+                Dir::Recv => (&ch.recvs, &ch.sends),
+            };
+            let position = mine.len() + earlier_on_channel(rank, spec, i);
+            let Some(partner) = theirs.get(position) else {
+                continue;
+            };
+            if partner.bytes == o.bytes
+                && partner.dtype == o.dtype
+                && partner.grouped == spec.grouped
+            {
+                continue;
+            }
+            let this = OpInfo {
+                state: crate::report::OpState::JustIssued,
+                ..self.issuing_view(t, o, spec, ch.delivered + position as u32)
+            };
+            let that = self.slot_view(key, o.dir.other(), partner, ch.delivered);
+            let (send, recv) = if o.dir == Dir::Send {
+                (this, that)
+            } else {
+                (that, this)
+            };
+            let (send, recv) = (Box::new(send), Box::new(recv));
+            return Err(if partner.bytes != o.bytes {
+                ProgramError::SizeMismatch { send, recv }
+            } else if partner.dtype != o.dtype {
+                ProgramError::TypeMismatch { send, recv }
+            } else {
+                ProgramError::GroupMismatch { send, recv }
+            });
+        }
+        Ok(())
+    }
+
+    /// The FIFO position (message number on its channel, from 0) each op
+    /// of launch `call` by thread `t` gets if it is issued now.
+    pub fn fifo_positions(&self, t: ThreadId, call: &HostCall) -> Vec<u32> {
+        let HostCall::Launch(spec) = call else {
+            return Vec::new();
+        };
+        let rank = self.rank_of(t);
+        (0..spec.ops.len())
+            .map(|i| {
+                let o = &spec.ops[i];
+                let issued = self
+                    .state
+                    .channels
+                    .get(&channel_key(rank, o))
+                    .map_or(0, |ch| {
+                        ch.delivered
+                            + match o.dir {
+                                Dir::Send => ch.sends.len(),
+                                Dir::Recv => ch.recvs.len(),
+                            } as u32
+                    });
+                issued + earlier_on_channel(rank, spec, i) as u32
+            })
+            .collect()
+    }
+
+    /// Sends and recvs issued on a channel beyond what its other side has
+    /// issued: at the end of a run, ops whose partner never came.
+    pub fn unmatched(&self) -> Vec<OpInfo> {
+        let mut out = Vec::new();
+        for (key, ch) in &self.state.channels {
+            for s in ch.sends.iter().skip(ch.recvs.len()) {
+                out.push(self.slot_view(*key, Dir::Send, s, ch.delivered));
+            }
+            for r in ch.recvs.iter().skip(ch.sends.len()) {
+                out.push(self.slot_view(*key, Dir::Recv, r, ch.delivered));
+            }
+        }
+        out
+    }
+
     /// Puts a call's launches (one per communicator, R8) on their streams
-    /// and their ops in their channels; finds size (R3) and grouping (R8)
-    /// mismatches as soon as both sides exist.
-    fn enqueue(&mut self, t: ThreadId, seq: u32, spec: LaunchSpec) -> Result<(), ProgramError> {
+    /// and their ops in their channels. [`Machine::match_check`] has
+    /// passed.
+    fn enqueue(&mut self, t: ThreadId, seq: u32, spec: LaunchSpec) {
         let rank = self.rank_of(t);
         let refs = Machine::op_refs(t, seq, &spec);
         let mut parts: Vec<(LaunchRef, Vec<Op>, Vec<StreamId>)> = Vec::new();
         for (o, op_ref) in spec.ops.iter().zip(&refs) {
-            let key = channel_key(rank, o);
-            let ch = self.state.channels.entry(key).or_default();
+            let ch = self.state.channels.entry(channel_key(rank, o)).or_default();
             let slot = Slot {
                 op: *op_ref,
                 bytes: o.bytes,
@@ -1111,42 +1192,12 @@ impl Machine {
                 stream: o.stream,
                 buffered: false,
             };
-            let (mine, theirs) = match o.dir {
-                Dir::Send => (&mut ch.sends, &ch.recvs),
-                Dir::Recv => (&mut ch.recvs, &ch.sends),
+            let mine = match o.dir {
+                Dir::Send => &mut ch.sends,
+                Dir::Recv => &mut ch.recvs,
             };
-            let position = mine.len();
-            let fifo = ch.delivered + position as u32;
-            let partner = theirs.get(position).copied();
+            let fifo = ch.delivered + mine.len() as u32;
             mine.push_back(slot);
-            if let Some(partner) = partner
-                && (partner.bytes != o.bytes
-                    || partner.dtype != o.dtype
-                    || partner.grouped != spec.grouped)
-            {
-                let delivered = ch.delivered;
-                let mut this = self.slot_view(key, o.dir, &slot, delivered);
-                this.state = "just issued";
-                let other_dir = if o.dir == Dir::Send {
-                    Dir::Recv
-                } else {
-                    Dir::Send
-                };
-                let that = self.slot_view(key, other_dir, &partner, delivered);
-                let (send, recv) = if o.dir == Dir::Send {
-                    (this, that)
-                } else {
-                    (that, this)
-                };
-                let (send, recv) = (Box::new(send), Box::new(recv));
-                return Err(if partner.bytes != o.bytes {
-                    ProgramError::SizeMismatch { send, recv }
-                } else if partner.dtype != o.dtype {
-                    ProgramError::TypeMismatch { send, recv }
-                } else {
-                    ProgramError::GroupMismatch { send, recv }
-                });
-            }
             let part = op_ref.launch.part as usize;
             if parts.len() <= part {
                 parts.push((op_ref.launch, Vec::new(), Vec::new()));
@@ -1180,8 +1231,17 @@ impl Machine {
                 },
             );
         }
-        Ok(())
     }
+}
+
+/// Ops of `spec` before op `i` that go the same way on the same channel.
+fn earlier_on_channel(rank: Rank, spec: &LaunchSpec, i: usize) -> usize {
+    let o = &spec.ops[i];
+    let key = channel_key(rank, o);
+    spec.ops[..i]
+        .iter()
+        .filter(|p| p.dir == o.dir && channel_key(rank, p) == key)
+        .count()
 }
 
 /// The channel an op of `rank` travels on.

@@ -1,7 +1,7 @@
 //! Descriptions of ops for errors and reports: every field a user needs to
 //! find the op in their program.
 
-use crate::report::OpInfo;
+use crate::report::{OpInfo, OpState};
 use crate::schedule::Dir;
 
 use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
@@ -20,10 +20,10 @@ impl Machine {
         let launch = &self.state.launches[&lref];
         let op = &launch.ops[index];
         let state = match (op.status, launch.started) {
-            (OpStatus::Done, _) => "done",
-            (_, false) => "not started",
-            (OpStatus::Waiting, true) => "started, behind an earlier op of its group",
-            (OpStatus::Active, true) => "started",
+            (OpStatus::Done, _) => OpState::Done,
+            (_, false) => OpState::NotStarted,
+            (OpStatus::Waiting, true) => OpState::BehindInGroup,
+            (OpStatus::Active, true) => OpState::Started,
         };
         self.view(
             lref,
@@ -37,6 +37,34 @@ impl Machine {
             state,
             launch.grouped,
             launch.origin,
+        )
+    }
+
+    /// The view of op `o` of a launch that thread `t` is issuing.
+    pub(super) fn issuing_view(
+        &self,
+        t: super::ThreadId,
+        o: &super::OpSpec,
+        spec: &super::LaunchSpec,
+        fifo: u32,
+    ) -> OpInfo {
+        let lref = LaunchRef {
+            thread: t,
+            seq: 0,
+            part: 0,
+        };
+        self.view(
+            lref,
+            o.dir,
+            o.peer,
+            o.bytes,
+            o.dtype,
+            o.comm,
+            o.stream,
+            fifo,
+            OpState::JustIssued,
+            spec.grouped,
+            spec.origin,
         )
     }
 
@@ -60,12 +88,12 @@ impl Machine {
         let peer = if dir == Dir::Send { key.2 } else { key.1 };
         let live = self.state.launches.get(&slot.op.launch);
         let state = if slot.buffered {
-            "buffered"
+            OpState::Buffered
         } else {
             match live {
-                Some(l) if l.started => "started",
-                Some(_) => "not started",
-                None => "done",
+                Some(l) if l.started => OpState::Started,
+                Some(_) => OpState::NotStarted,
+                None => OpState::Done,
             }
         };
         self.view(
@@ -94,7 +122,7 @@ impl Machine {
         comm: super::CommId,
         stream: super::StreamId,
         fifo: u32,
-        state: &'static str,
+        state: OpState,
         grouped: bool,
         origin: Origin,
     ) -> OpInfo {

@@ -11,14 +11,17 @@
 
 use std::collections::BTreeMap;
 
-use crate::report::{BlockedCall, Link, Stuck};
+use std::ops::ControlFlow;
+
+use crate::report::{BlockedCall, Link, Rule, Stuck};
 
 use crate::Size;
 use crate::schedule::Dir;
 
+use super::rules::{Blocker, Holder, Why};
 use super::{
-    ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Status,
-    StreamId, TagId, ThreadId, Wait,
+    CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Status, StreamId,
+    TagId, ThreadId, Wait,
 };
 
 /// What host threads do, beyond what the state shows.
@@ -76,7 +79,7 @@ enum Node {
 
 struct Edge {
     to: Node,
-    rule: &'static str,
+    rule: Rule,
     why: String,
 }
 
@@ -180,14 +183,6 @@ impl Machine {
         }
     }
 
-    fn head(&self, s: StreamId) -> Option<Node> {
-        match self.state.streams[s.ix()].queue.front()? {
-            Entry::Launch(l) => Some(Node::Launch(*l)),
-            Entry::WaitEvent(..) => Some(Node::Marker(s)),
-            Entry::Record => None,
-        }
-    }
-
     fn stream_name(&self, s: StreamId) -> String {
         let info = &self.setup.streams[s.ix()];
         format!("stream {} of rank {}", info.name, info.rank)
@@ -199,14 +194,14 @@ impl Machine {
 }
 
 impl Graph<'_> {
-    fn add(&mut self, from: Node, to: Node, rule: &'static str, why: String) {
+    fn add(&mut self, from: Node, to: Node, rule: Rule, why: String) {
         self.edges
             .entry(from)
             .or_default()
             .push(Edge { to, rule, why });
     }
 
-    fn add_missing(&mut self, from: Node, rule: &'static str, text: String) {
+    fn add_missing(&mut self, from: Node, rule: Rule, text: String) {
         self.missing.push(text);
         let to = Node::Missing(self.missing.len() - 1);
         let why = self.missing[self.missing.len() - 1].clone();
@@ -235,280 +230,218 @@ impl Graph<'_> {
         for i in 0..m.state.threads.len() {
             let t = ThreadId(i as u32);
             if m.is_blocked(self.threads, t) {
-                self.thread_edges(t);
+                let mut found = Vec::new();
+                let mut collect = |b: Blocker| {
+                    found.push(b);
+                    ControlFlow::Continue(())
+                };
+                let _ = if m.next(t) == Next::Call {
+                    match self.threads.next_call(m, t) {
+                        Some(call) => m.call_blockers(t, &call, &mut collect),
+                        None => ControlFlow::Continue(()),
+                    }
+                } else {
+                    m.wait_blockers(t, &m.state.threads[t.ix()].wait, &mut collect)
+                };
+                for b in found {
+                    self.add_blocker(Node::Thread(t), b);
+                }
             }
         }
-        let launches: Vec<LaunchRef> = m.state.launches.keys().copied().collect();
-        for l in launches {
-            self.launch_edges(l);
+        for (lref, launch) in &m.state.launches {
+            let mut found = Vec::new();
+            let mut collect = |b: Blocker| {
+                found.push(b);
+                ControlFlow::Continue(())
+            };
+            if launch.started {
+                for (i, op) in launch.ops.iter().enumerate() {
+                    if op.status == OpStatus::Active {
+                        let _ = m.op_blockers(*lref, i, &mut collect);
+                    }
+                }
+            } else {
+                let _ = m.launch_blockers(*lref, &mut collect);
+            }
+            for b in found {
+                self.add_blocker(Node::Launch(*lref), b);
+            }
         }
         for i in 0..m.state.streams.len() {
             let s = StreamId(i as u32);
-            if let Some(Entry::WaitEvent(Some((target, _)), _)) = m.state.streams[i].queue.front()
-                && let Some(head) = m.head(*target)
-            {
-                let why = format!(
-                    "waits for an event recorded on {}, behind its head",
-                    m.stream_name(*target)
-                );
-                self.add(Node::Marker(s), head, "R9", why);
+            let mut found = Vec::new();
+            let _ = m.marker_blockers(s, &mut |b| {
+                found.push(b);
+                ControlFlow::Continue(())
+            });
+            for b in found {
+                self.add_blocker(Node::Marker(s), b);
             }
         }
     }
 
-    fn thread_edges(&mut self, t: ThreadId) {
+    /// The rank a node belongs to.
+    fn rank_of(&self, n: Node) -> Rank {
         let m = self.m;
-        let rank = m.rank_of(t);
-        if m.next(t) == Next::Call {
-            match self.threads.next_call(m, t) {
-                Some(HostCall::Await { from, tag, .. }) => self.await_edges(t, rank, from, tag),
-                Some(HostCall::Join { thread, .. }) => {
-                    let info = &m.setup.threads[thread.ix()];
-                    let why = format!(
-                        "waits for thread {} of rank {} to finish",
-                        info.name, info.rank
-                    );
-                    self.add(Node::Thread(t), Node::Thread(thread), "join", why);
-                }
-                _ => {}
-            }
-            return;
+        match n {
+            Node::Thread(t) => m.rank_of(t),
+            Node::Launch(l) => m.state.launches[&l].rank,
+            Node::Marker(s) => m.setup.streams[s.ix()].rank,
+            Node::Missing(_) => 0,
         }
-        match &m.state.threads[t.ix()].wait {
-            Wait::None => {}
-            Wait::Streams { targets, origin } => {
-                let rule = if origin.is_some() { "sync" } else { "end" };
-                for (s, n) in targets {
-                    if m.state.streams[s.ix()].base >= *n {
-                        continue;
-                    }
-                    if let Some(head) = m.head(*s) {
-                        let why = format!("waits for {} to drain", m.stream_name(*s));
-                        self.add(Node::Thread(t), head, rule, why);
-                    }
+    }
+
+    /// Turns what a rule function found into edges: to the node that holds
+    /// `from`, to every thread that may still provide what it waits for,
+    /// or to a missing partner when no thread ever will.
+    fn add_blocker(&mut self, from: Node, b: Blocker) {
+        let m = self.m;
+        let rank = self.rank_of(from);
+        match b.holder {
+            Holder::Transient => {}
+            Holder::Launch(l) => self.add(from, Node::Launch(l), b.rule, self.why(rank, &b, None)),
+            Holder::Marker(s) => self.add(from, Node::Marker(s), b.rule, self.why(rank, &b, None)),
+            Holder::Thread(u) => self.add(from, Node::Thread(u), b.rule, self.why(rank, &b, None)),
+            Holder::Issue {
+                rank: who,
+                comm,
+                dir,
+                peer,
+            } => {
+                let issuers = self.issuers(who, comm, dir, peer);
+                if issuers.is_empty() {
+                    let text = self.why(rank, &b, Some(false));
+                    self.add_missing(from, b.rule, text);
+                }
+                let why = self.why(rank, &b, Some(true));
+                for u in issuers {
+                    self.add(from, Node::Thread(u), b.rule, why.clone());
                 }
             }
-            Wait::Connect { pairs } => {
-                for (c, peer, round) in pairs {
-                    if m.peer_rounds(*c, *peer, rank) >= *round {
-                        continue;
-                    }
-                    let comm = m.comm_name(*c).to_string();
-                    let why = format!(
+            Holder::Notify { from: who, to, tag } => {
+                let senders: Vec<ThreadId> = m
+                    .setup
+                    .threads_of(who)
+                    .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, to, tag))
+                    .collect();
+                if senders.is_empty() {
+                    let text = self.why(rank, &b, Some(false));
+                    self.add_missing(from, b.rule, text);
+                }
+                let why = self.why(rank, &b, Some(true));
+                for u in senders {
+                    self.add(from, Node::Thread(u), b.rule, why.clone());
+                }
+            }
+        }
+    }
+
+    /// The sentence of a blocker, for a node of `rank`. `future` is, for
+    /// what a thread has not done yet, whether some thread may still do it.
+    fn why(&self, rank: Rank, b: &Blocker, future: Option<bool>) -> String {
+        let m = self.m;
+        let never = future == Some(false);
+        match b.why {
+            Why::StreamHead(s) => format!(
+                "cannot start before the head of {} completes",
+                m.stream_name(s)
+            ),
+            Why::EarlierOnComm(c) => format!(
+                "cannot start before an earlier op of rank {rank} on comm {} completes",
+                m.comm_name(c)
+            ),
+            Why::KernelSlots(k) => format!(
+                "no free kernel slot on rank {rank} (kernels={k}): waits for a running launch to complete"
+            ),
+            Why::Event(s) => format!(
+                "waits for an event recorded on {}, behind its head",
+                m.stream_name(s)
+            ),
+            Why::Drain(s) => format!("waits for {} to drain", m.stream_name(s)),
+            Why::Handshake { comm, peer, round } => {
+                let comm = m.comm_name(comm);
+                if never {
+                    format!(
+                        "no thread of rank {peer} will ever issue an op toward rank {rank} on comm {comm}, so the connection handshake never completes"
+                    )
+                } else {
+                    format!(
                         "connection handshake: waits for rank {peer} to issue an op toward rank {rank} on comm {comm} that needs a connection it has not set up (setup round {round})"
-                    );
-                    let others = self.issuers(*peer, *c, None, rank);
-                    if others.is_empty() {
-                        self.add_missing(
-                            Node::Thread(t),
-                            "R7",
-                            format!("no thread of rank {peer} will ever issue an op toward rank {rank} on comm {comm}, so the connection handshake never completes"),
-                        );
-                    }
-                    for u in others {
-                        self.add(Node::Thread(t), Node::Thread(u), "R7", why.clone());
-                    }
+                    )
                 }
             }
-        }
-    }
-
-    fn await_edges(&mut self, t: ThreadId, rank: Rank, from: Rank, tag: TagId) {
-        let m = self.m;
-        let tag_name = &m.setup.tags[tag.ix()];
-        let senders: Vec<ThreadId> = m
-            .setup
-            .threads_of(from)
-            .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, rank, tag))
-            .collect();
-        let why = format!("waits for `notify {rank} {tag_name}` from rank {from}");
-        if senders.is_empty() {
-            self.add_missing(
-                Node::Thread(t),
-                "await",
-                format!("no thread of rank {from} will ever `notify {rank} {tag_name}`"),
-            );
-        }
-        for u in senders {
-            self.add(Node::Thread(t), Node::Thread(u), "await", why.clone());
-        }
-    }
-
-    fn launch_edges(&mut self, lref: LaunchRef) {
-        let m = self.m;
-        let launch = &m.state.launches[&lref];
-        let me = Node::Launch(lref);
-        if !launch.started {
-            for s in &launch.streams {
-                if m.state.streams[s.ix()].queue.front() != Some(&Entry::Launch(lref))
-                    && let Some(head) = m.head(*s)
-                {
-                    let why = format!(
-                        "cannot start before the head of {} completes",
-                        m.stream_name(*s)
-                    );
-                    self.add(me, head, "R1", why);
+            Why::Mail { from, tag } => {
+                let tag = &m.setup.tags[tag.ix()];
+                if never {
+                    format!("no thread of rank {from} will ever `notify {rank} {tag}`")
+                } else {
+                    format!("waits for `notify {rank} {tag}` from rank {from}")
                 }
             }
-            let rank = &m.state.ranks[launch.rank as usize];
-            let pos = rank.pending.iter().position(|p| *p == lref).unwrap_or(0);
-            if m.setup.model.comm_order
-                && let Some(earlier) = m.earlier_on_same_comm(&rank.pending[..pos], lref)
-            {
-                let comms: Vec<&str> = launch
-                    .ops
-                    .iter()
-                    .map(|o| m.comm_name(o.spec.comm))
-                    .collect();
-                let why = format!(
-                    "cannot start before an earlier op of rank {} on comm {} completes",
-                    launch.rank,
-                    comms.first().copied().unwrap_or("?")
-                );
-                self.add(me, Node::Launch(earlier), "R2", why);
-            }
-            if let Some(k) = m.setup.model.kernels
-                && rank.running >= k
-            {
-                let running: Vec<LaunchRef> = rank
-                    .pending
-                    .iter()
-                    .copied()
-                    .filter(|p| m.state.launches[p].started)
-                    .collect();
-                for r in running {
-                    let why = format!(
-                        "no free kernel slot on rank {} (kernels={k}): waits for a running launch to complete",
-                        launch.rank
-                    );
-                    self.add(me, Node::Launch(r), "R10", why);
-                }
-            }
-            return;
-        }
-        for (i, op) in launch.ops.iter().enumerate() {
-            if op.status != OpStatus::Active {
-                continue;
-            }
-            let key = super::channel_key(launch.rank, &op.spec);
-            self.partner_edges(me, key, op.spec.dir, lref, i as u16, op.spec.bytes);
-        }
-    }
-
-    /// Edges of an active op: what keeps its channel's front pair from
-    /// completing.
-    fn partner_edges(
-        &mut self,
-        me: Node,
-        key: ChannelKey,
-        dir: Dir,
-        lref: LaunchRef,
-        index: u16,
-        bytes: u64,
-    ) {
-        let m = self.m;
-        let Some(ch) = m.state.channels.get(&key) else {
-            return;
-        };
-        let (comm, src, dst) = key;
-        let cname = m.comm_name(comm).to_string();
-        let mine = match dir {
-            Dir::Send => &ch.sends,
-            Dir::Recv => &ch.recvs,
-        };
-        let pos = mine
-            .iter()
-            .position(|s| s.op.launch == lref && s.op.index == index)
-            .unwrap_or(0);
-        let status = |op: super::OpRef| m.state.launches[&op.launch].ops[op.index as usize].status;
-        let front_send_ready = ch
-            .sends
-            .front()
-            .is_some_and(|s| s.buffered || status(s.op) == OpStatus::Active);
-        let msg = ch.delivered;
-        let (rule, lead) = if pos == 0 {
-            (
-                "R4",
+            Why::Finish(u) => {
+                let info = &m.setup.threads[u.ix()];
                 format!(
-                    "started; message #{msg} of {src}→{dst} on comm {cname} completes only when both sides have started: "
-                ),
-            )
-        } else {
-            let eager = m.setup.model.eager;
-            let lead = if dir == Dir::Send && eager.bytes() > 0 {
-                format!(
-                    "started; the channel's buffer (eager={eager}) has no room for {} more, so it waits for message #{msg} to be received: ",
-                    Size(bytes)
+                    "waits for thread {} of rank {} to finish",
+                    info.name, info.rank
                 )
-            } else {
+            }
+            Why::InCall(c) => {
+                let other = match b.holder {
+                    Holder::Thread(u) => m.setup.threads[u.ix()].name.clone(),
+                    _ => "another thread".into(),
+                };
                 format!(
-                    "started; messages on a channel complete in order, so it waits for message #{msg} of {src}→{dst}: "
+                    "waits for thread {other} of rank {rank} to return from its call on comm {} (one caller per communicator at a time)",
+                    m.comm_name(c)
                 )
-            };
-            ("R3", lead)
-        };
-        // Which side of the front pair is missing?
-        if !front_send_ready {
-            match ch.sends.front() {
-                Some(s) => {
-                    self.add(
-                        me,
-                        Node::Launch(s.op.launch),
-                        rule,
-                        format!("{lead}its send has not started"),
-                    );
-                }
-                None => self.future_side(me, rule, &lead, comm, &cname, src, dst, Dir::Send),
             }
-        } else {
-            match ch.recvs.front() {
-                Some(r) => {
-                    self.add(
-                        me,
-                        Node::Launch(r.op.launch),
-                        rule,
-                        format!("{lead}its recv has not started"),
-                    );
+            Why::Message {
+                key,
+                dir,
+                pos,
+                bytes,
+                missing,
+                issued,
+            } => {
+                let (comm, src, dst) = key;
+                let cname = m.comm_name(comm);
+                let msg = m.state.channels.get(&key).map_or(0, |c| c.delivered);
+                let lead = if pos == 0 {
+                    format!(
+                        "started; message #{msg} of {src}→{dst} on comm {cname} completes only when both sides have started: "
+                    )
+                } else if b.rule == Rule::R5 {
+                    format!(
+                        "started; the channel's buffer (eager={}) has no room for {} more, so it waits for message #{msg} to be received: ",
+                        m.setup.model.eager,
+                        Size(bytes)
+                    )
+                } else {
+                    format!(
+                        "started; messages on a channel complete in order, so it waits for message #{msg} of {src}→{dst}: "
+                    )
+                };
+                let _ = dir;
+                let (who, peer) = if missing == Dir::Send {
+                    (src, dst)
+                } else {
+                    (dst, src)
+                };
+                if issued {
+                    format!("{lead}its {} has not started", missing.name())
+                } else if never {
+                    format!(
+                        "{lead}no thread of rank {who} will ever issue the matching {} {} {peer} on comm {cname}",
+                        missing.name(),
+                        if missing == Dir::Send { "to" } else { "from" }
+                    )
+                } else {
+                    format!(
+                        "{lead}rank {who} has not issued the matching {} yet",
+                        missing.name()
+                    )
                 }
-                None => self.future_side(me, rule, &lead, comm, &cname, src, dst, Dir::Recv),
             }
-        }
-    }
-
-    /// An edge to the threads that may still issue the missing side of a
-    /// message, or to a missing partner.
-    #[allow(clippy::too_many_arguments)]
-    fn future_side(
-        &mut self,
-        me: Node,
-        rule: &'static str,
-        lead: &str,
-        comm: CommId,
-        cname: &str,
-        src: Rank,
-        dst: Rank,
-        side: Dir,
-    ) {
-        let (rank, peer) = if side == Dir::Send {
-            (src, dst)
-        } else {
-            (dst, src)
-        };
-        let issuers = self.issuers(rank, comm, Some(side), peer);
-        if issuers.is_empty() {
-            let text = format!(
-                "{lead}no thread of rank {rank} will ever issue the matching {} {} {peer} on comm {cname}",
-                side.name(),
-                if side == Dir::Send { "to" } else { "from" }
-            );
-            self.add_missing(me, rule, text);
-        }
-        for u in issuers {
-            let why = format!(
-                "{lead}rank {rank} has not issued the matching {} yet",
-                side.name()
-            );
-            self.add(me, Node::Thread(u), rule, why);
         }
     }
 

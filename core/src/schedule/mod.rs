@@ -132,7 +132,9 @@ pub enum StmtKind {
 }
 
 /// Direction of a point-to-point op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Dir {
     /// `send`
@@ -147,6 +149,14 @@ impl Dir {
         match self {
             Dir::Send => "send",
             Dir::Recv => "recv",
+        }
+    }
+
+    /// The other side: a send's partner is a recv.
+    pub fn other(self) -> Dir {
+        match self {
+            Dir::Send => Dir::Recv,
+            Dir::Recv => Dir::Send,
         }
     }
 }

@@ -1,0 +1,439 @@
+//! The rules of `docs/semantics.md`, each written once: a function that
+//! says what holds a step back.
+//!
+//! Device progress (module `device`) takes a step exactly when the step's
+//! function here finds nothing, and the wait-for explanation (module
+//! `waitfor`) turns what the same function finds into edges, so the two
+//! cannot disagree. A [`Blocker`] names the rule, what holds the step
+//! ([`Holder`]) and the facts the explanation prints ([`Why`]); building one
+//! costs no allocation, so progress pays nothing for the explanation.
+//!
+//! To add a rule: add its check to the function of the step it holds back
+//! (a launch's start, a `wait` entry, a pair of ops, a host call), a
+//! [`Why`] variant with its facts, and its sentence in `waitfor::why`.
+
+use std::ops::ControlFlow;
+
+use crate::report::Rule;
+use crate::schedule::Dir;
+
+use super::{
+    ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Slot,
+    StreamId, TagId, ThreadId, Wait,
+};
+
+/// What holds a step back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Holder {
+    /// A launch (an op or a group) that must start or complete first.
+    Launch(LaunchRef),
+    /// The `wait` entry at the head of a stream (R9).
+    Marker(StreamId),
+    /// An entry that retires in the same progress pass (a `record` at the
+    /// head of its stream); never seen in a settled state.
+    Transient,
+    /// A host thread (that must finish, or return from its call).
+    Thread(ThreadId),
+    /// An op that no thread of `rank` has issued yet: on `comm`, toward
+    /// `peer`, in direction `dir` (seen from `rank`; `None` for either).
+    Issue {
+        /// The rank that must issue it.
+        rank: Rank,
+        /// The communicator.
+        comm: CommId,
+        /// Send or recv; `None` for either.
+        dir: Option<Dir>,
+        /// Its peer.
+        peer: Rank,
+    },
+    /// A `notify` from `from` to `to` with `tag` that has not been posted.
+    Notify {
+        /// The sending rank.
+        from: Rank,
+        /// The receiving rank.
+        to: Rank,
+        /// The tag.
+        tag: TagId,
+    },
+}
+
+/// The facts of a [`Blocker`] that its explanation prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Why {
+    /// R1: a launch is not at the head of this stream.
+    StreamHead(StreamId),
+    /// R2: an earlier launch of the rank shares this communicator.
+    EarlierOnComm(CommId),
+    /// R10: the rank's `k` kernel slots are taken.
+    KernelSlots(u32),
+    /// R9: the event was recorded on this stream, behind its head.
+    Event(StreamId),
+    /// R3/R4/R5: the front pair of a channel lacks `missing`; the waiting op
+    /// is at `pos` in its side's queue and carries `bytes`.
+    Message {
+        /// The channel.
+        key: ChannelKey,
+        /// The waiting op's side.
+        dir: Dir,
+        /// Its position in its side's queue (0: the front pair).
+        pos: usize,
+        /// Its bytes.
+        bytes: u64,
+        /// The side of the front pair that has not started.
+        missing: Dir,
+        /// Whether that side has been issued at all.
+        issued: bool,
+    },
+    /// `sync`/`end`: this stream has not drained.
+    Drain(StreamId),
+    /// R7: the peer has not entered this setup round on `comm`.
+    Handshake {
+        /// The communicator.
+        comm: CommId,
+        /// The peer.
+        peer: Rank,
+        /// The round.
+        round: u32,
+    },
+    /// `await`: no such `notify` has arrived.
+    Mail {
+        /// The sender.
+        from: Rank,
+        /// The tag.
+        tag: TagId,
+    },
+    /// `join`: the thread has not finished.
+    Finish(ThreadId),
+    /// R11: another thread of the rank is inside a call on `comm`.
+    InCall(CommId),
+}
+
+/// One thing that holds a step back, and by which rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Blocker {
+    pub(super) rule: Rule,
+    pub(super) holder: Holder,
+    pub(super) why: Why,
+}
+
+/// The front pair of a channel.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Front {
+    /// Both sides have started (or the send is buffered): the pair completes.
+    Ready(Slot, Slot),
+    /// The send side has not started (`Some`) or not been issued (`None`).
+    NoSend(Option<Slot>),
+    /// The recv side has not started (`Some`) or not been issued (`None`).
+    NoRecv(Option<Slot>),
+}
+
+type Visit<'a> = &'a mut dyn FnMut(Blocker) -> ControlFlow<()>;
+
+impl Machine {
+    /// The entry at the head of stream `s`, as a holder.
+    pub(super) fn head_holder(&self, s: StreamId) -> Holder {
+        match self.state.streams[s.ix()].queue.front() {
+            Some(Entry::Launch(l)) => Holder::Launch(*l),
+            Some(Entry::WaitEvent(..)) => Holder::Marker(s),
+            Some(Entry::Record) | None => Holder::Transient,
+        }
+    }
+
+    /// What keeps launch `lref` from starting: R1 (it is not at the head of
+    /// every stream it is on; a group waits for all of them, R8), R2 (an
+    /// earlier launch of its rank on one of its communicators has not
+    /// completed), R10 (every kernel slot of the rank is taken).
+    pub(super) fn launch_blockers(&self, lref: LaunchRef, f: Visit<'_>) -> ControlFlow<()> {
+        let launch = &self.state.launches[&lref];
+        for s in &launch.streams {
+            if self.state.streams[s.ix()].queue.front() != Some(&Entry::Launch(lref)) {
+                f(Blocker {
+                    rule: Rule::R1,
+                    holder: self.head_holder(*s),
+                    why: Why::StreamHead(*s),
+                })?;
+            }
+        }
+        let rank = &self.state.ranks[launch.rank as usize];
+        if self.setup.model.comm_order {
+            let pos = rank.pending.iter().position(|p| *p == lref).unwrap_or(0);
+            if let Some((earlier, comm)) = self.earlier_on_same_comm(&rank.pending[..pos], lref) {
+                f(Blocker {
+                    rule: Rule::R2,
+                    holder: Holder::Launch(earlier),
+                    why: Why::EarlierOnComm(comm),
+                })?;
+            }
+        }
+        if let Some(k) = self.setup.model.kernels
+            && rank.running >= k
+        {
+            for r in rank
+                .pending
+                .iter()
+                .filter(|p| self.state.launches[p].started)
+            {
+                f(Blocker {
+                    rule: Rule::R10,
+                    holder: Holder::Launch(*r),
+                    why: Why::KernelSlots(k),
+                })?;
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The first launch in `earlier` that shares a communicator with `lref`,
+    /// and that communicator (R2).
+    fn earlier_on_same_comm(
+        &self,
+        earlier: &[LaunchRef],
+        lref: LaunchRef,
+    ) -> Option<(LaunchRef, CommId)> {
+        let launch = &self.state.launches[&lref];
+        earlier.iter().find_map(|e| {
+            let other = &self.state.launches[e];
+            other.ops.iter().find_map(|o| {
+                launch
+                    .ops
+                    .iter()
+                    .any(|p| p.spec.comm == o.spec.comm)
+                    .then_some((*e, o.spec.comm))
+            })
+        })
+    }
+
+    /// R8: in a started launch, op `i` waits for the earlier ops of its
+    /// launch on the same channel (ops to the same peer execute in order;
+    /// sends and receives progress independently). The launch is what
+    /// holds it; there is no edge of its own.
+    pub(super) fn behind_in_group(&self, lref: LaunchRef, i: usize) -> bool {
+        let ops = &self.state.launches[&lref].ops;
+        let me = &ops[i].spec;
+        ops[..i].iter().any(|o| {
+            o.status != OpStatus::Done
+                && o.spec.comm == me.comm
+                && o.spec.peer == me.peer
+                && o.spec.dir == me.dir
+        })
+    }
+
+    /// The front pair of channel `key` (R3: the k-th send meets the k-th
+    /// recv; R4: they complete once both have started; a send buffered by
+    /// R5 counts as started).
+    pub(super) fn front(&self, key: ChannelKey) -> Option<Front> {
+        let ch = self.state.channels.get(&key)?;
+        let status = |s: &Slot| self.state.launches[&s.op.launch].ops[s.op.index as usize].status;
+        let send = ch.sends.front().copied();
+        let recv = ch.recvs.front().copied();
+        match (send, recv) {
+            (Some(s), Some(r))
+                if (s.buffered || status(&s) == OpStatus::Active)
+                    && status(&r) == OpStatus::Active =>
+            {
+                Some(Front::Ready(s, r))
+            }
+            (Some(s), _) if !(s.buffered || status(&s) == OpStatus::Active) => {
+                Some(Front::NoSend(Some(s)))
+            }
+            (None, _) => Some(Front::NoSend(None)),
+            (Some(_), r) => Some(Front::NoRecv(r)),
+        }
+    }
+
+    /// What keeps started op `i` of launch `lref` from completing: the
+    /// front pair of its channel lacks a side (R4 when it is that pair; R3
+    /// when it waits for its turn behind it; R5 when it is a send the
+    /// channel's buffer has no room for).
+    pub(super) fn op_blockers(&self, lref: LaunchRef, i: usize, f: Visit<'_>) -> ControlFlow<()> {
+        let launch = &self.state.launches[&lref];
+        let op = &launch.ops[i];
+        let key = super::channel_key(launch.rank, &op.spec);
+        let Some(ch) = self.state.channels.get(&key) else {
+            return ControlFlow::Continue(());
+        };
+        let mine = match op.spec.dir {
+            Dir::Send => &ch.sends,
+            Dir::Recv => &ch.recvs,
+        };
+        let pos = mine
+            .iter()
+            .position(|s| s.op.launch == lref && usize::from(s.op.index) == i)
+            .unwrap_or(0);
+        let rule = if pos == 0 {
+            Rule::R4
+        } else if op.spec.dir == Dir::Send && self.setup.model.eager.bytes() > 0 {
+            Rule::R5
+        } else {
+            Rule::R3
+        };
+        let (comm, src, dst) = key;
+        let (missing, slot) = match self.front(key) {
+            Some(Front::NoSend(s)) => (Dir::Send, s),
+            Some(Front::NoRecv(r)) => (Dir::Recv, r),
+            Some(Front::Ready(..)) | None => return ControlFlow::Continue(()),
+        };
+        let holder = match slot {
+            Some(s) => Holder::Launch(s.op.launch),
+            None => Holder::Issue {
+                rank: if missing == Dir::Send { src } else { dst },
+                comm,
+                dir: Some(missing),
+                peer: if missing == Dir::Send { dst } else { src },
+            },
+        };
+        f(Blocker {
+            rule,
+            holder,
+            why: Why::Message {
+                key,
+                dir: op.spec.dir,
+                pos,
+                bytes: op.spec.bytes,
+                missing,
+                issued: slot.is_some(),
+            },
+        })
+    }
+
+    /// What keeps the `wait` entry at the head of stream `s` from
+    /// completing (R9: until the recorded entry has completed).
+    pub(super) fn marker_blockers(&self, s: StreamId, f: Visit<'_>) -> ControlFlow<()> {
+        if let Some(Entry::WaitEvent(Some((target, index)), _)) =
+            self.state.streams[s.ix()].queue.front()
+            && self.state.streams[target.ix()].base <= *index
+        {
+            f(Blocker {
+                rule: Rule::R9,
+                holder: self.head_holder(*target),
+                why: Why::Event(*target),
+            })?;
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// What keeps thread `t`'s current call from returning: the streams a
+    /// `sync` (or its end) waits for (R1 drains them), the handshake rounds
+    /// its call waits for (R7).
+    pub(super) fn wait_blockers(&self, t: ThreadId, wait: &Wait, f: Visit<'_>) -> ControlFlow<()> {
+        match wait {
+            Wait::None => {}
+            Wait::Streams { targets, origin } => {
+                let rule = if origin.is_some() {
+                    Rule::Sync
+                } else {
+                    Rule::End
+                };
+                for (s, n) in targets {
+                    if self.state.streams[s.ix()].base < *n {
+                        f(Blocker {
+                            rule,
+                            holder: self.head_holder(*s),
+                            why: Why::Drain(*s),
+                        })?;
+                    }
+                }
+            }
+            Wait::Connect { pairs } => {
+                let rank = self.rank_of(t);
+                for (comm, peer, round) in pairs {
+                    if self.peer_rounds(*comm, *peer, rank) < *round {
+                        f(Blocker {
+                            rule: Rule::R7,
+                            holder: Holder::Issue {
+                                rank: *peer,
+                                comm: *comm,
+                                dir: None,
+                                peer: rank,
+                            },
+                            why: Why::Handshake {
+                                comm: *comm,
+                                peer: *peer,
+                                round: *round,
+                            },
+                        })?;
+                    }
+                }
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// What keeps thread `t`, between calls, from making `call`: an `await`
+    /// waits for its message, a `join` for its thread to finish, and a
+    /// launch for every other thread of the rank to be out of its calls on
+    /// the launch's communicators (R11).
+    pub(super) fn call_blockers(
+        &self,
+        t: ThreadId,
+        call: &HostCall,
+        f: Visit<'_>,
+    ) -> ControlFlow<()> {
+        let rank = self.rank_of(t);
+        match call {
+            HostCall::Await { from, tag, .. } => {
+                let arrived = self
+                    .state
+                    .mail
+                    .get(&(*from, rank, *tag))
+                    .is_some_and(|n| *n > 0);
+                if !arrived {
+                    f(Blocker {
+                        rule: Rule::Await,
+                        holder: Holder::Notify {
+                            from: *from,
+                            to: rank,
+                            tag: *tag,
+                        },
+                        why: Why::Mail {
+                            from: *from,
+                            tag: *tag,
+                        },
+                    })?;
+                }
+            }
+            HostCall::Join { thread, .. } => {
+                let done = self.state.threads.get(thread.ix()).is_some()
+                    && self.next(*thread) == Next::Finished;
+                if !done {
+                    f(Blocker {
+                        rule: Rule::Join,
+                        holder: Holder::Thread(*thread),
+                        why: Why::Finish(*thread),
+                    })?;
+                }
+            }
+            HostCall::Launch(spec) => {
+                for u in self.setup.threads_of(rank) {
+                    if u == t {
+                        continue;
+                    }
+                    if let Phase::Connecting { spec: theirs, .. } =
+                        &self.state.threads[u.ix()].phase
+                        && let Some(op) = spec
+                            .ops
+                            .iter()
+                            .find(|o| theirs.ops.iter().any(|p| p.comm == o.comm))
+                    {
+                        f(Blocker {
+                            rule: Rule::R11,
+                            holder: Holder::Thread(u),
+                            why: Why::InCall(op.comm),
+                        })?;
+                    }
+                }
+            }
+            HostCall::Record { .. }
+            | HostCall::Wait { .. }
+            | HostCall::Sync { .. }
+            | HostCall::Notify { .. }
+            | HostCall::End => {}
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+/// Runs a blocker function and says whether it found nothing.
+pub(super) fn free(run: impl FnOnce(Visit<'_>) -> ControlFlow<()>) -> bool {
+    run(&mut |_| ControlFlow::Break(())).is_continue()
+}

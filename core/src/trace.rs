@@ -1,0 +1,646 @@
+//! What ranks issued, in order, with placement: the [`Trace`] every backend
+//! produces and the state machine replays.
+//!
+//! A backend records each host call as it makes it (the communicator, the
+//! stream, the sizes; where in the user's code), which threads have
+//! returned, and the call each blocked thread is inside. [`Trace::analyze`]
+//! replays the calls through the [`Machine`] under a model and explains the
+//! state they lead to: the same analysis as `duplex check`, applied to what
+//! really happened. Every call the model refuses (one it says could not have
+//! been made yet, or that it rejects as a program error) is kept as a
+//! [`Disagreement`], never dropped: it means the model and the hardware
+//! disagree, which is what calibration is for.
+//!
+//! In one process the calls are in real issue order. Across processes each
+//! rank records its own ([`Trace::merge`] joins them); the replay does not
+//! need one global order, since host steps of different ranks commute (the
+//! checker's reduction rests on the same fact): it takes, at each step, the
+//! earliest recorded call that the model allows.
+//!
+//! A real backend records the `sync`s it is blocked in, not those that
+//! returned, so that eager capacity (R5) the analysis model does not grant
+//! cannot make the replay refuse calls that followed them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::machine::{
+    CommId, EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, Origin, OriginInfo, Rank, Setup,
+    Status, StreamId, ThreadId, Unknown,
+};
+use crate::report::Stuck;
+use crate::{DType, Dir, Model};
+
+/// A communicator as a trace declares it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceComm {
+    /// Its name (`world`, `lane:0->1`, a user's name).
+    pub name: String,
+    /// Member ranks.
+    pub members: Vec<Rank>,
+    /// Connected at creation: R6 and R7 never apply to it.
+    pub warm: bool,
+}
+
+/// A host thread, stream or event: the rank it belongs to and its name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owned {
+    /// The rank.
+    pub rank: Rank,
+    /// The name.
+    pub name: String,
+}
+
+/// One point-to-point op of a launch, with its placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceOp {
+    /// Send or recv.
+    pub dir: Dir,
+    /// The other rank.
+    pub peer: Rank,
+    /// Bytes.
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// The communicator (index into [`Trace::comms`]).
+    pub comm: u32,
+    /// The stream (index into [`Trace::streams`]).
+    pub stream: u32,
+}
+
+/// A host call of a trace. Indices name the trace's own declarations.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Call {
+    /// `send`/`recv` or a group.
+    Launch {
+        /// The ops, in issue order.
+        ops: Vec<TraceOp>,
+        /// Issued between group start and group end.
+        grouped: bool,
+    },
+    /// `record` of an event on a stream.
+    Record {
+        /// The event.
+        event: u32,
+        /// The stream.
+        stream: u32,
+    },
+    /// `wait` for an event on a stream.
+    Wait {
+        /// The event.
+        event: u32,
+        /// The stream.
+        stream: u32,
+    },
+    /// A host `sync` of one stream, or of every stream of the rank.
+    Sync {
+        /// The stream; `None` for all.
+        stream: Option<u32>,
+    },
+    /// A host-to-host message.
+    Notify {
+        /// The receiving rank.
+        to: Rank,
+        /// The tag.
+        tag: String,
+    },
+    /// Taking a host-to-host message.
+    Await {
+        /// The sending rank.
+        from: Rank,
+        /// The tag.
+        tag: String,
+    },
+    /// Waiting for another host thread of the rank to finish.
+    Join {
+        /// The thread.
+        thread: u32,
+    },
+}
+
+/// A call, who made it and where.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceCall {
+    /// The thread (index into [`Trace::threads`]).
+    pub thread: u32,
+    /// The call.
+    pub call: Call,
+    /// The call as the user wrote it (`send 1024 x f32 to rank 1`).
+    pub text: String,
+    /// Where (`src/main.rs:12:5`, `line 4`).
+    pub place: String,
+}
+
+/// What ranks issued. Build it with the `add_*` methods and
+/// [`Trace::push`]; analyse it with [`Trace::analyze`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trace {
+    /// Number of ranks.
+    pub ranks: u32,
+    /// Communicators.
+    pub comms: Vec<TraceComm>,
+    /// Host threads.
+    pub threads: Vec<Owned>,
+    /// Streams.
+    pub streams: Vec<Owned>,
+    /// Events.
+    pub events: Vec<Owned>,
+    /// Calls that were made (returned, or are blocked inside NCCL's
+    /// connection handshake), in issue order.
+    pub calls: Vec<TraceCall>,
+    /// Threads whose code has returned: they issue nothing more.
+    pub ended: Vec<u32>,
+    /// The host wait (a `sync`, `await` or `join`) each blocked thread is
+    /// inside now, at most one per thread.
+    pub blocked: Vec<TraceCall>,
+}
+
+/// A call the model refused while replaying a trace: the model and the
+/// backend disagree.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Disagreement {
+    /// The rank that made the call.
+    pub rank: Rank,
+    /// Its thread.
+    pub thread: String,
+    /// The call.
+    pub call: String,
+    /// Where.
+    pub place: String,
+    /// Why the model refused it.
+    pub why: String,
+}
+
+impl std::fmt::Display for Disagreement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rank {} {}: `{}` ({}) was made, but the model refuses it: {}",
+            self.rank, self.thread, self.call, self.place, self.why
+        )
+    }
+}
+
+/// What a replay found.
+#[derive(Clone, Debug)]
+pub struct Analysis {
+    /// The explanation of the state the trace leads to, when it is stuck.
+    pub stuck: Option<Stuck>,
+    /// Whether every thread has finished in the model.
+    pub finished: bool,
+    /// Calls the model refused, in the order found.
+    pub disagreements: Vec<Disagreement>,
+}
+
+impl Trace {
+    /// An empty trace of `ranks` ranks.
+    pub fn new(ranks: u32) -> Trace {
+        Trace {
+            ranks,
+            ..Trace::default()
+        }
+    }
+
+    /// Declares a communicator; returns its index.
+    pub fn add_comm(&mut self, name: &str, members: &[Rank], warm: bool) -> u32 {
+        self.comms.push(TraceComm {
+            name: name.to_string(),
+            members: members.to_vec(),
+            warm,
+        });
+        (self.comms.len() - 1) as u32
+    }
+
+    /// Declares a host thread; returns its index.
+    pub fn add_thread(&mut self, rank: Rank, name: &str) -> u32 {
+        push(&mut self.threads, rank, name)
+    }
+
+    /// Declares a stream; returns its index.
+    pub fn add_stream(&mut self, rank: Rank, name: &str) -> u32 {
+        push(&mut self.streams, rank, name)
+    }
+
+    /// Declares an event; returns its index.
+    pub fn add_event(&mut self, rank: Rank, name: &str) -> u32 {
+        push(&mut self.events, rank, name)
+    }
+
+    /// Records a call that was made.
+    pub fn push(&mut self, call: TraceCall) {
+        self.calls.push(call);
+    }
+
+    /// Marks a thread's code as returned.
+    pub fn end(&mut self, thread: u32) {
+        if !self.ended.contains(&thread) {
+            self.ended.push(thread);
+        }
+    }
+
+    /// Sets (or, with `None`, clears) the wait `thread` is blocked in.
+    pub fn block(&mut self, thread: u32, wait: Option<TraceCall>) {
+        self.blocked.retain(|b| b.thread != thread);
+        if let Some(w) = wait {
+            self.blocked.push(w);
+        }
+    }
+
+    /// Joins the traces of the ranks of one job (one per process): threads,
+    /// streams and events are renumbered, the communicators must be the
+    /// same in every part. Each part's calls keep their order.
+    pub fn merge(parts: &[Trace]) -> Result<Trace, String> {
+        let Some(first) = parts.first() else {
+            return Ok(Trace::default());
+        };
+        let mut out = Trace::new(first.ranks);
+        out.comms = first.comms.clone();
+        for (i, part) in parts.iter().enumerate() {
+            if part.ranks != first.ranks {
+                return Err(format!(
+                    "trace part {i} has {} ranks, part 0 has {}",
+                    part.ranks, first.ranks
+                ));
+            }
+            if part.comms != first.comms {
+                return Err(format!(
+                    "trace part {i} declares other communicators than part 0: every rank must create communicators in the same order"
+                ));
+            }
+            let (t0, s0, e0) = (
+                out.threads.len() as u32,
+                out.streams.len() as u32,
+                out.events.len() as u32,
+            );
+            out.threads.extend(part.threads.iter().cloned());
+            out.streams.extend(part.streams.iter().cloned());
+            out.events.extend(part.events.iter().cloned());
+            let shift = |c: &TraceCall| {
+                let mut c = c.clone();
+                c.thread += t0;
+                match &mut c.call {
+                    Call::Launch { ops, .. } => ops.iter_mut().for_each(|o| o.stream += s0),
+                    Call::Record { event, stream } | Call::Wait { event, stream } => {
+                        *event += e0;
+                        *stream += s0;
+                    }
+                    Call::Sync { stream } => {
+                        if let Some(s) = stream {
+                            *s += s0;
+                        }
+                    }
+                    Call::Join { thread } => *thread += t0,
+                    Call::Notify { .. } | Call::Await { .. } => {}
+                }
+                c
+            };
+            out.calls.extend(part.calls.iter().map(shift));
+            out.blocked.extend(part.blocked.iter().map(shift));
+            out.ended.extend(part.ended.iter().map(|t| t + t0));
+        }
+        Ok(out)
+    }
+
+    /// Replays the calls under `model` and explains where they lead.
+    pub fn analyze(&self, model: Model) -> Analysis {
+        let mut r = Replayer::new(self, model);
+        if let Err(d) = r.check_ids() {
+            return Analysis {
+                stuck: None,
+                finished: false,
+                disagreements: vec![d],
+            };
+        }
+        r.run();
+        r.finish()
+    }
+}
+
+fn push(list: &mut Vec<Owned>, rank: Rank, name: &str) -> u32 {
+    list.push(Owned {
+        rank,
+        name: name.to_string(),
+    });
+    (list.len() - 1) as u32
+}
+
+/// The replay of one trace.
+struct Replayer<'t> {
+    trace: &'t Trace,
+    m: Machine,
+    /// Each thread's calls not yet replayed (indices into `trace.calls`).
+    queues: Vec<VecDeque<usize>>,
+    /// The machine's call for each trace call.
+    calls: Vec<HostCall>,
+    disagreements: Vec<Disagreement>,
+    /// The blocked waits, as machine calls.
+    waits: HashMap<ThreadId, HostCall>,
+}
+
+impl<'t> Replayer<'t> {
+    fn new(trace: &'t Trace, model: Model) -> Replayer<'t> {
+        let mut setup = Setup::new(trace.ranks, model);
+        for c in &trace.comms {
+            setup.add_comm(c.name.clone(), c.members.clone(), c.warm);
+        }
+        for t in &trace.threads {
+            setup.add_thread(t.rank, t.name.clone());
+        }
+        for s in &trace.streams {
+            setup.add_stream(s.rank, s.name.clone());
+        }
+        for e in &trace.events {
+            setup.add_event(e.rank, e.name.clone());
+        }
+        let mut calls = Vec::with_capacity(trace.calls.len());
+        for c in &trace.calls {
+            let origin = setup.add_origin(OriginInfo {
+                text: c.text.clone(),
+                place: c.place.clone(),
+                line: None,
+            });
+            calls.push(host_call(&mut setup, c, origin));
+        }
+        let mut waits = HashMap::new();
+        for c in &trace.blocked {
+            let origin = setup.add_origin(OriginInfo {
+                text: c.text.clone(),
+                place: c.place.clone(),
+                line: None,
+            });
+            waits.insert(ThreadId(c.thread), host_call(&mut setup, c, origin));
+        }
+        let mut queues = vec![VecDeque::new(); trace.threads.len()];
+        for (i, c) in trace.calls.iter().enumerate() {
+            if let Some(q) = queues.get_mut(c.thread as usize) {
+                q.push_back(i);
+            }
+        }
+        Replayer {
+            trace,
+            m: Machine::new(Arc::new(setup)),
+            queues,
+            calls,
+            disagreements: Vec::new(),
+            waits,
+        }
+    }
+
+    /// Every index in the trace names a declaration.
+    fn check_ids(&self) -> Result<(), Disagreement> {
+        let t = self.trace;
+        let decl = |what: &str, rank: Rank| Disagreement {
+            rank,
+            thread: String::new(),
+            call: String::new(),
+            place: String::new(),
+            why: format!(
+                "{what} belongs to rank {rank}, but there are {} ranks",
+                t.ranks
+            ),
+        };
+        for (what, list) in [
+            ("a thread", &t.threads),
+            ("a stream", &t.streams),
+            ("an event", &t.events),
+        ] {
+            if let Some(o) = list.iter().find(|o| o.rank >= t.ranks) {
+                return Err(decl(what, o.rank));
+            }
+        }
+        if let Some(r) = t
+            .comms
+            .iter()
+            .flat_map(|c| &c.members)
+            .find(|r| **r >= t.ranks)
+        {
+            return Err(decl("a communicator member", *r));
+        }
+        let bad = |c: &TraceCall, why: String| Disagreement {
+            rank: t.threads.get(c.thread as usize).map_or(0, |x| x.rank),
+            thread: t
+                .threads
+                .get(c.thread as usize)
+                .map_or_else(|| format!("#{}", c.thread), |x| x.name.clone()),
+            call: c.text.clone(),
+            place: c.place.clone(),
+            why,
+        };
+        for c in t.calls.iter().chain(&t.blocked) {
+            if c.thread as usize >= t.threads.len() {
+                return Err(bad(c, format!("thread #{} was never declared", c.thread)));
+            }
+            let streams = match &c.call {
+                Call::Launch { ops, .. } => {
+                    if let Some(o) = ops.iter().find(|o| o.comm as usize >= t.comms.len()) {
+                        return Err(bad(
+                            c,
+                            format!("communicator #{} was never declared", o.comm),
+                        ));
+                    }
+                    ops.iter().map(|o| o.stream).collect()
+                }
+                Call::Record { event, stream } | Call::Wait { event, stream } => {
+                    if *event as usize >= t.events.len() {
+                        return Err(bad(c, format!("event #{event} was never declared")));
+                    }
+                    vec![*stream]
+                }
+                Call::Sync { stream } => stream.iter().copied().collect(),
+                Call::Join { thread } => {
+                    if *thread as usize >= t.threads.len() {
+                        return Err(bad(c, format!("thread #{thread} was never declared")));
+                    }
+                    vec![]
+                }
+                Call::Notify { .. } | Call::Await { .. } => vec![],
+            };
+            if let Some(s) = streams.iter().find(|s| **s as usize >= t.streams.len()) {
+                return Err(bad(c, format!("stream #{s} was never declared")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Finishes every handshake that can finish.
+    fn resume_all(&mut self) -> bool {
+        let mut any = false;
+        for i in 0..self.queues.len() {
+            let t = ThreadId(i as u32);
+            while self.m.next(t) == Next::Resume {
+                if let Err(e) = self.m.resume(t) {
+                    self.refuse_thread(t, format!("the model finds a program error: {e}"));
+                    return any;
+                }
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Replays: at each step the earliest recorded call that the model
+    /// allows. What remains is refused.
+    fn run(&mut self) {
+        loop {
+            let mut moved = self.resume_all();
+            let pick = self
+                .queues
+                .iter()
+                .enumerate()
+                .filter_map(|(t, q)| q.front().map(|i| (*i, ThreadId(t as u32))))
+                .filter(|(i, t)| self.m.enabled(*t, &self.calls[*i]))
+                .min();
+            if let Some((i, t)) = pick {
+                self.queues[t.0 as usize].pop_front();
+                if let Err(e) = self.m.apply(t, self.calls[i].clone()) {
+                    self.refuse(i, format!("the model finds a program error: {e}"));
+                }
+                moved = true;
+            }
+            if !moved {
+                break;
+            }
+        }
+        // What is left could not be replayed: say why for each thread's
+        // first call left.
+        let left: Vec<(usize, ThreadId)> = self
+            .queues
+            .iter()
+            .enumerate()
+            .filter_map(|(t, q)| q.front().map(|i| (*i, ThreadId(t as u32))))
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        let next: HashMap<ThreadId, HostCall> = left
+            .iter()
+            .map(|(i, t)| (*t, self.calls[*i].clone()))
+            .collect();
+        let lookup = |t: ThreadId| next.get(&t).cloned();
+        let stuck = self.m.stuck(&Unknown(&lookup));
+        for (i, t) in left {
+            let info = &self.m.setup().threads[t.0 as usize];
+            let why = stuck
+                .blocked
+                .iter()
+                .find(|b| b.rank == info.rank && b.thread == info.name)
+                .map(|b| format!("in the model this thread is still blocked: {}", b.waits_for))
+                .unwrap_or_else(|| "in the model this thread cannot make it yet".to_string());
+            let n = self.queues[t.0 as usize].len();
+            let why = if n > 1 {
+                format!("{why} ({} later calls of this thread not replayed)", n - 1)
+            } else {
+                why
+            };
+            self.refuse(i, why);
+            self.queues[t.0 as usize].clear();
+        }
+    }
+
+    fn refuse(&mut self, i: usize, why: String) {
+        let c = &self.trace.calls[i];
+        let info = &self.trace.threads[c.thread as usize];
+        self.disagreements.push(Disagreement {
+            rank: info.rank,
+            thread: info.name.clone(),
+            call: c.text.clone(),
+            place: c.place.clone(),
+            why,
+        });
+    }
+
+    fn refuse_thread(&mut self, t: ThreadId, why: String) {
+        let info = &self.trace.threads[t.0 as usize];
+        self.disagreements.push(Disagreement {
+            rank: info.rank,
+            thread: info.name.clone(),
+            call: "(a call blocked in its connection handshake)".into(),
+            place: String::new(),
+            why,
+        });
+        self.queues[t.0 as usize].clear();
+    }
+
+    /// Ends the threads that returned, enters the blocked waits, and
+    /// explains the state.
+    fn finish(mut self) -> Analysis {
+        self.resume_all();
+        for t in &self.trace.ended {
+            let t = ThreadId(*t);
+            if self.m.enabled(t, &HostCall::End) {
+                // End is always valid; a leftover error shows at the end.
+                let _ = self.m.apply(t, HostCall::End);
+            }
+        }
+        let mut next = HashMap::new();
+        for (t, call) in std::mem::take(&mut self.waits) {
+            match call {
+                HostCall::Sync { .. } if self.m.enabled(t, &call) => {
+                    let _ = self.m.apply(t, call);
+                }
+                other => {
+                    next.insert(t, other);
+                }
+            }
+        }
+        let lookup = |t: ThreadId| next.get(&t).cloned();
+        let threads = Unknown(&lookup);
+        let status = self.m.status(&threads);
+        Analysis {
+            stuck: (status == Status::Stuck).then(|| self.m.stuck(&threads)),
+            finished: status == Status::Finished,
+            disagreements: self.disagreements,
+        }
+    }
+}
+
+/// The machine's call for a trace call (ids are the trace's indices).
+fn host_call(setup: &mut Setup, c: &TraceCall, origin: Origin) -> HostCall {
+    match &c.call {
+        Call::Launch { ops, grouped } => HostCall::Launch(LaunchSpec {
+            ops: ops
+                .iter()
+                .map(|o| OpSpec {
+                    dir: o.dir,
+                    peer: o.peer,
+                    bytes: o.bytes,
+                    dtype: o.dtype,
+                    comm: CommId(o.comm),
+                    stream: StreamId(o.stream),
+                })
+                .collect(),
+            grouped: *grouped,
+            origin,
+        }),
+        Call::Record { event, stream } => HostCall::Record {
+            event: EventId(*event),
+            stream: StreamId(*stream),
+            origin,
+        },
+        Call::Wait { event, stream } => HostCall::Wait {
+            event: EventId(*event),
+            stream: StreamId(*stream),
+            origin,
+        },
+        Call::Sync { stream } => HostCall::Sync {
+            stream: stream.map(StreamId),
+            origin,
+        },
+        Call::Notify { to, tag } => HostCall::Notify {
+            to: *to,
+            tag: setup.tag(tag),
+            origin,
+        },
+        Call::Await { from, tag } => HostCall::Await {
+            from: *from,
+            tag: setup.tag(tag),
+            origin,
+        },
+        Call::Join { thread } => HostCall::Join {
+            thread: ThreadId(*thread),
+            origin,
+        },
+    }
+}
