@@ -1,19 +1,19 @@
-//! duplex-sim: a deterministic simulator of NCCL's point-to-point rules.
+//! duplex-sim: the explorer and the simulated transport, on the CPU.
 //!
-//! Everything here drives one pure state machine, [`machine::Machine`], which
-//! implements the rules R1–R10 of `shared/design/semantics.md` and nothing
-//! else: it does no I/O, reads no clock and starts no thread. Around it:
+//! Everything here drives the one state machine of NCCL's rules,
+//! [`duplex::machine::Machine`] (R1–R11 of `docs/semantics.md`); nothing
+//! here knows a rule. Around it:
 //!
-//! * [`compile`] turns a schedule [`duplex::schedule::Program`] into the
-//!   machine's setup and each host thread's calls (placement policies become
-//!   lanes here);
-//! * [`check`] explores every interleaving of the host threads and returns a
-//!   [`check::Verdict`] with the shortest interleaving to a hang or error;
+//! * [`check`] explores every interleaving of a compiled schedule's host
+//!   threads ([`duplex::compile`]) and returns a [`check::Verdict`] with the
+//!   shortest interleaving to a hang or error;
 //! * [`report`] prints that as text or JSON (what `duplex check` shows);
 //! * [`sim`] runs user code written against [`duplex::Transport`] through
 //!   the same machine: [`Sim`] is the simulated transport.
 //!
-//! Start reading at [`machine`]'s module docs, then [`check::check`].
+//! Start reading at [`check::check`], then [`sim`]'s module docs. The
+//! property-test strategies and fuzz harnesses that exercise this crate live
+//! in the test kit (`duplex-tests`), so that nothing here links `proptest`.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 

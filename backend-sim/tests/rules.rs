@@ -1,4 +1,4 @@
-//! One group of tests per rule of `semantics.md`. Each rule is tested by a
+//! One group of tests per rule of `docs/semantics.md`. Each rule is tested by a
 //! pair of programs that differ only in what the rule is about, so that a
 //! checker without the rule gets one of the two verdicts wrong.
 

@@ -1,6 +1,6 @@
 //! The `duplex` command line.
 //!
-//! `duplex check FILE` reads a schedule file (`shared/design/schedule-format.md`),
+//! `duplex check FILE` reads a schedule file (`docs/schedule-format.md`),
 //! explores every interleaving of its host threads on the simulator, and
 //! prints whether the program can hang, with the wait-for cycle and the
 //! interleaving that leads there. Exit status: 0 no hang and no error, 1 a

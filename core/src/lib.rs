@@ -1,16 +1,21 @@
 //! duplex: NCCL point-to-point communication that cannot hang silently.
 //!
-//! This crate is the vocabulary every other part of duplex speaks: ranks,
-//! sizes, element types, placement [`Policy`]s, the NCCL [`Model`] knobs of
-//! `shared/design/semantics.md` (rules R1–R10), the schedule-file format
-//! ([`schedule`]), what a hang looks like ([`report`]), and the [`Transport`]
-//! trait that user code is written against. It holds no rules and does no
-//! I/O: the rules live in one state machine in `duplex-sim`, which the
-//! checker, the simulated transport and the fuzzers all drive; `duplex-nccl`
-//! implements [`Transport`] on real GPUs.
+//! This crate is the model and the vocabulary every other part of duplex
+//! speaks. It holds the rules of `docs/semantics.md` (R1–R11) as one pure
+//! state machine ([`machine`]): it does no I/O, reads no clock and starts no
+//! thread. The checker and the simulated transport (`duplex-sim`), the
+//! fuzzers and the NCCL backend's hang analysis (`duplex-nccl`) all drive
+//! it. Around it: sizes, element types, placement [`Policy`]s and the
+//! [`Model`] knobs; the schedule-file format ([`schedule`],
+//! `docs/schedule-format.md`) and its compiler to machine calls, where
+//! placement becomes lanes ([`compile`]); the [`trace::Trace`] of what ranks
+//! issued, which every backend produces and the machine replays; what a
+//! hang looks like ([`report`]); and the [`Transport`] trait that user code
+//! is written against.
 //!
 //! Start with [`Transport`] if you write rank code, with
-//! [`schedule::parse`] if you write schedule files.
+//! [`schedule::parse`] if you write schedule files, and with [`machine`]'s
+//! module docs (then `machine/rules.rs`) if you work on the model.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 

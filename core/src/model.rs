@@ -1,4 +1,4 @@
-//! The knobs of the NCCL model (`semantics.md`) and the placement policies.
+//! The knobs of the NCCL model (`docs/semantics.md`) and the placement policies.
 
 use std::fmt;
 

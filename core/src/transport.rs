@@ -109,7 +109,7 @@ pub trait DeviceBuffer {
 /// Ops are asynchronous, as in NCCL: `send` and `recv` enqueue work on a
 /// stream and return; [`Transport::sync_stream`] and
 /// [`Transport::synchronize`] wait for it. What may hang, and why, is
-/// `shared/design/semantics.md`. Every failure is an [`Error`](crate::Error)
+/// `docs/semantics.md`. Every failure is an [`Error`](crate::Error)
 /// value: a program that can hang gets [`Error::Hang`](crate::Error::Hang)
 /// from the blocked call instead of blocking forever.
 ///

@@ -1,4 +1,4 @@
-//! The rules R1–R10 of `semantics.md` as one pure state machine.
+//! The rules R1–R11 of `docs/semantics.md` as one pure state machine.
 //!
 //! A [`Machine`] holds a [`Setup`] (who exists: ranks, host threads, streams,
 //! communicators, events; static for the checker, grown by the simulated

@@ -1,6 +1,6 @@
 //! Schedule files: what each rank's host threads do, as text.
 //!
-//! The format is fixed by `shared/design/schedule-format.md`; [`parse`] reads
+//! The format is fixed by `docs/schedule-format.md`; [`parse`] reads
 //! it into a [`Program`] and validates it completely (every error names the
 //! line), and [`Program`]'s `Display` prints it back in a canonical form that
 //! parses to the same program, and [`execute`] runs it through any
