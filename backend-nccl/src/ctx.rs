@@ -18,6 +18,7 @@ use crate::comm::{self, Comm, poll};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::nccl::Nccl;
 use crate::registry::Registry;
+use duplex::compile;
 
 /// Settings of a run.
 #[derive(Clone, Debug)]
@@ -303,71 +304,60 @@ impl RankCtx {
         let mut logical = 1u32;
         // Every rank walks the same pairs in the same order: each split is
         // collective over the world communicator.
-        for a in 0..n {
-            for b in 0..n {
-                let (members, name) = match policy {
-                    Policy::PerDirection if a != b => (vec![a, b], format!("lane:{a}->{b}")),
-                    Policy::Shared if a < b => (vec![a, b], format!("pair:{a}-{b}")),
-                    _ => continue,
-                };
-                let before = device.memory().map(|m| m.0).unwrap_or(0);
-                let start = Instant::now();
-                // Lanes connected at creation are blocking communicators:
-                // their calls never wait for a peer's host (see `watchdog`).
-                let connected = policy == Policy::PerDirection || opts.warm;
-                let comm = comm::split(
-                    lib,
-                    &world,
-                    rank,
-                    &members,
-                    logical,
-                    &name,
-                    opts.timeout,
-                    opts.ctas,
-                    connected,
-                )?;
-                if let Some(r) = &registry {
-                    r.comm(
-                        logical,
-                        &name,
-                        &members,
-                        policy == Policy::PerDirection || opts.warm,
-                    );
-                }
-                logical += 1;
-                let Some(comm) = comm else { continue };
-                let stream = new_stream(&name, &mut streams)?;
-                let peer = if a == rank { b } else { a };
-                match policy {
-                    Policy::PerDirection => {
-                        let dir = if a == rank { Dir::Send } else { Dir::Recv };
-                        lanes.insert((peer, dir), (name.clone(), comm.clone(), stream));
-                    }
-                    Policy::Shared => {
-                        lanes.insert(
-                            (peer, Dir::Send),
-                            (name.clone(), comm.clone(), stream.clone()),
-                        );
-                        lanes.insert((peer, Dir::Recv), (name.clone(), comm.clone(), stream));
-                    }
-                }
-                comms.push(comm.clone());
-                let after = device.memory().map(|m| m.0).unwrap_or(0);
-                // SAFETY: the communicator is live.
-                let (bytes, measured_by) = match unsafe { lib.memory(comm.raw()?) } {
-                    Some(b) => (b, "ncclCommMemStats"),
-                    None => (
-                        before.saturating_sub(after) as u64,
-                        "free device memory before and after",
-                    ),
-                };
-                costs.push(LaneCost {
-                    name,
-                    create_ms: start.elapsed().as_secs_f64() * 1e3,
-                    bytes,
-                    measured_by,
-                });
+        for (a, b) in compile::lane_pairs(policy, n) {
+            let (name, members, _) = compile::lane(policy, a, Dir::Send, b);
+            let before = device.memory().map(|m| m.0).unwrap_or(0);
+            let start = Instant::now();
+            // Lanes connected at creation are blocking communicators:
+            // their calls never wait for a peer's host (see `watchdog`).
+            let connected = compile::lane_connected(policy, opts.warm);
+            let comm = comm::split(
+                lib,
+                &world,
+                rank,
+                &members,
+                logical,
+                &name,
+                opts.timeout,
+                opts.ctas,
+                connected,
+            )?;
+            if let Some(r) = &registry {
+                r.comm(logical, &name, &members, connected);
             }
+            logical += 1;
+            let Some(comm) = comm else { continue };
+            let stream = new_stream(&name, &mut streams)?;
+            let peer = if a == rank { b } else { a };
+            match policy {
+                Policy::PerDirection => {
+                    let dir = if a == rank { Dir::Send } else { Dir::Recv };
+                    lanes.insert((peer, dir), (name.clone(), comm.clone(), stream));
+                }
+                Policy::Shared => {
+                    lanes.insert(
+                        (peer, Dir::Send),
+                        (name.clone(), comm.clone(), stream.clone()),
+                    );
+                    lanes.insert((peer, Dir::Recv), (name.clone(), comm.clone(), stream));
+                }
+            }
+            comms.push(comm.clone());
+            let after = device.memory().map(|m| m.0).unwrap_or(0);
+            // SAFETY: the communicator is live.
+            let (bytes, measured_by) = match unsafe { lib.memory(comm.raw()?) } {
+                Some(b) => (b, "ncclCommMemStats"),
+                None => (
+                    before.saturating_sub(after) as u64,
+                    "free device memory before and after",
+                ),
+            };
+            costs.push(LaneCost {
+                name,
+                create_ms: start.elapsed().as_secs_f64() * 1e3,
+                bytes,
+                measured_by,
+            });
         }
         let ctx = Arc::new(RankCtx {
             rank,

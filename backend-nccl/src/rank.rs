@@ -185,11 +185,22 @@ impl NcclRank {
         } else {
             self.ctx.lanes.get(&(peer, dir))
         };
-        let comm = match (&place_.comm, lane) {
-            (Some(c), _) => c.0.clone(),
-            (None, Some((_, c, _))) => c.clone(),
-            (None, None) => self.ctx.world.clone(),
-        };
+        if let Some(s) = &place_.stream
+            && s.0.rank != self.ctx.rank
+        {
+            return check::invalid(
+                at,
+                format!("{}: the stream belongs to rank {}", what(), s.0.rank),
+            );
+        }
+        let (comm, stream) = check::resolve(
+            place_.comm.as_ref().map(|c| c.0.clone()),
+            place_.stream.clone(),
+            self.scoped.borrow().last().cloned(),
+            lane.map(|(_, c, s)| (c.clone(), s.clone())),
+            || self.ctx.world.clone(),
+            || self.ctx.default_stream.clone(),
+        );
         if comm.rank_of(peer).is_none() || comm.rank_of(self.ctx.rank).is_none() {
             return check::invalid(
                 at,
@@ -200,20 +211,6 @@ impl NcclRank {
                 ),
             );
         }
-        let stream = match (&place_.stream, self.scoped.borrow().last(), lane) {
-            (Some(s), _, _) => {
-                if s.0.rank != self.ctx.rank {
-                    return check::invalid(
-                        at,
-                        format!("{}: the stream belongs to rank {}", what(), s.0.rank),
-                    );
-                }
-                s.clone()
-            }
-            (None, Some(s), _) => s.clone(),
-            (None, None, Some((_, _, s))) if place_.comm.is_none() => s.clone(),
-            _ => self.ctx.default_stream.clone(),
-        };
         Ok(Req {
             meta: OpMeta {
                 rank: self.ctx.rank,

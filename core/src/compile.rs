@@ -64,6 +64,28 @@ pub fn lane(policy: Policy, rank: Rank, dir: Dir, peer: Rank) -> (String, Vec<Ra
     }
 }
 
+/// Whether the policy's lanes are connected before the program's first
+/// call, so that R6 and R7 never apply to them: duplex connects
+/// per-direction lanes at creation, in an order that cannot hang; shared
+/// lanes are PyTorch's, connected only when every communicator is
+/// (`connected_at_creation`, the opposite of `lazy-connect=on`).
+pub fn lane_connected(policy: Policy, connected_at_creation: bool) -> bool {
+    policy == Policy::PerDirection || connected_at_creation
+}
+
+/// The lanes a policy creates among `ranks` ranks, as the ordered pairs
+/// (a, b) whose [`lane`] from a toward b is a communicator of its own, in
+/// the order every rank creates them: a lane per ordered pair under
+/// `per-direction`, one per unordered pair (a < b) under `shared`.
+pub fn lane_pairs(policy: Policy, ranks: u32) -> impl Iterator<Item = (Rank, Rank)> {
+    (0..ranks)
+        .flat_map(move |a| (0..ranks).map(move |b| (a, b)))
+        .filter(move |(a, b)| match policy {
+            Policy::PerDirection => a != b,
+            Policy::Shared => a < b,
+        })
+}
+
 struct Builder<'p> {
     program: &'p Program,
     setup: Setup,
@@ -164,9 +186,7 @@ impl Builder<'_> {
         } else {
             let policy = self.program.policy;
             let (name, members, stream) = lane(policy, rank, op.dir, op.peer);
-            // duplex connects per-direction lanes at creation (R6/R7 never
-            // apply to them); shared lanes are PyTorch's, connected lazily.
-            let warm = policy == Policy::PerDirection || !self.program.model.lazy_connect;
+            let warm = lane_connected(policy, !self.program.model.lazy_connect);
             let comm = match self.comms.get(&name) {
                 Some(c) => *c,
                 None => {

@@ -224,6 +224,33 @@ pub mod check {
 
     use crate::{Error, Rank, Result};
 
+    /// Where an op goes, as every backend resolves a [`Place`](super::Place)
+    /// (`docs/schedule-format.md`, "Placement"): the communicator is the
+    /// explicit one, else the lane's, else `world`; the stream is the
+    /// explicit one, else the scoped one ([`Transport::with_stream`](super::Transport::with_stream)),
+    /// else the lane's when the communicator is the lane's, else the rank's
+    /// default stream. Explicitly placed ops never share a lane's stream.
+    pub fn resolve<C, S>(
+        comm: Option<C>,
+        stream: Option<S>,
+        scoped: Option<S>,
+        lane: Option<(C, S)>,
+        world: impl FnOnce() -> C,
+        default: impl FnOnce() -> S,
+    ) -> (C, S) {
+        let explicit_comm = comm.is_some();
+        let (lane_comm, lane_stream) = match lane {
+            Some((c, s)) => (Some(c), Some(s)),
+            None => (None, None),
+        };
+        let comm = comm.or(lane_comm).unwrap_or_else(world);
+        let stream = stream
+            .or(scoped)
+            .or(if explicit_comm { None } else { lane_stream })
+            .unwrap_or_else(default);
+        (comm, stream)
+    }
+
     /// `file:line:column` of a call.
     pub fn place(at: &Location<'_>) -> String {
         format!("{}:{}:{}", at.file(), at.line(), at.column())

@@ -358,7 +358,7 @@ impl Sim {
         for r in 0..self.ranks {
             lanes.defaults.push(s.add_stream(r, "default"));
         }
-        let warm = self.policy == Policy::PerDirection || !cold;
+        let warm = duplex::compile::lane_connected(self.policy, !cold);
         let mut comms: HashMap<String, CommId> = HashMap::new();
         let mut streams: HashMap<(Rank, String), StreamId> = HashMap::new();
         for a in 0..self.ranks {

@@ -142,25 +142,25 @@ impl SimRank {
         let Some((lane_comm, lane_stream, _)) = self.lanes.map.get(&(self.rank, peer, dir)) else {
             return check::invalid(at, format!("{what}: no lane toward rank {peer}"));
         };
-        let comm = place.comm.as_ref().map(|c| c.id).unwrap_or(*lane_comm);
-        let stream = match (&place.stream, self.scoped.borrow().last()) {
-            (Some(s), _) => {
-                if s.rank != self.rank {
-                    return check::invalid(
-                        at,
-                        format!(
-                            "{what}: the stream belongs to rank {}, not rank {}",
-                            s.rank, self.rank
-                        ),
-                    );
-                }
-                s.id
-            }
-            (None, Some(s)) => *s,
-            (None, None) if place.comm.is_some() => self.lanes.defaults[self.rank as usize],
-            (None, None) => *lane_stream,
-        };
-        Ok((comm, stream))
+        if let Some(s) = &place.stream
+            && s.rank != self.rank
+        {
+            return check::invalid(
+                at,
+                format!(
+                    "{what}: the stream belongs to rank {}, not rank {}",
+                    s.rank, self.rank
+                ),
+            );
+        }
+        Ok(check::resolve(
+            place.comm.as_ref().map(|c| c.id),
+            place.stream.as_ref().map(|s| s.id),
+            self.scoped.borrow().last().copied(),
+            Some((*lane_comm, *lane_stream)),
+            || *lane_comm,
+            || self.lanes.defaults[self.rank as usize],
+        ))
     }
 
     fn p2p<E: Element>(
