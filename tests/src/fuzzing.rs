@@ -156,7 +156,7 @@ pub fn round_trip(p: &Program) {
     match duplex::schedule::parse(&text) {
         Ok(again) => {
             assert!(
-                again == *p,
+                again.without_lines() == p.without_lines(),
                 "printing and parsing changed the program:\n{text}\nparsed back as\n{again}"
             );
             assert_eq!(again.to_string(), text, "printing is not canonical");

@@ -447,14 +447,14 @@ proptest! {
     #[test]
     fn a_printed_program_parses_back_to_itself(p in strategies::program()) {
         let text = p.to_string();
-        prop_assert_eq!(parse(&text), Ok(p), "{}", text);
+        prop_assert_eq!(parse(&text).map(|q| q.without_lines()), Ok(p.without_lines()), "{}", text);
     }
 
     /// The same for broken programs, which the parser must read as well.
     #[test]
     fn a_printed_mutant_parses_back_to_itself((_, m, q) in strategies::mutants(Shape::default())) {
         let text = q.to_string();
-        prop_assert_eq!(parse(&text), Ok(q), "{}\n{}", m, text);
+        prop_assert_eq!(parse(&text).map(|r| r.without_lines()), Ok(q.without_lines()), "{}\n{}", m, text);
     }
 }
 

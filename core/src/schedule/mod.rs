@@ -17,24 +17,17 @@ use crate::{Model, Policy, Size};
 
 /// A source line number (1-based; 0 for programs built in code).
 ///
-/// Positions are not part of a program's meaning: two `Line`s always compare
-/// equal and hash alike, so a program printed and parsed again equals the
-/// original.
-#[derive(Clone, Copy, Debug, Default, PartialOrd, Ord, serde::Serialize)]
+/// Lines compare as numbers. Positions are not part of a program's meaning:
+/// compare programs with [`Program::without_lines`] to ignore them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
 pub struct Line(pub u32);
 
-impl PartialEq for Line {
-    fn eq(&self, _: &Line) -> bool {
-        true
-    }
-}
-impl Eq for Line {}
-impl std::hash::Hash for Line {
-    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {}
-}
-
 /// A whole schedule: ranks, placement, model, communicators and host threads.
+///
+/// Equality includes source lines; [`Program::without_lines`] gives the
+/// program's meaning alone (a program printed and parsed again has the
+/// same meaning, not the same lines).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Program {
     /// Number of ranks; ranks are `0..ranks`.
@@ -47,6 +40,20 @@ pub struct Program {
     pub comms: Vec<CommDecl>,
     /// Host threads in file order.
     pub threads: Vec<Thread>,
+}
+
+impl Program {
+    /// The same program with every source line set to 0, for comparing
+    /// programs by meaning.
+    pub fn without_lines(&self) -> Program {
+        let mut p = self.clone();
+        for t in &mut p.threads {
+            for s in &mut t.body {
+                s.line = Line(0);
+            }
+        }
+        p
+    }
 }
 
 /// `comm NAME R R ...`
