@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs one fuzz target for a number of minutes:
 #
-#   scripts/fuzz.sh parse 30        # or: program
+#   scripts/fuzz.sh parse 30        # or: program, store
 #
 # Needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
 # New inputs go to fuzz/work/TARGET (not committed); at the end the
@@ -10,10 +10,11 @@
 # A crash is written to fuzz/artifacts/TARGET/: minimize it with
 # `cargo +nightly fuzz tmin TARGET FILE`, fix the bug, and commit the
 # minimized input to fuzz/regressions/TARGET/, which `cargo test` replays
-# (backend-sim/tests/fuzz_corpus.rs). Extra arguments go to libFuzzer.
+# (backend-sim/tests/fuzz_corpus.rs; backend-nccl/tests/store_corpus.rs for
+# store). Extra arguments go to libFuzzer.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-    echo "usage: $0 TARGET MINUTES [libFuzzer options...]  (TARGET: parse or program)" >&2
+    echo "usage: $0 TARGET MINUTES [libFuzzer options...]  (TARGET: parse, program or store)" >&2
     exit 2
 fi
 target=$1

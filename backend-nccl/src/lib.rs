@@ -33,6 +33,7 @@ pub mod nccl;
 pub mod rank;
 pub mod registry;
 mod run;
+pub mod store;
 
 pub use ctx::{LaneCost, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};

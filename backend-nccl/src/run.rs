@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use duplex::{Error, Model, Policy, Rank, Result, Transport};
 
-use crate::board::{Board, LocalBoard, Store, hex, unhex};
+use crate::board::{Board, LocalBoard};
 use crate::comm;
 use crate::ctx::{LaneCost, Options, RankCtx, RankSetup, panic_text};
 use crate::cuda::{self, Device};
@@ -15,6 +15,7 @@ use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
 use crate::nccl::{Nccl, nccl};
 use crate::rank::NcclRank;
 use crate::registry::Registry;
+use crate::store::{Secret, Store, secret_from_env};
 
 /// What a rank's run reports besides its result.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -155,7 +156,12 @@ pub struct Process {
     rank: Rank,
     world: u32,
     device: i32,
-    store: String,
+    /// Where rank 0 listens (`DUPLEX_STORE_BIND`, else `MASTER_ADDR`).
+    bind: String,
+    /// Where every rank connects (`MASTER_ADDR`).
+    host: String,
+    port: u16,
+    secret: Secret,
     lib: &'static Nccl,
     settings: Settings,
 }
@@ -178,8 +184,11 @@ fn env_num(name: &str) -> Result<u32> {
 impl Process {
     /// This process's rank, from the variables torchrun sets: `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK` (the GPU), `MASTER_ADDR` and `MASTER_PORT`.
-    /// Rank 0 serves a small store on `MASTER_PORT + 1` (or `DUPLEX_PORT`)
-    /// for the NCCL unique id and the `notify` messages.
+    /// Rank 0 serves a small store on `MASTER_ADDR` (or `DUPLEX_STORE_BIND`)
+    /// at port `MASTER_PORT + 1` (or `DUPLEX_PORT`) for the NCCL unique id
+    /// and the `notify` messages; every connection must show the job's
+    /// secret (`DUPLEX_STORE_TOKEN`, or derived from torchrun's
+    /// `TORCHELASTIC_RUN_ID`: see [`crate::store`]).
     pub fn from_env() -> Result<Process> {
         let rank = env_num("RANK")?;
         let world = env_num("WORLD_SIZE")?;
@@ -198,13 +207,21 @@ impl Process {
                 message: format!("RANK={rank} is not below WORLD_SIZE={world}"),
             });
         }
+        let secret = secret_from_env()?;
+        let bind = std::env::var("DUPLEX_STORE_BIND")
+            .ok()
+            .filter(|b| !b.is_empty())
+            .unwrap_or_else(|| addr.clone());
         let lib = nccl()?;
         cuda::init()?;
         Ok(Process {
             rank,
             world,
             device,
-            store: format!("{addr}:{port}"),
+            bind,
+            host: addr,
+            port,
+            secret,
             lib,
             settings: Settings {
                 policy: Policy::PerDirection,
@@ -228,21 +245,22 @@ impl Process {
     {
         if self.rank == 0 {
             let id = self.lib.unique_id()?;
-            let port = self
-                .store
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.parse().ok())
-                .unwrap_or(0);
-            Store::serve(port, hex(&id.internal))?;
+            Store::serve(
+                &self.bind,
+                self.port,
+                id.internal.to_vec(),
+                self.secret.clone(),
+            )?;
         }
-        let client = Store::client(self.store.clone());
-        let text = client.unique_id(self.settings.opts.timeout)?;
-        let bytes = unhex(&text)
-            .filter(|b| b.len() == NCCL_UNIQUE_ID_BYTES)
-            .ok_or_else(|| {
-                Error::Aborted(format!("the store sent a malformed unique id: {text}"))
-            })?;
+        let client = Store::client(self.host.clone(), self.port, self.secret.clone());
+        let bytes = client.unique_id(self.settings.opts.timeout)?;
+        if bytes.len() != NCCL_UNIQUE_ID_BYTES {
+            // Never print the id: it lets anyone join the communicator.
+            return Err(Error::Aborted(format!(
+                "the store sent a unique id of {} bytes, not {NCCL_UNIQUE_ID_BYTES}",
+                bytes.len()
+            )));
+        }
         let mut id = ncclUniqueId {
             internal: [0; NCCL_UNIQUE_ID_BYTES],
         };

@@ -228,6 +228,9 @@ fn two_processes(job: &str) -> String {
         Ok(a) => a.port(),
         Err(e) => return format!("FAIL no free port: {e}"),
     };
+    // The job's secret for the store (any 16+ bytes shared by the ranks;
+    // the store listens on loopback only).
+    let token = format!("duplex-test-token-{}-{port}", std::process::id());
     let start = Instant::now();
     let mut children = Vec::new();
     for rank in 0..2 {
@@ -245,6 +248,7 @@ fn two_processes(job: &str) -> String {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("DUPLEX_PORT", port.to_string())
+            .env("DUPLEX_STORE_TOKEN", &token)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn();

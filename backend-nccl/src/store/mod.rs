@@ -1,0 +1,578 @@
+//! The rendezvous of one-process-per-rank runs ([`crate::Process`]): a small
+//! TCP store served by rank 0 that hands out the NCCL unique id and carries
+//! `notify` messages between processes.
+//!
+//! Everything the store reads comes from the network, so it trusts nothing:
+//! every line goes through the pure parser of [`proto`] (bounded, strict,
+//! never panics; fuzzed by the `store` target in `fuzz/`), every read has a
+//! deadline, and nothing is served before the client has shown the job's
+//! secret.
+//!
+//! # Protocol
+//!
+//! A client opens one connection per request. Its first line is
+//! `AUTH <version> <token-hex>`; the store answers `OK` when the version is
+//! [`proto::VERSION`] and the token equals the job's secret (compared in
+//! constant time), and otherwise `ERROR <why>` and closes the connection.
+//! Then comes one request (`ID`, `POST`, `TAKE`; grammar in [`proto`]), one
+//! reply, and the store closes the connection. A line that does not parse,
+//! a request before `AUTH`, or a client silent for 10 s gets `ERROR <why>`
+//! and the connection is closed; the store goes on serving everyone else
+//! (a thread per connection, at most 4096 at once).
+//!
+//! # Environment
+//!
+//! * `DUPLEX_STORE_TOKEN`: the job's secret, the same on every rank, 16 to
+//!   1024 bytes (e.g. `export DUPLEX_STORE_TOKEN=$(openssl rand -hex 16)`).
+//! * Otherwise, under torchrun, the secret is derived from
+//!   `TORCHELASTIC_RUN_ID` with `MASTER_ADDR`, `MASTER_PORT` and
+//!   `WORLD_SIZE`. It is only as secret as the run id: torchrun's
+//!   `--standalone` makes a random one, but its default `--rdzv-id` is
+//!   `none`, the same for every job, which duplex refuses; a Slurm job id is
+//!   guessable. Set `DUPLEX_STORE_TOKEN` when others can reach the port.
+//! * Neither: [`secret_from_env`] fails, saying how to set
+//!   `DUPLEX_STORE_TOKEN`.
+//! * `DUPLEX_STORE_BIND`: the address rank 0 listens on; by default
+//!   `MASTER_ADDR` (never every interface unless asked: `0.0.0.0`).
+//! * `DUPLEX_PORT`: the port; by default `MASTER_PORT + 1`.
+//!
+//! Neither the secret nor the unique id is ever logged or put in an error.
+//! Both travel in clear text, as NCCL's own bootstrap traffic does: the
+//! secret keeps out whoever can reach the port, not whoever can read the
+//! network.
+
+use std::collections::HashMap;
+use std::io::{BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use duplex::{Error, Rank};
+
+use crate::board::Board;
+
+pub mod proto;
+
+use proto::{MAX_ID, MAX_TOKEN, Request, Response, VERSION};
+pub use proto::{Secret, fuzz_parse, hex, unhex};
+
+/// The shortest `DUPLEX_STORE_TOKEN` accepted, in bytes.
+pub const MIN_TOKEN: usize = 16;
+
+/// The longest a `TAKE` waits, whatever it asks for.
+pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+const HOW_TO_SET: &str = "set DUPLEX_STORE_TOKEN to the same random value (16 to 1024 bytes) on every rank, e.g. `export DUPLEX_STORE_TOKEN=$(openssl rand -hex 16)` before starting the job";
+
+/// The job's secret, from the environment: `DUPLEX_STORE_TOKEN`, else one
+/// derived from torchrun's `TORCHELASTIC_RUN_ID` (see the module docs).
+pub fn secret_from_env() -> Result<Secret, Error> {
+    secret_from(|name| std::env::var(name).ok())
+}
+
+/// [`secret_from_env`] with `get` in place of the environment.
+fn secret_from(get: impl Fn(&str) -> Option<String>) -> Result<Secret, Error> {
+    if let Some(token) = get("DUPLEX_STORE_TOKEN") {
+        if !(MIN_TOKEN..=MAX_TOKEN).contains(&token.len()) {
+            return Err(Error::Invalid {
+                at: "DUPLEX_STORE_TOKEN".into(),
+                message: format!(
+                    "DUPLEX_STORE_TOKEN has {} bytes, not {MIN_TOKEN} to {MAX_TOKEN}; {HOW_TO_SET}",
+                    token.len()
+                ),
+            });
+        }
+        return Ok(Secret::new(token));
+    }
+    let unavailable = |how: String| Error::Unavailable {
+        what: "a secret for the duplex rendezvous".into(),
+        how,
+    };
+    match get("TORCHELASTIC_RUN_ID") {
+        Some(run) if !run.is_empty() && run != "none" => {
+            let mut secret = format!("duplex-store-v{VERSION}\n{run}");
+            for name in ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"] {
+                let value = get(name).ok_or_else(|| {
+                    unavailable(format!(
+                        "TORCHELASTIC_RUN_ID is set but {name} is not; {HOW_TO_SET}"
+                    ))
+                })?;
+                secret.push('\n');
+                secret.push_str(&value);
+            }
+            if secret.len() > MAX_TOKEN {
+                return Err(unavailable(format!(
+                    "TORCHELASTIC_RUN_ID is too long to derive a token from; {HOW_TO_SET}"
+                )));
+            }
+            Ok(Secret::new(secret))
+        }
+        Some(_) => Err(unavailable(format!(
+            "TORCHELASTIC_RUN_ID is `none` (torchrun's default --rdzv-id, shared by every job); pass torchrun a random --rdzv-id, or {HOW_TO_SET}"
+        ))),
+        None => Err(unavailable(format!(
+            "{HOW_TO_SET} (under torchrun, a random --rdzv-id also works)"
+        ))),
+    }
+}
+
+/// `host:port`, with brackets around an IPv6 host.
+fn show(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+fn io(what: &str, e: std::io::Error) -> Error {
+    Error::Unavailable {
+        what: format!("the duplex rendezvous ({what})"),
+        how: format!(
+            "{e}; check MASTER_ADDR and MASTER_PORT (duplex listens on MASTER_PORT+1, or DUPLEX_PORT) and that rank 0 is running"
+        ),
+    }
+}
+
+/// `now + t`, or far in the future when that overflows.
+fn deadline_after(t: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(t)
+        .or_else(|| now.checked_add(MAX_WAIT * 365))
+        .unwrap_or(now)
+}
+
+/// The server's limits: the defaults, or short ones in tests.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// How long a client may take to send each line.
+    io_timeout: Duration,
+    /// Connections served at once; more are refused.
+    max_connections: usize,
+    /// Distinct (from, to, tag) with messages waiting; more are refused.
+    max_pending: usize,
+}
+
+const LIMITS: Limits = Limits {
+    io_timeout: Duration::from_secs(10),
+    max_connections: 4096,
+    max_pending: 1 << 16,
+};
+
+/// The store's state, shared by the connections' threads.
+#[derive(Debug)]
+struct Shared {
+    id: Vec<u8>,
+    secret: Secret,
+    limits: Limits,
+    counts: Mutex<HashMap<(Rank, Rank, String), u64>>,
+    arrived: Condvar,
+    active: AtomicUsize,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Rank, Rank, String), u64>> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn post(&self, key: (Rank, Rank, String)) -> Result<Response, End> {
+        let mut counts = self.lock();
+        if !counts.contains_key(&key) && counts.len() >= self.limits.max_pending {
+            return Err(End::Refuse("too many pending notify messages".into()));
+        }
+        let n = counts.entry(key).or_insert(0);
+        *n = n.saturating_add(1);
+        self.arrived.notify_all();
+        Ok(Response::Ok)
+    }
+
+    fn take(&self, key: (Rank, Rank, String), wait_ms: u64) -> Response {
+        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
+        let mut counts = self.lock();
+        loop {
+            if let Some(n) = counts.get_mut(&key)
+                && *n > 0
+            {
+                *n -= 1;
+                if *n == 0 {
+                    counts.remove(&key);
+                }
+                return Response::Ok;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Response::Timeout;
+            }
+            counts = self
+                .arrived
+                .wait_timeout(counts, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+}
+
+/// A connection's place among [`Limits::max_connections`], given back on
+/// drop.
+#[derive(Debug)]
+struct Slot(Arc<Shared>);
+
+impl Slot {
+    fn take(shared: &Arc<Shared>) -> Option<Slot> {
+        let max = shared.limits.max_connections;
+        shared
+            .active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(shared.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads a stream until a deadline: each read waits only for what is left,
+/// so a client that trickles bytes cannot hold a thread past it.
+#[derive(Debug)]
+struct DeadlineReader<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
+    }
+}
+
+/// How a connection ends early.
+#[derive(Debug)]
+enum End {
+    /// Reply `ERROR` with this text, then close.
+    Refuse(String),
+    /// The client is gone (or the connection broke): just close.
+    Gone,
+}
+
+/// The next request of a connection, or how the connection ends.
+fn next_request(reader: &mut BufReader<DeadlineReader<'_>>) -> Result<Request, End> {
+    let line = proto::read_line(reader).map_err(|e| match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            End::Refuse("timed out waiting for a request".into())
+        }
+        _ => End::Gone,
+    })?;
+    if line.is_empty() {
+        return Err(End::Gone);
+    }
+    proto::parse_request(&line).map_err(|e| End::Refuse(e.to_string()))
+}
+
+fn send(conn: &TcpStream, response: &Response) -> Result<(), End> {
+    let line = proto::encode_response(response).map_err(|e| End::Refuse(e.to_string()))?;
+    let mut conn = conn;
+    conn.write_all(&line).map_err(|_| End::Gone)
+}
+
+/// One connection: `AUTH`, then one request.
+fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
+    let timeout = shared.limits.io_timeout;
+    let mut reader = BufReader::with_capacity(
+        proto::MAX_LINE + 1,
+        DeadlineReader {
+            stream: conn,
+            deadline: Instant::now() + timeout,
+        },
+    );
+    match next_request(&mut reader)? {
+        Request::Auth { version, .. } if version != VERSION => {
+            return Err(End::Refuse(format!(
+                "unsupported protocol version {version} (this store speaks {VERSION})"
+            )));
+        }
+        Request::Auth { token, .. } if token == shared.secret => {}
+        Request::Auth { .. } => return Err(End::Refuse("bad token".into())),
+        _ => return Err(End::Refuse("authenticate first (AUTH)".into())),
+    }
+    send(conn, &Response::Ok)?;
+    reader.get_mut().deadline = Instant::now() + timeout;
+    let response = match next_request(&mut reader)? {
+        Request::Auth { .. } => return Err(End::Refuse("already authenticated".into())),
+        Request::UniqueId => Response::UniqueId(shared.id.clone()),
+        Request::Post { from, to, tag } => shared.post((from, to, tag))?,
+        Request::Take {
+            from,
+            to,
+            tag,
+            wait_ms,
+        } => shared.take((from, to, tag), wait_ms),
+    };
+    send(conn, &response)
+}
+
+/// Refuses a connection: `ERROR text`, then a clean close (what else the
+/// client sent is read and dropped, for at most 200 ms and 16 KiB, so that
+/// the close does not reset the connection before the client has read the
+/// reply).
+fn refuse(conn: &TcpStream, text: &str) {
+    let mut c = conn;
+    if let Ok(line) = proto::encode_response(&Response::error(text))
+        && c.write_all(&line).is_ok()
+        && conn.shutdown(Shutdown::Write).is_ok()
+    {
+        let mut rest = DeadlineReader {
+            stream: conn,
+            deadline: Instant::now() + Duration::from_millis(200),
+        }
+        .take(4 * proto::MAX_LINE as u64);
+        let _ = std::io::copy(&mut rest, &mut std::io::sink());
+    }
+}
+
+fn handle(conn: TcpStream, shared: &Shared) {
+    let _ = conn.set_write_timeout(Some(shared.limits.io_timeout));
+    let _ = conn.set_nodelay(true);
+    if let Err(End::Refuse(text)) = session(&conn, shared) {
+        // The text says what was wrong with the request; it never holds the
+        // secret or the unique id.
+        tracing::debug!(peer = ?conn.peer_addr().ok(), "duplex store: refused a request: {text}");
+        refuse(&conn, &text);
+    }
+}
+
+fn serve_on(
+    listener: TcpListener,
+    id: Vec<u8>,
+    secret: Secret,
+    limits: Limits,
+) -> Result<SocketAddr, Error> {
+    if !(1..=MAX_ID).contains(&id.len()) {
+        return Err(Error::Invalid {
+            at: "the duplex rendezvous".into(),
+            message: format!("a unique id of {} bytes, not 1 to {MAX_ID}", id.len()),
+        });
+    }
+    let addr = listener
+        .local_addr()
+        .map_err(|e| io("reading the listening address", e))?;
+    let shared = Arc::new(Shared {
+        id,
+        secret,
+        limits,
+        counts: Mutex::new(HashMap::new()),
+        arrived: Condvar::new(),
+        active: AtomicUsize::new(0),
+    });
+    std::thread::Builder::new()
+        .name("duplex-store".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let conn = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors, say: do not spin.
+                        tracing::debug!("duplex store: accept failed: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    }
+                };
+                let Some(slot) = Slot::take(&shared) else {
+                    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+                    if let Ok(line) =
+                        proto::encode_response(&Response::error("busy: too many connections"))
+                    {
+                        let _ = (&conn).write_all(&line);
+                    }
+                    continue;
+                };
+                let spawned = std::thread::Builder::new()
+                    .name("duplex-store-conn".into())
+                    .stack_size(256 << 10)
+                    .spawn(move || handle(conn, &slot.0));
+                if let Err(e) = spawned {
+                    tracing::debug!("duplex store: cannot start a connection thread: {e}");
+                }
+            }
+        })
+        .map_err(|e| io("starting the store thread", e))?;
+    Ok(addr)
+}
+
+/// A client of the TCP store served by rank 0: the NCCL unique id and the
+/// message board.
+#[derive(Debug)]
+pub struct Store {
+    host: String,
+    port: u16,
+    secret: Secret,
+}
+
+impl Store {
+    /// Serves the store on `bind:port` in background threads, handing out
+    /// `id` to every client that shows `secret`. Returns the address it
+    /// listens on (port 0 picks a free one).
+    pub fn serve(bind: &str, port: u16, id: Vec<u8>, secret: Secret) -> Result<SocketAddr, Error> {
+        let listener = TcpListener::bind((bind, port)).map_err(|e| Error::Unavailable {
+            what: format!("the duplex rendezvous (listening on {})", show(bind, port)),
+            how: format!(
+                "{e}; rank 0 listens on MASTER_ADDR (or DUPLEX_STORE_BIND) at MASTER_PORT+1 (or DUPLEX_PORT): set DUPLEX_STORE_BIND to an address of this machine (0.0.0.0 for every interface), or DUPLEX_PORT to a free port"
+            ),
+        })?;
+        serve_on(listener, id, secret, LIMITS)
+    }
+
+    /// A client of the store at `host:port`, showing `secret`.
+    pub fn client(host: impl Into<String>, port: u16, secret: Secret) -> Store {
+        Store {
+            host: host.into(),
+            port,
+            secret,
+        }
+    }
+
+    fn addr(&self) -> String {
+        show(&self.host, self.port)
+    }
+
+    /// A connection, retried until `deadline`: rank 0 may not listen yet.
+    fn connect(&self, deadline: Instant) -> Result<TcpStream, Error> {
+        let mut last = None;
+        loop {
+            let addrs = (self.host.as_str(), self.port)
+                .to_socket_addrs()
+                .map_err(|e| io(&format!("resolving {}", self.addr()), e))?;
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, Duration::from_millis(500)) {
+                    Ok(c) => return Ok(c),
+                    Err(e) => last = Some(e),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(io(
+                    &format!("connecting to {}", self.addr()),
+                    last.unwrap_or_else(|| std::io::Error::other("no address")),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Sends `AUTH`, then `request`; the store's reply to it.
+    fn request(&self, request: &Request, timeout: Duration) -> Result<Response, Error> {
+        let auth = proto::encode_request(&Request::Auth {
+            version: VERSION,
+            token: self.secret.clone(),
+        })
+        .map_err(|e| Error::Invalid {
+            at: "DUPLEX_STORE_TOKEN".into(),
+            message: format!("the store token cannot be sent: {e}"),
+        })?;
+        let line = proto::encode_request(request).map_err(|e| Error::Invalid {
+            at: "the duplex rendezvous".into(),
+            message: format!("this request cannot be sent: {e}"),
+        })?;
+        let deadline = deadline_after(timeout);
+        let conn = self.connect(deadline)?;
+        let patience = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        conn.set_read_timeout(Some(patience))
+            .and_then(|()| conn.set_write_timeout(Some(patience)))
+            .map_err(|e| io("configuring a connection", e))?;
+        let mut reader = BufReader::new(&conn);
+        let mut exchange = |line: &[u8]| -> Result<Response, Error> {
+            (&conn)
+                .write_all(line)
+                .map_err(|e| io("sending a request", e))?;
+            let reply = proto::read_line(&mut reader).map_err(|e| io("reading a reply", e))?;
+            if reply.is_empty() {
+                return Err(Error::Aborted(format!(
+                    "the duplex store at {} closed the connection without replying",
+                    self.addr()
+                )));
+            }
+            proto::parse_response(&reply).map_err(|e| {
+                Error::Aborted(format!(
+                    "the duplex store at {} sent a malformed reply: {e}",
+                    self.addr()
+                ))
+            })
+        };
+        match exchange(&auth)? {
+            Response::Ok => {}
+            Response::Error(why) => {
+                return Err(Error::Unavailable {
+                    what: format!("the duplex rendezvous at {}", self.addr()),
+                    how: format!(
+                        "it refused this rank ({why}); every rank of a job needs the same DUPLEX_STORE_TOKEN (or, under torchrun, the same TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT and WORLD_SIZE)"
+                    ),
+                });
+            }
+            other => return Err(self.unexpected("AUTH", &other)),
+        }
+        exchange(&line)
+    }
+
+    fn unexpected(&self, what: &str, reply: &Response) -> Error {
+        match reply {
+            Response::Error(why) => Error::Aborted(format!(
+                "the duplex store at {} refused {what}: {why}",
+                self.addr()
+            )),
+            other => Error::Aborted(format!(
+                "the duplex store at {} answered {what} with {other:?}",
+                self.addr()
+            )),
+        }
+    }
+
+    /// The NCCL unique id rank 0 generated.
+    pub fn unique_id(&self, timeout: Duration) -> Result<Vec<u8>, Error> {
+        match self.request(&Request::UniqueId, timeout)? {
+            Response::UniqueId(id) => Ok(id),
+            other => Err(self.unexpected("a unique id request", &other)),
+        }
+    }
+}
+
+impl Board for Store {
+    fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<(), Error> {
+        let request = Request::Post {
+            from,
+            to,
+            tag: tag.into(),
+        };
+        match self.request(&request, Duration::from_secs(30))? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected("a notify", &other)),
+        }
+    }
+
+    fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool, Error> {
+        let wait = timeout.min(MAX_WAIT);
+        let request = Request::Take {
+            from,
+            to,
+            tag: tag.into(),
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        };
+        match self.request(&request, wait + Duration::from_secs(5))? {
+            Response::Ok => Ok(true),
+            Response::Timeout => Ok(false),
+            other => Err(self.unexpected("an await", &other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,434 @@
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use duplex::Error;
+
+use super::proto::{self, MAX_LINE, Request, Response, Secret, VERSION, hex};
+use super::{Limits, Store, secret_from, serve_on};
+use crate::board::Board;
+
+const ID: &[u8] = b"the unique id, 32 bytes of it...";
+const TOKEN: &str = "0123456789abcdef-a-test-token";
+
+fn secret() -> Secret {
+    Secret::new(TOKEN)
+}
+
+fn server(limits: Limits) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    serve_on(listener, ID.to_vec(), secret(), limits).unwrap()
+}
+
+fn limits(io_ms: u64) -> Limits {
+    Limits {
+        io_timeout: Duration::from_millis(io_ms),
+        ..super::LIMITS
+    }
+}
+
+fn client(addr: SocketAddr) -> Store {
+    Store::client("127.0.0.1", addr.port(), secret())
+}
+
+fn auth() -> Vec<u8> {
+    proto::encode_request(&Request::Auth {
+        version: VERSION,
+        token: secret(),
+    })
+    .unwrap()
+}
+
+/// Sends `bytes` (then closes the sending side if `close`), and returns all
+/// the store replied until it closed the connection.
+fn raw(addr: SocketAddr, bytes: &[u8], close: bool) -> String {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // The store may close before reading everything: that is its right.
+    let _ = c.write_all(bytes);
+    if close {
+        let _ = c.shutdown(Shutdown::Write);
+    }
+    let mut reply = Vec::new();
+    let _ = c.read_to_end(&mut reply);
+    String::from_utf8_lossy(&reply).into_owned()
+}
+
+#[test]
+fn the_tcp_store_hands_out_the_id_and_carries_messages_between_processes() {
+    let addr = server(super::LIMITS);
+    let c = client(addr);
+    assert_eq!(c.unique_id(Duration::from_secs(5)).unwrap(), ID);
+    let waiter = std::thread::spawn(move || client(addr).take(0, 1, "go", Duration::from_secs(5)));
+    std::thread::sleep(Duration::from_millis(50));
+    c.post(0, 1, "go").unwrap();
+    assert!(waiter.join().unwrap().unwrap());
+    assert!(!c.take(0, 1, "go", Duration::from_millis(20)).unwrap());
+    // Tags are carried exactly: spaces, newlines, unicode, the empty tag.
+    for tag in ["a b", "a_b", "line\nbreak", "é🦀", ""] {
+        c.post(2, 3, tag).unwrap();
+    }
+    for tag in ["", "é🦀", "line\nbreak", "a_b", "a b"] {
+        assert!(c.take(2, 3, tag, Duration::ZERO).unwrap(), "{tag:?}");
+    }
+    assert!(
+        !c.take(3, 2, "a b", Duration::ZERO).unwrap(),
+        "direction matters"
+    );
+}
+
+#[test]
+fn hostile_requests_get_an_error_and_the_store_keeps_serving() {
+    let addr = server(limits(2_000));
+    let with_auth = |rest: &[u8]| [auth(), rest.to_vec()].concat();
+    let other_token = proto::encode_request(&Request::Auth {
+        version: VERSION,
+        token: Secret::new("0123456789abcdef-another-token"),
+    })
+    .unwrap();
+    let cases: Vec<(&str, Vec<u8>, bool, &str)> = vec![
+        ("no auth", b"ID\n".to_vec(), false, "authenticate first"),
+        (
+            "wrong token",
+            [other_token, b"ID\n".to_vec()].concat(),
+            false,
+            "bad token",
+        ),
+        (
+            "missing token",
+            b"AUTH 1\n".to_vec(),
+            false,
+            "AUTH takes 2 fields, got 1",
+        ),
+        (
+            "empty token",
+            b"AUTH 1 \n".to_vec(),
+            false,
+            "token of 0 bytes",
+        ),
+        (
+            "odd token",
+            b"AUTH 1 abc\n".to_vec(),
+            false,
+            "token is not lowercase hex",
+        ),
+        (
+            "other version",
+            format!("AUTH 2 {}\n", hex(TOKEN.as_bytes())).into_bytes(),
+            false,
+            "unsupported protocol version 2",
+        ),
+        (
+            "http",
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            false,
+            "byte 0x0d at offset 14",
+        ),
+        (
+            "not utf-8",
+            b"\xff\xfe\n".to_vec(),
+            false,
+            "byte 0xff at offset 0",
+        ),
+        ("empty line", b"\n".to_vec(), false, "unknown request"),
+        ("truncated", b"AUTH 1 30".to_vec(), true, "truncated line"),
+        (
+            "oversized",
+            vec![b'A'; 3 * MAX_LINE],
+            false,
+            "line of more than 4096 bytes",
+        ),
+        (
+            "oversized after auth",
+            with_auth(format!("POST 0 1 {}\n", "61".repeat(MAX_LINE)).as_bytes()),
+            false,
+            "line of more than 4096 bytes",
+        ),
+        (
+            "tag too long",
+            with_auth(format!("POST 0 1 {}\n", "61".repeat(1025)).as_bytes()),
+            false,
+            "tag of 1025 bytes is outside 1..=1024",
+        ),
+        (
+            "tag not utf-8",
+            with_auth(b"POST 0 1 ff\n"),
+            false,
+            "tag is not utf-8",
+        ),
+        (
+            "negative wait",
+            with_auth(b"TAKE 0 1 - -5\n"),
+            false,
+            "millis is not a number",
+        ),
+        (
+            "rank too big",
+            with_auth(b"POST 4294967296 1 -\n"),
+            false,
+            "from is not a number",
+        ),
+        (
+            "truncated after auth",
+            with_auth(b"ID"),
+            true,
+            "truncated line",
+        ),
+        (
+            "auth twice",
+            with_auth(&auth()),
+            false,
+            "already authenticated",
+        ),
+        (
+            "garbage after auth",
+            with_auth(b"\x00\x01\x02\n"),
+            false,
+            "not printable ascii",
+        ),
+    ];
+    for (name, bytes, close, expected) in cases {
+        let reply = raw(addr, &bytes, close);
+        assert!(reply.ends_with('\n'), "{name}: {reply:?}");
+        let last = reply.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("ERROR ") && last.contains(expected),
+            "{name}: {reply:?}"
+        );
+        assert!(!reply.contains(&hex(ID)), "{name}: the id leaked");
+        // ... and everyone else is still served.
+        assert_eq!(client(addr).unique_id(Duration::from_secs(5)).unwrap(), ID);
+    }
+}
+
+#[test]
+fn a_wrong_or_missing_token_is_a_clear_error_for_the_client() {
+    let addr = server(super::LIMITS);
+    let wrong = Store::client(
+        "127.0.0.1",
+        addr.port(),
+        Secret::new("0123456789abcdef-wrong"),
+    );
+    for e in [
+        wrong.unique_id(Duration::from_secs(5)).unwrap_err(),
+        wrong.post(0, 1, "go").unwrap_err(),
+        wrong.take(0, 1, "go", Duration::ZERO).unwrap_err(),
+    ] {
+        assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("bad token") && text.contains("DUPLEX_STORE_TOKEN"),
+            "{text}"
+        );
+        assert!(!text.contains(TOKEN) && !text.contains("wrong"), "{text}");
+    }
+    let none = Store::client("127.0.0.1", addr.port(), Secret::new(""));
+    let e = none.unique_id(Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid { at, .. } if at == "DUPLEX_STORE_TOKEN"),
+        "{e:?}"
+    );
+    // A tag the store would refuse is refused before it is sent.
+    let e = client(addr).post(0, 1, &"x".repeat(1025)).unwrap_err();
+    assert!(e.to_string().contains("tag of 1025 bytes"), "{e}");
+    assert_eq!(client(addr).unique_id(Duration::from_secs(5)).unwrap(), ID);
+}
+
+#[test]
+fn an_idle_or_trickling_client_does_not_block_others_and_is_dropped() {
+    let addr = server(limits(1_500));
+    let start = Instant::now();
+    let mut idle = TcpStream::connect(addr).unwrap();
+    let trickler = std::thread::spawn(move || {
+        let mut c = TcpStream::connect(addr).unwrap();
+        // Never a whole line: one byte every 100 ms, for up to 5 s.
+        for _ in 0..50 {
+            if c.write_all(b"A").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut reply = String::new();
+        let _ = c.read_to_string(&mut reply);
+        reply
+    });
+    let c = client(addr);
+    assert_eq!(c.unique_id(Duration::from_secs(5)).unwrap(), ID);
+    c.post(0, 1, "x").unwrap();
+    assert!(c.take(0, 1, "x", Duration::ZERO).unwrap());
+    assert!(
+        start.elapsed() < Duration::from_millis(1_500),
+        "others were served late"
+    );
+    let mut reply = String::new();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    idle.read_to_string(&mut reply).unwrap();
+    assert_eq!(reply, "ERROR timed out waiting for a request\n");
+    assert!(trickler.join().unwrap().contains("timed out"));
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "the trickler held on"
+    );
+}
+
+#[test]
+fn too_many_connections_are_refused_and_their_places_come_back() {
+    let addr = server(Limits {
+        max_connections: 2,
+        ..limits(500)
+    });
+    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(raw(addr, b"", false), "ERROR busy: too many connections\n");
+    for mut c in idle {
+        let mut s = String::new();
+        c.read_to_string(&mut s).unwrap();
+        assert!(s.contains("timed out"), "{s}");
+    }
+    // The idle connections' places come back once the store has closed them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match client(addr).unique_id(Duration::from_secs(5)) {
+            Ok(id) => break assert_eq!(id, ID),
+            Err(e) if Instant::now() < deadline => {
+                assert!(e.to_string().contains("busy"), "{e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn pending_messages_are_bounded() {
+    let addr = server(Limits {
+        max_pending: 2,
+        ..super::LIMITS
+    });
+    let c = client(addr);
+    c.post(0, 1, "a").unwrap();
+    c.post(0, 1, "a").unwrap();
+    c.post(0, 1, "b").unwrap();
+    let e = c.post(0, 1, "c").unwrap_err();
+    assert!(
+        e.to_string().contains("too many pending notify messages"),
+        "{e}"
+    );
+    assert!(c.take(0, 1, "b", Duration::ZERO).unwrap());
+    c.post(0, 1, "c").unwrap();
+}
+
+#[test]
+fn a_huge_wait_is_capped_instead_of_overflowing() {
+    let addr = server(super::LIMITS);
+    let c = client(addr);
+    c.post(0, 1, "t").unwrap();
+    let take = proto::encode_request(&Request::Take {
+        from: 0,
+        to: 1,
+        tag: "t".into(),
+        wait_ms: u64::MAX,
+    })
+    .unwrap();
+    assert_eq!(raw(addr, &[auth(), take].concat(), false), "OK\nOK\n");
+    c.post(0, 1, "t").unwrap();
+    assert!(c.take(0, 1, "t", Duration::MAX).unwrap());
+}
+
+#[test]
+fn an_unreachable_store_says_what_to_check() {
+    let c = Store::client("127.0.0.1", 1, secret());
+    let e = c
+        .unique_id(Duration::from_millis(200))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("MASTER_ADDR"), "{e}");
+}
+
+#[test]
+fn the_store_binds_the_address_it_is_given() {
+    let addr = Store::serve("127.0.0.1", 0, ID.to_vec(), secret()).unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    assert_eq!(client(addr).unique_id(Duration::from_secs(5)).unwrap(), ID);
+    // An address of another machine (TEST-NET-1) cannot be bound.
+    let e = Store::serve("192.0.2.1", 0, ID.to_vec(), secret())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("DUPLEX_STORE_BIND"), "{e}");
+    let e = Store::serve("127.0.0.1", 0, Vec::new(), secret()).unwrap_err();
+    assert!(matches!(e, Error::Invalid { .. }), "{e}");
+}
+
+fn env(vars: &[(&str, &str)]) -> Result<Secret, Error> {
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    secret_from(|k| vars.get(k).cloned())
+}
+
+#[test]
+fn the_secret_comes_from_the_token_or_from_torchrun() {
+    let torchrun = [
+        ("TORCHELASTIC_RUN_ID", "3f2c5e0a-run"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+        ("WORLD_SIZE", "8"),
+    ];
+    // The token wins.
+    let token = env(&[("DUPLEX_STORE_TOKEN", TOKEN), torchrun[0]]).unwrap();
+    assert_eq!(token, secret());
+    // Derived: the same for every rank of a job, different for another job.
+    let a = env(&torchrun).unwrap();
+    assert_eq!(a, env(&torchrun).unwrap());
+    let mut other = torchrun;
+    other[2] = ("MASTER_PORT", "29501");
+    assert_ne!(a, env(&other).unwrap());
+    other = torchrun;
+    other[0] = ("TORCHELASTIC_RUN_ID", "another-run");
+    assert_ne!(a, env(&other).unwrap());
+    // Refused, each saying how to set DUPLEX_STORE_TOKEN.
+    let mut none = torchrun;
+    none[0] = ("TORCHELASTIC_RUN_ID", "none");
+    for (vars, says) in [
+        (&[][..], "DUPLEX_STORE_TOKEN"),
+        (&none[..], "`none`"),
+        (&torchrun[..2], "MASTER_PORT is not"),
+        (&[("DUPLEX_STORE_TOKEN", "short")][..], "has 5 bytes"),
+        (&[("DUPLEX_STORE_TOKEN", "")][..], "has 0 bytes"),
+    ] {
+        let e = env(vars).unwrap_err().to_string();
+        assert!(
+            e.contains(says) && e.contains("export DUPLEX_STORE_TOKEN="),
+            "{e}"
+        );
+    }
+    let long = "x".repeat(2000);
+    let e = env(&[("DUPLEX_STORE_TOKEN", &long)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has 2000 bytes") && !e.contains(&long), "{e}");
+}
+
+#[test]
+fn secrets_and_ids_are_never_printed() {
+    let s = format!("{:?}", secret());
+    assert!(!s.contains("0123") && s.contains("bytes"), "{s}");
+    let r = format!(
+        "{:?}",
+        Request::Auth {
+            version: 1,
+            token: secret()
+        }
+    );
+    assert!(
+        !r.contains("0123") && !r.contains(&hex(TOKEN.as_bytes())),
+        "{r}"
+    );
+    let r = format!("{:?}", Response::UniqueId(ID.to_vec()));
+    assert!(!r.contains("unique") && !r.contains(&hex(ID)), "{r}");
+    let store = format!("{:?}", client("127.0.0.1:1".parse().unwrap()));
+    assert!(!store.contains("0123"), "{store}");
+}
