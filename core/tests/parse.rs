@@ -74,7 +74,10 @@ fn printing_and_parsing_again_gives_the_same_program() {
     let p = parse(&text).expect("valid");
     let again = parse(&p.to_string()).expect("printed form is valid");
     assert_eq!(p.without_lines(), again.without_lines());
-    assert_ne!(p, again, "lines are part of equality: the file has comments the printed form drops");
+    assert_ne!(
+        p, again,
+        "lines are part of equality: the file has comments the printed form drops"
+    );
     assert_eq!(p.to_string(), again.to_string());
 }
 

@@ -47,7 +47,11 @@ impl Program {
     /// programs by meaning.
     pub fn without_lines(&self) -> Program {
         let mut p = self.clone();
+        for c in &mut p.comms {
+            c.line = Line(0);
+        }
         for t in &mut p.threads {
+            t.line = Line(0);
             for s in &mut t.body {
                 s.line = Line(0);
             }
