@@ -26,7 +26,7 @@ pub use sim::{Failure, Run, Sim, SimRank};
 use duplex::schedule::Program;
 
 /// Checks a program with the default bounds: the one-call form of
-/// [`compile::compile`] followed by [`check::check`].
+/// [`duplex::compile::compile`] followed by [`check::check`].
 pub fn check_program(program: &Program) -> check::Outcome {
     check::check(
         &duplex::compile::compile(program),

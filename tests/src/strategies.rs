@@ -1,4 +1,4 @@
-//! [proptest] strategies for schedule [`Program`]s: well-formed programs,
+//! [proptest](mod@proptest) strategies for schedule [`Program`]s: well-formed programs,
 //! and mutations that break them, so that any property of a schedule, a
 //! placement or the checker can be tested on many small programs.
 //!

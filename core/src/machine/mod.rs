@@ -760,7 +760,7 @@ impl Machine {
     }
 
     /// Whether thread `t` can make `call` now: it is between calls and
-    /// nothing holds the call back ([`Machine::call_blockers`]: for `await`,
+    /// nothing holds the call back (`call_blockers` in `rules.rs`: for `await`,
     /// a matching message has arrived; for `join`, the joined thread has
     /// finished; for a launch, no other thread of the rank is inside a call
     /// on its communicators, R11).
