@@ -396,7 +396,7 @@ impl NcclRank {
                 return Ok(true);
             }
             checks = checks.wrapping_add(1);
-            if checks % 256 == 0 {
+            if checks.is_multiple_of(256) {
                 // A failed communicator (a peer that died, say) is an error now.
                 for op in self.ctx.pending() {
                     op.meta.comm.check()?;

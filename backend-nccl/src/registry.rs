@@ -428,6 +428,6 @@ mod tests {
         let d = &a.disagreements[0];
         assert_eq!(d.call, "await_notify(1, go)");
         assert!(d.why.contains("notify"), "{d}");
-        assert!(d.why.contains("1 later calls"), "{d}");
+        assert!(d.why.contains("1 later calls of this rank"), "{d}");
     }
 }

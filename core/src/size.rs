@@ -61,7 +61,7 @@ impl fmt::Display for Size {
         }
         let (name, scale) = UNITS
             .iter()
-            .find(|(_, scale)| self.0 % scale == 0)
+            .find(|(_, scale)| self.0.is_multiple_of(*scale))
             .copied()
             .unwrap_or(("B", 1));
         write!(f, "{}{}", self.0 / scale, name)

@@ -12,10 +12,11 @@
 //! disagree, which is what calibration is for.
 //!
 //! In one process the calls are in real issue order. Across processes each
-//! rank records its own ([`Trace::merge`] joins them); the replay does not
-//! need one global order, since host steps of different ranks commute (the
-//! checker's reduction rests on the same fact): it takes, at each step, the
-//! earliest recorded call that the model allows.
+//! rank records its own ([`Trace::merge`] joins them). The replay keeps
+//! each rank's order and needs no order between ranks, since host steps of
+//! different ranks commute (the checker's reduction rests on the same
+//! fact): at each step it makes the first unreplayed call of some rank
+//! that the model allows, preferring the earliest recorded.
 //!
 //! A real backend records the `sync`s it is blocked in, not those that
 //! returned, so that eager capacity (R5) the analysis model does not grant
@@ -303,6 +304,111 @@ impl Trace {
         Ok(out)
     }
 
+    /// The trace of calls made on a machine of `setup`, in the order made:
+    /// what a backend that drives the machine itself (the simulator)
+    /// records. [`HostCall::End`] marks its thread as ended.
+    pub fn from_calls<'c>(
+        setup: &Setup,
+        calls: impl IntoIterator<Item = (ThreadId, &'c HostCall)>,
+    ) -> Trace {
+        let mut t = Trace::new(setup.ranks);
+        for c in &setup.comms {
+            t.add_comm(&c.name, &c.members, c.warm);
+        }
+        for x in &setup.threads {
+            t.add_thread(x.rank, &x.name);
+        }
+        for x in &setup.streams {
+            t.add_stream(x.rank, &x.name);
+        }
+        for x in &setup.events {
+            t.add_event(x.rank, &x.name);
+        }
+        for (thread, call) in calls {
+            let origin = |o: &Origin| setup.origins.get(o.0 as usize);
+            let (call, o) = match call {
+                HostCall::End => {
+                    t.end(thread.0);
+                    continue;
+                }
+                HostCall::Launch(spec) => (
+                    Call::Launch {
+                        ops: spec
+                            .ops
+                            .iter()
+                            .map(|o| TraceOp {
+                                dir: o.dir,
+                                peer: o.peer,
+                                bytes: o.bytes,
+                                dtype: o.dtype,
+                                comm: o.comm.0,
+                                stream: o.stream.0,
+                            })
+                            .collect(),
+                        grouped: spec.grouped,
+                    },
+                    origin(&spec.origin),
+                ),
+                HostCall::Record {
+                    event,
+                    stream,
+                    origin: o,
+                } => (
+                    Call::Record {
+                        event: event.0,
+                        stream: stream.0,
+                    },
+                    origin(o),
+                ),
+                HostCall::Wait {
+                    event,
+                    stream,
+                    origin: o,
+                } => (
+                    Call::Wait {
+                        event: event.0,
+                        stream: stream.0,
+                    },
+                    origin(o),
+                ),
+                HostCall::Sync { stream, origin: o } => (
+                    Call::Sync {
+                        stream: stream.map(|s| s.0),
+                    },
+                    origin(o),
+                ),
+                HostCall::Notify { to, tag, origin: o } => (
+                    Call::Notify {
+                        to: *to,
+                        tag: setup.tags.get(tag.0 as usize).cloned().unwrap_or_default(),
+                    },
+                    origin(o),
+                ),
+                HostCall::Await {
+                    from,
+                    tag,
+                    origin: o,
+                } => (
+                    Call::Await {
+                        from: *from,
+                        tag: setup.tags.get(tag.0 as usize).cloned().unwrap_or_default(),
+                    },
+                    origin(o),
+                ),
+                HostCall::Join { thread, origin: o } => {
+                    (Call::Join { thread: thread.0 }, origin(o))
+                }
+            };
+            t.push(TraceCall {
+                thread: thread.0,
+                call,
+                text: o.map(|o| o.text.clone()).unwrap_or_default(),
+                place: o.map(|o| o.place.clone()).unwrap_or_default(),
+            });
+        }
+        t
+    }
+
     /// Replays the calls under `model` and explains where they lead.
     pub fn analyze(&self, model: Model) -> Analysis {
         let mut r = Replayer::new(self, model);
@@ -330,7 +436,7 @@ fn push(list: &mut Vec<Owned>, rank: Rank, name: &str) -> u32 {
 struct Replayer<'t> {
     trace: &'t Trace,
     m: Machine,
-    /// Each thread's calls not yet replayed (indices into `trace.calls`).
+    /// Each rank's calls not yet replayed (indices into `trace.calls`).
     queues: Vec<VecDeque<usize>>,
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
@@ -372,9 +478,10 @@ impl<'t> Replayer<'t> {
             });
             waits.insert(ThreadId(c.thread), host_call(&mut setup, c, origin));
         }
-        let mut queues = vec![VecDeque::new(); trace.threads.len()];
+        let mut queues = vec![VecDeque::new(); trace.ranks as usize];
         for (i, c) in trace.calls.iter().enumerate() {
-            if let Some(q) = queues.get_mut(c.thread as usize) {
+            let rank = trace.threads.get(c.thread as usize).map(|t| t.rank);
+            if let Some(q) = rank.and_then(|r| queues.get_mut(r as usize)) {
                 q.push_back(i);
             }
         }
@@ -467,7 +574,7 @@ impl<'t> Replayer<'t> {
     /// Finishes every handshake that can finish.
     fn resume_all(&mut self) -> bool {
         let mut any = false;
-        for i in 0..self.queues.len() {
+        for i in 0..self.trace.threads.len() {
             let t = ThreadId(i as u32);
             while self.m.next(t) == Next::Resume {
                 if let Err(e) = self.m.resume(t) {
@@ -480,8 +587,13 @@ impl<'t> Replayer<'t> {
         any
     }
 
-    /// Replays: at each step the earliest recorded call that the model
-    /// allows. What remains is refused.
+    /// The thread that made call `i`.
+    fn thread_of(&self, i: usize) -> ThreadId {
+        ThreadId(self.trace.calls[i].thread)
+    }
+
+    /// Replays: at each step the first unreplayed call of a rank that the
+    /// model allows, the earliest recorded first. What remains is refused.
     fn run(&mut self) {
         loop {
             let mut moved = self.resume_all();
@@ -489,12 +601,12 @@ impl<'t> Replayer<'t> {
                 .queues
                 .iter()
                 .enumerate()
-                .filter_map(|(t, q)| q.front().map(|i| (*i, ThreadId(t as u32))))
-                .filter(|(i, t)| self.m.enabled(*t, &self.calls[*i]))
+                .filter_map(|(r, q)| q.front().map(|i| (*i, r)))
+                .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
                 .min();
-            if let Some((i, t)) = pick {
-                self.queues[t.0 as usize].pop_front();
-                if let Err(e) = self.m.apply(t, self.calls[i].clone()) {
+            if let Some((i, r)) = pick {
+                self.queues[r].pop_front();
+                if let Err(e) = self.m.apply(self.thread_of(i), self.calls[i].clone()) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
                 }
                 moved = true;
@@ -503,13 +615,12 @@ impl<'t> Replayer<'t> {
                 break;
             }
         }
-        // What is left could not be replayed: say why for each thread's
+        // What is left could not be replayed: say why for each rank's
         // first call left.
         let left: Vec<(usize, ThreadId)> = self
             .queues
             .iter()
-            .enumerate()
-            .filter_map(|(t, q)| q.front().map(|i| (*i, ThreadId(t as u32))))
+            .filter_map(|q| q.front().map(|i| (*i, self.thread_of(*i))))
             .collect();
         if left.is_empty() {
             return;
@@ -528,14 +639,15 @@ impl<'t> Replayer<'t> {
                 .find(|b| b.rank == info.rank && b.thread == info.name)
                 .map(|b| format!("in the model this thread is still blocked: {}", b.waits_for))
                 .unwrap_or_else(|| "in the model this thread cannot make it yet".to_string());
-            let n = self.queues[t.0 as usize].len();
+            let rank = info.rank as usize;
+            let n = self.queues[rank].len();
             let why = if n > 1 {
-                format!("{why} ({} later calls of this thread not replayed)", n - 1)
+                format!("{why} ({} later calls of this rank not replayed)", n - 1)
             } else {
                 why
             };
             self.refuse(i, why);
-            self.queues[t.0 as usize].clear();
+            self.queues[rank].clear();
         }
     }
 
@@ -560,7 +672,7 @@ impl<'t> Replayer<'t> {
             place: String::new(),
             why,
         });
-        self.queues[t.0 as usize].clear();
+        self.queues[info.rank as usize].clear();
     }
 
     /// Ends the threads that returned, enters the blocked waits, and

@@ -1,0 +1,216 @@
+//! The trace a backend records replays through the machine to the state the
+//! backend saw: on every example, a run of the machine is recorded as a
+//! [`Trace`], replayed, and the replay must reach the same verdict with the
+//! same explanation and refuse nothing. Split by rank (as one process per
+//! rank records it) and merged again, it must too. A call the model cannot
+//! allow is refused, never dropped.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use duplex::compile::{Compiled, Remaining, compile};
+use duplex::machine::{HostCall, Machine, Next, Status, ThreadId};
+use duplex::trace::{Call, Trace, TraceCall};
+
+fn examples() -> Vec<(String, String)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .expect("examples/ exists")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+        .map(|p| {
+            (
+                p.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned(),
+                std::fs::read_to_string(&p).expect("readable"),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Runs the program to its end or a stuck state, always stepping the last
+/// runnable thread (an interleaving unlike the checker's first choice),
+/// and records every call made. `None` when a program error stops it.
+fn run(c: &Compiled) -> Option<(Machine, Vec<(ThreadId, HostCall)>)> {
+    let mut m = c.machine();
+    let mut calls = Vec::new();
+    loop {
+        let runnable = m.runnable(&Remaining(c));
+        let Some(&t) = runnable.last() else {
+            return Some((m, calls));
+        };
+        match m.next(t) {
+            Next::Resume => m.resume(t).ok()?,
+            Next::Call => {
+                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+                calls.push((t, call.clone()));
+                m.apply(t, call).ok()?;
+            }
+            Next::Blocked | Next::Finished => unreachable!("runnable"),
+        }
+    }
+}
+
+/// The trace, as one process per rank would record it: each part holds
+/// one rank's threads, streams and events, numbered from 0.
+fn split(t: &Trace) -> Vec<Trace> {
+    (0..t.ranks)
+        .map(|rank| {
+            let mut part = Trace::new(t.ranks);
+            part.comms = t.comms.clone();
+            let renumber = |list: &[duplex::trace::Owned], part: &mut Vec<duplex::trace::Owned>| {
+                let mut map = HashMap::new();
+                for (i, o) in list.iter().enumerate() {
+                    if o.rank == rank {
+                        map.insert(i as u32, part.len() as u32);
+                        part.push(o.clone());
+                    }
+                }
+                map
+            };
+            let threads = renumber(&t.threads, &mut part.threads);
+            let streams = renumber(&t.streams, &mut part.streams);
+            let events = renumber(&t.events, &mut part.events);
+            for c in &t.calls {
+                let Some(&thread) = threads.get(&c.thread) else {
+                    continue;
+                };
+                let mut c: TraceCall = c.clone();
+                c.thread = thread;
+                match &mut c.call {
+                    Call::Launch { ops, .. } => {
+                        ops.iter_mut().for_each(|o| o.stream = streams[&o.stream])
+                    }
+                    Call::Record { event, stream } | Call::Wait { event, stream } => {
+                        *event = events[event];
+                        *stream = streams[stream];
+                    }
+                    Call::Sync { stream } => {
+                        if let Some(s) = stream {
+                            *s = streams[s];
+                        }
+                    }
+                    Call::Join { thread } => *thread = threads[thread],
+                    Call::Notify { .. } | Call::Await { .. } => {}
+                }
+                part.push(c);
+            }
+            for e in &t.ended {
+                if let Some(x) = threads.get(e) {
+                    part.end(*x);
+                }
+            }
+            part
+        })
+        .collect()
+}
+
+#[test]
+fn every_example_replays_from_its_trace_to_the_same_state() {
+    let mut checked = 0;
+    for (name, text) in examples() {
+        let program = duplex::schedule::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let c = compile(&program);
+        let Some((m, calls)) = run(&c) else {
+            continue; // a program error: nothing to compare
+        };
+        let status = m.status(&Remaining(&c));
+        let trace = Trace::from_calls(&c.setup, calls.iter().map(|(t, c)| (*t, c)));
+        // Only what happened is in the trace: a stuck state's pending next
+        // calls (an `await` that never returns) are not, so compare what the
+        // machine says without knowledge of the future.
+        let a = trace.analyze(program.model);
+        assert!(
+            a.disagreements.is_empty(),
+            "{name}: the model refuses its own run: {:?}",
+            a.disagreements
+        );
+        let merged = Trace::merge(&split(&trace)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let b = merged.analyze(program.model);
+        assert!(
+            b.disagreements.is_empty(),
+            "{name}: the merged per-rank traces are refused: {:?}",
+            b.disagreements
+        );
+        match status {
+            Status::Finished => {
+                assert!(
+                    a.finished && b.finished,
+                    "{name}: finished, replay did not: {} {} {:?} {:?}",
+                    a.finished,
+                    b.finished,
+                    a.stuck.map(|s| s.to_string()),
+                    b.stuck.map(|s| s.to_string())
+                );
+            }
+            Status::Stuck => {
+                let (sa, sb) = (
+                    a.stuck
+                        .unwrap_or_else(|| panic!("{name}: replay not stuck")),
+                    b.stuck
+                        .unwrap_or_else(|| panic!("{name}: merged replay not stuck")),
+                );
+                assert_eq!(sa.ops.len(), sb.ops.len(), "{name}");
+                assert_eq!(sa.cycle.len(), sb.cycle.len(), "{name}:\n{sa}\n{sb}");
+            }
+            Status::Running => unreachable!("run() stops only when nothing can step"),
+        }
+        checked += 1;
+    }
+    assert!(checked >= 30, "only {checked} examples replayed");
+}
+
+#[test]
+fn a_call_made_too_early_is_a_disagreement() {
+    // Rank 0 returned from `await` without rank 1's notify: the model refuses
+    // the await and every later call of that thread, and says so.
+    let p = duplex::schedule::parse(
+        "ranks 2\nrank 0:\n  await 1 go\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  notify 0 go\n",
+    )
+    .expect("valid");
+    let c = compile(&p);
+    let calls: Vec<(ThreadId, HostCall)> = (0..2)
+        .map(|i| (ThreadId(0), c.scripts[0][i].clone()))
+        .collect();
+    let trace = Trace::from_calls(&c.setup, calls.iter().map(|(t, c)| (*t, c)));
+    let a = trace.analyze(p.model);
+    assert_eq!(a.disagreements.len(), 1, "{:?}", a.disagreements);
+    let d = &a.disagreements[0];
+    assert_eq!((d.rank, d.call.as_str()), (0, "await 1 go"));
+    assert!(d.why.contains("notify 0 go"), "{d}");
+    assert!(d.why.contains("1 later calls of this rank"), "{d}");
+}
+
+#[test]
+fn a_trace_naming_what_was_never_declared_is_refused_not_a_panic() {
+    let mut t = Trace::new(2);
+    t.add_thread(0, "main");
+    t.push(TraceCall {
+        thread: 0,
+        call: Call::Record {
+            event: 7,
+            stream: 0,
+        },
+        text: "record".into(),
+        place: String::new(),
+    });
+    let a = t.analyze(duplex::Model::default());
+    assert!(
+        a.disagreements[0].why.contains("event #7"),
+        "{:?}",
+        a.disagreements
+    );
+    let mut t = Trace::new(2);
+    t.add_thread(5, "main");
+    let a = t.analyze(duplex::Model::default());
+    assert!(
+        a.disagreements[0].why.contains("rank 5"),
+        "{:?}",
+        a.disagreements
+    );
+}
