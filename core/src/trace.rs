@@ -119,6 +119,9 @@ pub enum Call {
         /// The thread.
         thread: u32,
     },
+    /// The thread's code returned (it then waits for its rank's streams to
+    /// drain, as a real program's final synchronize).
+    End,
 }
 
 /// A call, who made it and where.
@@ -151,7 +154,8 @@ pub struct Trace {
     /// Calls that were made (returned, or are blocked inside NCCL's
     /// connection handshake), in issue order.
     pub calls: Vec<TraceCall>,
-    /// Threads whose code has returned: they issue nothing more.
+    /// Threads whose code has returned: they issue nothing more (each also
+    /// has a [`Call::End`] where it returned).
     pub ended: Vec<u32>,
     /// The host wait (a `sync`, `await` or `join`) each blocked thread is
     /// inside now, at most one per thread.
@@ -234,10 +238,16 @@ impl Trace {
         self.calls.push(call);
     }
 
-    /// Marks a thread's code as returned.
+    /// Marks a thread's code as returned, at this point of the calls.
     pub fn end(&mut self, thread: u32) {
         if !self.ended.contains(&thread) {
             self.ended.push(thread);
+            self.calls.push(TraceCall {
+                thread,
+                call: Call::End,
+                text: "end of thread".into(),
+                place: "its implicit final synchronize".into(),
+            });
         }
     }
 
@@ -293,7 +303,7 @@ impl Trace {
                         }
                     }
                     Call::Join { thread } => *thread += t0,
-                    Call::Notify { .. } | Call::Await { .. } => {}
+                    Call::Notify { .. } | Call::Await { .. } | Call::End => {}
                 }
                 c
             };
@@ -562,7 +572,7 @@ impl<'t> Replayer<'t> {
                     }
                     vec![]
                 }
-                Call::Notify { .. } | Call::Await { .. } => vec![],
+                Call::Notify { .. } | Call::Await { .. } | Call::End => vec![],
             };
             if let Some(s) = streams.iter().find(|s| **s as usize >= t.streams.len()) {
                 return Err(bad(c, format!("stream #{s} was never declared")));
@@ -754,5 +764,6 @@ fn host_call(setup: &mut Setup, c: &TraceCall, origin: Origin) -> HostCall {
             thread: ThreadId(*thread),
             origin,
         },
+        Call::End => HostCall::End,
     }
 }

@@ -96,13 +96,12 @@ fn split(t: &Trace) -> Vec<Trace> {
                         }
                     }
                     Call::Join { thread } => *thread = threads[thread],
-                    Call::Notify { .. } | Call::Await { .. } => {}
+                    Call::Notify { .. } | Call::Await { .. } | Call::End => {}
                 }
-                part.push(c);
-            }
-            for e in &t.ended {
-                if let Some(x) = threads.get(e) {
-                    part.end(*x);
+                if matches!(c.call, Call::End) {
+                    part.end(c.thread);
+                } else {
+                    part.push(c);
                 }
             }
             part

@@ -47,3 +47,32 @@ fn every_scenario_on_the_simulator() {
     assert!(ran >= 16, "only {ran} scenarios");
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// The simulated transport records what its ranks issued as a
+/// [`duplex::trace::Trace`]; replayed through the machine (what the NCCL
+/// backend's hang analysis does with its own trace), every completing
+/// scenario finishes with no call refused.
+#[test]
+fn every_completing_scenario_replays_from_its_trace() {
+    let mut replayed = 0;
+    for s in scenarios::<SimRank>() {
+        let Ok(run) = Sim::new(s.ranks).policy(s.policy).run(7, s.run) else {
+            continue;
+        };
+        assert!(!run.trace.calls.is_empty(), "{}: empty trace", s.name);
+        let a = run.trace.analyze(duplex::Model::default());
+        assert!(
+            a.disagreements.is_empty(),
+            "{}: {:?}",
+            s.name,
+            a.disagreements
+        );
+        assert!(
+            a.finished && a.stuck.is_none(),
+            "{}: replay did not finish",
+            s.name
+        );
+        replayed += 1;
+    }
+    assert!(replayed >= 8, "only {replayed} scenarios completed");
+}

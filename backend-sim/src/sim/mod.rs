@@ -41,6 +41,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 
+use duplex::trace::Trace;
 use duplex::{Dir, Error, Hang, Model, Policy, Rank};
 
 pub use rank::{SimBuffer, SimComm, SimEvent, SimRank, SimStream, SimThread};
@@ -65,7 +66,7 @@ pub struct Sim {
 }
 
 /// What a successful run explored.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Run {
     /// Executions run (1 for [`Sim::run`] and [`Sim::replay`]).
     pub executions: usize,
@@ -73,6 +74,9 @@ pub struct Run {
     pub states: usize,
     /// The schedule of the last execution.
     pub schedule: String,
+    /// What the ranks issued in the last execution, which
+    /// [`Trace::analyze`] replays through the machine.
+    pub trace: Trace,
 }
 
 /// Why a simulated run failed. `Display` prints the whole report, the
@@ -246,12 +250,13 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
-        let (ending, _, choices) = self.execute(Strategy::Random(Random::new(seed)), &f);
+        let (ending, _, choices, trace) = self.execute(Strategy::Random(Random::new(seed)), &f);
         self.conclude(ending, &choices)?;
         Ok(Run {
             executions: 1,
             states: 0,
             schedule: explore::encode(&choices),
+            trace,
         })
     }
 
@@ -262,12 +267,13 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         let choices = explore::decode(schedule).map_err(Failure::Schedule)?;
-        let (ending, _, choices) = self.execute(Strategy::Replay(Replay::new(choices)), &f);
+        let (ending, _, choices, trace) = self.execute(Strategy::Replay(Replay::new(choices)), &f);
         self.conclude(ending, &choices)?;
         Ok(Run {
             executions: 1,
             states: 0,
             schedule: explore::encode(&choices),
+            trace,
         })
     }
 
@@ -281,7 +287,7 @@ impl Sim {
         let mut executions = 0;
         loop {
             executions += 1;
-            let (ending, strategy, choices) = self.execute(Strategy::Dfs(dfs), &f);
+            let (ending, strategy, choices, trace) = self.execute(Strategy::Dfs(dfs), &f);
             let Strategy::Dfs(back) = strategy else {
                 unreachable!("the strategy comes back as it went")
             };
@@ -292,6 +298,7 @@ impl Sim {
                     executions,
                     states: dfs.states(),
                     schedule: explore::encode(&choices),
+                    trace,
                 });
             }
             if executions >= self.max_executions {
@@ -379,8 +386,12 @@ impl Sim {
     }
 
     /// One execution: returns how it ended, the strategy (for the next
-    /// execution) and the choices made.
-    fn execute<F>(&self, strategy: Strategy, f: &F) -> (Option<Ending>, Strategy, Vec<ThreadId>)
+    /// execution), the choices made and the trace of the calls made.
+    fn execute<F>(
+        &self,
+        strategy: Strategy,
+        f: &F,
+    ) -> (Option<Ending>, Strategy, Vec<ThreadId>, Trace)
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
@@ -408,6 +419,7 @@ impl Sim {
             os_threads: Vec::new(),
             user_comms: Vec::new(),
             comm_calls: vec![0; self.ranks as usize],
+            calls: Vec::new(),
             describe: format!("policy {}, model {}", self.policy, self.model),
             replay_hint: self.replay_hint(),
         };
@@ -445,6 +457,8 @@ impl Sim {
         let strategy = std::mem::replace(&mut w.explorer, Strategy::Random(Random::new(0)));
         let ending = w.ending.take();
         let choices = std::mem::take(&mut w.choices);
-        (ending, strategy, choices)
+        let calls = std::mem::take(&mut w.calls);
+        let trace = Trace::from_calls(w.machine.setup(), calls.iter().map(|(t, c)| (*t, c)));
+        (ending, strategy, choices, trace)
     }
 }

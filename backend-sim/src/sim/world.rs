@@ -95,6 +95,8 @@ pub(crate) struct World {
     pub(crate) user_comms: Vec<(String, Vec<Rank>, duplex::machine::CommId)>,
     /// Per rank: communicators created so far.
     pub(crate) comm_calls: Vec<usize>,
+    /// Every call applied, in order: the execution's trace.
+    pub(crate) calls: Vec<(ThreadId, HostCall)>,
     /// Header of hang reports and the replay hint.
     pub(crate) describe: String,
     pub(crate) replay_hint: String,
@@ -369,7 +371,10 @@ impl World {
                 _ => {}
             }
             let end = matches!(call, HostCall::End);
-            let r = self.machine.apply(t, call);
+            let r = self.machine.apply(t, call.clone());
+            if r.is_ok() {
+                self.calls.push((t, call));
+            }
             if end {
                 self.ctl[i] = Ctl::Done;
             }
