@@ -1,10 +1,16 @@
 //! The checker: decides whether any interleaving of a program's host threads
 //! can hang or hit a program error.
 //!
-//! The search is breadth-first over host steps, with a set of visited state
-//! fingerprints (128-bit xxh3 of [`State`](duplex::machine::State)): it is
-//! exhaustive, and the interleaving it reports is a shortest one. It knows
-//! nothing of the rules; it only asks the [`Machine`] which threads can step.
+//! It drives the machine with the one explorer ([`crate::explore`]): a
+//! depth-first search ([`Dfs`]) over the persistent sets of [`reduce`],
+//! pruning decision points whose state (128-bit xxh3 fingerprint of
+//! [`State`](duplex::machine::State)) it has explored before. Where the
+//! reduction leaves one choice, the machine steps in place: no clone, no
+//! hash. It keeps a snapshot of the machine at each decision point on the
+//! current path, so a backtrack resumes there instead of re-executing, and
+//! its memory grows with the depth of the search and the number of
+//! branching states, not with every state. It knows nothing of the rules;
+//! it only asks the [`Machine`] which threads can step.
 //!
 //! **Reduction.** Host steps of different ranks commute (they touch
 //! different streams, different sides of a channel, counters and sets) and
@@ -15,21 +21,24 @@
 //! error that the full search reaches (Godefroid's persistent sets; the state
 //! graph is acyclic, so state caching loses nothing). [`Options::reduce`]
 //! turns this off, and the tests check that both searches agree.
+//!
+//! A counterexample comes with its [`Schedule`] (`v1:…`), which
+//! [`replay_schedule`] and `duplex check --replay` follow back to it.
 
-use std::collections::{HashSet, VecDeque};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::Xxh3Default;
 
+use crate::explore::{Choice, Dfs, Replay, Schedule, Scheduler};
 use duplex::compile::{Compiled, Remaining};
 use duplex::machine::{HostCall, Machine, Next, ProgramError, Status, Stuck, ThreadId, Threads};
 
 /// Bounds of a check.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
-    /// Stop after this many distinct states and report the check as
-    /// inconclusive.
+    /// Stop after this many distinct branching states (decision points
+    /// with more than one choice) and report the check as inconclusive.
     pub max_states: usize,
     /// Explore one rank's steps at a time where that is sound (see the
     /// module docs). On by default.
@@ -69,6 +78,8 @@ pub enum Verdict {
         stuck: Box<Stuck>,
         /// The host steps that lead there.
         trace: Vec<Step>,
+        /// The schedule that replays it ([`replay_schedule`]).
+        schedule: Schedule,
     },
     /// This interleaving hits a program error.
     Error {
@@ -76,6 +87,8 @@ pub enum Verdict {
         error: ProgramError,
         /// The host steps that lead there.
         trace: Vec<Step>,
+        /// The schedule that replays it ([`replay_schedule`]).
+        schedule: Schedule,
     },
     /// The state bound was reached before the search finished.
     Inconclusive,
@@ -84,10 +97,14 @@ pub enum Verdict {
 /// Search statistics.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct Stats {
-    /// Distinct states visited.
+    /// Distinct branching states explored (decision points with more than
+    /// one choice; the states in between are stepped through, not stored).
     pub states: usize,
     /// Host steps taken (edges of the state graph explored).
     pub transitions: usize,
+    /// Executions: paths from the start to an end, a hang or a pruned
+    /// state.
+    pub executions: usize,
     /// Wall-clock time of the search.
     #[serde(serialize_with = "seconds")]
     pub elapsed: Duration,
@@ -268,18 +285,24 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
     }
 }
 
-/// Replays a schedule (the thread that steps at each host step) from the
-/// program's start; returns the machine, the described steps and the first
-/// error. Steps naming a thread that cannot step are skipped.
-pub fn replay(
+/// Replays a path (the thread that steps at each host step) from the
+/// program's start; returns the machine, the described steps, the first
+/// error and the schedule of the path (its choices where more than one
+/// thread could step). Steps naming a thread that cannot step are skipped.
+pub fn replay_path(
     c: &Compiled,
-    schedule: &[ThreadId],
-) -> (Machine, Vec<Step>, Result<(), ProgramError>) {
+    path: &[ThreadId],
+) -> (Machine, Vec<Step>, Result<(), ProgramError>, Schedule) {
     let mut m = c.machine();
     let mut steps = Vec::new();
-    for &t in schedule {
-        if !runnable(c, &m).contains(&t) {
+    let mut schedule = Schedule::default();
+    for &t in path {
+        let enabled = runnable(c, &m);
+        if !enabled.contains(&t) {
             continue;
+        }
+        if enabled.len() > 1 {
+            schedule.0.push(t);
         }
         let info = &m.setup().threads[t.0 as usize];
         steps.push(Step {
@@ -289,92 +312,216 @@ pub fn replay(
             action: describe_step(c, &m, t),
         });
         if let Err(e) = step(c, &mut m, t) {
-            return (m, steps, Err(e));
+            return (m, steps, Err(e), schedule);
         }
     }
-    (m, steps, Ok(()))
+    (m, steps, Ok(()), schedule)
 }
 
-/// Explores every interleaving of the program's host threads.
+/// Where a replay ends: the machine, the described steps, and the first
+/// error.
+pub type Replayed = (Machine, Vec<Step>, Result<(), ProgramError>);
+
+/// Replays a path; see [`replay_path`].
+pub fn replay(c: &Compiled, path: &[ThreadId]) -> Replayed {
+    let (m, steps, result, _) = replay_path(c, path);
+    (m, steps, result)
+}
+
+/// Follows a [`Schedule`] (printed with a counterexample) from the
+/// program's start until no thread can step or an error; returns the
+/// machine, the described steps and the first error. Fails when the
+/// schedule does not fit the program.
+pub fn replay_schedule(
+    c: &Compiled,
+    schedule: &Schedule,
+) -> Result<Replayed, String> {
+    let mut replayer = Replay::new(schedule.clone());
+    let mut path = Vec::new();
+    let mut m = c.machine();
+    loop {
+        let enabled = runnable(c, &m);
+        if enabled.is_empty() {
+            break;
+        }
+        if enabled.len() > 1 && replayer.left() == 0 {
+            return Err(format!(
+                "the schedule `{schedule}` ends after {} host steps, where {} threads can step: it is not a complete schedule of this program",
+                path.len(),
+                enabled.len()
+            ));
+        }
+        let t = match replayer.choose(&enabled, &enabled, 0) {
+            Choice::Take(t) => t,
+            Choice::Prune | Choice::Mismatch => {
+                return Err(format!(
+                    "the schedule `{schedule}` does not fit this program: after {} host steps it names a thread that cannot step (threads that can: {})",
+                    path.len(),
+                    enabled
+                        .iter()
+                        .map(|t| t.0.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+        };
+        path.push(t);
+        if step(c, &mut m, t).is_err() {
+            break;
+        }
+    }
+    if replayer.left() > 0 {
+        return Err(format!(
+            "the schedule `{schedule}` does not fit this program: {} choices are left when no thread can step",
+            replayer.left()
+        ));
+    }
+    let (m, steps, result) = replay(c, &path);
+    Ok((m, steps, result))
+}
+
+/// The verdict of the state a schedule leads to: what `duplex check
+/// --replay` reports.
+pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<Verdict, String> {
+    let (m, trace, result) = replay_schedule(c, schedule)?;
+    Ok(match result {
+        Err(error) => Verdict::Error {
+            error,
+            trace,
+            schedule: schedule.clone(),
+        },
+        Ok(()) => match m.status(&Remaining(c)) {
+            Status::Stuck => Verdict::Deadlock {
+                stuck: Box::new(m.stuck(&Remaining(c))),
+                trace,
+                schedule: schedule.clone(),
+            },
+            _ => match m.leftover() {
+                Some(error) => Verdict::Error {
+                    error,
+                    trace,
+                    schedule: schedule.clone(),
+                },
+                None => Verdict::Ok,
+            },
+        },
+    })
+}
+
+/// A snapshot at a decision point: the machine before it, and how long the
+/// path was.
+struct Snapshot {
+    machine: Machine,
+    path: usize,
+}
+
+/// Explores every interleaving of the program's host threads that matters.
 pub fn check(c: &Compiled, options: &Options) -> Outcome {
     let start = Instant::now();
-    let root = c.machine();
-    let mut visited: HashSet<u128> = HashSet::new();
-    // Node i was reached from node parents[i].0 by a step of thread parents[i].1.
-    let mut parents: Vec<(u32, ThreadId)> = vec![(u32::MAX, ThreadId(0))];
-    visited.insert(fingerprint(&root));
+    let mut dfs = Dfs::default();
+    let mut snapshots: Vec<Snapshot> = Vec::new();
+    let mut m = c.machine();
+    let mut path: Vec<ThreadId> = Vec::new();
     let mut transitions = 0usize;
-    let stats = |visited: &HashSet<u128>, transitions| Stats {
-        states: visited.len(),
+    let mut executions = 0usize;
+    let stats = |dfs: &Dfs, transitions, executions| Stats {
+        states: dfs.states(),
         transitions,
+        executions,
         elapsed: start.elapsed(),
     };
-    let schedule_to = |parents: &Vec<(u32, ThreadId)>, mut node: u32| {
-        let mut path = Vec::new();
-        while node != 0 {
-            let (p, t) = parents[node as usize];
-            path.push(t);
-            node = p;
-        }
-        path.reverse();
-        path
-    };
-    let finish = |verdict, visited: &HashSet<u128>, transitions| Outcome {
-        verdict,
-        stats: stats(visited, transitions),
-    };
-    if let Some(v) = judge(c, &root, &[]) {
-        return finish(v, &visited, 0);
-    }
-    let mut queue: VecDeque<(Machine, u32)> = VecDeque::from([(root, 0)]);
-    while let Some((m, node)) = queue.pop_front() {
-        let threads = expand(c, &m, options.reduce);
-        for t in threads {
-            let mut child = m.clone();
+    loop {
+        executions += 1;
+        // One execution, from the current machine and path.
+        let verdict = loop {
+            let enabled = runnable(c, &m);
+            if enabled.is_empty() {
+                break judge(c, &m, &path);
+            }
+            let t = if enabled.len() == 1 {
+                enabled[0]
+            } else {
+                let options_ = if options.reduce {
+                    reduce(&m, &enabled, &Remaining(c))
+                } else {
+                    enabled.clone()
+                };
+                if options_.len() == 1 {
+                    options_[0]
+                } else {
+                    let depth = dfs.cursor();
+                    match dfs.choose(&enabled, &options_, fingerprint(&m)) {
+                        Choice::Take(t) => {
+                            if depth == snapshots.len() {
+                                snapshots.push(Snapshot {
+                                    machine: m.clone(),
+                                    path: path.len(),
+                                });
+                            }
+                            t
+                        }
+                        Choice::Prune | Choice::Mismatch => break None,
+                    }
+                }
+            };
             transitions += 1;
-            if step(c, &mut child, t).is_err() {
-                let mut path = schedule_to(&parents, node);
-                path.push(t);
-                let (_, trace, result) = replay(c, &path);
+            path.push(t);
+            if step(c, &mut m, t).is_err() {
+                let (_, trace, result, schedule) = replay_path(c, &path);
                 let error = result.err().unwrap_or_else(|| ProgramError::Invalid {
                     place: "replay".into(),
                     message: "an error found by the search did not replay (a bug in duplex)".into(),
                 });
-                return finish(Verdict::Error { error, trace }, &visited, transitions);
+                break Some(Verdict::Error {
+                    error,
+                    trace,
+                    schedule,
+                });
             }
-            if !visited.insert(fingerprint(&child)) {
-                continue;
+            if dfs.states() >= options.max_states {
+                break Some(Verdict::Inconclusive);
             }
-            parents.push((node, t));
-            let id = (parents.len() - 1) as u32;
-            let path = || schedule_to(&parents, id);
-            if let Some(v) = judge(c, &child, &path()) {
-                return finish(v, &visited, transitions);
-            }
-            if visited.len() >= options.max_states {
-                return finish(Verdict::Inconclusive, &visited, transitions);
-            }
-            queue.push_back((child, id));
+        };
+        if let Some(v) = verdict {
+            return Outcome {
+                verdict: v,
+                stats: stats(&dfs, transitions, executions),
+            };
         }
+        let Some(d) = dfs.backtrack() else {
+            return Outcome {
+                verdict: Verdict::Ok,
+                stats: stats(&dfs, transitions, executions),
+            };
+        };
+        snapshots.truncate(d + 1);
+        let snap = &snapshots[d];
+        m = snap.machine.clone();
+        path.truncate(snap.path);
+        dfs.rewind(d);
     }
-    finish(Verdict::Ok, &visited, transitions)
 }
 
-/// The verdict a state forces: a hang, or a finished program's leftover
-/// error. `None` while it can still move, or when it finished cleanly.
+/// The verdict a state where no thread can step forces: a hang, or a
+/// finished program's leftover error. `None` when it finished cleanly.
 fn judge(c: &Compiled, m: &Machine, path: &[ThreadId]) -> Option<Verdict> {
     match m.status(&Remaining(c)) {
         Status::Running => None,
         Status::Stuck => {
-            let (_, trace, _) = replay(c, path);
+            let (_, trace, _, schedule) = replay_path(c, path);
             Some(Verdict::Deadlock {
                 stuck: Box::new(m.stuck(&Remaining(c))),
                 trace,
+                schedule,
             })
         }
         Status::Finished => m.leftover().map(|error| {
-            let (_, trace, _) = replay(c, path);
-            Verdict::Error { error, trace }
+            let (_, trace, _, schedule) = replay_path(c, path);
+            Verdict::Error {
+                error,
+                trace,
+                schedule,
+            }
         }),
     }
 }

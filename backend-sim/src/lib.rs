@@ -18,6 +18,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod check;
+pub mod explore;
 pub mod report;
 pub mod sim;
 

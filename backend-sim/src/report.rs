@@ -29,6 +29,14 @@ pub struct Report {
     /// For a deadlock or an error: the host steps that lead there.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<Step>,
+    /// For a deadlock or an error: the schedule that replays it
+    /// (`duplex check FILE --replay SCHEDULE`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    /// Whether this reports one replayed interleaving (`--replay`) rather
+    /// than a search of all of them.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
     /// Search statistics.
     pub stats: Stats,
 }
@@ -72,18 +80,31 @@ impl From<&ProgramError> for ErrorReport {
 impl Report {
     /// Builds the report of `outcome` for `file`.
     pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
-        let (verdict, stuck, error, steps) = match &outcome.verdict {
-            Verdict::Ok => (VerdictKind::Ok, None, None, vec![]),
-            Verdict::Inconclusive => (VerdictKind::Inconclusive, None, None, vec![]),
-            Verdict::Deadlock { stuck, trace } => (
+        let (verdict, stuck, error, steps, schedule) = match &outcome.verdict {
+            Verdict::Ok => (VerdictKind::Ok, None, None, vec![], None),
+            Verdict::Inconclusive => (VerdictKind::Inconclusive, None, None, vec![], None),
+            Verdict::Deadlock {
+                stuck,
+                trace,
+                schedule,
+            } => (
                 VerdictKind::Deadlock,
                 Some((**stuck).clone()),
                 None,
                 trace.clone(),
+                Some(schedule.to_string()),
             ),
-            Verdict::Error { error, trace } => {
-                (VerdictKind::Error, None, Some(error.into()), trace.clone())
-            }
+            Verdict::Error {
+                error,
+                trace,
+                schedule,
+            } => (
+                VerdictKind::Error,
+                None,
+                Some(error.into()),
+                trace.clone(),
+                Some(schedule.to_string()),
+            ),
         };
         Report {
             verdict,
@@ -93,8 +114,16 @@ impl Report {
             stuck,
             error,
             steps,
+            schedule,
+            replayed: false,
             stats: outcome.stats,
         }
+    }
+
+    /// The report of one replayed interleaving.
+    pub fn replayed(mut self) -> Report {
+        self.replayed = true;
+        self
     }
 
     /// The process exit status the format page gives this verdict: 0 for
@@ -111,6 +140,11 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let headline = match self.verdict {
+            VerdictKind::Ok if self.replayed => {
+                "OK: this interleaving completes, with no hang and no program error"
+            }
+            VerdictKind::Deadlock if self.replayed => "DEADLOCK: this interleaving hangs",
+            VerdictKind::Error if self.replayed => "ERROR: this interleaving hits a program error",
             VerdictKind::Ok => {
                 "OK: no interleaving of the host threads can hang, and no program error was found"
             }
@@ -174,6 +208,14 @@ impl fmt::Display for Report {
                 )?;
             }
         }
+        if let Some(schedule) = &self.schedule {
+            writeln!(f, "schedule: {schedule}")?;
+            writeln!(
+                f,
+                "replay it with: duplex check {} --replay {schedule}",
+                self.file
+            )?;
+        }
         let on_shared_lane = self.stuck.as_ref().is_some_and(|s| {
             s.ops.iter().any(|o| o.comm.starts_with("pair:"))
                 || s.blocked.iter().any(|b| b.waits_for.contains("comm pair:"))
@@ -192,11 +234,20 @@ impl fmt::Display for Report {
             )?;
         }
         writeln!(f)?;
+        if self.replayed {
+            return writeln!(
+                f,
+                "replayed {} host steps in {:.3} s",
+                self.steps.len(),
+                self.stats.elapsed.as_secs_f64()
+            );
+        }
         writeln!(
             f,
-            "searched {} states, {} host steps, in {:.3} s",
-            self.stats.states,
+            "searched {} executions, {} host steps, {} branching states, in {:.3} s",
+            self.stats.executions,
             self.stats.transitions,
+            self.stats.states,
             self.stats.elapsed.as_secs_f64()
         )
     }

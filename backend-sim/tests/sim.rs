@@ -252,3 +252,23 @@ fn explicit_placement_on_user_comms_and_streams() {
         })
         .expect("a comm and a stream per direction complete, even on shared lanes");
 }
+
+#[test]
+fn pct_schedules_find_the_rpc_hang_and_replay() {
+    let sim = Sim::new(2).policy(Policy::Shared);
+    let found = (0..64).find_map(|seed| sim.pct(seed, 2, rpc).err());
+    let failure = found.expect("some PCT schedule of depth 2 hangs the shared RPC form");
+    let schedule = failure
+        .schedule()
+        .expect("a hang has a schedule")
+        .to_string();
+    let again = sim.replay(&schedule, rpc).unwrap_err();
+    assert_eq!(again.schedule(), Some(schedule.as_str()));
+    assert!(again.hang().is_some(), "{again}");
+    // PCT never invents a hang: per-direction lanes complete under every seed.
+    let safe = Sim::new(2).policy(Policy::PerDirection);
+    for seed in 0..16 {
+        safe.pct(seed, 3, rpc)
+            .unwrap_or_else(|f| panic!("seed {seed}: {f}"));
+    }
+}

@@ -111,6 +111,10 @@ struct CheckArgs {
     /// (slower; for cross-checking the reduction).
     #[arg(long)]
     no_reduction: bool,
+    /// Follow this schedule (`v1:…`, printed with a counterexample) instead
+    /// of exploring, and report where it leads.
+    #[arg(long, value_name = "SCHEDULE")]
+    replay: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -250,8 +254,31 @@ fn run_check(args: &CheckArgs) -> ExitCode {
         max_states: args.max_states,
         reduce: !args.no_reduction,
     };
-    let outcome = check::check(&compiled, &options);
-    let report = Report::new(&args.file, program.policy, program.model, &outcome);
+    let outcome = match &args.replay {
+        None => check::check(&compiled, &options),
+        Some(text) => {
+            let start = std::time::Instant::now();
+            let verdict = text
+                .parse::<duplex_sim::explore::Schedule>()
+                .and_then(|s| check::judge_schedule(&compiled, &s));
+            match verdict {
+                Ok(verdict) => check::Outcome {
+                    verdict,
+                    stats: check::Stats {
+                        states: 0,
+                        transitions: 0,
+                        executions: 1,
+                        elapsed: start.elapsed(),
+                    },
+                },
+                Err(e) => return fail(&format!("--replay: {e}")),
+            }
+        }
+    };
+    let mut report = Report::new(&args.file, program.policy, program.model, &outcome);
+    if args.replay.is_some() {
+        report = report.replayed();
+    }
     match args.format {
         Format::Text => print(&report.to_string()),
         Format::Json => match serde_json::to_string_pretty(&report) {

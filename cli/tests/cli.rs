@@ -107,7 +107,15 @@ fn json_reports_carry_the_details() {
         assert!(!op[field].is_null(), "op lacks {field}: {op}");
     }
     assert_eq!(json["steps"].as_array().map(Vec::len), Some(6));
-    assert!(json["stats"]["states"].as_u64().is_some_and(|n| n > 0));
+    assert!(json["stats"]["transitions"].as_u64().is_some_and(|n| n > 0));
+    // One host thread per rank: the reduction leaves one execution.
+    assert_eq!(json["stats"]["executions"], 1);
+    assert!(
+        json["schedule"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("v1:")),
+        "{json}"
+    );
 }
 
 #[test]
@@ -213,4 +221,57 @@ fn hitting_the_state_bound_is_inconclusive_not_ok() {
     ]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stdout).contains("INCONCLUSIVE"));
+}
+
+#[test]
+fn a_printed_schedule_replays_to_the_same_hang() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
+    let file = file.to_str().expect("utf-8");
+    let out = duplex(&["check", file, "--format", "json"]);
+    let found: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let schedule = found["schedule"]
+        .as_str()
+        .expect("a deadlock has a schedule");
+    let text = String::from_utf8_lossy(&duplex(&["check", file]).stdout).into_owned();
+    assert!(
+        text.contains(&format!(
+            "replay it with: duplex check {file} --replay {schedule}"
+        )),
+        "{text}"
+    );
+    let out = duplex(&["check", file, "--replay", schedule, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let again: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(again["verdict"], "deadlock");
+    assert_eq!(again["cycle"], found["cycle"]);
+    assert_eq!(again["steps"], found["steps"]);
+    assert_eq!(again["replayed"], true);
+    // The same interleaving under per-direction lanes completes.
+    let out = duplex(&[
+        "check",
+        file,
+        "--policy",
+        "per-direction",
+        "--replay",
+        schedule,
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("this interleaving completes"));
+}
+
+#[test]
+fn a_schedule_that_does_not_fit_is_refused_with_a_reason() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
+    let file = file.to_str().expect("utf-8");
+    for (schedule, says) in [
+        ("v1:9", "names a thread that cannot step"),
+        ("v1:0", "not a complete schedule"),
+        ("0.1", "should start with `v1:`"),
+        ("v1:0.x", "`x`"),
+    ] {
+        let out = duplex(&["check", file, "--replay", schedule]);
+        assert_eq!(out.status.code(), Some(2), "{schedule}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{schedule}: {err}");
+    }
 }

@@ -198,7 +198,23 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
         );
     }
     match &reduced {
-        Verdict::Deadlock { stuck, trace } => {
+        Verdict::Deadlock {
+            stuck,
+            trace,
+            schedule: printed,
+        } => {
+            let (m2, steps2, result2) = check::replay_schedule(&c, printed)
+                .unwrap_or_else(|e| panic!("a deadlock's schedule does not replay: {e}\n{p}"));
+            assert!(result2.is_ok(), "{p}");
+            assert_eq!(
+                steps2, *trace,
+                "a deadlock's schedule replays other steps:\n{p}"
+            );
+            assert_eq!(
+                m2.stuck(&Remaining(&c)),
+                **stuck,
+                "a deadlock's schedule replays to another stuck state:\n{p}"
+            );
             let (m, steps, result) = check::replay(&c, &schedule(&c, trace, p));
             assert!(
                 result.is_ok(),
@@ -219,7 +235,17 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
                 "a deadlock's interleaving replays to another stuck state:\n{p}"
             );
         }
-        Verdict::Error { error, trace } => {
+        Verdict::Error {
+            error,
+            trace,
+            schedule: printed,
+        } => {
+            let (_, steps2, _) = check::replay_schedule(&c, printed)
+                .unwrap_or_else(|e| panic!("an error's schedule does not replay: {e}\n{p}"));
+            assert_eq!(
+                steps2, *trace,
+                "an error's schedule replays other steps:\n{p}"
+            );
             let (m, steps, result) = check::replay(&c, &schedule(&c, trace, p));
             assert_eq!(
                 steps, *trace,

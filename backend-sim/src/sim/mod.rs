@@ -33,7 +33,6 @@
 //! that several host threads share outside the transport is not a scheduling
 //! point and is not explored.
 
-mod explore;
 mod rank;
 mod world;
 
@@ -46,8 +45,8 @@ use duplex::{Dir, Error, Hang, Model, Policy, Rank};
 
 pub use rank::{SimBuffer, SimComm, SimEvent, SimRank, SimStream, SimThread};
 
+use crate::explore::{Dfs, Pct, Random, Replay, Schedule, Strategy};
 use duplex::machine::{CommId, Machine, Setup, StreamId, ThreadId};
-use explore::{Dfs, Random, Replay, Strategy};
 use world::{Ctl, Ending, Shared, World};
 
 /// The default bound on executions of [`Sim::check`], unless
@@ -255,7 +254,27 @@ impl Sim {
         Ok(Run {
             executions: 1,
             states: 0,
-            schedule: explore::encode(&choices),
+            schedule: Schedule(choices.clone()).to_string(),
+            trace,
+        })
+    }
+
+    /// Runs `f` on every rank once under the PCT schedule of `seed`
+    /// ([`crate::explore::Pct`]) for bugs of depth `depth`: random thread
+    /// priorities with `depth - 1` priority drops, which finds a bug of that
+    /// depth with a known probability per run. Run many seeds.
+    pub fn pct<F>(&self, seed: u64, depth: u32, f: F) -> Result<Run, Failure>
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        const STEPS: u64 = 1024;
+        let (ending, _, choices, trace) =
+            self.execute(Strategy::Pct(Pct::new(seed, depth, STEPS)), &f);
+        self.conclude(ending, &choices)?;
+        Ok(Run {
+            executions: 1,
+            states: 0,
+            schedule: Schedule(choices).to_string(),
             trace,
         })
     }
@@ -266,13 +285,13 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
-        let choices = explore::decode(schedule).map_err(Failure::Schedule)?;
+        let choices: Schedule = schedule.parse().map_err(Failure::Schedule)?;
         let (ending, _, choices, trace) = self.execute(Strategy::Replay(Replay::new(choices)), &f);
         self.conclude(ending, &choices)?;
         Ok(Run {
             executions: 1,
             states: 0,
-            schedule: explore::encode(&choices),
+            schedule: Schedule(choices.clone()).to_string(),
             trace,
         })
     }
@@ -293,11 +312,11 @@ impl Sim {
             };
             dfs = back;
             self.conclude(ending, &choices)?;
-            if !dfs.backtrack() {
+            if dfs.backtrack().is_none() {
                 return Ok(Run {
                     executions,
                     states: dfs.states(),
-                    schedule: explore::encode(&choices),
+                    schedule: Schedule(choices.clone()).to_string(),
                     trace,
                 });
             }
@@ -327,7 +346,7 @@ impl Sim {
     }
 
     fn conclude(&self, ending: Option<Ending>, choices: &[ThreadId]) -> Result<(), Failure> {
-        let schedule = explore::encode(choices);
+        let schedule = Schedule(choices.to_vec()).to_string();
         let replay = format!("{}.replay(\"{schedule}\", ...)", self.replay_hint());
         match ending {
             None | Some(Ending::Pruned) => Ok(()),

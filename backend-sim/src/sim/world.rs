@@ -14,8 +14,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use duplex::report::Stuck;
 use duplex::{Error, Hang, Rank};
 
-use super::explore::{Choice, Explorer, Strategy, encode};
 use crate::check::fingerprint;
+use crate::explore::{Choice, Schedule, Scheduler, Strategy};
 use duplex::machine::{
     Delivery, HostCall, Machine, Next, OpRef, Origin, OriginInfo, Status, ThreadId, Unknown,
 };
@@ -435,7 +435,7 @@ impl World {
     }
 
     fn hang(&self, stuck: Stuck) -> Hang {
-        let schedule = encode(&self.choices);
+        let schedule = Schedule(self.choices.clone()).to_string();
         Hang {
             context: format!(
                 "the simulator found that no host thread can move ({})",

@@ -1,0 +1,372 @@
+//! The one explorer: who decides which host thread steps next, for the
+//! checker and for the simulated transport alike.
+//!
+//! A driver (the checker's over a compiled schedule, [`crate::check`]; the
+//! simulated transport's over user code, [`crate::sim`]) runs the machine and,
+//! at every point where some host threads can step, asks a [`Scheduler`]
+//! which one. Every choice where more than one thread could step is recorded,
+//! and that list is the [`Schedule`]: printed as `v1:0.3.1`, it replays the
+//! same interleaving exactly ([`Replay`]), whichever strategy found it.
+//!
+//! Strategies, one type each:
+//!
+//! * [`Dfs`]: every interleaving that matters, depth-first, over the
+//!   persistent sets of the reduction (`check::reduce`), pruning states
+//!   already explored (by 128-bit fingerprint). A driver that can snapshot
+//!   the machine resumes from the snapshot of the frame that changed
+//!   ([`Dfs::backtrack`]); one that cannot (real threads) re-executes from
+//!   the start;
+//! * [`Random`]: one uniformly random choice at each point, seeded
+//!   (`rand`'s `StdRng`);
+//! * [`Pct`]: probabilistic concurrency testing (Burckhardt et al., ASPLOS
+//!   2010): random thread priorities and `depth - 1` random points where the
+//!   running thread's priority drops, which finds any bug of depth `d` with
+//!   probability at least 1/(n·k^(d-1));
+//! * [`Replay`]: follows a [`Schedule`].
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::str::FromStr;
+
+use duplex::machine::ThreadId;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The choices of one execution: the thread chosen at every point where
+/// more than one could step. Prints as `v1:` and the thread numbers joined
+/// by `.`; parses back from that.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Schedule(pub Vec<ThreadId>);
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("v1:")?;
+        for (i, t) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(".")?;
+            }
+            write!(f, "{}", t.0)?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Schedule {
+    type Err = String;
+
+    fn from_str(schedule: &str) -> Result<Schedule, String> {
+        let body = schedule.trim().strip_prefix("v1:").ok_or_else(|| {
+            format!("`{schedule}` is not a duplex schedule: it should start with `v1:`")
+        })?;
+        if body.is_empty() {
+            return Ok(Schedule::default());
+        }
+        body.split('.')
+            .map(|s| {
+                s.parse::<u32>()
+                    .map(ThreadId)
+                    .map_err(|_| format!("`{s}` in the schedule is not a thread number"))
+            })
+            .collect::<Result<_, _>>()
+            .map(Schedule)
+    }
+}
+
+/// What a scheduler answers at a decision point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Choice {
+    /// Step this thread.
+    Take(ThreadId),
+    /// Stop this execution: what follows was explored before.
+    Prune,
+    /// Stop: the schedule being replayed does not fit the program.
+    Mismatch,
+}
+
+/// Decides, at each point where threads can step, which one does.
+pub trait Scheduler {
+    /// `enabled` are the threads that can step (in id order), `options` the
+    /// subset worth exploring (a persistent set; `enabled` without the
+    /// reduction), `fingerprint` the machine state's.
+    fn choose(&mut self, enabled: &[ThreadId], options: &[ThreadId], fingerprint: u128) -> Choice;
+}
+
+/// One seeded random schedule: a uniform choice among the enabled threads.
+#[derive(Debug)]
+pub struct Random {
+    rng: StdRng,
+}
+
+impl Random {
+    /// The schedule of `seed`.
+    pub fn new(seed: u64) -> Random {
+        Random {
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+}
+
+impl Scheduler for Random {
+    fn choose(&mut self, enabled: &[ThreadId], _: &[ThreadId], _: u128) -> Choice {
+        Choice::Take(enabled[self.rng.random_range(0..enabled.len())])
+    }
+}
+
+/// Probabilistic concurrency testing: each thread gets a random priority
+/// (from `depth` up) when first seen, the highest-priority enabled thread
+/// steps, and at `depth - 1` random steps among the first `steps` the
+/// running thread's priority drops below every initial one.
+#[derive(Debug)]
+pub struct Pct {
+    rng: StdRng,
+    priorities: HashMap<ThreadId, u64>,
+    /// Steps at which the chosen thread's priority drops, with the value.
+    changes: HashMap<u64, u64>,
+    step: u64,
+    depth: u64,
+}
+
+impl Pct {
+    /// A PCT schedule of `seed` for bugs of depth `depth` (1: no priority
+    /// change) in executions of about `steps` decision points.
+    pub fn new(seed: u64, depth: u32, steps: u64) -> Pct {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let depth = u64::from(depth.max(1));
+        let changes = (1..depth)
+            .map(|i| (rng.random_range(0..steps.max(1)), depth - i))
+            .collect();
+        Pct {
+            rng,
+            priorities: HashMap::new(),
+            changes,
+            step: 0,
+            depth,
+        }
+    }
+}
+
+impl Scheduler for Pct {
+    fn choose(&mut self, enabled: &[ThreadId], _: &[ThreadId], _: u128) -> Choice {
+        for t in enabled {
+            if !self.priorities.contains_key(t) {
+                // Distinct with overwhelming probability; ties go to the
+                // lower thread id.
+                let p = self.depth + self.rng.random_range(0..u64::from(u32::MAX));
+                self.priorities.insert(*t, p);
+            }
+        }
+        let t = *enabled
+            .iter()
+            .max_by_key(|t| (self.priorities[*t], std::cmp::Reverse(t.0)))
+            .expect("a decision has an enabled thread");
+        if let Some(low) = self.changes.get(&self.step) {
+            self.priorities.insert(t, *low);
+        }
+        self.step += 1;
+        Choice::Take(t)
+    }
+}
+
+/// Follows a [`Schedule`]: at every point where more than one thread can
+/// step, the next recorded thread, which must be one of them.
+#[derive(Debug)]
+pub struct Replay {
+    choices: VecDeque<ThreadId>,
+}
+
+impl Replay {
+    /// Replays `schedule`.
+    pub fn new(schedule: Schedule) -> Replay {
+        Replay {
+            choices: schedule.0.into(),
+        }
+    }
+
+    /// Choices not used yet.
+    pub fn left(&self) -> usize {
+        self.choices.len()
+    }
+}
+
+impl Scheduler for Replay {
+    fn choose(&mut self, enabled: &[ThreadId], _: &[ThreadId], _: u128) -> Choice {
+        if enabled.len() == 1 {
+            return Choice::Take(enabled[0]);
+        }
+        match self.choices.pop_front() {
+            Some(t) if enabled.contains(&t) => Choice::Take(t),
+            _ => Choice::Mismatch,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Frame {
+    options: Vec<ThreadId>,
+    next: usize,
+}
+
+/// Depth-first search over executions: each execution follows the choices
+/// on the stack, then takes first options, pushing new frames; afterwards
+/// [`Dfs::backtrack`] moves to the next untried option. A decision point
+/// whose state was seen before is pruned: in a depth-first search every
+/// state seen before is fully explored or an ancestor, and the state graph
+/// has no cycles (every step issues a call or completes one).
+#[derive(Debug, Default)]
+pub struct Dfs {
+    stack: Vec<Frame>,
+    depth: usize,
+    visited: HashSet<u128>,
+}
+
+impl Dfs {
+    /// Moves to the next execution; returns the depth (decision index) of
+    /// the frame whose choice changed, or `None` when every option was
+    /// tried. The next execution starts from the beginning; a driver that
+    /// kept the machine as it was at that frame calls [`Dfs::rewind`] with
+    /// it and continues from there.
+    pub fn backtrack(&mut self) -> Option<usize> {
+        self.depth = 0;
+        while let Some(top) = self.stack.last_mut() {
+            if top.next + 1 < top.options.len() {
+                top.next += 1;
+                return Some(self.stack.len() - 1);
+            }
+            self.stack.pop();
+        }
+        None
+    }
+
+    /// Continues the current execution at decision `depth` (a driver that
+    /// restored its snapshot of that point).
+    pub fn rewind(&mut self, depth: usize) {
+        self.depth = depth;
+    }
+
+    /// The index of the next decision on the current execution.
+    pub fn cursor(&self) -> usize {
+        self.depth
+    }
+
+    /// Distinct states seen at decision points.
+    pub fn states(&self) -> usize {
+        self.visited.len()
+    }
+
+    /// Decision points on the current path.
+    pub fn depth(&self) -> usize {
+        self.stack.len()
+    }
+}
+
+impl Scheduler for Dfs {
+    fn choose(&mut self, _: &[ThreadId], options: &[ThreadId], fingerprint: u128) -> Choice {
+        let d = self.depth;
+        self.depth += 1;
+        if let Some(frame) = self.stack.get(d) {
+            return Choice::Take(frame.options[frame.next]);
+        }
+        if !self.visited.insert(fingerprint) {
+            return Choice::Prune;
+        }
+        self.stack.push(Frame {
+            options: options.to_vec(),
+            next: 0,
+        });
+        Choice::Take(options[0])
+    }
+}
+
+/// A strategy, as a value the simulated transport can hand between
+/// executions.
+#[derive(Debug)]
+pub enum Strategy {
+    /// [`Random`].
+    Random(Random),
+    /// [`Pct`].
+    Pct(Pct),
+    /// [`Replay`].
+    Replay(Replay),
+    /// [`Dfs`].
+    Dfs(Dfs),
+}
+
+impl Scheduler for Strategy {
+    fn choose(&mut self, enabled: &[ThreadId], options: &[ThreadId], fp: u128) -> Choice {
+        match self {
+            Strategy::Random(e) => e.choose(enabled, options, fp),
+            Strategy::Pct(e) => e.choose(enabled, options, fp),
+            Strategy::Replay(e) => e.choose(enabled, options, fp),
+            Strategy::Dfs(e) => e.choose(enabled, options, fp),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_round_trip() {
+        let s = Schedule(vec![ThreadId(0), ThreadId(3), ThreadId(1)]);
+        assert_eq!(s.to_string(), "v1:0.3.1");
+        assert_eq!(s.to_string().parse(), Ok(s));
+        assert_eq!("v1:".parse(), Ok(Schedule::default()));
+        assert!("0.1".parse::<Schedule>().unwrap_err().contains("v1:"));
+        assert!("v1:0.x".parse::<Schedule>().unwrap_err().contains("`x`"));
+    }
+
+    #[test]
+    fn dfs_visits_every_option_once() {
+        let mut dfs = Dfs::default();
+        let (a, b) = (ThreadId(0), ThreadId(1));
+        let mut seen = Vec::new();
+        let mut changed = Vec::new();
+        loop {
+            let first = dfs.choose(&[a, b], &[a, b], 1);
+            let second = dfs.choose(&[a, b], &[a, b], 2 + seen.len() as u128 * 10);
+            seen.push((first, second));
+            match dfs.backtrack() {
+                Some(d) => changed.push(d),
+                None => break,
+            }
+        }
+        let take = |x, y| (Choice::Take(x), Choice::Take(y));
+        assert_eq!(seen, vec![take(a, a), take(a, b), take(b, a), take(b, b)]);
+        assert_eq!(changed, vec![1, 0, 1]);
+    }
+
+    #[test]
+    fn random_and_pct_are_determined_by_their_seed_and_vary_with_it() {
+        let threads: Vec<ThreadId> = (0..4).map(ThreadId).collect();
+        let run = |s: &mut dyn Scheduler| -> Vec<Choice> {
+            (0..32).map(|_| s.choose(&threads, &threads, 0)).collect()
+        };
+        assert_eq!(run(&mut Random::new(1)), run(&mut Random::new(1)));
+        assert_ne!(run(&mut Random::new(1)), run(&mut Random::new(2)));
+        assert_eq!(run(&mut Pct::new(1, 3, 32)), run(&mut Pct::new(1, 3, 32)));
+        let firsts: HashSet<_> = (0..32)
+            .map(|seed| run(&mut Pct::new(seed, 1, 32))[0])
+            .collect();
+        assert!(
+            firsts.len() > 1,
+            "PCT's priorities do not depend on the seed"
+        );
+        // Depth 1: no priority change, so one thread runs throughout.
+        let one = run(&mut Pct::new(5, 1, 32));
+        assert!(one.iter().all(|c| *c == one[0]));
+        // Depth 3 changes the running thread at least once in 32 steps.
+        let three = run(&mut Pct::new(5, 3, 32));
+        assert!(three.iter().any(|c| *c != three[0]));
+    }
+
+    #[test]
+    fn replay_follows_the_schedule_and_says_when_it_does_not_fit() {
+        let (a, b) = (ThreadId(0), ThreadId(1));
+        let mut r = Replay::new(Schedule(vec![b, a]));
+        assert_eq!(r.choose(&[a], &[a], 0), Choice::Take(a));
+        assert_eq!(r.choose(&[a, b], &[a, b], 0), Choice::Take(b));
+        assert_eq!(r.left(), 1);
+        assert_eq!(r.choose(&[b, ThreadId(2)], &[b], 0), Choice::Mismatch);
+    }
+}
