@@ -303,6 +303,18 @@ impl NcclRank {
         ctx.lib.group_start()?;
         for r in &reqs {
             let m = &r.meta;
+            let _span = tracing::trace_span!(
+                "duplex.op",
+                backend = "nccl",
+                rank = m.rank,
+                thread = %m.thread,
+                lane = %m.comm.name,
+                op = m.dir.name(),
+                peer = m.peer,
+                bytes = (m.count * m.dtype.size()) as u64,
+                grouped,
+            )
+            .entered();
             let raw = m.comm.raw()?;
             let peer = m.comm.rank_of(m.peer).unwrap_or(0);
             let stream = r.stream.0.raw.raw();

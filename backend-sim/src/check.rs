@@ -332,10 +332,7 @@ pub fn replay(c: &Compiled, path: &[ThreadId]) -> Replayed {
 /// program's start until no thread can step or an error; returns the
 /// machine, the described steps and the first error. Fails when the
 /// schedule does not fit the program.
-pub fn replay_schedule(
-    c: &Compiled,
-    schedule: &Schedule,
-) -> Result<Replayed, String> {
+pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, String> {
     let mut replayer = Replay::new(schedule.clone());
     let mut path = Vec::new();
     let mut m = c.machine();

@@ -188,6 +188,18 @@ impl SimRank {
             }
         }
         let (comm, stream) = self.resolve(at, &what, peer, dir, place)?;
+        let _span = tracing::trace_span!(
+            "duplex.op",
+            backend = "sim",
+            rank = self.rank,
+            thread = self.thread.0,
+            lane = %self.comm_name(comm),
+            op = dir.name(),
+            peer,
+            bytes = (buf.len * E::DTYPE.size()) as u64,
+            grouped = self.group.borrow().is_some(),
+        )
+        .entered();
         let spec = OpSpec {
             dir,
             peer,
@@ -209,6 +221,18 @@ impl SimRank {
             }),
             vec![buf.id],
         )
+    }
+
+    /// The name of communicator `c` (for spans).
+    fn comm_name(&self, c: CommId) -> String {
+        self.shared
+            .lock()
+            .machine
+            .setup()
+            .comms
+            .get(c.0 as usize)
+            .map(|i| i.name.clone())
+            .unwrap_or_default()
     }
 
     fn check_stream(&self, at: &Location<'_>, s: &SimStream) -> Result<()> {
