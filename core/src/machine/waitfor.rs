@@ -15,10 +15,9 @@ use std::ops::ControlFlow;
 
 use crate::report::{BlockedCall, Link, Rule, Stuck};
 
-use crate::Size;
 use crate::schedule::Dir;
 
-use super::rules::{Blocker, Holder, Why};
+use super::rules::{Blocker, Holder};
 use super::{
     CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Status, StreamId,
     TagId, ThreadId, Wait,
@@ -183,12 +182,12 @@ impl Machine {
         }
     }
 
-    fn stream_name(&self, s: StreamId) -> String {
+    pub(super) fn stream_name(&self, s: StreamId) -> String {
         let info = &self.setup.streams[s.ix()];
         format!("stream {} of rank {}", info.name, info.rank)
     }
 
-    fn comm_name(&self, c: CommId) -> &str {
+    pub(super) fn comm_name(&self, c: CommId) -> &str {
         &self.setup.comms[c.ix()].name
     }
 }
@@ -299,9 +298,9 @@ impl Graph<'_> {
         let rank = self.rank_of(from);
         match b.holder {
             Holder::Transient => {}
-            Holder::Launch(l) => self.add(from, Node::Launch(l), b.rule, self.why(rank, &b, None)),
-            Holder::Marker(s) => self.add(from, Node::Marker(s), b.rule, self.why(rank, &b, None)),
-            Holder::Thread(u) => self.add(from, Node::Thread(u), b.rule, self.why(rank, &b, None)),
+            Holder::Launch(l) => self.add(from, Node::Launch(l), b.rule, m.explain(rank, &b, None)),
+            Holder::Marker(s) => self.add(from, Node::Marker(s), b.rule, m.explain(rank, &b, None)),
+            Holder::Thread(u) => self.add(from, Node::Thread(u), b.rule, m.explain(rank, &b, None)),
             Holder::Issue {
                 rank: who,
                 comm,
@@ -310,10 +309,10 @@ impl Graph<'_> {
             } => {
                 let issuers = self.issuers(who, comm, dir, peer);
                 if issuers.is_empty() {
-                    let text = self.why(rank, &b, Some(false));
+                    let text = m.explain(rank, &b, Some(false));
                     self.add_missing(from, b.rule, text);
                 }
-                let why = self.why(rank, &b, Some(true));
+                let why = m.explain(rank, &b, Some(true));
                 for u in issuers {
                     self.add(from, Node::Thread(u), b.rule, why.clone());
                 }
@@ -325,121 +324,12 @@ impl Graph<'_> {
                     .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, to, tag))
                     .collect();
                 if senders.is_empty() {
-                    let text = self.why(rank, &b, Some(false));
+                    let text = m.explain(rank, &b, Some(false));
                     self.add_missing(from, b.rule, text);
                 }
-                let why = self.why(rank, &b, Some(true));
+                let why = m.explain(rank, &b, Some(true));
                 for u in senders {
                     self.add(from, Node::Thread(u), b.rule, why.clone());
-                }
-            }
-        }
-    }
-
-    /// The sentence of a blocker, for a node of `rank`. `future` is, for
-    /// what a thread has not done yet, whether some thread may still do it.
-    fn why(&self, rank: Rank, b: &Blocker, future: Option<bool>) -> String {
-        let m = self.m;
-        let never = future == Some(false);
-        match b.why {
-            Why::StreamHead(s) => format!(
-                "cannot start before the head of {} completes",
-                m.stream_name(s)
-            ),
-            Why::EarlierOnComm(c) => format!(
-                "cannot start before an earlier op of rank {rank} on comm {} completes",
-                m.comm_name(c)
-            ),
-            Why::KernelSlots(k) => format!(
-                "no free kernel slot on rank {rank} (kernels={k}): waits for a running launch to complete"
-            ),
-            Why::Event(s) => format!(
-                "waits for an event recorded on {}, behind its head",
-                m.stream_name(s)
-            ),
-            Why::Drain(s) => format!("waits for {} to drain", m.stream_name(s)),
-            Why::Handshake { comm, peer, round } => {
-                let comm = m.comm_name(comm);
-                if never {
-                    format!(
-                        "no thread of rank {peer} will ever issue an op toward rank {rank} on comm {comm}, so the connection handshake never completes"
-                    )
-                } else {
-                    format!(
-                        "connection handshake: waits for rank {peer} to issue an op toward rank {rank} on comm {comm} that needs a connection it has not set up (setup round {round})"
-                    )
-                }
-            }
-            Why::Mail { from, tag } => {
-                let tag = &m.setup.tags[tag.ix()];
-                if never {
-                    format!("no thread of rank {from} will ever `notify {rank} {tag}`")
-                } else {
-                    format!("waits for `notify {rank} {tag}` from rank {from}")
-                }
-            }
-            Why::Finish(u) => {
-                let info = &m.setup.threads[u.ix()];
-                format!(
-                    "waits for thread {} of rank {} to finish",
-                    info.name, info.rank
-                )
-            }
-            Why::InCall(c) => {
-                let other = match b.holder {
-                    Holder::Thread(u) => m.setup.threads[u.ix()].name.clone(),
-                    _ => "another thread".into(),
-                };
-                format!(
-                    "waits for thread {other} of rank {rank} to return from its call on comm {} (one caller per communicator at a time)",
-                    m.comm_name(c)
-                )
-            }
-            Why::Message {
-                key,
-                dir,
-                pos,
-                bytes,
-                missing,
-                issued,
-            } => {
-                let (comm, src, dst) = key;
-                let cname = m.comm_name(comm);
-                let msg = m.state.channels.get(&key).map_or(0, |c| c.delivered);
-                let lead = if pos == 0 {
-                    format!(
-                        "started; message #{msg} of {src}→{dst} on comm {cname} completes only when both sides have started: "
-                    )
-                } else if b.rule == Rule::R5 {
-                    format!(
-                        "started; the channel's buffer (eager={}) has no room for {} more, so it waits for message #{msg} to be received: ",
-                        m.setup.model.eager,
-                        Size(bytes)
-                    )
-                } else {
-                    format!(
-                        "started; messages on a channel complete in order, so it waits for message #{msg} of {src}→{dst}: "
-                    )
-                };
-                let _ = dir;
-                let (who, peer) = if missing == Dir::Send {
-                    (src, dst)
-                } else {
-                    (dst, src)
-                };
-                if issued {
-                    format!("{lead}its {} has not started", missing.name())
-                } else if never {
-                    format!(
-                        "{lead}no thread of rank {who} will ever issue the matching {} {} {peer} on comm {cname}",
-                        missing.name(),
-                        if missing == Dir::Send { "to" } else { "from" }
-                    )
-                } else {
-                    format!(
-                        "{lead}rank {who} has not issued the matching {} yet",
-                        missing.name()
-                    )
                 }
             }
         }
