@@ -297,10 +297,10 @@ fn r8_ops_in_a_group_progress_independently() {
 fn r8_a_group_waits_for_every_stream_it_spans() {
     // Rank 0's group, on one communicator, spans streams a and b; stream b
     // first holds a recv that needs rank 1's second op, which is behind
-    // rank 1's recv of the group's send. (Rank 1 groups its side too:
-    // grouping on one side only is an error.)
+    // rank 1's recv of the group's send. Rank 1's side is plain (a group of
+    // one op is a plain call), which the calibrated model accepts (R8).
     let src = two_ranks(
-        "comm c1 0 1\ncomm c3 0 1",
+        "model one-sided-groups=accept\ncomm c1 0 1\ncomm c3 0 1",
         "recv 1 1MiB comm=c3 stream=b\ngroup { send 1 1MiB comm=c1 stream=a; recv 1 1MiB comm=c1 stream=b }",
         "group { recv 0 1MiB comm=c1 stream=x }\nsend 0 1MiB comm=c3 stream=x\ngroup { send 0 1MiB comm=c1 stream=y }",
     );
@@ -329,7 +329,7 @@ fn r8_a_group_is_launched_once_per_communicator() {
     // communicator wait for each other's streams. The same program as
     // above with the group's recv on another communicator completes.
     let src = two_ranks(
-        "comm c1 0 1\ncomm c3 0 1\ncomm c4 0 1",
+        "model one-sided-groups=accept\ncomm c1 0 1\ncomm c3 0 1\ncomm c4 0 1",
         "recv 1 1MiB comm=c3 stream=b\ngroup { send 1 1MiB comm=c1 stream=a; recv 1 1MiB comm=c4 stream=b }",
         "group { recv 0 1MiB comm=c1 stream=x }\nsend 0 1MiB comm=c3 stream=x\ngroup { send 0 1MiB comm=c4 stream=x }",
     );
@@ -346,7 +346,11 @@ fn r8_a_group_is_launched_once_per_communicator() {
 
 #[test]
 fn r8_grouping_on_one_side_only_is_an_error() {
-    let src = two_ranks("", "group { send 1 4KiB }", "recv 0 4KiB");
+    let src = two_ranks(
+        "",
+        "group { send 1 4KiB; recv 1 4KiB }",
+        "recv 0 4KiB\nsend 0 4KiB",
+    );
     let Verdict::Error { error, .. } = run(&src).verdict else {
         panic!("expected an error")
     };
@@ -354,6 +358,36 @@ fn r8_grouping_on_one_side_only_is_an_error() {
         matches!(error, ProgramError::GroupMismatch { .. }),
         "{error}"
     );
+    // A calibrated model that accepts it (NCCL 2.28 on the H200s completed
+    // this pattern) runs it: the group's send meets the plain recv.
+    let accepted = src.replace("ranks 2", "ranks 2\nmodel one-sided-groups=accept");
+    assert_eq!(verdict(&accepted), "ok");
+    // Accepting does not hide other errors: a size mismatch stays one.
+    let resized = accepted.replace("recv 0 4KiB", "recv 0 8KiB");
+    assert_eq!(verdict(&resized), "error");
+}
+
+#[test]
+fn r8_a_group_of_one_op_is_a_plain_call() {
+    for (a, b) in [
+        ("group { send 1 4KiB }", "recv 0 4KiB"),
+        ("send 1 4KiB", "group { recv 0 4KiB }"),
+        (
+            "group { send 1 4KiB }\ngroup { recv 1 4KiB }",
+            "recv 0 4KiB\nsend 0 4KiB",
+        ),
+    ] {
+        let src = two_ranks("", a, b);
+        assert_eq!(verdict(&src), "ok", "{src}");
+    }
+    // With its partner plain, a group of one that shares a stream with a
+    // later op still orders like a plain call (R1): the seed's hang stays.
+    let seed = two_ranks(
+        "",
+        "group { send 1 4KiB }\nrecv 1 4KiB",
+        "group { send 0 4KiB }\nrecv 0 4KiB",
+    );
+    assert_eq!(verdict(&seed), "deadlock");
 }
 
 // R9 events ---------------------------------------------------------------------------

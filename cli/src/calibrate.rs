@@ -187,15 +187,25 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<
             }
         };
         // The model fitted to this machine: its measured capacity, kernels
-        // in progress at once without bound and communicator order (both
-        // measured in semantics.md); the file keeps whether its
-        // communicators are used cold.
+        // in progress at once without bound, communicator order, and
+        // one-sided grouping accepted (all measured in docs/semantics.md);
+        // the file keeps whether its communicators are used cold. The run
+        // on NCCL gets the same model, so that duplex-nccl launches what the
+        // fitted model accepts instead of refusing it.
         program.model.eager = Size(cap.fits);
         program.model.kernels = None;
         program.model.comm_order = true;
+        program.model.one_sided_groups = true;
         let predicted = verdict(&program);
         eprintln!("running {name} (predicted {predicted})");
-        let real = on_nccl_isolated(&f, timeout);
+        let real = on_nccl_isolated(
+            &f,
+            timeout,
+            &[
+                format!("eager={}", Size(cap.fits)),
+                "one-sided-groups=accept".to_string(),
+            ],
+        );
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
         let agrees = match (predicted, real.outcome.as_str()) {
             (p, r) if p == r => "yes",

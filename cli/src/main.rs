@@ -64,6 +64,11 @@ struct RunArgs {
     /// The simulator's random schedule.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Any model setting, KEY=VALUE, for the run's own checks and hang
+    /// analysis (e.g. one-sided-groups=accept); may be repeated; overrides
+    /// the file.
+    #[arg(long = "model", value_name = "KEY=VALUE")]
+    model: Vec<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
@@ -173,6 +178,11 @@ fn run_run(args: &RunArgs) -> ExitCode {
     if let Some(p) = args.policy {
         program.policy = p;
     }
+    for setting in &args.model {
+        if let Err(e) = program.model.set(setting) {
+            return fail(&format!("--model {setting}: {e}"));
+        }
+    }
     let ran = match args.backend {
         Backend::Sim => run::on_sim(&program, args.seed),
         Backend::Nccl => {
@@ -215,6 +225,7 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     };
     let model = duplex::Model {
         eager: Size(cap.fits),
+        one_sided_groups: true,
         ..duplex::Model::default()
     };
     match args.format {

@@ -58,7 +58,8 @@ pub(crate) fn on_nccl(program: &Program, timeout: Duration) -> Result<Ran, Error
 /// Runs `duplex run FILE --backend nccl` in a child process, so that a
 /// crash of NCCL or CUDA (a sticky CUDA error poisons its process) affects
 /// that file alone; the child is killed if it outlives every deadline.
-pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration) -> Ran {
+/// `model` settings (`KEY=VALUE`) override the file's model in the child.
+pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration, model: &[String]) -> Ran {
     use std::process::{Command, Stdio};
     let start = Instant::now();
     let exe = std::env::current_exe().unwrap_or_else(|_| "duplex".into());
@@ -73,6 +74,11 @@ pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration) -> Ran
             "--timeout-ms",
         ])
         .arg(timeout.as_millis().to_string())
+        .args(
+            model
+                .iter()
+                .flat_map(|m| ["--model".to_string(), m.clone()]),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn();

@@ -62,6 +62,12 @@ pub struct Model {
     pub comm_order: bool,
     /// R10: at most this many NCCL launches in progress at once on one rank.
     pub kernels: Option<u32>,
+    /// R8: accept a matched pair where one side is in a group of two or
+    /// more ops and the other is not (`one-sided-groups=accept`). NCCL's
+    /// maintainers call it undefined, so the strict model (`error`, the
+    /// default) reports it; NCCL 2.28 on the H200s completed every
+    /// one-sided pattern measured, which a calibrated model may accept.
+    pub one_sided_groups: bool,
 }
 
 impl Default for Model {
@@ -71,6 +77,7 @@ impl Default for Model {
             lazy_connect: false,
             comm_order: true,
             kernels: None,
+            one_sided_groups: false,
         }
     }
 }
@@ -81,7 +88,7 @@ impl Model {
     pub fn set(&mut self, setting: &str) -> Result<(), String> {
         let Some((key, value)) = setting.split_once('=') else {
             return Err(format!(
-                "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels"
+                "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels, one-sided-groups"
             ));
         };
         let on_off = |value: &str| match value {
@@ -93,6 +100,17 @@ impl Model {
             "eager" => self.eager = Size::parse(value)?,
             "lazy-connect" => self.lazy_connect = on_off(value)?,
             "comm-order" => self.comm_order = on_off(value)?,
+            "one-sided-groups" => {
+                self.one_sided_groups = match value {
+                    "accept" => true,
+                    "error" => false,
+                    other => {
+                        return Err(format!(
+                            "`one-sided-groups` takes `error` or `accept`, not `{other}`"
+                        ));
+                    }
+                }
+            }
             "kernels" => {
                 self.kernels = match value {
                     "unbounded" => None,
@@ -108,7 +126,7 @@ impl Model {
             }
             other => {
                 return Err(format!(
-                    "unknown model key `{other}`: use eager, lazy-connect, comm-order or kernels"
+                    "unknown model key `{other}`: use eager, lazy-connect, comm-order, kernels or one-sided-groups"
                 ));
             }
         }
@@ -128,9 +146,18 @@ impl fmt::Display for Model {
             on_off(self.comm_order)
         )?;
         match self.kernels {
-            Some(n) => write!(f, "{n}"),
-            None => write!(f, "unbounded"),
+            Some(n) => write!(f, "{n}")?,
+            None => write!(f, "unbounded")?,
         }
+        write!(
+            f,
+            " one-sided-groups={}",
+            if self.one_sided_groups {
+                "accept"
+            } else {
+                "error"
+            }
+        )
     }
 }
 

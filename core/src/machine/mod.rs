@@ -268,6 +268,15 @@ pub struct LaunchSpec {
     pub origin: Origin,
 }
 
+impl LaunchSpec {
+    /// A group in the sense of R8: issued between group start and end with
+    /// two or more ops. A group of one op is exactly a plain call (NCCL
+    /// wraps every `ncclSend`/`ncclRecv` in a group of its own).
+    pub fn is_group(&self) -> bool {
+        self.grouped && self.ops.len() > 1
+    }
+}
+
 /// What a host thread asks of the machine.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum HostCall {
@@ -1105,10 +1114,9 @@ impl Machine {
             let Some(partner) = theirs.get(position) else {
                 continue;
             };
-            if partner.bytes == o.bytes
-                && partner.dtype == o.dtype
-                && partner.grouped == spec.grouped
-            {
+            let one_sided =
+                partner.grouped != spec.is_group() && !self.setup.model.one_sided_groups;
+            if partner.bytes == o.bytes && partner.dtype == o.dtype && !one_sided {
                 continue;
             }
             let this = OpInfo {
@@ -1187,7 +1195,7 @@ impl Machine {
                 op: *op_ref,
                 bytes: o.bytes,
                 dtype: o.dtype,
-                grouped: spec.grouped,
+                grouped: spec.is_group(),
                 origin: spec.origin,
                 stream: o.stream,
                 buffered: false,
