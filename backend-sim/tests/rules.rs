@@ -4,6 +4,7 @@
 
 use duplex::compile::compile;
 use duplex::machine::ProgramError;
+use duplex::machine::ThreadId;
 use duplex::report::Rule;
 use duplex_sim::check::{self, Outcome, Verdict};
 
@@ -388,6 +389,74 @@ fn r8_a_group_of_one_op_is_a_plain_call() {
         "group { send 0 4KiB }\nrecv 0 4KiB",
     );
     assert_eq!(verdict(&seed), "deadlock");
+}
+
+// R11 one caller per communicator at a time ----------------------------------
+
+#[test]
+fn r11_a_second_thread_waits_for_the_handshake_in_progress() {
+    // Rank 0's two threads each send their first message on a cold
+    // communicator. Whichever goes first enters the handshake (R7); the
+    // other waits for that call to return (R11) and then finds the send
+    // side connected, instead of entering a second handshake round that
+    // rank 1, which needs only its receive side once, would never pair.
+    let src = "ranks 2
+model lazy-connect=on
+rank 0:
+  send 1 4KiB
+rank 0 thread t:
+  send 1 4KiB
+rank 1:
+  recv 0 4KiB
+  recv 0 4KiB
+";
+    assert_eq!(verdict(src), "ok");
+}
+
+#[test]
+fn r11_a_launch_waits_while_another_thread_is_inside_a_call_on_its_communicator() {
+    // Thread main blocks in the handshake of its first send on c; thread t's
+    // recv on c is held back until that call returns (R11), so t never posts
+    // the `notify` that rank 1 waits for before it touches c: a cycle
+    // through R7, `await` and R11.
+    let src = "ranks 2
+model lazy-connect=on
+comm c 0 1
+rank 0:
+  send 1 4KiB comm=c stream=a
+rank 0 thread t:
+  recv 1 4KiB comm=c stream=b
+  notify 1 go
+rank 1:
+  await 0 go
+  recv 0 4KiB comm=c stream=x
+  send 0 4KiB comm=c stream=x
+";
+    let program = duplex::schedule::parse(src).expect("valid");
+    let c = compile(&program);
+    let mut m = c.machine();
+    let (main, t) = (ThreadId(0), ThreadId(1));
+    m.apply(main, c.scripts[0][0].clone()).expect("valid");
+    assert!(m.in_handshake(main));
+    let recv = c.scripts[1][0].clone();
+    assert!(!m.enabled(t, &recv), "R11 must hold thread t's call on c");
+    let threads = duplex::compile::Remaining(&c);
+    assert_eq!(m.status(&threads), duplex::machine::Status::Stuck);
+    let stuck = m.stuck(&threads);
+    let rules: Vec<Rule> = stuck.cycle.iter().map(|l| l.rule).collect();
+    assert!(rules.contains(&Rule::R11), "{stuck}");
+    assert!(rules.contains(&Rule::R7), "{stuck}");
+    assert!(
+        stuck.cycle.iter().any(|l| l
+            .waits_for
+            .contains("one caller per communicator at a time")),
+        "{stuck}"
+    );
+    // Every interleaving hangs: the checker finds it too.
+    assert_eq!(verdict(src), "deadlock");
+    // R11 holds only while the other call is in progress: on a fresh
+    // machine, thread t's call is enabled.
+    assert!(c.machine().enabled(t, &recv));
 }
 
 // R9 events ---------------------------------------------------------------------------
