@@ -152,13 +152,35 @@ struct Limits {
     max_connections: usize,
     /// Distinct (from, to, tag) with messages waiting; more are refused.
     max_pending: usize,
+    /// Keys `PUT` may create; more are refused.
+    max_keys: usize,
+    /// Bytes all values together may hold; more are refused.
+    max_stored: usize,
 }
 
 const LIMITS: Limits = Limits {
     io_timeout: Duration::from_secs(10),
     max_connections: 4096,
     max_pending: 1 << 16,
+    max_keys: 4096,
+    max_stored: 256 << 20,
 };
+
+/// What the store knows of the ranks' health.
+#[derive(Debug, Default)]
+struct Health {
+    /// Failures posted, in the order they came; one per rank.
+    failures: Vec<(Rank, String)>,
+    /// Each rank's last heartbeat.
+    beats: HashMap<Rank, Instant>,
+}
+
+/// Values stored by `PUT`.
+#[derive(Debug, Default)]
+struct Values {
+    map: HashMap<String, Arc<Vec<u8>>>,
+    bytes: usize,
+}
 
 /// The store's state, shared by the connections' threads.
 #[derive(Debug)]
@@ -169,6 +191,9 @@ struct Shared {
     counts: Mutex<HashMap<(Rank, Rank, String), u64>>,
     arrived: Condvar,
     active: AtomicUsize,
+    health: Mutex<Health>,
+    values: Mutex<Values>,
+    stored: Condvar,
 }
 
 impl Shared {
@@ -185,6 +210,96 @@ impl Shared {
         *n = n.saturating_add(1);
         self.arrived.notify_all();
         Ok(Response::Ok)
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn values(&self) -> std::sync::MutexGuard<'_, Values> {
+        self.values.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fail(&self, rank: Rank, why: String) -> Response {
+        let mut h = self.health();
+        if !h.failures.iter().any(|(r, _)| *r == rank) && h.failures.len() < 1 << 16 {
+            h.failures.push((rank, why));
+        }
+        Response::Ok
+    }
+
+    fn beat(&self, rank: Rank) -> Result<Response, End> {
+        let mut h = self.health();
+        if !h.beats.contains_key(&rank) && h.beats.len() >= 1 << 20 {
+            return Err(End::Refuse("too many ranks".into()));
+        }
+        h.beats.insert(rank, Instant::now());
+        Ok(Response::Ok)
+    }
+
+    /// The first failure of another rank than `me`, else the rank silent
+    /// longest past `silence_ms`.
+    fn check(&self, me: Rank, silence_ms: u64) -> Response {
+        let h = self.health();
+        if let Some((rank, why)) = h.failures.iter().find(|(r, _)| *r != me) {
+            return Response::Failed {
+                rank: *rank,
+                why: why.clone(),
+            };
+        }
+        let silence = Duration::from_millis(silence_ms);
+        let now = Instant::now();
+        let silent = h
+            .beats
+            .iter()
+            .filter(|(r, _)| **r != me)
+            .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
+            .filter(|(_, quiet)| *quiet > silence)
+            .max_by_key(|(r, quiet)| (*quiet, std::cmp::Reverse(*r)));
+        match silent {
+            Some((rank, quiet)) => Response::Failed {
+                rank,
+                why: format!(
+                    "no heartbeat for {} ms: the process was killed, crashed or is frozen",
+                    quiet.as_millis()
+                ),
+            },
+            None => Response::Healthy,
+        }
+    }
+
+    fn put(&self, key: String, value: Vec<u8>) -> Result<Response, End> {
+        let mut v = self.values();
+        let old = v.map.get(&key).map_or(0, |x| x.len());
+        if old == 0 && !v.map.contains_key(&key) && v.map.len() >= self.limits.max_keys {
+            return Err(End::Refuse("too many stored values".into()));
+        }
+        if v.bytes - old + value.len() > self.limits.max_stored {
+            return Err(End::Refuse("the store is full".into()));
+        }
+        v.bytes = v.bytes - old + value.len();
+        v.map.insert(key, Arc::new(value));
+        self.stored.notify_all();
+        Ok(Response::Ok)
+    }
+
+    fn get(&self, key: &str, wait_ms: u64) -> Option<Arc<Vec<u8>>> {
+        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
+        let mut v = self.values();
+        loop {
+            if let Some(value) = v.map.get(key) {
+                return Some(value.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            v = self
+                .stored
+                .wait_timeout(v, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
     }
 
     fn take(&self, key: (Rank, Rank, String), wait_ms: u64) -> Response {
@@ -318,6 +433,34 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
             tag,
             wait_ms,
         } => shared.take((from, to, tag), wait_ms),
+        Request::Fail { rank, why } => shared.fail(rank, why),
+        Request::Beat { rank } => shared.beat(rank)?,
+        Request::Health { me, silence_ms } => shared.check(me, silence_ms),
+        Request::Put { key, len } => {
+            // The value follows the line: exactly `len` bytes, under the
+            // same deadline, never more.
+            reader.get_mut().deadline = Instant::now() + timeout;
+            let mut value = Vec::with_capacity(len.min(1 << 20));
+            let got = reader
+                .by_ref()
+                .take(len as u64)
+                .read_to_end(&mut value)
+                .map_err(|_| End::Refuse("timed out reading a value".into()))?;
+            if got != len {
+                return Err(End::Refuse(format!(
+                    "truncated value: {got} of {len} bytes"
+                )));
+            }
+            shared.put(key, value)?
+        }
+        Request::Get { key, wait_ms } => match shared.get(&key, wait_ms) {
+            Some(value) => {
+                send(conn, &Response::Value(value.len()))?;
+                let mut c = conn;
+                return c.write_all(&value).map_err(|_| End::Gone);
+            }
+            None => Response::Timeout,
+        },
     };
     send(conn, &response)
 }
@@ -374,6 +517,9 @@ fn serve_on(
         counts: Mutex::new(HashMap::new()),
         arrived: Condvar::new(),
         active: AtomicUsize::new(0),
+        health: Mutex::new(Health::default()),
+        values: Mutex::new(Values::default()),
+        stored: Condvar::new(),
     });
     std::thread::Builder::new()
         .name("duplex-store".into())
@@ -471,6 +617,17 @@ impl Store {
 
     /// Sends `AUTH`, then `request`; the store's reply to it.
     fn request(&self, request: &Request, timeout: Duration) -> Result<Response, Error> {
+        self.request_with(request, &[], timeout).map(|(r, _)| r)
+    }
+
+    /// Sends `AUTH`, then `request` followed by `body`; the store's reply,
+    /// and the bytes that follow a [`Response::Value`].
+    fn request_with(
+        &self,
+        request: &Request,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<(Response, Vec<u8>), Error> {
         let auth = proto::encode_request(&Request::Auth {
             version: VERSION,
             token: self.secret.clone(),
@@ -490,9 +647,10 @@ impl Store {
             .and_then(|()| conn.set_write_timeout(Some(patience)))
             .map_err(|e| io("configuring a connection", e))?;
         let mut reader = BufReader::new(&conn);
-        let mut exchange = |line: &[u8]| -> Result<Response, Error> {
+        let mut exchange = |line: &[u8], body: &[u8]| -> Result<Response, Error> {
             (&conn)
                 .write_all(line)
+                .and_then(|()| (&conn).write_all(body))
                 .map_err(|e| io("sending a request", e))?;
             let reply = proto::read_line(&mut reader).map_err(|e| io("reading a reply", e))?;
             if reply.is_empty() {
@@ -508,7 +666,7 @@ impl Store {
                 ))
             })
         };
-        match exchange(&auth)? {
+        match exchange(&auth, &[])? {
             Response::Ok => {}
             Response::Error(why) => {
                 return Err(Error::Unavailable {
@@ -520,7 +678,21 @@ impl Store {
             }
             other => return Err(self.unexpected("AUTH", &other)),
         }
-        exchange(&line)
+        let reply = exchange(&line, body)?;
+        let mut value = Vec::new();
+        if let Response::Value(len) = reply {
+            let got = reader
+                .take(len as u64)
+                .read_to_end(&mut value)
+                .map_err(|e| io("reading a value", e))?;
+            if got != len {
+                return Err(Error::Aborted(format!(
+                    "the duplex store at {} sent {got} of {len} bytes of a value",
+                    self.addr()
+                )));
+            }
+        }
+        Ok((reply, value))
     }
 
     fn unexpected(&self, what: &str, reply: &Response) -> Error {
@@ -533,6 +705,72 @@ impl Store {
                 "the duplex store at {} answered {what} with {other:?}",
                 self.addr()
             )),
+        }
+    }
+
+    /// Records that `rank` failed, and why; every other rank's
+    /// [`Store::health`] reports it from now on.
+    pub fn fail(&self, rank: Rank, why: &str, timeout: Duration) -> Result<(), Error> {
+        let mut why: String = why.chars().take(proto::MAX_WHY / 4).collect();
+        if why.is_empty() {
+            why.push_str("failed");
+        }
+        match self.request(&Request::Fail { rank, why }, timeout)? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected("a failure report", &other)),
+        }
+    }
+
+    /// A heartbeat of `rank`.
+    pub fn beat(&self, rank: Rank, timeout: Duration) -> Result<(), Error> {
+        match self.request(&Request::Beat { rank }, timeout)? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected("a heartbeat", &other)),
+        }
+    }
+
+    /// The first failure of a rank other than `me` (posted, or no
+    /// heartbeat for `silence`): `(rank, why)`, or `None` when all are well.
+    pub fn health(
+        &self,
+        me: Rank,
+        silence: Duration,
+        timeout: Duration,
+    ) -> Result<Option<(Rank, String)>, Error> {
+        let request = Request::Health {
+            me,
+            silence_ms: u64::try_from(silence.as_millis()).unwrap_or(u64::MAX),
+        };
+        match self.request(&request, timeout)? {
+            Response::Healthy => Ok(None),
+            Response::Failed { rank, why } => Ok(Some((rank, why))),
+            other => Err(self.unexpected("a health check", &other)),
+        }
+    }
+
+    /// Stores `value` under `key` (at most [`proto::MAX_VALUE`] bytes).
+    pub fn put(&self, key: &str, value: &[u8], timeout: Duration) -> Result<(), Error> {
+        let request = Request::Put {
+            key: key.into(),
+            len: value.len(),
+        };
+        match self.request_with(&request, value, timeout)? {
+            (Response::Ok, _) => Ok(()),
+            (other, _) => Err(self.unexpected("a put", &other)),
+        }
+    }
+
+    /// The value under `key`, waiting up to `wait` for it to be stored.
+    pub fn get(&self, key: &str, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
+        let wait = wait.min(MAX_WAIT);
+        let request = Request::Get {
+            key: key.into(),
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        };
+        match self.request_with(&request, &[], wait + Duration::from_secs(5))? {
+            (Response::Value(_), value) => Ok(Some(value)),
+            (Response::Timeout, _) => Ok(None),
+            (other, _) => Err(self.unexpected("a get", &other)),
         }
     }
 

@@ -23,7 +23,7 @@ use std::io::{BufRead, Read};
 use duplex::Rank;
 
 /// The protocol version a client presents in `AUTH`.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The longest line, its newline included, in bytes.
 pub const MAX_LINE: usize = 4096;
 /// The longest token, in bytes (its hex is twice as long).
@@ -34,6 +34,12 @@ pub const MAX_TAG: usize = 1024;
 pub const MAX_ID: usize = 512;
 /// The longest error text of a reply, in bytes.
 pub const MAX_ERROR: usize = 512;
+/// The longest key of `PUT`/`GET`, in bytes.
+pub const MAX_KEY: usize = 256;
+/// The longest reason of a `FAIL`, in bytes.
+pub const MAX_WHY: usize = 512;
+/// The largest value a `PUT` carries, in bytes (a rank's trace).
+pub const MAX_VALUE: usize = 16 << 20;
 
 /// Why a line is not a message.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -100,6 +106,12 @@ pub enum ProtoError {
     /// A tag that is not UTF-8.
     #[error("tag is not utf-8")]
     TagNotUtf8,
+    /// A text field whose bytes are not UTF-8.
+    #[error("{field} is not utf-8")]
+    NotUtf8 {
+        /// Which field.
+        field: &'static str,
+    },
 }
 
 /// A secret: the job's store token. Its `Debug` shows only its length and
@@ -176,6 +188,41 @@ pub enum Request {
         /// How long to wait, in milliseconds.
         wait_ms: u64,
     },
+    /// Records that `rank` failed, and why (the first failure of a rank is
+    /// kept).
+    Fail {
+        /// The rank.
+        rank: Rank,
+        /// Why, in words.
+        why: String,
+    },
+    /// A heartbeat of `rank`: it is alive.
+    Beat {
+        /// The rank.
+        rank: Rank,
+    },
+    /// Asks whether another rank than `me` failed, or has sent no heartbeat
+    /// for `silence_ms`.
+    Health {
+        /// The asking rank (never reported to itself).
+        me: Rank,
+        /// The silence after which a rank counts as dead or frozen.
+        silence_ms: u64,
+    },
+    /// Stores `len` bytes under `key`; the bytes follow the line.
+    Put {
+        /// The key.
+        key: String,
+        /// The number of bytes after the line.
+        len: usize,
+    },
+    /// Gets the bytes under `key`, waiting up to `wait_ms` for them.
+    Get {
+        /// The key.
+        key: String,
+        /// How long to wait, in milliseconds.
+        wait_ms: u64,
+    },
 }
 
 /// What the store replies.
@@ -189,6 +236,17 @@ pub enum Response {
     UniqueId(Vec<u8>),
     /// The request was refused; the text says why.
     Error(String),
+    /// `HEALTH`: no other rank failed or fell silent.
+    Healthy,
+    /// `HEALTH`: this rank failed (or fell silent), for this reason.
+    Failed {
+        /// The rank.
+        rank: Rank,
+        /// Why.
+        why: String,
+    },
+    /// `GET`: the value, whose `len` bytes follow the line.
+    Value(usize),
 }
 
 impl std::fmt::Debug for Response {
@@ -199,6 +257,13 @@ impl std::fmt::Debug for Response {
             // The id lets anyone join the NCCL communicator: never print it.
             Response::UniqueId(id) => write!(f, "UniqueId(<{} bytes>)", id.len()),
             Response::Error(text) => f.debug_tuple("Error").field(text).finish(),
+            Response::Healthy => f.write_str("Healthy"),
+            Response::Failed { rank, why } => f
+                .debug_struct("Failed")
+                .field("rank", rank)
+                .field("why", why)
+                .finish(),
+            Response::Value(len) => write!(f, "Value(<{len} bytes>)"),
         }
     }
 }
@@ -331,6 +396,24 @@ fn tag(text: &str) -> Result<String, ProtoError> {
     String::from_utf8(bytes("tag", text, MAX_TAG)?).map_err(|_| ProtoError::TagNotUtf8)
 }
 
+/// A non-empty UTF-8 text field sent as hex, at most `max` bytes.
+fn text(field: &'static str, hexed: &str, max: usize) -> Result<String, ProtoError> {
+    String::from_utf8(bytes(field, hexed, max)?).map_err(|_| ProtoError::NotUtf8 { field })
+}
+
+fn encode_text(field: &'static str, text: &str, max: usize) -> Result<String, ProtoError> {
+    check_len(field, text.len(), max)?;
+    Ok(hex(text.as_bytes()))
+}
+
+fn length(field: &'static str, text: &str, max: usize) -> Result<usize, ProtoError> {
+    let n: usize = number(field, text)?;
+    if n > max {
+        return Err(ProtoError::Length { field, len: n, max });
+    }
+    Ok(n)
+}
+
 fn encode_tag(tag: &str) -> Result<String, ProtoError> {
     match tag.len() {
         0 => Ok("-".into()),
@@ -386,6 +469,40 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 wait_ms: number("millis", args[3])?,
             })
         }
+        "FAIL" => {
+            arity("FAIL", args, 2)?;
+            Ok(Request::Fail {
+                rank: number("rank", args[0])?,
+                why: text("why", args[1], MAX_WHY)?,
+            })
+        }
+        "BEAT" => {
+            arity("BEAT", args, 1)?;
+            Ok(Request::Beat {
+                rank: number("rank", args[0])?,
+            })
+        }
+        "HEALTH" => {
+            arity("HEALTH", args, 2)?;
+            Ok(Request::Health {
+                me: number("rank", args[0])?,
+                silence_ms: number("millis", args[1])?,
+            })
+        }
+        "PUT" => {
+            arity("PUT", args, 2)?;
+            Ok(Request::Put {
+                key: text("key", args[0], MAX_KEY)?,
+                len: length("value length", args[1], MAX_VALUE)?,
+            })
+        }
+        "GET" => {
+            arity("GET", args, 2)?;
+            Ok(Request::Get {
+                key: text("key", args[0], MAX_KEY)?,
+                wait_ms: number("millis", args[1])?,
+            })
+        }
         _ => Err(ProtoError::Unknown { kind: "request" }),
     }
 }
@@ -406,6 +523,24 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, ProtoError> {
             tag,
             wait_ms,
         } => format!("TAKE {from} {to} {} {wait_ms}\n", encode_tag(tag)?),
+        Request::Fail { rank, why } => {
+            format!("FAIL {rank} {}\n", encode_text("why", why, MAX_WHY)?)
+        }
+        Request::Beat { rank } => format!("BEAT {rank}\n"),
+        Request::Health { me, silence_ms } => format!("HEALTH {me} {silence_ms}\n"),
+        Request::Put { key, len } => {
+            if *len > MAX_VALUE {
+                return Err(ProtoError::Length {
+                    field: "value length",
+                    len: *len,
+                    max: MAX_VALUE,
+                });
+            }
+            format!("PUT {} {len}\n", encode_text("key", key, MAX_KEY)?)
+        }
+        Request::Get { key, wait_ms } => {
+            format!("GET {} {wait_ms}\n", encode_text("key", key, MAX_KEY)?)
+        }
     };
     Ok(line.into_bytes())
 }
@@ -435,6 +570,21 @@ pub fn parse_response(line: &[u8]) -> Result<Response, ProtoError> {
             check_len("error text", text.len(), MAX_ERROR)?;
             Ok(Response::Error(text))
         }
+        "HEALTHY" => {
+            arity("HEALTHY", args, 0)?;
+            Ok(Response::Healthy)
+        }
+        "FAILED" => {
+            arity("FAILED", args, 2)?;
+            Ok(Response::Failed {
+                rank: number("rank", args[0])?,
+                why: text("why", args[1], MAX_WHY)?,
+            })
+        }
+        "VALUE" => {
+            arity("VALUE", args, 1)?;
+            Ok(Response::Value(length("value length", args[0], MAX_VALUE)?))
+        }
         _ => Err(ProtoError::Unknown { kind: "response" }),
     }
 }
@@ -459,6 +609,20 @@ pub fn encode_response(response: &Response) -> Result<Vec<u8>, ProtoError> {
                 });
             }
             format!("ERROR {text}\n")
+        }
+        Response::Healthy => "HEALTHY\n".into(),
+        Response::Failed { rank, why } => {
+            format!("FAILED {rank} {}\n", encode_text("why", why, MAX_WHY)?)
+        }
+        Response::Value(len) => {
+            if *len > MAX_VALUE {
+                return Err(ProtoError::Length {
+                    field: "value length",
+                    len: *len,
+                    max: MAX_VALUE,
+                });
+            }
+            format!("VALUE {len}\n")
         }
     };
     Ok(line.into_bytes())
@@ -550,6 +714,31 @@ mod tests {
                 tag: "x".repeat(MAX_TAG),
                 wait_ms: u64::MAX,
             },
+            Request::Fail {
+                rank: 1,
+                why: "hang: deadline of 10 s expired; é 🦀".into(),
+            },
+            Request::Fail {
+                rank: u32::MAX,
+                why: "w".repeat(MAX_WHY),
+            },
+            Request::Beat { rank: 3 },
+            Request::Health {
+                me: 0,
+                silence_ms: 3000,
+            },
+            Request::Put {
+                key: "trace/1".into(),
+                len: 0,
+            },
+            Request::Put {
+                key: "k".repeat(MAX_KEY),
+                len: MAX_VALUE,
+            },
+            Request::Get {
+                key: "trace/0".into(),
+                wait_ms: 500,
+            },
         ]
     }
 
@@ -562,6 +751,13 @@ mod tests {
             Response::Error("bad token".into()),
             Response::Error("  spaces  kept ".into()),
             Response::Error("~".repeat(MAX_ERROR)),
+            Response::Healthy,
+            Response::Failed {
+                rank: 2,
+                why: "no heartbeat for 3000 ms".into(),
+            },
+            Response::Value(0),
+            Response::Value(MAX_VALUE),
         ]
     }
 

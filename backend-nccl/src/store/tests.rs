@@ -115,9 +115,9 @@ fn hostile_requests_get_an_error_and_the_store_keeps_serving() {
         ),
         (
             "other version",
-            format!("AUTH 2 {}\n", hex(TOKEN.as_bytes())).into_bytes(),
+            format!("AUTH 1 {}\n", hex(TOKEN.as_bytes())).into_bytes(),
             false,
-            "unsupported protocol version 2",
+            "unsupported protocol version 1",
         ),
         (
             "http",
@@ -431,4 +431,99 @@ fn secrets_and_ids_are_never_printed() {
     assert!(!r.contains("unique") && !r.contains(&hex(ID)), "{r}");
     let store = format!("{:?}", client("127.0.0.1:1".parse().unwrap()));
     assert!(!store.contains("0123"), "{store}");
+}
+
+#[test]
+fn failures_and_silent_ranks_are_reported_to_the_others() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    let silence = Duration::from_millis(300);
+    for r in 0..3 {
+        store.beat(r, t).unwrap();
+    }
+    assert_eq!(store.health(0, silence, t).unwrap(), None);
+    store.fail(2, "hang: deadline of 10 s expired", t).unwrap();
+    // A rank's own failure is not reported to it; the others see it.
+    assert_eq!(store.health(2, silence, t).unwrap(), None);
+    let seen = store.health(0, silence, t).unwrap().expect("rank 2 failed");
+    assert_eq!(seen, (2, "hang: deadline of 10 s expired".to_string()));
+    // The first failure of a rank is kept.
+    store.fail(2, "something later", t).unwrap();
+    assert_eq!(store.health(1, silence, t).unwrap().unwrap().1, seen.1);
+
+    // A rank that stops beating is reported once it has been silent longer
+    // than asked.
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    store.beat(0, t).unwrap();
+    store.beat(1, t).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    store.beat(0, t).unwrap();
+    let (rank, why) = store
+        .health(0, silence, t)
+        .unwrap()
+        .expect("rank 1 is silent");
+    assert_eq!(rank, 1);
+    assert!(why.contains("no heartbeat"), "{why}");
+    assert_eq!(store.health(0, Duration::from_secs(60), t).unwrap(), None);
+}
+
+#[test]
+fn values_round_trip_and_get_waits_for_them() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    assert_eq!(
+        store.get("trace/1", Duration::from_millis(50)).unwrap(),
+        None
+    );
+    let big: Vec<u8> = (0..=255u8).cycle().take(3 << 20).collect();
+    store.put("trace/0", &big, t).unwrap();
+    assert_eq!(store.get("trace/0", t).unwrap().as_deref(), Some(&big[..]));
+    store.put("empty", &[], t).unwrap();
+    assert_eq!(store.get("empty", t).unwrap(), Some(Vec::new()));
+    // A get waits for a put from another thread.
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        client(addr).put("trace/1", b"{}", t).unwrap();
+    });
+    let start = Instant::now();
+    assert_eq!(
+        store.get("trace/1", t).unwrap().as_deref(),
+        Some(&b"{}"[..])
+    );
+    assert!(start.elapsed() >= Duration::from_millis(90));
+    later.join().unwrap();
+}
+
+#[test]
+fn a_truncated_or_oversized_value_is_refused_and_the_store_keeps_serving() {
+    let addr = server(limits(300));
+    let mut session = auth();
+    session.extend_from_slice(b"PUT 6b 10\nabc");
+    let reply = raw(addr, &session, true);
+    assert!(
+        reply.contains("ERROR truncated value: 3 of 10 bytes"),
+        "{reply}"
+    );
+    let mut session = auth();
+    session.extend_from_slice(format!("PUT 6b {}\n", proto::MAX_VALUE + 1).as_bytes());
+    let reply = raw(addr, &session, true);
+    assert!(reply.contains("ERROR value length"), "{reply}");
+    let store = client(addr);
+    store.put("k", b"v", Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        store.get("k", Duration::from_secs(1)).unwrap().as_deref(),
+        Some(&b"v"[..])
+    );
+    // The store's total is bounded.
+    let small = server(Limits {
+        max_stored: 10,
+        ..super::LIMITS
+    });
+    let e = client(small)
+        .put("k", &[0; 11], Duration::from_secs(5))
+        .unwrap_err();
+    assert!(e.to_string().contains("full"), "{e}");
 }
