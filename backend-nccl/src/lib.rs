@@ -29,6 +29,7 @@ pub mod board;
 pub mod comm;
 pub mod ctx;
 pub mod cuda;
+pub mod health;
 pub mod nccl;
 pub mod rank;
 pub mod registry;

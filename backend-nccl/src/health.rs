@@ -1,0 +1,319 @@
+//! Failure reaches every rank: a rank that fails says so, every other rank's
+//! waits end with an error naming it, and on a hang every rank contributes
+//! what it issued to the analysis.
+//!
+//! A rank fails when a wait passes its deadline (a hang), NCCL or CUDA
+//! reports an error, its code panics or returns an error, or its process is
+//! killed or frozen. The first four are posted by the rank itself
+//! ([`Health::fail`]); the last is noticed by its silence.
+//!
+//! * [`LocalHealth`] (one process, a thread per rank): a list under a mutex
+//!   shared by the ranks; a rank's death is its process's death, so there
+//!   is no silence to detect.
+//! * [`StoreHealth`] (a process per rank): failures go to the rank-0 store
+//!   (`FAIL`), and a monitor thread per process sends a heartbeat (`BEAT`)
+//!   every [`BEAT_EVERY`] and asks (`HEALTH`) whether another rank failed or
+//!   has been silent longer than [`SILENCE`] (killed, crashed, or stopped).
+//!   When the store itself cannot be reached for [`SILENCE`], rank 0 (its
+//!   host) is taken as dead. What it learns is cached, so a wait polls a
+//!   mutex, not the network.
+//!
+//! A rank that sees another's failure ends its waits with
+//! [`duplex::Error::Aborted`] naming the failed rank and why, and its
+//! watchdog aborts its communicators, so that no thread stays inside NCCL:
+//! every surviving rank ends within its deadline plus about
+//! [`SILENCE`] + [`BEAT_EVERY`].
+//!
+//! On a hang in a process-per-rank run, each rank publishes its
+//! [`Trace`] to the store ([`Health::publish`]) before it returns, and the
+//! rank whose deadline expired gathers the others' ([`Health::gather`]), so
+//! that the analysis replays what every rank issued, as in a local run.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duplex::Rank;
+use duplex::trace::Trace;
+
+use crate::store::Store;
+
+/// How often a process's monitor sends a heartbeat and checks the others.
+pub const BEAT_EVERY: Duration = Duration::from_millis(200);
+
+/// How long a rank (or the store) may be silent before it counts as dead.
+pub const SILENCE: Duration = Duration::from_secs(3);
+
+/// What a rank knows of the others' failures, and how it reports its own.
+pub trait Health: Send + Sync + std::fmt::Debug {
+    /// Records that `rank` failed, and why. Only a rank's first failure
+    /// counts; never blocks for long.
+    fn fail(&self, rank: Rank, why: &str);
+    /// The first known failure of a rank other than `me`: `(rank, why)`.
+    fn failed(&self, me: Rank) -> Option<(Rank, String)>;
+    /// Whether the other ranks' traces must be gathered for an analysis
+    /// (they live in other processes).
+    fn remote(&self) -> bool;
+    /// Publishes this rank's trace for the others' analyses.
+    fn publish(&self, rank: Rank, trace: &Trace);
+    /// The traces the other ranks published, waiting up to `wait` for all
+    /// of them to arrive.
+    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace>;
+}
+
+/// The health of a local run: one list for all its ranks.
+#[derive(Debug, Default)]
+pub struct LocalHealth {
+    failures: Mutex<Vec<(Rank, String)>>,
+}
+
+impl Health for LocalHealth {
+    fn fail(&self, rank: Rank, why: &str) {
+        let mut f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        if !f.iter().any(|(r, _)| *r == rank) {
+            f.push((rank, why.to_string()));
+        }
+    }
+
+    fn failed(&self, me: Rank) -> Option<(Rank, String)> {
+        let f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        f.iter().find(|(r, _)| *r != me).cloned()
+    }
+
+    fn remote(&self) -> bool {
+        false
+    }
+
+    fn publish(&self, _: Rank, _: &Trace) {}
+
+    fn gather(&self, _: u32, _: Rank, _: Duration) -> Vec<Trace> {
+        Vec::new()
+    }
+}
+
+/// The health of a process-per-rank run, through the store, with a monitor
+/// thread (see the module docs).
+#[derive(Debug)]
+pub struct StoreHealth {
+    store: Store,
+    me: Rank,
+    known: Mutex<Option<(Rank, String)>>,
+    stop: AtomicBool,
+}
+
+/// How long one store request of the monitor may take.
+const REQUEST: Duration = Duration::from_secs(1);
+
+impl StoreHealth {
+    /// Starts the monitor of rank `me` on `store`; it stops when the
+    /// returned handle is dropped.
+    pub fn start(store: Store, me: Rank) -> Arc<StoreHealth> {
+        let health = Arc::new(StoreHealth {
+            store,
+            me,
+            known: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&health);
+        let _ = std::thread::Builder::new()
+            .name(format!("duplex health {me}"))
+            .spawn(move || {
+                let mut unreachable_since: Option<Instant> = None;
+                loop {
+                    let Some(h) = weak.upgrade() else { return };
+                    if h.stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    match h.poll_once() {
+                        Ok(found) => {
+                            unreachable_since = None;
+                            if let Some(f) = found {
+                                h.learn(f);
+                            }
+                        }
+                        Err(e) if h.me != 0 => {
+                            let since = *unreachable_since.get_or_insert_with(Instant::now);
+                            if since.elapsed() >= SILENCE {
+                                h.learn((
+                                    0,
+                                    format!(
+                                        "the duplex store on rank 0 has been unreachable for {} ms, so rank 0 (its host) is taken as dead: {e}",
+                                        since.elapsed().as_millis()
+                                    ),
+                                ));
+                            }
+                        }
+                        Err(_) => {}
+                    }
+                    drop(h);
+                    std::thread::sleep(BEAT_EVERY);
+                }
+            });
+        health
+    }
+
+    /// One heartbeat and one check.
+    fn poll_once(&self) -> Result<Option<(Rank, String)>, duplex::Error> {
+        self.store.beat(self.me, REQUEST)?;
+        self.store.health(self.me, SILENCE, REQUEST)
+    }
+
+    fn learn(&self, failure: (Rank, String)) {
+        let mut k = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        if k.is_none() {
+            tracing::debug!(rank = self.me, failed = failure.0, why = %failure.1, "a rank of the job failed");
+            *k = Some(failure);
+        }
+    }
+}
+
+impl Drop for StoreHealth {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// The key a rank's trace is published under.
+fn trace_key(rank: Rank) -> String {
+    format!("trace/{rank}")
+}
+
+impl Health for StoreHealth {
+    fn fail(&self, rank: Rank, why: &str) {
+        if let Err(e) = self.store.fail(rank, why, REQUEST) {
+            tracing::warn!(rank, error = %e, "could not post this rank's failure to the store");
+        }
+    }
+
+    fn failed(&self, me: Rank) -> Option<(Rank, String)> {
+        let k = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        k.clone().filter(|(r, _)| *r != me)
+    }
+
+    fn remote(&self) -> bool {
+        true
+    }
+
+    fn publish(&self, rank: Rank, trace: &Trace) {
+        let result = serde_json::to_vec(trace)
+            .map_err(|e| duplex::Error::Aborted(format!("encoding the trace: {e}")))
+            .and_then(|bytes| self.store.put(&trace_key(rank), &bytes, REQUEST * 5));
+        if let Err(e) = result {
+            tracing::warn!(rank, error = %e, "could not publish this rank's trace");
+        }
+    }
+
+    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace> {
+        let deadline = Instant::now() + wait;
+        let mut out = Vec::new();
+        for r in (0..ranks).filter(|r| *r != me) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.store.get(&trace_key(r), left) {
+                Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
+                    Ok(t) => out.push(t),
+                    Err(e) => tracing::warn!(rank = r, error = %e, "a published trace does not decode"),
+                },
+                Ok(None) => tracing::debug!(rank = r, "no trace published in time"),
+                Err(e) => tracing::debug!(rank = r, error = %e, "cannot read a published trace"),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Secret;
+
+    #[test]
+    fn a_local_failure_is_seen_by_the_others_not_by_itself() {
+        let h = LocalHealth::default();
+        assert_eq!(h.failed(0), None);
+        h.fail(1, "panicked");
+        h.fail(1, "later");
+        assert_eq!(h.failed(0), Some((1, "panicked".into())));
+        assert_eq!(h.failed(1), None);
+    }
+
+    fn store() -> (u16, Secret) {
+        let secret = Secret::new("0123456789abcdef-health");
+        let addr = Store::serve("127.0.0.1", 0, vec![7; 8], secret.clone()).expect("serves");
+        (addr.port(), secret)
+    }
+
+    #[test]
+    fn a_failure_posted_by_one_process_reaches_the_others_monitor() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = StoreHealth::start(Store::client("127.0.0.1", port, secret), 1);
+        b.fail(1, "rank 1 panicked: boom");
+        let start = Instant::now();
+        while a.failed(0).is_none() && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(a.failed(0), Some((1, "rank 1 panicked: boom".into())));
+        // Within a few heartbeats (a generous bound: this checks that the
+        // failure travels, not how fast).
+        assert!(start.elapsed() < SILENCE, "{:?}", start.elapsed());
+    }
+
+    #[test]
+    fn a_silent_rank_is_taken_as_dead() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        // Rank 1 beats once, then goes silent (killed or frozen).
+        Store::client("127.0.0.1", port, secret)
+            .beat(1, REQUEST)
+            .expect("beats");
+        let start = Instant::now();
+        while a.failed(0).is_none() && start.elapsed() < SILENCE * 3 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (rank, why) = a.failed(0).expect("rank 1 is reported");
+        assert_eq!(rank, 1);
+        assert!(why.contains("no heartbeat"), "{why}");
+        assert!(start.elapsed() >= SILENCE, "{:?}", start.elapsed());
+        assert!(start.elapsed() < SILENCE * 3, "{:?}", start.elapsed());
+    }
+
+    #[test]
+    fn an_unreachable_store_means_rank_0_is_dead() {
+        // A port nobody listens on: the store's host is gone.
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+            l.local_addr().expect("addr").port()
+        };
+        let h = StoreHealth::start(
+            Store::client("127.0.0.1", port, Secret::new("0123456789abcdef-x")),
+            1,
+        );
+        let start = Instant::now();
+        while h.failed(1).is_none() && start.elapsed() < SILENCE * 4 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (rank, why) = h.failed(1).expect("rank 0 is reported");
+        assert_eq!(rank, 0);
+        assert!(why.contains("unreachable"), "{why}");
+    }
+
+    #[test]
+    fn traces_published_by_each_rank_are_gathered() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
+        let c = StoreHealth::start(Store::client("127.0.0.1", port, secret), 2);
+        let mut t1 = Trace::new(3);
+        t1.add_thread(1, "main");
+        b.publish(1, &t1);
+        let mut t2 = Trace::new(3);
+        t2.add_thread(2, "main");
+        c.publish(2, &t2);
+        let got = a.gather(3, 0, Duration::from_secs(2));
+        assert_eq!(got, vec![t1, t2]);
+        // A rank that never publishes costs the wait, no more.
+        let start = Instant::now();
+        assert_eq!(b.gather(4, 1, Duration::from_millis(300)).len(), 1);
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
+}
