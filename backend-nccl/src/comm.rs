@@ -105,10 +105,15 @@ impl CommInner {
     }
 
     /// Non-fatal check of the communicator's asynchronous state: `Err` when
-    /// NCCL reports a failure (a peer that died, say).
+    /// NCCL reports a failure (a peer that died, say) or when the
+    /// communicator was aborted, since then its ops' bytes cannot be trusted
+    /// even where their events completed.
     pub fn check(&self) -> Result<(), Error> {
         if self.is_aborted() {
-            return Ok(());
+            return Err(Error::Aborted(format!(
+                "communicator {} was aborted, so its ops did not move their bytes",
+                self.name
+            )));
         }
         let lib = nccl()?;
         // SAFETY: live.

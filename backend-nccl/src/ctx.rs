@@ -16,6 +16,7 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
 use crate::cuda::{Device, Event, Memory, Stream};
+use crate::health::Health;
 use crate::nccl::Nccl;
 use crate::registry::Registry;
 use duplex::compile;
@@ -232,6 +233,9 @@ pub(crate) struct RankCtx {
     pub(crate) ops: Mutex<Vec<Arc<Issued>>>,
     pub(crate) board: Arc<dyn Board>,
     pub(crate) registry: Option<Arc<Registry>>,
+    /// The job's failures: how this rank reports its own and learns of the
+    /// others' ([`crate::health`]).
+    pub(crate) health: Arc<dyn Health>,
     pub(crate) user_comms: AtomicUsize,
     pub(crate) next_logical: AtomicU32,
     pub(crate) fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
@@ -265,6 +269,7 @@ pub(crate) struct RankSetup {
     pub world: Comm,
     pub board: Arc<dyn Board>,
     pub registry: Option<Arc<Registry>>,
+    pub health: Arc<dyn Health>,
 }
 
 impl RankCtx {
@@ -281,6 +286,7 @@ impl RankCtx {
             world,
             board,
             registry,
+            health,
         } = s;
         let mut streams = Vec::new();
         let reg_stream = |name: &str| registry.as_ref().map(|r| r.stream(rank, name)).unwrap_or(0);
@@ -373,6 +379,7 @@ impl RankCtx {
             ops: Mutex::new(Vec::new()),
             board,
             registry,
+            health,
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
             fifo: Mutex::new(HashMap::new()),
@@ -477,6 +484,12 @@ impl RankCtx {
     /// The error of an NCCL call that failed: after the watchdog aborted the
     /// communicators, a hang.
     pub(crate) fn watchdog_error(&self, e: Error, what: &str) -> Error {
+        if let Some((r, why)) = self.health.failed(self.rank) {
+            return Error::Aborted(format!(
+                "{what}: rank {r} failed ({why}), so rank {}'s communicators were aborted ({e})",
+                self.rank
+            ));
+        }
         if self.fired.load(Ordering::Acquire) {
             Error::Aborted(format!(
                 "{what}: an NCCL call of rank {} did not return within {:?}; the watchdog aborted the rank's communicators ({e})",
@@ -561,6 +574,19 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
             loop {
                 std::thread::sleep(Duration::from_millis(20));
                 let Some(ctx) = weak.upgrade() else { return };
+                // Another rank of the job failed: this rank's work cannot
+                // complete, so nothing of it may stay blocked inside NCCL.
+                if let Some((r, why)) = ctx.health.failed(ctx.rank)
+                    && !ctx.fired.swap(true, Ordering::AcqRel)
+                {
+                    tracing::warn!(
+                        rank = ctx.rank,
+                        failed = r,
+                        why = %why,
+                        "another rank failed: aborting this rank's communicators"
+                    );
+                    ctx.abort_all();
+                }
                 let since = ctx.busy_since.load(Ordering::Acquire);
                 let now = ctx.epoch.elapsed().as_nanos() as u64;
                 if since != 0
@@ -570,6 +596,13 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                     tracing::warn!(
                         rank = ctx.rank,
                         "an NCCL call overstayed the deadline: aborting the rank's communicators"
+                    );
+                    ctx.health.fail(
+                        ctx.rank,
+                        &format!(
+                            "an NCCL call of rank {} did not return within {:?}; its communicators were aborted",
+                            ctx.rank, ctx.opts.timeout
+                        ),
                     );
                     ctx.abort_all();
                 }

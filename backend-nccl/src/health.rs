@@ -211,7 +211,9 @@ impl Health for StoreHealth {
             match self.store.get(&trace_key(r), left) {
                 Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
                     Ok(t) => out.push(t),
-                    Err(e) => tracing::warn!(rank = r, error = %e, "a published trace does not decode"),
+                    Err(e) => {
+                        tracing::warn!(rank = r, error = %e, "a published trace does not decode")
+                    }
                 },
                 Ok(None) => tracing::debug!(rank = r, "no trace published in time"),
                 Err(e) => tracing::debug!(rank = r, error = %e, "cannot read a published trace"),

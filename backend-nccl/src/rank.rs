@@ -22,6 +22,13 @@ use crate::cuda::{Event, Memory, Stream};
 use crate::nccl::Nccl;
 use crate::registry::{Blocked, LaunchRec, OpRec};
 
+/// How long a hang's analysis waits for the other processes' traces.
+const GATHER_WAIT: Duration = Duration::from_secs(2);
+
+/// The longest one slice of an `await_notify`, between checks of the
+/// other ranks' health.
+const AWAIT_SLICE: Duration = Duration::from_millis(250);
+
 /// A buffer of device memory.
 #[derive(Debug)]
 pub struct NcclBuffer<E> {
@@ -408,10 +415,17 @@ impl NcclRank {
                 return Ok(true);
             }
             checks = checks.wrapping_add(1);
+            if checks.is_multiple_of(64)
+                && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
+            {
+                return Err(self.peer_failed(call, r, &why));
+            }
             if checks.is_multiple_of(256) {
                 // A failed communicator (a peer that died, say) is an error now.
                 for op in self.ctx.pending() {
-                    op.meta.comm.check()?;
+                    op.meta.comm.check().inspect_err(|e| {
+                        self.ctx.health.fail(self.ctx.rank, &e.to_string());
+                    })?;
                 }
             }
             Ok(false)
@@ -427,6 +441,46 @@ impl NcclRank {
         result
     }
 
+    /// The error of a wait that ends because rank `r` of the job failed:
+    /// this rank's trace goes to the others' analyses first (in a
+    /// process-per-rank run), while its blocked call is still recorded.
+    fn peer_failed(&self, call: &str, r: Rank, why: &str) -> Error {
+        let ctx = &self.ctx;
+        if ctx.health.remote()
+            && let Some(reg) = &ctx.registry
+        {
+            ctx.health.publish(ctx.rank, &reg.trace());
+        }
+        Error::Aborted(format!(
+            "rank {} thread {}: `{call}` ended because rank {r} failed: {why}",
+            ctx.rank, self.thread
+        ))
+    }
+
+    /// Checks, after the device finished the ops a `sync` covered, that
+    /// they really moved their bytes: none of their communicators was
+    /// aborted or reports an asynchronous error (a peer that died or
+    /// aborted can make NCCL's kernels exit early), and no other rank of the
+    /// job failed.
+    fn verify_complete(&self, covered: &[Arc<Issued>], call: &str) -> Result<()> {
+        for op in covered {
+            if let Err(e) = op.meta.comm.check() {
+                let err = Error::Aborted(format!(
+                    "`{call}`: {} finished on the device, but {e}; its bytes cannot be trusted",
+                    op.meta.info()
+                ));
+                self.ctx.health.fail(self.ctx.rank, &err.to_string());
+                return Err(err);
+            }
+        }
+        if !covered.is_empty()
+            && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
+        {
+            return Err(self.peer_failed(call, r, &why));
+        }
+        Ok(())
+    }
+
     /// The hang error: every pending op of this rank, the model's wait-for
     /// analysis where every rank's ops are known, and the communicators
     /// involved aborted so that no device work stays stuck.
@@ -437,7 +491,24 @@ impl NcclRank {
         if let (Some(reg), Some(b)) = (&ctx.registry, &blocked) {
             reg.blocked(self.thread_id, Some(b.clone()));
         }
-        let analysis = ctx.registry.as_ref().map(|r| r.analyze());
+        // Say so first, so that the other ranks' waits end and (across
+        // processes) they publish what they issued for the analysis below.
+        ctx.health.fail(
+            ctx.rank,
+            &format!(
+                "hang: `{call}` ({at}) did not return within its deadline of {:?}",
+                ctx.opts.timeout
+            ),
+        );
+        let analysis = ctx.registry.as_ref().map(|r| {
+            if ctx.health.remote() {
+                ctx.health.publish(ctx.rank, &r.trace());
+                let others = ctx.health.gather(ctx.world_size, ctx.rank, GATHER_WAIT);
+                r.analyze_with(others)
+            } else {
+                r.analyze()
+            }
+        });
         let disagreements = analysis
             .as_ref()
             .map(|a| a.disagreements.clone())
@@ -453,15 +524,19 @@ impl NcclRank {
                 s
             }
             None => {
-                note = if ctx.registry.is_some() {
+                note = if ctx.health.remote() {
+                    format!(
+                        "the model ({}) finds no hang in what the ranks published (a rank that died publishes nothing); the pending ops are below",
+                        ctx.opts.model
+                    )
+                } else {
                     format!(
                         "the model ({}) does not predict this hang from what the ranks issued; the pending ops are below",
                         ctx.opts.model
                     )
-                } else {
-                    "other ranks' pending ops are unknown in one-process-per-rank mode".to_string()
                 };
                 Stuck {
+                    note: Some(note.clone()),
                     cycle: Vec::new(),
                     missing: Vec::new(),
                     blocked: vec![BlockedCall {
@@ -798,6 +873,12 @@ impl Transport for NcclRank {
             );
         }
         self.ctx.device.bind()?;
+        let covered: Vec<Arc<Issued>> = self
+            .ctx
+            .pending()
+            .into_iter()
+            .filter(|op| *op.meta.stream == *stream.0.name)
+            .collect();
         let ev = Event::new(false)?;
         ev.record(&stream.0.raw)?;
         let what = format!("sync_stream({})", stream.0.name);
@@ -806,13 +887,15 @@ impl Transport for NcclRank {
             &check::place(at),
             Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at))),
             || ev.done(),
-        )
+        )?;
+        self.verify_complete(&covered, &what)
     }
 
     #[track_caller]
     fn synchronize(&self) -> Result<()> {
         let at = Location::caller();
         self.ctx.device.bind()?;
+        let covered = self.ctx.pending();
         let streams = lock(&self.ctx.streams).clone();
         let mut events = Vec::with_capacity(streams.len());
         for s in &streams {
@@ -832,7 +915,8 @@ impl Transport for NcclRank {
                 }
                 Ok(true)
             },
-        )
+        )?;
+        self.verify_complete(&covered, "synchronize")
     }
 
     #[track_caller]
@@ -861,10 +945,22 @@ impl Transport for NcclRank {
                 )),
             );
         }
-        let got = self
-            .ctx
-            .board
-            .take(peer, self.ctx.rank, tag, self.ctx.opts.timeout);
+        // In slices, so that another rank's failure ends the wait early.
+        let deadline = std::time::Instant::now() + self.ctx.opts.timeout;
+        let got = loop {
+            if let Some((r, why)) = self.ctx.health.failed(self.ctx.rank) {
+                break Err(self.peer_failed(&what, r, &why));
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self
+                .ctx
+                .board
+                .take(peer, self.ctx.rank, tag, left.min(AWAIT_SLICE))
+            {
+                Ok(false) if !left.is_zero() => continue,
+                other => break other,
+            }
+        };
         let result = match got {
             Ok(true) => Ok(()),
             Ok(false) => Err(self.hang(

@@ -335,7 +335,26 @@ impl Registry {
     /// explains the stuck state, if the model finds one; lists every call
     /// the model refused.
     pub fn analyze(&self) -> HangAnalysis {
-        let trace = self.trace();
+        self.analyze_with(Vec::new())
+    }
+
+    /// [`Registry::analyze`] over this registry's trace joined with the
+    /// traces of ranks recorded elsewhere (other processes of the job).
+    pub fn analyze_with(&self, others: Vec<Trace>) -> HangAnalysis {
+        let mine = self.trace();
+        let trace = if others.is_empty() {
+            mine
+        } else {
+            let mut parts = vec![mine];
+            parts.extend(others);
+            match Trace::merge(&parts) {
+                Ok(t) => t,
+                Err(why) => {
+                    tracing::warn!("the ranks' traces do not join: {why}");
+                    parts.swap_remove(0)
+                }
+            }
+        };
         let Analysis {
             stuck,
             disagreements,

@@ -11,6 +11,7 @@ use crate::board::{Board, LocalBoard};
 use crate::comm;
 use crate::ctx::{LaneCost, Options, RankCtx, RankSetup, panic_text};
 use crate::cuda::{self, Device};
+use crate::health::{Health, LocalHealth, StoreHealth};
 use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
 use crate::nccl::{Nccl, nccl};
 use crate::rank::NcclRank;
@@ -115,20 +116,25 @@ impl Local {
         let id = self.lib.unique_id()?;
         let registry = Registry::new(self.ranks, self.settings.opts.model);
         let board: Arc<dyn Board> = Arc::new(LocalBoard::default());
+        let health: Arc<dyn Health> = Arc::new(LocalHealth::default());
         let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..self.ranks)
                 .map(|r| {
-                    let (registry, board, f) = (registry.clone(), board.clone(), &f);
+                    let (registry, board, health, f) =
+                        (registry.clone(), board.clone(), health.clone(), &f);
                     scope.spawn(move || {
                         rank_main(
                             self.lib,
                             r,
                             self.ranks,
                             r as i32,
-                            id,
                             &self.settings,
-                            board,
-                            Some(registry),
+                            Links {
+                                id,
+                                board,
+                                registry,
+                                health,
+                            },
                             f,
                         )
                     })
@@ -266,39 +272,67 @@ impl Process {
         };
         id.internal.copy_from_slice(&bytes);
         let board: Arc<dyn Board> = Arc::new(client);
+        // This process records only its own rank's calls; on a hang the
+        // ranks exchange their traces through the store (crate::health).
+        let registry = Registry::new(self.world, self.settings.opts.model);
+        let health: Arc<dyn Health> = StoreHealth::start(
+            Store::client(self.host.clone(), self.port, self.secret.clone()),
+            self.rank,
+        );
         rank_main(
             self.lib,
             self.rank,
             self.world,
             self.device,
-            id,
             &self.settings,
-            board,
-            None,
+            Links {
+                id,
+                board,
+                registry,
+                health,
+            },
             &f,
         )
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// How a rank reaches the others: the world communicator's id, messages,
+/// its trace, failures.
+struct Links {
+    id: ncclUniqueId,
+    board: Arc<dyn Board>,
+    registry: Arc<Registry>,
+    health: Arc<dyn Health>,
+}
+
 fn rank_main<F>(
     lib: &'static Nccl,
     rank: Rank,
     world: u32,
     device: i32,
-    id: ncclUniqueId,
     settings: &Settings,
-    board: Arc<dyn Board>,
-    registry: Option<Arc<Registry>>,
+    links: Links,
     f: &F,
 ) -> Result<RankReport>
 where
     F: Fn(&NcclRank) -> Result<()>,
 {
+    let Links {
+        id,
+        board,
+        registry,
+        health,
+    } = links;
     let start = Instant::now();
-    let device = Arc::new(Device::new(device)?);
+    let failed = |e: Error| {
+        // A rank that fails says so, so that the others' waits end too.
+        health.fail(rank, &e.to_string());
+        e
+    };
+    let device = Arc::new(Device::new(device).map_err(failed)?);
     let opts = settings.opts.clone();
-    let world_comm = comm::init(lib, id, world, rank, opts.timeout, (None, None))?;
+    let world_comm =
+        comm::init(lib, id, world, rank, opts.timeout, (None, None)).map_err(failed)?;
     let ctx = RankCtx::create(RankSetup {
         rank,
         world_size: world,
@@ -308,8 +342,10 @@ where
         device,
         world: world_comm,
         board,
-        registry,
-    })?;
+        registry: Some(registry.clone()),
+        health: health.clone(),
+    })
+    .map_err(failed)?;
     let setup_ms = start.elapsed().as_secs_f64() * 1e3;
     let lanes = ctx.costs.clone();
     let handle = NcclRank::new(ctx, "main");
@@ -324,6 +360,13 @@ where
     // final synchronize (and as the simulator's end of thread).
     handle.end();
     let result = result.and_then(|()| handle.synchronize());
+    if let Err(e) = &result {
+        health.fail(rank, &e.to_string());
+        // The others' hang analyses need what this rank issued.
+        if health.remote() {
+            health.publish(rank, &registry.trace());
+        }
+    }
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();
     drop(handle);
@@ -398,6 +441,7 @@ mod tests {
                 missing: vec![],
                 blocked: vec![],
                 ops: vec![],
+                note: None,
             },
             steps: vec![],
             schedule: None,

@@ -238,6 +238,10 @@ pub struct Stuck {
     pub blocked: Vec<BlockedCall>,
     /// Every issued device op that has not completed.
     pub ops: Vec<OpInfo>,
+    /// Why the analysis could not say more, when it could not (a real
+    /// backend missing some rank's calls, say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 impl fmt::Display for Stuck {
@@ -261,10 +265,13 @@ impl fmt::Display for Stuck {
             }
         }
         if self.cycle.is_empty() && self.missing.is_empty() {
-            writeln!(
-                f,
-                "no wait-for cycle was found (this is a bug in duplex's analysis; please report it)"
-            )?;
+            match &self.note {
+                Some(note) => writeln!(f, "{note}")?,
+                None => writeln!(
+                    f,
+                    "no wait-for cycle was found (this is a bug in duplex's analysis; please report it)"
+                )?,
+            }
         }
         writeln!(f, "blocked host calls:")?;
         for b in &self.blocked {

@@ -179,6 +179,7 @@ impl Machine {
             missing,
             blocked,
             ops,
+            note: None,
         }
     }
 
