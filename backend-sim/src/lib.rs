@@ -17,6 +17,7 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod advice;
 pub mod check;
 pub mod explore;
 pub mod report;

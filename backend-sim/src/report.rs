@@ -6,8 +6,10 @@ use std::fmt;
 use duplex::{Model, Policy, ProgramErrorKind};
 use serde::Serialize;
 
+use crate::advice::{self, Latent, Repair};
 use crate::check::{Outcome, Stats, Step, Verdict};
 use duplex::machine::{OpInfo, ProgramError, Stuck};
+use duplex::schedule::Program;
 
 /// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
 #[derive(Clone, Debug, Serialize)]
@@ -37,6 +39,13 @@ pub struct Report {
     /// than a search of all of them.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub replayed: bool,
+    /// For an `ok` verdict: hangs that the model's eager capacity or warm
+    /// channels hide ([`crate::advice::latent`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub latent: Vec<Latent>,
+    /// For a deadlock: repairs the checker verified ([`crate::advice::repairs`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub repairs: Vec<Repair>,
     /// Search statistics.
     pub stats: Stats,
 }
@@ -116,8 +125,24 @@ impl Report {
             steps,
             schedule,
             replayed: false,
+            latent: Vec::new(),
+            repairs: Vec::new(),
             stats: outcome.stats,
         }
+    }
+
+    /// Adds the advice of [`crate::advice`]: for a deadlock, the repairs
+    /// the checker verified; for `ok`, the hangs a knob hides. `source` is
+    /// the file's text, to place edits by line.
+    pub fn advise(mut self, program: &Program, source: Option<&str>) -> Report {
+        match (&self.verdict, &self.stuck) {
+            (VerdictKind::Deadlock, Some(stuck)) => {
+                self.repairs = advice::repairs(program, source, stuck);
+            }
+            (VerdictKind::Ok, _) => self.latent = advice::latent(program),
+            _ => {}
+        }
+        self
     }
 
     /// The report of one replayed interleaving.
@@ -216,16 +241,27 @@ impl fmt::Display for Report {
                 self.file
             )?;
         }
-        let on_shared_lane = self.stuck.as_ref().is_some_and(|s| {
-            s.ops.iter().any(|o| o.comm.starts_with("pair:"))
-                || s.blocked.iter().any(|b| b.waits_for.contains("comm pair:"))
-        });
-        if self.verdict == VerdictKind::Deadlock && on_shared_lane {
+        for l in &self.latent {
             writeln!(f)?;
             writeln!(
                 f,
-                "hint: try `--policy per-direction`: a lane per direction removes every hang caused by sharing a stream or a communicator."
+                "LATENT HANG: ok under {}; deadlocks under {} ({}):",
+                self.model, l.setting, l.meaning
             )?;
+            write!(f, "{}", l.stuck)?;
+        }
+        if !self.repairs.is_empty() {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "repairs the checker verified (each alone makes the program ok, with no new error):"
+            )?;
+            for (i, r) in self.repairs.iter().enumerate() {
+                writeln!(f, "  {}. {}:", i + 1, r.title)?;
+                for e in &r.edits {
+                    writeln!(f, "       {e}")?;
+                }
+            }
         }
         if self.verdict == VerdictKind::Inconclusive {
             writeln!(

@@ -116,6 +116,10 @@ struct CheckArgs {
     /// (slower; for cross-checking the reduction).
     #[arg(long)]
     no_reduction: bool,
+    /// Exit with status 1 when the program is ok only because of its
+    /// model's eager capacity or warm channels (a latent hang).
+    #[arg(long)]
+    deny_latent: bool,
     /// Follow this schedule (`v1:…`, printed with a counterexample) instead
     /// of exploring, and report where it leads.
     #[arg(long, value_name = "SCHEDULE")]
@@ -289,6 +293,9 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     let mut report = Report::new(&args.file, program.policy, program.model, &outcome);
     if args.replay.is_some() {
         report = report.replayed();
+    } else {
+        let source = std::fs::read_to_string(&args.file).ok();
+        report = report.advise(&program, source.as_deref());
     }
     match args.format {
         Format::Text => print(&report.to_string()),
@@ -296,6 +303,9 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             Ok(json) => print(&format!("{json}\n")),
             Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
         },
+    }
+    if args.deny_latent && !report.latent.is_empty() {
+        return ExitCode::from(1);
     }
     ExitCode::from(report.exit_code() as u8)
 }

@@ -275,3 +275,62 @@ fn a_schedule_that_does_not_fit_is_refused_with_a_reason() {
         assert!(err.contains(says), "{schedule}: {err}");
     }
 }
+
+#[test]
+fn repairs_are_verified_edits_and_latent_hangs_can_fail_ci() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    let out = duplex(&["check", seed, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let repairs = json["repairs"].as_array().expect("repairs");
+    assert!(repairs.len() >= 2, "{json}");
+    for r in repairs {
+        assert_eq!(r["verdict"], "ok");
+        assert!(r["edits"].as_array().is_some_and(|e| !e.is_empty()), "{r}");
+    }
+    assert_eq!(repairs[0]["edits"][0]["change"], "insert");
+    assert_eq!(repairs[0]["edits"][0]["new"], "policy per-direction");
+    let text = String::from_utf8_lossy(&duplex(&["check", seed]).stdout).into_owned();
+    assert!(text.contains("repairs the checker verified"), "{text}");
+
+    // `recv; sync; send` on both ranks: per-direction lanes do not fix it,
+    // and no repair is offered.
+    let dir = tempdir();
+    let file = dir.join("recv-sync-send.sched");
+    std::fs::write(
+        &file,
+        "ranks 2\nrank 0:\n  recv 1 4KiB\n  sync\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  sync\n  send 0 4KiB\n",
+    )
+    .expect("write");
+    let out = duplex(&["check", file.to_str().expect("utf-8"), "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(json["verdict"], "deadlock");
+    assert!(json.get("repairs").is_none(), "{json}");
+
+    // Ok only thanks to eager capacity: a latent hang, an error with
+    // --deny-latent.
+    let file = dir.join("eager.sched");
+    std::fs::write(
+        &file,
+        "ranks 2\nmodel eager=64MiB\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    )
+    .expect("write");
+    let f = file.to_str().expect("utf-8");
+    let out = duplex(&["check", f]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("LATENT HANG: ok under eager=64MiB"), "{text}");
+    assert!(text.contains("deadlocks under eager=0B"), "{text}");
+    assert_eq!(
+        duplex(&["check", f, "--deny-latent"]).status.code(),
+        Some(1)
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&duplex(&["check", f, "--format", "json"]).stdout).expect("json");
+    assert_eq!(json["latent"][0]["knob"], "eager");
+    assert_eq!(json["latent"][0]["cycle"].as_array().map(Vec::len), None);
+    assert_eq!(
+        json["latent"][0]["stuck"]["cycle"].as_array().map(Vec::len),
+        Some(4)
+    );
+}

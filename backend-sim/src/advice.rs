@@ -1,0 +1,575 @@
+//! What `duplex check` says beyond the verdict: hangs that only a knob
+//! hides ([`latent`]), and repairs it has verified ([`repairs`]).
+//!
+//! **Latent hangs.** A program that is `ok` only because its channels have
+//! eager capacity (R5) or are already connected (R6, R7) hangs on larger
+//! messages, another transport, or new communicators. [`latent`] checks an
+//! `ok` program again under NCCL's contract (`eager=0`) and on new
+//! communicators (`lazy-connect=on`), and returns each variant that hangs,
+//! with its explanation.
+//!
+//! **Repairs.** For a program that can hang, [`repairs`] builds candidate
+//! edits (per-direction lanes; grouping the send and the recv of each rank
+//! that takes part in the hang; a rank that receives before it sends; a
+//! communicator and a stream of their own for one direction of explicitly
+//! placed traffic), checks each edited program with the same checker, and
+//! keeps only those whose verdict is `ok`: no hang and no error, so a
+//! printed repair never trades one problem for another. Each is a list of
+//! concrete edits to the file, by line.
+
+use duplex::compile::compile;
+use duplex::report::Stuck;
+use duplex::schedule::{CommDecl, Dir, Line, P2p, Program, Stmt, StmtKind};
+use duplex::{Policy, Size};
+use serde::Serialize;
+
+use crate::check::{self, Options, Verdict};
+use crate::report::VerdictKind;
+
+/// The most states one candidate's check may visit: repairs are advice, so
+/// a candidate that is slow to decide is dropped rather than waited for.
+const CANDIDATE_STATES: usize = 200_000;
+
+/// A hang that a knob of the program's model hides.
+#[derive(Clone, Debug, Serialize)]
+pub struct Latent {
+    /// The knob (`eager`, `lazy-connect`).
+    pub knob: &'static str,
+    /// The setting that hangs (`eager=0B`, `lazy-connect=on`).
+    pub setting: String,
+    /// What that setting means.
+    pub meaning: &'static str,
+    /// Why it is stuck under that setting.
+    pub stuck: Stuck,
+}
+
+/// One change to a schedule file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "change", rename_all = "lowercase")]
+pub enum Edit {
+    /// Replace the statement on `line`.
+    Replace {
+        /// The line.
+        line: u32,
+        /// What is there.
+        old: String,
+        /// What to put there.
+        new: String,
+    },
+    /// Delete the statement on `line`.
+    Delete {
+        /// The line.
+        line: u32,
+        /// What is there.
+        old: String,
+    },
+    /// Insert a line after `after` (0: at the top).
+    Insert {
+        /// The line to insert after.
+        after: u32,
+        /// The new line.
+        new: String,
+    },
+}
+
+impl std::fmt::Display for Edit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Edit::Replace { line, old, new } => {
+                write!(f, "line {line}: replace `{old}` with `{new}`")
+            }
+            Edit::Delete { line, old } => write!(f, "line {line}: delete `{old}`"),
+            Edit::Insert { after: 0, new } => write!(f, "at the top: insert `{new}`"),
+            Edit::Insert { after, new } => write!(f, "after line {after}: insert `{new}`"),
+        }
+    }
+}
+
+/// A repair the checker has verified.
+#[derive(Clone, Debug, Serialize)]
+pub struct Repair {
+    /// What it does, in words.
+    pub title: String,
+    /// The edits, in line order.
+    pub edits: Vec<Edit>,
+    /// The verdict of the edited program (always `ok`).
+    pub verdict: VerdictKind,
+}
+
+fn check_quick(p: &Program) -> Verdict {
+    check::check(
+        &compile(p),
+        &Options {
+            max_states: CANDIDATE_STATES,
+            reduce: true,
+        },
+    )
+    .verdict
+}
+
+/// The hangs an `ok` program has under NCCL's contract (`eager=0`) or on
+/// new communicators (`lazy-connect=on`); empty when it has none, or when
+/// its own model already is that strict.
+pub fn latent(program: &Program) -> Vec<Latent> {
+    let mut out = Vec::new();
+    if program.model.eager.bytes() > 0 {
+        let mut strict = program.clone();
+        strict.model.eager = Size(0);
+        if let Verdict::Deadlock { stuck, .. } = check_quick(&strict) {
+            out.push(Latent {
+                knob: "eager",
+                setting: "eager=0B".into(),
+                meaning: "NCCL's contract: a send may wait for its recv",
+                stuck: *stuck,
+            });
+        }
+    }
+    if !program.model.lazy_connect {
+        let mut cold = program.clone();
+        cold.model.lazy_connect = true;
+        if let Verdict::Deadlock { stuck, .. } = check_quick(&cold) {
+            out.push(Latent {
+                knob: "lazy-connect",
+                setting: "lazy-connect=on".into(),
+                meaning: "new communicators: first use connects, first message is a rendezvous",
+                stuck: *stuck,
+            });
+        }
+    }
+    out
+}
+
+/// The repairs of a program that can hang, each verified to make it `ok`.
+/// `source` is the file's text (to place a `policy` line); `stuck` is the
+/// hang found.
+pub fn repairs(program: &Program, source: Option<&str>, stuck: &Stuck) -> Vec<Repair> {
+    let mut candidates: Vec<(String, Program, Vec<Edit>)> = Vec::new();
+    if program.policy == Policy::Shared {
+        let mut p = program.clone();
+        p.policy = Policy::PerDirection;
+        candidates.push((
+            "give each direction its own lane (a communicator and a stream per ordered pair of ranks)".into(),
+            p,
+            vec![policy_edit(source)],
+        ));
+    }
+    let ranks: Vec<u32> = {
+        let mut r: Vec<u32> = stuck
+            .ops
+            .iter()
+            .map(|o| o.rank)
+            .chain(stuck.blocked.iter().map(|b| b.rank))
+            .collect();
+        r.sort_unstable();
+        r.dedup();
+        r
+    };
+    // Per rank of the hang: the first adjacent send/recv pair of plain,
+    // one-line statements on one thread, with at least one of them pending.
+    let pending_lines: Vec<(u32, u32)> = stuck
+        .ops
+        .iter()
+        .filter_map(|o| o.line.map(|l| (o.rank, l)))
+        .collect();
+    let mut pairs: Vec<(usize, usize)> = Vec::new(); // (thread, first statement)
+    for rank in &ranks {
+        'thread: for (ti, t) in program.threads.iter().enumerate() {
+            if t.rank != *rank {
+                continue;
+            }
+            for i in 0..t.body.len().saturating_sub(1) {
+                let (a, b) = (&t.body[i], &t.body[i + 1]);
+                if let (StmtKind::Op(x), StmtKind::Op(y)) = (&a.kind, &b.kind)
+                    && x.dir != y.dir
+                    && (pending_lines.contains(&(*rank, a.line.0))
+                        || pending_lines.contains(&(*rank, b.line.0)))
+                {
+                    pairs.push((ti, i));
+                    break 'thread;
+                }
+            }
+        }
+    }
+    if !pairs.is_empty() {
+        let mut p = program.clone();
+        let mut edits = Vec::new();
+        for &(ti, i) in &pairs {
+            let body = &mut p.threads[ti].body;
+            let (a, b) = (body[i].clone(), body[i + 1].clone());
+            let (StmtKind::Op(x), StmtKind::Op(y)) = (&a.kind, &b.kind) else {
+                continue;
+            };
+            let group = StmtKind::Group(vec![x.clone(), y.clone()]);
+            let (ta, tb) = (
+                written(source, a.line, &a.kind),
+                written(source, b.line, &b.kind),
+            );
+            edits.push(Edit::Replace {
+                line: a.line.0,
+                old: ta.clone(),
+                new: format!("group {{ {ta}; {tb} }}"),
+            });
+            edits.push(Edit::Delete {
+                line: b.line.0,
+                old: tb,
+            });
+            body[i] = Stmt {
+                kind: group,
+                line: a.line,
+            };
+            body.remove(i + 1);
+        }
+        candidates.push((
+            "group the send and the recv on each rank of the hang, so that neither waits for the other (R8)".into(),
+            p,
+            edits,
+        ));
+        for &(ti, i) in &pairs {
+            let mut p = program.clone();
+            let t = &mut p.threads[ti];
+            let (a, b) = (t.body[i].clone(), t.body[i + 1].clone());
+            let first_is_send = matches!(&a.kind, StmtKind::Op(x) if x.dir == Dir::Send);
+            if !first_is_send {
+                continue; // receiving first already
+            }
+            t.body[i] = Stmt {
+                kind: b.kind.clone(),
+                line: a.line,
+            };
+            t.body[i + 1] = Stmt {
+                kind: a.kind.clone(),
+                line: b.line,
+            };
+            candidates.push((
+                format!(
+                    "let rank {} receive before it sends{}",
+                    t.rank,
+                    t.name
+                        .as_ref()
+                        .map(|n| format!(" (thread {n})"))
+                        .unwrap_or_default()
+                ),
+                p,
+                {
+                    let (ta, tb) = (
+                        written(source, a.line, &a.kind),
+                        written(source, b.line, &b.kind),
+                    );
+                    vec![
+                        Edit::Replace {
+                            line: a.line.0,
+                            old: ta.clone(),
+                            new: tb.clone(),
+                        },
+                        Edit::Replace {
+                            line: b.line.0,
+                            old: tb,
+                            new: ta,
+                        },
+                    ]
+                },
+            ));
+        }
+    }
+    if let Some(c) = separate_comm(program, source) {
+        candidates.push(c);
+    }
+    candidates
+        .into_iter()
+        .filter(|(_, p, _)| matches!(check_quick(p), Verdict::Ok))
+        .map(|(title, _, mut edits)| {
+            edits.sort_by_key(edit_line);
+            Repair {
+                title,
+                edits,
+                verdict: VerdictKind::Ok,
+            }
+        })
+        .collect()
+}
+
+/// Applies `edits` (of one [`Repair`]) to a schedule file's text: what a
+/// user does by hand, for tools and tests. A `Replace` keeps the line's
+/// indentation and comment; an edit whose line does not hold its `old`
+/// text is an error.
+pub fn apply(source: &str, edits: &[Edit]) -> Result<String, String> {
+    let mut lines: Vec<String> = source.lines().map(str::to_string).collect();
+    let mut sorted = edits.to_vec();
+    // Bottom up, so that earlier line numbers stay valid; at one line, a
+    // replace or delete before an insert after it.
+    sorted.sort_by_key(|e| std::cmp::Reverse((edit_line(e), matches!(e, Edit::Insert { .. }))));
+    for e in &sorted {
+        match e {
+            Edit::Replace { line: 0, old, .. } | Edit::Delete { line: 0, old } => {
+                return Err(format!("`{old}` has no line to edit"));
+            }
+            Edit::Replace { line, old, new } => {
+                let l = lines
+                    .get_mut(*line as usize - 1)
+                    .ok_or_else(|| format!("line {line} does not exist"))?;
+                if !l.contains(old.as_str()) {
+                    return Err(format!("line {line} does not hold `{old}`: `{l}`"));
+                }
+                *l = l.replacen(old.as_str(), new, 1);
+            }
+            Edit::Delete { line, old } => {
+                let i = *line as usize - 1;
+                if !lines.get(i).is_some_and(|l| l.contains(old.as_str())) {
+                    return Err(format!("line {line} does not hold `{old}`"));
+                }
+                lines.remove(i);
+            }
+            Edit::Insert { after, new } => {
+                let i = (*after as usize).min(lines.len());
+                lines.insert(i, new.clone());
+            }
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    Ok(out)
+}
+
+/// The statement on `line` of `source` as written (comment and
+/// indentation dropped), else `fallback`.
+fn written(source: Option<&str>, line: Line, fallback: &StmtKind) -> String {
+    source
+        .and_then(|s| s.lines().nth((line.0 as usize).checked_sub(1)?))
+        .map(|l| l.split('#').next().unwrap_or("").trim().to_string())
+        .filter(|l| !l.is_empty())
+        .unwrap_or_else(|| fallback.to_string())
+}
+
+fn edit_line(e: &Edit) -> u32 {
+    match e {
+        Edit::Replace { line, .. } | Edit::Delete { line, .. } => *line,
+        Edit::Insert { after, .. } => *after,
+    }
+}
+
+/// The edit that sets `policy per-direction`: replaces the file's `policy`
+/// line, or inserts one after `ranks`.
+fn policy_edit(source: Option<&str>) -> Edit {
+    let lines: Vec<(u32, &str)> = source
+        .map(|s| {
+            s.lines()
+                .enumerate()
+                .map(|(i, l)| (i as u32 + 1, l.split('#').next().unwrap_or("").trim()))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some((n, l)) = lines.iter().find(|(_, l)| l.starts_with("policy")) {
+        return Edit::Replace {
+            line: *n,
+            old: l.to_string(),
+            new: "policy per-direction".into(),
+        };
+    }
+    let after = lines
+        .iter()
+        .find(|(_, l)| l.starts_with("ranks"))
+        .map_or(0, |(n, _)| *n);
+    Edit::Insert {
+        after,
+        new: "policy per-direction".into(),
+    }
+}
+
+/// For explicitly placed traffic between two ranks that shares one
+/// communicator in both directions: a communicator and a stream of their
+/// own for the direction from the higher rank to the lower.
+fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Program, Vec<Edit>)> {
+    // The first explicit communicator used in both directions by one pair.
+    let mut uses: Vec<(String, u32, u32)> = Vec::new(); // (comm, src, dst)
+    for t in &program.threads {
+        for s in &t.body {
+            if let StmtKind::Op(op) = &s.kind
+                && let Some(c) = &op.comm
+            {
+                let (src, dst) = match op.dir {
+                    Dir::Send => (t.rank, op.peer),
+                    Dir::Recv => (op.peer, t.rank),
+                };
+                uses.push((c.clone(), src, dst));
+            }
+        }
+    }
+    let (comm, a, b) = uses.iter().find_map(|(c, s, d)| {
+        uses.iter()
+            .any(|(c2, s2, d2)| c2 == c && s2 == d && d2 == s)
+            .then(|| (c.clone(), (*s).min(*d), (*s).max(*d)))
+    })?;
+    let new_comm = format!("{comm}-{b}to{a}");
+    if program.comms.iter().any(|c| c.name == new_comm) {
+        return None;
+    }
+    let mut p = program.clone();
+    let mut edits = Vec::new();
+    for t in &mut p.threads {
+        let rank = t.rank;
+        for s in &mut t.body {
+            let StmtKind::Op(op) = &s.kind else { continue };
+            if op.comm.as_deref() != Some(comm.as_str()) {
+                continue;
+            }
+            let (src, dst) = match op.dir {
+                Dir::Send => (rank, op.peer),
+                Dir::Recv => (op.peer, rank),
+            };
+            if (src, dst) != (b, a) {
+                continue;
+            }
+            let moved = P2p {
+                comm: Some(new_comm.clone()),
+                stream: Some(format!(
+                    "{}-{b}to{a}",
+                    op.stream.as_deref().unwrap_or("default")
+                )),
+                ..op.clone()
+            };
+            let old = written(source, s.line, &s.kind);
+            s.kind = StmtKind::Op(moved);
+            edits.push(Edit::Replace {
+                line: s.line.0,
+                old,
+                new: s.kind.to_string(),
+            });
+        }
+    }
+    // Groups are left alone: a group holding this traffic makes the edit
+    // more than a rename.
+    let touches_group = p.threads.iter().any(|t| {
+        t.body.iter().any(|s| {
+            matches!(&s.kind, StmtKind::Group(ops) if ops.iter().any(|o| o.comm.as_deref() == Some(comm.as_str())))
+        })
+    });
+    if edits.is_empty() || touches_group {
+        return None;
+    }
+    p.comms.push(CommDecl {
+        name: new_comm.clone(),
+        ranks: vec![a, b],
+        line: Line(0),
+    });
+    let after = source
+        .and_then(|s| {
+            s.lines()
+                .enumerate()
+                .filter(|(_, l)| {
+                    let l = l.trim_start();
+                    l.starts_with("comm ")
+                        || l.starts_with("ranks")
+                        || l.starts_with("policy")
+                        || l.starts_with("model")
+                })
+                .map(|(i, _)| i as u32 + 1)
+                .last()
+        })
+        .unwrap_or(0);
+    edits.push(Edit::Insert {
+        after,
+        new: format!("comm {new_comm} {a} {b}"),
+    });
+    Some((
+        format!(
+            "give the traffic from rank {b} to rank {a} its own communicator and stream, apart from `{comm}`"
+        ),
+        p,
+        edits,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stuck_of(src: &str) -> (Program, Stuck) {
+        let p = duplex::schedule::parse(src).expect("valid");
+        match check_quick(&p) {
+            Verdict::Deadlock { stuck, .. } => (p, *stuck),
+            other => panic!("expected a deadlock, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_seed_gets_lanes_grouping_and_a_reordered_rank_all_verified() {
+        let src = "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n";
+        let (p, stuck) = stuck_of(src);
+        let r = repairs(&p, Some(src), &stuck);
+        let titles: Vec<&str> = r.iter().map(|r| r.title.as_str()).collect();
+        assert!(titles.iter().any(|t| t.contains("own lane")), "{titles:?}");
+        assert!(titles.iter().any(|t| t.contains("group")), "{titles:?}");
+        assert!(
+            titles.iter().any(|t| t.contains("receive before")),
+            "{titles:?}"
+        );
+        let lanes = &r[0];
+        assert_eq!(
+            lanes.edits,
+            vec![Edit::Insert {
+                after: 1,
+                new: "policy per-direction".into()
+            }]
+        );
+        let group = r.iter().find(|r| r.title.contains("group")).expect("group");
+        assert_eq!(group.edits.len(), 4, "{:?}", group.edits);
+        assert_eq!(
+            group.edits[0],
+            Edit::Replace {
+                line: 3,
+                old: "send 1 4KiB".into(),
+                new: "group { send 1 4KiB; recv 1 4KiB }".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_hang_no_repair_fixes_gets_no_repair() {
+        // A rank that sends to itself with no receive: no lane, group or
+        // order helps, and nothing is suggested.
+        let src = "ranks 2\nrank 0:\n  recv 1 4KiB\n  sync\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  sync\n  send 0 4KiB\n";
+        let (p, stuck) = stuck_of(src);
+        let r = repairs(&p, Some(src), &stuck);
+        assert!(
+            r.is_empty(),
+            "per-direction does not fix recv; sync; send, and nothing else was tried: {:?}",
+            r.iter().map(|r| &r.title).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn an_explicit_ring_gets_a_verified_grouping_or_a_separate_communicator() {
+        let src = "ranks 2\ncomm c 0 1\nrank 0:\n  send 1 4KiB comm=c stream=s\n  recv 1 4KiB comm=c stream=s\nrank 1:\n  send 0 4KiB comm=c stream=s\n  recv 0 4KiB comm=c stream=s\n";
+        let (p, stuck) = stuck_of(src);
+        let r = repairs(&p, Some(src), &stuck);
+        assert!(r.iter().any(|r| r.title.contains("group")), "{r:?}");
+        assert!(r.iter().all(|r| r.verdict == VerdictKind::Ok));
+        let own = r
+            .iter()
+            .find(|r| r.title.contains("own communicator"))
+            .expect("a separate communicator and stream fixes it");
+        assert!(
+            own.edits
+                .iter()
+                .any(|e| matches!(e, Edit::Insert { after: 2, new } if new == "comm c-1to0 0 1")),
+            "{own:?}"
+        );
+    }
+
+    #[test]
+    fn latent_hangs_behind_eager_capacity_and_warm_channels_are_found() {
+        let eager = duplex::schedule::parse(
+            "ranks 2\nmodel eager=64MiB\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+        )
+        .expect("valid");
+        assert!(matches!(check_quick(&eager), Verdict::Ok));
+        let l = latent(&eager);
+        assert!(l.iter().any(|l| l.knob == "eager"), "{l:?}");
+        assert!(l.iter().all(|l| !l.stuck.cycle.is_empty()));
+        let strict = duplex::schedule::parse(
+            "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  recv 0 4KiB\n  send 0 4KiB\n",
+        )
+        .expect("valid");
+        assert!(latent(&strict).is_empty());
+    }
+}
