@@ -275,3 +275,92 @@ fn a_schedule_that_does_not_fit_is_refused_with_a_reason() {
         assert!(err.contains(says), "{schedule}: {err}");
     }
 }
+
+/// Writes `text` as `name` in the test's temporary folder.
+fn write(name: &str, text: &str) -> String {
+    let file = tempdir().join(name);
+    std::fs::write(&file, text).expect("write");
+    file.to_str().expect("utf-8").to_string()
+}
+
+#[test]
+fn a_mismatch_inside_a_multi_line_group_names_the_ops_own_lines() {
+    let file = write(
+        "group-mismatch.sched",
+        "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 8KiB\n  }\nrank 1:\n  group { recv 0 4KiB\n    recv 0 4KiB }\n",
+    );
+    let out = duplex(&["check", &file]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("send: rank 0 main: send → 1 8KiB (line 5, in a group)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("recv: rank 1 main: recv ← 0 4KiB (line 9, in a group)"),
+        "{text}"
+    );
+    // The host call is still the group, at its opening line.
+    assert!(
+        text.contains("`group { send 1 4KiB; send 1 8KiB }` (line 3)"),
+        "{text}"
+    );
+    let out = duplex(&["check", &file, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["error"]["kind"], "size-mismatch");
+    let ops = &json["error"]["ops"];
+    assert_eq!(ops[0]["line"], 5, "{json}");
+    assert_eq!(ops[0]["at"], "line 5");
+    assert_eq!(ops[0]["call"], "send 1 8KiB");
+    assert_eq!(ops[1]["line"], 9, "{json}");
+    assert_eq!(ops[1]["call"], "recv 0 4KiB");
+}
+
+#[test]
+fn a_cycle_through_grouped_ops_names_each_ops_line() {
+    let file = write(
+        "group-cycle.sched",
+        "ranks 2\nrank 0:\n  group {\n    send 1 256MiB\n  }\n  group { recv 1 256MiB }\nrank 1:\n  group {\n\n    send 0 256MiB\n  }\n  group { recv 0 256MiB }\n",
+    );
+    let out = duplex(&["check", &file]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("DEADLOCK"), "{text}");
+    let cycle: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("wait-for cycle"))
+        .take_while(|l| !l.starts_with("blocked host calls"))
+        .collect();
+    let cycle = cycle.join("\n");
+    assert!(
+        cycle.contains("rank 0 main: send → 1 256MiB (line 4, in a group)"),
+        "{text}"
+    );
+    assert!(
+        cycle.contains("rank 1 main: send → 0 256MiB (line 10, in a group)"),
+        "{text}"
+    );
+    let out = duplex(&["check", &file, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["verdict"], "deadlock");
+    let nodes: Vec<&str> = json["cycle"]
+        .as_array()
+        .expect("a cycle")
+        .iter()
+        .filter_map(|l| l["node"].as_str())
+        .collect();
+    assert!(
+        nodes
+            .iter()
+            .any(|n| n.contains("send → 0 256MiB (line 10, in a group)")),
+        "{nodes:?}"
+    );
+    let grouped: Vec<&serde_json::Value> = json["ops"]
+        .as_array()
+        .expect("ops")
+        .iter()
+        .filter(|o| o["grouped"] == true)
+        .collect();
+    let mut lines: Vec<u64> = grouped.iter().filter_map(|o| o["line"].as_u64()).collect();
+    lines.sort();
+    assert_eq!(lines, [4, 6, 10, 12], "{json}");
+}

@@ -466,6 +466,7 @@ impl Parser {
             size,
             comm,
             stream,
+            line: Line(line),
         })
     }
 }
@@ -483,6 +484,8 @@ fn validate(program: &Program) -> Result<()> {
                 _ => continue,
             };
             for op in ops {
+                // A group's op names its own line.
+                let line = if op.line.0 != 0 { op.line } else { stmt.line };
                 let Some(name) = op.comm.as_deref() else {
                     continue;
                 };
@@ -491,7 +494,7 @@ fn validate(program: &Program) -> Result<()> {
                 }
                 let Some(comm) = comms.get(name) else {
                     return err(
-                        stmt.line.0,
+                        line.0,
                         format!(
                             "communicator `{name}` is not declared: add `comm {name} R R ...` before the first rank block"
                         ),
@@ -500,7 +503,7 @@ fn validate(program: &Program) -> Result<()> {
                 for (who, r) in [("this thread's rank", thread.rank), ("the peer", op.peer)] {
                     if !comm.ranks.contains(&r) {
                         return err(
-                            stmt.line.0,
+                            line.0,
                             format!(
                                 "rank {r} ({who}) is not a member of communicator `{name}` (declared at line {})",
                                 comm.line.0
