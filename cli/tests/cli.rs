@@ -176,6 +176,11 @@ fn bad_input_exits_2_and_names_the_line() {
             b"ranks 2\nrank 0:\n  recv 7 1B\n",
             "peer.sched:3: rank 7 does not exist",
         ),
+        (
+            "huge.sched",
+            b"ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 2048GiB\n  }\n",
+            "huge.sched:5: `2048GiB` is larger than any device's memory",
+        ),
     ];
     for (name, bytes, expected) in cases {
         let file = dir.join(name);

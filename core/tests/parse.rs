@@ -1,7 +1,7 @@
 //! The schedule parser: valid files, and every kind of invalid file, whose
 //! error must name the right line.
 
-use duplex::schedule::{Dir, StmtKind, parse};
+use duplex::schedule::{Dir, MAX_MESSAGE_BYTES, StmtKind, parse};
 use duplex::{Policy, Size};
 
 #[test]
@@ -114,6 +114,35 @@ fn without_lines_clears_the_lines_of_grouped_ops() {
                 assert!(ops.iter().all(|o| o.line.0 == 0), "{ops:?}");
             }
         }
+    }
+}
+
+#[test]
+fn a_message_beyond_any_device_is_refused_at_its_line() {
+    let at_most = format!("ranks 2\nrank 0:\n  send 1 {}\n", Size(MAX_MESSAGE_BYTES));
+    assert!(parse(&at_most).is_ok(), "{at_most}");
+    for (text, line) in [
+        (
+            format!("ranks 2\nrank 0:\n  send 1 {}\n", MAX_MESSAGE_BYTES + 1),
+            3,
+        ),
+        (
+            "ranks 2\nrank 0:\n  recv 1 4096GiB comm=world\n".to_string(),
+            3,
+        ),
+        (
+            "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 2048GiB\n  }\n".to_string(),
+            5,
+        ),
+        (
+            "ranks 2\nrank 0:\n  group { recv 1 4KiB; recv 1 1025GiB }\n".to_string(),
+            3,
+        ),
+    ] {
+        let e = parse(&text).expect_err(&text);
+        assert_eq!(e.line, line, "{text:?}: {e}");
+        assert!(e.message.contains("larger than any device's memory"), "{e}");
+        assert!(e.message.contains("1024GiB"), "{e}");
     }
 }
 

@@ -11,7 +11,7 @@ mod parse;
 mod print;
 
 pub use execute::{execute, payload};
-pub use parse::{MAX_RANKS, ParseError, parse};
+pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, ParseError, parse};
 
 use crate::{Model, Policy, Size};
 
