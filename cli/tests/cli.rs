@@ -369,3 +369,178 @@ fn a_cycle_through_grouped_ops_names_each_ops_line() {
     lines.sort();
     assert_eq!(lines, [4, 6, 10, 12], "{json}");
 }
+
+/// The one JSON object a failed command prints on stdout.
+fn json_failure(out: &Output, args: &[&str]) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 1, "{args:?}: one line: {text}");
+    assert!(
+        out.stderr.is_empty(),
+        "{args:?}: nothing on stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {text}"))
+}
+
+#[test]
+fn errors_are_json_when_json_was_asked_for() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    let bad = write("json-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    let binary = tempdir().join("json-binary.sched");
+    std::fs::write(&binary, b"ranks 2\n\xff\n").expect("write");
+    let binary = binary.to_str().expect("utf-8");
+    let cases: &[(&[&str], &str, Option<u64>, &str)] = &[
+        (
+            &["check", "/nonexistent/x.sched"],
+            "read",
+            None,
+            "cannot read",
+        ),
+        (&["check", &bad], "parse", Some(3), "`lots` is not a size"),
+        (&["check", binary], "encoding", Some(2), "not UTF-8"),
+        (
+            &["check", seed, "--policy", "sideways"],
+            "usage",
+            None,
+            "sideways",
+        ),
+        (&["check", seed, "--eager", "lots"], "usage", None, "lots"),
+        (
+            &["check", seed, "--model", "kernels=0"],
+            "usage",
+            None,
+            "kernels=0",
+        ),
+        (&["check", seed, "--bogus"], "usage", None, "--bogus"),
+        (&["check"], "usage", None, "required"),
+        (
+            &["check", seed, "--replay", "v1:9"],
+            "replay",
+            None,
+            "cannot step",
+        ),
+        (&["check", seed, "--replay", "0.1"], "replay", None, "v1:"),
+    ];
+    for (args, kind, line, says) in cases {
+        for format in [&["--format", "json"][..], &["--format=json"][..]] {
+            let mut argv = args.to_vec();
+            argv.extend(format);
+            let out = duplex(&argv);
+            assert_eq!(out.status.code(), Some(2), "{argv:?}");
+            let json = json_failure(&out, &argv);
+            assert_eq!(json["verdict"], "invalid", "{argv:?}: {json}");
+            assert_eq!(json["error"]["kind"], *kind, "{argv:?}: {json}");
+            assert_eq!(json["error"]["line"].as_u64(), *line, "{argv:?}: {json}");
+            let message = json["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(says), "{argv:?}: {json}");
+            assert!(!message.contains('\n'), "{argv:?}: one line: {json}");
+        }
+    }
+    // The file is named when one is to blame.
+    let out = duplex(&["check", &bad, "--format", "json"]);
+    assert_eq!(json_failure(&out, &[])["file"], bad.as_str());
+    // Text stays text, on stderr.
+    let out = duplex(&["check", &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{bad}:3: `lots`")));
+}
+
+/// A run on NCCL where NCCL cannot be loaded, whatever the machine has.
+fn without_nccl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .env("DUPLEX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+        .output()
+        .expect("the duplex binary runs")
+}
+
+#[test]
+fn an_unavailable_backend_exits_4_and_an_invalid_file_2() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    let out = without_nccl(&["run", seed, "--backend", "nccl"]);
+    assert_eq!(out.status.code(), Some(4));
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("NCCL library is not available"), "{err}");
+    let args = ["run", seed, "--backend", "nccl", "--format", "json"];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(4));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["outcome"], "unavailable", "{json}");
+    assert_eq!(json["error"]["kind"], "unavailable", "{json}");
+    // The file is read first: an invalid one is 2, whatever the backend.
+    let bad = write("run-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    let args = ["run", bad.as_str(), "--backend", "nccl", "--format", "json"];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["outcome"], "invalid", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+    // calibrate: every file is parsed before the GPUs are asked for.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let args = [
+        "calibrate",
+        examples.to_str().expect("utf-8"),
+        "--format",
+        "json",
+    ];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(json_failure(&out, &args)["outcome"], "unavailable");
+    let dir = tempdir().join("calibrate-bad");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("a.sched"), "ranks 2\nrank 0:\n  recv 9 1B\n").expect("write");
+    let args = [
+        "calibrate",
+        dir.to_str().expect("utf-8"),
+        "--format",
+        "json",
+    ];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["error"]["kind"], "parse", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+}
+
+#[test]
+fn help_lists_the_exit_statuses() {
+    let out = duplex(&["--help"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for says in [
+        "Exit status:",
+        "2  a file or the command line is invalid",
+        "4  the backend is unavailable",
+    ] {
+        assert!(text.contains(says), "{says}: {text}");
+    }
+}
+
+#[test]
+fn a_simulated_run_reports_its_hang_as_data() {
+    let file = write(
+        "run-hang.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let out = duplex(&["run", &file, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["outcome"], "deadlock");
+    let cycle = json["hang"]["stuck"]["cycle"].as_array().expect("a cycle");
+    assert_eq!(cycle.len(), 4, "{json}");
+    assert!(json["hang"]["stuck"]["ops"][0]["peer"].is_u64(), "{json}");
+    let file = write(
+        "run-mismatch.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",
+    );
+    let out = duplex(&["run", &file, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["outcome"], "error");
+    assert_eq!(json["error"]["kind"], "size-mismatch", "{json}");
+    assert_eq!(json["error"]["ops"].as_array().map(Vec::len), Some(2));
+}
