@@ -16,8 +16,24 @@ pub(crate) const OK: u8 = 0;
 pub(crate) const FOUND: u8 = 1;
 /// A file or the command line is invalid: nothing was checked.
 pub(crate) const INVALID: u8 = 2;
+/// The search reached `--max-states` before deciding.
+pub(crate) const INCONCLUSIVE: u8 = 3;
 /// The backend cannot start here (no NCCL, no CUDA driver, too few GPUs).
 pub(crate) const UNAVAILABLE: u8 = 4;
+
+/// The worst of two exit statuses, for a call over several files: invalid
+/// (2) over found (1) over inconclusive (3) over ok (0); unavailable (4)
+/// over all.
+pub(crate) fn worst(a: u8, b: u8) -> u8 {
+    let rank = |s: u8| match s {
+        OK => 0,
+        INCONCLUSIVE => 1,
+        FOUND => 2,
+        INVALID => 3,
+        _ => 4,
+    };
+    if rank(b) > rank(a) { b } else { a }
+}
 
 /// Why a command could not do its work.
 #[derive(Clone, Debug)]
@@ -101,6 +117,21 @@ impl Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_worst_status_wins_whatever_the_order() {
+        let order = [OK, INCONCLUSIVE, FOUND, INVALID, UNAVAILABLE];
+        for (i, a) in order.iter().enumerate() {
+            for (j, b) in order.iter().enumerate() {
+                let want = order[i.max(j)];
+                assert_eq!(worst(*a, *b), want, "worst({a}, {b})");
+            }
+        }
+        assert_eq!(
+            [OK, FOUND, INCONCLUSIVE, OK].into_iter().fold(OK, worst),
+            FOUND
+        );
+    }
 
     #[test]
     fn a_failure_prints_its_line_and_serializes_its_fields() {

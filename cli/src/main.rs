@@ -1,9 +1,9 @@
 //! The `duplex` command line.
 //!
-//! `duplex check FILE` reads a schedule file (`docs/schedule-format.md`),
-//! explores every interleaving of its host threads on the simulator, and
-//! prints whether the program can hang, with the wait-for cycle and the
-//! interleaving that leads there. `duplex run
+//! `duplex check FILE...` reads schedule files (`docs/schedule-format.md`;
+//! `-` is standard input), explores every interleaving of their host threads
+//! on the simulator, and prints for each whether the program can hang, with
+//! the wait-for cycle and the interleaving that leads there. `duplex run
 //! FILE --backend nccl|sim` executes a schedule file (on GPUs, or one random
 //! schedule of the simulator); `duplex calibrate DIR` measures this
 //! machine's NCCL and compares every file of DIR run on the GPUs with the
@@ -15,7 +15,7 @@ mod calibrate;
 mod failure;
 mod run;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -35,6 +35,7 @@ Exit status:
   3  the search reached --max-states before deciding (check)
   4  the backend is unavailable: no NCCL, CUDA driver or enough GPUs (run --backend nccl,
      calibrate)
+With several files, `check` exits with the worst status of them: 2, then 1, then 3, then 0.
 With --format json, errors too are one JSON object on stdout:
   {\"verdict\": \"invalid\", \"file\": ..., \"error\": {\"kind\": ..., \"message\": ..., \"line\": ...}}
 (`outcome` for run and calibrate; \"unavailable\" with status 4).";
@@ -53,7 +54,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Answers "can this program hang?" for a schedule file, on the simulator.
+    /// Answers "can this program hang?" for schedule files, on the simulator.
     Check(CheckArgs),
     /// Executes a schedule file on GPUs (`--backend nccl`) or on one random
     /// schedule of the simulator (`--backend sim`), and reports what happened.
@@ -71,7 +72,7 @@ enum Backend {
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
-    /// The schedule file.
+    /// The schedule file (`-`: standard input).
     file: String,
     /// Where to run it.
     #[arg(long, value_enum, default_value_t = Backend::Sim)]
@@ -110,8 +111,9 @@ enum TableFormat {
 
 #[derive(clap::Args, Debug)]
 struct CheckArgs {
-    /// The schedule file.
-    file: String,
+    /// The schedule files, each checked on its own (`-`: standard input).
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<String>,
     /// Place ops without comm=/stream= by this policy (overrides the file).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<Policy>,
@@ -122,7 +124,8 @@ struct CheckArgs {
     /// kernels); may be repeated; overrides the file.
     #[arg(long = "model", value_name = "KEY=VALUE")]
     model: Vec<String>,
-    /// Output format.
+    /// Output format: text (one report after another), or json (one JSON
+    /// object per line, one line per file).
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
     /// Give up (exit status 3) after this many distinct states.
@@ -215,9 +218,18 @@ fn report_failure(failure: &Failure, json: bool, key: &str) {
     }
 }
 
-/// Reads and parses a schedule file.
+/// Reads and parses a schedule file (`-`: standard input).
 fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {
-    let text = match std::fs::read(file) {
+    let bytes = if file == "-" {
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut bytes)
+            .map(|_| bytes)
+    } else {
+        std::fs::read(file)
+    };
+    let text = match bytes {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(t) => t,
             Err(e) => {
@@ -232,7 +244,12 @@ fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {
             }
         },
         Err(e) => {
-            return Err(Failure::invalid("read", format!("cannot read {file}: {e}")).at(file, None));
+            let what = if file == "-" {
+                "standard input".to_string()
+            } else {
+                file.to_string()
+            };
+            return Err(Failure::invalid("read", format!("cannot read {what}: {e}")).at(file, None));
         }
     };
     duplex::schedule::parse(&text)
@@ -339,7 +356,7 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
 
 fn run_check(args: &CheckArgs) -> ExitCode {
     let json = matches!(args.format, Format::Json);
-    // The command line is checked before the file is read.
+    // What applies to every file is checked once, before any file is read.
     for setting in &args.model {
         if let Err(e) = duplex::Model::default().set(setting) {
             let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
@@ -348,6 +365,13 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     }
     let schedule = match &args.replay {
         None => None,
+        Some(_) if args.files.len() > 1 => {
+            let f = Failure::invalid(
+                "usage",
+                "--replay follows one interleaving of one program: give one file",
+            );
+            return fail(&f, json, "verdict");
+        }
         Some(text) => match text.parse::<duplex_sim::explore::Schedule>() {
             Ok(s) => Some(s),
             Err(e) => {
@@ -356,20 +380,35 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             }
         },
     };
-    let file = &args.file;
-    let report = match check_file(args, file, schedule.as_ref()) {
-        Ok(report) => report,
-        Err(f) => return fail(&f, json, "verdict"),
-    };
-    let out = match args.format {
-        Format::Text => Ok(report.to_string()),
-        Format::Json => to_json(&report).map(|j| format!("{j}\n")),
-    };
-    match out {
-        Ok(out) => print(&out),
-        Err(f) => return fail(&f.at(file, None), json, "verdict"),
+    let mut status = OK;
+    for (i, file) in args.files.iter().enumerate() {
+        let code = match check_file(args, file, schedule.as_ref()) {
+            Ok(report) => {
+                let out = match args.format {
+                    Format::Text if i > 0 => Ok(format!("\n{report}")),
+                    Format::Text => Ok(report.to_string()),
+                    Format::Json => to_json(&report).map(|j| format!("{j}\n")),
+                };
+                match out {
+                    Ok(out) => {
+                        print(&out);
+                        report.exit_code() as u8
+                    }
+                    Err(f) => {
+                        let f = f.at(file, None);
+                        report_failure(&f, json, "verdict");
+                        f.status
+                    }
+                }
+            }
+            Err(f) => {
+                report_failure(&f, json, "verdict");
+                f.status
+            }
+        };
+        status = failure::worst(status, code);
     }
-    ExitCode::from(report.exit_code() as u8)
+    ExitCode::from(status)
 }
 
 /// Checks one file under the command line's settings.

@@ -515,6 +515,7 @@ fn help_lists_the_exit_statuses() {
         "Exit status:",
         "2  a file or the command line is invalid",
         "4  the backend is unavailable",
+        "2, then 1, then 3, then 0",
     ] {
         assert!(text.contains(says), "{says}: {text}");
     }
@@ -543,4 +544,115 @@ fn a_simulated_run_reports_its_hang_as_data() {
     assert_eq!(json["outcome"], "error");
     assert_eq!(json["error"]["kind"], "size-mismatch", "{json}");
     assert_eq!(json["error"]["ops"].as_array().map(Vec::len), Some(2));
+}
+
+/// Runs `duplex ARGS` with `input` on its standard input.
+fn duplex_with_stdin(args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the duplex binary runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input)
+        .expect("write stdin");
+    child.wait_with_output().expect("output")
+}
+
+#[test]
+fn a_dash_reads_the_schedule_from_stdin() {
+    let seed = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched"))
+        .expect("the seed");
+    let out = duplex_with_stdin(&["check", "-"], &seed);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("-: DEADLOCK"),
+        "named `-` as given: {text}"
+    );
+    assert!(text.contains("duplex check - --replay v1:"), "{text}");
+    let out = duplex_with_stdin(&["check", "-", "--policy", "per-direction"], &seed);
+    assert_eq!(out.status.code(), Some(0));
+    let args = ["check", "-", "--format", "json"];
+    let out = duplex_with_stdin(&args, b"ranks 2\nrank 0:\n  recv 7 1B\n");
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["file"], "-", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+    let out = duplex_with_stdin(&["check", "-"], b"ranks 2\n\xff\n");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("duplex: -:2: the file is not UTF-8"));
+}
+
+#[test]
+fn several_files_get_a_verdict_each_and_the_worst_status() {
+    let ok = write(
+        "many-ok.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n",
+    );
+    let hang = write(
+        "many-hang.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let bad = write("many-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    // Text: one report after another, in the order given.
+    let out = duplex(&["check", &ok, &hang, &ok]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let heads: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(tempdir().to_str().expect("utf-8")))
+        .collect();
+    assert_eq!(heads.len(), 3, "{text}");
+    assert!(heads[0].contains("many-ok.sched: OK"), "{text}");
+    assert!(heads[1].contains("many-hang.sched: DEADLOCK"), "{text}");
+    assert!(heads[2].contains("many-ok.sched: OK"), "{text}");
+    // JSON: one object per line, one line per file, an invalid file's too.
+    let args = ["check", &ok, &bad, &hang, "--format", "json"];
+    let out = duplex(&args);
+    assert_eq!(out.status.code(), Some(2), "an invalid file is the worst");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    let verdicts: Vec<&str> = lines.iter().filter_map(|j| j["verdict"].as_str()).collect();
+    assert_eq!(verdicts, ["ok", "invalid", "deadlock"]);
+    assert_eq!(lines[1]["file"], bad.as_str());
+    assert_eq!(lines[2]["file"], hang.as_str());
+    // Text: the invalid file's message on stderr, the others' reports.
+    let out = duplex(&["check", &bad, &ok]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("many-bad.sched:3:"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("many-ok.sched: OK"));
+    let out = duplex(&["check", &ok, &ok]);
+    assert_eq!(out.status.code(), Some(0));
+    // Deciding beats giving up: a hang (1) is worse than inconclusive (3),
+    // which is worse than ok (0).
+    let rpc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
+    let rpc = rpc.to_str().expect("utf-8");
+    let stuck = write("many-stuck.sched", "ranks 2\nrank 0:\n  recv 1 4KiB\n");
+    let bound = ["--policy", "per-direction", "--max-states", "5"];
+    for (files, status) in [
+        (vec![ok.as_str(), rpc], 3),
+        (vec![rpc, ok.as_str()], 3),
+        (vec![rpc, stuck.as_str()], 1),
+        (vec![stuck.as_str(), rpc, ok.as_str()], 1),
+    ] {
+        let mut args = vec!["check"];
+        args.extend(&files);
+        args.extend(bound);
+        let out = duplex(&args);
+        assert_eq!(out.status.code(), Some(status), "{args:?}");
+    }
+    // One --replay schedule fits one program.
+    let out = duplex(&["check", &ok, &hang, "--replay", "v1:0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give one file"));
 }
