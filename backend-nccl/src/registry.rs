@@ -236,6 +236,7 @@ impl Registry {
                         dtype: o.dtype,
                         comm: CommId(o.comm),
                         stream: duplex::machine::StreamId(o.stream),
+                        origin: None,
                     })
                     .collect(),
                 grouped,

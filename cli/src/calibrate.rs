@@ -11,6 +11,7 @@ use duplex::{Dir, Error, Model, Policy, Size, Transport};
 use duplex_nccl::{Local, NcclRank};
 use duplex_sim::check::{self, Verdict};
 
+use crate::failure::{FOUND, Failure};
 use crate::run::{Ran, on_nccl_isolated};
 
 /// One probe of the eager capacity.
@@ -147,9 +148,44 @@ fn verdict(program: &duplex::schedule::Program) -> &'static str {
     }
 }
 
-/// Runs every `.sched` file of `dir` and builds the table.
-pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<Row>), Error> {
-    let cap = capacity(timeout)?;
+/// Runs every `.sched` file of `dir` and builds the table. Every file is
+/// read and parsed before the GPUs are touched: an invalid one is refused
+/// (exit status 2) without a measurement; no NCCL or too few GPUs is exit
+/// status 4.
+pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<Row>), Failure> {
+    let shown = dir.display().to_string();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| {
+            Failure::invalid("read", format!("cannot read {shown}: {e}")).at(&shown, None)
+        })?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+        .collect();
+    files.sort();
+    let mut programs = Vec::new();
+    for f in files {
+        let path = f.display().to_string();
+        let program = crate::load(&path)?;
+        let name = f
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        programs.push((f, name, program));
+    }
+    let measuring = |e: Error| match e {
+        Error::Unavailable { .. } => Failure::unavailable(e.to_string()),
+        e => Failure {
+            status: FOUND,
+            kind: "failed",
+            file: None,
+            line: None,
+            message: format!("measuring the eager capacity failed: {e}"),
+        },
+    };
+    // Nothing can run without NCCL, a CUDA driver and two GPUs.
+    Local::new(2).map_err(|e| Failure::unavailable(e.to_string()))?;
+    let cap = capacity(timeout).map_err(measuring)?;
     eprintln!(
         "eager capacity: {} completes alone, {} waits",
         Size(cap.fits),
@@ -157,35 +193,8 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<(Capacity, Vec<
             .map(|w| Size(w).to_string())
             .unwrap_or("nothing".into())
     );
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|e| Error::Invalid {
-            at: dir.display().to_string(),
-            message: e.to_string(),
-        })?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
-        .collect();
-    files.sort();
     let mut rows = Vec::new();
-    for f in files {
-        let name = f
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let text = std::fs::read_to_string(&f).map_err(|e| Error::Invalid {
-            at: name.clone(),
-            message: e.to_string(),
-        })?;
-        let mut program = match duplex::schedule::parse(&text) {
-            Ok(p) => p,
-            Err(e) => {
-                return Err(Error::Invalid {
-                    at: format!("{name}:{}", e.line),
-                    message: e.message,
-                });
-            }
-        };
+    for (f, name, mut program) in programs {
         // The model fitted to this machine: its measured capacity, kernels
         // in progress at once without bound, communicator order, and
         // one-sided grouping accepted (all measured in docs/semantics.md);

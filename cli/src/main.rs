@@ -1,30 +1,52 @@
 //! The `duplex` command line.
 //!
-//! `duplex check FILE` reads a schedule file (`docs/schedule-format.md`),
-//! explores every interleaving of its host threads on the simulator, and
-//! prints whether the program can hang, with the wait-for cycle and the
-//! interleaving that leads there. Exit status: 0 no hang and no error, 1 a
-//! hang or a program error, 2 the file cannot be read or is not valid, 3 the
-//! search hit its state bound. `duplex run FILE --backend nccl|sim` executes
-//! a schedule file (on GPUs, or one random schedule of the simulator);
-//! `duplex calibrate DIR` measures this machine's NCCL and compares every
-//! file of DIR run on the GPUs with the checker's verdict. This crate only
-//! parses arguments and prints; the work is in `duplex` (the format),
-//! `duplex-sim` (the rules) and `duplex-nccl` (the GPUs).
+//! `duplex check FILE...` reads schedule files (`docs/schedule-format.md`;
+//! `-` is standard input), explores every interleaving of their host threads
+//! on the simulator, and prints for each whether the program can hang, with
+//! the wait-for cycle and the interleaving that leads there. `duplex run
+//! FILE --backend nccl|sim` executes a schedule file (on GPUs, or one random
+//! schedule of the simulator); `duplex calibrate DIR` measures this
+//! machine's NCCL and compares every file of DIR run on the GPUs with the
+//! checker's verdict. Exit statuses are in [`failure`] and `duplex --help`.
+//! This crate only parses arguments and prints; the work is in `duplex` (the
+//! format), `duplex-sim` (the rules) and `duplex-nccl` (the GPUs).
 
 mod calibrate;
+mod failure;
 mod run;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use duplex::compile;
 use duplex::{Policy, Size};
 use duplex_sim::{check, report::Report};
+use failure::{FOUND, Failure, OK};
+
+/// `duplex --help`'s last words: the exit statuses.
+const EXIT_STATUSES: &str = "\
+Exit status:
+  0  no interleaving hangs and no error was found (check); the run completed (run);
+     every example agrees (calibrate)
+  1  a hang or a program error was found (check); the run hung or failed (run);
+     some example disagrees (calibrate)
+  2  a file or the command line is invalid: nothing was checked or run
+  3  the search reached --max-states before deciding (check)
+  4  the backend is unavailable: no NCCL, CUDA driver or enough GPUs (run --backend nccl,
+     calibrate)
+With several files, `check` exits with the worst status of them: 2, then 1, then 3, then 0.
+With --format json, errors too are one JSON object on stdout:
+  {\"verdict\": \"invalid\", \"file\": ..., \"error\": {\"kind\": ..., \"message\": ..., \"line\": ...}}
+(`outcome` for run and calibrate; \"unavailable\" with status 4).";
 
 #[derive(Parser, Debug)]
-#[command(name = "duplex", version, about = "NCCL point-to-point without hangs")]
+#[command(
+    name = "duplex",
+    version,
+    about = "NCCL point-to-point without hangs",
+    after_help = EXIT_STATUSES
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -32,7 +54,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Answers "can this program hang?" for a schedule file, on the simulator.
+    /// Answers "can this program hang?" for schedule files, on the simulator.
     Check(CheckArgs),
     /// Executes a schedule file on GPUs (`--backend nccl`) or on one random
     /// schedule of the simulator (`--backend sim`), and reports what happened.
@@ -50,7 +72,7 @@ enum Backend {
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
-    /// The schedule file.
+    /// The schedule file (`-`: standard input).
     file: String,
     /// Where to run it.
     #[arg(long, value_enum, default_value_t = Backend::Sim)]
@@ -94,8 +116,9 @@ enum TableFormat {
 
 #[derive(clap::Args, Debug)]
 struct CheckArgs {
-    /// The schedule file.
-    file: String,
+    /// The schedule files, each checked on its own (`-`: standard input).
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<String>,
     /// Place ops without comm=/stream= by this policy (overrides the file).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<Policy>,
@@ -106,7 +129,8 @@ struct CheckArgs {
     /// kernels); may be repeated; overrides the file.
     #[arg(long = "model", value_name = "KEY=VALUE")]
     model: Vec<String>,
-    /// Output format.
+    /// Output format: text (one report after another), or json (one JSON
+    /// object per line, one line per file).
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
     /// Give up (exit status 3) after this many distinct states.
@@ -137,7 +161,10 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     match cli.command {
         Command::Check(args) => run_check(&args),
         Command::Run(args) => run_run(&args),
@@ -145,14 +172,78 @@ fn main() -> ExitCode {
     }
 }
 
-fn fail(message: &str) -> ExitCode {
-    eprintln!("duplex: {message}");
-    ExitCode::from(2)
+/// A command line clap refuses: its own message, or, when the command line
+/// asks for JSON (`--format json`), one JSON object on stdout; status 2.
+/// Help and the version print as clap prints them.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit()
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let json = args
+        .windows(2)
+        .any(|w| w[0] == "--format" && w[1] == "json")
+        || args.iter().any(|a| a == "--format=json");
+    if !json {
+        e.exit()
+    }
+    // clap's message without its usage and hints, on one line.
+    let text = e.to_string();
+    let message = text
+        .split("\n\n")
+        .next()
+        .unwrap_or_default()
+        .lines()
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_start_matches("error: ")
+        .to_string();
+    let key = match args.first().map(String::as_str) {
+        Some("run" | "calibrate") => "outcome",
+        _ => "verdict",
+    };
+    fail(&Failure::invalid("usage", message), true, key)
 }
 
-/// Reads and parses a schedule file; the error is the message to print.
-fn load(file: &str) -> Result<duplex::schedule::Program, String> {
-    let text = match std::fs::read(file) {
+/// Prints `failure`, as text on stderr or as one JSON object (a line) on
+/// stdout, and returns its exit status. `key` names the verdict's field.
+fn fail(failure: &Failure, json: bool, key: &str) -> ExitCode {
+    report_failure(failure, json, key);
+    ExitCode::from(failure.status)
+}
+
+fn report_failure(failure: &Failure, json: bool, key: &str) {
+    if json {
+        print(&format!("{}\n", failure.json(key)));
+    } else {
+        eprintln!("duplex: {}", failure.text());
+    }
+}
+
+/// Reads and parses a schedule file (`-`: standard input).
+fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {
+    load_text(file).map(|(p, _)| p)
+}
+
+/// [`load`], with the file's text (to place suggested edits by line).
+fn load_text(file: &str) -> Result<(duplex::schedule::Program, String), Failure> {
+    let bytes = if file == "-" {
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut bytes)
+            .map(|_| bytes)
+    } else {
+        std::fs::read(file)
+    };
+    let text = match bytes {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(t) => t,
             Err(e) => {
@@ -160,12 +251,24 @@ fn load(file: &str) -> Result<duplex::schedule::Program, String> {
                     .iter()
                     .filter(|b| **b == b'\n')
                     .count();
-                return Err(format!("{file}:{line}: the file is not UTF-8 text"));
+                let line = u32::try_from(line).unwrap_or(u32::MAX);
+                return Err(
+                    Failure::invalid("encoding", "the file is not UTF-8 text").at(file, Some(line))
+                );
             }
         },
-        Err(e) => return Err(format!("cannot read {file}: {e}")),
+        Err(e) => {
+            let what = if file == "-" {
+                "standard input".to_string()
+            } else {
+                file.to_string()
+            };
+            return Err(Failure::invalid("read", format!("cannot read {what}: {e}")).at(file, None));
+        }
     };
-    duplex::schedule::parse(&text).map_err(|e| format!("{file}:{}: {}", e.line, e.message))
+    duplex::schedule::parse(&text)
+        .map(|p| (p, text))
+        .map_err(|e| Failure::invalid("parse", e.message).at(file, Some(e.line)))
 }
 
 fn print(text: &str) {
@@ -174,17 +277,30 @@ fn print(text: &str) {
     let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
+/// A report as JSON: one line.
+fn to_json<T: serde::Serialize>(value: &T) -> Result<String, Failure> {
+    serde_json::to_string(value).map_err(|e| Failure {
+        status: FOUND,
+        kind: "failed",
+        file: None,
+        line: None,
+        message: format!("cannot encode the report as JSON: {e}"),
+    })
+}
+
 fn run_run(args: &RunArgs) -> ExitCode {
+    let json = matches!(args.format, Format::Json);
     let mut program = match load(&args.file) {
         Ok(p) => p,
-        Err(m) => return fail(&m),
+        Err(f) => return fail(&f, json, "outcome"),
     };
     if let Some(p) = args.policy {
         program.policy = p;
     }
     for setting in &args.model {
         if let Err(e) = program.model.set(setting) {
-            return fail(&format!("--model {setting}: {e}"));
+            let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
+            return fail(&f, json, "outcome");
         }
     }
     let ran = match args.backend {
@@ -192,14 +308,19 @@ fn run_run(args: &RunArgs) -> ExitCode {
         Backend::Nccl => {
             match run::on_nccl(&program, std::time::Duration::from_millis(args.timeout_ms)) {
                 Ok(r) => r,
-                Err(e) => return fail(&e.to_string()),
+                Err(e) => {
+                    // Nothing ran: NCCL, the CUDA driver or the GPUs could
+                    // not be set up.
+                    let f = Failure::unavailable(e.to_string()).at(&args.file, None);
+                    return fail(&f, json, "outcome");
+                }
             }
         }
     };
     match args.format {
-        Format::Json => match serde_json::to_string_pretty(&ran) {
+        Format::Json => match to_json(&ran) {
             Ok(j) => print(&format!("{j}\n")),
-            Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
+            Err(f) => return fail(&f, json, "outcome"),
         },
         Format::Text => {
             let head = match ran.outcome.as_str() {
@@ -218,14 +339,15 @@ fn run_run(args: &RunArgs) -> ExitCode {
             ));
         }
     }
-    ExitCode::from(if ran.outcome == "ok" { 0 } else { 1 })
+    ExitCode::from(if ran.outcome == "ok" { OK } else { FOUND })
 }
 
 fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
+    let json = matches!(args.format, TableFormat::Json);
     let timeout = std::time::Duration::from_millis(args.timeout_ms);
     let (cap, rows) = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout) {
         Ok(r) => r,
-        Err(e) => return fail(&e.to_string()),
+        Err(f) => return fail(&f, json, "outcome"),
     };
     let model = duplex::Model {
         eager: Size(cap.fits),
@@ -238,28 +360,98 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
             match serde_json::to_string_pretty(&serde_json::json!({"capacity": cap, "rows": rows}))
             {
                 Ok(j) => print(&format!("{j}\n")),
-                Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
+                Err(e) => {
+                    let f = Failure::invalid(
+                        "failed",
+                        format!("cannot encode the report as JSON: {e}"),
+                    );
+                    return fail(&Failure { status: FOUND, ..f }, json, "outcome");
+                }
             }
         }
     }
     let disagree = rows
         .iter()
         .any(|r| r.agrees == "NO" || r.agrees.starts_with("no"));
-    ExitCode::from(if disagree { 1 } else { 0 })
+    ExitCode::from(if disagree { FOUND } else { OK })
 }
 
 fn run_check(args: &CheckArgs) -> ExitCode {
-    let mut program = match load(&args.file) {
-        Ok(p) => p,
-        Err(m) => return fail(&m),
+    let json = matches!(args.format, Format::Json);
+    // What applies to every file is checked once, before any file is read.
+    for setting in &args.model {
+        if let Err(e) = duplex::Model::default().set(setting) {
+            let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
+            return fail(&f, json, "verdict");
+        }
+    }
+    let schedule = match &args.replay {
+        None => None,
+        Some(_) if args.files.len() > 1 => {
+            let f = Failure::invalid(
+                "usage",
+                "--replay follows one interleaving of one program: give one file",
+            );
+            return fail(&f, json, "verdict");
+        }
+        Some(text) => match text.parse::<duplex_sim::explore::Schedule>() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                let f = Failure::invalid("replay", format!("--replay: {e}"));
+                return fail(&f, json, "verdict");
+            }
+        },
     };
+    let mut status = OK;
+    for (i, file) in args.files.iter().enumerate() {
+        let code = match check_file(args, file, schedule.as_ref()) {
+            Ok(report) => {
+                let out = match args.format {
+                    Format::Text if i > 0 => Ok(format!("\n{report}")),
+                    Format::Text => Ok(report.to_string()),
+                    Format::Json => to_json(&report).map(|j| format!("{j}\n")),
+                };
+                match out {
+                    Ok(out) => {
+                        print(&out);
+                        if args.deny_latent && !report.latent.is_empty() {
+                            1
+                        } else {
+                            report.exit_code() as u8
+                        }
+                    }
+                    Err(f) => {
+                        let f = f.at(file, None);
+                        report_failure(&f, json, "verdict");
+                        f.status
+                    }
+                }
+            }
+            Err(f) => {
+                report_failure(&f, json, "verdict");
+                f.status
+            }
+        };
+        status = failure::worst(status, code);
+    }
+    ExitCode::from(status)
+}
+
+/// Checks one file under the command line's settings.
+fn check_file(
+    args: &CheckArgs,
+    file: &str,
+    schedule: Option<&duplex_sim::explore::Schedule>,
+) -> Result<Report, Failure> {
+    let (mut program, source) = load_text(file)?;
     if let Some(p) = args.policy {
         program.policy = p;
     }
     for setting in &args.model {
-        if let Err(e) = program.model.set(setting) {
-            return fail(&format!("--model {setting}: {e}"));
-        }
+        program
+            .model
+            .set(setting)
+            .map_err(|e| Failure::invalid("usage", format!("--model {setting}: {e}")))?;
     }
     if let Some(e) = args.eager {
         program.model.eager = e;
@@ -269,43 +461,27 @@ fn run_check(args: &CheckArgs) -> ExitCode {
         max_states: args.max_states,
         reduce: !args.no_reduction,
     };
-    let outcome = match &args.replay {
+    let outcome = match schedule {
         None => check::check(&compiled, &options),
-        Some(text) => {
+        Some(s) => {
             let start = std::time::Instant::now();
-            let verdict = text
-                .parse::<duplex_sim::explore::Schedule>()
-                .and_then(|s| check::judge_schedule(&compiled, &s));
-            match verdict {
-                Ok(verdict) => check::Outcome {
-                    verdict,
-                    stats: check::Stats {
-                        states: 0,
-                        transitions: 0,
-                        executions: 1,
-                        elapsed: start.elapsed(),
-                    },
+            let verdict = check::judge_schedule(&compiled, s)
+                .map_err(|e| Failure::invalid("replay", format!("--replay: {e}")).at(file, None))?;
+            check::Outcome {
+                verdict,
+                stats: check::Stats {
+                    states: 0,
+                    transitions: 0,
+                    executions: 1,
+                    elapsed: start.elapsed(),
                 },
-                Err(e) => return fail(&format!("--replay: {e}")),
             }
         }
     };
-    let mut report = Report::new(&args.file, program.policy, program.model, &outcome);
-    if args.replay.is_some() {
-        report = report.replayed();
+    let report = Report::new(file, program.policy, program.model, &outcome);
+    Ok(if schedule.is_some() {
+        report.replayed()
     } else {
-        let source = std::fs::read_to_string(&args.file).ok();
-        report = report.advise(&program, source.as_deref());
-    }
-    match args.format {
-        Format::Text => print(&report.to_string()),
-        Format::Json => match serde_json::to_string_pretty(&report) {
-            Ok(json) => print(&format!("{json}\n")),
-            Err(e) => return fail(&format!("cannot encode the report as JSON: {e}")),
-        },
-    }
-    if args.deny_latent && !report.latent.is_empty() {
-        return ExitCode::from(1);
-    }
-    ExitCode::from(report.exit_code() as u8)
+        report.advise(&program, Some(&source))
+    })
 }

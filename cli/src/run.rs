@@ -19,6 +19,13 @@ pub(crate) struct Ran {
     pub(crate) seconds: f64,
     /// The hang report or the error, as text.
     pub(crate) detail: String,
+    /// For a hang: the report as data (`context`, `stuck` with `cycle`,
+    /// `missing`, `blocked` and `ops`, `steps`, `schedule`, `replay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) hang: Option<serde_json::Value>,
+    /// For an error or a crash: `{"kind", "message", ...}` ([`error_json`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) error: Option<serde_json::Value>,
 }
 
 fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
@@ -26,15 +33,61 @@ fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
         outcome: outcome.to_string(),
         seconds: start.elapsed().as_secs_f64(),
         detail,
+        hang: None,
+        error: None,
+    }
+}
+
+fn hung(start: Instant, h: &duplex::Hang) -> Ran {
+    Ran {
+        hang: serde_json::to_value(h).ok(),
+        ..ran("deadlock", start, h.to_string())
+    }
+}
+
+fn failed(outcome: &str, start: Instant, e: &Error) -> Ran {
+    Ran {
+        error: Some(error_json(e)),
+        ..ran(outcome, start, e.to_string())
+    }
+}
+
+/// An error as data: `kind` (`size-mismatch`, `type-mismatch`,
+/// `group-mismatch`, `never-received`, `invalid`, `race`, `unavailable`,
+/// `aborted`, `user`, `library`, `hang`), `message`, and the fields of its
+/// kind (`ops` for a program error, `at` for an invalid call or a race,
+/// `library`, `call` and `code` for NCCL or CUDA).
+pub(crate) fn error_json(e: &Error) -> serde_json::Value {
+    use serde_json::json;
+    match e {
+        Error::Program { kind, message, ops } => {
+            json!({"kind": kind, "message": message, "ops": ops})
+        }
+        Error::Invalid { at, message } => json!({"kind": "invalid", "message": message, "at": at}),
+        Error::Race { at, message } => json!({"kind": "race", "message": message, "at": at}),
+        Error::Unavailable { what, how } => {
+            json!({"kind": "unavailable", "message": e.to_string(), "what": what, "how": how})
+        }
+        Error::Aborted(m) => json!({"kind": "aborted", "message": m}),
+        Error::User(m) => json!({"kind": "user", "message": m}),
+        Error::Library {
+            library,
+            call,
+            code,
+            text,
+        } => {
+            json!({"kind": "library", "message": text, "library": library, "call": call, "code": code})
+        }
+        Error::Hang(_) => json!({"kind": "hang", "message": e.to_string()}),
     }
 }
 
 fn classify(start: Instant, r: Result<(), Error>) -> Ran {
     match r {
         Ok(()) => ran("ok", start, String::new()),
-        Err(Error::Hang(h)) => ran("deadlock", start, h.to_string()),
-        Err(e @ Error::Library { .. }) => ran("crash", start, e.to_string()),
-        Err(e) => ran("error", start, e.to_string()),
+        Err(Error::Hang(h)) => hung(start, &h),
+        Err(e @ Error::Library { .. }) => failed("crash", start, &e),
+        Err(e) => failed("error", start, &e),
     }
 }
 
@@ -115,13 +168,26 @@ pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration, model:
     };
     let parsed = start.and_then(|i| {
         serde_json::Deserializer::from_str(&stdout[i..])
-            .into_iter::<Ran>()
+            .into_iter::<serde_json::Value>()
             .next()
             .and_then(Result::ok)
     });
-    match parsed.ok_or(()) {
-        Ok(r) => r,
-        Err(_) => {
+    // A report, or the child's failure to run at all (an invalid file, no
+    // GPUs): `{"outcome": ..., "error": {"message": ...}}`.
+    let report = parsed
+        .clone()
+        .and_then(|v| serde_json::from_value::<Ran>(v).ok());
+    let refused = parsed.and_then(|v| {
+        Some(format!(
+            "the run did not start ({}): {}",
+            v["outcome"].as_str()?,
+            v["error"]["message"].as_str()?
+        ))
+    });
+    match (report, refused) {
+        (Some(r), _) => r,
+        (None, Some(why)) => crash(why),
+        (None, None) => {
             let err = String::from_utf8_lossy(&out.stderr);
             let mut tail: Vec<&str> = err
                 .lines()
@@ -149,7 +215,19 @@ pub(crate) fn on_sim(program: &Program, seed: u64) -> Ran {
         .run(seed, |t| duplex::schedule::execute(&p, t));
     match r {
         Ok(_) => ran("ok", start, String::new()),
-        Err(Failure::Hang(h)) => ran("deadlock", start, h.to_string()),
-        Err(f) => ran("error", start, f.to_string()),
+        Err(Failure::Hang(h)) => hung(start, &h),
+        Err(f) => {
+            let error = match &f {
+                Failure::Program { error, .. } => error_json(error),
+                Failure::Thread { thread, error, .. } => {
+                    serde_json::json!({"kind": "thread", "message": error, "thread": thread})
+                }
+                _ => serde_json::json!({"kind": "failed", "message": f.to_string()}),
+            };
+            Ran {
+                error: Some(error),
+                ..ran("error", start, f.to_string())
+            }
+        }
     }
 }

@@ -176,6 +176,11 @@ fn bad_input_exits_2_and_names_the_line() {
             b"ranks 2\nrank 0:\n  recv 7 1B\n",
             "peer.sched:3: rank 7 does not exist",
         ),
+        (
+            "huge.sched",
+            b"ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 2048GiB\n  }\n",
+            "huge.sched:5: `2048GiB` is larger than any device's memory",
+        ),
     ];
     for (name, bytes, expected) in cases {
         let file = dir.join(name);
@@ -333,4 +338,386 @@ fn repairs_are_verified_edits_and_latent_hangs_can_fail_ci() {
         json["latent"][0]["stuck"]["cycle"].as_array().map(Vec::len),
         Some(4)
     );
+}
+
+/// Writes `text` as `name` in the test's temporary folder.
+fn write(name: &str, text: &str) -> String {
+    let file = tempdir().join(name);
+    std::fs::write(&file, text).expect("write");
+    file.to_str().expect("utf-8").to_string()
+}
+
+#[test]
+fn a_mismatch_inside_a_multi_line_group_names_the_ops_own_lines() {
+    let file = write(
+        "group-mismatch.sched",
+        "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 8KiB\n  }\nrank 1:\n  group { recv 0 4KiB\n    recv 0 4KiB }\n",
+    );
+    let out = duplex(&["check", &file]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("send: rank 0 main: send → 1 8KiB (line 5, in a group)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("recv: rank 1 main: recv ← 0 4KiB (line 9, in a group)"),
+        "{text}"
+    );
+    // The host call is still the group, at its opening line.
+    assert!(
+        text.contains("`group { send 1 4KiB; send 1 8KiB }` (line 3)"),
+        "{text}"
+    );
+    let out = duplex(&["check", &file, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["error"]["kind"], "size-mismatch");
+    let ops = &json["error"]["ops"];
+    assert_eq!(ops[0]["line"], 5, "{json}");
+    assert_eq!(ops[0]["at"], "line 5");
+    assert_eq!(ops[0]["call"], "send 1 8KiB");
+    assert_eq!(ops[1]["line"], 9, "{json}");
+    assert_eq!(ops[1]["call"], "recv 0 4KiB");
+}
+
+#[test]
+fn a_cycle_through_grouped_ops_names_each_ops_line() {
+    // Groups of two ops (a group of one is a plain call under R8).
+    let file = write(
+        "group-cycle.sched",
+        "ranks 2\nrank 0:\n  group {\n    send 1 256MiB\n    send 1 1MiB\n  }\n  group { recv 1 256MiB; recv 1 1MiB }\nrank 1:\n  group {\n\n    send 0 256MiB\n    send 0 1MiB\n  }\n  group { recv 0 256MiB; recv 0 1MiB }\n",
+    );
+    let out = duplex(&["check", &file]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cycle = text
+        .lines()
+        .skip_while(|l| !l.starts_with("wait-for cycle"))
+        .take_while(|l| !l.starts_with("blocked host calls"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    for op in [
+        "rank 0 main: send → 1 256MiB (line 4, in a group)",
+        "rank 0 main: send → 1 1MiB (line 5, in a group)",
+        "rank 1 main: send → 0 256MiB (line 11, in a group)",
+        "rank 1 main: send → 0 1MiB (line 12, in a group)",
+    ] {
+        assert!(cycle.contains(op), "{op}: {text}");
+    }
+    // The host calls are the groups, at their opening lines.
+    assert!(
+        text.contains("`group { send 0 256MiB; send 0 1MiB }` (line 9)"),
+        "{text}"
+    );
+    let out = duplex(&["check", &file, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["verdict"], "deadlock");
+    let nodes: Vec<&str> = json["cycle"]
+        .as_array()
+        .expect("a cycle")
+        .iter()
+        .filter_map(|l| l["node"].as_str())
+        .collect();
+    assert!(
+        nodes
+            .iter()
+            .any(|n| n.contains("send → 0 1MiB (line 12, in a group)")),
+        "{nodes:?}"
+    );
+    let mut lines: Vec<u64> = json["ops"]
+        .as_array()
+        .expect("ops")
+        .iter()
+        .filter(|o| o["grouped"] == true)
+        .filter_map(|o| o["line"].as_u64())
+        .collect();
+    lines.sort();
+    assert_eq!(lines, [4, 5, 7, 7, 11, 12, 14, 14], "{json}");
+}
+
+/// The one JSON object a failed command prints on stdout.
+fn json_failure(out: &Output, args: &[&str]) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 1, "{args:?}: one line: {text}");
+    assert!(
+        out.stderr.is_empty(),
+        "{args:?}: nothing on stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {text}"))
+}
+
+#[test]
+fn errors_are_json_when_json_was_asked_for() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    let bad = write("json-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    let binary = tempdir().join("json-binary.sched");
+    std::fs::write(&binary, b"ranks 2\n\xff\n").expect("write");
+    let binary = binary.to_str().expect("utf-8");
+    let cases: &[(&[&str], &str, Option<u64>, &str)] = &[
+        (
+            &["check", "/nonexistent/x.sched"],
+            "read",
+            None,
+            "cannot read",
+        ),
+        (&["check", &bad], "parse", Some(3), "`lots` is not a size"),
+        (&["check", binary], "encoding", Some(2), "not UTF-8"),
+        (
+            &["check", seed, "--policy", "sideways"],
+            "usage",
+            None,
+            "sideways",
+        ),
+        (&["check", seed, "--eager", "lots"], "usage", None, "lots"),
+        (
+            &["check", seed, "--model", "kernels=0"],
+            "usage",
+            None,
+            "kernels=0",
+        ),
+        (&["check", seed, "--bogus"], "usage", None, "--bogus"),
+        (&["check"], "usage", None, "required"),
+        (
+            &["check", seed, "--replay", "v1:9"],
+            "replay",
+            None,
+            "cannot step",
+        ),
+        (&["check", seed, "--replay", "0.1"], "replay", None, "v1:"),
+    ];
+    for (args, kind, line, says) in cases {
+        for format in [&["--format", "json"][..], &["--format=json"][..]] {
+            let mut argv = args.to_vec();
+            argv.extend(format);
+            let out = duplex(&argv);
+            assert_eq!(out.status.code(), Some(2), "{argv:?}");
+            let json = json_failure(&out, &argv);
+            assert_eq!(json["verdict"], "invalid", "{argv:?}: {json}");
+            assert_eq!(json["error"]["kind"], *kind, "{argv:?}: {json}");
+            assert_eq!(json["error"]["line"].as_u64(), *line, "{argv:?}: {json}");
+            let message = json["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(says), "{argv:?}: {json}");
+            assert!(!message.contains('\n'), "{argv:?}: one line: {json}");
+        }
+    }
+    // The file is named when one is to blame.
+    let out = duplex(&["check", &bad, "--format", "json"]);
+    assert_eq!(json_failure(&out, &[])["file"], bad.as_str());
+    // Text stays text, on stderr.
+    let out = duplex(&["check", &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{bad}:3: `lots`")));
+}
+
+/// A run on NCCL where NCCL cannot be loaded, whatever the machine has.
+fn without_nccl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .env("DUPLEX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+        .output()
+        .expect("the duplex binary runs")
+}
+
+#[test]
+fn an_unavailable_backend_exits_4_and_an_invalid_file_2() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    let out = without_nccl(&["run", seed, "--backend", "nccl"]);
+    assert_eq!(out.status.code(), Some(4));
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("NCCL library is not available"), "{err}");
+    let args = ["run", seed, "--backend", "nccl", "--format", "json"];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(4));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["outcome"], "unavailable", "{json}");
+    assert_eq!(json["error"]["kind"], "unavailable", "{json}");
+    // The file is read first: an invalid one is 2, whatever the backend.
+    let bad = write("run-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    let args = ["run", bad.as_str(), "--backend", "nccl", "--format", "json"];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["outcome"], "invalid", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+    // calibrate: every file is parsed before the GPUs are asked for.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let args = [
+        "calibrate",
+        examples.to_str().expect("utf-8"),
+        "--format",
+        "json",
+    ];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(json_failure(&out, &args)["outcome"], "unavailable");
+    let dir = tempdir().join("calibrate-bad");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("a.sched"), "ranks 2\nrank 0:\n  recv 9 1B\n").expect("write");
+    let args = [
+        "calibrate",
+        dir.to_str().expect("utf-8"),
+        "--format",
+        "json",
+    ];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["error"]["kind"], "parse", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+}
+
+#[test]
+fn help_lists_the_exit_statuses() {
+    let out = duplex(&["--help"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for says in [
+        "Exit status:",
+        "2  a file or the command line is invalid",
+        "4  the backend is unavailable",
+        "2, then 1, then 3, then 0",
+    ] {
+        assert!(text.contains(says), "{says}: {text}");
+    }
+}
+
+#[test]
+fn a_simulated_run_reports_its_hang_as_data() {
+    let file = write(
+        "run-hang.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let out = duplex(&["run", &file, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["outcome"], "deadlock");
+    let cycle = json["hang"]["stuck"]["cycle"].as_array().expect("a cycle");
+    assert_eq!(cycle.len(), 4, "{json}");
+    assert!(json["hang"]["stuck"]["ops"][0]["peer"].is_u64(), "{json}");
+    let file = write(
+        "run-mismatch.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",
+    );
+    let out = duplex(&["run", &file, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["outcome"], "error");
+    assert_eq!(json["error"]["kind"], "size-mismatch", "{json}");
+    assert_eq!(json["error"]["ops"].as_array().map(Vec::len), Some(2));
+}
+
+/// Runs `duplex ARGS` with `input` on its standard input.
+fn duplex_with_stdin(args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write as _;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the duplex binary runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input)
+        .expect("write stdin");
+    child.wait_with_output().expect("output")
+}
+
+#[test]
+fn a_dash_reads_the_schedule_from_stdin() {
+    let seed = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched"))
+        .expect("the seed");
+    let out = duplex_with_stdin(&["check", "-"], &seed);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("-: DEADLOCK"),
+        "named `-` as given: {text}"
+    );
+    assert!(text.contains("duplex check - --replay v1:"), "{text}");
+    let out = duplex_with_stdin(&["check", "-", "--policy", "per-direction"], &seed);
+    assert_eq!(out.status.code(), Some(0));
+    let args = ["check", "-", "--format", "json"];
+    let out = duplex_with_stdin(&args, b"ranks 2\nrank 0:\n  recv 7 1B\n");
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["file"], "-", "{json}");
+    assert_eq!(json["error"]["line"], 3, "{json}");
+    let out = duplex_with_stdin(&["check", "-"], b"ranks 2\n\xff\n");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("duplex: -:2: the file is not UTF-8"));
+}
+
+#[test]
+fn several_files_get_a_verdict_each_and_the_worst_status() {
+    let ok = write(
+        "many-ok.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n",
+    );
+    let hang = write(
+        "many-hang.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let bad = write("many-bad.sched", "ranks 2\nrank 0:\n  send 1 lots\n");
+    // Text: one report after another, in the order given.
+    let out = duplex(&["check", &ok, &hang, &ok]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let heads: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(tempdir().to_str().expect("utf-8")))
+        .collect();
+    assert_eq!(heads.len(), 3, "{text}");
+    assert!(heads[0].contains("many-ok.sched: OK"), "{text}");
+    assert!(heads[1].contains("many-hang.sched: DEADLOCK"), "{text}");
+    assert!(heads[2].contains("many-ok.sched: OK"), "{text}");
+    // JSON: one object per line, one line per file, an invalid file's too.
+    let args = ["check", &ok, &bad, &hang, "--format", "json"];
+    let out = duplex(&args);
+    assert_eq!(out.status.code(), Some(2), "an invalid file is the worst");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    let verdicts: Vec<&str> = lines.iter().filter_map(|j| j["verdict"].as_str()).collect();
+    assert_eq!(verdicts, ["ok", "invalid", "deadlock"]);
+    assert_eq!(lines[1]["file"], bad.as_str());
+    assert_eq!(lines[2]["file"], hang.as_str());
+    // Text: the invalid file's message on stderr, the others' reports.
+    let out = duplex(&["check", &bad, &ok]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("many-bad.sched:3:"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("many-ok.sched: OK"));
+    let out = duplex(&["check", &ok, &ok]);
+    assert_eq!(out.status.code(), Some(0));
+    // Deciding beats giving up: a hang (1) is worse than inconclusive (3),
+    // which is worse than ok (0).
+    let rpc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
+    let rpc = rpc.to_str().expect("utf-8");
+    let stuck = write("many-stuck.sched", "ranks 2\nrank 0:\n  recv 1 4KiB\n");
+    let bound = ["--policy", "per-direction", "--max-states", "5"];
+    for (files, status) in [
+        (vec![ok.as_str(), rpc], 3),
+        (vec![rpc, ok.as_str()], 3),
+        (vec![rpc, stuck.as_str()], 1),
+        (vec![stuck.as_str(), rpc, ok.as_str()], 1),
+    ] {
+        let mut args = vec!["check"];
+        args.extend(&files);
+        args.extend(bound);
+        let out = duplex(&args);
+        assert_eq!(out.status.code(), Some(status), "{args:?}");
+    }
+    // One --replay schedule fits one program.
+    let out = duplex(&["check", &ok, &hang, "--replay", "v1:0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give one file"));
 }

@@ -135,7 +135,24 @@ pub fn compile(program: &Program) -> Compiled {
                     origin,
                 }),
                 StmtKind::Group(ops) => HostCall::Launch(LaunchSpec {
-                    ops: ops.iter().map(|op| b.op(rank, op)).collect(),
+                    ops: ops
+                        .iter()
+                        .map(|op| {
+                            // Reports of the op name it and its own line
+                            // (a group may span lines); the host call keeps
+                            // the group's statement.
+                            let line = if op.line.0 != 0 { op.line } else { stmt.line };
+                            let own = b.setup.add_origin(OriginInfo {
+                                text: op.to_string(),
+                                place: format!("line {}", line.0),
+                                line: Some(line.0),
+                            });
+                            OpSpec {
+                                origin: Some(own),
+                                ..b.op(rank, op)
+                            }
+                        })
+                        .collect(),
                     grouped: true,
                     origin,
                 }),
@@ -204,6 +221,7 @@ impl Builder<'_> {
             dtype: DType::U8,
             comm,
             stream,
+            origin: None,
         }
     }
 

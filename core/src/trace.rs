@@ -731,6 +731,7 @@ fn host_call(setup: &mut Setup, c: &TraceCall, origin: Origin) -> HostCall {
                     dtype: o.dtype,
                     comm: CommId(o.comm),
                     stream: StreamId(o.stream),
+                    origin: None,
                 })
                 .collect(),
             grouped: *grouped,

@@ -1,7 +1,7 @@
 //! The schedule parser: valid files, and every kind of invalid file, whose
 //! error must name the right line.
 
-use duplex::schedule::{Dir, StmtKind, parse};
+use duplex::schedule::{Dir, MAX_MESSAGE_BYTES, StmtKind, parse};
 use duplex::{Policy, Size};
 
 #[test]
@@ -60,6 +60,26 @@ rank 2 thread x :
         body[3].line.0, 10,
         "a multi-line group is at its opening line"
     );
+    let lines = |kind: &StmtKind| match kind {
+        StmtKind::Group(ops) => ops.iter().map(|o| o.line.0).collect::<Vec<_>>(),
+        StmtKind::Op(op) => vec![op.line.0],
+        _ => Vec::new(),
+    };
+    assert_eq!(
+        lines(&body[0].kind),
+        [7],
+        "a plain op is at its statement's line"
+    );
+    assert_eq!(
+        lines(&body[2].kind),
+        [9, 9],
+        "a one-line group's ops share its line"
+    );
+    assert_eq!(
+        lines(&body[3].kind),
+        [11, 12],
+        "each op of a multi-line group is at its own line"
+    );
     assert_eq!(p.threads.len(), 4);
     assert_eq!(p.threads[1].display_name(), "rx");
 }
@@ -79,6 +99,51 @@ fn printing_and_parsing_again_gives_the_same_program() {
         "lines are part of equality: the file has comments the printed form drops"
     );
     assert_eq!(p.to_string(), again.to_string());
+}
+
+#[test]
+fn without_lines_clears_the_lines_of_grouped_ops() {
+    let text = "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    recv 1 4KiB\n  }\nrank 1:\n  group { recv 0 4KiB; send 0 4KiB }\n";
+    let p = parse(text).expect("valid");
+    let again = parse(&p.to_string()).expect("printed form is valid");
+    assert_ne!(p, again, "the printed form puts the group on one line");
+    assert_eq!(p.without_lines(), again.without_lines());
+    for t in &p.without_lines().threads {
+        for s in &t.body {
+            if let StmtKind::Group(ops) = &s.kind {
+                assert!(ops.iter().all(|o| o.line.0 == 0), "{ops:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_message_beyond_any_device_is_refused_at_its_line() {
+    let at_most = format!("ranks 2\nrank 0:\n  send 1 {}\n", Size(MAX_MESSAGE_BYTES));
+    assert!(parse(&at_most).is_ok(), "{at_most}");
+    for (text, line) in [
+        (
+            format!("ranks 2\nrank 0:\n  send 1 {}\n", MAX_MESSAGE_BYTES + 1),
+            3,
+        ),
+        (
+            "ranks 2\nrank 0:\n  recv 1 4096GiB comm=world\n".to_string(),
+            3,
+        ),
+        (
+            "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    send 1 2048GiB\n  }\n".to_string(),
+            5,
+        ),
+        (
+            "ranks 2\nrank 0:\n  group { recv 1 4KiB; recv 1 1025GiB }\n".to_string(),
+            3,
+        ),
+    ] {
+        let e = parse(&text).expect_err(&text);
+        assert_eq!(e.line, line, "{text:?}: {e}");
+        assert!(e.message.contains("larger than any device's memory"), "{e}");
+        assert!(e.message.contains("1024GiB"), "{e}");
+    }
 }
 
 /// Each case: the file, the line the error must name, and a fragment of the
@@ -171,6 +236,11 @@ const BAD: &[(&str, u32, &str)] = &[
         "ranks 3\ncomm a 0 1\nrank 2:\n  send 0 4KiB comm=a\n",
         4,
         "rank 2 (this thread's rank) is not a member",
+    ),
+    (
+        "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\n    recv 1 4KiB comm=nope\n  }\n",
+        5,
+        "communicator `nope` is not declared",
     ),
     (
         "ranks 2\nrank 0:\n  group send 1 4KiB\n",

@@ -740,6 +740,7 @@ impl<'r> Builder<'r> {
                 size,
                 comm,
                 stream,
+                line: Line(0),
             }
         };
         let send = side(Dir::Send, dst, m.send_stream);

@@ -1,5 +1,14 @@
-//! The conformance suite on real GPUs. Runs when `DUPLEX_NCCL=1`; otherwise
-//! every scenario is reported as skipped, with the reason, never as passed.
+//! The conformance suite on real GPUs. Its test is `#[ignore]`d, so that a
+//! plain `cargo test` reports it as ignored, never as passed; on a machine
+//! with two GPUs and NCCL, run it with
+//!
+//! ```sh
+//! cargo test -p duplex-tests --test nccl -- --ignored --nocapture --test-threads=1
+//! ```
+//!
+//! (or `scripts/gpu.sh run suite`). Asked to run where NCCL or two GPUs are
+//! missing, it fails, saying what is missing: a suite that did not run has
+//! not passed.
 //!
 //! Each scenario runs in a child process (this test binary again, with
 //! `DUPLEX_SCENARIO` set): a sticky CUDA error, which NCCL can cause (seen:
@@ -101,23 +110,27 @@ fn child(name: &str) {
     }
 }
 
+/// The arguments that make this test binary run [`every_scenario_on_nccl`]
+/// alone (in a child process), ignored as it is.
+const ONLY_THE_SUITE: [&str; 5] = [
+    "--exact",
+    "every_scenario_on_nccl",
+    "--include-ignored",
+    "--nocapture",
+    "--test-threads=1",
+];
+
 #[test]
+#[ignore = "needs two GPUs and NCCL: cargo test -p duplex-tests --test nccl -- --ignored"]
 fn every_scenario_on_nccl() {
     if let Ok(name) = std::env::var("DUPLEX_SCENARIO") {
         child(&name);
         return;
     }
-    if std::env::var("DUPLEX_NCCL").as_deref() != Ok("1") {
-        let names = scenarios::<NcclRank>()
-            .into_iter()
-            .map(|s| s.name.to_string());
-        let jobs = PROCESS_JOBS.iter().map(|j| format!("process:{j}"));
-        for name in names.chain(["reuse-after-hang".into()]).chain(jobs) {
-            eprintln!(
-                "SKIPPED {name:<24} (set DUPLEX_NCCL=1 on a machine with 2 GPUs and NCCL to run it)"
-            );
-        }
-        return;
+    // Loads NCCL and counts the GPUs; creates no context, so the children
+    // start from a clean device.
+    if let Err(e) = Local::new(2) {
+        panic!("the GPU suite cannot run on this machine: {e}");
     }
     let exe = std::env::current_exe().expect("the test binary");
     let mut names: Vec<String> = scenarios::<NcclRank>()
@@ -130,12 +143,7 @@ fn every_scenario_on_nccl() {
     for name in &names {
         let start = Instant::now();
         let out = Command::new(&exe)
-            .args([
-                "--exact",
-                "every_scenario_on_nccl",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args(ONLY_THE_SUITE)
             .env("DUPLEX_SCENARIO", name)
             .output()
             .expect("the test binary runs");
@@ -175,6 +183,30 @@ fn every_scenario_on_nccl() {
         names.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// What runs without GPUs: every job the suite names is a scenario it has.
+#[test]
+fn the_suite_names_only_scenarios_it_has() {
+    let names: Vec<&str> = scenarios::<NcclRank>().iter().map(|s| s.name).collect();
+    let mut unique = names.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        names.len(),
+        "scenario names repeat: {names:?}"
+    );
+    assert!(
+        !names.contains(&"reuse-after-hang"),
+        "a scenario shadows a job"
+    );
+    for job in PROCESS_JOBS {
+        assert!(
+            job == "peer-dies" || names.contains(&job),
+            "process job {job} names no scenario"
+        );
+    }
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
@@ -235,12 +267,7 @@ fn two_processes(job: &str) -> String {
     let mut children = Vec::new();
     for rank in 0..2 {
         let child = Command::new(&exe)
-            .args([
-                "--exact",
-                "every_scenario_on_nccl",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args(ONLY_THE_SUITE)
             .env("DUPLEX_SCENARIO", format!("rank:{job}"))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())

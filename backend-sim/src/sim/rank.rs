@@ -207,6 +207,7 @@ impl SimRank {
             dtype: E::DTYPE,
             comm,
             stream,
+            origin: None,
         };
         if let Some(ops) = self.group.borrow_mut().as_mut() {
             ops.push((spec, buf.id, what));

@@ -255,6 +255,10 @@ pub struct OpSpec {
     pub comm: CommId,
     /// The stream (of the calling rank).
     pub stream: StreamId,
+    /// Where this op itself was written, when reports should name it rather
+    /// than its launch's [`LaunchSpec::origin`] (an op of a group: its own
+    /// line, its own text); `None` uses the launch's. Opaque to the rules.
+    pub origin: Option<Origin>,
 }
 
 /// A launch: one op, or a whole group (R8).
@@ -264,7 +268,8 @@ pub struct LaunchSpec {
     pub ops: Vec<OpSpec>,
     /// Issued between group start and group end.
     pub grouped: bool,
-    /// Where it was issued.
+    /// Where it was issued: the host call (a group's statement as a whole).
+    /// Each op may name its own place too ([`OpSpec::origin`]).
     pub origin: Origin,
 }
 
@@ -988,18 +993,19 @@ impl Machine {
             return Err(self.invalid(spec.origin, "a group must hold at least one op".into()));
         }
         for op in &spec.ops {
-            self.check_rank(op.peer, spec.origin)?;
-            self.check_stream(rank, op.stream, spec.origin)?;
+            let origin = op.origin.unwrap_or(spec.origin);
+            self.check_rank(op.peer, origin)?;
+            self.check_stream(rank, op.stream, origin)?;
             let Some(comm) = self.setup.comms.get(op.comm.ix()) else {
                 return Err(self.invalid(
-                    spec.origin,
+                    origin,
                     format!("communicator #{} does not exist", op.comm.0),
                 ));
             };
             for (who, r) in [("the calling rank", rank), ("the peer", op.peer)] {
                 if !comm.members.contains(&r) {
                     return Err(self.invalid(
-                        spec.origin,
+                        origin,
                         format!(
                             "{} {} {}: rank {r} ({who}) is not a member of communicator `{}`",
                             op.dir.name(),
@@ -1196,7 +1202,7 @@ impl Machine {
                 bytes: o.bytes,
                 dtype: o.dtype,
                 grouped: spec.is_group(),
-                origin: spec.origin,
+                origin: o.origin.unwrap_or(spec.origin),
                 stream: o.stream,
                 buffered: false,
             };

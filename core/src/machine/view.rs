@@ -36,7 +36,7 @@ impl Machine {
             op.fifo,
             state,
             launch.grouped,
-            launch.origin,
+            op.spec.origin.unwrap_or(launch.origin),
         )
     }
 
@@ -64,7 +64,7 @@ impl Machine {
             fifo,
             OpState::JustIssued,
             spec.grouped,
-            spec.origin,
+            o.origin.unwrap_or(spec.origin),
         )
     }
 

@@ -131,7 +131,9 @@ fn run_thread<T: Transport>(
             StmtKind::Op(op) => p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?,
             StmtKind::Group(ops) => t.group(|| {
                 for op in ops {
-                    p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?;
+                    // Each op of a multi-line group names its own line.
+                    let line = if op.line.0 != 0 { op.line } else { stmt.line };
+                    p2p(objects, t, op, line.0, &mut sent, &mut received)?;
                 }
                 Ok(())
             })?,

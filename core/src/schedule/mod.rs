@@ -11,7 +11,7 @@ mod parse;
 mod print;
 
 pub use execute::{execute, payload};
-pub use parse::{MAX_RANKS, ParseError, parse};
+pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, ParseError, parse};
 
 use crate::{Model, Policy, Size};
 
@@ -54,6 +54,11 @@ impl Program {
             t.line = Line(0);
             for s in &mut t.body {
                 s.line = Line(0);
+                match &mut s.kind {
+                    StmtKind::Op(op) => op.line = Line(0),
+                    StmtKind::Group(ops) => ops.iter_mut().for_each(|op| op.line = Line(0)),
+                    _ => {}
+                }
             }
         }
         p
@@ -105,7 +110,10 @@ pub struct Stmt {
 pub enum StmtKind {
     /// `send` or `recv` on its own.
     Op(P2p),
-    /// `group { OP; OP; ... }`: ops launched as one unit (R8).
+    /// `group { OP; OP; ... }`: ops launched as one unit (R8). The group's
+    /// line is the statement's (that of `group {`); each op keeps its own
+    /// ([`P2p::line`]), so that a report can name the op of a multi-line
+    /// group.
     Group(Vec<P2p>),
     /// `record E [stream=S]`
     Record {
@@ -185,6 +193,9 @@ pub struct P2p {
     pub comm: Option<String>,
     /// `stream=` as written.
     pub stream: Option<String>,
+    /// Where the op was written: the statement's line for a plain op, its
+    /// own line inside a multi-line group (0 for programs built in code).
+    pub line: Line,
 }
 
 impl P2p {

@@ -9,6 +9,18 @@ use crate::{Model, Policy, Size};
 /// The most ranks a schedule may declare.
 pub const MAX_RANKS: u32 = 4096;
 
+/// The largest message a `send` or `recv` may move: 1 TiB.
+///
+/// Both ends of a message hold it in device memory, and no device has a
+/// TiB: the largest GPUs have under 300 GB (an H200 141 GB, a B300 or an
+/// MI355X 288 GB). A bigger size is a typo (`4096GiB` for `4096KiB`) or a
+/// unit mistake, and a program that ran it would fail at allocation, on
+/// the GPUs or in the simulator (which moves real bytes in host memory).
+/// The parser refuses it, naming the line, before any backend tries. The
+/// bound leaves room for devices about four times larger than today's;
+/// raise it when they come.
+pub const MAX_MESSAGE_BYTES: u64 = 1 << 40;
+
 /// A schedule file that cannot be read: the line (1-based) and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("line {line}: {message}")]
@@ -439,6 +451,16 @@ impl Parser {
         }
         let peer = self.rank_number(line, tokens[1])?;
         let size = Size::parse(tokens[2]).map_err(|m| ParseError { line, message: m })?;
+        if size.bytes() > MAX_MESSAGE_BYTES {
+            return err(
+                line,
+                format!(
+                    "`{}` is larger than any device's memory: a message may move at most {} (1 TiB)",
+                    tokens[2],
+                    Size(MAX_MESSAGE_BYTES)
+                ),
+            );
+        }
         let mut comm = None;
         let mut stream = None;
         for opt in &tokens[3..] {
@@ -466,6 +488,7 @@ impl Parser {
             size,
             comm,
             stream,
+            line: Line(line),
         })
     }
 }
@@ -483,6 +506,8 @@ fn validate(program: &Program) -> Result<()> {
                 _ => continue,
             };
             for op in ops {
+                // A group's op names its own line.
+                let line = if op.line.0 != 0 { op.line } else { stmt.line };
                 let Some(name) = op.comm.as_deref() else {
                     continue;
                 };
@@ -491,7 +516,7 @@ fn validate(program: &Program) -> Result<()> {
                 }
                 let Some(comm) = comms.get(name) else {
                     return err(
-                        stmt.line.0,
+                        line.0,
                         format!(
                             "communicator `{name}` is not declared: add `comm {name} R R ...` before the first rank block"
                         ),
@@ -500,7 +525,7 @@ fn validate(program: &Program) -> Result<()> {
                 for (who, r) in [("this thread's rank", thread.rank), ("the peer", op.peer)] {
                     if !comm.ranks.contains(&r) {
                         return err(
-                            stmt.line.0,
+                            line.0,
                             format!(
                                 "rank {r} ({who}) is not a member of communicator `{name}` (declared at line {})",
                                 comm.line.0
