@@ -6,7 +6,10 @@
 //!
 //! * [`check`] explores every interleaving of a compiled schedule's host
 //!   threads ([`duplex::compile`]) and returns a [`check::Verdict`] with the
-//!   shortest interleaving to a hang or error;
+//!   interleaving (and its replayable schedule) that reaches a hang or an
+//!   error; [`advice`] adds verified repairs and latent hangs;
+//! * [`explore`] is the one explorer (schedulers and schedules) both
+//!   [`check`] and [`sim`] use;
 //! * [`report`] prints that as text or JSON (what `duplex check` shows);
 //! * [`sim`] runs user code written against [`duplex::Transport`] through
 //!   the same machine: [`Sim`] is the simulated transport.
