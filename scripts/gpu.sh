@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite calibrate bench all
+#                                 ./gpu-out). WHAT: suite faults calibrate bench all
 #
 # With the `device` tool: build here, then
 #   run(command="scripts/gpu.sh run all", carry=[".gpu"], kind="nvidia-h200-x2")
@@ -27,6 +27,7 @@ for l in sys.stdin:
   cp target/release/duplex .gpu/
   cp "$suite" .gpu/nccl-suite
   cp target/release/examples/bench .gpu/ 2>/dev/null || true
+  cp target/release/examples/faults .gpu/
   cp -r examples .gpu/examples
   cp scripts/bench_torch.py scripts/bench_table.py .gpu/ 2>/dev/null || true
   ls -la .gpu
@@ -39,7 +40,7 @@ run)
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
   steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-  [ "${steps[0]}" = all ] && steps=(suite calibrate bench)
+  [ "${steps[0]}" = all ] && steps=(suite faults calibrate bench)
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
   for s in "${steps[@]}"; do
     case "$s" in
@@ -47,6 +48,12 @@ run)
       # The suite's test is #[ignore]d (a CPU-only `cargo test` shows it as
       # ignored); --ignored runs it.
       DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout ${SUITE_S:-240} .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt" || true ;;
+    faults)
+      # The fault matrix (backend-nccl/examples/faults.rs): every case's
+      # survivors must end by themselves, with an error naming the failed
+      # rank, within deadline + grace; its table goes to docs/gpu/faults.md.
+      timeout ${FAULTS_S:-500} .gpu/faults drive --out "$out/faults.md" 2>&1 | tee "$out/faults.log" || true
+      { echo; echo "Produced by: scripts/gpu.sh run faults"; } >> "$out/faults.md" ;;
     calibrate)
       timeout ${CALIBRATE_S:-200} .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log" || true
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;

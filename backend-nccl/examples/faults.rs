@@ -1,0 +1,522 @@
+//! The fault matrix of duplex-nccl on two GPUs: each case runs a job of two
+//! ranks, injects one fault (a rank killed with SIGKILL before, during or
+//! after a 256 MiB transfer, frozen with SIGSTOP, returning early, panicking,
+//! rank 0 killed, a wrong `WORLD_SIZE`, NCCL missing on one rank) and judges
+//! what the surviving ranks did: every one must exit by itself with an
+//! error that names the failed rank, within its deadline plus a bounded
+//! grace after the fault; no process may be left running; no rank may
+//! report success for bytes that did not arrive (every transfer's bytes are
+//! checked).
+//!
+//! `faults drive [--out FILE] [--only CASE]` runs the matrix and writes a
+//! markdown table (`scripts/gpu.sh run faults` puts it in
+//! `docs/gpu/faults.md`). `faults rank CASE` and `faults local CASE` are
+//! the children it starts.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use duplex::{Error, Policy, Transport};
+use duplex_nccl::{Local, NcclRank, Process};
+
+/// The deadline of every wait in the jobs.
+const DEADLINE: Duration = Duration::from_secs(5);
+/// What a survivor may take beyond its deadline after the fault: the
+/// health monitor's silence (3 s) and heartbeat, a hang analysis's wait for
+/// the others' traces (2 s), and teardown.
+const GRACE: Duration = Duration::from_secs(10);
+/// Elements of the 256 MiB transfers.
+const LEN: usize = 64 << 20;
+
+/// One case of the matrix.
+struct Case {
+    name: &'static str,
+    /// Run as two processes (else: one process, a thread per rank).
+    processes: bool,
+    /// The rank whose fault it is.
+    victim: u32,
+    /// What the driver does when the victim prints `MARK`.
+    action: Action,
+    /// Environment for the victim only.
+    env: &'static [(&'static str, &'static str)],
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Action {
+    None,
+    Kill,
+    Stop,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "kill-before",
+        processes: true,
+        victim: 1,
+        action: Action::Kill,
+        env: &[],
+    },
+    Case {
+        name: "kill-during",
+        processes: true,
+        victim: 1,
+        action: Action::Kill,
+        env: &[],
+    },
+    Case {
+        name: "kill-after",
+        processes: true,
+        victim: 1,
+        action: Action::Kill,
+        env: &[],
+    },
+    Case {
+        name: "stop-during",
+        processes: true,
+        victim: 1,
+        action: Action::Stop,
+        env: &[],
+    },
+    Case {
+        name: "early-return",
+        processes: true,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
+        name: "panic",
+        processes: true,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
+        name: "rank0-killed",
+        processes: true,
+        victim: 0,
+        action: Action::Kill,
+        env: &[],
+    },
+    Case {
+        name: "wrong-world-size",
+        processes: true,
+        victim: 1,
+        action: Action::None,
+        env: &[("WORLD_SIZE", "3")],
+    },
+    Case {
+        name: "nccl-missing",
+        processes: true,
+        victim: 1,
+        action: Action::None,
+        env: &[("DUPLEX_NCCL_LIBRARY", "/bin/true")],
+    },
+    Case {
+        name: "early-return",
+        processes: false,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
+        name: "panic",
+        processes: false,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+];
+
+fn pattern(src: u32, i: usize) -> u32 {
+    (i as u32).wrapping_mul(2_654_435_761) ^ (src << 28) ^ 0x5a5a
+}
+
+/// One 256 MiB exchange with the peer, every byte checked.
+fn exchange(t: &NcclRank) -> duplex::Result<()> {
+    let peer = 1 - t.rank();
+    let mut out = t.alloc::<u32>(LEN)?;
+    let data: Vec<u32> = (0..LEN).map(|i| pattern(t.rank(), i)).collect();
+    t.write(&mut out, &data)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.group(|| {
+        t.send(&out, peer)?;
+        t.recv(&mut inb, peer)
+    })?;
+    t.synchronize()?;
+    let got = t.read(&inb)?;
+    if let Some(i) = (0..LEN).find(|i| got[*i] != pattern(peer, *i)) {
+        println!("WRONG-DATA at element {i}");
+        return Err(Error::User(format!(
+            "wrong data from rank {peer} at element {i}"
+        )));
+    }
+    Ok(())
+}
+
+fn mark() {
+    println!("MARK");
+    let _ = std::io::stdout().flush();
+}
+
+/// The rank code of a case.
+fn rank_code(case: &str, t: &NcclRank) -> duplex::Result<()> {
+    let me = t.rank();
+    let victim = if case == "rank0-killed" { 0 } else { 1 };
+    match case {
+        "kill-before" => {
+            if me == victim {
+                mark();
+                std::thread::sleep(Duration::from_secs(120));
+                Ok(())
+            } else {
+                std::thread::sleep(Duration::from_secs(1));
+                exchange(t)
+            }
+        }
+        "kill-during" | "stop-during" | "rank0-killed" => {
+            for i in 0.. {
+                if me == victim && i == 1 {
+                    mark();
+                }
+                exchange(t)?;
+                if i > 200 {
+                    break;
+                }
+            }
+            Ok(())
+        }
+        "kill-after" => {
+            exchange(t)?;
+            if me == victim {
+                mark();
+                std::thread::sleep(Duration::from_secs(120));
+                Ok(())
+            } else {
+                // Waits for a message the victim never sends.
+                t.await_notify(victim, "never")
+            }
+        }
+        "early-return" => {
+            if me == victim {
+                Ok(())
+            } else {
+                exchange(t)
+            }
+        }
+        "panic" => {
+            if me == victim {
+                panic!("rank {me} panics on purpose");
+            }
+            exchange(t)
+        }
+        // Setup fails on the victim; the other rank would exchange.
+        _ => exchange(t),
+    }
+}
+
+fn print_result(r: duplex::Result<()>) {
+    match r {
+        Ok(()) => println!("RANK OK"),
+        Err(e) => {
+            let text = e.to_string().replace('\n', " | ");
+            println!("RANK ERROR {text}");
+        }
+    }
+}
+
+fn child_rank(case: &str) {
+    let r = Process::from_env().and_then(|p| {
+        p.timeout(DEADLINE)
+            .warm(true)
+            .policy(Policy::PerDirection)
+            .run(|t| rank_code(case, t))
+            .map(drop)
+    });
+    print_result(r);
+}
+
+fn child_local(case: &str) {
+    let r = Local::new(2).and_then(|l| {
+        l.timeout(DEADLINE)
+            .warm(true)
+            .policy(Policy::PerDirection)
+            .run(|t| rank_code(case, t))
+            .map(drop)
+    });
+    print_result(r);
+}
+
+/// What one process did.
+struct Seen {
+    verdict: String,
+    exited_after: Option<Duration>,
+    killed_by_driver: bool,
+    wrong_data: bool,
+}
+
+fn watch(child: &mut Child, rank: u32, tx: mpsc::Sender<(u32, String)>) {
+    if let Some(out) = child.stdout.take() {
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send((rank, line));
+            }
+        });
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
+}
+
+fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<Instant>) {
+    let (tx, rx) = mpsc::channel();
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29_517);
+    let ranks: Vec<u32> = if case.processes { vec![0, 1] } else { vec![0] };
+    for &rank in &ranks {
+        let mut cmd = Command::new(exe);
+        if case.processes {
+            cmd.args(["rank", case.name])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("DUPLEX_PORT", port.to_string())
+                .env("DUPLEX_STORE_TOKEN", format!("duplex-faults-{port}-token"));
+            if rank == case.victim {
+                for (k, v) in case.env {
+                    cmd.env(k, v);
+                }
+            }
+        } else {
+            cmd.args(["local", case.name]);
+        }
+        let mut child = match cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn() {
+            Ok(c) => c,
+            Err(e) => return (format!("cannot start: {e}"), Vec::new(), None),
+        };
+        watch(&mut child, rank, tx.clone());
+        children.push((rank, child));
+    }
+    drop(tx);
+    let start = Instant::now();
+    let limit = DEADLINE * 4 + GRACE * 3;
+    let mut fault_at: Option<Instant> = None;
+    let mut lines: Vec<(u32, String)> = Vec::new();
+    let mut exited: Vec<Option<Duration>> = vec![None; children.len()];
+    let mut stopped = false;
+    while start.elapsed() < limit && exited.iter().any(Option::is_none) {
+        while let Ok((rank, line)) = rx.try_recv() {
+            if line == "MARK" && fault_at.is_none() && rank == case.victim {
+                let pid = children
+                    .iter()
+                    .find(|(r, _)| *r == rank)
+                    .map(|(_, c)| c.id());
+                if let Some(pid) = pid {
+                    match case.action {
+                        Action::Kill => signal(pid, "-KILL"),
+                        Action::Stop => {
+                            signal(pid, "-STOP");
+                            stopped = true;
+                        }
+                        Action::None => {}
+                    }
+                }
+                fault_at = Some(Instant::now());
+            }
+            lines.push((rank, line));
+        }
+        for (i, (rank, c)) in children.iter_mut().enumerate() {
+            if exited[i].is_none() && matches!(c.try_wait(), Ok(Some(_))) {
+                exited[i] = Some(start.elapsed());
+                // Faults that are the victim's own ending start the clock
+                // when it ends.
+                if *rank == case.victim && case.action == Action::None && fault_at.is_none() {
+                    fault_at = Some(Instant::now());
+                }
+            }
+        }
+        // A stopped victim is never going to exit by itself: once the
+        // others have, it is the driver's to end.
+        if stopped
+            && children
+                .iter()
+                .zip(&exited)
+                .all(|((r, _), e)| *r == case.victim || e.is_some())
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    while let Ok(l) = rx.try_recv() {
+        lines.push(l);
+    }
+    let mut seen = Vec::new();
+    for (i, (rank, mut c)) in children.into_iter().enumerate() {
+        let killed_by_driver = exited[i].is_none();
+        if killed_by_driver {
+            signal(c.id(), "-KILL");
+        }
+        let _ = c.wait();
+        let verdict = lines
+            .iter()
+            .filter(|(r, _)| *r == rank)
+            .find_map(|(_, l)| l.strip_prefix("RANK ").map(str::to_string))
+            .unwrap_or_else(|| "(nothing)".into());
+        let wrong_data = lines
+            .iter()
+            .any(|(r, l)| *r == rank && l.starts_with("WRONG-DATA"));
+        seen.push(Seen {
+            verdict,
+            exited_after: exited[i],
+            killed_by_driver,
+            wrong_data,
+        });
+    }
+    (
+        String::new(),
+        seen,
+        fault_at.map(|f| f.max(start)).or(Some(start)),
+    )
+}
+
+/// Judges a case: every survivor ended by itself, with an error naming the
+/// failed rank, within deadline + grace of the fault; no wrong data.
+fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String) {
+    let mut notes = Vec::new();
+    let mut pass = true;
+    for (i, s) in seen.iter().enumerate() {
+        let rank = if case.processes { i as u32 } else { 0 };
+        if s.wrong_data {
+            pass = false;
+            notes.push(format!("rank {rank} saw wrong data"));
+        }
+        let survivor = !case.processes || rank != case.victim;
+        if !survivor {
+            continue;
+        }
+        if s.killed_by_driver {
+            pass = false;
+            notes.push(format!(
+                "rank {rank} was left running and killed by the driver"
+            ));
+            continue;
+        }
+        if let Some(t) = s.exited_after
+            && t.saturating_sub(start_to_fault) > DEADLINE + GRACE
+        {
+            pass = false;
+            notes.push(format!(
+                "rank {rank} ended {:.1} s after the fault (more than deadline + grace)",
+                t.saturating_sub(start_to_fault).as_secs_f64()
+            ));
+        }
+        let names = s.verdict.contains(&format!("rank {}", case.victim));
+        if !s.verdict.starts_with("ERROR") || !names {
+            pass = false;
+            notes.push(format!(
+                "rank {rank} did not end with an error naming rank {}",
+                case.victim
+            ));
+        }
+    }
+    (pass, notes.join("; "))
+}
+
+fn drive(out: Option<&str>, only: Option<&str>) {
+    let exe = std::env::current_exe().expect("this binary");
+    let mut table = String::from(
+        "| case | mode | fault after (s) | rank 0 | rank 1 | result |\n|---|---|---|---|---|---|\n",
+    );
+    let mut failed = 0;
+    for case in CASES.iter().filter(|c| only.is_none_or(|o| o == c.name)) {
+        let mode = if case.processes {
+            "2 processes"
+        } else {
+            "local"
+        };
+        eprintln!("== {} ({mode})", case.name);
+        let started = Instant::now();
+        let (err, seen, fault_at) = run_case(&exe, case);
+        let to_fault = fault_at.map_or(Duration::ZERO, |f| f.saturating_duration_since(started));
+        let (pass, notes) = if err.is_empty() {
+            judge(case, &seen, to_fault)
+        } else {
+            (false, err)
+        };
+        failed += usize::from(!pass);
+        let cell = |i: usize| {
+            seen.get(i).map_or("-".to_string(), |s| {
+                let t = s
+                    .exited_after
+                    .map_or("killed".into(), |t| format!("{:.1} s", t.as_secs_f64()));
+                let v: String = s.verdict.chars().take(160).collect();
+                format!("{t}: {}", v.replace('|', "/"))
+            })
+        };
+        let row = format!(
+            "| {} | {mode} | {:.1} | {} | {} | {}{} |\n",
+            case.name,
+            to_fault.as_secs_f64(),
+            cell(0),
+            cell(1),
+            if pass { "PASS" } else { "FAIL" },
+            if notes.is_empty() {
+                String::new()
+            } else {
+                format!(": {notes}")
+            }
+        );
+        eprint!("{row}");
+        table.push_str(&row);
+    }
+    let summary = format!(
+        "\n{} of {} cases passed (deadline {:?}, grace {:?}).\n",
+        CASES.len() - failed,
+        CASES.len(),
+        DEADLINE,
+        GRACE
+    );
+    table.push_str(&summary);
+    match out {
+        Some(path) => {
+            if let Err(e) = std::fs::write(path, &table) {
+                eprintln!("cannot write {path}: {e}");
+            }
+        }
+        None => print!("{table}"),
+    }
+    eprint!("{summary}");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map(String::as_str)
+    };
+    match args.first().map(String::as_str) {
+        Some("rank") => child_rank(args.get(1).map_or("", String::as_str)),
+        Some("local") => child_local(args.get(1).map_or("", String::as_str)),
+        Some("drive") => drive(arg("--out"), arg("--only")),
+        _ => {
+            eprintln!(
+                "usage: faults drive [--out FILE] [--only CASE] | faults rank CASE | faults local CASE"
+            );
+            std::process::exit(2);
+        }
+    }
+}
