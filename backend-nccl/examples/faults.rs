@@ -500,6 +500,79 @@ fn drive(out: Option<&str>, only: Option<&str>) {
     }
 }
 
+/// One rank exchanging 256 MiB with itself (a group of a send and a recv to
+/// its own rank), every byte checked.
+fn self_exchange(t: &NcclRank) -> duplex::Result<()> {
+    let me = t.rank();
+    let mut out = t.alloc::<u32>(LEN)?;
+    let data: Vec<u32> = (0..LEN).map(|i| pattern(me, i)).collect();
+    t.write(&mut out, &data)?;
+    let mut inb = t.alloc::<u32>(LEN)?;
+    t.group(|| {
+        t.send(&out, me)?;
+        t.recv(&mut inb, me)
+    })?;
+    t.synchronize()?;
+    let got = t.read(&inb)?;
+    match (0..LEN).find(|i| got[*i] != pattern(me, *i)) {
+        Some(i) => Err(Error::User(format!("wrong data at element {i}"))),
+        None => Ok(()),
+    }
+}
+
+/// What one GPU can check of the machinery: a local and a process run of
+/// one rank (NCCL, CUDA, the store, the health monitor, the trace), and a
+/// hang's report through the process path.
+fn smoke() {
+    let t0 = Instant::now();
+    let local = Local::new(1).and_then(|l| l.timeout(DEADLINE).run(self_exchange).map(drop));
+    println!("local, 1 rank, 256 MiB to itself: {local:?} ({:.2} s)", t0.elapsed().as_secs_f64());
+    // SAFETY of the environment: this process is single-threaded here.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29_518);
+    for (k, v) in [
+        ("RANK", "0".to_string()),
+        ("LOCAL_RANK", "0".to_string()),
+        ("WORLD_SIZE", "1".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+        ("DUPLEX_PORT", port.to_string()),
+        ("DUPLEX_STORE_TOKEN", format!("duplex-smoke-token-{port}")),
+    ] {
+        // SAFETY: no other thread reads the environment yet.
+        unsafe { std::env::set_var(k, v) };
+    }
+    let t0 = Instant::now();
+    let p = Process::from_env();
+    let r = p
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|p| p.clone().timeout(DEADLINE).run(self_exchange).map(drop));
+    println!("process, 1 rank, 256 MiB to itself: {r:?} ({:.2} s)", t0.elapsed().as_secs_f64());
+    let port2 = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29_519);
+    // SAFETY: no other thread reads the environment now.
+    unsafe { std::env::set_var("DUPLEX_PORT", port2.to_string()) };
+    let t0 = Instant::now();
+    let r = Process::from_env().and_then(|p| {
+        // A new port: the first run's store still listens on `port`.
+        p.timeout(Duration::from_secs(2))
+            .run(|t| t.await_notify(0, "never"))
+            .map(drop)
+    });
+    match r {
+        Err(Error::Hang(h)) => println!(
+            "process hang, reported in {:.2} s:\n{h}",
+            t0.elapsed().as_secs_f64()
+        ),
+        other => println!("process hang: expected a hang, got {other:?}"),
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |name: &str| {
@@ -512,6 +585,7 @@ fn main() {
         Some("rank") => child_rank(args.get(1).map_or("", String::as_str)),
         Some("local") => child_local(args.get(1).map_or("", String::as_str)),
         Some("drive") => drive(arg("--out"), arg("--only")),
+        Some("smoke") => smoke(),
         _ => {
             eprintln!(
                 "usage: faults drive [--out FILE] [--only CASE] | faults rank CASE | faults local CASE"
