@@ -34,6 +34,7 @@ pub mod rank;
 pub mod registry;
 mod run;
 pub mod store;
+pub mod sync;
 
 pub use ctx::{LaneCost, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};
