@@ -526,7 +526,10 @@ fn self_exchange(t: &NcclRank) -> duplex::Result<()> {
 fn smoke() {
     let t0 = Instant::now();
     let local = Local::new(1).and_then(|l| l.timeout(DEADLINE).run(self_exchange).map(drop));
-    println!("local, 1 rank, 256 MiB to itself: {local:?} ({:.2} s)", t0.elapsed().as_secs_f64());
+    println!(
+        "local, 1 rank, 256 MiB to itself: {local:?} ({:.2} s)",
+        t0.elapsed().as_secs_f64()
+    );
     // SAFETY of the environment: this process is single-threaded here.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -550,7 +553,10 @@ fn smoke() {
         .as_ref()
         .map_err(Clone::clone)
         .and_then(|p| p.clone().timeout(DEADLINE).run(self_exchange).map(drop));
-    println!("process, 1 rank, 256 MiB to itself: {r:?} ({:.2} s)", t0.elapsed().as_secs_f64());
+    println!(
+        "process, 1 rank, 256 MiB to itself: {r:?} ({:.2} s)",
+        t0.elapsed().as_secs_f64()
+    );
     let port2 = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

@@ -3,10 +3,11 @@
 //! use the TCP store of [`crate::store`] instead.
 
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use duplex::{Error, Rank};
+
+use crate::sync::{Condvar, Deadline, Mutex, MutexGuard, lock};
 
 /// Where `notify` messages wait for their `await_notify`.
 pub trait Board: Send + Sync + std::fmt::Debug {
@@ -17,16 +18,38 @@ pub trait Board: Send + Sync + std::fmt::Debug {
     fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool, Error>;
 }
 
-/// The board of a local run: counters under a mutex.
-#[derive(Debug, Default)]
+/// The board of a local run: counters under a mutex. A message is taken
+/// under the same lock that the taker's deadline is checked under, so a
+/// post that races a timeout is either taken by that wait or left for the
+/// next one (model-checked: `tests/loom.rs`).
+#[derive(Debug)]
 pub struct LocalBoard {
     counts: Mutex<HashMap<(Rank, Rank, String), u64>>,
     arrived: Condvar,
 }
 
+impl Default for LocalBoard {
+    fn default() -> Self {
+        LocalBoard {
+            counts: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+        }
+    }
+}
+
 impl LocalBoard {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Rank, Rank, String), u64>> {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, HashMap<(Rank, Rank, String), u64>> {
+        lock(&self.counts)
+    }
+
+    /// Lets the deadlines of waits expire, for tests: under loom the
+    /// model's clock ([`crate::sync::Deadline`]), which wakes the waits;
+    /// on real threads nothing (time passes by itself).
+    #[cfg(any(test, loom))]
+    pub fn expire_clock(&self) {
+        crate::sync::clock::expire();
+        let _g = self.lock();
+        self.arrived.notify_all();
     }
 }
 
@@ -38,7 +61,7 @@ impl Board for LocalBoard {
     }
 
     fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool, Error> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         let key = (from, to, tag.to_string());
         let mut counts = self.lock();
         loop {
@@ -48,22 +71,18 @@ impl Board for LocalBoard {
                 *n -= 1;
                 return Ok(true);
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if deadline.expired() {
                 return Ok(false);
             }
-            counts = self
-                .arrived
-                .wait_timeout(counts, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            counts = deadline.wait(&self.arrived, counts);
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn the_local_board_counts_messages_and_times_out() {

@@ -1,21 +1,26 @@
 //! Communicators: creation (init, split), readiness under a deadline, and
-//! abort. Every communicator is non-blocking, so no NCCL call can hold a
-//! thread past duplex's deadline.
+//! abort. A communicator's handle lives in a [`CommCell`], which lets a
+//! thread use it only while holding it and frees it only once no thread
+//! can ([`crate::guard`]).
 
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::{Duration, Instant};
 
 use duplex::{Error, Rank};
 
+use crate::guard::{CommCell, Use};
 use crate::nccl::sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclUniqueId};
-use crate::nccl::{Nccl, nccl};
+use crate::nccl::{Nccl, RawComm};
 
-/// A communicator of this rank: the raw handle and what reports call it.
+/// A communicator of this rank: its handle, under the protocol of
+/// [`crate::guard`], and what reports call it.
 #[derive(Debug)]
 pub struct CommInner {
-    raw: ncclComm_t,
+    /// The handle: reachable only through a hold ([`CommCell::enter`]),
+    /// freed once no thread can use it.
+    pub cell: CommCell<&'static Nccl>,
     /// Its number, the same on every rank (world 0, then lanes, then user
     /// communicators in creation order).
     pub logical: u32,
@@ -28,17 +33,13 @@ pub struct CommInner {
     /// wait for a peer's host; a rank's watchdog aborts it if a call still
     /// overstays the deadline.
     pub blocking: bool,
-    aborted: AtomicBool,
 }
-
-// SAFETY: NCCL communicator handles may be used from any thread; duplex
-// serializes the calls of one rank with its issue lock.
-unsafe impl Send for CommInner {}
-// SAFETY: as above.
-unsafe impl Sync for CommInner {}
 
 /// A shared handle to a communicator.
 pub type Comm = Arc<CommInner>;
+
+/// A hold on a communicator of the real library.
+pub type NcclUse<'a> = Use<'a, &'static Nccl>;
 
 /// Polls `done` until it returns true or `timeout` passes. Spins briefly,
 /// then yields, then sleeps, so that short waits stay short.
@@ -67,15 +68,27 @@ pub fn poll(
 }
 
 impl CommInner {
-    /// The raw handle, unless the communicator was aborted.
-    pub fn raw(&self) -> Result<ncclComm_t, Error> {
-        if self.aborted.load(Ordering::Acquire) {
-            return Err(Error::Aborted(format!(
-                "communicator {} was aborted after a hang or an error; create a new transport to get new lanes",
-                self.name
-            )));
+    fn new(
+        lib: &'static Nccl,
+        raw: ncclComm_t,
+        logical: u32,
+        name: &str,
+        members: Vec<Rank>,
+        blocking: bool,
+    ) -> CommInner {
+        CommInner {
+            // SAFETY: `raw` is a live communicator that nothing else frees.
+            cell: unsafe { CommCell::new(lib, RawComm(raw), name) },
+            logical,
+            name: name.to_string(),
+            members,
+            blocking,
         }
-        Ok(self.raw)
+    }
+
+    /// A hold on the communicator, unless it was aborted.
+    pub fn enter(&self) -> Result<NcclUse<'_>, Error> {
+        self.cell.enter()
     }
 
     /// This communicator's rank of global rank `r`, if a member.
@@ -85,15 +98,13 @@ impl CommInner {
 
     /// True once aborted.
     pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::Acquire)
+        self.cell.is_aborted()
     }
 
     /// Waits until no operation is in progress on it.
     pub fn ready(&self, timeout: Duration, what: &str) -> Result<(), Error> {
-        let lib = nccl()?;
-        let raw = self.raw()?;
-        // SAFETY: `raw` is live (not aborted).
-        let ok = poll(timeout, || unsafe { lib.async_error(raw) })?;
+        let held = self.enter()?;
+        let ok = poll(timeout, || held.async_error())?;
         if ok {
             Ok(())
         } else {
@@ -115,30 +126,20 @@ impl CommInner {
                 self.name
             )));
         }
-        let lib = nccl()?;
-        // SAFETY: live.
-        unsafe { lib.async_error(self.raw) }.map(drop)
+        let Ok(held) = self.enter() else {
+            return Err(Error::Aborted(format!(
+                "communicator {} was aborted, so its ops did not move their bytes",
+                self.name
+            )));
+        };
+        held.async_error().map(drop)
     }
 
-    /// Aborts the communicator (kills its device work); idempotent.
-    pub fn abort(&self) {
-        if self.aborted.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        if let Ok(lib) = nccl() {
-            // SAFETY: live until now, never used again (the flag is set).
-            if let Err(e) = unsafe { lib.abort(self.raw) } {
-                tracing::warn!(comm = %self.name, error = %e, "abort failed");
-            }
-        }
-    }
-}
-
-impl Drop for CommInner {
-    fn drop(&mut self) {
-        // Every op has completed or the communicator was aborted; abort is the
-        // destroy that cannot block.
-        self.abort();
+    /// Aborts the communicator (kills its device work); idempotent. The
+    /// handle is freed now, or by the last thread that holds it (P4 of
+    /// [`crate::guard`]). True when this call aborted it.
+    pub fn abort(&self) -> bool {
+        self.cell.abort()
     }
 }
 
@@ -168,7 +169,7 @@ impl Slot {
 
 /// Creates this rank's handle on a new communicator of `nranks` ranks.
 pub fn init(
-    lib: &Nccl,
+    lib: &'static Nccl,
     id: ncclUniqueId,
     nranks: u32,
     rank: Rank,
@@ -199,14 +200,14 @@ pub fn init(
             ))));
         }
     }
-    Ok(Arc::new(CommInner {
+    Ok(Arc::new(CommInner::new(
+        lib,
         raw,
-        logical: 0,
-        name: "world".into(),
-        members: (0..nranks).collect(),
-        blocking: false,
-        aborted: AtomicBool::new(false),
-    }))
+        0,
+        "world",
+        (0..nranks).collect(),
+        false,
+    )))
 }
 
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
@@ -215,7 +216,7 @@ pub fn init(
 /// is `blocking` or not.
 #[allow(clippy::too_many_arguments)]
 pub fn split(
-    lib: &Nccl,
+    lib: &'static Nccl,
     parent: &Comm,
     rank: Rank,
     members: &[Rank],
@@ -230,11 +231,13 @@ pub fn split(
     let mine = sorted.contains(&rank);
     let color = if mine { 0 } else { NCCL_SPLIT_NOCOLOR };
     let mut config = lib.config(ctas.0, ctas.1, blocking);
-    let parent_raw = parent.raw()?;
+    let held = parent.enter()?;
     let slot = Slot::new();
-    // SAFETY: the parent is live and ready; the slot lives until the split
-    // is over (or is leaked below).
-    unsafe { lib.split(parent_raw, color, rank as i32, &mut config, slot.ptr()) }?;
+    // SAFETY: the parent is held and ready, the caller holds the issue lock
+    // (or is the rank's only thread); the slot lives until the split is
+    // over (or is leaked below).
+    unsafe { held.call(|lib, raw| lib.split(raw.0, color, rank as i32, &mut config, slot.ptr())) }?;
+    drop(held);
     // The split is collective over the parent, and its job reports there.
     if let Err(e) = parent.ready(timeout, "ncclCommSplit") {
         slot.abandon();
@@ -244,14 +247,7 @@ pub fn split(
     if !mine || raw.is_null() {
         return Ok(None);
     }
-    let comm = Arc::new(CommInner {
-        raw,
-        logical,
-        name: name.to_string(),
-        members: sorted,
-        blocking,
-        aborted: AtomicBool::new(false),
-    });
+    let comm = Arc::new(CommInner::new(lib, raw, logical, name, sorted, blocking));
     comm.ready(timeout, "ncclCommSplit")?;
     Ok(Some(comm))
 }

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,7 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
 use crate::cuda::{Device, Event, Memory, Stream};
+use crate::guard::{Done, IssueLock, Ledger};
 use crate::health::Health;
 use crate::nccl::Nccl;
 use crate::registry::Registry;
@@ -146,6 +147,12 @@ impl Issued {
     }
 }
 
+impl Done for Issued {
+    fn done(&self) -> bool {
+        Issued::done(self)
+    }
+}
+
 impl Drop for Issued {
     fn drop(&mut self) {
         // A completed op's event goes back to its rank's pool.
@@ -229,8 +236,10 @@ pub(crate) struct RankCtx {
     pub(crate) default_stream: NcclStream,
     pub(crate) streams: Mutex<Vec<NcclStream>>,
     pub(crate) comms: Mutex<Vec<Comm>>,
-    pub(crate) issue: Mutex<()>,
-    pub(crate) ops: Mutex<Vec<Arc<Issued>>>,
+    /// The lock around every NCCL call of the rank (P1 of [`crate::guard`]).
+    pub(crate) issue: IssueLock,
+    /// The ops that may still run on the device (P6, P7).
+    pub(crate) ops: Ledger<Arc<Issued>>,
     pub(crate) board: Arc<dyn Board>,
     pub(crate) registry: Option<Arc<Registry>>,
     /// The job's failures: how this rank reports its own and learns of the
@@ -241,12 +250,6 @@ pub(crate) struct RankCtx {
     pub(crate) fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
     /// Events of completed ops, for reuse.
     pub(crate) events: Mutex<Vec<Event>>,
-    /// Length of `ops` at which completed ops are next pruned.
-    pub(crate) prune_at: AtomicUsize,
-    /// When an NCCL call of this rank started (nanoseconds since `epoch`),
-    /// 0 when none is in progress; the watchdog reads it.
-    pub(crate) busy_since: AtomicU64,
-    pub(crate) epoch: Instant,
     /// Set when the watchdog aborted this rank's communicators.
     pub(crate) fired: AtomicBool,
     pub(crate) costs: Vec<LaneCost>,
@@ -350,8 +353,9 @@ impl RankCtx {
             }
             comms.push(comm.clone());
             let after = device.memory().map(|m| m.0).unwrap_or(0);
-            // SAFETY: the communicator is live.
-            let (bytes, measured_by) = match unsafe { lib.memory(comm.raw()?) } {
+            // SAFETY: held, and this is the rank's only thread so far.
+            let stats = unsafe { comm.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?;
+            let (bytes, measured_by) = match stats {
                 Some(b) => (b, "ncclCommMemStats"),
                 None => (
                     before.saturating_sub(after) as u64,
@@ -375,8 +379,8 @@ impl RankCtx {
             default_stream,
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
-            issue: Mutex::new(()),
-            ops: Mutex::new(Vec::new()),
+            issue: IssueLock::default(),
+            ops: Ledger::default(),
             board,
             registry,
             health,
@@ -384,9 +388,6 @@ impl RankCtx {
             next_logical: AtomicU32::new(logical),
             fifo: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
-            prune_at: AtomicUsize::new(256),
-            busy_since: AtomicU64::new(0),
-            epoch: Instant::now(),
             fired: AtomicBool::new(false),
             costs,
             device,
@@ -431,31 +432,38 @@ impl RankCtx {
             if group.is_empty() {
                 continue;
             }
-            let _g = lock(&self.issue);
-            let _busy = self.busy();
-            self.lib.group_start()?;
-            for c in &group {
-                let raw = c.raw()?;
-                for peer in &c.members {
-                    if *peer == self.rank {
-                        continue;
-                    }
-                    let p = c.rank_of(*peer).unwrap_or(0);
-                    // SAFETY: the 2-byte buffer lives until the stream is synchronized below.
-                    unsafe {
-                        self.lib
-                            .send(mem.ptr(), 1, DType::U8.nccl(), p, raw, stream.raw())?;
-                        self.lib
-                            .recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, raw, stream.raw())?;
+            let issuing = self.issue.lock();
+            let held = group
+                .iter()
+                .map(|c| c.enter())
+                .collect::<Result<Vec<_>>>()?;
+            let end = issuing.group(&self.lib, &held, || {
+                for (c, h) in group.iter().zip(&held) {
+                    for peer in &c.members {
+                        if *peer == self.rank {
+                            continue;
+                        }
+                        let p = c.rank_of(*peer).unwrap_or(0);
+                        // SAFETY: the 2-byte buffer lives until the stream
+                        // is synchronized below; the issue lock is held.
+                        unsafe {
+                            h.send(mem.ptr(), 1, DType::U8.nccl(), p, stream.raw())?;
+                            h.recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, stream.raw())?;
+                        }
                     }
                 }
-            }
-            if let Err(e) = self.lib.group_end() {
+                Ok(())
+            })?;
+            if let Err(e) = end {
                 return Err(self.watchdog_error(e, "connecting the lanes"));
             }
+            drop(held);
+            // Under the issue lock still: no other NCCL call of the rank
+            // until the group's communicators are ready.
             for c in &group {
                 c.ready(self.opts.timeout, "connecting")?;
             }
+            drop(issuing);
         }
         let ev = Event::new(false)?;
         ev.record(&stream)?;
@@ -468,17 +476,9 @@ impl RankCtx {
         mem.free()
     }
 
+    /// The ops not completed: whole launches (P7 of [`crate::guard`]).
     pub(crate) fn pending(&self) -> Vec<Arc<Issued>> {
-        let mut ops = lock(&self.ops);
-        ops.retain(|o| !o.done());
-        ops.clone()
-    }
-
-    /// Marks an NCCL call in progress until the guard drops.
-    pub(crate) fn busy(&self) -> Busy<'_> {
-        let now = self.epoch.elapsed().as_nanos() as u64;
-        self.busy_since.store(now.max(1), Ordering::Release);
-        Busy(self)
+        self.ops.pending()
     }
 
     /// The error of an NCCL call that failed: after the watchdog aborted the
@@ -508,15 +508,40 @@ impl RankCtx {
         }
     }
 
-    /// Aborts every communicator of the rank.
+    /// Every communicator of the rank (lanes and user communicators are in
+    /// `comms` too, but a lane's entry is kept for certainty).
+    fn all_comms(&self) -> Vec<Comm> {
+        let mut all = lock(&self.comms).clone();
+        all.extend(self.lanes.values().map(|(_, c, _)| c.clone()));
+        all.push(self.world.clone());
+        all
+    }
+
+    /// Aborts every communicator of the rank: each is freed now, or when the
+    /// last thread that holds it leaves (P4 of [`crate::guard`]).
     pub(crate) fn abort_all(&self) {
-        for c in lock(&self.comms).iter() {
+        for c in self.all_comms() {
             c.abort();
         }
-        for (_, c, _) in self.lanes.values() {
-            c.abort();
+    }
+
+    /// Frees the aborted communicators that only a call blocked inside NCCL
+    /// still holds, interrupting it (P5 of [`crate::guard`]). The watchdog
+    /// calls it once the rank's NCCL call has been in progress for longer
+    /// than the deadline plus [`FORCE_GRACE`] after the abort.
+    fn force_free_all(&self) -> usize {
+        let mut n = 0;
+        for c in self.all_comms() {
+            // SAFETY: the watchdog calls this only when the rank's one NCCL
+            // call (the issue lock lets one thread call at a time) has lasted
+            // longer than the deadline and then `FORCE_GRACE` after the abort
+            // refused every new call: a holder counted inside NCCL for that
+            // long is blocked there, not about to enter.
+            if unsafe { c.cell.force_free() } {
+                n += 1;
+            }
         }
-        self.world.abort();
+        n
     }
 
     /// The end of a run: waits (under the deadline) for every op of this
@@ -541,36 +566,34 @@ impl RankCtx {
             poll(Duration::from_secs(2), || Ok(self.pending().is_empty())),
             Ok(true)
         ) {
-            let stuck = std::mem::take(&mut *lock(&self.ops));
+            let stuck = self.ops.leak_pending();
             tracing::warn!(
                 rank = self.rank,
-                ops = stuck.len(),
+                ops = stuck,
                 "ops did not stop after abort: leaking their buffers"
             );
-            std::mem::forget(stuck);
         }
     }
 }
 
-/// An NCCL call in progress (see [`RankCtx::busy`]).
-pub(crate) struct Busy<'a>(&'a RankCtx);
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        self.0.busy_since.store(0, Ordering::Release);
-    }
-}
+/// How long after aborting the communicators of a rank whose NCCL call
+/// overstayed the deadline the watchdog waits before it frees those that
+/// the call still holds, to interrupt it (P5 of [`crate::guard`]).
+pub(crate) const FORCE_GRACE: Duration = Duration::from_millis(500);
 
 /// Starts the rank's watchdog: a thread that aborts every communicator of
 /// the rank when one NCCL call has been in progress longer than the
-/// deadline (a blocking communicator whose call waits on a peer, say), so
+/// deadline (a blocking communicator whose call waits on a peer, say), and
+/// if that call still has not returned `FORCE_GRACE` later, frees the
+/// communicators it holds to interrupt it (P5 of [`crate::guard`]), so
 /// that no thread stays blocked inside NCCL. It ends with the rank.
 pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
     let weak = Arc::downgrade(ctx);
-    let limit = ctx.opts.timeout.as_nanos() as u64;
+    let limit = ctx.opts.timeout;
     let _ = std::thread::Builder::new()
         .name(format!("duplex watchdog {}", ctx.rank))
         .spawn(move || {
+            let mut fired_at: Option<Instant> = None;
             loop {
                 std::thread::sleep(Duration::from_millis(20));
                 let Some(ctx) = weak.upgrade() else { return };
@@ -586,13 +609,16 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         "another rank failed: aborting this rank's communicators"
                     );
                     ctx.abort_all();
+                    fired_at = Some(Instant::now());
+                    continue;
                 }
-                let since = ctx.busy_since.load(Ordering::Acquire);
-                let now = ctx.epoch.elapsed().as_nanos() as u64;
-                if since != 0
-                    && now.saturating_sub(since) > limit
-                    && !ctx.fired.swap(true, Ordering::AcqRel)
-                {
+                let Some(busy) = ctx.issue.busy_for() else {
+                    continue;
+                };
+                if busy <= limit {
+                    continue;
+                }
+                if !ctx.fired.swap(true, Ordering::AcqRel) {
                     tracing::warn!(
                         rank = ctx.rank,
                         "an NCCL call overstayed the deadline: aborting the rank's communicators"
@@ -605,6 +631,16 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         ),
                     );
                     ctx.abort_all();
+                    fired_at = Some(Instant::now());
+                } else if fired_at.is_some_and(|t| t.elapsed() > FORCE_GRACE) {
+                    let n = ctx.force_free_all();
+                    if n > 0 {
+                        tracing::warn!(
+                            rank = ctx.rank,
+                            comms = n,
+                            "an NCCL call is still blocked after the abort: freeing its communicators to interrupt it"
+                        );
+                    }
                 }
             }
         });

@@ -21,7 +21,10 @@
 //!
 //! Layers, as in `cudarc`: [`nccl::sys`] (raw ABI) → [`nccl`] (one checked
 //! function per call) and [`cuda`] → [`comm`], [`ctx`] and [`rank`] (owning
-//! types: a rank's shared context, and the per-thread handle).
+//! types: a rank's shared context, and the per-thread handle). Which thread
+//! may call NCCL on a communicator when, and when one is aborted and freed,
+//! is [`guard`]'s protocol, model-checked with loom through the [`sync`]
+//! shim.
 
 #![warn(clippy::print_stdout, clippy::print_stderr)]
 
@@ -29,12 +32,14 @@ pub mod board;
 pub mod comm;
 pub mod ctx;
 pub mod cuda;
+pub mod guard;
 pub mod health;
 pub mod nccl;
 pub mod rank;
 pub mod registry;
 mod run;
 pub mod store;
+pub mod sync;
 
 pub use ctx::{LaneCost, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};

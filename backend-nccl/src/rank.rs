@@ -132,19 +132,20 @@ impl NcclRank {
                 message: format!("no lane toward rank {peer}"),
             });
         };
-        let raw = comm.raw()?;
         let p = comm.rank_of(peer).unwrap_or(0);
         let s = stream.unwrap_or(lane_stream).0.raw.raw();
-        let _g = lock(&self.ctx.issue);
-        let _busy = self.ctx.busy();
+        let issuing = self.ctx.issue.lock();
+        let held = comm.enter()?;
+        let busy = issuing.busy();
         // SAFETY: the caller keeps the memory alive until the stream is
-        // synchronized; the communicator and stream are live.
+        // synchronized; the stream is live; the issue lock is held.
         let launched = unsafe {
             match dir {
-                Dir::Send => self.ctx.lib.send(ptr, bytes, DType::U8.nccl(), p, raw, s),
-                Dir::Recv => self.ctx.lib.recv(ptr, bytes, DType::U8.nccl(), p, raw, s),
+                Dir::Send => held.send(ptr, bytes, DType::U8.nccl(), p, s),
+                Dir::Recv => held.recv(ptr, bytes, DType::U8.nccl(), p, s),
             }
         }?;
+        drop((busy, held));
         if !launched {
             comm.ready(self.ctx.opts.timeout, "ncclSend/ncclRecv")?;
         }
@@ -247,7 +248,9 @@ impl NcclRank {
     ) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
-            r.meta.comm.raw()?;
+            if r.meta.comm.is_aborted() {
+                return Err(r.meta.comm.cell.aborted_error());
+            }
         }
         if let (Some(a), Some(b)) = (
             reqs.iter().find(|r| r.meta.comm.blocking),
@@ -264,7 +267,7 @@ impl NcclRank {
                 ),
             );
         }
-        let _g = lock(&ctx.issue);
+        let issuing = ctx.issue.lock();
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
@@ -306,63 +309,69 @@ impl NcclRank {
             }
         }
         ctx.device.bind()?;
-        let busy = ctx.busy();
-        ctx.lib.group_start()?;
+        // Hold every communicator the group names until its launch is over
+        // (P3 of `crate::guard`); `slot[i]` is the hold of `reqs[i]`.
+        let mut comms: Vec<&Comm> = Vec::new();
+        let mut slot = Vec::with_capacity(reqs.len());
         for r in &reqs {
-            let m = &r.meta;
-            let _span = tracing::trace_span!(
-                "duplex.op",
-                backend = "nccl",
-                rank = m.rank,
-                thread = %m.thread,
-                lane = %m.comm.name,
-                op = m.dir.name(),
-                peer = m.peer,
-                bytes = (m.count * m.dtype.size()) as u64,
-                grouped,
-            )
-            .entered();
-            let raw = m.comm.raw()?;
-            let peer = m.comm.rank_of(m.peer).unwrap_or(0);
-            let stream = r.stream.0.raw.raw();
-            // SAFETY: the op keeps its buffer alive until it is dropped, which
-            // happens only after its event completed; the communicator and
-            // stream are live.
-            let res = unsafe {
-                match m.dir {
-                    Dir::Send => ctx
-                        .lib
-                        .send(r.ptr, m.count, m.dtype.nccl(), peer, raw, stream),
-                    Dir::Recv => ctx
-                        .lib
-                        .recv(r.ptr, m.count, m.dtype.nccl(), peer, raw, stream),
+            let i = match comms.iter().position(|c| Arc::ptr_eq(c, &r.meta.comm)) {
+                Some(i) => i,
+                None => {
+                    comms.push(&r.meta.comm);
+                    comms.len() - 1
                 }
             };
-            if let Err(e) = res {
-                let _ = ctx.lib.group_end();
-                return Err(ctx.watchdog_error(e, &m.text()));
-            }
+            slot.push(i);
         }
-        let launched = ctx
-            .lib
-            .group_end()
-            .map_err(|e| ctx.watchdog_error(e, &reqs[0].meta.text()))?;
-        drop(busy);
+        let held = comms
+            .iter()
+            .map(|c| c.enter())
+            .collect::<Result<Vec<_>>>()?;
+        let end = issuing.group(&ctx.lib, &held, || {
+            for (r, &i) in reqs.iter().zip(&slot) {
+                let m = &r.meta;
+                let _span = tracing::trace_span!(
+                    "duplex.op",
+                    backend = "nccl",
+                    rank = m.rank,
+                    thread = %m.thread,
+                    lane = %m.comm.name,
+                    op = m.dir.name(),
+                    peer = m.peer,
+                    bytes = (m.count * m.dtype.size()) as u64,
+                    grouped,
+                )
+                .entered();
+                let peer = m.comm.rank_of(m.peer).unwrap_or(0);
+                let stream = r.stream.0.raw.raw();
+                // SAFETY: the op keeps its buffer alive until it is dropped,
+                // which happens only after its event completed (P6); the
+                // stream is live; the issue lock is held.
+                let res = unsafe {
+                    match m.dir {
+                        Dir::Send => held[i].send(r.ptr, m.count, m.dtype.nccl(), peer, stream),
+                        Dir::Recv => held[i].recv(r.ptr, m.count, m.dtype.nccl(), peer, stream),
+                    }
+                };
+                res.map_err(|e| ctx.watchdog_error(e, &m.text()))?;
+            }
+            Ok(())
+        })?;
+        let launched = end.map_err(|e| ctx.watchdog_error(e, &reqs[0].meta.text()))?;
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
-            let comms: Vec<Comm> = reqs.iter().map(|r| r.meta.comm.clone()).collect();
             let ok = poll(ctx.opts.timeout, || {
-                for c in &comms {
-                    // SAFETY: live (checked above).
-                    if !unsafe { ctx.lib.async_error(c.raw()?) }? {
+                for h in &held {
+                    if !h.async_error()? {
                         return Ok(false);
                     }
                 }
                 Ok(true)
             })?;
             if !ok {
-                drop(_g);
+                drop(held);
+                drop(issuing);
                 return Err(self.hang(
                     &format!("{} (its connection handshake, R7)", reqs[0].meta.text()),
                     &check::place(at),
@@ -370,9 +379,21 @@ impl NcclRank {
                 ));
             }
         }
+        drop(held);
+        let mut launch = Vec::with_capacity(reqs.len());
         for r in reqs {
-            let event = ctx.event()?;
-            event.record(&r.stream.0.raw)?;
+            let event = match ctx
+                .event()
+                .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
+            {
+                Ok(e) => e,
+                Err(e) => {
+                    // The ops already given an event stay tracked (and keep
+                    // their buffers) even though this launch failed.
+                    ctx.ops.record(launch);
+                    return Err(e);
+                }
+            };
             let issued = Arc::new(Issued {
                 meta: r.meta,
                 event: Some(event),
@@ -384,17 +405,11 @@ impl NcclRank {
                 users.retain(|w| w.strong_count() > 0);
                 users.push(Arc::downgrade(&issued));
             }
-            let mut ops = lock(&ctx.ops);
-            ops.push(issued);
-            if ops.len() >= ctx.prune_at.load(Ordering::Relaxed) {
-                // Completed ops leave (and give their events back); the next
-                // pruning waits until the list has doubled, so the cost per
-                // op stays constant however many ops are in flight.
-                ops.retain(|o| !o.done());
-                ctx.prune_at
-                    .store((2 * ops.len()).max(256), Ordering::Relaxed);
-            }
+            launch.push(issued);
         }
+        // One launch enters the ledger whole: a hang report taken by another
+        // thread lists all of it or none of it (P7).
+        ctx.ops.record(launch);
         Ok(())
     }
 
@@ -553,9 +568,8 @@ impl NcclRank {
         };
         let mut aborted = Vec::new();
         for p in &pending {
-            if !p.meta.comm.is_aborted() {
+            if p.meta.comm.abort() {
                 aborted.push(p.meta.comm.name.clone());
-                p.meta.comm.abort();
             }
         }
         aborted.sort();
@@ -695,7 +709,7 @@ impl Transport for NcclRank {
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
         self.ctx.device.bind()?;
         let comm = {
-            let _g = lock(&self.ctx.issue);
+            let _issuing = self.ctx.issue.lock();
             comm::split(
                 self.ctx.lib,
                 &self.ctx.world,

@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use duplex::Error;
 
+use crate::guard::CommApi;
 use sys::{ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId};
 
 /// The environment variable that names the NCCL library to use.
@@ -425,6 +426,69 @@ impl Nccl {
         // SAFETY: as documented.
         let r = unsafe { f(comm, sys::NCCL_STAT_GPU_MEM_TOTAL, &mut v) };
         (r == sys::NCCL_SUCCESS).then_some(v)
+    }
+}
+
+/// A communicator handle that may cross threads: NCCL handles may be used
+/// from any thread, under the protocol of [`crate::guard`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawComm(pub ncclComm_t);
+
+// SAFETY: a handle is an address; who may use it when is `guard`'s protocol.
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+/// NCCL under the protocol: each method is the `Nccl` method of the same
+/// name. NCCL 2.28 has no call that stops a communicator's work without
+/// freeing it, so `revoke` keeps the default (`Ok(false)`): a call blocked
+/// in NCCL is interrupted by `ncclCommAbort` only (P5 of [`crate::guard`]).
+impl CommApi for Nccl {
+    type Comm = RawComm;
+    type Stream = *mut c_void;
+
+    fn group_start(&self) -> Result<(), Error> {
+        Nccl::group_start(self)
+    }
+
+    fn group_end(&self) -> Result<bool, Error> {
+        Nccl::group_end(self)
+    }
+
+    unsafe fn send(
+        &self,
+        comm: RawComm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: *mut c_void,
+    ) -> Result<bool, Error> {
+        // SAFETY: the trait's contract is `Nccl::send`'s.
+        unsafe { Nccl::send(self, buf, count, dtype, peer, comm.0, stream) }
+    }
+
+    unsafe fn recv(
+        &self,
+        comm: RawComm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: *mut c_void,
+    ) -> Result<bool, Error> {
+        // SAFETY: the trait's contract is `Nccl::recv`'s.
+        unsafe { Nccl::recv(self, buf, count, dtype, peer, comm.0, stream) }
+    }
+
+    unsafe fn async_error(&self, comm: RawComm) -> Result<bool, Error> {
+        // SAFETY: the trait's contract is `Nccl::async_error`'s.
+        unsafe { Nccl::async_error(self, comm.0) }
+    }
+
+    unsafe fn abort(&self, comm: RawComm) -> Result<(), Error> {
+        // SAFETY: the trait's contract is `Nccl::abort`'s.
+        unsafe { Nccl::abort(self, comm.0) }
     }
 }
 

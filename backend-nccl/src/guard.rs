@@ -1,0 +1,698 @@
+//! Who may call NCCL on a communicator, and when a communicator may be
+//! aborted and freed: the backend's concurrency protocol, as types.
+//!
+//! NCCL's rules (R11 of `docs/semantics.md`): no two threads may issue
+//! operations to one communicator in parallel, nor to independent
+//! communicators of one device; one thread issues all the operations of a
+//! group. And `ncclCommAbort` both stops a communicator's work and frees
+//! it, so a handle that another thread is about to pass to NCCL must not
+//! be aborted under it.
+//!
+//! # The protocol
+//!
+//! - **P1, one caller per rank.** Every call that builds or launches work
+//!   (`ncclGroupStart`/`End`, `ncclSend`/`Recv`, `ncclCommSplit`) is made
+//!   by the thread that holds the rank's [`IssueLock`] (an [`Issuing`]).
+//!   All communicators of a rank live on its device, so this covers both
+//!   of NCCL's rules. Two calls are made without it: the state query
+//!   `ncclCommGetAsyncError` (it reads the communicator's state, as
+//!   PyTorch's watchdog does from its own thread), and the abort path
+//!   (P4, P5), which exists to interrupt the caller.
+//! - **P2, a group is one thread's.** A group is built inside
+//!   [`Issuing::group`]: start, the ops, end, on the thread that holds the
+//!   lock ([`Issuing`] and [`Use`] cannot move to another thread). The end
+//!   is called even when an op fails, so NCCL's per-thread group state
+//!   never stays open.
+//! - **P3, the handle only inside a hold.** A communicator's raw handle is
+//!   reachable only through a [`Use`], a counted hold on its [`CommCell`],
+//!   and only for the duration of one call ([`Use::call`]). A group holds
+//!   a `Use` of each of its communicators from before its first op until
+//!   `ncclGroupEnd` has returned, since that call launches the queued ops
+//!   and reads every communicator they name.
+//! - **P4, abort marks; the last holder frees.** [`CommCell::abort`] marks
+//!   the communicator aborted. From then on no new call is made through it:
+//!   [`Use::call`] fails with [`Error::Aborted`] without calling NCCL;
+//!   only the closing `ncclGroupEnd` of a group already open still runs
+//!   (P2). If nobody holds the communicator, abort frees it at once
+//!   (`ncclCommAbort`). Otherwise abort asks the library to stop the calls
+//!   in flight without freeing anything ([`CommApi::revoke`]), and the
+//!   last holder to leave frees it. Abort never waits for anybody, is
+//!   idempotent, and the free happens exactly once.
+//! - **P5, a call blocked inside NCCL.** A thread blocked inside a call on
+//!   a blocking communicator (an `ncclGroupEnd` waiting for a peer, say)
+//!   holds it, so P4 alone would not free it until the call returns; and
+//!   on a library without `ncclCommRevoke` (NCCL 2.28 and older) the only
+//!   thing that interrupts the call is `ncclCommAbort` itself, the way
+//!   NCCL documents for unblocking a blocked call from another thread.
+//!   [`CommCell::force_free`] does that for an aborted communicator whose
+//!   every holder is counted inside an NCCL call, so no holder can be
+//!   about to start a new call with the handle (P4 refuses those). It is
+//!   `unsafe`: its caller, the rank's watchdog, must know that the
+//!   holders really are blocked inside NCCL, which it judges by time (the
+//!   rank's NCCL call has lasted longer than the deadline, plus a grace
+//!   after the abort). What is left is NCCL's: the interrupted call's own
+//!   reads of the freed communicator.
+//! - **P6, buffers outlive their ops.** Each launched op holds its buffer;
+//!   the rank's [`Ledger`] drops an op only once the op says it completed
+//!   ([`Done`]: its CUDA event), and never drops one that has not: at the
+//!   end of a run, or when the ledger is dropped, ops that never completed
+//!   are leaked with their buffers rather than freed under a kernel.
+//! - **P7, snapshots see whole launches.** The ops of one launch enter the
+//!   ledger under one lock ([`Ledger::record`]), after the launch, so a
+//!   snapshot ([`Ledger::pending`], what a hang report lists) holds all
+//!   of a group or none of it. Aborting the communicators of a snapshot
+//!   while another thread is halfway through a group is P4: that thread's
+//!   next op fails, its group still ends, and the free waits for it.
+//!
+//! Lock order: the issue lock, then a communicator's state lock. A state
+//! lock is held only for a few counter updates, never across an NCCL call;
+//! the ledger's lock is never held across one either.
+//!
+//! NCCL itself is behind [`CommApi`], implemented by [`crate::nccl::Nccl`]
+//! and, for tests on machines without GPUs, by `fake::FakeNccl`; the
+//! synchronization primitives come from [`crate::sync`], so the loom tests
+//! (`tests/loom.rs`) check this very code.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::time::{Duration, Instant};
+
+use duplex::Error;
+
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, lock};
+
+#[cfg(any(test, loom))]
+pub mod fake;
+#[cfg(any(test, loom))]
+pub mod scenarios;
+
+/// The NCCL calls the protocol makes, so that it runs without GPUs.
+pub trait CommApi: Send + Sync {
+    /// A communicator's raw handle.
+    type Comm: Copy + Send + Sync + fmt::Debug;
+    /// A CUDA stream's raw handle.
+    type Stream: Copy;
+
+    /// `ncclGroupStart`.
+    fn group_start(&self) -> Result<(), Error>;
+
+    /// `ncclGroupEnd`: `Ok(true)` when launched, `Ok(false)` while in
+    /// progress on non-blocking communicators.
+    fn group_end(&self) -> Result<bool, Error>;
+
+    /// `ncclSend`: `Ok(false)` while in progress on a non-blocking
+    /// communicator.
+    ///
+    /// # Safety
+    /// `comm` must be live; `buf` must hold `count` elements of `dtype` on
+    /// the communicator's device until the op completes; `stream` must be
+    /// live.
+    unsafe fn send(
+        &self,
+        comm: Self::Comm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: Self::Stream,
+    ) -> Result<bool, Error>;
+
+    /// `ncclRecv`, as [`CommApi::send`].
+    ///
+    /// # Safety
+    /// As [`CommApi::send`], and the buffer must be writable.
+    unsafe fn recv(
+        &self,
+        comm: Self::Comm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: Self::Stream,
+    ) -> Result<bool, Error>;
+
+    /// `ncclCommGetAsyncError`: `Ok(true)` when ready, `Ok(false)` while an
+    /// operation is in progress, `Err` when the communicator failed.
+    ///
+    /// # Safety
+    /// `comm` must be live.
+    unsafe fn async_error(&self, comm: Self::Comm) -> Result<bool, Error>;
+
+    /// Stops the communicator's work in flight, and interrupts host calls
+    /// blocked in it, without freeing it: `Ok(false)` when the library
+    /// cannot (then only [`CommApi::abort`] interrupts).
+    ///
+    /// # Safety
+    /// `comm` must be live; other threads may be inside calls on it.
+    unsafe fn revoke(&self, comm: Self::Comm) -> Result<bool, Error> {
+        let _ = comm;
+        Ok(false)
+    }
+
+    /// `ncclCommAbort`: stops the communicator's work and frees it.
+    ///
+    /// # Safety
+    /// `comm` must be live, and is never used again.
+    unsafe fn abort(&self, comm: Self::Comm) -> Result<(), Error>;
+}
+
+impl<A: CommApi + ?Sized> CommApi for &A {
+    type Comm = A::Comm;
+    type Stream = A::Stream;
+
+    fn group_start(&self) -> Result<(), Error> {
+        (**self).group_start()
+    }
+
+    fn group_end(&self) -> Result<bool, Error> {
+        (**self).group_end()
+    }
+
+    unsafe fn send(
+        &self,
+        comm: Self::Comm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: Self::Stream,
+    ) -> Result<bool, Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).send(comm, buf, count, dtype, peer, stream) }
+    }
+
+    unsafe fn recv(
+        &self,
+        comm: Self::Comm,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: Self::Stream,
+    ) -> Result<bool, Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).recv(comm, buf, count, dtype, peer, stream) }
+    }
+
+    unsafe fn async_error(&self, comm: Self::Comm) -> Result<bool, Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).async_error(comm) }
+    }
+
+    unsafe fn revoke(&self, comm: Self::Comm) -> Result<bool, Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).revoke(comm) }
+    }
+
+    unsafe fn abort(&self, comm: Self::Comm) -> Result<(), Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).abort(comm) }
+    }
+}
+
+/// Where a communicator is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Usable.
+    Live,
+    /// Aborted: no new call; freed when the last holder leaves (P4).
+    Aborted,
+    /// Freed (`ncclCommAbort` was called, once).
+    Freed,
+}
+
+#[derive(Debug)]
+struct CellState {
+    phase: Phase,
+    /// Live [`Use`]s, and an abort that is revoking (P4).
+    holders: usize,
+    /// Holders inside an NCCL call on it (P5).
+    inside: usize,
+}
+
+/// A communicator handle that is freed only when no thread can use it
+/// (P3–P5).
+pub struct CommCell<A: CommApi> {
+    api: A,
+    raw: A::Comm,
+    name: String,
+    state: Mutex<CellState>,
+}
+
+impl<A: CommApi> fmt::Debug for CommCell<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CommCell")
+            .field("name", &self.name)
+            .field("raw", &self.raw)
+            .field("state", &*lock(&self.state))
+            .finish()
+    }
+}
+
+impl<A: CommApi> CommCell<A> {
+    /// Takes ownership of `raw`, a live communicator of `api`, named `name`
+    /// in errors.
+    ///
+    /// # Safety
+    /// `raw` must be live, and nothing else may free it.
+    pub unsafe fn new(api: A, raw: A::Comm, name: &str) -> CommCell<A> {
+        CommCell {
+            api,
+            raw,
+            name: name.to_string(),
+            state: Mutex::new(CellState {
+                phase: Phase::Live,
+                holders: 0,
+                inside: 0,
+            }),
+        }
+    }
+
+    /// The library.
+    pub fn api(&self) -> &A {
+        &self.api
+    }
+
+    /// Where it is in its life.
+    pub fn phase(&self) -> Phase {
+        lock(&self.state).phase
+    }
+
+    /// True once aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.phase() != Phase::Live
+    }
+
+    /// The error of a call on an aborted communicator.
+    pub fn aborted_error(&self) -> Error {
+        Error::Aborted(format!(
+            "communicator {} was aborted after a hang or an error; create a new transport to get new lanes",
+            self.name
+        ))
+    }
+
+    /// A hold on the communicator, unless it was aborted.
+    pub fn enter(&self) -> Result<Use<'_, A>, Error> {
+        let mut st = lock(&self.state);
+        if st.phase != Phase::Live {
+            return Err(self.aborted_error());
+        }
+        st.holders += 1;
+        Ok(Use {
+            cell: self,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Aborts the communicator (P4): no new call from now on; freed now if
+    /// nobody holds it, else by the last holder, after asking the library
+    /// to stop the calls in flight. Never waits. True when this call did
+    /// it (the communicator was live).
+    pub fn abort(&self) -> bool {
+        let mut st = lock(&self.state);
+        if st.phase != Phase::Live {
+            return false;
+        }
+        st.phase = Phase::Aborted;
+        if st.holders == 0 {
+            st.phase = Phase::Freed;
+            drop(st);
+            self.free();
+            return true;
+        }
+        // Hold it while revoking, so that it is not freed under the call.
+        st.holders += 1;
+        drop(st);
+        // SAFETY: held, so not freed; other threads may be inside calls on
+        // it, which revoke allows.
+        match unsafe { self.api.revoke(self.raw) } {
+            Ok(_) => {}
+            Err(e) => tracing::warn!(comm = %self.name, error = %e, "revoke failed"),
+        }
+        self.leave();
+        true
+    }
+
+    /// Frees an aborted communicator whose every holder is inside an NCCL
+    /// call (P5); false when it is not aborted, already freed, or a holder
+    /// is outside NCCL (it will leave on its own: its next call fails).
+    ///
+    /// # Safety
+    /// Every holder counted inside must be blocked inside NCCL, not about
+    /// to enter it: only a call that has lasted far longer than any call
+    /// that does not wait can be trusted to be. `ncclCommAbort` then
+    /// interrupts the blocked call, which reads the freed communicator
+    /// once more on its way out (NCCL's documented way to unblock it).
+    pub unsafe fn force_free(&self) -> bool {
+        let mut st = lock(&self.state);
+        if st.phase != Phase::Aborted || st.holders != st.inside {
+            return false;
+        }
+        st.phase = Phase::Freed;
+        drop(st);
+        self.free();
+        true
+    }
+
+    fn leave(&self) {
+        let mut st = lock(&self.state);
+        st.holders -= 1;
+        if st.holders == 0 && st.phase == Phase::Aborted {
+            st.phase = Phase::Freed;
+            drop(st);
+            self.free();
+        }
+    }
+
+    /// The one free: called by whoever moved the phase to `Freed`.
+    fn free(&self) {
+        // SAFETY: the phase moved to `Freed` once, under the state lock,
+        // with no holder outside NCCL (P4, P5); no new hold or call can
+        // start, so the handle is never used again by duplex.
+        if let Err(e) = unsafe { self.api.abort(self.raw) } {
+            tracing::warn!(comm = %self.name, error = %e, "abort failed");
+        }
+    }
+}
+
+impl<A: CommApi> Drop for CommCell<A> {
+    fn drop(&mut self) {
+        // No `Use` borrows it any more: free it unless that happened.
+        let st = self.state.get_mut_or_lock();
+        if st.phase != Phase::Freed {
+            st.phase = Phase::Freed;
+            self.free();
+        }
+    }
+}
+
+/// `get_mut` that ignores poisoning, for both `std` and loom mutexes.
+trait GetMut<T> {
+    fn get_mut_or_lock(&mut self) -> &mut T;
+}
+
+impl<T> GetMut<T> for Mutex<T> {
+    fn get_mut_or_lock(&mut self) -> &mut T {
+        self.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A hold on a communicator (P3): while it lives, the communicator is not
+/// freed except by [`CommCell::force_free`]. Not `Send`: a hold belongs to
+/// the thread that calls NCCL with it.
+pub struct Use<'a, A: CommApi> {
+    cell: &'a CommCell<A>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<A: CommApi> fmt::Debug for Use<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Use")
+            .field("comm", &self.cell.name)
+            .finish()
+    }
+}
+
+impl<A: CommApi> Drop for Use<'_, A> {
+    fn drop(&mut self) {
+        self.cell.leave();
+    }
+}
+
+/// Counts a holder inside an NCCL call until dropped (P5).
+struct Inside<'a, A: CommApi>(&'a CommCell<A>);
+
+impl<'a, A: CommApi> Inside<'a, A> {
+    /// Enters unless aborted; `closing` (the end of an open group) enters
+    /// in any phase but `Freed`, which a holder outside NCCL never sees.
+    fn new(cell: &'a CommCell<A>, closing: bool) -> Result<Inside<'a, A>, Error> {
+        let mut st = lock(&cell.state);
+        let ok = match st.phase {
+            Phase::Live => true,
+            Phase::Aborted => closing,
+            Phase::Freed => false,
+        };
+        if !ok {
+            return Err(cell.aborted_error());
+        }
+        st.inside += 1;
+        Ok(Inside(cell))
+    }
+}
+
+impl<A: CommApi> Drop for Inside<'_, A> {
+    fn drop(&mut self) {
+        lock(&self.0.state).inside -= 1;
+    }
+}
+
+impl<A: CommApi> Use<'_, A> {
+    /// The communicator.
+    pub fn cell(&self) -> &CommCell<A> {
+        self.cell
+    }
+
+    /// Makes one NCCL call `f` with the raw handle; fails with
+    /// [`Error::Aborted`], without calling, once the communicator was
+    /// aborted.
+    ///
+    /// # Safety
+    /// `f` must not keep the handle past its return; what `f` calls NCCL
+    /// for must be allowed by P1 (the caller holds the issue lock, or
+    /// calls `ncclCommGetAsyncError`).
+    pub unsafe fn call<R>(
+        &self,
+        f: impl FnOnce(&A, A::Comm) -> Result<R, Error>,
+    ) -> Result<R, Error> {
+        let _inside = Inside::new(self.cell, false)?;
+        f(&self.cell.api, self.cell.raw)
+    }
+
+    /// `ncclSend` of `count` elements at `buf` to `peer` on `stream`.
+    ///
+    /// # Safety
+    /// As [`CommApi::send`] for the buffer and stream; the caller holds the
+    /// issue lock (P1).
+    pub unsafe fn send(
+        &self,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: A::Stream,
+    ) -> Result<bool, Error> {
+        // SAFETY: the handle is live inside `call`; the rest is the caller's.
+        unsafe { self.call(|api, c| api.send(c, buf, count, dtype, peer, stream)) }
+    }
+
+    /// `ncclRecv`, as [`Use::send`].
+    ///
+    /// # Safety
+    /// As [`Use::send`], and the buffer must be writable.
+    pub unsafe fn recv(
+        &self,
+        buf: u64,
+        count: usize,
+        dtype: i32,
+        peer: i32,
+        stream: A::Stream,
+    ) -> Result<bool, Error> {
+        // SAFETY: the handle is live inside `call`; the rest is the caller's.
+        unsafe { self.call(|api, c| api.recv(c, buf, count, dtype, peer, stream)) }
+    }
+
+    /// `ncclCommGetAsyncError` (allowed without the issue lock, P1).
+    pub fn async_error(&self) -> Result<bool, Error> {
+        // SAFETY: the handle is live inside `call`, and not kept.
+        unsafe { self.call(|api, c| api.async_error(c)) }
+    }
+}
+
+/// The rank's lock around every NCCL call (P1), and the mark of a call in
+/// progress that the watchdog reads.
+#[derive(Debug)]
+pub struct IssueLock {
+    lock: Mutex<()>,
+    /// When the NCCL call in progress started (nanoseconds since `epoch`),
+    /// 0 when none is.
+    busy_since: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for IssueLock {
+    fn default() -> Self {
+        IssueLock {
+            lock: Mutex::new(()),
+            busy_since: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+impl IssueLock {
+    /// Waits for the lock: from then on this thread is the rank's only
+    /// NCCL caller until the [`Issuing`] drops.
+    pub fn lock(&self) -> Issuing<'_> {
+        Issuing {
+            owner: self,
+            _g: lock(&self.lock),
+        }
+    }
+
+    /// How long the NCCL call in progress has lasted, if one is.
+    pub fn busy_for(&self) -> Option<Duration> {
+        let since = self.busy_since.load(Ordering::Acquire);
+        (since != 0).then(|| {
+            let now = self.epoch.elapsed().as_nanos() as u64;
+            Duration::from_nanos(now.saturating_sub(since))
+        })
+    }
+}
+
+/// The rank's issue lock, held (P1). Not `Send` (it holds a mutex guard):
+/// the group it builds stays on one thread (P2).
+pub struct Issuing<'a> {
+    owner: &'a IssueLock,
+    _g: MutexGuard<'a, ()>,
+}
+
+impl fmt::Debug for Issuing<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Issuing")
+    }
+}
+
+/// An NCCL call in progress, as the watchdog sees it (see
+/// [`IssueLock::busy_for`]).
+#[derive(Debug)]
+pub struct Busy<'a>(&'a IssueLock);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy_since.store(0, Ordering::Release);
+    }
+}
+
+impl Issuing<'_> {
+    /// Marks an NCCL call in progress until the guard drops.
+    pub fn busy(&self) -> Busy<'_> {
+        let now = self.owner.epoch.elapsed().as_nanos() as u64;
+        self.owner.busy_since.store(now.max(1), Ordering::Release);
+        Busy(self.owner)
+    }
+
+    /// One group (P2): `ncclGroupStart`, `ops` (the sends and recvs, made
+    /// through `uses`, which hold every communicator the group names, P3),
+    /// then `ncclGroupEnd`, called even when `ops` fails. The outer result
+    /// is `ops`'s; the inner one `ncclGroupEnd`'s (`Ok(false)`: in progress
+    /// on non-blocking communicators).
+    pub fn group<A: CommApi>(
+        &self,
+        api: &A,
+        uses: &[Use<'_, A>],
+        ops: impl FnOnce() -> Result<(), Error>,
+    ) -> Result<Result<bool, Error>, Error> {
+        let _busy = self.busy();
+        api.group_start()?;
+        let result = ops();
+        // The end launches what the group queued on every communicator
+        // held: count them inside NCCL (P5), aborted ones included. None
+        // is freed: a holder outside NCCL (this thread, until now) keeps
+        // `force_free` away.
+        let mut inside = Vec::with_capacity(uses.len());
+        for u in uses {
+            if let Ok(i) = Inside::new(u.cell, true) {
+                inside.push(i);
+            }
+        }
+        let end = api.group_end();
+        drop(inside);
+        result.map(|()| end)
+    }
+}
+
+/// Whether the device is done with something (for an op: a query of the
+/// CUDA event recorded after it).
+pub trait Done {
+    /// True once the device can no longer touch it.
+    fn done(&self) -> bool;
+}
+
+impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
+    fn done(&self) -> bool {
+        (**self).done()
+    }
+}
+
+/// The ops of a rank that may still run on its device (P6, P7).
+pub struct Ledger<T: Done> {
+    ops: Mutex<Vec<T>>,
+    /// Length at which completed ops are next pruned.
+    prune_at: AtomicUsize,
+}
+
+impl<T: Done> fmt::Debug for Ledger<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ledger")
+            .field("ops", &lock(&self.ops).len())
+            .finish()
+    }
+}
+
+impl<T: Done> Default for Ledger<T> {
+    fn default() -> Self {
+        Ledger {
+            ops: Mutex::new(Vec::new()),
+            prune_at: AtomicUsize::new(256),
+        }
+    }
+}
+
+impl<T: Done + Clone> Ledger<T> {
+    /// Adds the ops of one launch, all under one lock (P7). Completed ops
+    /// leave now and then; the next pruning waits until the list has
+    /// doubled, so the cost per op stays constant however many are in
+    /// flight.
+    pub fn record(&self, launch: Vec<T>) {
+        let mut ops = lock(&self.ops);
+        ops.extend(launch);
+        if ops.len() >= self.prune_at.load(Ordering::Relaxed) {
+            ops.retain(|o| !o.done());
+            self.prune_at
+                .store((2 * ops.len()).max(256), Ordering::Relaxed);
+        }
+    }
+
+    /// The ops not completed, in launch order: a snapshot that holds whole
+    /// launches (P7). Completed ops leave.
+    pub fn pending(&self) -> Vec<T> {
+        let mut ops = lock(&self.ops);
+        ops.retain(|o| !o.done());
+        ops.clone()
+    }
+
+    /// Gives up the ops not completed without dropping them: their buffers
+    /// are leaked, never freed under a kernel (P6). Returns how many.
+    pub fn leak_pending(&self) -> usize {
+        let stuck: Vec<T> = std::mem::take(&mut *lock(&self.ops))
+            .into_iter()
+            .filter(|o| !o.done())
+            .collect();
+        let n = stuck.len();
+        std::mem::forget(stuck);
+        n
+    }
+}
+
+impl<T: Done> Drop for Ledger<T> {
+    fn drop(&mut self) {
+        let ops = std::mem::take(self.ops.get_mut_or_lock());
+        let (done, stuck): (Vec<T>, Vec<T>) = ops.into_iter().partition(|o| o.done());
+        drop(done);
+        // Ops still running keep their buffers for good (P6).
+        std::mem::forget(stuck);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;

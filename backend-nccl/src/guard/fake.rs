@@ -1,0 +1,321 @@
+//! A fake NCCL for tests without GPUs (compiled for tests and under
+//! `--cfg loom`): it runs the protocol of [`crate::guard`] unchanged and
+//! panics where real NCCL would misbehave silently.
+//!
+//! It checks, at every call: that the communicator was not freed (a use
+//! after free), that no two threads are inside calls that build or launch
+//! work at once (R11, P1), that groups do not overlap (P2), and that a
+//! communicator is freed at most once. A blocking communicator's
+//! `ncclGroupEnd` blocks until the communicator is revoked or aborted,
+//! like a call that waits for a peer that never comes. With `revoke`, the
+//! fake has `ncclCommRevoke`, and then it also checks that nothing frees a
+//! communicator while a call is blocked inside it.
+
+use std::fmt;
+
+use duplex::Error;
+
+use super::{CommApi, Done};
+use crate::sync::{Arc, AtomicBool, AtomicUsize, Mutex, Ordering, lock, thread};
+
+/// One fake communicator.
+#[derive(Debug, Default)]
+struct Comm {
+    blocking: bool,
+    freed: AtomicBool,
+    frees: AtomicUsize,
+    interrupted: AtomicBool,
+    /// A call is blocked inside it.
+    blocked: AtomicBool,
+    /// Calls made on it (any kind).
+    calls: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Inner {
+    revoke: bool,
+    comms: Vec<Comm>,
+    /// Threads inside calls that build or launch work.
+    issuing: AtomicUsize,
+    group_open: AtomicBool,
+    /// Communicators of the open group's ops.
+    queued: Mutex<Vec<usize>>,
+}
+
+/// A fake NCCL with a fixed set of communicators `0..n` (cheap to clone).
+#[derive(Clone)]
+pub struct FakeNccl(Arc<Inner>);
+
+impl fmt::Debug for FakeNccl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FakeNccl")
+            .field("revoke", &self.0.revoke)
+            .field("comms", &self.0.comms.len())
+            .finish()
+    }
+}
+
+/// Counts a thread inside a call that builds or launches work (R11).
+struct Issuing<'a>(&'a Inner);
+
+impl<'a> Issuing<'a> {
+    fn new(inner: &'a Inner, call: &str) -> Issuing<'a> {
+        let before = inner.issuing.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(before, 0, "{call}: another thread is inside NCCL (R11)");
+        Issuing(inner)
+    }
+}
+
+impl Drop for Issuing<'_> {
+    fn drop(&mut self) {
+        self.0.issuing.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl FakeNccl {
+    /// Communicators `0..blocking.len()`, blocking where `blocking[i]`;
+    /// with `revoke`, the library can revoke (NCCL's `ncclCommRevoke`).
+    pub fn new(blocking: &[bool], revoke: bool) -> FakeNccl {
+        FakeNccl(Arc::new(Inner {
+            revoke,
+            comms: blocking
+                .iter()
+                .map(|&b| Comm {
+                    blocking: b,
+                    ..Comm::default()
+                })
+                .collect(),
+            issuing: AtomicUsize::new(0),
+            group_open: AtomicBool::new(false),
+            queued: Mutex::new(Vec::new()),
+        }))
+    }
+
+    fn comm(&self, c: usize) -> &Comm {
+        &self.0.comms[c]
+    }
+
+    /// Every use of a handle: panics if it was freed.
+    fn live(&self, c: usize, call: &str) -> &Comm {
+        let comm = self.comm(c);
+        assert!(
+            !comm.freed.load(Ordering::SeqCst),
+            "{call} on communicator {c} after it was freed"
+        );
+        comm.calls.fetch_add(1, Ordering::SeqCst);
+        comm
+    }
+
+    fn interrupted(c: usize, call: &str) -> Error {
+        Error::Aborted(format!("{call} on communicator {c}: interrupted"))
+    }
+
+    /// How many times communicator `c` was freed (0 or 1).
+    pub fn frees(&self, c: usize) -> usize {
+        self.comm(c).frees.load(Ordering::SeqCst)
+    }
+
+    /// True while a call is blocked inside communicator `c`, and after.
+    pub fn blocked(&self, c: usize) -> bool {
+        self.comm(c).blocked.load(Ordering::SeqCst)
+    }
+
+    /// How many calls used communicator `c`'s handle.
+    pub fn calls(&self, c: usize) -> usize {
+        self.comm(c).calls.load(Ordering::SeqCst)
+    }
+
+    fn queue(&self, c: usize, call: &str) -> Result<bool, Error> {
+        let _i = Issuing::new(&self.0, call);
+        let comm = self.live(c, call);
+        if comm.interrupted.load(Ordering::SeqCst) {
+            return Err(Self::interrupted(c, call));
+        }
+        if self.0.group_open.load(Ordering::SeqCst) {
+            lock(&self.0.queued).push(c);
+        }
+        Ok(true)
+    }
+}
+
+impl CommApi for FakeNccl {
+    type Comm = usize;
+    type Stream = ();
+
+    fn group_start(&self) -> Result<(), Error> {
+        let _i = Issuing::new(&self.0, "ncclGroupStart");
+        assert!(
+            !self.0.group_open.swap(true, Ordering::SeqCst),
+            "ncclGroupStart: a group is already open (P2)"
+        );
+        Ok(())
+    }
+
+    fn group_end(&self) -> Result<bool, Error> {
+        let _i = Issuing::new(&self.0, "ncclGroupEnd");
+        assert!(
+            self.0.group_open.load(Ordering::SeqCst),
+            "ncclGroupEnd without ncclGroupStart"
+        );
+        let queued = std::mem::take(&mut *lock(&self.0.queued));
+        let mut result = Ok(true);
+        for &c in &queued {
+            self.live(c, "ncclGroupEnd");
+        }
+        for &c in &queued {
+            let comm = self.comm(c);
+            if comm.blocking {
+                comm.blocked.store(true, Ordering::SeqCst);
+                // Waits for a peer that never comes, until interrupted.
+                while !comm.interrupted.load(Ordering::SeqCst) {
+                    thread::yield_now();
+                }
+                if self.0.revoke {
+                    assert!(
+                        !comm.freed.load(Ordering::SeqCst),
+                        "communicator {c} was freed while ncclGroupEnd was blocked in it"
+                    );
+                }
+            }
+            if comm.interrupted.load(Ordering::SeqCst) {
+                result = Err(Self::interrupted(c, "ncclGroupEnd"));
+            }
+        }
+        self.0.group_open.store(false, Ordering::SeqCst);
+        result
+    }
+
+    unsafe fn send(
+        &self,
+        comm: usize,
+        _buf: u64,
+        _count: usize,
+        _dtype: i32,
+        _peer: i32,
+        _stream: (),
+    ) -> Result<bool, Error> {
+        self.queue(comm, "ncclSend")
+    }
+
+    unsafe fn recv(
+        &self,
+        comm: usize,
+        _buf: u64,
+        _count: usize,
+        _dtype: i32,
+        _peer: i32,
+        _stream: (),
+    ) -> Result<bool, Error> {
+        self.queue(comm, "ncclRecv")
+    }
+
+    unsafe fn async_error(&self, comm: usize) -> Result<bool, Error> {
+        let c = self.live(comm, "ncclCommGetAsyncError");
+        if c.interrupted.load(Ordering::SeqCst) {
+            Err(Self::interrupted(comm, "ncclCommGetAsyncError"))
+        } else {
+            Ok(true)
+        }
+    }
+
+    unsafe fn revoke(&self, comm: usize) -> Result<bool, Error> {
+        if !self.0.revoke {
+            return Ok(false);
+        }
+        self.live(comm, "ncclCommRevoke")
+            .interrupted
+            .store(true, Ordering::SeqCst);
+        Ok(true)
+    }
+
+    unsafe fn abort(&self, comm: usize) -> Result<(), Error> {
+        let c = self.comm(comm);
+        assert!(
+            !c.freed.swap(true, Ordering::SeqCst),
+            "communicator {comm} freed twice"
+        );
+        c.frees.fetch_add(1, Ordering::SeqCst);
+        c.interrupted.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A fake device buffer: panics if freed (dropped) while an op that uses
+/// it has not completed.
+#[derive(Debug)]
+pub struct FakeBuf {
+    ops: Mutex<Vec<std::sync::Arc<AtomicBool>>>,
+    freed: std::sync::Arc<AtomicBool>,
+}
+
+impl FakeBuf {
+    /// A buffer, and a flag that says when it was freed.
+    pub fn new() -> (std::sync::Arc<FakeBuf>, std::sync::Arc<AtomicBool>) {
+        let freed = std::sync::Arc::new(AtomicBool::new(false));
+        (
+            std::sync::Arc::new(FakeBuf {
+                ops: Mutex::new(Vec::new()),
+                freed: freed.clone(),
+            }),
+            freed,
+        )
+    }
+}
+
+impl Drop for FakeBuf {
+    fn drop(&mut self) {
+        for done in lock(&self.ops).iter() {
+            assert!(
+                done.load(Ordering::SeqCst),
+                "a buffer was freed while an op that uses it runs"
+            );
+        }
+        self.freed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A fake launched op: it holds its buffer, as `ctx::Issued` does, and
+/// completes when the fake device says so.
+#[derive(Clone, Debug)]
+pub struct FakeOp {
+    done: std::sync::Arc<AtomicBool>,
+    /// Which communicator it was launched on.
+    pub comm: usize,
+    _buf: std::sync::Arc<FakeBuf>,
+}
+
+impl FakeOp {
+    /// An op on `buf` launched on communicator `comm`.
+    pub fn new(buf: &std::sync::Arc<FakeBuf>, comm: usize) -> FakeOp {
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        lock(&buf.ops).push(done.clone());
+        FakeOp {
+            done,
+            comm,
+            _buf: buf.clone(),
+        }
+    }
+
+    /// What the fake device completes the op with; it does not hold the
+    /// buffer.
+    pub fn completion(&self) -> Completion {
+        Completion(self.done.clone())
+    }
+}
+
+/// The device's side of a [`FakeOp`].
+#[derive(Clone, Debug)]
+pub struct Completion(std::sync::Arc<AtomicBool>);
+
+impl Completion {
+    /// The device completes the op.
+    pub fn complete(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Done for FakeOp {
+    fn done(&self) -> bool {
+        self.done.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,251 @@
+//! One execution of each race the protocol of [`crate::guard`] must
+//! survive, on [`FakeNccl`] (compiled for tests and under `--cfg loom`).
+//! `tests/loom.rs` runs each under the loom model checker, which explores
+//! every interleaving of its threads; the crate's unit tests run each many
+//! times on real threads. Each panics when a property fails.
+//!
+//! The threads issue through the protocol's types exactly as the backend
+//! does (`rank.rs`: `IssueLock::lock`, `CommCell::enter`,
+//! `Issuing::group`, `Ledger::record`; `ctx.rs`: `CommCell::abort`,
+//! `CommCell::force_free`, `Ledger::pending`, `Ledger::leak_pending`).
+
+use std::time::Duration;
+
+use duplex::Error;
+
+use super::fake::{FakeBuf, FakeNccl, FakeOp};
+use super::{CommCell, IssueLock, Ledger, Phase};
+use crate::board::{Board, LocalBoard};
+use crate::sync::{Arc, Ordering, thread};
+
+/// How the communicator of [`issue_races_abort`] behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Non-blocking: every call returns at once.
+    NonBlocking,
+    /// Blocking, its launch waiting for a peer that never comes, on a
+    /// library with `ncclCommRevoke`: abort revokes, the last holder frees.
+    BlockedRevoke,
+    /// Blocking and waiting as above, on a library without revoke: the
+    /// watchdog frees it under the blocked call (P5).
+    BlockedForce,
+}
+
+/// What one issuing thread does (rank.rs's `issue`, without CUDA): takes
+/// the issue lock, holds `comms`, sends on each in one group, and polls
+/// their state once, as a non-blocking launch is waited for.
+pub fn issue(lock: &IssueLock, comms: &[&CommCell<FakeNccl>]) -> Result<bool, Error> {
+    let issuing = lock.lock();
+    let held = comms
+        .iter()
+        .map(|c| c.enter())
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = comms.first() else {
+        return Ok(true);
+    };
+    let end = issuing.group(first.api(), &held, || {
+        for h in &held {
+            // SAFETY: the fake's buffers are plain numbers; the issue lock
+            // is held.
+            unsafe { h.send(0x1000, 1, 0, 1, ()) }?;
+        }
+        Ok(())
+    })?;
+    let launched = end?;
+    for h in &held {
+        h.async_error()?;
+    }
+    Ok(launched)
+}
+
+fn aborted_or_ok(r: &Result<bool, Error>) {
+    match r {
+        Ok(_) | Err(Error::Aborted(_)) => {}
+        Err(e) => panic!("an issue racing an abort ended with {e}"),
+    }
+}
+
+/// An issue races the watchdog's abort of its communicator: the handle is
+/// never used after it was freed (the fake checks every call), it is freed
+/// exactly once, the issue completes or fails with [`Error::Aborted`], and
+/// the abort completes (with [`Mode::BlockedForce`], the watchdog's forced
+/// free once the call is blocked).
+pub fn issue_races_abort(mode: Mode) {
+    let blocking = mode != Mode::NonBlocking;
+    let api = FakeNccl::new(&[blocking], mode == Mode::BlockedRevoke);
+    let lock = Arc::new(IssueLock::default());
+    // SAFETY: communicator 0 of the fake is live and owned by this cell.
+    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") });
+    let t = {
+        let (lock, cell) = (lock.clone(), cell.clone());
+        thread::spawn(move || issue(&lock, &[&*cell]))
+    };
+    // The watchdog.
+    cell.abort();
+    if mode == Mode::BlockedForce {
+        // "Still blocked after the grace": the fake says the call is
+        // blocked inside it (the time the real watchdog waits for).
+        while cell.phase() != Phase::Freed {
+            // SAFETY: only once the call is blocked inside the fake.
+            if api.blocked(0) && unsafe { cell.force_free() } {
+                break;
+            }
+            thread::yield_now();
+        }
+    }
+    let r = t.join().expect("the issuing thread panicked");
+    aborted_or_ok(&r);
+    assert_eq!(cell.phase(), Phase::Freed, "aborted and unheld, not freed");
+    assert_eq!(api.frees(0), 1);
+}
+
+/// Two threads of one rank issue at once, on two communicators, while a
+/// third polls their state without the issue lock: the fake checks that
+/// no two threads are ever inside calls that build or launch work (R11,
+/// P1) and that groups never overlap (P2).
+pub fn two_issuers() {
+    let api = FakeNccl::new(&[false, false], false);
+    let lock = Arc::new(IssueLock::default());
+    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
+    let cells = Arc::new(unsafe {
+        [
+            CommCell::new(api.clone(), 0, "a"),
+            CommCell::new(api.clone(), 1, "b"),
+        ]
+    });
+    let spawn = |i: usize| {
+        let (lock, cells) = (lock.clone(), cells.clone());
+        thread::spawn(move || issue(&lock, &[&cells[i]]))
+    };
+    let (a, b) = (spawn(0), spawn(1));
+    // A wait's health check (`CommInner::check`), outside the issue lock.
+    if let Ok(h) = cells[0].enter() {
+        h.async_error().expect("healthy");
+    }
+    for t in [a, b] {
+        assert!(t.join().expect("an issuing thread panicked").is_ok());
+    }
+    assert!(api.calls(0) >= 3 && api.calls(1) >= 3);
+}
+
+/// A launched op holds its buffer; the user drops the buffer while the
+/// device completes the op and the end of the run (teardown) races both:
+/// the buffer is freed only after the op completed (the fake buffer checks
+/// in its `Drop`), and if the op had not completed at teardown, it is
+/// leaked with its buffer rather than freed.
+pub fn buffer_outlives_its_op() {
+    let ledger = Arc::new(Ledger::<FakeOp>::default());
+    let (buf, freed) = FakeBuf::new();
+    let op = FakeOp::new(&buf, 0);
+    let device = op.completion();
+    let issuer = {
+        let ledger = ledger.clone();
+        thread::spawn(move || {
+            ledger.record(vec![op]);
+            // The user drops the buffer right after the send.
+            drop(buf);
+        })
+    };
+    let gpu = thread::spawn(move || device.complete());
+    // A hang report's snapshot clones the pending ops, then drops them.
+    drop(ledger.pending());
+    issuer.join().expect("issuer panicked");
+    // Teardown: what is still pending is leaked.
+    let leaked = ledger.leak_pending();
+    gpu.join().expect("device panicked");
+    drop(ledger);
+    let freed = freed.load(Ordering::SeqCst);
+    assert_eq!(freed, leaked == 0, "freed: {freed}, leaked: {leaked}");
+}
+
+/// A `notify` races an `await_notify` whose deadline expires: the message
+/// is consumed exactly once, by that wait or by a later one; never lost,
+/// never taken twice. `timeout` is the wait's (under loom, the model's
+/// clock decides when it expires).
+pub fn post_races_timeout(timeout: Duration) {
+    let board = Arc::new(LocalBoard::default());
+    let poster = {
+        let board = board.clone();
+        thread::spawn(move || board.post(0, 1, "go"))
+    };
+    let taker = {
+        let board = board.clone();
+        thread::spawn(move || board.take(0, 1, "go", timeout))
+    };
+    board.expire_clock();
+    poster.join().expect("poster panicked").expect("post");
+    let took = taker.join().expect("taker panicked").expect("take");
+    let later = board.take(0, 1, "go", Duration::ZERO).expect("take");
+    assert!(took != later, "took: {took}, later: {later}");
+    assert!(!board.take(0, 1, "go", Duration::ZERO).expect("take"));
+}
+
+/// Two waits race for one message while their deadlines expire: at most
+/// one gets it, and if neither did it is still there.
+pub fn two_takers_one_post(timeout: Duration) {
+    let board = Arc::new(LocalBoard::default());
+    let takers: Vec<_> = (0..2)
+        .map(|_| {
+            let board = board.clone();
+            thread::spawn(move || board.take(0, 1, "go", timeout))
+        })
+        .collect();
+    board.post(0, 1, "go").expect("post");
+    board.expire_clock();
+    let got = takers
+        .into_iter()
+        .map(|t| t.join().expect("taker panicked").expect("take"))
+        .filter(|&t| t)
+        .count();
+    let left = board.take(0, 1, "go", Duration::ZERO).expect("take");
+    assert_eq!(got + usize::from(left), 1, "got {got}, left {left}");
+}
+
+/// A hang report is taken while another thread is halfway through a group
+/// of two sends on two communicators, and aborts the communicators of what
+/// it found pending, and the watchdog aborts the first one: the snapshot
+/// holds the whole group or none of it (P7), the issuing thread completes
+/// or gets [`Error::Aborted`], no handle is used after it was freed, and
+/// each is freed exactly once.
+pub fn snapshot_during_group() {
+    let api = FakeNccl::new(&[false, false], false);
+    let lock = Arc::new(IssueLock::default());
+    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
+    let cells = Arc::new(unsafe {
+        [
+            CommCell::new(api.clone(), 0, "a"),
+            CommCell::new(api.clone(), 1, "b"),
+        ]
+    });
+    let ledger = Arc::new(Ledger::<FakeOp>::default());
+    let (buf, _freed) = FakeBuf::new();
+    let issuer = {
+        let (lock, cells, ledger) = (lock.clone(), cells.clone(), ledger.clone());
+        thread::spawn(move || {
+            let r = issue(&lock, &[&cells[0], &cells[1]]);
+            if r.is_ok() {
+                ledger.record(vec![FakeOp::new(&buf, 0), FakeOp::new(&buf, 1)]);
+            }
+            r
+        })
+    };
+    // The hang report.
+    let snap = ledger.pending();
+    assert!(
+        snap.is_empty() || snap.len() == 2,
+        "a snapshot holds {} ops of a group of 2",
+        snap.len()
+    );
+    for op in &snap {
+        cells[op.comm].abort();
+    }
+    // The watchdog.
+    cells[0].abort();
+    let r = issuer.join().expect("the issuing thread panicked");
+    aborted_or_ok(&r);
+    for op in ledger.pending() {
+        op.completion().complete();
+    }
+    drop(cells);
+    assert_eq!((api.frees(0), api.frees(1)), (1, 1));
+}

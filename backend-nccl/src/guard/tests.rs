@@ -1,0 +1,191 @@
+//! The protocol on the fake NCCL, on real threads: each step of it alone,
+//! then the races of [`super::scenarios`] many times (loom explores them
+//! exhaustively: `tests/loom.rs`).
+
+use std::time::Duration;
+
+use duplex::Error;
+
+use super::fake::{FakeBuf, FakeNccl, FakeOp};
+use super::scenarios::{self, Mode};
+use super::{CommCell, IssueLock, Ledger, Phase};
+
+fn cell(api: &FakeNccl, c: usize) -> CommCell<FakeNccl> {
+    // SAFETY: every test gives each fake communicator one cell.
+    unsafe { CommCell::new(api.clone(), c, "lane") }
+}
+
+#[test]
+fn an_unheld_communicator_is_freed_by_its_abort() {
+    let api = FakeNccl::new(&[false], false);
+    let c = cell(&api, 0);
+    assert!(c.abort());
+    assert_eq!(c.phase(), Phase::Freed);
+    assert_eq!(api.frees(0), 1);
+    assert!(!c.abort(), "abort is idempotent");
+    assert!(matches!(c.enter(), Err(Error::Aborted(_))));
+    drop(c);
+    assert_eq!(
+        api.frees(0),
+        1,
+        "dropping an aborted cell frees nothing more"
+    );
+}
+
+#[test]
+fn a_held_communicator_is_freed_by_its_last_holder() {
+    let api = FakeNccl::new(&[false], false);
+    let c = cell(&api, 0);
+    let (a, b) = (c.enter().unwrap(), c.enter().unwrap());
+    assert!(a.async_error().unwrap());
+    assert!(c.abort());
+    assert_eq!(c.phase(), Phase::Aborted);
+    assert_eq!(api.frees(0), 0, "not freed under its holders");
+    let calls = api.calls(0);
+    assert!(matches!(a.async_error(), Err(Error::Aborted(_))));
+    assert_eq!(
+        api.calls(0),
+        calls,
+        "a call after the abort never reaches NCCL"
+    );
+    drop(a);
+    assert_eq!(api.frees(0), 0);
+    drop(b);
+    assert_eq!(api.frees(0), 1);
+    assert_eq!(c.phase(), Phase::Freed);
+}
+
+#[test]
+fn a_live_communicator_is_freed_when_dropped() {
+    let api = FakeNccl::new(&[false], false);
+    drop(cell(&api, 0));
+    assert_eq!(api.frees(0), 1);
+}
+
+#[test]
+fn force_free_waits_for_every_holder_to_be_inside_nccl() {
+    let api = FakeNccl::new(&[false], false);
+    let c = cell(&api, 0);
+    // SAFETY (each force_free below): the fake has no real handle.
+    assert!(
+        !unsafe { c.force_free() },
+        "a live communicator is not forced"
+    );
+    let h = c.enter().unwrap();
+    c.abort();
+    assert!(
+        !unsafe { c.force_free() },
+        "a holder outside NCCL could be about to use the handle"
+    );
+    drop(h);
+    assert_eq!(api.frees(0), 1);
+    assert!(!unsafe { c.force_free() }, "freed once");
+}
+
+#[test]
+fn a_group_ends_even_when_an_op_fails() {
+    let api = FakeNccl::new(&[false, false], false);
+    let (a, b) = (cell(&api, 0), cell(&api, 1));
+    let lock = IssueLock::default();
+    let issuing = lock.lock();
+    let held = vec![a.enter().unwrap(), b.enter().unwrap()];
+    let r = issuing.group(&api, &held, || {
+        // SAFETY: fake buffers; the issue lock is held.
+        unsafe { held[0].send(1, 1, 0, 1, ()) }?;
+        b.abort();
+        // SAFETY: as above.
+        unsafe { held[1].send(1, 1, 0, 1, ()) }?;
+        Ok(())
+    });
+    assert!(matches!(r, Err(Error::Aborted(_))), "{r:?}");
+    assert!(lock.busy_for().is_none(), "the group's call is over");
+    // The fake panics on a second ncclGroupStart while one is open: the
+    // failed group was closed.
+    let end = issuing.group(&api, &held[..1], || Ok(())).unwrap();
+    assert!(end.unwrap());
+    drop(held);
+    assert_eq!(api.frees(1), 1, "freed once its group let go");
+}
+
+#[test]
+fn the_ledger_records_launches_whole_and_keeps_running_ops() {
+    let ledger = Ledger::<FakeOp>::default();
+    let (buf, freed) = FakeBuf::new();
+    let ops = vec![FakeOp::new(&buf, 0), FakeOp::new(&buf, 1)];
+    let done: Vec<_> = ops.iter().map(FakeOp::completion).collect();
+    ledger.record(ops);
+    drop(buf);
+    assert_eq!(ledger.pending().len(), 2);
+    done[0].complete();
+    assert_eq!(ledger.pending().len(), 1);
+    // The ledger is dropped with an op still running: its buffer is leaked
+    // (the fake buffer panics if freed under a running op).
+    drop(ledger);
+    assert!(!freed.load(std::sync::atomic::Ordering::SeqCst));
+}
+
+#[test]
+fn the_ledger_frees_buffers_of_completed_ops() {
+    let ledger = Ledger::<FakeOp>::default();
+    let (buf, freed) = FakeBuf::new();
+    let op = FakeOp::new(&buf, 0);
+    let done = op.completion();
+    ledger.record(vec![op]);
+    drop(buf);
+    done.complete();
+    assert!(ledger.pending().is_empty());
+    assert!(freed.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(ledger.leak_pending(), 0);
+}
+
+#[test]
+fn the_watchdog_sees_a_call_in_progress() {
+    let lock = IssueLock::default();
+    assert!(lock.busy_for().is_none());
+    let issuing = lock.lock();
+    let busy = issuing.busy();
+    assert!(lock.busy_for().is_some());
+    drop(busy);
+    assert!(lock.busy_for().is_none());
+}
+
+const RUNS: usize = 300;
+
+#[test]
+fn issues_racing_aborts_on_threads() {
+    for mode in [Mode::NonBlocking, Mode::BlockedRevoke, Mode::BlockedForce] {
+        for _ in 0..RUNS {
+            scenarios::issue_races_abort(mode);
+        }
+    }
+}
+
+#[test]
+fn two_issuers_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::two_issuers();
+    }
+}
+
+#[test]
+fn buffers_outlive_their_ops_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::buffer_outlives_its_op();
+    }
+}
+
+#[test]
+fn board_posts_racing_timeouts_on_threads() {
+    for i in 0..RUNS {
+        let t = Duration::from_micros((i % 7) as u64 * 20);
+        scenarios::post_races_timeout(t);
+        scenarios::two_takers_one_post(t);
+    }
+}
+
+#[test]
+fn snapshots_during_groups_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::snapshot_during_group();
+    }
+}

@@ -1,0 +1,87 @@
+//! The concurrency protocol of `duplex_nccl::guard`, model-checked: loom
+//! runs each scenario of `guard::scenarios` under every interleaving of
+//! its threads, on the fake NCCL (one scenario, whose space is the largest,
+//! up to a bound on preemptions). The whole file runs in seconds.
+//!
+//! ```console
+//! RUSTFLAGS="--cfg loom" cargo test -p duplex-nccl --release --test loom
+//! ```
+
+#![cfg(loom)]
+
+use std::time::Duration;
+
+use duplex_nccl::guard::scenarios::{self, Mode};
+
+/// Runs `f` under loom, every interleaving (with at most `preemptions`
+/// preemptions, if given), and prints how many executions that was.
+fn model(name: &str, preemptions: Option<usize>, f: impl Fn() + Sync + Send + 'static) {
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = preemptions;
+    let start = std::time::Instant::now();
+    b.check(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        f()
+    });
+    eprintln!(
+        "loom {name}: {} executions in {:.2} s",
+        runs.load(std::sync::atomic::Ordering::Relaxed),
+        start.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn issue_races_abort_on_a_non_blocking_communicator() {
+    model("issue vs abort, non-blocking", None, || {
+        scenarios::issue_races_abort(Mode::NonBlocking)
+    });
+}
+
+#[test]
+fn issue_blocked_in_nccl_races_abort_with_revoke() {
+    model("issue blocked vs abort, revoke", None, || {
+        scenarios::issue_races_abort(Mode::BlockedRevoke)
+    });
+}
+
+#[test]
+fn issue_blocked_in_nccl_races_the_watchdogs_forced_free() {
+    model("issue blocked vs abort, forced free", None, || {
+        scenarios::issue_races_abort(Mode::BlockedForce)
+    });
+}
+
+#[test]
+fn two_issuers_never_overlap_in_nccl() {
+    model("two issuers and a poller", Some(3), scenarios::two_issuers);
+}
+
+#[test]
+fn a_buffer_is_freed_only_after_its_op() {
+    model("buffer vs op", None, scenarios::buffer_outlives_its_op);
+}
+
+#[test]
+fn a_post_racing_a_timeout_is_taken_once() {
+    model("post vs timeout", None, || {
+        scenarios::post_races_timeout(Duration::from_secs(1))
+    });
+}
+
+#[test]
+fn a_post_racing_two_timeouts_is_taken_once() {
+    model("two takers, one post", None, || {
+        scenarios::two_takers_one_post(Duration::from_secs(1))
+    });
+}
+
+#[test]
+fn a_hang_snapshot_sees_whole_groups() {
+    model(
+        "snapshot during a group",
+        None,
+        scenarios::snapshot_during_group,
+    );
+}
