@@ -60,9 +60,47 @@ impl Machine {
         changed
     }
 
+    /// The launches at the head of some stream, in `LaunchRef` order. Only
+    /// these can start (R1), and every started launch is among them: it
+    /// started at the head of all its streams and stays there until it
+    /// completes. So a pass costs the number of streams, not of launches.
+    fn head_launches(&self) -> Vec<LaunchRef> {
+        let mut heads: Vec<LaunchRef> = self
+            .state
+            .streams
+            .iter()
+            .filter_map(|s| match s.queue.front() {
+                Some(Entry::Launch(l)) => Some(*l),
+                _ => None,
+            })
+            .collect();
+        heads.sort_unstable();
+        heads.dedup();
+        heads
+    }
+
     /// Starts every launch that nothing holds back
     /// ([`Machine::launch_blockers`]: R1, R2, R10), in issue order per rank.
     fn start_launches(&mut self) -> bool {
+        if self.setup.model.kernels.is_none() {
+            // Without kernel slots, starting one launch never holds back
+            // another, so the order does not matter: only stream heads can
+            // start.
+            let mut changed = false;
+            for lref in self.head_launches() {
+                let launch = &self.state.launches[&lref];
+                if launch.started || !free(|f| self.launch_blockers(lref, f)) {
+                    continue;
+                }
+                let rank = launch.rank as usize;
+                self.state.ranks[rank].running += 1;
+                if let Some(l) = self.state.launches.get_mut(&lref) {
+                    l.started = true;
+                }
+                changed = true;
+            }
+            return changed;
+        }
         let mut changed = false;
         for r in 0..self.state.ranks.len() {
             let pending = self.state.ranks[r].pending.clone();
@@ -88,11 +126,12 @@ impl Machine {
     fn activate_group_ops(&mut self) -> bool {
         let mut changed = false;
         let started: Vec<LaunchRef> = self
-            .state
-            .launches
-            .iter()
-            .filter(|(_, l)| l.started && l.ops.iter().any(|o| o.status == OpStatus::Waiting))
-            .map(|(r, _)| *r)
+            .head_launches()
+            .into_iter()
+            .filter(|r| {
+                let l = &self.state.launches[r];
+                l.started && l.ops.iter().any(|o| o.status == OpStatus::Waiting)
+            })
             .collect();
         for lref in started {
             for i in 0..self.state.launches[&lref].ops.len() {
@@ -191,11 +230,12 @@ impl Machine {
     /// kernel slot.
     fn finish_launches(&mut self) -> bool {
         let done: Vec<LaunchRef> = self
-            .state
-            .launches
-            .iter()
-            .filter(|(_, l)| l.started && l.ops.iter().all(|o| o.status == OpStatus::Done))
-            .map(|(r, _)| *r)
+            .head_launches()
+            .into_iter()
+            .filter(|r| {
+                let l = &self.state.launches[r];
+                l.started && l.ops.iter().all(|o| o.status == OpStatus::Done)
+            })
             .collect();
         for lref in &done {
             let Some(launch) = self.state.launches.remove(lref) else {
