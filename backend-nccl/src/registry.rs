@@ -9,9 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use duplex::machine::{
-    CommId, HostCall, LaunchSpec, Machine, Next, OpSpec, OriginInfo, Setup, ThreadId,
-};
+use duplex::machine::{Machine, Next, Setup, ThreadId};
 use duplex::report::{OpInfo, Stuck};
 use duplex::trace::{Analysis, Call, Disagreement, Trace, TraceCall};
 use duplex::{Error, Model, Rank};
@@ -221,27 +219,7 @@ impl Registry {
         let mut r = self.lock();
         if let Some(m) = r.live.as_mut() {
             let t = ThreadId(thread as u32);
-            let origin = m.setup_mut().add_origin(OriginInfo {
-                text: call.text.clone(),
-                place: call.place.clone(),
-                line: None,
-            });
-            let hc = HostCall::Launch(LaunchSpec {
-                ops: ops
-                    .iter()
-                    .map(|o| OpSpec {
-                        dir: o.dir,
-                        peer: o.peer,
-                        bytes: o.bytes,
-                        dtype: o.dtype,
-                        comm: CommId(o.comm),
-                        stream: duplex::machine::StreamId(o.stream),
-                        origin: None,
-                    })
-                    .collect(),
-                grouped,
-                origin,
-            });
+            let hc = call.to_host(m.setup_mut());
             while m.next(t) == Next::Resume {
                 if m.resume(t).is_err() {
                     break;
@@ -291,18 +269,7 @@ impl Registry {
         };
         if let Some(m) = r.live.as_mut() {
             let t = ThreadId(thread as u32);
-            let hc = match c.call {
-                Call::Record { event, stream } => HostCall::Record {
-                    event: duplex::machine::EventId(event),
-                    stream: duplex::machine::StreamId(stream),
-                    origin: duplex::machine::Origin(u32::MAX),
-                },
-                _ => HostCall::Wait {
-                    event: duplex::machine::EventId(event),
-                    stream: duplex::machine::StreamId(stream),
-                    origin: duplex::machine::Origin(u32::MAX),
-                },
-            };
+            let hc = c.to_host(m.setup_mut());
             while m.next(t) == Next::Resume {
                 if m.resume(t).is_err() {
                     break;

@@ -470,24 +470,12 @@ impl<'t> Replayer<'t> {
         for e in &trace.events {
             setup.add_event(e.rank, e.name.clone());
         }
-        let mut calls = Vec::with_capacity(trace.calls.len());
-        for c in &trace.calls {
-            let origin = setup.add_origin(OriginInfo {
-                text: c.text.clone(),
-                place: c.place.clone(),
-                line: None,
-            });
-            calls.push(host_call(&mut setup, c, origin));
-        }
-        let mut waits = HashMap::new();
-        for c in &trace.blocked {
-            let origin = setup.add_origin(OriginInfo {
-                text: c.text.clone(),
-                place: c.place.clone(),
-                line: None,
-            });
-            waits.insert(ThreadId(c.thread), host_call(&mut setup, c, origin));
-        }
+        let calls: Vec<HostCall> = trace.calls.iter().map(|c| c.to_host(&mut setup)).collect();
+        let waits: HashMap<ThreadId, HostCall> = trace
+            .blocked
+            .iter()
+            .map(|c| (ThreadId(c.thread), c.to_host(&mut setup)))
+            .collect();
         let mut queues = vec![VecDeque::new(); trace.ranks as usize];
         for (i, c) in trace.calls.iter().enumerate() {
             let rank = trace.threads.get(c.thread as usize).map(|t| t.rank);
@@ -715,6 +703,19 @@ impl<'t> Replayer<'t> {
             finished: status == Status::Finished,
             disagreements: self.disagreements,
         }
+    }
+}
+
+impl TraceCall {
+    /// The machine's call for this trace call, with its origin added to
+    /// `setup` (its ids are the trace's own indices).
+    pub fn to_host(&self, setup: &mut Setup) -> HostCall {
+        let origin = setup.add_origin(OriginInfo {
+            text: self.text.clone(),
+            place: self.place.clone(),
+            line: None,
+        });
+        host_call(setup, self, origin)
     }
 }
 

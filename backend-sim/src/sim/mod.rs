@@ -249,12 +249,20 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
-        let (ending, _, choices, trace) = self.execute(Strategy::Random(Random::new(seed)), &f);
+        self.once(Strategy::Random(Random::new(seed)), &f)
+    }
+
+    /// One execution under `strategy`.
+    fn once<F>(&self, strategy: Strategy, f: &F) -> Result<Run, Failure>
+    where
+        F: Fn(&SimRank) -> duplex::Result<()> + Sync,
+    {
+        let (ending, _, choices, trace) = self.execute(strategy, f);
         self.conclude(ending, &choices)?;
         Ok(Run {
             executions: 1,
             states: 0,
-            schedule: Schedule(choices.clone()).to_string(),
+            schedule: Schedule(choices).to_string(),
             trace,
         })
     }
@@ -268,15 +276,7 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         const STEPS: u64 = 1024;
-        let (ending, _, choices, trace) =
-            self.execute(Strategy::Pct(Pct::new(seed, depth, STEPS)), &f);
-        self.conclude(ending, &choices)?;
-        Ok(Run {
-            executions: 1,
-            states: 0,
-            schedule: Schedule(choices).to_string(),
-            trace,
-        })
+        self.once(Strategy::Pct(Pct::new(seed, depth, STEPS)), &f)
     }
 
     /// Runs `f` on every rank following `schedule`, a string printed by a
@@ -286,14 +286,7 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         let choices: Schedule = schedule.parse().map_err(Failure::Schedule)?;
-        let (ending, _, choices, trace) = self.execute(Strategy::Replay(Replay::new(choices)), &f);
-        self.conclude(ending, &choices)?;
-        Ok(Run {
-            executions: 1,
-            states: 0,
-            schedule: Schedule(choices.clone()).to_string(),
-            trace,
-        })
+        self.once(Strategy::Replay(Replay::new(choices)), &f)
     }
 
     /// Runs `f` under every interleaving of the host threads that matters,
