@@ -99,6 +99,12 @@ fn json_reports_carry_the_details() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(json["verdict"], "deadlock");
     assert_eq!(json["cycle"].as_array().map(Vec::len), Some(4));
+    // Structured all the way down: each link's node is data too.
+    let first = &json["cycle"][0]["what"];
+    assert_eq!(first["kind"], "launch", "{first}");
+    assert_eq!(first["ops"][0]["rank"], 0);
+    assert_eq!(first["ops"][0]["op"], "send");
+    assert_eq!(first["ops"][0]["line"], 14);
     assert_eq!(json["blocked"].as_array().map(Vec::len), Some(2));
     let op = &json["ops"][0];
     for field in [

@@ -217,12 +217,39 @@ pub struct BlockedCall {
 /// `waits_for` says (the next link's node, in a cycle).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Link {
-    /// The waiting host call or device op.
+    /// The waiting host call or device op, in words.
     pub node: String,
+    /// What the node is, as data.
+    pub what: Node,
     /// The rule that makes it wait.
     pub rule: Rule,
     /// What it waits for.
     pub waits_for: String,
+}
+
+/// What a node of a wait-for chain is.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Node {
+    /// A host call that cannot return.
+    Call {
+        /// The call.
+        call: BlockedCall,
+    },
+    /// A device launch: one op, or the ops of a group on one communicator.
+    Launch {
+        /// Its ops.
+        ops: Vec<OpInfo>,
+    },
+    /// A `wait` entry at the head of a stream.
+    Wait {
+        /// The rank.
+        rank: Rank,
+        /// The stream.
+        stream: String,
+        /// Where the `wait` was issued.
+        at: String,
+    },
 }
 
 /// The explanation of a stuck state.

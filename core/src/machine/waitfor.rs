@@ -151,6 +151,7 @@ impl Machine {
                 if let Node::Missing(i) = e.to {
                     missing.push(Link {
                         node: g.describe(*from),
+                        what: g.structured(*from),
                         rule: e.rule,
                         waits_for: g.missing[i].clone(),
                     });
@@ -377,6 +378,7 @@ impl Graph<'_> {
                                 let e = &self.edges[n][next - 1];
                                 Link {
                                     node: self.describe(*n),
+                                    what: self.structured(*n),
                                     rule: e.rule,
                                     waits_for: e.why.clone(),
                                 }
@@ -388,6 +390,31 @@ impl Graph<'_> {
             }
         }
         Vec::new()
+    }
+
+    /// A node as data (a missing partner is never the source of a link).
+    fn structured(&self, n: Node) -> crate::report::Node {
+        let m = self.m;
+        match n {
+            Node::Thread(t) => crate::report::Node::Call {
+                call: self.blocked_call(t),
+            },
+            Node::Launch(l) => crate::report::Node::Launch {
+                ops: (0..m.state.launches[&l].ops.len())
+                    .map(|i| m.op_view(l, i))
+                    .collect(),
+            },
+            Node::Marker(s) => crate::report::Node::Wait {
+                rank: m.setup.streams[s.ix()].rank,
+                stream: m.setup.streams[s.ix()].name.clone(),
+                at: match m.state.streams[s.ix()].queue.front() {
+                    Some(Entry::WaitEvent(_, o)) => super::describe_origin(&m.setup, *o),
+                    _ => String::new(),
+                },
+            },
+            // Never the source of a link: a missing partner waits for nothing.
+            Node::Missing(_) => crate::report::Node::Launch { ops: Vec::new() },
+        }
     }
 
     fn describe(&self, n: Node) -> String {
