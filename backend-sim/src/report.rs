@@ -288,3 +288,214 @@ impl fmt::Display for Report {
         )
     }
 }
+
+/// A DOT string literal.
+fn dot_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The DOT id of an op.
+fn op_id(o: &duplex::report::OpInfo) -> String {
+    dot_str(&format!(
+        "op:{}:{}:{}:{}:{}",
+        o.rank,
+        o.comm,
+        o.op.name(),
+        o.peer,
+        o.fifo
+    ))
+}
+
+/// The DOT id of a link's node.
+fn node_id(n: &duplex::report::Node) -> Option<String> {
+    match n {
+        duplex::report::Node::Call { call } => {
+            Some(dot_str(&format!("call:{}:{}", call.rank, call.thread)))
+        }
+        duplex::report::Node::Launch { ops } => ops.first().map(op_id),
+        duplex::report::Node::Wait { rank, stream, .. } => {
+            Some(dot_str(&format!("wait:{rank}:{stream}")))
+        }
+    }
+}
+
+impl Report {
+    /// The stuck state as a Graphviz graph (`duplex check --format dot`):
+    /// a cluster per rank holding a cluster per stream (its pending ops,
+    /// labelled with their communicator) and the rank's blocked host calls;
+    /// the wait-for cycle in red, each edge labelled with its rule; waits
+    /// nothing will satisfy as dashed edges to a `never` node. A program
+    /// that cannot hang is one labelled node.
+    pub fn dot(&self) -> String {
+        use std::collections::BTreeMap;
+        use std::fmt::Write as _;
+        let mut g = String::new();
+        let title = format!(
+            "{}: {} (policy {}, model {})",
+            self.file,
+            match self.verdict {
+                VerdictKind::Ok => "ok",
+                VerdictKind::Deadlock => "DEADLOCK",
+                VerdictKind::Error => "ERROR",
+                VerdictKind::Inconclusive => "inconclusive",
+            },
+            self.policy,
+            self.model
+        );
+        let _ = writeln!(g, "digraph duplex {{");
+        let _ = writeln!(
+            g,
+            "  label={}; labelloc=t; fontname=Helvetica;",
+            dot_str(&title)
+        );
+        let _ = writeln!(
+            g,
+            "  node [shape=box, style=rounded, fontname=Helvetica, fontsize=10];"
+        );
+        let _ = writeln!(g, "  edge [fontname=Helvetica, fontsize=9];");
+        let Some(stuck) = &self.stuck else {
+            let what = match (&self.verdict, &self.error) {
+                (_, Some(e)) => e.message.clone(),
+                (VerdictKind::Ok, _) => "no interleaving hangs".to_string(),
+                _ => "the search did not decide".to_string(),
+            };
+            let _ = writeln!(g, "  verdict [label={}];", dot_str(&what));
+            let _ = writeln!(g, "}}");
+            return g;
+        };
+        // Every op of the picture: pending ones, and those of the links.
+        let mut ops: BTreeMap<String, duplex::report::OpInfo> = BTreeMap::new();
+        for o in &stuck.ops {
+            ops.insert(op_id(o), o.clone());
+        }
+        let mut calls: BTreeMap<String, duplex::report::BlockedCall> = BTreeMap::new();
+        for b in &stuck.blocked {
+            calls.insert(dot_str(&format!("call:{}:{}", b.rank, b.thread)), b.clone());
+        }
+        let mut waits: BTreeMap<String, (u32, String, String)> = BTreeMap::new();
+        for l in stuck.cycle.iter().chain(&stuck.missing) {
+            match &l.what {
+                duplex::report::Node::Launch { ops: o } => {
+                    for op in o {
+                        ops.entry(op_id(op)).or_insert_with(|| op.clone());
+                    }
+                }
+                duplex::report::Node::Call { call } => {
+                    calls
+                        .entry(dot_str(&format!("call:{}:{}", call.rank, call.thread)))
+                        .or_insert_with(|| call.clone());
+                }
+                duplex::report::Node::Wait { rank, stream, at } => {
+                    waits.insert(
+                        dot_str(&format!("wait:{rank}:{stream}")),
+                        (*rank, stream.clone(), at.clone()),
+                    );
+                }
+            }
+        }
+        let mut ranks: Vec<u32> = ops
+            .values()
+            .map(|o| o.rank)
+            .chain(calls.values().map(|c| c.rank))
+            .chain(waits.values().map(|w| w.0))
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        for r in ranks {
+            let _ = writeln!(g, "  subgraph \"cluster_rank_{r}\" {{");
+            let _ = writeln!(g, "    label=\"rank {r}\"; style=rounded; color=gray40;");
+            for (id, c) in calls.iter().filter(|(_, c)| c.rank == r) {
+                let label = format!("{}: `{}`\n{}", c.thread, c.call, c.at);
+                let _ = writeln!(
+                    g,
+                    "    {id} [label={}, shape=ellipse, style=filled, fillcolor=lightyellow];",
+                    dot_str(&label)
+                );
+            }
+            let mut streams: Vec<&str> = ops
+                .values()
+                .filter(|o| o.rank == r)
+                .map(|o| o.stream.as_str())
+                .collect();
+            streams.sort_unstable();
+            streams.dedup();
+            for s in streams {
+                let _ = writeln!(
+                    g,
+                    "    subgraph {} {{",
+                    dot_str(&format!("cluster_rank_{r}_{s}"))
+                );
+                let _ = writeln!(
+                    g,
+                    "      label={}; style=dashed;",
+                    dot_str(&format!("stream {s}"))
+                );
+                for (id, o) in ops.iter().filter(|(_, o)| o.rank == r && o.stream == s) {
+                    let label = format!(
+                        "{} {} {} ({}), {}\ncomm {}, message #{}\n{}",
+                        o.op.name(),
+                        if o.op == duplex::Dir::Send {
+                            "→"
+                        } else {
+                            "←"
+                        },
+                        o.peer,
+                        duplex::Size(o.bytes),
+                        o.at,
+                        o.comm,
+                        o.fifo,
+                        o.state
+                    );
+                    let _ = writeln!(g, "      {id} [label={}];", dot_str(&label));
+                }
+                let _ = writeln!(g, "    }}");
+            }
+            for (id, (_, s, at)) in waits.iter().filter(|(_, w)| w.0 == r) {
+                let label = format!("wait on stream {s}\n{at}");
+                let _ = writeln!(g, "    {id} [label={}, shape=hexagon];", dot_str(&label));
+            }
+            let _ = writeln!(g, "  }}");
+        }
+        let n = stuck.cycle.len();
+        for (i, l) in stuck.cycle.iter().enumerate() {
+            let next = &stuck.cycle[(i + 1) % n];
+            if let (Some(a), Some(b)) = (node_id(&l.what), node_id(&next.what)) {
+                let _ = writeln!(
+                    g,
+                    "  {a} -> {b} [label={}, tooltip={}, color=red, fontcolor=red, penwidth=2];",
+                    dot_str(l.rule.name()),
+                    dot_str(&l.waits_for)
+                );
+            }
+        }
+        if !stuck.missing.is_empty() {
+            let _ = writeln!(
+                g,
+                "  never [label=\"never issued\", shape=octagon, color=red];"
+            );
+            for l in &stuck.missing {
+                if let Some(a) = node_id(&l.what) {
+                    let _ = writeln!(
+                        g,
+                        "  {a} -> never [label={}, tooltip={}, style=dashed, color=red];",
+                        dot_str(l.rule.name()),
+                        dot_str(&l.waits_for)
+                    );
+                }
+            }
+        }
+        let _ = writeln!(g, "}}");
+        g
+    }
+}

@@ -129,10 +129,12 @@ struct CheckArgs {
     /// kernels); may be repeated; overrides the file.
     #[arg(long = "model", value_name = "KEY=VALUE")]
     model: Vec<String>,
-    /// Output format: text (one report after another), or json (one JSON
-    /// object per line, one line per file).
-    #[arg(long, value_enum, default_value_t = Format::Text)]
-    format: Format,
+    /// Output format: text (one report after another), json (one JSON
+    /// object per line, one line per file), or dot (the stuck state as a
+    /// Graphviz graph per file: ranks as clusters, streams inside them, the
+    /// wait-for cycle in red).
+    #[arg(long, value_enum, default_value_t = CheckFormat::Text)]
+    format: CheckFormat,
     /// Give up (exit status 3) after this many distinct states.
     #[arg(long, default_value_t = check::Options::default().max_states)]
     max_states: usize,
@@ -154,6 +156,13 @@ struct CheckArgs {
 enum Format {
     Text,
     Json,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum CheckFormat {
+    Text,
+    Json,
+    Dot,
 }
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
@@ -377,7 +386,7 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
 }
 
 fn run_check(args: &CheckArgs) -> ExitCode {
-    let json = matches!(args.format, Format::Json);
+    let json = matches!(args.format, CheckFormat::Json);
     // What applies to every file is checked once, before any file is read.
     for setting in &args.model {
         if let Err(e) = duplex::Model::default().set(setting) {
@@ -407,9 +416,10 @@ fn run_check(args: &CheckArgs) -> ExitCode {
         let code = match check_file(args, file, schedule.as_ref()) {
             Ok(report) => {
                 let out = match args.format {
-                    Format::Text if i > 0 => Ok(format!("\n{report}")),
-                    Format::Text => Ok(report.to_string()),
-                    Format::Json => to_json(&report).map(|j| format!("{j}\n")),
+                    CheckFormat::Text if i > 0 => Ok(format!("\n{report}")),
+                    CheckFormat::Text => Ok(report.to_string()),
+                    CheckFormat::Json => to_json(&report).map(|j| format!("{j}\n")),
+                    CheckFormat::Dot => Ok(report.dot()),
                 };
                 match out {
                     Ok(out) => {
