@@ -377,6 +377,38 @@ pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, St
     Ok((m, steps, result))
 }
 
+/// The calls an execution that follows `schedule` makes, as a
+/// [`duplex::trace::Trace`] (for its timeline, [`crate::perfetto`]).
+pub fn trace_of(c: &Compiled, schedule: &Schedule) -> Result<duplex::trace::Trace, String> {
+    let mut replayer = Replay::new(schedule.clone());
+    let mut m = c.machine();
+    let mut calls: Vec<(ThreadId, HostCall)> = Vec::new();
+    loop {
+        let enabled = runnable(c, &m);
+        if enabled.is_empty() {
+            break;
+        }
+        let t = match replayer.choose(&enabled, &enabled, 0) {
+            Choice::Take(t) => t,
+            Choice::Prune | Choice::Mismatch => {
+                return Err(format!(
+                    "the schedule `{schedule}` does not fit this program"
+                ));
+            }
+        };
+        if m.next(t) == Next::Call {
+            calls.push((t, c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End)));
+        }
+        if step(c, &mut m, t).is_err() {
+            break;
+        }
+    }
+    Ok(duplex::trace::Trace::from_calls(
+        &c.setup,
+        calls.iter().map(|(t, call)| (*t, call)),
+    ))
+}
+
 /// The verdict of the state a schedule leads to: what `duplex check
 /// --replay` reports.
 pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<Verdict, String> {

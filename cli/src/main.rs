@@ -142,6 +142,11 @@ struct CheckArgs {
     /// (slower; for cross-checking the reduction).
     #[arg(long)]
     no_reduction: bool,
+    /// Write the interleaving that hangs or errs as a Chrome/Perfetto trace
+    /// to this file (open it in ui.perfetto.dev): a track per rank's host
+    /// thread and stream, host calls and device ops as spans.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<String>,
     /// Exit with status 1 when the program is ok only because of its
     /// model's eager capacity or warm channels (a latent hang).
     #[arg(long)]
@@ -488,6 +493,26 @@ fn check_file(
             }
         }
     };
+    if let Some(out) = &args.trace {
+        let found = match &outcome.verdict {
+            check::Verdict::Deadlock { schedule, .. } | check::Verdict::Error { schedule, .. } => {
+                Some(schedule.clone())
+            }
+            _ => schedule.cloned(),
+        };
+        if let Some(s) = found {
+            let trace = check::trace_of(&compiled, &s)
+                .map_err(|e| Failure::invalid("replay", e).at(file, None))?;
+            let json = duplex_sim::perfetto::chrome_trace(&trace.timeline(program.model), file);
+            let path = if args.files.len() > 1 {
+                format!("{out}.{}", file.replace(['/', '\\'], "_"))
+            } else {
+                out.clone()
+            };
+            std::fs::write(&path, json.to_string())
+                .map_err(|e| Failure::invalid("read", format!("cannot write {path}: {e}")))?;
+        }
+    }
     let report = Report::new(file, program.policy, program.model, &outcome);
     Ok(if schedule.is_some() {
         report.replayed()

@@ -188,6 +188,48 @@ impl std::fmt::Display for Disagreement {
     }
 }
 
+/// A host call of a replay, at its step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostSpan {
+    /// The rank.
+    pub rank: Rank,
+    /// The thread.
+    pub thread: String,
+    /// The call as the user wrote it.
+    pub call: String,
+    /// Where.
+    pub place: String,
+    /// The step it was made at (from 0).
+    pub step: usize,
+}
+
+/// A device op of a replay: when it was issued, started and completed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpSpan {
+    /// The op as a report shows it (its last state).
+    pub op: crate::report::OpInfo,
+    /// The step it was issued at.
+    pub issued: usize,
+    /// The step at which it was first seen started, if it was.
+    pub started: Option<usize>,
+    /// The step at which it completed, if it did.
+    pub completed: Option<usize>,
+}
+
+/// What happened when, step by step, in a replay: for pictures (a
+/// Perfetto trace) of an execution.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    /// Host calls, in the order made.
+    pub calls: Vec<HostSpan>,
+    /// Device ops, in the order issued.
+    pub ops: Vec<OpSpan>,
+    /// Steps in all.
+    pub steps: usize,
+    /// The explanation of the state it ends in, when stuck.
+    pub stuck: Option<Stuck>,
+}
+
 /// What a replay found.
 #[derive(Clone, Debug)]
 pub struct Analysis {
@@ -419,6 +461,25 @@ impl Trace {
         t
     }
 
+    /// Replays the calls under `model` and records when each host call was
+    /// made and when each device op was issued, started and completed.
+    pub fn timeline(&self, model: Model) -> Timeline {
+        let mut r = Replayer::new(self, model);
+        if r.check_ids().is_err() {
+            return Timeline::default();
+        }
+        r.timeline = Some(Timeline::default());
+        r.run();
+        // A handshake that finished with the last call enqueued its ops.
+        let step = r.timeline.as_ref().map_or(0, |t| t.steps);
+        r.resume_all();
+        r.record(step, None);
+        let mut t = r.timeline.take().unwrap_or_default();
+        let a = r.finish();
+        t.stuck = a.stuck;
+        t
+    }
+
     /// Replays the calls under `model` and explains where they lead.
     pub fn analyze(&self, model: Model) -> Analysis {
         let mut r = Replayer::new(self, model);
@@ -453,6 +514,10 @@ struct Replayer<'t> {
     disagreements: Vec<Disagreement>,
     /// The blocked waits, as machine calls.
     waits: HashMap<ThreadId, HostCall>,
+    /// When recording: what happened at each step.
+    timeline: Option<Timeline>,
+    /// When recording: each live op's index in the timeline.
+    seen: HashMap<crate::machine::OpRef, usize>,
 }
 
 impl<'t> Replayer<'t> {
@@ -490,7 +555,66 @@ impl<'t> Replayer<'t> {
             calls,
             disagreements: Vec::new(),
             waits,
+            timeline: None,
+            seen: HashMap::new(),
         }
+    }
+
+    /// After step `step`: the ops that appeared, started or completed.
+    fn record(&mut self, step: usize, call: Option<usize>) {
+        let Some(t) = self.timeline.as_mut() else {
+            return;
+        };
+        if let Some(i) = call {
+            let c = &self.trace.calls[i];
+            let th = &self.trace.threads[c.thread as usize];
+            t.calls.push(HostSpan {
+                rank: th.rank,
+                thread: th.name.clone(),
+                call: c.text.clone(),
+                place: c.place.clone(),
+                step,
+            });
+        }
+        t.steps = step + 1;
+        let live = self.m.live_ops();
+        let mut now: HashMap<crate::machine::OpRef, usize> = HashMap::new();
+        for (r, info) in live {
+            let k = match self.seen.get(&r) {
+                Some(k) => *k,
+                None => {
+                    t.ops.push(OpSpan {
+                        op: info.clone(),
+                        issued: step,
+                        started: None,
+                        completed: None,
+                    });
+                    t.ops.len() - 1
+                }
+            };
+            let span = &mut t.ops[k];
+            let state = info.state;
+            if span.started.is_none() && !matches!(state, crate::report::OpState::NotStarted) {
+                span.started = Some(step);
+            }
+            if span.completed.is_none() && state == crate::report::OpState::Done {
+                span.completed = Some(step);
+            }
+            span.op = info;
+            now.insert(r, k);
+        }
+        // Ops whose launch completed since the last step.
+        for (r, k) in &self.seen {
+            if !now.contains_key(r) {
+                let span = &mut t.ops[*k];
+                span.started.get_or_insert(step);
+                if span.completed.is_none() {
+                    span.completed = Some(step);
+                    span.op.state = crate::report::OpState::Done;
+                }
+            }
+        }
+        self.seen = now;
     }
 
     /// Every index in the trace names a declaration.
@@ -607,6 +731,8 @@ impl<'t> Replayer<'t> {
                 if let Err(e) = self.m.apply(self.thread_of(i), self.calls[i].clone()) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
                 }
+                let step = self.timeline.as_ref().map_or(0, |t| t.steps);
+                self.record(step, Some(i));
                 moved = true;
             }
             if !moved {

@@ -62,6 +62,7 @@ pub struct Sim {
     model: Model,
     max_executions: usize,
     reduce: bool,
+    trace_to: Option<std::path::PathBuf>,
 }
 
 /// What a successful run explored.
@@ -216,6 +217,7 @@ impl Sim {
             model: Model::default(),
             max_executions,
             reduce: true,
+            trace_to: None,
         }
     }
 
@@ -234,6 +236,13 @@ impl Sim {
     /// Bounds [`Sim::check`] to `n` executions.
     pub fn max_executions(mut self, n: usize) -> Sim {
         self.max_executions = n;
+        self
+    }
+
+    /// When a run fails, writes its execution as a Chrome/Perfetto trace
+    /// to `path` ([`crate::perfetto`]; open it in ui.perfetto.dev).
+    pub fn trace_to(mut self, path: impl Into<std::path::PathBuf>) -> Sim {
+        self.trace_to = Some(path.into());
         self
     }
 
@@ -258,7 +267,8 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         let (ending, _, choices, trace) = self.execute(strategy, f);
-        self.conclude(ending, &choices)?;
+        self.conclude(ending, &choices)
+            .inspect_err(|_| self.write_trace(&trace))?;
         Ok(Run {
             executions: 1,
             states: 0,
@@ -304,7 +314,8 @@ impl Sim {
                 unreachable!("the strategy comes back as it went")
             };
             dfs = back;
-            self.conclude(ending, &choices)?;
+            self.conclude(ending, &choices)
+                .inspect_err(|_| self.write_trace(&trace))?;
             if dfs.backtrack().is_none() {
                 return Ok(Run {
                     executions,
@@ -319,6 +330,15 @@ impl Sim {
                     states: dfs.states(),
                 });
             }
+        }
+    }
+
+    /// Writes a failed execution's timeline where [`Sim::trace_to`] says.
+    fn write_trace(&self, trace: &Trace) {
+        let Some(path) = &self.trace_to else { return };
+        let json = crate::perfetto::chrome_trace(&trace.timeline(self.model), "duplex-sim");
+        if let Err(e) = std::fs::write(path, json.to_string()) {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the trace");
         }
     }
 

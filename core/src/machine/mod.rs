@@ -692,6 +692,26 @@ impl Machine {
             .is_none_or(|l| l.ops[op.index as usize].status == OpStatus::Done)
     }
 
+    /// Every op of every launch not yet completed (the group's completed
+    /// ops included), described: for timelines.
+    pub fn live_ops(&self) -> Vec<(OpRef, OpInfo)> {
+        self.state
+            .launches
+            .iter()
+            .flat_map(|(lref, l)| {
+                (0..l.ops.len()).map(move |i| {
+                    (
+                        OpRef {
+                            launch: *lref,
+                            index: i as u16,
+                        },
+                        self.op_view(*lref, i),
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// Describes a live op (for data-race reports).
     pub fn describe_op(&self, op: OpRef) -> Option<OpInfo> {
         let launch = self.state.launches.get(&op.launch)?;
