@@ -102,6 +102,7 @@ fn check_quick(p: &Program) -> Verdict {
         &Options {
             max_states: CANDIDATE_STATES,
             reduce: true,
+            ..Options::default()
         },
     )
     .verdict

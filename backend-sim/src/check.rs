@@ -43,6 +43,8 @@ pub struct Options {
     /// Explore one rank's steps at a time where that is sound (see the
     /// module docs). On by default.
     pub reduce: bool,
+    /// Stop after this long and report the check as inconclusive.
+    pub time_limit: Option<Duration>,
 }
 
 impl Default for Options {
@@ -50,6 +52,7 @@ impl Default for Options {
         Options {
             max_states: 5_000_000,
             reduce: true,
+            time_limit: None,
         }
     }
 }
@@ -105,9 +108,24 @@ pub struct Stats {
     /// Executions: paths from the start to an end, a hang or a pruned
     /// state.
     pub executions: usize,
+    /// The most decision points on one path.
+    pub depth: usize,
+    /// Which bound stopped an inconclusive search.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<Bound>,
     /// Wall-clock time of the search.
     #[serde(serialize_with = "seconds")]
     pub elapsed: Duration,
+}
+
+/// A bound that stops a search before it decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Bound {
+    /// [`Options::max_states`].
+    States,
+    /// [`Options::time_limit`].
+    Time,
 }
 
 fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -446,17 +464,28 @@ struct Snapshot {
 
 /// Explores every interleaving of the program's host threads that matters.
 pub fn check(c: &Compiled, options: &Options) -> Outcome {
+    check_with(c, options, &mut |_| {})
+}
+
+/// [`check`], calling `progress` with the statistics so far about ten
+/// times a second while it runs (for a progress bar).
+pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Stats)) -> Outcome {
     let start = Instant::now();
+    let mut last_report = start;
+    let mut depth = 0usize;
     let mut dfs = Dfs::default();
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut m = c.machine();
     let mut path: Vec<ThreadId> = Vec::new();
     let mut transitions = 0usize;
     let mut executions = 0usize;
-    let stats = |dfs: &Dfs, transitions, executions| Stats {
+    let mut stopped: Option<Bound> = None;
+    let stats = |dfs: &Dfs, transitions, executions, depth, stopped| Stats {
         states: dfs.states(),
         transitions,
         executions,
+        depth,
+        stopped,
         elapsed: start.elapsed(),
     };
     loop {
@@ -507,20 +536,36 @@ pub fn check(c: &Compiled, options: &Options) -> Outcome {
                     schedule,
                 });
             }
+            depth = depth.max(dfs.depth());
             if dfs.states() >= options.max_states {
+                stopped = Some(Bound::States);
                 break Some(Verdict::Inconclusive);
+            }
+            if transitions.is_multiple_of(1024) {
+                let now = Instant::now();
+                if options
+                    .time_limit
+                    .is_some_and(|limit| now.duration_since(start) >= limit)
+                {
+                    stopped = Some(Bound::Time);
+                    break Some(Verdict::Inconclusive);
+                }
+                if now.duration_since(last_report) >= Duration::from_millis(100) {
+                    last_report = now;
+                    progress(&stats(&dfs, transitions, executions, depth, None));
+                }
             }
         };
         if let Some(v) = verdict {
             return Outcome {
                 verdict: v,
-                stats: stats(&dfs, transitions, executions),
+                stats: stats(&dfs, transitions, executions, depth, stopped),
             };
         }
         let Some(d) = dfs.backtrack() else {
             return Outcome {
                 verdict: Verdict::Ok,
-                stats: stats(&dfs, transitions, executions),
+                stats: stats(&dfs, transitions, executions, depth, None),
             };
         };
         snapshots.truncate(d + 1);

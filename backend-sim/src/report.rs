@@ -176,7 +176,7 @@ impl fmt::Display for Report {
             VerdictKind::Deadlock => "DEADLOCK: this program can hang",
             VerdictKind::Error => "ERROR: this program has an error",
             VerdictKind::Inconclusive => {
-                "INCONCLUSIVE: the search hit its state bound before it could decide"
+                "INCONCLUSIVE: the search stopped at a bound before it could decide"
             }
         };
         writeln!(f, "{}: {headline}", self.file)?;
@@ -264,9 +264,22 @@ impl fmt::Display for Report {
             }
         }
         if self.verdict == VerdictKind::Inconclusive {
+            let (bound, how) = match self.stats.stopped {
+                Some(crate::check::Bound::Time) => ("its time limit", "--time-limit"),
+                _ => ("its state bound", "--max-states"),
+            };
             writeln!(
                 f,
-                "  raise the bound with --max-states, or split the program into smaller schedules."
+                "  it reached {bound} after {} executions, {} host steps and {} branching states (paths up to {} decisions deep), in {:.1} s, with no hang or error found so far.",
+                self.stats.executions,
+                self.stats.transitions,
+                self.stats.states,
+                self.stats.depth,
+                self.stats.elapsed.as_secs_f64()
+            )?;
+            writeln!(
+                f,
+                "  to go further: raise {how}; or check a smaller schedule (fewer ranks, host threads or ops per thread: a hang usually shows in a few iterations of a loop)."
             )?;
         }
         writeln!(f)?;

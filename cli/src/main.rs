@@ -138,6 +138,9 @@ struct CheckArgs {
     /// Give up (exit status 3) after this many distinct states.
     #[arg(long, default_value_t = check::Options::default().max_states)]
     max_states: usize,
+    /// Give up (exit status 3, inconclusive) after this many seconds.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    time_limit: Option<f64>,
     /// Explore every interleaving without the partial-order reduction
     /// (slower; for cross-checking the reduction).
     #[arg(long)]
@@ -168,6 +171,13 @@ enum CheckFormat {
     Text,
     Json,
     Dot,
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 && x < 1e9 => Ok(x),
+        _ => Err(format!("`{s}` is not a positive number of seconds")),
+    }
 }
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
@@ -452,6 +462,45 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     ExitCode::from(status)
 }
 
+/// [`check::check`], with a progress bar on stderr once it has run for a
+/// second (indicatif draws nothing when stderr is not a terminal).
+fn check_with_bar(
+    file: &str,
+    compiled: &duplex::compile::Compiled,
+    options: &check::Options,
+) -> check::Outcome {
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let outcome = check::check_with(compiled, options, &mut |s| {
+        if s.elapsed < std::time::Duration::from_secs(1) {
+            return;
+        }
+        let b = bar.get_or_insert_with(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {prefix}: {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            b.set_prefix(file.to_string());
+            b
+        });
+        let secs = s.elapsed.as_secs_f64().max(1e-9);
+        b.set_message(format!(
+            "{} executions, {} host steps ({:.0}/s), {} branching states, depth {}, {:.0} s",
+            s.executions,
+            s.transitions,
+            s.transitions as f64 / secs,
+            s.states,
+            s.depth,
+            secs
+        ));
+        b.tick();
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    outcome
+}
+
 /// Checks one file under the command line's settings.
 fn check_file(
     args: &CheckArgs,
@@ -475,9 +524,10 @@ fn check_file(
     let options = check::Options {
         max_states: args.max_states,
         reduce: !args.no_reduction,
+        time_limit: args.time_limit.map(std::time::Duration::from_secs_f64),
     };
     let outcome = match schedule {
-        None => check::check(&compiled, &options),
+        None => check_with_bar(file, &compiled, &options),
         Some(s) => {
             let start = std::time::Instant::now();
             let verdict = check::judge_schedule(&compiled, s)
@@ -488,6 +538,8 @@ fn check_file(
                     states: 0,
                     transitions: 0,
                     executions: 1,
+                    depth: 0,
+                    stopped: None,
                     elapsed: start.elapsed(),
                 },
             }

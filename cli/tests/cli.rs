@@ -727,3 +727,46 @@ fn several_files_get_a_verdict_each_and_the_worst_status() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("give one file"));
 }
+
+#[test]
+fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
+    let mut text = String::from("ranks 2\n");
+    for t in 0..5 {
+        text.push_str(&format!("comm c{t} 0 1\n"));
+    }
+    for r in 0..2 {
+        for t in 0..5 {
+            if t == 0 {
+                text.push_str(&format!("rank {r}:\n"));
+            } else {
+                text.push_str(&format!("rank {r} thread t{t}:\n"));
+            }
+            for _ in 0..2 {
+                text.push_str(&format!(
+                    "  group {{ send {p} 4KiB comm=c{t} stream=s{t}; recv {p} 4KiB comm=c{t} stream=s{t} }}\n",
+                    p = 1 - r
+                ));
+            }
+        }
+    }
+    let dir = tempdir();
+    let file = dir.join("threads.sched");
+    std::fs::write(&file, text).expect("write");
+    let f = file.to_str().expect("utf-8");
+    let out = duplex(&["check", f, "--time-limit", "0.001", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(3));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(json["verdict"], "inconclusive");
+    assert_eq!(json["stats"]["stopped"], "time");
+    assert!(
+        json["stats"]["transitions"]
+            .as_u64()
+            .is_some_and(|n| n >= 1024)
+    );
+    let out = duplex(&["check", f, "--time-limit", "0.001"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("it reached its time limit after"), "{text}");
+    assert!(text.contains("raise --time-limit"), "{text}");
+    let out = duplex(&["check", f, "--time-limit", "-1"]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -141,6 +141,7 @@ fn is_ok(p: &Program) -> bool {
     let options = Options {
         max_states: MAX_STATES,
         reduce: true,
+        ..Options::default()
     };
     matches!(check::check(&compile(p), &options).verdict, Verdict::Ok)
 }
@@ -188,6 +189,7 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
         &Options {
             max_states,
             reduce: true,
+            ..Options::default()
         },
     )
     .verdict;
@@ -271,6 +273,7 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
         &Options {
             max_states: max_states.min(FULL_MAX_STATES),
             reduce: false,
+            ..Options::default()
         },
     )
     .verdict;

@@ -42,6 +42,7 @@ fn verdict(p: &Program) -> &'static str {
     let options = Options {
         max_states: 1_000_000,
         reduce: true,
+        ..Options::default()
     };
     match check::check(&compile(p), &options).verdict {
         Verdict::Ok => "ok",
