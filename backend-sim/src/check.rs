@@ -183,8 +183,14 @@ pub fn expand(c: &Compiled, m: &Machine, reduce_steps: bool) -> Vec<ThreadId> {
 ///   none;
 /// * else the enabled threads of the rank with fewest of them among the
 ///   ranks whose every other thread cannot step before one of these does:
-///   it has ended, or it waits in a `join` for such a thread;
-/// * else all of `enabled`.
+///   it has ended, or it waits in a `join` for such a thread; when that is
+///   one thread, it alone;
+/// * else one enabled thread whose step commutes with every call the other
+///   threads of its rank may still make ([`Machine::commute`], through
+///   [`Threads::may_conflict`]; the checker knows each thread's remaining
+///   calls): with steps of other ranks commuting too, that step alone is a
+///   persistent set;
+/// * else that rank's enabled threads, or all of `enabled`.
 pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<ThreadId> {
     if enabled.len() <= 1 {
         return enabled.to_vec();
@@ -234,6 +240,31 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
             .all(|t| mine.contains(&t) || m.ended(t) || held(t));
         if closed && best.as_ref().is_none_or(|b| mine.len() < b.len()) {
             best = Some(mine);
+        }
+    }
+    if let Some(b) = &best
+        && b.len() == 1
+    {
+        return best.unwrap_or_default();
+    }
+    // A thread whose step commutes with everything the other threads of its
+    // rank may still do is a persistent set alone: steps of other ranks
+    // commute with it too, and none of them disables it.
+    let step_of = |t: ThreadId| match m.next(t) {
+        Next::Resume => m.call_in_progress(t),
+        Next::Call => threads.next_call(m, t),
+        Next::Blocked | Next::Finished => None,
+    };
+    let candidates = best.as_deref().unwrap_or(enabled);
+    for &u in candidates {
+        let Some(call) = step_of(u) else { continue };
+        let rank = setup.threads[u.0 as usize].rank;
+        let alone = setup
+            .threads_of(rank)
+            .filter(|v| *v != u)
+            .all(|v| !threads.may_conflict(m, v, u, &call));
+        if alone {
+            return vec![u];
         }
     }
     best.unwrap_or_else(|| enabled.to_vec())

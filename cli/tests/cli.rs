@@ -219,17 +219,33 @@ fn bad_flags_exit_2() {
     }
 }
 
+/// A program with many interleavings that matter: `n` threads per rank,
+/// each with one send (rank 0) or recv (rank 1) on one shared
+/// communicator, so the order they issue in decides which send meets which
+/// recv. It completes in every one.
+fn shared_comm(name: &str, n: usize) -> String {
+    let mut text = String::from("ranks 2\ncomm c 0 1\n");
+    for r in 0..2 {
+        for t in 0..n {
+            if t == 0 {
+                text.push_str(&format!("rank {r}:\n"));
+            } else {
+                text.push_str(&format!("rank {r} thread t{t}:\n"));
+            }
+            let op = if r == 0 { "send 1" } else { "recv 0" };
+            text.push_str(&format!("  {op} 4KiB comm=c stream=s{t}\n"));
+        }
+    }
+    let file = tempdir().join(name);
+    std::fs::write(&file, text).expect("write");
+    file.to_str().expect("utf-8").to_string()
+}
+
 #[test]
 fn hitting_the_state_bound_is_inconclusive_not_ok() {
-    let rpc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
-    let out = duplex(&[
-        "check",
-        rpc.to_str().expect("utf-8"),
-        "--policy",
-        "per-direction",
-        "--max-states",
-        "5",
-    ]);
+    let many = shared_comm("bound.sched", 4);
+    assert_eq!(duplex(&["check", &many]).status.code(), Some(0));
+    let out = duplex(&["check", &many, "--max-states", "5"]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stdout).contains("INCONCLUSIVE"));
 }
@@ -706,10 +722,10 @@ fn several_files_get_a_verdict_each_and_the_worst_status() {
     assert_eq!(out.status.code(), Some(0));
     // Deciding beats giving up: a hang (1) is worse than inconclusive (3),
     // which is worse than ok (0).
-    let rpc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
-    let rpc = rpc.to_str().expect("utf-8");
+    let rpc = shared_comm("many-threads.sched", 4);
+    let rpc = rpc.as_str();
     let stuck = write("many-stuck.sched", "ranks 2\nrank 0:\n  recv 1 4KiB\n");
-    let bound = ["--policy", "per-direction", "--max-states", "5"];
+    let bound = ["--max-states", "5"];
     for (files, status) in [
         (vec![ok.as_str(), rpc], 3),
         (vec![rpc, ok.as_str()], 3),
@@ -730,29 +746,8 @@ fn several_files_get_a_verdict_each_and_the_worst_status() {
 
 #[test]
 fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
-    let mut text = String::from("ranks 2\n");
-    for t in 0..5 {
-        text.push_str(&format!("comm c{t} 0 1\n"));
-    }
-    for r in 0..2 {
-        for t in 0..5 {
-            if t == 0 {
-                text.push_str(&format!("rank {r}:\n"));
-            } else {
-                text.push_str(&format!("rank {r} thread t{t}:\n"));
-            }
-            for _ in 0..2 {
-                text.push_str(&format!(
-                    "  group {{ send {p} 4KiB comm=c{t} stream=s{t}; recv {p} 4KiB comm=c{t} stream=s{t} }}\n",
-                    p = 1 - r
-                ));
-            }
-        }
-    }
-    let dir = tempdir();
-    let file = dir.join("threads.sched");
-    std::fs::write(&file, text).expect("write");
-    let f = file.to_str().expect("utf-8");
+    let file = shared_comm("time.sched", 7);
+    let f = file.as_str();
     let out = duplex(&["check", f, "--time-limit", "0.001", "--format", "json"]);
     assert_eq!(out.status.code(), Some(3));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");

@@ -547,6 +547,76 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// Whether calls `a` and `b` of two different host threads of one rank
+    /// commute (either order reaches the same state) and neither disables
+    /// the other: what the checker's reduction needs to explore only one
+    /// order. They do not when they touch a common stream (R1 order, a
+    /// `sync` or `wait` target), a common communicator (R2 order, R11,
+    /// channel positions, R3), a common event (R9), take a message another
+    /// may take (`await`), or when a launch meets a `sync` of every stream
+    /// or a thread's end (both drain what was issued before them), or when
+    /// kernel slots are bounded (R10 serves launches in issue order).
+    /// `notify` and `join` commute with everything.
+    pub fn commute(&self, a: &HostCall, b: &HostCall) -> bool {
+        use HostCall::*;
+        let streams = |c: &HostCall| -> Vec<StreamId> {
+            match c {
+                Launch(spec) => spec.ops.iter().map(|o| o.stream).collect(),
+                Record { stream, .. } | Wait { stream, .. } => vec![*stream],
+                Sync {
+                    stream: Some(s), ..
+                } => vec![*s],
+                _ => Vec::new(),
+            }
+        };
+        let comms = |c: &HostCall| -> Vec<CommId> {
+            match c {
+                Launch(spec) => spec.ops.iter().map(|o| o.comm).collect(),
+                _ => Vec::new(),
+            }
+        };
+        match (a, b) {
+            (Notify { .. } | Join { .. }, _) | (_, Notify { .. } | Join { .. }) => {
+                // A notify to one's own rank feeds that rank's awaits.
+                let feeds = |n: &HostCall, w: &HostCall| matches!((n, w), (Notify { tag: x, .. }, Await { tag: y, .. }) if x == y);
+                !(feeds(a, b) || feeds(b, a))
+            }
+            (Launch(_), Launch(_)) if self.setup.model.kernels.is_some() => false,
+            (Launch(_), Sync { stream: None, .. } | End)
+            | (Sync { stream: None, .. } | End, Launch(_)) => false,
+            (Record { .. } | Wait { .. }, Sync { stream: None, .. } | End)
+            | (Sync { stream: None, .. } | End, Record { .. } | Wait { .. }) => false,
+            (
+                Await {
+                    from: f1, tag: t1, ..
+                },
+                Await {
+                    from: f2, tag: t2, ..
+                },
+            ) => !(f1 == f2 && t1 == t2),
+            (
+                Record { event: e1, .. } | Wait { event: e1, .. },
+                Record { event: e2, .. } | Wait { event: e2, .. },
+            ) if e1 == e2 => false,
+            _ => {
+                let (sa, sb) = (streams(a), streams(b));
+                let (ca, cb) = (comms(a), comms(b));
+                !(sa.iter().any(|s| sb.contains(s)) || ca.iter().any(|c| cb.contains(c)))
+            }
+        }
+    }
+
+    /// The call thread `t` is making now: the launch of a handshake in
+    /// progress, if it is in one.
+    pub fn call_in_progress(&self, t: ThreadId) -> Option<HostCall> {
+        match &self.state.threads[t.ix()].phase {
+            Phase::Connecting { spec, .. } => Some(HostCall::Launch(spec.clone())),
+            _ => None,
+        }
+    }
+}
+
 /// Runs a blocker function and says whether it found nothing.
 pub(super) fn free(run: impl FnOnce(Visit<'_>) -> ControlFlow<()>) -> bool {
     run(&mut |_| ControlFlow::Break(())).is_continue()

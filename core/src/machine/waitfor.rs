@@ -41,6 +41,13 @@ pub trait Threads {
     ) -> bool;
     /// Whether thread `t` may still `notify` rank `to` with `tag`.
     fn may_notify(&self, m: &Machine, t: ThreadId, to: Rank, tag: TagId) -> bool;
+    /// Whether thread `t` may still make a call that does not commute with
+    /// `call`, the next step of thread `other` of its rank
+    /// ([`Machine::commute`]). Conservatively `true` when unknown.
+    fn may_conflict(&self, m: &Machine, t: ThreadId, other: ThreadId, call: &HostCall) -> bool {
+        let _ = (m, t, other, call);
+        true
+    }
 }
 
 /// [`Threads`] that knows only each thread's next call: any thread that has
