@@ -10,7 +10,7 @@
 # A crash is written to fuzz/artifacts/TARGET/: minimize it with
 # `cargo +nightly fuzz tmin TARGET FILE`, fix the bug, and commit the
 # minimized input to fuzz/regressions/TARGET/, which `cargo test` replays
-# (backend-sim/tests/fuzz_corpus.rs; backend-nccl/tests/store_corpus.rs for
+# (tests/tests/fuzz_corpus.rs; backend-nccl/tests/store_corpus.rs for
 # store). Extra arguments go to libFuzzer.
 set -euo pipefail
 if [ $# -lt 2 ]; then
