@@ -209,15 +209,14 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
     }
     let setup = m.setup();
     let mut best: Option<Vec<ThreadId>> = None;
-    for rank in 0..setup.ranks {
-        let mine: Vec<ThreadId> = enabled
-            .iter()
-            .copied()
-            .filter(|t| setup.threads[t.0 as usize].rank == rank)
-            .collect();
-        if mine.is_empty() {
-            continue;
-        }
+    let mut by_rank: std::collections::BTreeMap<u32, Vec<ThreadId>> = Default::default();
+    for t in enabled {
+        by_rank
+            .entry(setup.threads[t.0 as usize].rank)
+            .or_default()
+            .push(*t);
+    }
+    for (rank, mine) in by_rank {
         // Waits in a chain of joins that ends at a thread of `mine`, so it
         // cannot step before that thread does.
         let held = |start: ThreadId| {
@@ -240,6 +239,9 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
             .all(|t| mine.contains(&t) || m.ended(t) || held(t));
         if closed && best.as_ref().is_none_or(|b| mine.len() < b.len()) {
             best = Some(mine);
+            if best.as_ref().is_some_and(|b| b.len() == 1) {
+                break; // none is smaller
+            }
         }
     }
     if let Some(b) = &best

@@ -138,9 +138,10 @@ pub struct Setup {
     pub model: Model,
     /// Number of ranks.
     pub ranks: u32,
-    /// Host threads.
+    /// Host threads (add them with [`Setup::add_thread`], which keeps each
+    /// rank's list).
     pub threads: Vec<ThreadInfo>,
-    /// Streams.
+    /// Streams (add them with [`Setup::add_stream`]).
     pub streams: Vec<StreamInfo>,
     /// Communicators.
     pub comms: Vec<CommInfo>,
@@ -150,6 +151,9 @@ pub struct Setup {
     pub tags: Vec<String>,
     /// Call origins.
     pub origins: Vec<OriginInfo>,
+    /// Each rank's threads and streams, kept by [`Setup::add_thread`] and
+    /// [`Setup::add_stream`].
+    by_rank: Vec<(Vec<ThreadId>, Vec<StreamId>)>,
 }
 
 impl Setup {
@@ -164,6 +168,7 @@ impl Setup {
             events: Vec::new(),
             tags: Vec::new(),
             origins: Vec::new(),
+            by_rank: Vec::new(),
         }
     }
 
@@ -173,7 +178,17 @@ impl Setup {
             rank,
             name: name.into(),
         });
-        ThreadId(self.threads.len() as u32 - 1)
+        let id = ThreadId(self.threads.len() as u32 - 1);
+        self.rank_entry(rank).0.push(id);
+        id
+    }
+
+    fn rank_entry(&mut self, rank: Rank) -> &mut (Vec<ThreadId>, Vec<StreamId>) {
+        let i = rank as usize;
+        if self.by_rank.len() <= i {
+            self.by_rank.resize(i + 1, (Vec::new(), Vec::new()));
+        }
+        &mut self.by_rank[i]
     }
 
     /// Adds a stream.
@@ -182,7 +197,9 @@ impl Setup {
             rank,
             name: name.into(),
         });
-        StreamId(self.streams.len() as u32 - 1)
+        let id = StreamId(self.streams.len() as u32 - 1);
+        self.rank_entry(rank).1.push(id);
+        id
     }
 
     /// Adds a communicator.
@@ -223,20 +240,32 @@ impl Setup {
 
     /// The streams of `rank`.
     pub fn streams_of(&self, rank: Rank) -> impl Iterator<Item = StreamId> + '_ {
-        self.streams
+        debug_assert_eq!(
+            self.by_rank.iter().map(|e| e.1.len()).sum::<usize>(),
+            self.streams.len(),
+            "streams are added with Setup::add_stream"
+        );
+        self.by_rank
+            .get(rank as usize)
+            .map(|e| e.1.as_slice())
+            .unwrap_or_default()
             .iter()
-            .enumerate()
-            .filter(move |(_, s)| s.rank == rank)
-            .map(|(i, _)| StreamId(i as u32))
+            .copied()
     }
 
     /// The threads of `rank`.
     pub fn threads_of(&self, rank: Rank) -> impl Iterator<Item = ThreadId> + '_ {
-        self.threads
+        debug_assert_eq!(
+            self.by_rank.iter().map(|e| e.0.len()).sum::<usize>(),
+            self.threads.len(),
+            "threads are added with Setup::add_thread"
+        );
+        self.by_rank
+            .get(rank as usize)
+            .map(|e| e.0.as_slice())
+            .unwrap_or_default()
             .iter()
-            .enumerate()
-            .filter(move |(_, t)| t.rank == rank)
-            .map(|(i, _)| ThreadId(i as u32))
+            .copied()
     }
 }
 
