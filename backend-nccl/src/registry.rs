@@ -58,7 +58,31 @@ struct Reg {
     /// The calls applied as they are made; `None` once the model refused
     /// one (the trace keeps everything; its replay reports the refusal).
     live: Option<Machine>,
+    /// The live machine's origins, one per distinct call text and place, so
+    /// that a long run does not grow them.
+    origins: std::collections::HashMap<(String, String), duplex::machine::Origin>,
     user_comms: Vec<(String, Vec<Rank>)>,
+}
+
+impl Reg {
+    /// `call` as the live machine's call, at an interned origin.
+    fn host_call(&mut self, call: &TraceCall) -> Option<duplex::machine::HostCall> {
+        let m = self.live.as_mut()?;
+        let key = (call.text.clone(), call.place.clone());
+        let origin = match self.origins.get(&key) {
+            Some(o) => *o,
+            None => {
+                let o = m.setup_mut().add_origin(duplex::machine::OriginInfo {
+                    text: key.0.clone(),
+                    place: key.1.clone(),
+                    line: None,
+                });
+                self.origins.insert(key, o);
+                o
+            }
+        };
+        Some(call.to_host_at(m.setup_mut(), origin))
+    }
 }
 
 /// A launch as a rank reports it to the registry.
@@ -98,6 +122,7 @@ impl Registry {
             inner: Mutex::new(Reg {
                 trace: Trace::new(ranks),
                 live: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
+                origins: std::collections::HashMap::new(),
                 user_comms: Vec::new(),
             }),
         })
@@ -217,9 +242,9 @@ impl Registry {
             place,
         };
         let mut r = self.lock();
-        if let Some(m) = r.live.as_mut() {
+        let hc = r.host_call(&call);
+        if let (Some(m), Some(hc)) = (r.live.as_mut(), hc) {
             let t = ThreadId(thread as u32);
-            let hc = call.to_host(m.setup_mut());
             while m.next(t) == Next::Resume {
                 if m.resume(t).is_err() {
                     break;
@@ -267,9 +292,9 @@ impl Registry {
             text: if record { "record" } else { "wait" }.into(),
             place: String::new(),
         };
-        if let Some(m) = r.live.as_mut() {
+        let hc = r.host_call(&c);
+        if let (Some(m), Some(hc)) = (r.live.as_mut(), hc) {
             let t = ThreadId(thread as u32);
-            let hc = c.to_host(m.setup_mut());
             while m.next(t) == Next::Resume {
                 if m.resume(t).is_err() {
                     break;

@@ -593,7 +593,11 @@ fn the_checker_explores_every_interleaving() {
     assert!(full.stats.executions > 10, "{:?}", full.stats);
     let safe = run(&safe_src);
     assert!(matches!(safe.verdict, Verdict::Ok), "{:?}", safe.verdict);
-    assert!(safe.stats.executions < full.stats.executions, "{:?}", safe.stats);
+    assert!(
+        safe.stats.executions < full.stats.executions,
+        "{:?}",
+        safe.stats
+    );
 }
 
 #[test]

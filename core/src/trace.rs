@@ -843,6 +843,12 @@ impl TraceCall {
         });
         host_call(setup, self, origin)
     }
+
+    /// The machine's call for this trace call, at an origin already in
+    /// `setup` (a backend that interns its call sites).
+    pub fn to_host_at(&self, setup: &mut Setup, origin: Origin) -> HostCall {
+        host_call(setup, self, origin)
+    }
 }
 
 /// The machine's call for a trace call (ids are the trace's indices).
