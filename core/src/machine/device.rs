@@ -242,7 +242,11 @@ impl Machine {
                 continue;
             };
             let rank = &mut self.state.ranks[launch.rank as usize];
-            rank.pending.retain(|p| p != lref);
+            // Launches mostly complete in issue order: the one to drop is
+            // usually at the front.
+            if let Some(pos) = rank.pending.iter().position(|p| p == lref) {
+                rank.pending.remove(pos);
+            }
             rank.running -= 1;
             for s in launch.streams {
                 let stream = &mut self.state.streams[s.ix()];

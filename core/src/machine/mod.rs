@@ -622,7 +622,7 @@ struct Channel {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 struct RankState {
     /// NCCL launches issued and not completed, in issue order (R2, R10).
-    pending: Vec<LaunchRef>,
+    pending: VecDeque<LaunchRef>,
     /// Launches holding a kernel slot (R10).
     running: u32,
 }
@@ -1281,7 +1281,7 @@ impl Machine {
                     .queue
                     .push_back(Entry::Launch(lref));
             }
-            self.state.ranks[rank as usize].pending.push(lref);
+            self.state.ranks[rank as usize].pending.push_back(lref);
             self.state.launches.insert(
                 lref,
                 Launch {

@@ -159,8 +159,8 @@ impl Machine {
         }
         let rank = &self.state.ranks[launch.rank as usize];
         if self.setup.model.comm_order {
-            let pos = rank.pending.iter().position(|p| *p == lref).unwrap_or(0);
-            if let Some((earlier, comm)) = self.earlier_on_same_comm(&rank.pending[..pos], lref) {
+            let earlier = rank.pending.iter().take_while(|p| **p != lref).copied();
+            if let Some((earlier, comm)) = self.earlier_on_same_comm(earlier, lref) {
                 f(Blocker {
                     rule: Rule::R2,
                     holder: Holder::Launch(earlier),
@@ -190,18 +190,18 @@ impl Machine {
     /// and that communicator (R2).
     fn earlier_on_same_comm(
         &self,
-        earlier: &[LaunchRef],
+        mut earlier: impl Iterator<Item = LaunchRef>,
         lref: LaunchRef,
     ) -> Option<(LaunchRef, CommId)> {
         let launch = &self.state.launches[&lref];
-        earlier.iter().find_map(|e| {
-            let other = &self.state.launches[e];
+        earlier.find_map(|e| {
+            let other = &self.state.launches[&e];
             other.ops.iter().find_map(|o| {
                 launch
                     .ops
                     .iter()
                     .any(|p| p.spec.comm == o.spec.comm)
-                    .then_some((*e, o.spec.comm))
+                    .then_some((e, o.spec.comm))
             })
         })
     }

@@ -1,0 +1,302 @@
+//! The checker at scale: the families of issue 10 with their targets,
+//! each decided in a child process of its own (so that its peak memory is
+//! its own), printed as a markdown table. `scripts/checker-bench.sh`
+//! regenerates the table in `docs/checker-stats.md`.
+//!
+//! `cargo run --release -p duplex-sim --example scale [-- --limit SECONDS]`
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use duplex::compile::compile;
+use duplex::schedule::Program;
+use duplex_sim::check::{self, Options, Verdict};
+
+/// A family: its name, the program, the target in words, and the bounds
+/// that meet it (seconds, MiB).
+struct Family {
+    name: String,
+    target: &'static str,
+    seconds: f64,
+    mib: f64,
+}
+
+fn ring(n: usize, k: usize) -> String {
+    let mut s = format!("ranks {n}\npolicy per-direction\n");
+    for r in 0..n {
+        s.push_str(&format!("rank {r}:\n"));
+        for _ in 0..k {
+            s.push_str(&format!(
+                "  group {{ send {} 4KiB; recv {} 4KiB }}\n",
+                (r + 1) % n,
+                (r + n - 1) % n
+            ));
+        }
+    }
+    s
+}
+
+fn two(k: usize) -> String {
+    let mut s = String::from("ranks 2\nrank 0:\n");
+    for _ in 0..k {
+        s.push_str("  send 1 4KiB\n");
+    }
+    s.push_str("rank 1:\n");
+    for _ in 0..k {
+        s.push_str("  recv 0 4KiB\n");
+    }
+    s
+}
+
+fn one_f_one_b(p: usize, m: usize, policy: &str) -> String {
+    let mut s = format!("ranks {p}\npolicy {policy}\n");
+    for st in 0..p {
+        s.push_str(&format!("rank {st}:\n"));
+        let f = |s: &mut String| {
+            if st > 0 {
+                s.push_str(&format!("  recv {} 4KiB\n", st - 1));
+            }
+            if st + 1 < p {
+                s.push_str(&format!("  send {} 4KiB\n", st + 1));
+            }
+        };
+        let b = |s: &mut String| {
+            if st + 1 < p {
+                s.push_str(&format!("  recv {} 4KiB\n", st + 1));
+            }
+            if st > 0 {
+                s.push_str(&format!("  send {} 4KiB\n", st - 1));
+            }
+        };
+        let warmup = (p - st - 1).min(m);
+        for _ in 0..warmup {
+            f(&mut s);
+        }
+        for _ in 0..m - warmup {
+            f(&mut s);
+            b(&mut s);
+        }
+        for _ in 0..warmup {
+            b(&mut s);
+        }
+    }
+    s
+}
+
+fn all_to_all(n: usize) -> String {
+    let mut s = format!("ranks {n}\npolicy per-direction\n");
+    for r in 0..n {
+        s.push_str(&format!("rank {r}:\n"));
+        for k in 1..n {
+            s.push_str(&format!(
+                "  group {{ send {} 4KiB; recv {} 4KiB }}\n",
+                (r + k) % n,
+                (r + n - k) % n
+            ));
+        }
+    }
+    s
+}
+
+fn threads(ranks: usize, n: usize) -> String {
+    let mut s = format!("ranks {ranks}\n");
+    for t in 0..n {
+        s.push_str(&format!(
+            "comm c{t} {}\n",
+            (0..ranks)
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(" ")
+        ));
+    }
+    for r in 0..ranks {
+        for t in 0..n {
+            if t == 0 {
+                s.push_str(&format!("rank {r}:\n"));
+            } else {
+                s.push_str(&format!("rank {r} thread t{t}:\n"));
+            }
+            let (next, prev) = ((r + 1) % ranks, (r + ranks - 1) % ranks);
+            for _ in 0..2 {
+                s.push_str(&format!(
+                    "  group {{ send {next} 4KiB comm=c{t} stream=s{t}; recv {prev} 4KiB comm=c{t} stream=s{t} }}\n"
+                ));
+            }
+        }
+    }
+    s
+}
+
+fn program(name: &str) -> Option<Program> {
+    let parts: Vec<&str> = name.split(':').collect();
+    let n = |i: usize| parts.get(i).and_then(|x| x.parse::<usize>().ok());
+    let text = match parts[0] {
+        "ring" => ring(n(1)?, n(2)?),
+        "two" => two(n(1)?),
+        "1f1b" => one_f_one_b(n(1)?, n(2)?, parts.get(3)?),
+        "a2a" => all_to_all(n(1)?),
+        "threads" => threads(n(1)?, n(2)?),
+        "simring" => return None,
+        _ => return None,
+    };
+    duplex::schedule::parse(&text).ok()
+}
+
+/// Peak resident memory of this process, MiB (Linux).
+fn peak_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// In a child: decides one family, prints `RESULT verdict seconds mib
+/// executions steps branching`.
+fn child(name: &str, limit: f64) {
+    let start = Instant::now();
+    if let Some(rest) = name.strip_prefix("simring:") {
+        let n: u32 = rest.parse().unwrap_or(8);
+        let ring = move |t: &duplex_sim::SimRank| -> duplex::Result<()> {
+            use duplex::Transport;
+            let (next, prev) = ((t.rank() + 1) % n, (t.rank() + n - 1) % n);
+            let out = t.alloc::<u8>(16)?;
+            let mut inb = t.alloc::<u8>(16)?;
+            t.group(|| {
+                t.send(&out, next)?;
+                t.recv(&mut inb, prev)
+            })?;
+            t.synchronize()
+        };
+        let r = duplex_sim::Sim::new(n)
+            .policy(duplex::Policy::PerDirection)
+            .check(ring);
+        let (verdict, executions) = match r {
+            Ok(run) => ("ok", run.executions),
+            Err(_) => ("failed", 0),
+        };
+        println!(
+            "RESULT {verdict} {:.3} {:.0} {executions} - -",
+            start.elapsed().as_secs_f64(),
+            peak_mib()
+        );
+        return;
+    }
+    let Some(p) = program(name) else {
+        println!("RESULT bad-family 0 0 0 0 0");
+        return;
+    };
+    let parsed = start.elapsed().as_secs_f64();
+    let c = compile(&p);
+    let o = check::check(
+        &c,
+        &Options {
+            time_limit: Some(Duration::from_secs_f64(limit)),
+            ..Options::default()
+        },
+    );
+    let verdict = match o.verdict {
+        Verdict::Ok => "ok",
+        Verdict::Deadlock { .. } => "deadlock",
+        Verdict::Error { .. } => "error",
+        Verdict::Inconclusive => "inconclusive",
+    };
+    println!(
+        "RESULT {verdict} {:.3} {:.0} {} {} {} parse+compile={:.3}",
+        start.elapsed().as_secs_f64(),
+        peak_mib(),
+        o.stats.executions,
+        o.stats.transitions,
+        o.stats.states,
+        parsed
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let limit = args
+        .iter()
+        .position(|a| a == "--limit")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|x| x.parse::<f64>().ok())
+        .unwrap_or(60.0);
+    if args.first().map(String::as_str) == Some("child") {
+        child(args.get(1).map_or("", String::as_str), limit);
+        return;
+    }
+    let fam = |name: &str, target: &'static str, seconds: f64, mib: f64| Family {
+        name: name.to_string(),
+        target,
+        seconds,
+        mib,
+    };
+    let families = [
+        fam(
+            "ring:256:100",
+            "ring 1,024 × 1,000 < 1 s, < 1 GB (smaller sizes for scaling)",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam("ring:1024:100", "(scaling)", f64::MAX, f64::MAX),
+        fam("ring:1024:1000", "< 1 s, < 1 GB", 1.0, 1024.0),
+        fam("two:1000", "time per op constant", f64::MAX, f64::MAX),
+        fam("two:10000", "time per op constant", f64::MAX, f64::MAX),
+        fam("two:100000", "< 1 s", 1.0, f64::MAX),
+        fam(
+            "two:500000",
+            "time per op constant (10^6 ops)",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam("1f1b:64:256:per-direction", "< 5 s", 5.0, f64::MAX),
+        fam("1f1b:64:256:shared", "< 5 s", 5.0, f64::MAX),
+        fam("a2a:256", "< 5 s", 5.0, f64::MAX),
+        fam("threads:2:5", "< 10 s, < 1 GB", 10.0, 1024.0),
+        fam("threads:4:4", "< 10 s, < 1 GB", 10.0, 1024.0),
+        fam("simring:1024", "Sim::check < 2 s", 2.0, f64::MAX),
+    ];
+    let exe = std::env::current_exe().expect("this binary");
+    println!(
+        "| family | verdict | seconds | peak MiB | executions | host steps | branching | target | met |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for f in &families {
+        let out = Command::new(&exe)
+            .args(["child", &f.name, "--limit", &limit.to_string()])
+            .output();
+        let line = out
+            .ok()
+            .and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
+            })
+            .unwrap_or_else(|| "crashed 0 0 0 0 0".into());
+        let v: Vec<&str> = line.split_whitespace().collect();
+        let secs: f64 = v.get(1).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+        let mib: f64 = v.get(2).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+        let decided = matches!(v.first(), Some(&"ok") | Some(&"deadlock") | Some(&"error"));
+        let met = if f.seconds == f64::MAX {
+            "-"
+        } else if decided && secs <= f.seconds && mib <= f.mib {
+            "yes"
+        } else {
+            "no"
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            f.name,
+            v.first().unwrap_or(&"?"),
+            v.get(1).unwrap_or(&"?"),
+            v.get(2).unwrap_or(&"?"),
+            v.get(3).unwrap_or(&"?"),
+            v.get(4).unwrap_or(&"?"),
+            v.get(5).unwrap_or(&"?"),
+            f.target,
+            met
+        );
+    }
+}
