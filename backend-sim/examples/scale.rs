@@ -264,17 +264,40 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for f in &families {
-        let out = Command::new(&exe)
+        // The simulator's check has no time limit of its own: the child is
+        // killed once it outlives the limit by half a minute.
+        let child = Command::new(&exe)
             .args(["child", &f.name, "--limit", &limit.to_string()])
-            .output();
-        let line = out
-            .ok()
-            .and_then(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .find_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
-            })
-            .unwrap_or_else(|| "crashed 0 0 0 0 0".into());
+            .stdout(std::process::Stdio::piped())
+            .spawn();
+        let started = Instant::now();
+        let line = match child {
+            Ok(mut c) => {
+                let killed = loop {
+                    match c.try_wait() {
+                        Ok(Some(_)) => break false,
+                        Ok(None) if started.elapsed().as_secs_f64() > limit + 30.0 => {
+                            let _ = c.kill();
+                            break true;
+                        }
+                        Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                        Err(_) => break true,
+                    }
+                };
+                let out = c.wait_with_output().ok();
+                if killed {
+                    format!("killed {:.0} - - - -", started.elapsed().as_secs_f64())
+                } else {
+                    out.and_then(|o| {
+                        String::from_utf8_lossy(&o.stdout)
+                            .lines()
+                            .find_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
+                    })
+                    .unwrap_or_else(|| "crashed 0 0 0 0 0".into())
+                }
+            }
+            Err(_) => "crashed 0 0 0 0 0".into(),
+        };
         let v: Vec<&str> = line.split_whitespace().collect();
         let secs: f64 = v.get(1).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
         let mib: f64 = v.get(2).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);

@@ -300,9 +300,8 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
                     })
                     .collect();
                 streams.dedup();
-                let mut after = m.clone();
-                let handshake =
-                    after.apply(t, HostCall::Launch(spec.clone())).is_ok() && after.in_handshake(t);
+                let handshake = m.check_issue(t, &HostCall::Launch(spec.clone())).is_ok()
+                    && m.would_handshake(t, spec);
                 if handshake {
                     format!(
                         "{} is the first use of a cold communicator toward this peer: the host blocks in the connection handshake (R7)",

@@ -1087,6 +1087,19 @@ impl Machine {
     /// by a [`Machine::resume`] step, on both sides of a round, which also
     /// makes the two orders of two first uses lead to the same state.
     fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank, u32)> {
+        self.new_sides(rank, spec)
+            .into_iter()
+            .map(|(comm, peer)| {
+                let n = self.state.rounds.entry((comm, rank, peer)).or_insert(0);
+                *n += 1;
+                (comm, peer, *n)
+            })
+            .collect()
+    }
+
+    /// The (communicator, peer) pairs with which a launch of `rank` needs a
+    /// side it has not connected (R7).
+    fn new_sides(&self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank)> {
         let mut peers: Vec<(CommId, Rank)> = Vec::new();
         for op in &spec.ops {
             if self.setup.comms[op.comm.ix()].warm || op.peer == rank {
@@ -1100,13 +1113,12 @@ impl Machine {
             }
         }
         peers
-            .into_iter()
-            .map(|(comm, peer)| {
-                let n = self.state.rounds.entry((comm, rank, peer)).or_insert(0);
-                *n += 1;
-                (comm, peer, *n)
-            })
-            .collect()
+    }
+
+    /// Whether thread `t` making launch `spec` now would block in a
+    /// connection handshake (R7). Changes nothing.
+    pub fn would_handshake(&self, t: ThreadId, spec: &LaunchSpec) -> bool {
+        !self.new_sides(self.rank_of(t), spec).is_empty()
     }
 
     /// The sides a launch's handshake connected (on [`Machine::resume`]).
