@@ -59,6 +59,12 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// The traces the other ranks published, waiting up to `wait` for all
     /// of them to arrive.
     fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace>;
+    /// Says that `rank` finished cleanly: its silence from now on is no
+    /// failure.
+    fn finished(&self, rank: Rank);
+    /// For the rank that hosts the store: waits (up to `wait`) until every
+    /// other rank has finished or failed, so that the store outlives them.
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration);
 }
 
 /// The health of a local run: one list for all its ranks.
@@ -89,6 +95,10 @@ impl Health for LocalHealth {
     fn gather(&self, _: u32, _: Rank, _: Duration) -> Vec<Trace> {
         Vec::new()
     }
+
+    fn finished(&self, _: Rank) {}
+
+    fn linger(&self, _: u32, _: Rank, _: Duration) {}
 }
 
 /// The health of a process-per-rank run, through the store, with a monitor
@@ -203,6 +213,32 @@ impl Health for StoreHealth {
         }
     }
 
+    fn finished(&self, rank: Rank) {
+        if let Err(e) = self.store.put(&format!("done/{rank}"), b"ok", REQUEST) {
+            tracing::debug!(rank, error = %e, "could not tell the store this rank finished");
+        }
+    }
+
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
+        while !left.is_empty() && Instant::now() < deadline {
+            let failed = self.failed(me).map(|(r, _)| r);
+            let mut still = Vec::new();
+            for r in left {
+                let done = matches!(
+                    self.store
+                        .get(&format!("done/{r}"), Duration::from_millis(100)),
+                    Ok(Some(_))
+                );
+                if !done && failed != Some(r) {
+                    still.push(r);
+                }
+            }
+            left = still;
+        }
+    }
+
     fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace> {
         let deadline = Instant::now() + wait;
         let mut out = Vec::new();
@@ -297,6 +333,28 @@ mod tests {
         let (rank, why) = h.failed(1).expect("rank 0 is reported");
         assert_eq!(rank, 0);
         assert!(why.contains("unreachable"), "{why}");
+    }
+
+    #[test]
+    fn a_rank_that_finished_is_not_taken_as_dead_when_it_goes_silent() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = Store::client("127.0.0.1", port, secret.clone());
+        b.beat(1, REQUEST).expect("beats");
+        let b_health = StoreHealth::start(Store::client("127.0.0.1", port, secret), 1);
+        b_health.finished(1);
+        drop(b_health);
+        // Rank 1 is silent from now on, but it finished.
+        std::thread::sleep(SILENCE + BEAT_EVERY * 3);
+        assert_eq!(a.failed(0), None);
+        // And rank 0, hosting the store, does not wait for it.
+        let start = Instant::now();
+        a.linger(2, 0, Duration::from_secs(5));
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[test]

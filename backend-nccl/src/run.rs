@@ -279,7 +279,7 @@ impl Process {
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
         );
-        rank_main(
+        let result = rank_main(
             self.lib,
             self.rank,
             self.world,
@@ -289,10 +289,21 @@ impl Process {
                 id,
                 board,
                 registry,
-                health,
+                health: health.clone(),
             },
             &f,
-        )
+        );
+        if self.rank == 0 {
+            // The store lives in this process: it stays up until every other
+            // rank has finished or failed (bounded), so that their waits
+            // never read its end as rank 0's death.
+            health.linger(
+                self.world,
+                0,
+                self.settings.opts.timeout + crate::health::SILENCE,
+            );
+        }
+        result
     }
 }
 
@@ -360,6 +371,9 @@ where
     // final synchronize (and as the simulator's end of thread).
     handle.end();
     let result = result.and_then(|()| handle.synchronize());
+    if result.is_ok() {
+        health.finished(rank);
+    }
     if let Err(e) = &result {
         health.fail(rank, &e.to_string());
         // The others' hang analyses need what this rank issued.

@@ -238,8 +238,15 @@ impl Shared {
     }
 
     /// The first failure of another rank than `me`, else the rank silent
-    /// longest past `silence_ms`.
+    /// longest past `silence_ms` (a rank that stored `done/RANK` finished
+    /// cleanly: its silence is no failure).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
+        let finished: Vec<Rank> = self
+            .values()
+            .map
+            .keys()
+            .filter_map(|k| k.strip_prefix("done/")?.parse().ok())
+            .collect();
         let h = self.health();
         if let Some((rank, why)) = h.failures.iter().find(|(r, _)| *r != me) {
             return Response::Failed {
@@ -252,7 +259,7 @@ impl Shared {
         let silent = h
             .beats
             .iter()
-            .filter(|(r, _)| **r != me)
+            .filter(|(r, _)| **r != me && !finished.contains(r))
             .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
             .filter(|(_, quiet)| *quiet > silence)
             .max_by_key(|(r, quiet)| (*quiet, std::cmp::Reverse(*r)));
