@@ -83,6 +83,30 @@ impl Reg {
         };
         Some(call.to_host_at(m.setup_mut(), origin))
     }
+
+    /// The live machine and `call` as its call, once the calling thread has
+    /// finished any handshake the model lets it finish. `None` when there
+    /// is no live machine any more, or when the model says the thread
+    /// cannot make this call now: then the live machine is dropped, and the
+    /// trace's replay reports the disagreement.
+    fn live_call(&mut self, call: &TraceCall) -> Option<(&mut Machine, duplex::machine::HostCall)> {
+        let hc = self.host_call(call)?;
+        let t = ThreadId(call.thread);
+        let enabled = {
+            let m = self.live.as_mut()?;
+            while m.next(t) == Next::Resume {
+                if m.resume(t).is_err() {
+                    break;
+                }
+            }
+            m.enabled(t, &hc)
+        };
+        if !enabled {
+            self.live = None;
+            return None;
+        }
+        Some((self.live.as_mut()?, hc))
+    }
 }
 
 /// A launch as a rank reports it to the registry.
@@ -242,37 +266,25 @@ impl Registry {
             place,
         };
         let mut r = self.lock();
-        let hc = r.host_call(&call);
-        if let (Some(m), Some(hc)) = (r.live.as_mut(), hc) {
+        if let Some((m, hc)) = r.live_call(&call) {
             let t = ThreadId(thread as u32);
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    break;
-                }
+            if let Err(e) = m.check_issue(t, &hc) {
+                let e: Error = e.into();
+                return Err(match e {
+                    Error::Program { kind, message, ops } => Error::Program {
+                        kind,
+                        message: format!(
+                            "{message}; duplex refused to launch it, since NCCL's behaviour is undefined"
+                        ),
+                        ops,
+                    },
+                    other => other,
+                });
             }
-            if m.enabled(t, &hc) {
-                if let Err(e) = m.check_issue(t, &hc) {
-                    let e: Error = e.into();
-                    return Err(match e {
-                        Error::Program { kind, message, ops } => Error::Program {
-                            kind,
-                            message: format!(
-                                "{message}; duplex refused to launch it, since NCCL's behaviour is undefined"
-                            ),
-                            ops,
-                        },
-                        other => other,
-                    });
-                }
-                for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
-                    meta.fifo = fifo;
-                }
-                let _ = m.apply(t, hc);
-            } else {
-                // The model says this thread could not make a call now: keep
-                // the trace, whose replay reports the disagreement.
-                r.live = None;
+            for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
+                meta.fifo = fifo;
             }
+            let _ = m.apply(t, hc);
         }
         r.trace.push(call);
         Ok(())
@@ -292,17 +304,12 @@ impl Registry {
             text: if record { "record" } else { "wait" }.into(),
             place: String::new(),
         };
-        let hc = r.host_call(&c);
-        if let (Some(m), Some(hc)) = (r.live.as_mut(), hc) {
-            let t = ThreadId(thread as u32);
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    break;
-                }
-            }
-            if !(m.enabled(t, &hc) && m.apply(t, hc).is_ok()) {
-                r.live = None;
-            }
+        let t = ThreadId(thread as u32);
+        let refused = r
+            .live_call(&c)
+            .is_some_and(|(m, hc)| m.apply(t, hc).is_err());
+        if refused {
+            r.live = None;
         }
         r.trace.push(c);
     }
