@@ -3,30 +3,12 @@
 //! every `ok` example with eager capacity or warm channels is checked for a
 //! latent hang.
 
-use std::path::PathBuf;
+mod common;
+use common::examples;
 
 use duplex::compile::compile;
 use duplex_sim::advice::{apply, latent, repairs};
 use duplex_sim::check::{self, Options, Verdict};
-
-fn examples() -> Vec<(String, String)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
-    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
-        .expect("examples/")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
-        .map(|p| {
-            let name = p
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            (name, std::fs::read_to_string(&p).expect("readable"))
-        })
-        .collect();
-    out.sort();
-    out
-}
 
 fn verdict(text: &str) -> Verdict {
     let p = duplex::schedule::parse(text).unwrap_or_else(|e| panic!("{e}\n{text}"));

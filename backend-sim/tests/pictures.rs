@@ -2,32 +2,14 @@
 //! output parses (with a real DOT parser), every edge joins declared nodes,
 //! and a deadlock's graph has one red edge per link of its cycle.
 
-use std::path::PathBuf;
+mod common;
+use common::examples;
 
 use dot_parser::{ast, canonical};
 use duplex::compile::compile;
 use duplex::{Model, Policy};
 use duplex_sim::check::{self, Options, Verdict};
 use duplex_sim::report::Report;
-
-fn examples() -> Vec<(String, String)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
-    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
-        .expect("examples/")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
-        .map(|p| {
-            let name = p
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            (name, std::fs::read_to_string(&p).expect("readable"))
-        })
-        .collect();
-    out.sort();
-    out
-}
 
 fn report(name: &str, text: &str) -> Report {
     let p = duplex::schedule::parse(text).expect("valid");

@@ -112,14 +112,7 @@ fn steps_of_different_ranks_commute_and_do_not_disable_each_other() {
 #[test]
 fn the_reduced_search_agrees_with_the_full_search() {
     for (name, c) in examples() {
-        let full = check::check(
-            &c,
-            &check::Options {
-                reduce: false,
-                ..Default::default()
-            },
-        );
-        let reduced = check::check(&c, &check::Options::default());
+        let (reduced, full) = reduced_and_full(&c);
         assert_eq!(kind(&full.verdict), kind(&reduced.verdict), "{name}");
         assert!(reduced.stats.states <= full.stats.states, "{name}");
     }
@@ -152,6 +145,18 @@ fn threads(n: usize, k: usize, shared: bool) -> Compiled {
     compile(&duplex::schedule::parse(&text).expect("valid"))
 }
 
+/// The reduced and the full search of `c`.
+fn reduced_and_full(c: &Compiled) -> (check::Outcome, check::Outcome) {
+    let full = check::Options {
+        reduce: false,
+        ..Default::default()
+    };
+    (
+        check::check(c, &check::Options::default()),
+        check::check(c, &full),
+    )
+}
+
 #[test]
 fn threads_with_independent_traffic_are_explored_in_one_order() {
     // Five threads per rank, each on its own communicator and stream: one
@@ -162,30 +167,14 @@ fn threads_with_independent_traffic_are_explored_in_one_order() {
     assert_eq!(reduced.stats.executions, 1, "{:?}", reduced.stats);
     // Three, against the full search: the same verdict, from one execution
     // against hundreds.
-    let c = threads(3, 1, false);
-    let reduced = check::check(&c, &check::Options::default());
-    let full = check::check(
-        &c,
-        &check::Options {
-            reduce: false,
-            ..Default::default()
-        },
-    );
+    let (reduced, full) = reduced_and_full(&threads(3, 1, false));
     assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
     assert_eq!(reduced.stats.executions, 1);
     assert!(full.stats.executions > 100, "{:?}", full.stats);
     // On one shared communicator the threads' order matters, and the
     // search still finds the interleavings that hang (R2 serializes the
     // groups of the two ranks in different orders).
-    let c = threads(3, 1, true);
-    let reduced = check::check(&c, &check::Options::default());
-    let full = check::check(
-        &c,
-        &check::Options {
-            reduce: false,
-            ..Default::default()
-        },
-    );
+    let (reduced, full) = reduced_and_full(&threads(3, 1, true));
     assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
     assert!(reduced.stats.executions > 1);
 }
