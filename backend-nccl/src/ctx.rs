@@ -241,13 +241,14 @@ pub(crate) struct RankCtx {
     /// The ops that may still run on the device (P6, P7).
     pub(crate) ops: Ledger<Arc<Issued>>,
     pub(crate) board: Arc<dyn Board>,
-    pub(crate) registry: Option<Arc<Registry>>,
+    /// What this rank (and, in a local run, every rank) issued: the trace
+    /// of the hang analysis and the live issue checks.
+    pub(crate) registry: Arc<Registry>,
     /// The job's failures: how this rank reports its own and learns of the
     /// others' ([`crate::health`]).
     pub(crate) health: Arc<dyn Health>,
     pub(crate) user_comms: AtomicUsize,
     pub(crate) next_logical: AtomicU32,
-    pub(crate) fifo: Mutex<HashMap<(u32, Rank, Rank), u32>>,
     /// Events of completed ops, for reuse.
     pub(crate) events: Mutex<Vec<Event>>,
     /// Set when the watchdog aborted this rank's communicators.
@@ -271,7 +272,7 @@ pub(crate) struct RankSetup {
     pub device: Arc<Device>,
     pub world: Comm,
     pub board: Arc<dyn Board>,
-    pub registry: Option<Arc<Registry>>,
+    pub registry: Arc<Registry>,
     pub health: Arc<dyn Health>,
 }
 
@@ -292,7 +293,7 @@ impl RankCtx {
             health,
         } = s;
         let mut streams = Vec::new();
-        let reg_stream = |name: &str| registry.as_ref().map(|r| r.stream(rank, name)).unwrap_or(0);
+        let reg_stream = |name: &str| registry.stream(rank, name);
         let new_stream = |name: &str, streams: &mut Vec<NcclStream>| -> Result<NcclStream> {
             let st = NcclStream(Arc::new(StreamInner {
                 raw: Stream::new()?,
@@ -303,9 +304,7 @@ impl RankCtx {
             streams.push(st.clone());
             Ok(st)
         };
-        if let Some(r) = &registry {
-            r.comm(0, "world", &world.members, opts.warm);
-        }
+        registry.comm(0, "world", &world.members, opts.warm);
         let default_stream = new_stream("default", &mut streams)?;
         let mut lanes = HashMap::new();
         let mut costs = Vec::new();
@@ -331,9 +330,7 @@ impl RankCtx {
                 opts.ctas,
                 connected,
             )?;
-            if let Some(r) = &registry {
-                r.comm(logical, &name, &members, connected);
-            }
+            registry.comm(logical, &name, &members, connected);
             logical += 1;
             let Some(comm) = comm else { continue };
             let stream = new_stream(&name, &mut streams)?;
@@ -386,7 +383,6 @@ impl RankCtx {
             health,
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
-            fifo: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
             fired: AtomicBool::new(false),
             costs,

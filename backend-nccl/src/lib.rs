@@ -14,10 +14,11 @@
 //! with a stream on each end, connected at creation in one group so that
 //! no connection handshake can hang (R6, R7). Every communicator is
 //! non-blocking and every wait has a deadline: a hang becomes
-//! [`duplex::Error::Hang`] listing every pending op and, in a local run,
-//! the wait-for cycle that the simulator's state machine finds in what the
-//! ranks issued ([`registry`]); the communicators involved are aborted, so
-//! the process stays usable.
+//! [`duplex::Error::Hang`] listing every pending op and the wait-for cycle
+//! that the model's state machine finds in what the ranks issued
+//! ([`registry`]; across processes the ranks exchange their traces,
+//! [`health`]); the communicators involved are aborted, so the process
+//! stays usable.
 //!
 //! Layers, as in `cudarc`: [`nccl::sys`] (raw ABI) → [`nccl`] (one checked
 //! function per call) and [`cuda`] → [`comm`], [`ctx`] and [`rank`] (owning

@@ -72,11 +72,7 @@ struct Req {
 
 impl NcclRank {
     pub(crate) fn new(ctx: Arc<RankCtx>, thread: &str) -> NcclRank {
-        let thread_id = ctx
-            .registry
-            .as_ref()
-            .map(|r| r.thread(ctx.rank, thread))
-            .unwrap_or(0);
+        let thread_id = ctx.registry.thread(ctx.rank, thread);
         NcclRank {
             ctx,
             thread: thread.into(),
@@ -154,9 +150,7 @@ impl NcclRank {
 
     /// Marks this thread's code as returned (for hang reports).
     pub(crate) fn end(&self) {
-        if let Some(reg) = &self.ctx.registry {
-            reg.ended(self.thread_id);
-        }
+        self.ctx.registry.ended(self.thread_id);
     }
 
     /// See [`RankCtx::teardown`].
@@ -271,42 +265,26 @@ impl NcclRank {
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
-        match &ctx.registry {
-            Some(reg) => {
-                let mut metas: Vec<OpMeta> = reqs.iter().map(|r| r.meta.clone()).collect();
-                let recs: Vec<OpRec> = reqs
-                    .iter()
-                    .map(|r| OpRec {
-                        dir: r.meta.dir,
-                        peer: r.meta.peer,
-                        bytes: (r.meta.count * r.meta.dtype.size()) as u64,
-                        dtype: r.meta.dtype,
-                        comm: r.meta.comm.logical,
-                        stream: r.stream.0.id,
-                    })
-                    .collect();
-                reg.launch(LaunchRec {
-                    thread: self.thread_id,
-                    ops: &recs,
-                    metas: &mut metas,
-                    grouped,
-                })?;
-                for (r, m) in reqs.iter_mut().zip(metas) {
-                    r.meta.fifo = m.fifo;
-                }
-            }
-            None => {
-                let mut f = lock(&ctx.fifo);
-                for r in reqs.iter_mut() {
-                    let key = match r.meta.dir {
-                        Dir::Send => (r.meta.comm.logical, ctx.rank, r.meta.peer),
-                        Dir::Recv => (r.meta.comm.logical, r.meta.peer, ctx.rank),
-                    };
-                    let n = f.entry(key).or_insert(0);
-                    r.meta.fifo = *n;
-                    *n += 1;
-                }
-            }
+        let mut metas: Vec<OpMeta> = reqs.iter().map(|r| r.meta.clone()).collect();
+        let recs: Vec<OpRec> = reqs
+            .iter()
+            .map(|r| OpRec {
+                dir: r.meta.dir,
+                peer: r.meta.peer,
+                bytes: (r.meta.count * r.meta.dtype.size()) as u64,
+                dtype: r.meta.dtype,
+                comm: r.meta.comm.logical,
+                stream: r.stream.0.id,
+            })
+            .collect();
+        ctx.registry.launch(LaunchRec {
+            thread: self.thread_id,
+            ops: &recs,
+            metas: &mut metas,
+            grouped,
+        })?;
+        for (r, m) in reqs.iter_mut().zip(metas) {
+            r.meta.fifo = m.fifo;
         }
         ctx.device.bind()?;
         // Hold every communicator the group names until its launch is over
@@ -421,9 +399,9 @@ impl NcclRank {
         blocked: Blocked,
         mut done: impl FnMut() -> Result<bool>,
     ) -> Result<()> {
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(self.thread_id, Some(blocked.clone()));
-        }
+        self.ctx
+            .registry
+            .blocked(self.thread_id, Some(blocked.clone()));
         let mut checks = 0u32;
         let result = poll(self.ctx.opts.timeout, || {
             if done()? {
@@ -450,9 +428,7 @@ impl NcclRank {
             Ok(false) => Err(self.hang(call, at, Some(blocked))),
             Err(e) => Err(e),
         };
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(self.thread_id, None);
-        }
+        self.ctx.registry.blocked(self.thread_id, None);
         result
     }
 
@@ -461,10 +437,8 @@ impl NcclRank {
     /// process-per-rank run), while its blocked call is still recorded.
     fn peer_failed(&self, call: &str, r: Rank, why: &str) -> Error {
         let ctx = &self.ctx;
-        if ctx.health.remote()
-            && let Some(reg) = &ctx.registry
-        {
-            ctx.health.publish(ctx.rank, &reg.trace());
+        if ctx.health.remote() {
+            ctx.health.publish(ctx.rank, &ctx.registry.trace());
         }
         Error::Aborted(format!(
             "rank {} thread {}: `{call}` ended because rank {r} failed: {why}",
@@ -503,8 +477,8 @@ impl NcclRank {
         let ctx = &self.ctx;
         let pending = ctx.pending();
         let mine: Vec<OpInfo> = pending.iter().map(|p| p.meta.info()).collect();
-        if let (Some(reg), Some(b)) = (&ctx.registry, &blocked) {
-            reg.blocked(self.thread_id, Some(b.clone()));
+        if let Some(b) = &blocked {
+            ctx.registry.blocked(self.thread_id, Some(b.clone()));
         }
         // Say so first, so that the other ranks' waits end and (across
         // processes) they publish what they issued for the analysis below.
@@ -515,21 +489,17 @@ impl NcclRank {
                 ctx.opts.timeout
             ),
         );
-        let analysis = ctx.registry.as_ref().map(|r| {
-            if ctx.health.remote() {
-                ctx.health.publish(ctx.rank, &r.trace());
-                let others = ctx.health.gather(ctx.world_size, ctx.rank, GATHER_WAIT);
-                r.analyze_with(others)
-            } else {
-                r.analyze()
-            }
-        });
-        let disagreements = analysis
-            .as_ref()
-            .map(|a| a.disagreements.clone())
-            .unwrap_or_default();
+        let r = &ctx.registry;
+        let analysis = if ctx.health.remote() {
+            ctx.health.publish(ctx.rank, &r.trace());
+            let others = ctx.health.gather(ctx.world_size, ctx.rank, GATHER_WAIT);
+            r.analyze_with(others)
+        } else {
+            r.analyze()
+        };
+        let disagreements = analysis.disagreements;
         let note;
-        let stuck = match analysis.and_then(|a| a.stuck) {
+        let stuck = match analysis.stuck {
             Some(mut s) => {
                 note = format!(
                     "the wait-for cycle is the model's ({}), replayed from what every rank issued",
@@ -680,12 +650,7 @@ impl Transport for NcclRank {
 
     fn stream(&self, name: &str) -> Result<NcclStream> {
         self.ctx.device.bind()?;
-        let id = self
-            .ctx
-            .registry
-            .as_ref()
-            .map(|r| r.stream(self.ctx.rank, name))
-            .unwrap_or(0);
+        let id = self.ctx.registry.stream(self.ctx.rank, name);
         let s = NcclStream(Arc::new(StreamInner {
             raw: Stream::new()?,
             name: name.into(),
@@ -701,9 +666,7 @@ impl Transport for NcclRank {
         let at = Location::caller();
         let sorted = check::members(at, name, members, self.ctx.world_size)?;
         let k = self.ctx.user_comms.fetch_add(1, Ordering::AcqRel);
-        if let Some(reg) = &self.ctx.registry
-            && let Err(m) = reg.user_comm(k, name, members)
-        {
+        if let Err(m) = self.ctx.registry.user_comm(k, name, members) {
             return check::invalid(at, m);
         }
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
@@ -722,9 +685,9 @@ impl Transport for NcclRank {
                 self.ctx.opts.warm,
             )?
         };
-        if let Some(reg) = &self.ctx.registry {
-            reg.comm(logical, name, &sorted, self.ctx.opts.warm);
-        }
+        self.ctx
+            .registry
+            .comm(logical, name, &sorted, self.ctx.opts.warm);
         if let Some(c) = &comm {
             lock(&self.ctx.comms).push(c.clone());
             if self.ctx.opts.warm {
@@ -830,12 +793,7 @@ impl Transport for NcclRank {
 
     fn event(&self) -> Result<NcclEvent> {
         self.ctx.device.bind()?;
-        let id = self
-            .ctx
-            .registry
-            .as_ref()
-            .map(|r| r.event(self.ctx.rank))
-            .unwrap_or(0);
+        let id = self.ctx.registry.event(self.ctx.rank);
         Ok(NcclEvent(Arc::new(EventInner {
             raw: Event::new(false)?,
             rank: self.ctx.rank,
@@ -854,9 +812,9 @@ impl Transport for NcclRank {
         }
         self.ctx.device.bind()?;
         event.0.raw.record(&stream.0.raw)?;
-        if let Some(reg) = &self.ctx.registry {
-            reg.event_call(self.thread_id, true, event.0.id, stream.0.id);
-        }
+        self.ctx
+            .registry
+            .event_call(self.thread_id, true, event.0.id, stream.0.id);
         Ok(())
     }
 
@@ -871,9 +829,9 @@ impl Transport for NcclRank {
         }
         self.ctx.device.bind()?;
         stream.0.raw.wait(&event.0.raw)?;
-        if let Some(reg) = &self.ctx.registry {
-            reg.event_call(self.thread_id, false, event.0.id, stream.0.id);
-        }
+        self.ctx
+            .registry
+            .event_call(self.thread_id, false, event.0.id, stream.0.id);
         Ok(())
     }
 
@@ -949,16 +907,14 @@ impl Transport for NcclRank {
         let at = Location::caller();
         let what = format!("await_notify({peer}, {tag})");
         check::peer(at, || what.clone(), peer, self.ctx.world_size)?;
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(
-                self.thread_id,
-                Some(Blocked::Await(
-                    peer,
-                    tag.to_string(),
-                    (what.clone(), check::place(at)),
-                )),
-            );
-        }
+        self.ctx.registry.blocked(
+            self.thread_id,
+            Some(Blocked::Await(
+                peer,
+                tag.to_string(),
+                (what.clone(), check::place(at)),
+            )),
+        );
         // In slices, so that another rank's failure ends the wait early.
         let deadline = std::time::Instant::now() + self.ctx.opts.timeout;
         let got = loop {
@@ -988,9 +944,7 @@ impl Transport for NcclRank {
             )),
             Err(e) => Err(e),
         };
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(self.thread_id, None);
-        }
+        self.ctx.registry.blocked(self.thread_id, None);
         result
     }
 
@@ -1029,15 +983,13 @@ impl Transport for NcclRank {
     fn join(&self, thread: NcclThread) -> Result<()> {
         let at = Location::caller();
         let what = format!("join({})", thread.name);
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(
-                self.thread_id,
-                Some(Blocked::Join(
-                    thread.registry_id,
-                    (what.clone(), check::place(at)),
-                )),
-            );
-        }
+        self.ctx.registry.blocked(
+            self.thread_id,
+            Some(Blocked::Join(
+                thread.registry_id,
+                (what.clone(), check::place(at)),
+            )),
+        );
         // The joined thread's own waits expire first; allow for them.
         let r = thread.result.recv_timeout(
             self.ctx.opts.timeout + self.ctx.opts.timeout / 2 + Duration::from_secs(1),
@@ -1056,9 +1008,7 @@ impl Transport for NcclRank {
                 )),
             )),
         };
-        if let Some(reg) = &self.ctx.registry {
-            reg.blocked(self.thread_id, None);
-        }
+        self.ctx.registry.blocked(self.thread_id, None);
         result
     }
 }

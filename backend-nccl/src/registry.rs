@@ -1,5 +1,7 @@
-//! What every rank of one process has issued, shared between them (local
-//! mode). The registry holds no rule of its own: it records each call in a
+//! What the ranks of one process have issued: every rank in a local run,
+//! shared between them; this process's rank in a process-per-rank run,
+//! whose hang analysis joins the other processes' traces
+//! ([`Registry::analyze_with`]). The registry holds no rule of its own: it records each call in a
 //! [`Trace`] and applies it to a live [`Machine`], whose issue check (R3
 //! sizes and types, R8 grouping) refuses a mismatch before NCCL sees it;
 //! when a deadline expires, [`Registry::analyze`] replays the trace through

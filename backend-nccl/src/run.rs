@@ -353,7 +353,7 @@ where
         device,
         world: world_comm,
         board,
-        registry: Some(registry.clone()),
+        registry: registry.clone(),
         health: health.clone(),
     })
     .map_err(failed)?;
