@@ -25,6 +25,7 @@
 //! A counterexample comes with its [`Schedule`] (`v1:…`), which
 //! [`replay_schedule`] and `duplex check --replay` follow back to it.
 
+use std::collections::{BTreeSet, VecDeque};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
@@ -163,6 +164,159 @@ pub fn step(c: &Compiled, m: &mut Machine, t: ThreadId) -> Result<(), ProgramErr
 /// The threads that can step in `m`, in id order.
 pub fn runnable(c: &Compiled, m: &Machine) -> Vec<ThreadId> {
     m.runnable(&Remaining(c))
+}
+
+/// Whether thread `t` can step in `m`: it can resume a call, or make its
+/// next call, which nothing holds back.
+fn can_step(c: &Compiled, m: &Machine, t: ThreadId) -> bool {
+    match m.next(t) {
+        Next::Resume => true,
+        Next::Call => c.call(t, m.calls(t)).is_some_and(|call| m.enabled(t, call)),
+        Next::Blocked | Next::Finished => false,
+    }
+}
+
+/// The runnable threads of a machine, kept up to date from the ranks each
+/// step touches ([`Machine::take_touched`]), so that a step costs the
+/// threads of the ranks it changed, not every thread.
+///
+/// The runnable threads that are their rank's only thread wait in a queue:
+/// each is a persistent set alone ([`reduce`]), so the search may take any
+/// of them; taking them in turn (a thread that steps goes to the back)
+/// keeps what is in flight small, where taking the lowest first would run
+/// each rank to its end before the next one starts.
+#[derive(Clone, Debug)]
+pub struct Runnable {
+    on: Vec<bool>,
+    /// Per thread: whether it is its rank's only thread.
+    alone: Vec<bool>,
+    /// Per thread: whether it is in `queue`.
+    queued: Vec<bool>,
+    /// Runnable threads that are alone on their rank, in turn; may hold
+    /// threads no longer runnable, skipped when they reach the front.
+    queue: VecDeque<ThreadId>,
+    /// How many threads that are alone on their rank can step.
+    solo: usize,
+    /// The other runnable threads.
+    rest: BTreeSet<ThreadId>,
+}
+
+impl Runnable {
+    /// The runnable threads of `m`, which starts keeping track of what
+    /// its steps touch.
+    pub fn new(c: &Compiled, m: &mut Machine) -> Runnable {
+        m.take_touched();
+        let setup = m.setup();
+        let n = setup.threads.len();
+        let alone = (0..n)
+            .map(|i| setup.threads_of(setup.threads[i].rank).nth(1).is_none())
+            .collect();
+        let mut r = Runnable {
+            on: vec![false; n],
+            alone,
+            queued: vec![false; n],
+            queue: VecDeque::new(),
+            solo: 0,
+            rest: BTreeSet::new(),
+        };
+        for i in 0..n {
+            r.set(ThreadId(i as u32), can_step(c, m, ThreadId(i as u32)));
+        }
+        r
+    }
+
+    fn set(&mut self, t: ThreadId, on: bool) {
+        let i = t.0 as usize;
+        let was = std::mem::replace(&mut self.on[i], on);
+        if self.alone[i] {
+            match (was, on) {
+                (false, true) => self.solo += 1,
+                (true, false) => self.solo -= 1,
+                _ => {}
+            }
+            if on && !self.queued[i] {
+                self.queued[i] = true;
+                self.queue.push_back(t);
+            }
+        } else if on && !was {
+            self.rest.insert(t);
+        } else if was && !on {
+            self.rest.remove(&t);
+        }
+    }
+
+    /// Brings the set up to date after steps of `m`.
+    pub fn update(&mut self, c: &Compiled, m: &mut Machine) {
+        for r in m.take_touched() {
+            for t in m.setup().threads_of(r) {
+                self.set(t, can_step(c, m, t));
+            }
+        }
+        #[cfg(debug_assertions)]
+        if self.on.len() <= 64 {
+            debug_assert_eq!(self.all(), runnable(c, m), "the runnable set is stale");
+        }
+    }
+
+    /// How many threads can step.
+    pub fn len(&self) -> usize {
+        self.solo + self.rest.len()
+    }
+
+    /// True when no thread can step.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether thread `t` can step.
+    pub fn contains(&self, t: ThreadId) -> bool {
+        self.on.get(t.0 as usize).copied().unwrap_or(false)
+    }
+
+    /// The threads that can step, in id order.
+    pub fn all(&self) -> Vec<ThreadId> {
+        (0..self.on.len())
+            .filter(|i| self.on[*i])
+            .map(|i| ThreadId(i as u32))
+            .collect()
+    }
+
+    /// Drops threads that cannot step from the front of the queue.
+    fn clean(&mut self) -> Option<ThreadId> {
+        while let Some(t) = self.queue.front().copied() {
+            if self.on[t.0 as usize] {
+                return Some(t);
+            }
+            self.queue.pop_front();
+            self.queued[t.0 as usize] = false;
+        }
+        None
+    }
+
+    /// A thread that can step: the next of the queue, else the lowest.
+    pub fn first(&mut self) -> Option<ThreadId> {
+        self.clean().or_else(|| self.rest.first().copied())
+    }
+
+    /// Takes the next runnable thread that is its rank's only thread off
+    /// the queue (it goes to the back once it has stepped, if it still can
+    /// step): its step is a persistent set alone (steps of other ranks
+    /// commute with it and none disables it; see [`reduce`]).
+    pub fn take_alone(&mut self) -> Option<ThreadId> {
+        let t = self.clean()?;
+        self.queue.pop_front();
+        self.queued[t.0 as usize] = false;
+        Some(t)
+    }
+
+    /// Takes thread `t` off the queue, if it is at its front (it goes to
+    /// the back once it has stepped).
+    fn took(&mut self, t: ThreadId) {
+        if self.queue.front() == Some(&t) {
+            self.queue.pop_front();
+            self.queued[t.0 as usize] = false;
+        }
+    }
 }
 
 /// The threads to explore from `m`: all runnable ones, or, with `reduce`,
@@ -344,14 +498,14 @@ pub fn replay_path(
     path: &[ThreadId],
 ) -> (Machine, Vec<Step>, Result<(), ProgramError>, Schedule) {
     let mut m = c.machine();
+    let mut run = Runnable::new(c, &mut m);
     let mut steps = Vec::new();
     let mut schedule = Schedule::default();
     for &t in path {
-        let enabled = runnable(c, &m);
-        if !enabled.contains(&t) {
+        if !run.contains(t) {
             continue;
         }
-        if enabled.len() > 1 {
+        if run.len() > 1 {
             schedule.0.push(t);
         }
         let info = &m.setup().threads[t.0 as usize];
@@ -364,6 +518,7 @@ pub fn replay_path(
         if let Err(e) = step(c, &mut m, t) {
             return (m, steps, Err(e), schedule);
         }
+        run.update(c, &mut m);
     }
     (m, steps, Ok(()), schedule)
 }
@@ -384,39 +539,23 @@ pub fn replay(c: &Compiled, path: &[ThreadId]) -> Replayed {
 /// schedule does not fit the program.
 pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, String> {
     let mut replayer = Replay::new(schedule.clone());
-    let mut path = Vec::new();
-    let mut m = c.machine();
-    loop {
-        let enabled = runnable(c, &m);
-        if enabled.is_empty() {
-            break;
-        }
-        if enabled.len() > 1 && replayer.left() == 0 {
-            return Err(format!(
-                "the schedule `{schedule}` ends after {} host steps, where {} threads can step: it is not a complete schedule of this program",
-                path.len(),
+    let path = follow(c, &mut replayer, |_, _| {}).map_err(|(steps, named, enabled)| {
+        if named.is_none() {
+            format!(
+                "the schedule `{schedule}` ends after {steps} host steps, where {} threads can step: it is not a complete schedule of this program",
                 enabled.len()
-            ));
+            )
+        } else {
+            format!(
+                "the schedule `{schedule}` does not fit this program: after {steps} host steps it names a thread that cannot step (threads that can: {})",
+                enabled
+                    .iter()
+                    .map(|t| t.0.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
         }
-        let t = match replayer.choose(&enabled, &enabled, 0) {
-            Choice::Take(t) => t,
-            Choice::Prune | Choice::Mismatch => {
-                return Err(format!(
-                    "the schedule `{schedule}` does not fit this program: after {} host steps it names a thread that cannot step (threads that can: {})",
-                    path.len(),
-                    enabled
-                        .iter()
-                        .map(|t| t.0.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ));
-            }
-        };
-        path.push(t);
-        if step(c, &mut m, t).is_err() {
-            break;
-        }
-    }
+    })?;
     if replayer.left() > 0 {
         return Err(format!(
             "the schedule `{schedule}` does not fit this program: {} choices are left when no thread can step",
@@ -427,32 +566,50 @@ pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, St
     Ok((m, steps, result))
 }
 
+/// Steps the program from its start as `replayer` says until no thread can
+/// step or a step fails, calling `each` before every step; returns the
+/// path. At a point where more than one thread can step and the replayer
+/// has no fitting choice, fails with the number of steps taken, the thread
+/// it named (if any) and the threads that could step.
+fn follow(
+    c: &Compiled,
+    replayer: &mut Replay,
+    mut each: impl FnMut(&Machine, ThreadId),
+) -> Result<Vec<ThreadId>, (usize, Option<ThreadId>, Vec<ThreadId>)> {
+    let mut path = Vec::new();
+    let mut m = c.machine();
+    let mut run = Runnable::new(c, &mut m);
+    while let Some(first) = run.first() {
+        let t = if run.len() == 1 {
+            run.took(first);
+            first
+        } else {
+            match replayer.take_next() {
+                Some(t) if run.contains(t) => t,
+                named => return Err((path.len(), named, run.all())),
+            }
+        };
+        each(&m, t);
+        path.push(t);
+        if step(c, &mut m, t).is_err() {
+            break;
+        }
+        run.update(c, &mut m);
+    }
+    Ok(path)
+}
+
 /// The calls an execution that follows `schedule` makes, as a
 /// [`duplex::trace::Trace`] (for its timeline, [`crate::perfetto`]).
 pub fn trace_of(c: &Compiled, schedule: &Schedule) -> Result<duplex::trace::Trace, String> {
     let mut replayer = Replay::new(schedule.clone());
-    let mut m = c.machine();
     let mut calls: Vec<(ThreadId, HostCall)> = Vec::new();
-    loop {
-        let enabled = runnable(c, &m);
-        if enabled.is_empty() {
-            break;
-        }
-        let t = match replayer.choose(&enabled, &enabled, 0) {
-            Choice::Take(t) => t,
-            Choice::Prune | Choice::Mismatch => {
-                return Err(format!(
-                    "the schedule `{schedule}` does not fit this program"
-                ));
-            }
-        };
+    follow(c, &mut replayer, |m, t| {
         if m.next(t) == Next::Call {
             calls.push((t, c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End)));
         }
-        if step(c, &mut m, t).is_err() {
-            break;
-        }
-    }
+    })
+    .map_err(|_| format!("the schedule `{schedule}` does not fit this program"))?;
     Ok(duplex::trace::Trace::from_calls(
         &c.setup,
         calls.iter().map(|(t, call)| (*t, call)),
@@ -487,10 +644,11 @@ pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<Verdict, Stri
     })
 }
 
-/// A snapshot at a decision point: the machine before it, and how long the
-/// path was.
+/// A snapshot at a decision point: the machine before it, its runnable
+/// threads, and how long the path was.
 struct Snapshot {
     machine: Machine,
+    run: Runnable,
     path: usize,
 }
 
@@ -508,6 +666,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
     let mut dfs = Dfs::default();
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut m = c.machine();
+    let mut run = Runnable::new(c, &mut m);
     let mut path: Vec<ThreadId> = Vec::new();
     let mut transitions = 0usize;
     let mut executions = 0usize;
@@ -524,13 +683,16 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
         executions += 1;
         // One execution, from the current machine and path.
         let verdict = loop {
-            let enabled = runnable(c, &m);
-            if enabled.is_empty() {
+            let Some(first) = run.first() else {
                 break judge(c, &m, &path);
-            }
-            let t = if enabled.len() == 1 {
-                enabled[0]
+            };
+            let t = if run.len() == 1 {
+                run.took(first);
+                first
+            } else if let Some(t) = options.reduce.then(|| run.take_alone()).flatten() {
+                t
             } else {
+                let enabled = run.all();
                 let options_ = if options.reduce {
                     reduce(&m, &enabled, &Remaining(c))
                 } else {
@@ -545,6 +707,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                             if depth == snapshots.len() {
                                 snapshots.push(Snapshot {
                                     machine: m.clone(),
+                                    run: run.clone(),
                                     path: path.len(),
                                 });
                             }
@@ -568,6 +731,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                     schedule,
                 });
             }
+            run.update(c, &mut m);
             depth = depth.max(dfs.depth());
             if dfs.states() >= options.max_states {
                 stopped = Some(Bound::States);
@@ -603,6 +767,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
         snapshots.truncate(d + 1);
         let snap = &snapshots[d];
         m = snap.machine.clone();
+        run = snap.run.clone();
         path.truncate(snap.path);
         dfs.rewind(d);
     }

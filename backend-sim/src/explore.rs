@@ -186,6 +186,12 @@ impl Replay {
     pub fn left(&self) -> usize {
         self.choices.len()
     }
+
+    /// Takes the next recorded choice (for a driver that has checked
+    /// itself that more than one thread can step).
+    pub fn take_next(&mut self) -> Option<ThreadId> {
+        self.choices.pop_front()
+    }
 }
 
 impl Scheduler for Replay {

@@ -1,32 +1,360 @@
 //! Device progress: runs every rank's streams to a fixpoint after each host
-//! step. Nothing here is a choice; the order of the passes only matters for
-//! kernel slots (R10), which go to ready launches in issue order.
+//! step. Nothing here is a choice.
+//!
+//! Progress is event-driven: a host step names what it touched (the streams
+//! it appended to, through [`Work`]), and each device step names what it
+//! may have unblocked: a stream whose head completed is looked at again,
+//! with the streams of its rank parked behind a rank-wide rule (R2, R9);
+//! an op that became active or completed has its channel looked at again;
+//! a launch whose ops all completed has its streams looked at again. So a
+//! step costs what it changes, not the number of streams, channels or
+//! launches.
+//!
+//! Without kernel slots every device step is monotone (what can start,
+//! match or complete stays so until it does), so the fixpoint does not
+//! depend on the order the work is taken in, and equal states have equal
+//! successors. Kernel slots (R10) go to ready launches in issue order,
+//! which a worklist cannot promise; with `kernels=` set, progress sweeps
+//! every rank in issue order instead ([`Machine::progress_sweep`]).
 
 use super::rules::{Front, free};
-use super::{Entry, LaunchRef, Machine, OpRef, OpStatus, StreamId, Wait};
+use super::{
+    ChannelKey, Entry, LaunchRef, Machine, OpRef, OpStatus, Rank, StreamId, Wait, channel_key,
+};
+
+/// What device progress still has to look at (empty between steps), the
+/// streams parked behind a rank-wide rule, and the ranks touched since
+/// [`Machine::take_touched`].
+#[derive(Clone, Debug, Default)]
+pub(super) struct Work {
+    /// Streams whose head may be able to move.
+    streams: Vec<StreamId>,
+    /// Channels whose front may be able to move.
+    channels: Vec<ChannelKey>,
+    /// Per rank: streams whose head was held back when last looked at; a
+    /// completion on the rank looks at them again (R2, R9).
+    parked: Vec<Vec<StreamId>>,
+    /// Per stream: whether it is in its rank's `parked`.
+    is_parked: Vec<bool>,
+    /// Ranks one of whose streams completed an entry during this progress
+    /// (their threads' waits are looked at again).
+    advanced: Vec<Rank>,
+    /// Per rank: whether it is in `advanced`.
+    is_advanced: Vec<bool>,
+    /// Ranks whose threads may have become able or unable to step since
+    /// the last [`Machine::take_touched`].
+    touched: Vec<Rank>,
+    /// Per rank: whether it is in `touched`.
+    is_touched: Vec<bool>,
+}
+
+impl Work {
+    /// Makes room for `ranks` ranks and `streams` streams.
+    pub(super) fn fit(&mut self, ranks: usize, streams: usize) {
+        self.parked.resize(ranks, Vec::new());
+        self.is_advanced.resize(ranks, false);
+        self.is_touched.resize(ranks, false);
+        self.is_parked.resize(streams, false);
+    }
+}
 
 impl Machine {
+    /// Notes that stream `s` has something new that may move.
+    pub(super) fn stream_changed(&mut self, s: StreamId) {
+        self.work.streams.push(s);
+    }
+
+    /// Notes that rank `r`'s threads may have become able or unable to step.
+    pub(super) fn touch(&mut self, r: Rank) {
+        let i = r as usize;
+        if i < self.work.is_touched.len() && !self.work.is_touched[i] {
+            self.work.is_touched[i] = true;
+            self.work.touched.push(r);
+        }
+    }
+
+    /// The ranks whose threads may have become able or unable to step (by
+    /// [`Machine::next`] and [`Machine::enabled`]) since the last call: the
+    /// rank of each thread that stepped, the ranks whose streams completed
+    /// entries, the peers of handshake rounds and the receivers of
+    /// `notify`. A driver that keeps the set of runnable threads looks at
+    /// the threads of these ranks only.
+    pub fn take_touched(&mut self) -> Vec<Rank> {
+        for r in &self.work.touched {
+            self.work.is_touched[*r as usize] = false;
+        }
+        std::mem::take(&mut self.work.touched)
+    }
+
     /// Applies every device step that can happen, until none can.
     pub(super) fn progress(&mut self) {
+        if self.setup.model.kernels.is_some() {
+            self.work.streams.clear();
+            self.work.channels.clear();
+            self.progress_sweep();
+            return;
+        }
         loop {
-            let mut changed = self.retire_markers();
-            changed |= self.start_launches();
-            changed |= self.activate_group_ops();
-            changed |= self.move_messages();
-            changed |= self.finish_launches();
-            if !changed {
+            if let Some(s) = self.work.streams.pop() {
+                self.settle_stream(s);
+            } else if let Some(key) = self.work.channels.pop() {
+                self.settle_channel(key);
+            } else {
                 break;
             }
         }
-        self.forget_satisfied_waits();
+        let advanced = std::mem::take(&mut self.work.advanced);
+        for r in &advanced {
+            self.work.is_advanced[*r as usize] = false;
+            self.forget_satisfied_waits(*r);
+            self.touch(*r);
+        }
+        self.work.advanced = advanced;
+        self.work.advanced.clear();
+        #[cfg(debug_assertions)]
+        self.check_fixpoint();
     }
 
-    /// Drops stream targets that have been reached, so that equal futures
-    /// have equal states (whether a stream had drained when a `sync` was
-    /// called or drained since does not matter once it has).
-    fn forget_satisfied_waits(&mut self) {
+    /// In debug builds, on small machines: the sweep finds nothing left to
+    /// do after event-driven progress (a missed wake-up would be a wrong
+    /// verdict).
+    #[cfg(debug_assertions)]
+    fn check_fixpoint(&self) {
+        if self.state.streams.len() + self.state.channels.len() > 64 {
+            return;
+        }
+        let mut swept = self.clone();
+        swept.deliveries = None;
+        swept.progress_sweep();
+        debug_assert!(
+            swept.state == self.state,
+            "event-driven device progress stopped short of the fixpoint"
+        );
+    }
+
+    /// Notes that an entry of stream `s` of `rank` completed.
+    fn advance(&mut self, s: StreamId, rank: Rank) {
+        let stream = &mut self.state.streams[s.ix()];
+        stream.queue.pop_front();
+        stream.base += 1;
+        let r = rank as usize;
+        if !self.work.is_advanced[r] {
+            self.work.is_advanced[r] = true;
+            self.work.advanced.push(rank);
+        }
+        for p in std::mem::take(&mut self.work.parked[r]) {
+            self.work.is_parked[p.ix()] = false;
+            self.work.streams.push(p);
+        }
+    }
+
+    fn park(&mut self, s: StreamId, rank: Rank) {
+        if !self.work.is_parked[s.ix()] {
+            self.work.is_parked[s.ix()] = true;
+            self.work.parked[rank as usize].push(s);
+        }
+    }
+
+    /// Moves the head of stream `s` as far as it goes: markers retire (R1,
+    /// R9), the head launch starts (R1, R2) and, once all its ops have
+    /// completed, finishes.
+    fn settle_stream(&mut self, s: StreamId) {
+        let rank = self.setup.streams[s.ix()].rank;
+        loop {
+            match self.state.streams[s.ix()].queue.front().copied() {
+                None => return,
+                Some(Entry::Record | Entry::WaitEvent(..)) => {
+                    if !free(|f| self.marker_blockers(s, f)) {
+                        self.park(s, rank);
+                        return;
+                    }
+                    self.advance(s, rank);
+                }
+                Some(Entry::Launch(lref)) => {
+                    if !self.state.launches[&lref].started {
+                        if !free(|f| self.launch_blockers(lref, f)) {
+                            self.park(s, rank);
+                            return;
+                        }
+                        self.start(lref);
+                    }
+                    let launch = &self.state.launches[&lref];
+                    if !launch.ops.iter().all(|o| o.status == OpStatus::Done) {
+                        return;
+                    }
+                    self.finish(lref);
+                }
+            }
+        }
+    }
+
+    /// Starts a launch: it takes a kernel slot, and its ops that nothing of
+    /// their own launch holds back become active.
+    fn start(&mut self, lref: LaunchRef) {
+        let launch = self
+            .state
+            .launches
+            .get_mut(&lref)
+            .expect("head launch is live");
+        launch.started = true;
+        let rank = launch.rank;
+        self.state.ranks[rank as usize].running += 1;
+        self.activate(lref);
+    }
+
+    /// In a started launch, an op becomes active once nothing of its own
+    /// launch holds it back ([`Machine::behind_in_group`], R8); its channel
+    /// is looked at again.
+    fn activate(&mut self, lref: LaunchRef) {
+        let rank = self.state.launches[&lref].rank;
+        for i in 0..self.state.launches[&lref].ops.len() {
+            let op = &self.state.launches[&lref].ops[i];
+            if op.status != OpStatus::Waiting || self.behind_in_group(lref, i) {
+                continue;
+            }
+            let key = channel_key(rank, &op.spec);
+            self.set_status(
+                OpRef {
+                    launch: lref,
+                    index: i as u16,
+                },
+                OpStatus::Active,
+            );
+            self.work.channels.push(key);
+        }
+    }
+
+    /// An op completed: later ops of its launch may become active (R8),
+    /// and a launch whose ops have all completed is looked at again.
+    fn complete_op(&mut self, op: OpRef) {
+        self.set_status(op, OpStatus::Done);
+        let launch = &self.state.launches[&op.launch];
+        if launch.ops.iter().all(|o| o.status == OpStatus::Done) {
+            let s = launch.streams[0];
+            self.work.streams.push(s);
+        } else if launch.ops.iter().any(|o| o.status == OpStatus::Waiting) {
+            self.activate(op.launch);
+        }
+    }
+
+    /// Moves messages through channel `key` as far as they go: the front
+    /// pair completes once both sides have started (R3, R4), and sends
+    /// complete into a connected channel's buffer while it has room (R5,
+    /// R6).
+    fn settle_channel(&mut self, key: ChannelKey) {
+        let eager = self.setup.model.eager.bytes();
+        let warm = self.setup.comms[key.0.ix()].warm;
+        loop {
+            let mut changed = false;
+            while let Some(Front::Ready(send, recv)) = self.front(key) {
+                let ch = self.state.channels.get_mut(&key).expect("channel exists");
+                ch.sends.pop_front();
+                ch.recvs.pop_front();
+                ch.delivered += 1;
+                self.complete_op(recv.op);
+                if !send.buffered {
+                    self.complete_op(send.op);
+                }
+                if let Some(d) = self.deliveries.as_mut() {
+                    d.push(super::Delivery::Delivered {
+                        send: send.op,
+                        recv: recv.op,
+                    });
+                }
+                changed = true;
+            }
+            let Some(ch) = self.state.channels.get(&key) else {
+                return;
+            };
+            if ch.sends.is_empty() && ch.recvs.is_empty() {
+                if ch.delivered == 0 {
+                    // Kept only for what it remembers: having delivered a
+                    // message (R6).
+                    self.state.channels.remove(&key);
+                }
+                return;
+            }
+            // R6: the first message of a cold channel is a rendezvous.
+            if eager > 0 && (warm || ch.delivered > 0) {
+                let mut inflight: u64 = 0;
+                let mut buffer = Vec::new();
+                for (i, slot) in ch.sends.iter().enumerate() {
+                    if slot.buffered {
+                        inflight += slot.bytes;
+                        continue;
+                    }
+                    if self.state.launches[&slot.op.launch].ops[slot.op.index as usize].status
+                        == OpStatus::Active
+                        && inflight.saturating_add(slot.bytes) <= eager
+                    {
+                        inflight += slot.bytes;
+                        buffer.push((i, slot.op));
+                        continue;
+                    }
+                    break; // sends leave in FIFO order
+                }
+                for (i, op) in buffer {
+                    let ch = self.state.channels.get_mut(&key).expect("channel exists");
+                    ch.sends[i].buffered = true;
+                    self.complete_op(op);
+                    if let Some(d) = self.deliveries.as_mut() {
+                        d.push(super::Delivery::Buffered { send: op });
+                    }
+                    changed = true;
+                }
+            }
+            if !changed {
+                return;
+            }
+        }
+    }
+
+    fn set_status(&mut self, op: OpRef, status: OpStatus) {
+        if let Some(l) = self.state.launches.get_mut(&op.launch) {
+            l.ops[op.index as usize].status = status;
+        }
+    }
+
+    /// A launch completes when all its ops have; it frees its streams and its
+    /// kernel slot.
+    fn finish(&mut self, lref: LaunchRef) {
+        let Some(launch) = self.state.launches.remove(&lref) else {
+            return;
+        };
+        let comm = launch.comm();
+        let rank = &mut self.state.ranks[launch.rank as usize];
+        // Launches on one communicator complete in issue order (R2): the
+        // one to drop is at the front (anywhere with `comm-order=off`).
+        if let Some(q) = rank.on_comm.get_mut(&comm) {
+            if let Some(pos) = q.iter().position(|p| *p == lref) {
+                q.remove(pos);
+            }
+            if q.is_empty() {
+                rank.on_comm.remove(&comm);
+            }
+        }
+        if let Some(pos) = rank.pending.iter().position(|p| *p == lref) {
+            rank.pending.remove(pos);
+        }
+        rank.running -= 1;
+        for s in launch.streams {
+            debug_assert_eq!(
+                self.state.streams[s.ix()].queue.front(),
+                Some(&Entry::Launch(lref))
+            );
+            self.advance(s, launch.rank);
+            self.work.streams.push(s);
+        }
+    }
+
+    /// Drops rank `r`'s threads' stream targets that have been reached, so
+    /// that equal futures have equal states (whether a stream had drained
+    /// when a `sync` was called or drained since does not matter once it
+    /// has).
+    pub(super) fn forget_satisfied_waits(&mut self, r: Rank) {
         let streams = &self.state.streams;
-        for th in &mut self.state.threads {
+        for t in self.setup.threads_of(r) {
+            let th = &mut self.state.threads[t.ix()];
             if let Wait::Streams { targets, .. } = &mut th.wait {
                 targets.retain(|(s, n)| streams[s.ix()].base < *n);
                 if targets.is_empty() {
@@ -36,24 +364,72 @@ impl Machine {
         }
     }
 
+    /// Progress by sweeps over every stream, launch and channel until none
+    /// moves: the order kernel slots need (R10: ready launches take them in
+    /// issue order per rank), and the reference the event-driven progress
+    /// is checked against in debug builds.
+    pub(super) fn progress_sweep(&mut self) {
+        loop {
+            let mut changed = self.sweep_markers();
+            changed |= self.sweep_starts();
+            let started: Vec<LaunchRef> = self
+                .head_launches()
+                .into_iter()
+                .filter(|l| self.state.launches[l].started)
+                .collect();
+            for l in started {
+                self.activate(l);
+            }
+            let keys: Vec<ChannelKey> = self.state.channels.keys().copied().collect();
+            for key in keys {
+                self.settle_channel(key);
+            }
+            let done: Vec<LaunchRef> = self
+                .head_launches()
+                .into_iter()
+                .filter(|r| {
+                    let l = &self.state.launches[r];
+                    l.started && l.ops.iter().all(|o| o.status == OpStatus::Done)
+                })
+                .collect();
+            changed |= !done.is_empty();
+            for l in done {
+                self.finish(l);
+            }
+            self.work.streams.clear();
+            self.work.channels.clear();
+            if !changed {
+                break;
+            }
+        }
+        for r in 0..self.setup.ranks {
+            self.forget_satisfied_waits(r);
+            self.touch(r);
+        }
+        for (r, parked) in self.work.parked.iter_mut().enumerate() {
+            let _ = r;
+            for s in parked.drain(..) {
+                self.work.is_parked[s.ix()] = false;
+            }
+        }
+        for r in std::mem::take(&mut self.work.advanced) {
+            self.work.is_advanced[r as usize] = false;
+        }
+    }
+
     /// `record` completes when it reaches the head of its stream (R1);
     /// `wait` completes once the recorded entry has completed (R9).
-    fn retire_markers(&mut self) -> bool {
+    fn sweep_markers(&mut self) -> bool {
         let mut changed = false;
         for i in 0..self.state.streams.len() {
-            loop {
-                let done = match self.state.streams[i].queue.front() {
-                    Some(Entry::Record | Entry::WaitEvent(..)) => {
-                        free(|f| self.marker_blockers(StreamId(i as u32), f))
-                    }
-                    Some(Entry::Launch(_)) | None => false,
-                };
-                if !done {
-                    break;
-                }
-                let s = &mut self.state.streams[i];
-                s.queue.pop_front();
-                s.base += 1;
+            let s = StreamId(i as u32);
+            let rank = self.setup.streams[i].rank;
+            while matches!(
+                self.state.streams[i].queue.front(),
+                Some(Entry::Record | Entry::WaitEvent(..))
+            ) && free(|f| self.marker_blockers(s, f))
+            {
+                self.advance(s, rank);
                 changed = true;
             }
         }
@@ -63,7 +439,7 @@ impl Machine {
     /// The launches at the head of some stream, in `LaunchRef` order. Only
     /// these can start (R1), and every started launch is among them: it
     /// started at the head of all its streams and stays there until it
-    /// completes. So a pass costs the number of streams, not of launches.
+    /// completes.
     fn head_launches(&self) -> Vec<LaunchRef> {
         let mut heads: Vec<LaunchRef> = self
             .state
@@ -81,180 +457,29 @@ impl Machine {
 
     /// Starts every launch that nothing holds back
     /// ([`Machine::launch_blockers`]: R1, R2, R10), in issue order per rank.
-    fn start_launches(&mut self) -> bool {
+    fn sweep_starts(&mut self) -> bool {
+        let mut changed = false;
         if self.setup.model.kernels.is_none() {
-            // Without kernel slots, starting one launch never holds back
-            // another, so the order does not matter: only stream heads can
-            // start.
-            let mut changed = false;
+            // Only heads can start, and starting one holds back no other.
             for lref in self.head_launches() {
-                let launch = &self.state.launches[&lref];
-                if launch.started || !free(|f| self.launch_blockers(lref, f)) {
+                if self.state.launches[&lref].started || !free(|f| self.launch_blockers(lref, f)) {
                     continue;
                 }
-                let rank = launch.rank as usize;
-                self.state.ranks[rank].running += 1;
-                if let Some(l) = self.state.launches.get_mut(&lref) {
-                    l.started = true;
-                }
+                self.start(lref);
                 changed = true;
             }
             return changed;
         }
-        let mut changed = false;
         for r in 0..self.state.ranks.len() {
             let pending = self.state.ranks[r].pending.clone();
             for lref in pending {
                 if self.state.launches[&lref].started || !free(|f| self.launch_blockers(lref, f)) {
                     continue;
                 }
-                self.state.ranks[r].running += 1;
-                let launch = self
-                    .state
-                    .launches
-                    .get_mut(&lref)
-                    .expect("pending launch is live");
-                launch.started = true;
+                self.start(lref);
                 changed = true;
             }
         }
         changed
-    }
-
-    /// In a started launch, an op becomes active once nothing of its own
-    /// launch holds it back ([`Machine::behind_in_group`], R8).
-    fn activate_group_ops(&mut self) -> bool {
-        let mut changed = false;
-        let started: Vec<LaunchRef> = self
-            .head_launches()
-            .into_iter()
-            .filter(|r| {
-                let l = &self.state.launches[r];
-                l.started && l.ops.iter().any(|o| o.status == OpStatus::Waiting)
-            })
-            .collect();
-        for lref in started {
-            for i in 0..self.state.launches[&lref].ops.len() {
-                if self.state.launches[&lref].ops[i].status == OpStatus::Waiting
-                    && !self.behind_in_group(lref, i)
-                {
-                    self.set_status(
-                        OpRef {
-                            launch: lref,
-                            index: i as u16,
-                        },
-                        OpStatus::Active,
-                    );
-                    changed = true;
-                }
-            }
-        }
-        changed
-    }
-
-    /// Moves messages through channels: the front pair completes once both
-    /// sides have started (R3, R4), and sends complete into a connected
-    /// channel's buffer while it has room (R5, R6).
-    fn move_messages(&mut self) -> bool {
-        let mut changed = false;
-        let eager = self.setup.model.eager.bytes();
-        let keys: Vec<_> = self.state.channels.keys().copied().collect();
-        for key in keys {
-            let warm = self.setup.comms[key.0.ix()].warm;
-            while let Some(Front::Ready(send, recv)) = self.front(key) {
-                self.set_status(recv.op, OpStatus::Done);
-                if !send.buffered {
-                    self.set_status(send.op, OpStatus::Done);
-                }
-                if let Some(d) = self.deliveries.as_mut() {
-                    d.push(super::Delivery::Delivered {
-                        send: send.op,
-                        recv: recv.op,
-                    });
-                }
-                let ch = self.state.channels.get_mut(&key).expect("channel exists");
-                ch.sends.pop_front();
-                ch.recvs.pop_front();
-                ch.delivered += 1;
-                changed = true;
-            }
-            if eager == 0 {
-                continue;
-            }
-            let ch = &self.state.channels[&key];
-            if !(warm || ch.delivered > 0) {
-                continue; // R6: the first message of a cold channel is a rendezvous
-            }
-            let mut inflight: u64 = 0;
-            let mut buffer = Vec::new();
-            for (i, slot) in ch.sends.iter().enumerate() {
-                if slot.buffered {
-                    inflight += slot.bytes;
-                    continue;
-                }
-                if self.state.launches[&slot.op.launch].ops[slot.op.index as usize].status
-                    == OpStatus::Active
-                    && inflight.saturating_add(slot.bytes) <= eager
-                {
-                    inflight += slot.bytes;
-                    buffer.push((i, slot.op));
-                    continue;
-                }
-                break; // sends leave in FIFO order
-            }
-            for (i, op) in buffer {
-                self.set_status(op, OpStatus::Done);
-                if let Some(d) = self.deliveries.as_mut() {
-                    d.push(super::Delivery::Buffered { send: op });
-                }
-                let ch = self.state.channels.get_mut(&key).expect("channel exists");
-                ch.sends[i].buffered = true;
-                changed = true;
-            }
-        }
-        self.state.channels.retain(|_, ch| {
-            // An empty channel is kept only for what it remembers: having
-            // delivered a message (R6) matters only when it is cold.
-            !(ch.sends.is_empty() && ch.recvs.is_empty() && ch.delivered == 0)
-        });
-        changed
-    }
-
-    fn set_status(&mut self, op: OpRef, status: OpStatus) {
-        if let Some(l) = self.state.launches.get_mut(&op.launch) {
-            l.ops[op.index as usize].status = status;
-        }
-    }
-
-    /// A launch completes when all its ops have; it frees its streams and its
-    /// kernel slot.
-    fn finish_launches(&mut self) -> bool {
-        let done: Vec<LaunchRef> = self
-            .head_launches()
-            .into_iter()
-            .filter(|r| {
-                let l = &self.state.launches[r];
-                l.started && l.ops.iter().all(|o| o.status == OpStatus::Done)
-            })
-            .collect();
-        for lref in &done {
-            let Some(launch) = self.state.launches.remove(lref) else {
-                continue;
-            };
-            let rank = &mut self.state.ranks[launch.rank as usize];
-            // Launches mostly complete in issue order: the one to drop is
-            // usually at the front.
-            if let Some(pos) = rank.pending.iter().position(|p| p == lref) {
-                rank.pending.remove(pos);
-            }
-            rank.running -= 1;
-            for s in launch.streams {
-                let stream = &mut self.state.streams[s.ix()];
-                debug_assert_eq!(stream.queue.front(), Some(&Entry::Launch(*lref)));
-                stream.queue.pop_front();
-                stream.base += 1;
-            }
-        }
-        !done.is_empty()
     }
 }

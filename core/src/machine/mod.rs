@@ -587,10 +587,19 @@ struct Op {
 struct Launch {
     rank: Rank,
     streams: Vec<StreamId>,
+    /// At least one; all on one communicator.
     ops: Vec<Op>,
     started: bool,
     grouped: bool,
     origin: Origin,
+}
+
+impl Launch {
+    /// The communicator of a launch ([`Machine::op_refs`] gives each
+    /// communicator of a group a launch of its own).
+    fn comm(&self) -> CommId {
+        self.ops[0].spec.comm
+    }
 }
 
 /// A channel: (communicator, source rank, destination rank).
@@ -621,8 +630,14 @@ struct Channel {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 struct RankState {
-    /// NCCL launches issued and not completed, in issue order (R2, R10).
+    /// NCCL launches issued and not completed, in issue order: kept only
+    /// under a kernel-slot bound (R10), which hands slots out in that
+    /// order; without one, the order across communicators is not part of
+    /// the state.
     pending: VecDeque<LaunchRef>,
+    /// Per communicator, the launches on it issued and not completed, in
+    /// issue order (R2); no empty queues.
+    on_comm: BTreeMap<CommId, VecDeque<LaunchRef>>,
     /// Launches holding a kernel slot (R10).
     running: u32,
 }
@@ -675,6 +690,10 @@ pub struct Machine {
     /// Message movements since the last [`Machine::take_deliveries`], when
     /// recording is on (not part of the state).
     deliveries: Option<Vec<Delivery>>,
+    /// What device progress still has to look at, and which ranks a step
+    /// touched (not part of the state: empty between steps, except for
+    /// the parked streams and the touched ranks, which are caches).
+    work: device::Work,
 }
 
 impl Machine {
@@ -695,6 +714,7 @@ impl Machine {
             setup,
             state,
             deliveries: None,
+            work: device::Work::default(),
         };
         m.sync_setup();
         m
@@ -775,6 +795,7 @@ impl Machine {
             .streams
             .resize(s.streams.len(), StreamState::default());
         self.state.events.resize(s.events.len(), None);
+        self.work.fit(s.ranks as usize, s.streams.len());
     }
 
     /// The state, for hashing and comparison.
@@ -890,6 +911,7 @@ impl Machine {
         debug_assert!(self.enabled(t, &call));
         self.check_issue(t, &call)?;
         let rank = self.rank_of(t);
+        self.touch(rank);
         let th = &mut self.state.threads[t.ix()];
         let seq = th.calls;
         th.calls += 1;
@@ -899,6 +921,9 @@ impl Machine {
                 if pairs.is_empty() {
                     self.enqueue(t, seq, spec);
                 } else {
+                    for (_, peer, _) in &pairs {
+                        self.touch(*peer);
+                    }
                     let th = &mut self.state.threads[t.ix()];
                     th.phase = Phase::Connecting { spec, seq };
                     th.wait = Wait::Connect { pairs };
@@ -909,6 +934,7 @@ impl Machine {
                 let index = s.issued();
                 s.queue.push_back(Entry::Record);
                 self.state.events[event.ix()] = Some((stream, index));
+                self.stream_changed(stream);
             }
             HostCall::Wait {
                 event,
@@ -919,6 +945,7 @@ impl Machine {
                 self.state.streams[stream.ix()]
                     .queue
                     .push_back(Entry::WaitEvent(target, origin));
+                self.stream_changed(stream);
             }
             HostCall::Sync { stream, origin } => {
                 let targets = self.drain_targets(rank, stream);
@@ -926,9 +953,11 @@ impl Machine {
                     targets,
                     origin: Some(origin),
                 };
+                self.forget_satisfied_waits(rank);
             }
             HostCall::Notify { to, tag, .. } => {
                 *self.state.mail.entry((rank, to, tag)).or_insert(0) += 1;
+                self.touch(to);
             }
             HostCall::Await { from, tag, .. } => {
                 let key = (from, rank, tag);
@@ -948,6 +977,7 @@ impl Machine {
                     targets,
                     origin: None,
                 };
+                self.forget_satisfied_waits(rank);
             }
         }
         self.progress();
@@ -969,6 +999,7 @@ impl Machine {
             return Ok(());
         };
         let rank = self.rank_of(t);
+        self.touch(rank);
         self.connect_sides(rank, &spec);
         self.enqueue(t, seq, spec);
         self.progress();
@@ -1292,8 +1323,14 @@ impl Machine {
                 self.state.streams[s.ix()]
                     .queue
                     .push_back(Entry::Launch(lref));
+                self.stream_changed(*s);
             }
-            self.state.ranks[rank as usize].pending.push_back(lref);
+            let comm = ops[0].spec.comm;
+            let r = &mut self.state.ranks[rank as usize];
+            if self.setup.model.kernels.is_some() {
+                r.pending.push_back(lref);
+            }
+            r.on_comm.entry(comm).or_default().push_back(lref);
             self.state.launches.insert(
                 lref,
                 Launch {

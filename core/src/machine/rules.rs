@@ -159,11 +159,16 @@ impl Machine {
         }
         let rank = &self.state.ranks[launch.rank as usize];
         if self.setup.model.comm_order {
-            let earlier = rank.pending.iter().take_while(|p| **p != lref).copied();
-            if let Some((earlier, comm)) = self.earlier_on_same_comm(earlier, lref) {
+            // A launch is on one communicator (a group is launched once per
+            // communicator, `Machine::op_refs`); the rank's launches on it
+            // are queued in issue order.
+            let comm = launch.comm();
+            if let Some(earlier) = rank.on_comm.get(&comm).and_then(|q| q.front())
+                && *earlier != lref
+            {
                 f(Blocker {
                     rule: Rule::R2,
-                    holder: Holder::Launch(earlier),
+                    holder: Holder::Launch(*earlier),
                     why: Why::EarlierOnComm(comm),
                 })?;
             }
@@ -184,26 +189,6 @@ impl Machine {
             }
         }
         ControlFlow::Continue(())
-    }
-
-    /// The first launch in `earlier` that shares a communicator with `lref`,
-    /// and that communicator (R2).
-    fn earlier_on_same_comm(
-        &self,
-        mut earlier: impl Iterator<Item = LaunchRef>,
-        lref: LaunchRef,
-    ) -> Option<(LaunchRef, CommId)> {
-        let launch = &self.state.launches[&lref];
-        earlier.find_map(|e| {
-            let other = &self.state.launches[&e];
-            other.ops.iter().find_map(|o| {
-                launch
-                    .ops
-                    .iter()
-                    .any(|p| p.spec.comm == o.spec.comm)
-                    .then_some((e, o.spec.comm))
-            })
-        })
     }
 
     /// R8: in a started launch, op `i` waits for the earlier ops of its
