@@ -197,11 +197,94 @@ impl fmt::Display for Failure {
 
 impl std::error::Error for Failure {}
 
-/// The lanes of a policy: (rank, peer, direction) → comm, stream, name.
-#[derive(Debug, Default)]
+/// The lanes of a policy: (rank, peer, direction) → comm and stream, by
+/// arithmetic. Every lane has its ids reserved up front, so that they are
+/// the same in every interleaving (the explorer compares states that name
+/// them), but a lane's communicator and streams get their names and
+/// members only when a rank first uses it ([`Lanes::open`]): a world of N
+/// ranks reserves N² communicators and 2N² streams, so that must cost no
+/// allocation per lane.
+#[derive(Debug)]
 pub(crate) struct Lanes {
-    map: HashMap<(Rank, Rank, Dir), (CommId, StreamId, String)>,
+    ranks: u32,
+    policy: Policy,
     defaults: Vec<StreamId>,
+    /// The first lane communicator (`1 + lo·N + hi`, or `1 + src·N + dst`).
+    comm_base: u32,
+    /// The first lane stream (`base + rank·2N + k`).
+    stream_base: u32,
+}
+
+impl Lanes {
+    /// Reserves the lanes of `policy` among the ranks of `s`, whose
+    /// communicators and streams so far are the world and the defaults.
+    fn reserve(s: &mut Setup, policy: Policy, warm: bool, defaults: Vec<StreamId>) -> Lanes {
+        let n = s.ranks;
+        let lanes = Lanes {
+            ranks: n,
+            policy,
+            defaults,
+            comm_base: s.comms.len() as u32,
+            stream_base: s.streams.len() as u32,
+        };
+        for _ in 0..n as usize * n as usize {
+            s.add_comm(String::new(), Vec::new(), warm);
+        }
+        for r in 0..n {
+            for _ in 0..2 * n {
+                s.add_stream(r, String::new());
+            }
+        }
+        lanes
+    }
+
+    /// The communicator and stream of `rank`'s lane toward `peer` in
+    /// direction `dir`; `None` when `peer` does not exist.
+    fn get(&self, rank: Rank, peer: Rank, dir: Dir) -> Option<(CommId, StreamId)> {
+        let n = self.ranks;
+        if rank >= n || peer >= n {
+            return None;
+        }
+        let (comm, k) = match self.policy {
+            Policy::Shared => {
+                let (lo, hi) = (rank.min(peer), rank.max(peer));
+                (lo * n + hi, peer)
+            }
+            Policy::PerDirection => match dir {
+                Dir::Send => (rank * n + peer, peer),
+                // A rank's lane to itself is one stream both ways.
+                Dir::Recv if peer == rank => (peer * n + rank, peer),
+                Dir::Recv => (peer * n + rank, n + peer),
+            },
+        };
+        Some((
+            CommId(self.comm_base + comm),
+            StreamId(self.stream_base + rank * 2 * n + k),
+        ))
+    }
+
+    /// [`Lanes::get`], naming the lane's communicator and stream in
+    /// `setup` the first time; returns them and the lane's name.
+    fn open(
+        &self,
+        setup: &mut Setup,
+        rank: Rank,
+        peer: Rank,
+        dir: Dir,
+    ) -> Option<(CommId, StreamId, String)> {
+        let (comm, stream) = self.get(rank, peer, dir)?;
+        let (name, members, stream_name) = duplex::compile::lane(self.policy, rank, dir, peer);
+        let c = &mut setup.comms[comm.0 as usize];
+        if c.name.is_empty() {
+            c.name = name.clone();
+            c.members = members;
+        }
+        let s = &mut setup.streams[stream.0 as usize];
+        if s.name.is_empty() {
+            s.name = stream_name;
+        }
+        Some((comm, stream, name))
+    }
 }
 
 impl Sim {
@@ -383,9 +466,10 @@ impl Sim {
         }
     }
 
-    /// The setup every execution starts from: the world communicator, the
-    /// policy's lanes (created up front, so that their ids are the same in
-    /// every interleaving), a `default` stream per rank, and the main threads.
+    /// The setup every execution starts from: the world communicator, a
+    /// `default` stream per rank, the main threads, and the policy's lanes
+    /// (reserved up front, so that their ids are the same in every
+    /// interleaving; see [`Lanes`]).
     fn setup(&self) -> (Setup, Lanes) {
         let mut s = Setup::new(self.ranks, self.model);
         let cold = self.model.lazy_connect;
@@ -393,27 +477,11 @@ impl Sim {
         for r in 0..self.ranks {
             s.add_thread(r, "main");
         }
-        let mut lanes = Lanes::default();
-        for r in 0..self.ranks {
-            lanes.defaults.push(s.add_stream(r, "default"));
-        }
+        let defaults = (0..self.ranks)
+            .map(|r| s.add_stream(r, "default"))
+            .collect();
         let warm = duplex::compile::lane_connected(self.policy, !cold);
-        let mut comms: HashMap<String, CommId> = HashMap::new();
-        let mut streams: HashMap<(Rank, String), StreamId> = HashMap::new();
-        for a in 0..self.ranks {
-            for b in 0..self.ranks {
-                for dir in [Dir::Send, Dir::Recv] {
-                    let (name, members, stream) = duplex::compile::lane(self.policy, a, dir, b);
-                    let comm = *comms
-                        .entry(name.clone())
-                        .or_insert_with(|| s.add_comm(name.clone(), members, warm));
-                    let sid = *streams
-                        .entry((a, stream.clone()))
-                        .or_insert_with(|| s.add_stream(a, stream));
-                    lanes.map.insert((a, b, dir), (comm, sid, name));
-                }
-            }
-        }
+        let lanes = Lanes::reserve(&mut s, self.policy, warm, defaults);
         (s, lanes)
     }
 
@@ -434,6 +502,7 @@ impl Sim {
         let world = World {
             machine,
             ctl: (0..self.ranks).map(|_| Ctl::Starting).collect(),
+            turns: (0..self.ranks).map(|_| Arc::new(Condvar::new())).collect(),
             running: None,
             over: false,
             ending: None,
@@ -457,7 +526,6 @@ impl Sim {
         };
         let shared = Arc::new(Shared {
             world: Mutex::new(world),
-            turn: Condvar::new(),
         });
         std::thread::scope(|scope| {
             for r in 0..self.ranks {
@@ -473,7 +541,7 @@ impl Sim {
             }
             let mut w = shared.lock();
             w.schedule();
-            shared.turn.notify_all();
+            w.wake();
         });
         // Threads started by `spawn` may outlive the rank closures.
         loop {

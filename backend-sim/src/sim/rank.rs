@@ -76,8 +76,9 @@ where
     let t = handle.thread;
     if shared.wait_turn(shared.lock(), t).is_err() {
         // The execution ended before this thread started.
-        shared.lock().ctl[t.0 as usize] = Ctl::Done;
-        shared.turn.notify_all();
+        let mut w = shared.lock();
+        w.ctl[t.0 as usize] = Ctl::Done;
+        w.wake();
         return;
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&handle)));
@@ -139,7 +140,11 @@ impl SimRank {
         place: &Place<Self>,
     ) -> Result<(CommId, StreamId)> {
         check::peer(at, || what.to_string(), peer, self.world_size)?;
-        let Some((lane_comm, lane_stream, _)) = self.lanes.map.get(&(self.rank, peer, dir)) else {
+        let lane = {
+            let mut w = self.shared.lock();
+            self.lanes.open(w.machine.setup_mut(), self.rank, peer, dir)
+        };
+        let Some((lane_comm, lane_stream, _)) = lane else {
             return check::invalid(at, format!("{what}: no lane toward rank {peer}"));
         };
         if let Some(s) = &place.stream
@@ -157,8 +162,8 @@ impl SimRank {
             place.comm.as_ref().map(|c| c.id),
             place.stream.as_ref().map(|s| s.id),
             self.scoped.borrow().last().copied(),
-            Some((*lane_comm, *lane_stream)),
-            || *lane_comm,
+            Some((lane_comm, lane_stream)),
+            || lane_comm,
             || self.lanes.defaults[self.rank as usize],
         ))
     }
@@ -393,12 +398,16 @@ impl Transport for SimRank {
 
     #[track_caller]
     fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>> {
-        match self.lanes.map.get(&(self.rank, peer, dir)) {
+        let lane = {
+            let mut w = self.shared.lock();
+            self.lanes.open(w.machine.setup_mut(), self.rank, peer, dir)
+        };
+        match lane {
             Some((comm, stream, name)) => Ok(Lane {
-                name: name.clone(),
-                comm: SimComm { id: *comm },
+                name,
+                comm: SimComm { id: comm },
                 stream: SimStream {
-                    id: *stream,
+                    id: stream,
                     rank: self.rank,
                 },
             }),
@@ -617,6 +626,7 @@ impl Transport for SimRank {
         let id = w.machine.setup_mut().add_thread(self.rank, name);
         w.machine.sync_setup();
         w.ctl.push(Ctl::Starting);
+        w.turns.push(std::sync::Arc::new(std::sync::Condvar::new()));
         w.results.push(None);
         let handle = SimRank::new(
             self.shared.clone(),

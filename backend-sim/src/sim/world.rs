@@ -65,6 +65,9 @@ pub(crate) enum Ending {
 pub(crate) struct World {
     pub(crate) machine: Machine,
     pub(crate) ctl: Vec<Ctl>,
+    /// Per thread: the condition variable it waits for its turn on (one
+    /// each, so that passing the turn wakes one OS thread, not all).
+    pub(crate) turns: Vec<Arc<Condvar>>,
     pub(crate) running: Option<ThreadId>,
     /// Set once the execution is over: every further call fails at once.
     pub(crate) over: bool,
@@ -112,11 +115,10 @@ impl std::fmt::Debug for World {
     }
 }
 
-/// The world and the condition variable threads wait on.
+/// The world, behind the lock every simulated thread takes.
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) world: Mutex<World>,
-    pub(crate) turn: Condvar,
 }
 
 /// The machine's view of the parked calls.
@@ -155,7 +157,7 @@ impl Shared {
         w.ctl[t.0 as usize] = Ctl::Parked(call, bufs);
         w.running = None;
         w.schedule();
-        self.turn.notify_all();
+        w.wake();
         self.wait_turn(w, t)
     }
 
@@ -176,7 +178,8 @@ impl Shared {
                     _ => Err(w.abort_error()),
                 };
             }
-            w = self.turn.wait(w).unwrap_or_else(|e| e.into_inner());
+            let turn = w.turns[t.0 as usize].clone();
+            w = turn.wait(w).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -202,11 +205,23 @@ impl Shared {
             w.running = None;
             w.schedule();
         }
-        self.turn.notify_all();
+        w.wake();
     }
 }
 
 impl World {
+    /// Wakes the thread whose turn it is, or every thread once the
+    /// execution is over.
+    pub(crate) fn wake(&self) {
+        if self.over {
+            for turn in &self.turns {
+                turn.notify_all();
+            }
+        } else if let Some(t) = self.running {
+            self.turns[t.0 as usize].notify_all();
+        }
+    }
+
     pub(crate) fn abort_error(&self) -> Error {
         match &self.ending {
             Some(Ending::Hang(h)) => Error::Hang(h.clone()),
@@ -313,10 +328,17 @@ impl World {
             } else {
                 enabled.clone()
             };
-            let t = match self
-                .explorer
-                .choose(&enabled, &options, fingerprint(&self.machine))
-            {
+            // The search decides only where the reduction leaves a choice
+            // (as the checker does): no fingerprint, no stored state, in
+            // between.
+            let decided = options.len() == 1 && matches!(self.explorer, Strategy::Dfs(_));
+            let choice = if decided {
+                Choice::Take(options[0])
+            } else {
+                self.explorer
+                    .choose(&enabled, &options, fingerprint(&self.machine))
+            };
+            let t = match choice {
                 Choice::Take(t) => t,
                 Choice::Prune => return self.end(Ending::Pruned),
                 Choice::Mismatch => return self.end(Ending::Mismatch),
