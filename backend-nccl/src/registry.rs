@@ -74,11 +74,10 @@ impl Reg {
         let origin = match self.origins.get(&key) {
             Some(o) => *o,
             None => {
-                let o = m.setup_mut().add_origin(duplex::machine::OriginInfo {
-                    text: key.0.clone(),
-                    place: key.1.clone(),
-                    line: None,
-                });
+                let o = m.setup_mut().add_origin(duplex::machine::OriginInfo::at(
+                    key.0.as_str(),
+                    key.1.as_str(),
+                ));
                 self.origins.insert(key, o);
                 o
             }
@@ -286,7 +285,7 @@ impl Registry {
             for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
                 meta.fifo = fifo;
             }
-            let _ = m.apply(t, hc);
+            let _ = m.apply(t, &hc);
         }
         r.trace.push(call);
         Ok(())
@@ -309,7 +308,7 @@ impl Registry {
         let t = ThreadId(thread as u32);
         let refused = r
             .live_call(&c)
-            .is_some_and(|(m, hc)| m.apply(t, hc).is_err());
+            .is_some_and(|(m, hc)| m.apply(t, &hc).is_err());
         if refused {
             r.live = None;
         }

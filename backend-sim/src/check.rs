@@ -154,7 +154,7 @@ pub fn step(c: &Compiled, m: &mut Machine, t: ThreadId) -> Result<(), ProgramErr
     match m.next(t) {
         Next::Resume => m.resume(t),
         Next::Call => {
-            let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+            let call = c.call(t, m.calls(t)).unwrap_or(&HostCall::End);
             m.apply(t, call)
         }
         Next::Blocked | Next::Finished => Ok(()),
@@ -199,13 +199,16 @@ pub struct Runnable {
     solo: usize,
     /// The other runnable threads.
     rest: BTreeSet<ThreadId>,
+    /// Scratch: the ranks a step touched.
+    touched: Vec<u32>,
 }
 
 impl Runnable {
     /// The runnable threads of `m`, which starts keeping track of what
     /// its steps touch.
     pub fn new(c: &Compiled, m: &mut Machine) -> Runnable {
-        m.take_touched();
+        let mut touched = Vec::new();
+        m.take_touched(&mut touched);
         let setup = m.setup();
         let n = setup.threads.len();
         let alone = (0..n)
@@ -218,6 +221,7 @@ impl Runnable {
             queue: VecDeque::new(),
             solo: 0,
             rest: BTreeSet::new(),
+            touched,
         };
         for i in 0..n {
             r.set(ThreadId(i as u32), can_step(c, m, ThreadId(i as u32)));
@@ -247,11 +251,14 @@ impl Runnable {
 
     /// Brings the set up to date after steps of `m`.
     pub fn update(&mut self, c: &Compiled, m: &mut Machine) {
-        for r in m.take_touched() {
-            for t in m.setup().threads_of(r) {
+        let mut touched = std::mem::take(&mut self.touched);
+        m.take_touched(&mut touched);
+        for r in &touched {
+            for t in m.setup().threads_of(*r) {
                 self.set(t, can_step(c, m, t));
             }
         }
+        self.touched = touched;
         #[cfg(debug_assertions)]
         if self.on.len() <= 64 {
             debug_assert_eq!(self.all(), runnable(c, m), "the runnable set is stale");
@@ -433,7 +440,7 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
         setup
             .origins
             .get(o.0 as usize)
-            .map(|o| format!("`{}` ({})", o.text, o.place))
+            .map(|o| format!("`{}` ({})", o.text, o.place()))
             .unwrap_or_default()
     };
     match m.next(t) {

@@ -436,7 +436,7 @@ rank 1:
     let c = compile(&program);
     let mut m = c.machine();
     let (main, t) = (ThreadId(0), ThreadId(1));
-    m.apply(main, c.scripts[0][0].clone()).expect("valid");
+    m.apply(main, &c.scripts[0][0]).expect("valid");
     assert!(m.in_handshake(main));
     let recv = c.scripts[1][0].clone();
     assert!(!m.enabled(t, &recv), "R11 must hold thread t's call on c");

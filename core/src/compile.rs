@@ -2,7 +2,7 @@
 //! (threads, streams, communicators, events, origins) and each thread's list
 //! of [`HostCall`]s. This is where placement policies become lanes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::schedule::{Dir, P2p, Program, StmtKind};
@@ -92,6 +92,8 @@ struct Builder<'p> {
     comms: HashMap<String, CommId>,
     streams: HashMap<(Rank, String), StreamId>,
     events: HashMap<(Rank, String), EventId>,
+    /// Statement texts, shared by equal statements.
+    texts: HashSet<Arc<str>>,
 }
 
 /// Compiles a (valid) program. Explicitly placed ops default to comm `world`
@@ -104,6 +106,7 @@ pub fn compile(program: &Program) -> Compiled {
         comms: HashMap::new(),
         streams: HashMap::new(),
         events: HashMap::new(),
+        texts: HashSet::new(),
     };
     let world = b
         .setup
@@ -123,11 +126,8 @@ pub fn compile(program: &Program) -> Compiled {
         let rank = thread.rank;
         let mut calls = Vec::new();
         for stmt in &thread.body {
-            let origin = b.setup.add_origin(OriginInfo {
-                text: stmt.kind.to_string(),
-                place: format!("line {}", stmt.line.0),
-                line: Some(stmt.line.0),
-            });
+            let text = b.text(stmt.kind.to_string());
+            let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
             let call = match &stmt.kind {
                 StmtKind::Op(op) => HostCall::Launch(LaunchSpec {
                     ops: vec![b.op(rank, op)],
@@ -142,11 +142,8 @@ pub fn compile(program: &Program) -> Compiled {
                             // (a group may span lines); the host call keeps
                             // the group's statement.
                             let line = if op.line.0 != 0 { op.line } else { stmt.line };
-                            let own = b.setup.add_origin(OriginInfo {
-                                text: op.to_string(),
-                                place: format!("line {}", line.0),
-                                line: Some(line.0),
-                            });
+                            let text = b.text(op.to_string());
+                            let own = b.setup.add_origin(OriginInfo::line(text, line.0));
                             OpSpec {
                                 origin: Some(own),
                                 ..b.op(rank, op)
@@ -222,6 +219,18 @@ impl Builder<'_> {
             comm,
             stream,
             origin: None,
+        }
+    }
+
+    /// The shared copy of a statement's text.
+    fn text(&mut self, text: String) -> Arc<str> {
+        match self.texts.get(text.as_str()) {
+            Some(t) => t.clone(),
+            None => {
+                let t: Arc<str> = text.into();
+                self.texts.insert(t.clone());
+                t
+            }
         }
     }
 

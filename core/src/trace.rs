@@ -454,8 +454,8 @@ impl Trace {
             t.push(TraceCall {
                 thread: thread.0,
                 call,
-                text: o.map(|o| o.text.clone()).unwrap_or_default(),
-                place: o.map(|o| o.place.clone()).unwrap_or_default(),
+                text: o.map(|o| o.text.to_string()).unwrap_or_default(),
+                place: o.map(|o| o.place()).unwrap_or_default(),
             });
         }
         t
@@ -728,7 +728,7 @@ impl<'t> Replayer<'t> {
                 .min();
             if let Some((i, r)) = pick {
                 self.queues[r].pop_front();
-                if let Err(e) = self.m.apply(self.thread_of(i), self.calls[i].clone()) {
+                if let Err(e) = self.m.apply(self.thread_of(i), &self.calls[i]) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
                 }
                 let step = self.timeline.as_ref().map_or(0, |t| t.steps);
@@ -807,14 +807,14 @@ impl<'t> Replayer<'t> {
             let t = ThreadId(*t);
             if self.m.enabled(t, &HostCall::End) {
                 // End is always valid; a leftover error shows at the end.
-                let _ = self.m.apply(t, HostCall::End);
+                let _ = self.m.apply(t, &HostCall::End);
             }
         }
         let mut next = HashMap::new();
         for (t, call) in std::mem::take(&mut self.waits) {
             match call {
                 HostCall::Sync { .. } if self.m.enabled(t, &call) => {
-                    let _ = self.m.apply(t, call);
+                    let _ = self.m.apply(t, &call);
                 }
                 other => {
                     next.insert(t, other);
@@ -836,11 +836,7 @@ impl TraceCall {
     /// The machine's call for this trace call, with its origin added to
     /// `setup` (its ids are the trace's own indices).
     pub fn to_host(&self, setup: &mut Setup) -> HostCall {
-        let origin = setup.add_origin(OriginInfo {
-            text: self.text.clone(),
-            place: self.place.clone(),
-            line: None,
-        });
+        let origin = setup.add_origin(OriginInfo::at(self.text.as_str(), self.place.clone()));
         host_call(setup, self, origin)
     }
 

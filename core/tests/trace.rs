@@ -49,7 +49,7 @@ fn run(c: &Compiled) -> Option<(Machine, Vec<(ThreadId, HostCall)>)> {
             Next::Call => {
                 let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
                 calls.push((t, call.clone()));
-                m.apply(t, call).ok()?;
+                m.apply(t, &call).ok()?;
             }
             Next::Blocked | Next::Finished => unreachable!("runnable"),
         }

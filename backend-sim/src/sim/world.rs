@@ -257,11 +257,10 @@ impl World {
         if let Some(o) = self.origins.get(&(place.clone(), text.clone())) {
             return *o;
         }
-        let o = self.machine.setup_mut().add_origin(OriginInfo {
-            text: text.clone(),
-            place: place.clone(),
-            line: None,
-        });
+        let o = self
+            .machine
+            .setup_mut()
+            .add_origin(OriginInfo::at(text.as_str(), place.as_str()));
         self.origins.insert((place, text), o);
         o
     }
@@ -393,7 +392,7 @@ impl World {
                 _ => {}
             }
             let end = matches!(call, HostCall::End);
-            let r = self.machine.apply(t, call.clone());
+            let r = self.machine.apply(t, &call);
             if r.is_ok() {
                 self.calls.push((t, call));
             }
@@ -486,6 +485,6 @@ fn call_text(m: &Machine, call: &HostCall) -> String {
     };
     origin
         .and_then(|o| m.setup().origins.get(o.0 as usize))
-        .map(|o| format!("{} ({})", o.text, o.place))
+        .map(|o| format!("{} ({})", o.text, o.place()))
         .unwrap_or_default()
 }

@@ -73,17 +73,19 @@ impl Machine {
         }
     }
 
-    /// The ranks whose threads may have become able or unable to step (by
-    /// [`Machine::next`] and [`Machine::enabled`]) since the last call: the
-    /// rank of each thread that stepped, the ranks whose streams completed
-    /// entries, the peers of handshake rounds and the receivers of
-    /// `notify`. A driver that keeps the set of runnable threads looks at
-    /// the threads of these ranks only.
-    pub fn take_touched(&mut self) -> Vec<Rank> {
-        for r in &self.work.touched {
+    /// Puts in `out` (after clearing it) the ranks whose threads may have
+    /// become able or unable to step (by [`Machine::next`] and
+    /// [`Machine::enabled`]) since the last call: the rank of each thread
+    /// that stepped, the ranks whose streams completed entries, the peers
+    /// of handshake rounds and the receivers of `notify`. A driver that
+    /// keeps the set of runnable threads looks at the threads of these
+    /// ranks only.
+    pub fn take_touched(&mut self, out: &mut Vec<Rank>) {
+        out.clear();
+        std::mem::swap(out, &mut self.work.touched);
+        for r in out.iter() {
             self.work.is_touched[*r as usize] = false;
         }
-        std::mem::take(&mut self.work.touched)
     }
 
     /// Applies every device step that can happen, until none can.
@@ -277,28 +279,29 @@ impl Machine {
             // R6: the first message of a cold channel is a rendezvous.
             if eager > 0 && (warm || ch.delivered > 0) {
                 let mut inflight: u64 = 0;
-                let mut buffer = Vec::new();
-                for (i, slot) in ch.sends.iter().enumerate() {
+                let mut i = 0;
+                // Sends leave in FIFO order: the buffer takes active ones
+                // from the front while they fit.
+                while let Some(slot) = self.state.channels.get(&key).and_then(|c| c.sends.get(i)) {
+                    let slot = *slot;
+                    i += 1;
                     if slot.buffered {
                         inflight += slot.bytes;
                         continue;
                     }
-                    if self.state.launches[&slot.op.launch].ops[slot.op.index as usize].status
-                        == OpStatus::Active
-                        && inflight.saturating_add(slot.bytes) <= eager
-                    {
-                        inflight += slot.bytes;
-                        buffer.push((i, slot.op));
-                        continue;
+                    let active = self.state.launches[&slot.op.launch].ops[slot.op.index as usize]
+                        .status
+                        == OpStatus::Active;
+                    if !active || inflight.saturating_add(slot.bytes) > eager {
+                        break;
                     }
-                    break; // sends leave in FIFO order
-                }
-                for (i, op) in buffer {
-                    let ch = self.state.channels.get_mut(&key).expect("channel exists");
-                    ch.sends[i].buffered = true;
-                    self.complete_op(op);
+                    inflight += slot.bytes;
+                    if let Some(ch) = self.state.channels.get_mut(&key) {
+                        ch.sends[i - 1].buffered = true;
+                    }
+                    self.complete_op(slot.op);
                     if let Some(d) = self.deliveries.as_mut() {
-                        d.push(super::Delivery::Buffered { send: op });
+                        d.push(super::Delivery::Buffered { send: slot.op });
                     }
                     changed = true;
                 }

@@ -119,14 +119,47 @@ pub struct EventInfo {
 }
 
 /// Where a host call came from, for reports.
+///
+/// A schedule file has about three origins per line, and a large one has
+/// millions of lines: an origin from a schedule line shares its text with
+/// every equal statement and spells its place only when asked.
 #[derive(Clone, Debug)]
 pub struct OriginInfo {
     /// The statement or call as the user wrote it (`send 1 256MiB`).
-    pub text: String,
-    /// Where: `line 4`, `src/main.rs:12:5`.
-    pub place: String,
+    pub text: Arc<str>,
+    /// Where, outside a schedule file (`src/main.rs:12:5`); empty when
+    /// `line` says it.
+    site: String,
     /// The schedule line, when there is one.
     pub line: Option<u32>,
+}
+
+impl OriginInfo {
+    /// An origin at line `line` of a schedule file.
+    pub fn line(text: Arc<str>, line: u32) -> OriginInfo {
+        OriginInfo {
+            text,
+            site: String::new(),
+            line: Some(line),
+        }
+    }
+
+    /// An origin at `place` (`src/main.rs:12:5`), outside a schedule file.
+    pub fn at(text: impl Into<Arc<str>>, place: impl Into<String>) -> OriginInfo {
+        OriginInfo {
+            text: text.into(),
+            site: place.into(),
+            line: None,
+        }
+    }
+
+    /// Where: `line 4`, `src/main.rs:12:5`.
+    pub fn place(&self) -> String {
+        match self.line {
+            Some(n) if self.site.is_empty() => format!("line {n}"),
+            _ => self.site.clone(),
+        }
+    }
 }
 
 /// Who exists. Everything the rules need to know that does not change while
@@ -907,17 +940,17 @@ impl Machine {
     /// Performs thread `t`'s next call, which must be [`Machine::enabled`].
     /// A call that fails [`Machine::check_issue`] (invalid, or a mismatch
     /// with its partner) changes nothing, so the machine stays usable.
-    pub fn apply(&mut self, t: ThreadId, call: HostCall) -> Result<(), ProgramError> {
-        debug_assert!(self.enabled(t, &call));
-        self.check_issue(t, &call)?;
+    pub fn apply(&mut self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
+        debug_assert!(self.enabled(t, call));
+        self.check_issue(t, call)?;
         let rank = self.rank_of(t);
         self.touch(rank);
         let th = &mut self.state.threads[t.ix()];
         let seq = th.calls;
         th.calls += 1;
-        match call {
-            HostCall::Launch(spec) => {
-                let pairs = self.handshakes(rank, &spec);
+        match *call {
+            HostCall::Launch(ref spec) => {
+                let pairs = self.handshakes(rank, spec);
                 if pairs.is_empty() {
                     self.enqueue(t, seq, spec);
                 } else {
@@ -925,7 +958,10 @@ impl Machine {
                         self.touch(*peer);
                     }
                     let th = &mut self.state.threads[t.ix()];
-                    th.phase = Phase::Connecting { spec, seq };
+                    th.phase = Phase::Connecting {
+                        spec: spec.clone(),
+                        seq,
+                    };
                     th.wait = Wait::Connect { pairs };
                 }
             }
@@ -1001,7 +1037,7 @@ impl Machine {
         let rank = self.rank_of(t);
         self.touch(rank);
         self.connect_sides(rank, &spec);
-        self.enqueue(t, seq, spec);
+        self.enqueue(t, seq, &spec);
         self.progress();
         Ok(())
     }
@@ -1283,9 +1319,9 @@ impl Machine {
     /// Puts a call's launches (one per communicator, R8) on their streams
     /// and their ops in their channels. [`Machine::match_check`] has
     /// passed.
-    fn enqueue(&mut self, t: ThreadId, seq: u32, spec: LaunchSpec) {
+    fn enqueue(&mut self, t: ThreadId, seq: u32, spec: &LaunchSpec) {
         let rank = self.rank_of(t);
-        let refs = Machine::op_refs(t, seq, &spec);
+        let refs = Machine::op_refs(t, seq, spec);
         let mut parts: Vec<(LaunchRef, Vec<Op>, Vec<StreamId>)> = Vec::new();
         for (o, op_ref) in spec.ops.iter().zip(&refs) {
             let ch = self.state.channels.entry(channel_key(rank, o)).or_default();

@@ -9,7 +9,7 @@ use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
 /// `line 4` or a source location, for a call's origin.
 pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
     match setup.origins.get(origin.ix()) {
-        Some(o) => o.place.clone(),
+        Some(o) => o.place(),
         None => format!("call #{}", origin.0),
     }
 }
@@ -141,7 +141,7 @@ impl Machine {
             fifo,
             state,
             grouped,
-            call: o.map(|o| o.text.clone()).unwrap_or_default(),
+            call: o.map(|o| o.text.to_string()).unwrap_or_default(),
             at: describe_origin(s, origin),
             line: o.and_then(|o| o.line),
         }
