@@ -3,6 +3,11 @@
 //! its own), printed as a markdown table. `scripts/checker-bench.sh`
 //! regenerates the table in `docs/checker-stats.md`.
 //!
+//! Beside them, the two-rank seed exchange (each rank sends 256 MiB to the
+//! other, then receives) as `duplex check` decides it and as a `loom` model
+//! of the same device rules decides it (`loom:…` rows, see [`loom_seed`]):
+//! executions and time for both, in the same run.
+//!
 //! `cargo run --release -p duplex-sim --example scale [-- --limit SECONDS]`
 
 use std::process::Command;
@@ -127,6 +132,70 @@ fn threads(ranks: usize, n: usize) -> String {
     s
 }
 
+/// The seed exchange as a schedule: each rank sends 256 MiB to the other,
+/// then receives.
+fn seed(policy: &str) -> String {
+    let mut s = format!("ranks 2\npolicy {policy}\n");
+    for r in 0..2 {
+        s.push_str(&format!(
+            "rank {r}:\n  send {0} 256MiB\n  recv {0} 256MiB\n",
+            1 - r
+        ));
+    }
+    s
+}
+
+/// A `loom` model of the seed exchange on the device, written as one would
+/// without duplex: a thread per stream, and NCCL's rendezvous (a send and
+/// its recv complete once both have started, R4; 256 MiB is past any eager
+/// buffer) as a mutex and a condition variable. Op 0 is rank 0's send, 1
+/// its recv, 2 rank 1's send, 3 its recv; op `i` meets op `3 - i`. Under
+/// `per-direction` every op has a stream (thread) of its own; under
+/// `shared` a rank's send and recv share one, in that order, and loom
+/// reports the deadlock (and aborts the process). Prints `EXECUTION` for
+/// each execution loom runs (loom cannot model more than four streams at
+/// once).
+fn loom_seed(policy: &str, preemptions: usize) {
+    use loom::sync::{Arc, Condvar, Mutex};
+    fn op(state: &(Mutex<[bool; 4]>, Condvar), me: usize) {
+        let (lock, cv) = state;
+        let mut started = lock.lock().expect("no thread panics holding it");
+        started[me] = true;
+        cv.notify_all();
+        while !started[3 - me] {
+            started = cv.wait(started).expect("no thread panics holding it");
+        }
+    }
+    let per_direction = policy == "per-direction";
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(preemptions);
+    builder.check(move || {
+        println!("EXECUTION");
+        let state = Arc::new((Mutex::new([false; 4]), Condvar::new()));
+        let streams: Vec<Vec<usize>> = if per_direction {
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        } else {
+            vec![vec![0, 1], vec![2, 3]]
+        };
+        let mut handles = Vec::new();
+        for ops in streams.into_iter().skip(1) {
+            let state = state.clone();
+            handles.push(loom::thread::spawn(move || {
+                for i in ops {
+                    op(&state, i);
+                }
+            }));
+        }
+        let mine: &[usize] = if per_direction { &[0] } else { &[0, 1] };
+        for i in mine {
+            op(&state, *i);
+        }
+        for h in handles {
+            h.join().expect("a stream thread");
+        }
+    });
+}
+
 fn program(name: &str) -> Option<Program> {
     let parts: Vec<&str> = name.split(':').collect();
     let n = |i: usize| parts.get(i).and_then(|x| x.parse::<usize>().ok());
@@ -136,7 +205,8 @@ fn program(name: &str) -> Option<Program> {
         "1f1b" => one_f_one_b(n(1)?, n(2)?, parts.get(3)?),
         "a2a" => all_to_all(n(1)?),
         "threads" => threads(n(1)?, n(2)?),
-        "simring" => return None,
+        "seed" => seed(parts.get(1)?),
+        "simring" | "loom" => return None,
         _ => return None,
     };
     duplex::schedule::parse(&text).ok()
@@ -185,6 +255,36 @@ fn child(name: &str, limit: f64) {
         );
         return;
     }
+    if let Some(rest) = name.strip_prefix("loom:") {
+        // loom:POLICY:PREEMPTIONS. A deadlock aborts the process that loom
+        // runs in (it panics where it cannot unwind), so the model runs in
+        // a process of its own that prints a line per execution.
+        let exe = std::env::current_exe().expect("this binary");
+        let out = Command::new(exe).args(["loom-run", rest]).output();
+        let (verdict, executions) = match out {
+            Ok(o) => {
+                let executions = String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter(|l| *l == "EXECUTION")
+                    .count();
+                let verdict = if o.status.success() {
+                    "ok"
+                } else if String::from_utf8_lossy(&o.stderr).contains("deadlock") {
+                    "deadlock"
+                } else {
+                    "crashed"
+                };
+                (verdict, executions)
+            }
+            Err(_) => ("crashed", 0),
+        };
+        println!(
+            "RESULT {verdict} {:.3} {:.0} {executions} - -",
+            start.elapsed().as_secs_f64(),
+            peak_mib()
+        );
+        return;
+    }
     let Some(p) = program(name) else {
         println!("RESULT bad-family 0 0 0 0 0");
         return;
@@ -223,6 +323,12 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|x| x.parse::<f64>().ok())
         .unwrap_or(60.0);
+    if args.first().map(String::as_str) == Some("loom-run") {
+        let rest = args.get(1).map_or("per-direction:2", String::as_str);
+        let (policy, bound) = rest.split_once(':').unwrap_or((rest, "2"));
+        loom_seed(policy, bound.parse().unwrap_or(2));
+        return;
+    }
     if args.first().map(String::as_str) == Some("child") {
         child(args.get(1).map_or("", String::as_str), limit);
         return;
@@ -257,6 +363,32 @@ fn main() {
         fam("threads:2:5", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("threads:4:4", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("simring:1024", "Sim::check < 2 s", 2.0, f64::MAX),
+        fam("seed:per-direction", "(beside loom)", f64::MAX, f64::MAX),
+        fam(
+            "loom:per-direction:1",
+            "(loom, preemption bound 1)",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam(
+            "loom:per-direction:2",
+            "(loom, preemption bound 2)",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam(
+            "loom:per-direction:3",
+            "(loom, preemption bound 3)",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam("seed:shared", "(beside loom)", f64::MAX, f64::MAX),
+        fam(
+            "loom:shared:2",
+            "(loom, preemption bound 2)",
+            f64::MAX,
+            f64::MAX,
+        ),
     ];
     let exe = std::env::current_exe().expect("this binary");
     println!(
