@@ -132,6 +132,30 @@ fn threads(ranks: usize, n: usize) -> String {
     s
 }
 
+/// 2 ranks × `n` host threads whose traffic depends: every thread issues a
+/// group on the one communicator `world` (on a stream of its own), so the
+/// order of a rank's threads decides which send meets which recv (R2, R3).
+/// The orders of the two ranks' launches are (n!)² Mazurkiewicz traces at
+/// least (launches of one rank on one communicator never commute); the
+/// table compares the executions the checker runs with that bound.
+fn dependent(n: usize) -> String {
+    let mut s = String::from("ranks 2\n");
+    for r in 0..2 {
+        for t in 0..n {
+            if t == 0 {
+                s.push_str(&format!("rank {r}:\n"));
+            } else {
+                s.push_str(&format!("rank {r} thread t{t}:\n"));
+            }
+            s.push_str(&format!(
+                "  group {{ send {0} 4KiB comm=world stream=s{t}; recv {0} 4KiB comm=world stream=s{t} }}\n",
+                1 - r
+            ));
+        }
+    }
+    s
+}
+
 /// The seed exchange as a schedule: each rank sends 256 MiB to the other,
 /// then receives.
 fn seed(policy: &str) -> String {
@@ -206,6 +230,7 @@ fn program(name: &str) -> Option<Program> {
         "a2a" => all_to_all(n(1)?),
         "threads" => threads(n(1)?, n(2)?),
         "seed" => seed(parts.get(1)?),
+        "deps" => dependent(n(1)?),
         "simring" | "loom" => return None,
         _ => return None,
     };
@@ -363,6 +388,24 @@ fn main() {
         fam("threads:2:5", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("threads:4:4", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("simring:1024", "Sim::check < 2 s", 2.0, f64::MAX),
+        fam(
+            "deps:4",
+            "dependent threads: ≥ 576 traces",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam(
+            "deps:5",
+            "dependent threads: ≥ 14,400 traces",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam(
+            "deps:6",
+            "dependent threads: ≥ 518,400 traces",
+            f64::MAX,
+            f64::MAX,
+        ),
         fam("seed:per-direction", "(beside loom)", f64::MAX, f64::MAX),
         fam(
             "loom:per-direction:1",

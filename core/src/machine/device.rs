@@ -383,7 +383,13 @@ impl Machine {
             for l in started {
                 self.activate(l);
             }
-            let keys: Vec<ChannelKey> = self.state.channels.keys().copied().collect();
+            let keys: Vec<ChannelKey> = self
+                .state
+                .channels
+                .sorted()
+                .into_iter()
+                .map(|(k, _)| *k)
+                .collect();
             for key in keys {
                 self.settle_channel(key);
             }

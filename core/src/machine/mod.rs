@@ -24,6 +24,7 @@
 
 mod device;
 mod rules;
+mod table;
 mod view;
 pub mod waitfor;
 
@@ -682,8 +683,8 @@ pub struct State {
     threads: Vec<ThreadState>,
     streams: Vec<StreamState>,
     ranks: Vec<RankState>,
-    launches: BTreeMap<LaunchRef, Launch>,
-    channels: BTreeMap<ChannelKey, Channel>,
+    launches: table::Table<LaunchRef, Launch>,
+    channels: table::Table<ChannelKey, Channel>,
     /// Latest `record` of each event: (stream, entry index).
     events: Vec<Option<(StreamId, u32)>>,
     /// Messages posted and not consumed: (from, to, tag) → count.
@@ -736,8 +737,8 @@ impl Machine {
             threads: Vec::new(),
             streams: Vec::new(),
             ranks: vec![RankState::default(); setup.ranks as usize],
-            launches: BTreeMap::new(),
-            channels: BTreeMap::new(),
+            launches: table::Table::default(),
+            channels: table::Table::default(),
             events: Vec::new(),
             mail: BTreeMap::new(),
             rounds: BTreeMap::new(),
@@ -779,7 +780,8 @@ impl Machine {
     pub fn live_ops(&self) -> Vec<(OpRef, OpInfo)> {
         self.state
             .launches
-            .iter()
+            .sorted()
+            .into_iter()
             .flat_map(|(lref, l)| {
                 (0..l.ops.len()).map(move |i| {
                     (
@@ -861,11 +863,15 @@ impl Machine {
     /// The error a finished program still has: a message sent into a
     /// channel's buffer (R5) that no recv took.
     pub fn leftover(&self) -> Option<ProgramError> {
-        self.state.channels.iter().find_map(|(key, ch)| {
-            ch.sends.front().map(|slot| ProgramError::NeverReceived {
-                send: Box::new(self.slot_view(*key, Dir::Send, slot, ch.delivered)),
+        self.state
+            .channels
+            .sorted()
+            .into_iter()
+            .find_map(|(key, ch)| {
+                ch.sends.front().map(|slot| ProgramError::NeverReceived {
+                    send: Box::new(self.slot_view(*key, Dir::Send, slot, ch.delivered)),
+                })
             })
-        })
     }
 
     fn rank_of(&self, t: ThreadId) -> Rank {
@@ -1305,7 +1311,7 @@ impl Machine {
     /// issued: at the end of a run, ops whose partner never came.
     pub fn unmatched(&self) -> Vec<OpInfo> {
         let mut out = Vec::new();
-        for (key, ch) in &self.state.channels {
+        for (key, ch) in self.state.channels.sorted() {
             for s in ch.sends.iter().skip(ch.recvs.len()) {
                 out.push(self.slot_view(*key, Dir::Send, s, ch.delivered));
             }

@@ -173,7 +173,8 @@ impl Machine {
         let ops = self
             .state
             .launches
-            .iter()
+            .sorted()
+            .into_iter()
             .flat_map(|(lref, l)| {
                 l.ops
                     .iter()
@@ -256,7 +257,7 @@ impl Graph<'_> {
                 }
             }
         }
-        for (lref, launch) in &m.state.launches {
+        for (lref, launch) in m.state.launches.sorted() {
             let mut found = Vec::new();
             let mut collect = |b: Blocker| {
                 found.push(b);
