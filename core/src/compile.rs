@@ -94,6 +94,37 @@ struct Builder<'p> {
     events: HashMap<(Rank, String), EventId>,
     /// Statement texts, shared by equal statements.
     texts: HashSet<Arc<str>>,
+    /// The text of each op and group seen, by what it says (not where):
+    /// a large program repeats a few statements many times, and spelling
+    /// each one again costs more than the rest of compiling it.
+    op_texts: HashMap<Vec<OpKey<'p>>, Arc<str>, Fx>,
+    /// The lane of each (rank, direction, peer) seen.
+    lanes: HashMap<(Rank, Dir, Rank), (CommId, StreamId), Fx>,
+}
+
+/// The compiler's hasher: its keys are small and not chosen by an attacker.
+type Fx = std::hash::BuildHasherDefault<crate::machine::table::FxHasher>;
+
+/// What an op says, without where it was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct OpKey<'p> {
+    dir: Dir,
+    peer: Rank,
+    size: u64,
+    comm: Option<&'p str>,
+    stream: Option<&'p str>,
+}
+
+impl<'p> OpKey<'p> {
+    fn of(op: &'p P2p) -> OpKey<'p> {
+        OpKey {
+            dir: op.dir,
+            peer: op.peer,
+            size: op.size.bytes(),
+            comm: op.comm.as_deref(),
+            stream: op.stream.as_deref(),
+        }
+    }
 }
 
 /// Compiles a (valid) program. Explicitly placed ops default to comm `world`
@@ -107,6 +138,8 @@ pub fn compile(program: &Program) -> Compiled {
         streams: HashMap::new(),
         events: HashMap::new(),
         texts: HashSet::new(),
+        op_texts: HashMap::default(),
+        lanes: HashMap::default(),
     };
     let world = b
         .setup
@@ -126,7 +159,11 @@ pub fn compile(program: &Program) -> Compiled {
         let rank = thread.rank;
         let mut calls = Vec::new();
         for stmt in &thread.body {
-            let text = b.text(stmt.kind.to_string());
+            let text = match &stmt.kind {
+                StmtKind::Op(op) => b.op_text(std::slice::from_ref(op), false),
+                StmtKind::Group(ops) => b.op_text(ops, true),
+                other => b.text(other.to_string()),
+            };
             let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
             let call = match &stmt.kind {
                 StmtKind::Op(op) => HostCall::Launch(LaunchSpec {
@@ -142,7 +179,7 @@ pub fn compile(program: &Program) -> Compiled {
                             // (a group may span lines); the host call keeps
                             // the group's statement.
                             let line = if op.line.0 != 0 { op.line } else { stmt.line };
-                            let text = b.text(op.to_string());
+                            let text = b.op_text(std::slice::from_ref(op), false);
                             let own = b.setup.add_origin(OriginInfo::line(text, line.0));
                             OpSpec {
                                 origin: Some(own),
@@ -189,7 +226,7 @@ pub fn compile(program: &Program) -> Compiled {
     }
 }
 
-impl Builder<'_> {
+impl<'p> Builder<'p> {
     fn op(&mut self, rank: Rank, op: &P2p) -> OpSpec {
         let (comm, stream) = if op.is_explicit() {
             let comm = self.comms[op.comm.as_deref().unwrap_or("world")];
@@ -197,6 +234,8 @@ impl Builder<'_> {
                 comm,
                 self.stream(rank, op.stream.as_deref().unwrap_or("default")),
             )
+        } else if let Some(lane) = self.lanes.get(&(rank, op.dir, op.peer)) {
+            *lane
         } else {
             let policy = self.program.policy;
             let (name, members, stream) = lane(policy, rank, op.dir, op.peer);
@@ -209,7 +248,9 @@ impl Builder<'_> {
                     c
                 }
             };
-            (comm, self.stream(rank, &stream))
+            let placed = (comm, self.stream(rank, &stream));
+            self.lanes.insert((rank, op.dir, op.peer), placed);
+            placed
         };
         OpSpec {
             dir: op.dir,
@@ -220,6 +261,33 @@ impl Builder<'_> {
             stream,
             origin: None,
         }
+    }
+
+    /// The text of an op (`group`: false, one op) or of a group, shared
+    /// with every op or group that says the same.
+    fn op_text(&mut self, ops: &'p [P2p], group: bool) -> Arc<str> {
+        let mut key: Vec<OpKey<'p>> = ops.iter().map(OpKey::of).collect();
+        if group {
+            // A group of one op and the op itself read differently.
+            key.push(OpKey {
+                dir: Dir::Send,
+                peer: Rank::MAX,
+                size: u64::MAX,
+                comm: None,
+                stream: None,
+            });
+        }
+        if let Some(t) = self.op_texts.get(&key) {
+            return t.clone();
+        }
+        let text = if group {
+            StmtKind::Group(ops.to_vec()).to_string()
+        } else {
+            ops[0].to_string()
+        };
+        let t = self.text(text);
+        self.op_texts.insert(key, t.clone());
+        t
     }
 
     /// The shared copy of a statement's text.

@@ -24,7 +24,7 @@
 
 mod device;
 mod rules;
-mod table;
+pub(crate) mod table;
 mod view;
 pub mod waitfor;
 

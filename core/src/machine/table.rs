@@ -15,7 +15,7 @@ use std::ops::{Deref, DerefMut};
 /// A small, fast, deterministic hasher for the machine's integer keys
 /// (the multiply-rotate of rustc's `FxHasher`).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct FxHasher(u64);
+pub(crate) struct FxHasher(u64);
 
 const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
 
