@@ -1,38 +1,473 @@
-"""Merges bench-duplex.json and bench-torch.json into the Markdown table of
-BENCHMARKS.md, with the targets of issue 4 checked.
+"""Merges duplex's and PyTorch's benchmark JSON into the Markdown tables of
+BENCHMARKS.md: every figure as its median with [min–max] of its trials,
+duplex and PyTorch side by side, the targets (met or not, with the measured
+value), and a comparison with a committed baseline.
 
 usage: python3 bench_table.py DUPLEX.json TORCH.json
+           [--baseline FILE]... [--tolerance FRACTION] [--slack FRACTION]
+           [--strict] [--write-baseline OUT.json] [--ctas FILE]...
+
+DUPLEX.json is what backend-nccl/examples/bench.rs writes, TORCH.json what
+scripts/bench_torch.py writes: format 2 (each figure's trials, median, min,
+max) or the old format of one value per figure (read as one trial each).
+
+--baseline FILE   a baseline to compare with (repeatable): a file written by
+                  --write-baseline, or a run's JSON of either bench, old
+                  format included. Without it, no comparison.
+--tolerance F     for a baseline figure of one trial, which has no spread:
+                  the band is its value ±F (default 0.10, i.e. 10%).
+--slack F         widens a baseline's [min, max] by F of its median on each
+                  side (default 0: the band is exactly [min, max]).
+--strict          exit 1 when a figure got worse beyond the baseline's band,
+                  or a baseline figure was not measured in this run.
+--write-baseline  writes the figures of DUPLEX.json and TORCH.json as a
+                  baseline file (docs/gpu/bench-baseline.json);
+                  --baseline-note TEXT says in it which run it is.
+--ctas FILE       a `bench --quick --min-ctas N --max-ctas N --json FILE`
+                  result (repeatable): a lane-CTA table at 256 MiB.
+
+Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line.
+A missing or unreadable input is a note in the output (its figures are then
+not measured), not a crash.
 """
+import argparse
 import json
+import statistics
 import sys
 
-d = json.load(open(sys.argv[1]))
-t = json.load(open(sys.argv[2]))
-mib = lambda b: f"{b >> 20} MiB"
-tv = lambda k: {b: g for b, g in t[k]}
-one_t, batch_t, two_t = tv("one_way"), tv("batch"), tv("two_pgs")
-one_d = {b: g for b, g in d["one_way"]}
-both_d = {b: g for b, g in d["both_ways"]}
-print(f"NCCL {d['nccl']} (duplex, system library) / PyTorch {t['torch']} with NCCL {t['nccl']}; lane CTAs {d['ctas']}\n")
-print("| size | duplex one way | PyTorch one way | duplex both ways (each) | PyTorch batch_isend_irecv (each) | PyTorch one PG per direction (each) | duplex / PyTorch best | duplex both / one way |")
-print("|---|---|---|---|---|---|---|---|")
-for b in sorted(one_d):
-    best = max(batch_t.get(b, 0), two_t.get(b, 0))
-    print(f"| {mib(b)} | {one_d[b]:.1f} | {one_t.get(b, 0):.1f} | {both_d[b]:.1f} | {batch_t.get(b, 0):.1f} | {two_t.get(b, 0):.1f} | "
-          f"{both_d[b] / best if best else 0:.2f}x | {both_d[b] / one_d[b]:.2f}x |")
-print("\nGB/s per direction (10^9 bytes/s).\n")
-print(f"| 4 KiB latency (half a round trip) | duplex {d['latency_duplex_us']:.2f} us | raw NCCL, same comms and stream {d['latency_raw_us']:.2f} us | PyTorch {t['latency_us']:.2f} us |")
-print("|---|---|---|---|")
-print(f"\nHost time to enqueue one op: duplex {d['host_duplex_us']:.2f} us, raw ncclSend/ncclRecv {d['host_raw_us']:.2f} us "
-      f"(duplex adds {d['host_duplex_us'] - d['host_raw_us']:.2f} us).\n")
-b = 256 << 20
-best = max(batch_t.get(b, 0), two_t.get(b, 0))
-targets = [
-    ("256 MiB both ways >= 1.1x PyTorch's best", both_d[b] >= 1.1 * best, f"{both_d[b] / best:.2f}x"),
-    ("256 MiB both ways >= 0.95x one way, per direction", both_d[b] >= 0.95 * one_d[b], f"{both_d[b] / one_d[b]:.2f}x"),
-    ("4 KiB latency within 2 us of raw NCCL", d["latency_duplex_us"] - d["latency_raw_us"] <= 2.0,
-     f"+{d['latency_duplex_us'] - d['latency_raw_us']:.2f} us"),
-]
-print("| target | met | measured |\n|---|---|---|")
-for name, ok, val in targets:
-    print(f"| {name} | {'yes' if ok else 'NO'} | {val} |")
+# The one-trial tolerance and the targets are stated here once; BENCHMARKS.md
+# repeats them.
+DEFAULT_TOLERANCE = 0.10
+BASELINE_FORMAT = "duplex-bench-baseline"
+
+SIZES = [1 << 20, 64 << 20, 256 << 20]
+
+
+def size_name(b):
+    """A size as duplex prints it (duplex::Size): 1MiB, 64MiB, 4KiB."""
+    for name, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b and b % scale == 0:
+            return f"{b // scale}{name}"
+    return f"{b}B"
+
+
+def make_figure(unit, better, trials, nbytes=None):
+    trials = [float(v) for v in trials]
+    f = {"unit": unit, "better": better, "trials": trials,
+         "median": statistics.median(trials), "min": min(trials), "max": max(trials)}
+    if nbytes is not None:
+        f["bytes"] = nbytes
+    return f
+
+
+def normalize_figure(f):
+    """A figure with its summary recomputed from its trials (when it has
+    any), so that a hand-edited or truncated file cannot disagree with
+    itself."""
+    trials = f.get("trials") or []
+    if trials:
+        return make_figure(f.get("unit", ""), f.get("better", "higher"), trials, f.get("bytes"))
+    g = dict(f)
+    g.setdefault("trials", [])
+    for k in ("min", "max"):
+        g.setdefault(k, g["median"])
+    return g
+
+
+def _old_duplex(d):
+    """bench.rs's first format: one value per figure."""
+    figs = {}
+    for key, name in (("one_way", "one_way"), ("both_ways", "both_ways")):
+        for b, g in d.get(key, []):
+            figs[f"{name}/{size_name(b)}"] = make_figure("GB/s", "higher", [g], b)
+    for key, name in (("latency_duplex_us", "latency_us"), ("latency_raw_us", "raw_latency_us"),
+                      ("host_duplex_us", "host_us"), ("host_raw_us", "raw_host_us")):
+        if d.get(key):
+            figs[name] = make_figure("us", "lower", [d[key]])
+    for lane in d.get("lanes", []):
+        figs[f"lane_create_ms/{lane['name']}"] = make_figure("ms", "lower", [lane["create_ms"]])
+        figs[f"lane_bytes/{lane['name']}"] = make_figure("B", "lower", [lane["bytes"]])
+    meta = {"nccl": d.get("nccl"), "ctas": d.get("ctas"), "trials": 1, "format": 1}
+    return meta, figs
+
+
+def _old_torch(d):
+    figs = {}
+    for key in ("one_way", "batch", "two_pgs"):
+        for b, g in d.get(key, []):
+            figs[f"{key}/{size_name(b)}"] = make_figure("GB/s", "higher", [g], b)
+    if d.get("latency_us"):
+        figs["latency_us"] = make_figure("us", "lower", [d["latency_us"]])
+    meta = {"nccl": d.get("nccl"), "torch": d.get("torch"), "trials": 1, "format": 1}
+    return meta, figs
+
+
+def parse_run(d):
+    """A run's JSON (either bench, either format) as (bench, meta, figures);
+    bench is "duplex" or "torch"."""
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    if d.get("format") == 2:
+        bench = d.get("bench") or ("torch" if "torch" in d else "duplex")
+        meta = {k: v for k, v in d.items() if k not in ("figures", "lanes")}
+        figs = {k: normalize_figure(f) for k, f in d.get("figures", {}).items()}
+        return bench, meta, figs
+    if "torch" in d:
+        meta, figs = _old_torch(d)
+        return "torch", meta, figs
+    if "one_way" in d or "latency_duplex_us" in d:
+        meta, figs = _old_duplex(d)
+        return "duplex", meta, figs
+    raise ValueError("neither duplex's nor PyTorch's benchmark JSON")
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_run(path, notes):
+    """(bench, meta, figures) of a run's file, or None with a note."""
+    try:
+        return parse_run(load_json(path))
+    except (OSError, ValueError) as e:
+        notes.append(f"{path}: not read ({e}); its figures are not measured")
+        return None
+
+
+def prefixed(bench, figs):
+    return {f"{bench}:{k}": v for k, v in figs.items()}
+
+
+def parse_baseline(d):
+    """A baseline's figures, by prefixed name: a --write-baseline file, or a
+    run's JSON (old format: one trial per figure)."""
+    if isinstance(d, dict) and d.get("format") == BASELINE_FORMAT:
+        return {k: normalize_figure(f) for k, f in d.get("figures", {}).items()}
+    bench, _, figs = parse_run(d)
+    return prefixed(bench, figs)
+
+
+def baseline_doc(runs, sources, note=None):
+    """The baseline file's content: every figure of `runs` ((bench, meta,
+    figures) each) by prefixed name, and where they came from."""
+    figs = {}
+    made_from = []
+    for (bench, meta, f), src in zip(runs, sources):
+        figs.update(prefixed(bench, f))
+        made_from.append({"file": src, "bench": bench, **{k: meta.get(k) for k in
+                                                        ("nccl", "torch", "ctas", "trials", "format")
+                                                        if meta.get(k) is not None}})
+    doc = {
+        "format": BASELINE_FORMAT,
+        "made_from": made_from,
+        "note": "written by scripts/bench_table.py --write-baseline; a figure of one trial has no "
+                "spread and is compared within --tolerance",
+        "figures": dict(sorted(figs.items())),
+    }
+    if note:
+        doc["about"] = note
+    return doc
+
+
+def band(base, tolerance, slack):
+    """The band [lo, hi] a new median may fall in without a flag, and how it
+    was made."""
+    if len(base.get("trials", [])) >= 2:
+        pad = slack * abs(base["median"])
+        how = "[min, max]" if not slack else f"[min, max] ±{slack:.0%} of the median"
+        return base["min"] - pad, base["max"] + pad, how
+    v = base["median"]
+    return v - tolerance * abs(v), v + tolerance * abs(v), f"one trial ±{tolerance:.0%}"
+
+
+WITHIN, WORSE, BETTER, MISSING, NEW = (
+    "within spread", "changed beyond spread (worse)", "changed beyond spread (better)",
+    "not measured", "new (no baseline)")
+
+
+def compare(current, baseline, tolerance=DEFAULT_TOLERANCE, slack=0.0):
+    """Each figure of `current` and `baseline` (prefixed names): a dict with
+    name, verdict, base, now, band, change (now median / base median - 1)."""
+    out = []
+    for name in sorted(set(current) | set(baseline), key=lambda n: figure_order(n, current, baseline)):
+        now, base = current.get(name), baseline.get(name)
+        row = {"name": name, "now": now, "base": base, "band": None, "change": None}
+        if base is None:
+            row["verdict"] = NEW
+        elif now is None:
+            row["verdict"] = MISSING
+        else:
+            lo, hi, how = band(base, tolerance, slack)
+            row["band"] = (lo, hi, how)
+            if base["median"]:
+                row["change"] = now["median"] / base["median"] - 1
+            m = now["median"]
+            higher = base.get("better", now.get("better")) == "higher"
+            if lo <= m <= hi:
+                row["verdict"] = WITHIN
+            elif (m < lo) == higher:
+                row["verdict"] = WORSE
+            else:
+                row["verdict"] = BETTER
+        out.append(row)
+    return out
+
+
+def figure_order(name, *sources):
+    """Sorts figures by bench, kind and size (1 MiB before 64 MiB)."""
+    nbytes = next((s[name].get("bytes") or 0 for s in sources if name in s), 0)
+    return name.rsplit("/", 1)[0] if nbytes else name, nbytes
+
+
+UNIT_SHOWN = {"B": "MiB of device memory", "us": "µs"}
+
+
+def strict_failures(rows):
+    return [r for r in rows if r["verdict"] in (WORSE, MISSING)]
+
+
+def median_of(figs, name):
+    f = figs.get(name)
+    return None if f is None else f["median"]
+
+
+def targets(figs):
+    """The targets of issue 12 on the merged figures (prefixed names), from
+    medians: a list of (target, met: True/False/None, measured)."""
+    rows = []
+
+    def add(text, met, measured):
+        rows.append((text, met, measured))
+
+    for size in ("256MiB", "64MiB"):
+        label = size.replace("MiB", " MiB")
+        both, one = median_of(figs, f"duplex:both_ways/{size}"), median_of(figs, f"duplex:one_way/{size}")
+        text = f"{label} both ways at once ≥ 0.97× duplex's one way, per direction"
+        if both is None or not one:
+            add(text, None, "not measured")
+        else:
+            add(text, both >= 0.97 * one, f"{both / one:.3f}× ({both:.1f} / {one:.1f} GB/s)")
+        best = [(median_of(figs, f"torch:{k}/{size}"), n) for k, n in
+                (("batch", "batch_isend_irecv"), ("two_pgs", "one PG per direction"))]
+        best = [(v, n) for v, n in best if v is not None]
+        text = f"{label} both ways at once ≥ PyTorch's best both ways, per direction"
+        if both is None or not best:
+            add(text, None, "not measured")
+        else:
+            v, n = max(best)
+            add(text, both >= v, f"{both / v:.3f}× ({both:.1f} vs {n} {v:.1f} GB/s)")
+    for size in ("256MiB", "64MiB", "1MiB"):
+        label = size.replace("MiB", " MiB")
+        d, r = median_of(figs, f"duplex:one_way/{size}"), median_of(figs, f"duplex:raw_one_way/{size}")
+        text = f"{label} one way within 1% of raw NCCL (≥ 0.99×)"
+        if d is None or not r:
+            add(text, None, "not measured")
+        else:
+            add(text, d >= 0.99 * r, f"{d / r:.3f}× ({d:.1f} vs {r:.1f} GB/s)")
+    for key, text in (("latency_us", "4 KiB half round trip within 1 µs of raw NCCL (same communicators and stream)"),
+                      ("host_us", "host time per op ≤ 1 µs over raw ncclSend/ncclRecv")):
+        d, r = median_of(figs, f"duplex:{key}"), median_of(figs, f"duplex:raw_{key}")
+        if d is None or r is None:
+            add(text, None, "not measured")
+        else:
+            add(text, d - r <= 1.0 + 1e-9, f"{d - r:+.2f} µs ({d:.2f} vs {r:.2f} µs)")
+    return rows
+
+
+def fmt_value(f, unit=None):
+    unit = unit or f.get("unit")
+    if unit == "B":
+        return lambda v: f"{v / (1 << 20):.1f}"
+    if unit == "us":
+        return lambda v: f"{v:.2f}"
+    return lambda v: f"{v:.1f}"
+
+
+def spread(f):
+    """median [min–max], or the value alone for one trial."""
+    p = fmt_value(f)
+    if len(f.get("trials", [])) <= 1:
+        return p(f["median"])
+    return f"{p(f['median'])} [{p(f['min'])}–{p(f['max'])}]"
+
+
+def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
+    """The Markdown report: tables, targets and (with `rows` from compare)
+    the comparison with the baseline."""
+    flagged = {r["name"] for r in rows or [] if r["verdict"] in (WORSE, BETTER)}
+    out = []
+    p = out.append
+
+    def cell(name):
+        f = current.get(name)
+        if f is None:
+            return "–"
+        return spread(f) + (" †" if name in flagged else "")
+
+    d, t = meta.get("duplex", {}), meta.get("torch", {})
+    p(f"duplex: NCCL {d.get('nccl', '?')} (system library), lane CTAs "
+      f"{ctas_label(d.get('ctas'))}, {d.get('trials', '?')} trial(s) per figure. "
+      f"PyTorch {t.get('torch', '?')} with NCCL {t.get('nccl', '?')}, {t.get('trials', '?')} trial(s) per figure.")
+    p("")
+    p("Each cell: the median of the trials [min–max]; ratios are of medians."
+      + (" † marks a figure that changed beyond the baseline's spread (see the comparison)." if rows else ""))
+    for n in notes:
+        p("")
+        p(f"Note: {n}")
+    p("")
+    p("### Bandwidth, GB/s per direction")
+    p("")
+    p("| size | duplex one way | raw NCCL one way | PyTorch one way | duplex both ways (each) "
+      "| raw NCCL both ways (each) | PyTorch batch_isend_irecv (each) | PyTorch one PG per direction (each) "
+      "| duplex both / one way | duplex both / PyTorch's best |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    sizes = sorted({f["bytes"] for f in current.values() if f.get("bytes")} or set(SIZES))
+    for b in sizes:
+        s = size_name(b)
+        both, one = median_of(current, f"duplex:both_ways/{s}"), median_of(current, f"duplex:one_way/{s}")
+        best = max([v for v in (median_of(current, f"torch:batch/{s}"), median_of(current, f"torch:two_pgs/{s}"))
+                    if v is not None], default=None)
+        r1 = f"{both / one:.3f}×" if both is not None and one else "–"
+        r2 = f"{both / best:.3f}×" if both is not None and best else "–"
+        p(f"| {s.replace('MiB', ' MiB')} | {cell(f'duplex:one_way/{s}')} | {cell(f'duplex:raw_one_way/{s}')} "
+          f"| {cell(f'torch:one_way/{s}')} | {cell(f'duplex:both_ways/{s}')} | {cell(f'duplex:raw_both_ways/{s}')} "
+          f"| {cell(f'torch:batch/{s}')} | {cell(f'torch:two_pgs/{s}')} | {r1} | {r2} |")
+    p("")
+    p("### Latency and host overhead, µs")
+    p("")
+    p("| | duplex | raw NCCL, same communicators and stream | PyTorch | duplex − raw |")
+    p("|---|---|---|---|---|")
+    for key, label, torch in (("latency_us", "4 KiB, half a round trip", "torch:latency_us"),
+                              ("host_us", "host time to enqueue one 4 KiB op", None)):
+        dm, rm = median_of(current, f"duplex:{key}"), median_of(current, f"duplex:raw_{key}")
+        diff = f"{dm - rm:+.2f}" if dm is not None and rm is not None else "–"
+        p(f"| {label} | {cell(f'duplex:{key}')} | {cell(f'duplex:raw_{key}')} "
+          f"| {cell(torch) if torch else '–'} | {diff} |")
+    lanes = sorted({k.split("/", 1)[1] for k in current if k.startswith("duplex:lane_create_ms/")})
+    if lanes:
+        p("")
+        p("### Lane cost (rank 1's lanes, one trial per run)")
+        p("")
+        p("| lane | creation, ms | device memory, MiB |")
+        p("|---|---|---|")
+        for lane in lanes:
+            p(f"| {lane} | {cell(f'duplex:lane_create_ms/{lane}')} | {cell(f'duplex:lane_bytes/{lane}')} |")
+    if ctas:
+        p("")
+        p("### Lane CTA bounds, 256 MiB, duplex only")
+        p("")
+        p("| lane CTAs | one way | both ways (each) | both / one way | both / PyTorch's best |")
+        p("|---|---|---|---|---|")
+        best = max([v for v in (median_of(current, "torch:batch/256MiB"), median_of(current, "torch:two_pgs/256MiB"))
+                    if v is not None], default=None)
+        for label, figs in [(ctas_label(d.get("ctas")), {k[7:]: v for k, v in current.items()
+                                                         if k.startswith("duplex:")})] + list(ctas):
+            one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
+            r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
+            r2 = f"{both['median'] / best:.3f}×" if both and best else "–"
+            p(f"| {label} | {spread(one) if one else '–'} | {spread(both) if both else '–'} | {r1} | {r2} |")
+    p("")
+    p("### Targets (issue 12; medians)")
+    p("")
+    p("| target | met | measured |")
+    p("|---|---|---|")
+    for text, met, measured in targets(current):
+        p(f"| {text} | {'yes' if met else '**no**' if met is False else 'not measured'} | {measured} |")
+    if rows is not None:
+        p("")
+        p(f"### Compared with the baseline ({baseline_name})")
+        p("")
+        counts = {}
+        for r in rows:
+            counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+        p("; ".join(f"{n} {v}" for v, n in sorted(counts.items())) + ".")
+        p("")
+        p("| figure | baseline: median [min–max] (trials) | now: median [min–max] | change | band | verdict |")
+        p("|---|---|---|---|---|---|")
+        for r in rows:
+            base, now = r["base"], r["now"]
+            bs = f"{spread(base)} ({len(base.get('trials', []))})" if base else "–"
+            ns = spread(now) if now else "–"
+            ch = f"{r['change']:+.1%}" if r["change"] is not None else "–"
+            bd = "–"
+            if r["band"]:
+                f = fmt_value(base)
+                bd = f"{f(r['band'][0])}–{f(r['band'][1])} ({r['band'][2]})"
+            v = f"**{r['verdict']}**" if r["verdict"] in (WORSE, MISSING) else r["verdict"]
+            f0 = base or now
+            p(f"| {r['name']} ({UNIT_SHOWN.get(f0['unit'], f0['unit'])}, {f0['better']} is better) "
+              f"| {bs} | {ns} | {ch} | {bd} | {v} |")
+    return "\n".join(out) + "\n"
+
+
+def ctas_label(c):
+    if not c or all(v is None for v in c):
+        return "NCCL's default"
+    lo, hi = c
+    return str(lo) if lo == hi else f"{lo}–{hi}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="duplex's and PyTorch's benchmark tables")
+    ap.add_argument("duplex")
+    ap.add_argument("torch")
+    ap.add_argument("--baseline", action="append", default=[])
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    ap.add_argument("--slack", type=float, default=0.0)
+    ap.add_argument("--strict", action="store_true")
+    ap.add_argument("--write-baseline")
+    ap.add_argument("--baseline-note", help="what the written baseline is (the run, the machine)")
+    ap.add_argument("--ctas", action="append", default=[])
+    a = ap.parse_args(argv)
+    if a.tolerance < 0 or a.slack < 0:
+        ap.error("--tolerance and --slack are fractions ≥ 0")
+    notes = []
+    current, meta, runs, sources = {}, {}, [], []
+    for path, want in ((a.duplex, "duplex"), (a.torch, "torch")):
+        run = load_run(path, notes)
+        if run is None:
+            continue
+        bench, m, figs = run
+        if bench != want:
+            notes.append(f"{path}: is {bench}'s benchmark, given as {want}'s")
+        meta[bench] = m
+        current.update(prefixed(bench, figs))
+        runs.append(run)
+        sources.append(path)
+    ctas = []
+    for path in a.ctas:
+        run = load_run(path, notes)
+        if run is not None:
+            ctas.append((ctas_label(run[1].get("ctas")), run[2]))
+    rows, base_name = None, None
+    if a.baseline:
+        baseline = {}
+        for path in a.baseline:
+            try:
+                baseline.update(parse_baseline(load_json(path)))
+            except (OSError, ValueError) as e:
+                print(f"bench_table: baseline {path}: {e}", file=sys.stderr)
+                return 2
+        rows = compare(current, baseline, a.tolerance, a.slack)
+        base_name = ", ".join(a.baseline)
+    sys.stdout.write(render(current, meta, rows, base_name, ctas, notes))
+    if a.write_baseline:
+        if not runs:
+            print("bench_table: nothing to write a baseline from", file=sys.stderr)
+            return 2
+        with open(a.write_baseline, "w") as f:
+            json.dump(baseline_doc(runs, sources, a.baseline_note), f, indent=1)
+            f.write("\n")
+        print(f"\nBaseline written to {a.write_baseline} ({len(current)} figures).", file=sys.stderr)
+    if a.strict and rows is not None:
+        bad = strict_failures(rows)
+        if bad:
+            print(f"bench_table: {len(bad)} figure(s) worse beyond the baseline's spread or not measured: "
+                  + ", ".join(r["name"] for r in bad), file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU run of duplex, in two halves.
+# The whole GPU run of duplex, in two halves, and the nightly that does both.
 #
 #   scripts/gpu.sh build          here (no GPU needed): builds the release
 #                                 binaries and stages them, with the examples
@@ -8,6 +8,21 @@
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
 #                                 ./gpu-out). WHAT: suite faults calibrate bench all
+#   scripts/gpu.sh nightly        there, with or without Rust: build (where
+#                                 cargo is; else the staged .gpu/), run all,
+#                                 judge (scripts/gpu-nightly.sh); exits 1 when
+#                                 a scenario or fault case fails, the
+#                                 calibration disagrees, or a benchmark is
+#                                 worse than docs/gpu/bench-baseline.json
+#
+# `run` goes on past a failing step; it records each command's exit status
+# in $OUT/steps.txt (NAME STATUS), which the nightly's verdict reads
+# (scripts/nightly_verdict.py). `bench` takes every figure in BENCH_TRIALS
+# trials (default 5) and writes benchmarks.md: medians [min–max], the
+# targets, and the comparison with BENCH_BASELINE (default
+# docs/gpu/bench-baseline.json; BENCH_TOLERANCE, BENCH_SLACK: see
+# scripts/bench_table.py). Time limits: SUITE_S FAULTS_S CALIBRATE_S BENCH_S
+# TORCH_S seconds.
 #
 # With the `device` tool: build here, then
 #   run(command="scripts/gpu.sh run all", carry=[".gpu"], kind="nvidia-h200-x2")
@@ -15,6 +30,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
+
+# record NAME STATUS: one line of $out/steps.txt.
+record() { echo "$1 $2" >> "$out/steps.txt"; }
+
 case "$what" in
 build)
   cargo build --release -p duplex-cli -p duplex-nccl --examples --bins
@@ -26,16 +45,19 @@ for l in sys.stdin:
   rm -rf .gpu && mkdir -p .gpu
   cp target/release/duplex .gpu/
   cp "$suite" .gpu/nccl-suite
-  cp target/release/examples/bench .gpu/ 2>/dev/null || true
+  cp target/release/examples/bench .gpu/
   cp target/release/examples/faults .gpu/
   cp -r examples .gpu/examples
-  cp scripts/bench_torch.py scripts/bench_table.py .gpu/ 2>/dev/null || true
+  cp scripts/bench_torch.py scripts/bench_table.py .gpu/
   ls -la .gpu
   ;;
 run)
   shift
   out=${OUT:-gpu-out}
   mkdir -p "$out"
+  out=$(cd "$out" && pwd)
+  trials=${BENCH_TRIALS:-5}
+  baseline=${BENCH_BASELINE:-docs/gpu/bench-baseline.json}
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
@@ -47,31 +69,57 @@ run)
     suite)
       # The suite's test is #[ignore]d (a CPU-only `cargo test` shows it as
       # ignored); --ignored runs it.
-      DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout ${SUITE_S:-240} .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt" || true ;;
+      set +e
+      DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt"
+      record suite "${PIPESTATUS[0]}"
+      set -e ;;
     faults)
       # The fault matrix (backend-nccl/examples/faults.rs): every case's
       # survivors must end by themselves, with an error naming the failed
       # rank, within deadline + grace; its table goes to docs/gpu/faults.md.
-      timeout ${FAULTS_S:-500} .gpu/faults drive --out "$out/faults.md" 2>&1 | tee "$out/faults.log" || true
-      { echo; echo "Produced by: scripts/gpu.sh run faults"; } >> "$out/faults.md" ;;
+      rm -f "$out/faults.md"
+      set +e
+      timeout "${FAULTS_S:-500}" .gpu/faults drive --out "$out/faults.md" 2>&1 | tee "$out/faults.log"
+      record faults "${PIPESTATUS[0]}"
+      set -e
+      [ -e "$out/faults.md" ] && { echo; echo "Produced by: scripts/gpu.sh run faults"; } >> "$out/faults.md" ;;
     calibrate)
-      timeout ${CALIBRATE_S:-200} .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log" || true
+      # Exit status 0: every example agrees; 1: some disagree; 4: no backend.
+      set +e
+      timeout "${CALIBRATE_S:-200}" .gpu/duplex calibrate .gpu/examples --timeout-ms 2000 --format markdown > "$out/calibration.md" 2> "$out/calibration.log"
+      record calibrate $?
+      set -e
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;
     bench)
-      timeout ${BENCH_S:-90} .gpu/bench --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt" || true
+      set +e
+      timeout "${BENCH_S:-240}" .gpu/bench --trials "$trials" --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt"
+      record bench "${PIPESTATUS[0]}"
       # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the table.
+      ctas=()
       for c in 16 32 64; do
-        echo "== lane CTAs $c" >> /tmp/bench-sweep.txt
-        timeout 40 .gpu/bench --quick --min-ctas $c --max-ctas $c 2>/dev/null | grep -E "^ +[0-9]+MiB|^duplex" >> /tmp/bench-sweep.txt || echo "failed" >> /tmp/bench-sweep.txt
+        echo "== lane CTAs $c" | tee -a "$out/bench-log.txt"
+        timeout 60 .gpu/bench --quick --min-ctas $c --max-ctas $c --json "$out/bench-ctas-$c.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
+        rc=${PIPESTATUS[0]}
+        record "bench-ctas-$c" "$rc"
+        [ "$rc" = 0 ] && ctas+=(--ctas "$out/bench-ctas-$c.json")
       done
-      cat /tmp/bench-sweep.txt | tee -a "$out/bench-log.txt"
-      (cd .gpu && timeout ${TORCH_S:-120} python3 bench_torch.py "$out/bench-torch.json") 2>&1 | grep -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt" || true
-      python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" > "$out/benchmarks.md" 2>&1 || true
-      { echo; echo '### Lane CTA bounds (256 MiB, duplex only)'; echo; echo '```'; cat /tmp/bench-sweep.txt; echo '```'; } >> "$out/benchmarks.md"
-      cat "$out/benchmarks.md" ;;
+      (cd .gpu && timeout "${TORCH_S:-240}" python3 bench_torch.py "$out/bench-torch.json" --trials "$trials") 2>&1 \
+        | grep --line-buffered -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt"
+      record bench-torch "${PIPESTATUS[0]}"
+      base=()
+      [ -e "$baseline" ] && base=(--baseline "$baseline" --tolerance "${BENCH_TOLERANCE:-0.10}" --slack "${BENCH_SLACK:-0}")
+      python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" ${base[@]+"${base[@]}"} ${ctas[@]+"${ctas[@]}"} --strict \
+        > "$out/benchmarks.md" 2> "$out/bench-compare.log"
+      record bench-table $?
+      set -e
+      cat "$out/benchmarks.md" "$out/bench-compare.log" ;;
     *) echo "unknown step $s"; exit 2 ;;
     esac
   done
   ;;
-*) sed -n '2,14p' "$0"; exit 2 ;;
+nightly)
+  shift
+  exec scripts/gpu-nightly.sh "$@"
+  ;;
+*) sed -n '2,17p' "$0"; exit 2 ;;
 esac

@@ -1,32 +1,142 @@
 //! duplex's benchmark on two GPUs: bandwidth one way and both ways at once
-//! on per-direction lanes, 4 KiB ping-pong latency through duplex and
-//! through plain NCCL calls on the same communicators and stream, and the
-//! host time duplex adds to each op. Prints a table and writes JSON.
+//! on per-direction lanes, through duplex and through plain NCCL calls on
+//! the same communicators and streams; 4 KiB ping-pong latency through
+//! duplex and through plain NCCL calls; the host time duplex adds to each
+//! op; and what a lane costs. Prints a table and writes JSON.
 //!
-//! `bench [--json FILE] [--min-ctas N --max-ctas N]`; run
-//! `scripts/gpu.sh run bench` for the side-by-side run with PyTorch.
+//! `bench [--json FILE] [--trials N] [--quick] [--min-ctas N --max-ctas N]`;
+//! run `scripts/gpu.sh run bench` for the side-by-side run with PyTorch.
+//!
+//! Every figure is taken in `--trials` trials (default 5; `--quick`, which
+//! measures 256 MiB bandwidth only, defaults to 3). The trials are
+//! interleaved: trial k measures every figure once before trial k+1 starts,
+//! and a duplex figure and its raw-NCCL twin are taken back to back, in
+//! alternating order, so that drift over the run spreads over all figures
+//! alike. Each measurement keeps its own warm-up (3 ops before a bandwidth
+//! run, 50 round trips before a latency run). The lane cost is one trial
+//! per run of [`Local`]: the main run, then `trials - 1` runs that only make
+//! their lanes. The JSON (format 2) holds, for every figure, its unit,
+//! which way is better, every trial's value, and their median, min and max;
+//! `scripts/bench_table.py` reads it.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use duplex::{Dir, Place, Policy, Transport};
-use duplex_nccl::{Local, NcclRank};
+use duplex_nccl::{Local, NcclBuffer, NcclRank};
+
+/// The unit of a figure, and which way is better.
+#[derive(Clone, Copy, Debug)]
+enum Unit {
+    /// Bandwidth per direction, 10^9 bytes per second; higher is better.
+    GbPerS,
+    /// Microseconds; lower is better.
+    Micros,
+    /// Milliseconds; lower is better.
+    Millis,
+    /// Bytes of device memory; lower is better.
+    Bytes,
+}
+
+impl Unit {
+    fn name(self) -> &'static str {
+        match self {
+            Unit::GbPerS => "GB/s",
+            Unit::Micros => "us",
+            Unit::Millis => "ms",
+            Unit::Bytes => "B",
+        }
+    }
+
+    fn better(self) -> &'static str {
+        match self {
+            Unit::GbPerS => "higher",
+            _ => "lower",
+        }
+    }
+}
+
+/// One figure: every trial's value and their summary.
+#[derive(Debug, serde::Serialize)]
+struct Figure {
+    unit: &'static str,
+    better: &'static str,
+    /// The message size, for bandwidth figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes: Option<u64>,
+    trials: Vec<f64>,
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+impl Figure {
+    fn new(unit: Unit, bytes: Option<u64>, trials: Vec<f64>) -> Figure {
+        Figure {
+            unit: unit.name(),
+            better: unit.better(),
+            bytes,
+            median: median(&trials),
+            min: trials.iter().copied().fold(f64::INFINITY, f64::min),
+            max: trials.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            trials,
+        }
+    }
+}
+
+/// The samples one rank took: figure name → unit, size, values.
+#[derive(Default)]
+struct Samples(BTreeMap<String, (Unit, Option<u64>, Vec<f64>)>);
+
+impl Samples {
+    fn push(&mut self, name: String, unit: Unit, bytes: Option<u64>, value: f64) {
+        self.0
+            .entry(name)
+            .or_insert_with(|| (unit, bytes, Vec::new()))
+            .2
+            .push(value);
+    }
+}
 
 #[derive(Debug, Default, serde::Serialize)]
 struct Results {
+    /// 2: figures with trials (format 1, one value per figure, had no
+    /// `format` field).
+    format: u32,
+    bench: &'static str,
     nccl: String,
     ctas: (Option<i32>, Option<i32>),
-    /// bytes → GB/s, rank 0 to rank 1.
-    one_way: Vec<(u64, f64)>,
-    /// bytes → GB/s per direction, both directions at once.
-    both_ways: Vec<(u64, f64)>,
-    /// 4 KiB one-way latency (half a round trip), microseconds.
-    latency_duplex_us: f64,
-    latency_raw_us: f64,
-    /// Host time to enqueue one op, microseconds.
-    host_duplex_us: f64,
-    host_raw_us: f64,
+    trials: u32,
+    quick: bool,
+    /// Figure name → its trials and summary. Names: `one_way/SIZE`,
+    /// `raw_one_way/SIZE`, `both_ways/SIZE`, `raw_both_ways/SIZE` (GB/s per
+    /// direction, on rank 1's clock: it sees the data arrive),
+    /// `latency_us`, `raw_latency_us` (4 KiB, half a round trip, rank 1),
+    /// `host_us`, `raw_host_us` (host time to enqueue one 4 KiB op, rank
+    /// 0), `lane_create_ms/LANE`, `lane_bytes/LANE` (rank 1's lanes).
+    figures: BTreeMap<String, Figure>,
+    /// The lanes of the last run, with how their memory was measured.
     lanes: Vec<duplex_nccl::LaneCost>,
+}
+
+impl Results {
+    fn add(&mut self, samples: Samples) {
+        for (name, (unit, bytes, values)) in samples.0 {
+            self.figures.insert(name, Figure::new(unit, bytes, values));
+        }
+    }
 }
 
 fn iters(bytes: u64) -> u32 {
@@ -48,57 +158,124 @@ fn barrier(t: &NcclRank, tag: &str) -> duplex::Result<()> {
     t.await_notify(peer, tag)
 }
 
-fn bandwidth(t: &NcclRank, bytes: u64, both: bool) -> duplex::Result<f64> {
+/// Whether ops go through duplex or straight to `ncclSend`/`ncclRecv` on
+/// the same lane communicators and streams (`NcclRank::raw_p2p`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Duplex,
+    Raw,
+}
+
+impl Path {
+    /// The prefix of this path's figure names.
+    fn prefix(self) -> &'static str {
+        match self {
+            Path::Duplex => "",
+            Path::Raw => "raw_",
+        }
+    }
+}
+
+/// A send and a receive buffer of one size, kept across trials.
+struct Buffers {
+    bytes: u64,
+    out: NcclBuffer<u8>,
+    inb: NcclBuffer<u8>,
+}
+
+impl Buffers {
+    fn new(t: &NcclRank, bytes: u64) -> duplex::Result<Buffers> {
+        Ok(Buffers {
+            bytes,
+            out: t.alloc::<u8>(bytes as usize)?,
+            inb: t.alloc::<u8>(bytes as usize)?,
+        })
+    }
+}
+
+/// GB/s per direction of back-to-back messages of `b.bytes`, rank 0 to
+/// rank 1 (`both`: both directions at once), on per-direction lanes.
+fn bandwidth(
+    t: &NcclRank,
+    b: &mut Buffers,
+    both: bool,
+    path: Path,
+    trial: u32,
+) -> duplex::Result<f64> {
+    let bytes = b.bytes;
     let n = iters(bytes);
     let peer = 1 - t.rank();
-    let out = t.alloc::<u8>(bytes as usize)?;
-    let mut inb = t.alloc::<u8>(bytes as usize)?;
-    let run = |count: u32, inb: &mut _| -> duplex::Result<Duration> {
-        barrier(t, &format!("bw{bytes}{both}{count}"))?;
+    let (out_ptr, in_ptr) = (t.raw_ptr(&b.out), t.raw_ptr(&b.inb));
+    let len = bytes as usize;
+    let mut run = |count: u32| -> duplex::Result<Duration> {
+        barrier(t, &format!("bw{bytes}{both}{path:?}{trial}/{count}"))?;
         let start = Instant::now();
         for _ in 0..count {
             if both || t.rank() == 0 {
-                t.send(&out, peer)?;
+                match path {
+                    Path::Duplex => t.send(&b.out, peer)?,
+                    Path::Raw => t.raw_p2p(Dir::Send, peer, out_ptr, len, None)?,
+                }
             }
             if both || t.rank() == 1 {
-                t.recv(inb, peer)?;
+                match path {
+                    Path::Duplex => t.recv(&mut b.inb, peer)?,
+                    Path::Raw => t.raw_p2p(Dir::Recv, peer, in_ptr, len, None)?,
+                }
             }
         }
         t.synchronize()?;
         Ok(start.elapsed())
     };
-    run(3, &mut inb)?;
-    let d = run(n, &mut inb)?;
+    run(3)?;
+    let d = run(n)?;
     Ok(gbps(bytes, n, d))
 }
 
+/// What the ping-pong uses, made once: a stream of each rank, the lanes
+/// toward and from the peer, and two 4 KiB buffers.
+struct Pingpong {
+    stream: duplex_nccl::NcclStream,
+    out_lane: duplex::Lane<NcclRank>,
+    in_lane: duplex::Lane<NcclRank>,
+    out: NcclBuffer<u8>,
+    inb: NcclBuffer<u8>,
+}
+
+impl Pingpong {
+    fn new(t: &NcclRank) -> duplex::Result<Pingpong> {
+        let peer = 1 - t.rank();
+        Ok(Pingpong {
+            stream: t.stream("pingpong")?,
+            out_lane: t.lane(peer, Dir::Send)?,
+            in_lane: t.lane(peer, Dir::Recv)?,
+            out: t.alloc::<u8>(4096)?,
+            inb: t.alloc::<u8>(4096)?,
+        })
+    }
+}
+
 /// Round trips of 4 KiB on one stream of each rank: rank 0 sends then
-/// receives, rank 1 receives then sends; half the mean round trip. `raw`
+/// receives, rank 1 receives then sends; half the mean round trip. `Raw`
 /// issues plain ncclSend/ncclRecv on the same communicators and stream.
-fn latency(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
+fn latency(t: &NcclRank, p: &mut Pingpong, path: Path, trial: u32) -> duplex::Result<f64> {
     const N: u32 = 2000;
     let peer = 1 - t.rank();
-    let s = t.stream("pingpong")?;
-    let out_lane = t.lane(peer, Dir::Send)?;
-    let in_lane = t.lane(peer, Dir::Recv)?;
-    let out = t.alloc::<u8>(4096)?;
-    let mut inb = t.alloc::<u8>(4096)?;
-    let (out_ptr, in_ptr) = (t.raw_ptr(&out), t.raw_ptr(&inb));
-    let send = |_: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
-        if raw {
-            t.raw_p2p(Dir::Send, peer, out_ptr, 4096, Some(&s))
-        } else {
-            t.send_on(&out, peer, &Place::on(&out_lane.comm, &s))
-        }
-    };
-    let recv = |inb: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
-        if raw {
-            t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, Some(&s))
-        } else {
-            t.recv_on(inb, peer, &Place::on(&in_lane.comm, &s))
-        }
-    };
-    let one = |inb: &mut duplex_nccl::NcclBuffer<u8>| -> duplex::Result<()> {
+    let (out_ptr, in_ptr) = (t.raw_ptr(&p.out), t.raw_ptr(&p.inb));
+    let s = &p.stream;
+    let send_place = Place::on(&p.out_lane.comm, s);
+    let recv_place = Place::on(&p.in_lane.comm, s);
+    let out = &p.out;
+    let inb = &mut p.inb;
+    let mut one = || -> duplex::Result<()> {
+        let send = |_: &mut NcclBuffer<u8>| match path {
+            Path::Raw => t.raw_p2p(Dir::Send, peer, out_ptr, 4096, Some(s)),
+            Path::Duplex => t.send_on(out, peer, &send_place),
+        };
+        let recv = |inb: &mut NcclBuffer<u8>| match path {
+            Path::Raw => t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, Some(s)),
+            Path::Duplex => t.recv_on(inb, peer, &recv_place),
+        };
         if t.rank() == 0 {
             send(inb)?;
             recv(inb)
@@ -108,40 +285,175 @@ fn latency(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
         }
     };
     for _ in 0..50 {
-        one(&mut inb)?;
+        one()?;
     }
-    t.sync_stream(&s)?;
-    barrier(t, &format!("lat{raw}"))?;
+    t.sync_stream(s)?;
+    barrier(t, &format!("lat{path:?}{trial}"))?;
     let start = Instant::now();
     for _ in 0..N {
-        one(&mut inb)?;
+        one()?;
     }
-    t.sync_stream(&s)?;
+    t.sync_stream(s)?;
     let d = start.elapsed();
     Ok(d.as_secs_f64() * 1e6 / f64::from(N) / 2.0)
 }
 
 /// Host time per enqueued 4 KiB op, duplex vs plain ncclSend/ncclRecv on
 /// the same lanes.
-fn host_overhead(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
+fn host_overhead(t: &NcclRank, path: Path, trial: u32) -> duplex::Result<f64> {
     const N: u32 = 4000;
     let peer = 1 - t.rank();
     let out = t.alloc::<u8>(4096)?;
     let mut inb = t.alloc::<u8>(4096)?;
     let (out_ptr, in_ptr) = (t.raw_ptr(&out), t.raw_ptr(&inb));
-    barrier(t, &format!("host{raw}"))?;
+    barrier(t, &format!("host{path:?}{trial}"))?;
     let start = Instant::now();
     for _ in 0..N {
-        match (t.rank(), raw) {
-            (0, true) => t.raw_p2p(Dir::Send, peer, out_ptr, 4096, None)?,
-            (0, false) => t.send(&out, peer)?,
-            (_, true) => t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, None)?,
-            (_, false) => t.recv(&mut inb, peer)?,
+        match (t.rank(), path) {
+            (0, Path::Raw) => t.raw_p2p(Dir::Send, peer, out_ptr, 4096, None)?,
+            (0, Path::Duplex) => t.send(&out, peer)?,
+            (_, Path::Raw) => t.raw_p2p(Dir::Recv, peer, in_ptr, 4096, None)?,
+            (_, Path::Duplex) => t.recv(&mut inb, peer)?,
         }
     }
     let enqueue = start.elapsed();
     t.synchronize()?;
     Ok(enqueue.as_secs_f64() * 1e6 / f64::from(N))
+}
+
+/// Duplex and raw in alternating order: duplex first in even trials.
+fn both_paths(trial: u32) -> [Path; 2] {
+    if trial.is_multiple_of(2) {
+        [Path::Duplex, Path::Raw]
+    } else {
+        [Path::Raw, Path::Duplex]
+    }
+}
+
+/// Every trial of every figure on one rank. Rank 1 keeps the bandwidth and
+/// latency figures (its clock sees the data arrive), rank 0 the host time.
+fn measure(t: &NcclRank, trials: u32, quick: bool) -> duplex::Result<Samples> {
+    let mut s = Samples::default();
+    let sizes: &[u64] = if quick {
+        &[256 << 20]
+    } else {
+        &[1 << 20, 64 << 20, 256 << 20]
+    };
+    let mut buffers = sizes
+        .iter()
+        .map(|&b| Buffers::new(t, b))
+        .collect::<duplex::Result<Vec<_>>>()?;
+    let mut pingpong = if quick { None } else { Some(Pingpong::new(t)?) };
+    let receiver = t.rank() == 1;
+    for trial in 0..trials {
+        eprintln!("rank {}: trial {} of {trials}", t.rank(), trial + 1);
+        for b in &mut buffers {
+            let size = duplex::Size(b.bytes);
+            for both in [false, true] {
+                let what = if both { "both_ways" } else { "one_way" };
+                for path in both_paths(trial) {
+                    let g = bandwidth(t, b, both, path, trial)?;
+                    if receiver {
+                        let name = format!("{}{what}/{size}", path.prefix());
+                        s.push(name, Unit::GbPerS, Some(b.bytes), g);
+                    }
+                }
+            }
+        }
+        let Some(p) = pingpong.as_mut() else {
+            continue;
+        };
+        for path in both_paths(trial) {
+            let us = latency(t, p, path, trial)?;
+            if receiver {
+                s.push(
+                    format!("{}latency_us", path.prefix()),
+                    Unit::Micros,
+                    None,
+                    us,
+                );
+            }
+        }
+        for path in both_paths(trial) {
+            let us = host_overhead(t, path, trial)?;
+            if !receiver {
+                s.push(format!("{}host_us", path.prefix()), Unit::Micros, None, us);
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Rank 1's lane costs as samples.
+fn lane_samples(t: &NcclRank, s: &mut Samples) {
+    for l in t.lane_costs() {
+        s.push(
+            format!("lane_create_ms/{}", l.name),
+            Unit::Millis,
+            None,
+            l.create_ms,
+        );
+        s.push(
+            format!("lane_bytes/{}", l.name),
+            Unit::Bytes,
+            None,
+            l.bytes as f64,
+        );
+    }
+}
+
+fn cell(f: Option<&Figure>) -> String {
+    match f {
+        Some(f) => format!("{:.2} [{:.2}-{:.2}]", f.median, f.min, f.max),
+        None => "-".into(),
+    }
+}
+
+fn print_table(r: &Results) {
+    println!(
+        "duplex bench, NCCL {}, lane CTAs {:?}, {} trials; median [min-max]",
+        r.nccl, r.ctas, r.trials
+    );
+    let f = |name: &str| r.figures.get(name);
+    println!(
+        "{:>8} {:>26} {:>26} {:>26} {:>26}",
+        "size", "one way GB/s", "raw NCCL one way", "both ways (each)", "raw NCCL both ways"
+    );
+    let mut sizes: Vec<u64> = r.figures.values().filter_map(|f| f.bytes).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for b in sizes {
+        let size = duplex::Size(b);
+        println!(
+            "{:>8} {:>26} {:>26} {:>26} {:>26}",
+            size.to_string(),
+            cell(f(&format!("one_way/{size}"))),
+            cell(f(&format!("raw_one_way/{size}"))),
+            cell(f(&format!("both_ways/{size}"))),
+            cell(f(&format!("raw_both_ways/{size}"))),
+        );
+    }
+    if f("latency_us").is_some() {
+        println!(
+            "4 KiB latency (half a round trip), us: duplex {}, raw NCCL {}",
+            cell(f("latency_us")),
+            cell(f("raw_latency_us"))
+        );
+        println!(
+            "host time per op, us: duplex {}, raw ncclSend {}",
+            cell(f("host_us")),
+            cell(f("raw_host_us"))
+        );
+    }
+    for l in &r.lanes {
+        println!(
+            "lane {}: create ms {}, bytes {} ({})",
+            l.name,
+            cell(f(&format!("lane_create_ms/{}", l.name))),
+            cell(f(&format!("lane_bytes/{}", l.name))),
+            l.measured_by
+        );
+    }
 }
 
 fn main() {
@@ -158,8 +470,26 @@ fn main() {
     );
     // --quick: only 256 MiB bandwidth, for sweeps of settings.
     let quick = args.iter().any(|a| a == "--quick");
+    let trials = match arg("--trials").map(|v| v.parse::<u32>()) {
+        None => {
+            if quick {
+                3
+            } else {
+                5
+            }
+        }
+        Some(Ok(n)) if n > 0 => n,
+        Some(_) => {
+            eprintln!("bench: --trials takes a positive number");
+            std::process::exit(2);
+        }
+    };
     let results = Mutex::new(Results {
+        format: 2,
+        bench: "duplex",
         ctas,
+        trials,
+        quick,
         ..Default::default()
     });
     let local = match Local::new(2) {
@@ -172,95 +502,48 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // Rank 1's lane costs, one trial per run of `local`.
+    let lanes = Mutex::new(Samples::default());
     let r = local.run(|t| {
-        let mut one = Vec::new();
-        let mut both = Vec::new();
-        let phase = |name: &str| eprintln!("rank {}: {name}", t.rank());
-        let sizes: &[u64] = if quick {
-            &[256 << 20]
-        } else {
-            &[1 << 20, 64 << 20, 256 << 20]
-        };
-        for &bytes in sizes {
-            phase(&format!("one way {bytes}"));
-            one.push((bytes, bandwidth(t, bytes, false)?));
-            phase(&format!("both ways {bytes}"));
-            both.push((bytes, bandwidth(t, bytes, true)?));
-        }
-        if quick {
-            let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
-            if t.rank() == 1 {
-                r.one_way = one;
-                r.both_ways = both;
-                r.nccl = t.nccl().version_string();
-            }
-            return Ok(());
-        }
-        phase("latency");
-        let lat_d = latency(t, false)?;
-        let lat_r = latency(t, true)?;
-        let lat_d2 = latency(t, false)?;
-        let lat_r2 = latency(t, true)?;
-        phase("host overhead");
-        let host_d = host_overhead(t, false)?;
-        let host_r = host_overhead(t, true)?;
-        phase("done");
+        let s = measure(t, trials, quick)?;
+        eprintln!("rank {}: done", t.rank());
+        let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
         if t.rank() == 1 {
-            // The receiver's clock: it sees the data arrive.
-            let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
             r.nccl = t.nccl().version_string();
-            r.one_way = one;
-            r.both_ways = both;
-            r.latency_duplex_us = lat_d.min(lat_d2);
-            r.latency_raw_us = lat_r.min(lat_r2);
             r.lanes = t.lane_costs().to_vec();
-        } else {
-            let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
-            r.host_duplex_us = host_d;
-            r.host_raw_us = host_r;
+            lane_samples(t, &mut lanes.lock().unwrap_or_else(|e| e.into_inner()));
         }
+        r.add(s);
         Ok(())
     });
     if let Err(e) = r {
         eprintln!("bench failed: {e}");
         std::process::exit(1);
     }
-    let r = results.into_inner().unwrap_or_else(|e| e.into_inner());
-    println!("duplex bench, NCCL {}, lane CTAs {:?}", r.nccl, r.ctas);
-    println!(
-        "{:>10} {:>14} {:>22}",
-        "size", "one way GB/s", "both ways GB/s (each)"
-    );
-    for ((b, o), (_, w)) in r.one_way.iter().zip(&r.both_ways) {
-        println!(
-            "{:>10} {:>14.1} {:>22.1}",
-            duplex::Size(*b).to_string(),
-            o,
-            w
-        );
-    }
-    println!(
-        "4 KiB latency: duplex {:.2} us, raw NCCL {:.2} us",
-        r.latency_duplex_us, r.latency_raw_us
-    );
-    println!(
-        "host time per op: duplex {:.2} us, raw ncclSend {:.2} us",
-        r.host_duplex_us, r.host_raw_us
-    );
-    for l in &r.lanes {
-        println!(
-            "lane {}: {:.1} ms, {} bytes ({})",
-            l.name, l.create_ms, l.bytes, l.measured_by
-        );
-    }
-    if let Some(path) = arg("--json") {
-        match serde_json::to_string_pretty(&r) {
-            Ok(j) => {
-                if let Err(e) = std::fs::write(&path, j) {
-                    eprintln!("bench: cannot write {path}: {e}");
-                }
+    // The lane cost's other trials: runs that make their lanes and end.
+    for run in 2..=if quick { 1 } else { trials } {
+        eprintln!("lane cost: run {run} of {trials}");
+        let r = local.run(|t| {
+            if t.rank() == 1 {
+                lane_samples(t, &mut lanes.lock().unwrap_or_else(|e| e.into_inner()));
             }
-            Err(e) => eprintln!("bench: {e}"),
+            Ok(())
+        });
+        if let Err(e) = r {
+            eprintln!("bench failed: lane cost run {run}: {e}");
+            std::process::exit(1);
+        }
+    }
+    let mut r = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    r.add(lanes.into_inner().unwrap_or_else(|e| e.into_inner()));
+    print_table(&r);
+    if let Some(path) = arg("--json") {
+        let written = serde_json::to_string_pretty(&r)
+            .map_err(|e| e.to_string())
+            .and_then(|j| std::fs::write(&path, j).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            eprintln!("bench: cannot write {path}: {e}");
+            std::process::exit(1);
         }
     }
 }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU nightly (`scripts/gpu.sh nightly`), on a machine with 2 GPUs, NCCL
+# and PyTorch: builds the release binaries into .gpu/ where cargo is (else
+# uses the staged .gpu/), runs every step of `scripts/gpu.sh run all` (the
+# conformance suite, the fault matrix, the calibration, the benchmarks with
+# BENCH_TRIALS trials each against docs/gpu/bench-baseline.json), writes
+# every report under $OUT (default ./gpu-out), and judges them with
+# scripts/nightly_verdict.py into $OUT/nightly.md and nightly.json.
+#
+# Exit status: 0 when every step passed; 1 when the build failed, a suite
+# scenario failed, a fault case failed, the calibration disagrees with the
+# model (beyond scripts/nightly-known.txt), or a benchmark figure is worse
+# than the baseline's spread or was not measured; 2 for a wrong invocation.
+#
+#   NIGHTLY_BUILD=0   never build; use the staged .gpu/
+#   OUT=DIR           where the reports go (made if missing)
+# and every variable of `scripts/gpu.sh run` (BENCH_TRIALS, BENCH_BASELINE,
+# BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -eq 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export OUT=$out
+: > "$out/steps.txt"
+echo "nightly: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse HEAD 2>/dev/null || echo unknown), reports in $out" \
+  | tee "$out/nightly.log"
+
+built=0
+if [ "${NIGHTLY_BUILD:-1}" != 0 ] && command -v cargo > /dev/null; then
+  set +e
+  scripts/gpu.sh build 2>&1 | tee "$out/build.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "build $rc" >> "$out/steps.txt"
+  [ "$rc" = 0 ] && built=1
+elif [ -x .gpu/duplex ] && [ -x .gpu/nccl-suite ] && [ -x .gpu/faults ] && [ -x .gpu/bench ]; then
+  echo "no build (NIGHTLY_BUILD=0 or no cargo): using the staged .gpu/" | tee -a "$out/nightly.log"
+  echo "build staged" >> "$out/steps.txt"
+  built=1
+else
+  echo "no cargo and no complete .gpu/ (scripts/gpu.sh build stages one)" | tee -a "$out/nightly.log"
+  echo "build 127" >> "$out/steps.txt"
+fi
+
+if [ "$built" = 1 ]; then
+  # `run` records each command's exit status in steps.txt and goes on past
+  # failures; its own status only says whether it could run at all.
+  scripts/gpu.sh run suite faults calibrate bench 2>&1 | tee -a "$out/nightly.log" || true
+fi
+
+exec python3 scripts/nightly_verdict.py "$out" --known scripts/nightly-known.txt

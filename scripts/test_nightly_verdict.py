@@ -1,0 +1,393 @@
+"""Tests of nightly_verdict.py: each step's judgement on the reports the
+GPU run writes, the committed ones (docs/gpu/suite.txt, calibration.md) and
+small fixtures (no GPU needed).
+
+python3 -m unittest discover -s scripts -p 'test_*.py'
+"""
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import nightly_verdict as nv  # noqa: E402
+
+REPO = os.path.dirname(HERE)
+
+
+def committed(name):
+    with open(os.path.join(REPO, "docs/gpu", name)) as f:
+        return f.read()
+
+
+def known():
+    with open(os.path.join(HERE, "nightly-known.txt")) as f:
+        return nv.read_known(f.read())
+
+
+SUITE_OK = """
+running 1 test
+test every_scenario_on_nccl ... PASS    seed/shared              6.23 s  6.04
+rank 0 thread main: `synchronize` did not return within its deadline of 3s
+PASS    seed/per-direction       3.45 s  3.23
+PASS    unmatched-send           6.17 s  5.90
+PASS    reuse-after-hang         7.98 s 
+ran 4 scenarios on NCCL, each in its own process
+ok
+
+test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out; finished in 30.02s
+
+"""
+
+FAULTS_OK = """| case | mode | fault after (s) | rank 0 | rank 1 | result |
+|---|---|---|---|---|---|
+| kill-before | 2 processes | 1.2 | 4.1 s: RANK ERROR rank 1 failed: its process went silent | killed | PASS |
+| freeze-during | 2 processes | 1.4 | 5.0 s: RANK ERROR rank 1 failed / stopped | killed | PASS |
+| panic-local | local | 0.0 | 1.0 s: RANK ERROR rank 1 panicked | 1.0 s: RANK ERROR panicked | PASS |
+
+3 of 3 cases passed (deadline 5s, grace 10s).
+
+Produced by: scripts/gpu.sh run faults
+"""
+
+
+class Steps(unittest.TestCase):
+    def test_last_line_of_a_name_wins(self):
+        self.assertEqual(nv.read_steps("suite 1\nbench 0\nsuite 0\nbuild staged\n"),
+                         {"suite": 0, "bench": 0, "build": "staged"})
+
+    def test_known_file_parses_and_rejects_bad_lines(self):
+        k = known()
+        self.assertIn(("calibrate", "pytorch-seed.sched", "crash"), k)
+        with self.assertRaises(ValueError):
+            nv.read_known("calibrate pytorch-seed.sched  # no outcome")
+
+    def test_build(self):
+        self.assertTrue(nv.judge_build(0)[0])
+        self.assertTrue(nv.judge_build("staged")[0])
+        self.assertFalse(nv.judge_build(101)[0])
+        self.assertFalse(nv.judge_build(None)[0])
+
+
+class Suite(unittest.TestCase):
+    def test_committed_run_fails_on_unmatched_send(self):
+        ok, why, d = nv.judge_suite(committed("suite.txt"), 101)
+        self.assertFalse(ok)
+        self.assertEqual(d["scenarios"], 17)
+        self.assertEqual(d["failed"], ["unmatched-send"])
+        self.assertTrue(any("unmatched-send" in w for w in why))
+
+    def test_a_clean_run_passes(self):
+        ok, why, d = nv.judge_suite(SUITE_OK, 0)
+        self.assertTrue(ok, why)
+        self.assertEqual(d["scenarios"], 4)
+
+    def test_exit_status_alone_fails_it(self):
+        ok, why, _ = nv.judge_suite(SUITE_OK, 101)
+        self.assertFalse(ok)
+        ok, why, _ = nv.judge_suite(SUITE_OK.split("ran 4")[0], 124)
+        self.assertFalse(ok)
+        self.assertTrue(any("timed out" in w for w in why))
+
+    def test_a_fail_line_fails_it_even_with_status_0(self):
+        ok, _, d = nv.judge_suite(SUITE_OK.replace("PASS    seed/per", "FAIL    seed/per"), 0)
+        self.assertFalse(ok)
+        self.assertEqual(d["failed"], ["seed/per-direction"])
+
+    def test_a_suite_that_ran_nothing_fails(self):
+        text = "running 0 tests\n\ntest result: ok. 0 passed; 0 failed; 1 ignored\n"
+        self.assertFalse(nv.judge_suite(text, 0)[0])
+        self.assertFalse(nv.judge_suite("", None)[0])
+
+    def test_a_missing_scenario_line_fails(self):
+        ok, why, _ = nv.judge_suite(SUITE_OK.replace("PASS    unmatched-send           6.17 s  5.90\n", ""), 0)
+        self.assertFalse(ok)
+        self.assertTrue(any("ran 4" in w for w in why))
+
+
+class Faults(unittest.TestCase):
+    def test_all_cases_pass(self):
+        ok, why, d = nv.judge_faults(FAULTS_OK, 0)
+        self.assertTrue(ok, why)
+        self.assertEqual(d["cases"], 3)
+
+    def test_a_failing_case(self):
+        text = FAULTS_OK.replace("| killed | PASS |", "| killed | FAIL: rank 0 took 30.0 s |", 1)
+        text = text.replace("3 of 3 cases passed", "2 of 3 cases passed")
+        ok, why, d = nv.judge_faults(text, 1)
+        self.assertFalse(ok)
+        self.assertEqual(d["failed"], ["kill-before"])
+
+    def test_a_failing_row_fails_even_with_status_0(self):
+        text = FAULTS_OK.replace("| killed | PASS |", "| killed | FAIL |", 1)
+        self.assertFalse(nv.judge_faults(text, 0)[0])
+
+    def test_no_report(self):
+        self.assertFalse(nv.judge_faults(None, 124)[0])
+        self.assertFalse(nv.judge_faults("\nProduced by: scripts/gpu.sh run faults\n", 0)[0])
+        self.assertFalse(nv.judge_faults(None, None)[0])
+
+    def test_summary_must_match_rows(self):
+        text = FAULTS_OK.replace("3 of 3 cases passed", "4 of 4 cases passed")
+        self.assertFalse(nv.judge_faults(text, 0)[0])
+
+
+class Calibration(unittest.TestCase):
+    def test_committed_run_passes_with_its_known_crash_only(self):
+        text = committed("calibration.md")
+        ok, why, d = nv.judge_calibration(text, 1, known())
+        self.assertTrue(ok, why)
+        self.assertEqual(d["examples"], 37)
+        self.assertEqual(d["disagree"], ["pytorch-seed.sched"])
+        self.assertTrue(any(w.startswith("known: pytorch-seed.sched") for w in why))
+        # Without the known list it fails.
+        self.assertFalse(nv.judge_calibration(text, 1, {})[0])
+
+    def test_a_new_disagreement_fails(self):
+        text = committed("calibration.md").replace(
+            "| seed.sched | deadlock | 5.53 | deadlock | yes |", "| seed.sched | ok | 5.53 | deadlock | NO |")
+        text = text.replace("36 of 37 examples agree.", "35 of 37 examples agree.")
+        ok, why, d = nv.judge_calibration(text, 1, known())
+        self.assertFalse(ok)
+        self.assertEqual(d["unknown"], ["seed.sched"])
+
+    def test_known_example_with_another_outcome_fails(self):
+        text = committed("calibration.md").replace(
+            "| pytorch-seed.sched | crash |", "| pytorch-seed.sched | ok |")
+        self.assertFalse(nv.judge_calibration(text, 1, known())[0])
+
+    def test_unavailable_or_timed_out(self):
+        self.assertFalse(nv.judge_calibration("", 4, known())[0])
+        self.assertFalse(nv.judge_calibration(None, 124, known())[0])
+        self.assertFalse(nv.judge_calibration(committed("calibration.md"), 124, known())[0])
+
+    def test_status_and_table_must_agree(self):
+        text = committed("calibration.md")
+        # Exit 0 with a disagreeing row in the table.
+        self.assertFalse(nv.judge_calibration(text, 0, known())[0])
+        clean = text.replace("| pytorch-seed.sched | crash | 2.46 | deadlock | no: NCCL failed instead of hanging (see below) |",
+                             "| pytorch-seed.sched | deadlock | 2.46 | deadlock | yes |")
+        clean = clean.replace("36 of 37 examples agree.", "37 of 37 examples agree.")
+        self.assertTrue(nv.judge_calibration(clean, 0, known())[0])
+        # Exit 1 with nothing disagreeing.
+        self.assertFalse(nv.judge_calibration(clean, 1, known())[0])
+
+
+class Whole(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.out = self.dir.name
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def write(self, name, text):
+        with open(os.path.join(self.out, name), "w") as f:
+            f.write(text)
+
+    def good_run(self):
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\n"
+                   "bench-ctas-16 0\nbench-ctas-64 1\nbench-torch 0\nbench-table 0\n")
+        self.write("suite.txt", SUITE_OK)
+        self.write("faults.md", FAULTS_OK)
+        self.write("calibration.md", committed("calibration.md"))
+        fig = {"unit": "GB/s", "better": "higher", "trials": [1.0], "median": 1.0, "min": 1.0, "max": 1.0}
+        self.write("bench-duplex.json", json.dumps({"format": 2, "figures": {"one_way/1MiB": fig}}))
+        self.write("bench-torch.json", json.dumps({"format": 2, "figures": {"one_way/1MiB": fig}}))
+
+    def main(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            rc = nv.main([self.out, "--known", os.path.join(HERE, "nightly-known.txt")])
+        with open(os.path.join(self.out, "nightly.json")) as f:
+            return rc, out.getvalue(), json.load(f)
+
+    def test_a_good_run_passes(self):
+        self.good_run()
+        rc, md, j = self.main()
+        self.assertEqual(rc, 0, md)
+        self.assertTrue(j["pass"])
+        self.assertIn("# GPU nightly: PASS", md)
+        self.assertIn("lane-CTA sweep 64: exit status 1 (not judged)", md)
+
+    def test_a_benchmark_beyond_the_baseline_fails_it(self):
+        self.good_run()
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 1\n")
+        self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
+                                        "measured: duplex:both_ways/256MiB\n")
+        rc, md, j = self.main()
+        self.assertEqual(rc, 1)
+        self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
+        self.assertIn("duplex:both_ways/256MiB", md)
+
+    def test_a_missing_torch_result_fails_it(self):
+        self.good_run()
+        os.remove(os.path.join(self.out, "bench-torch.json"))
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 1\nbench-table 1\n")
+        rc, md, _ = self.main()
+        self.assertEqual(rc, 1)
+        self.assertIn("bench_torch.py: exit status 1", md)
+
+    def test_a_failed_build_fails_everything_after_it(self):
+        self.write("steps.txt", "build 101\n")
+        rc, md, j = self.main()
+        self.assertEqual(rc, 1)
+        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 5)
+        self.assertIn("did not run", md)
+
+    def test_old_format_bench_json_is_not_a_nightly_result(self):
+        self.good_run()
+        with open(os.path.join(REPO, "docs/gpu/bench-duplex.json")) as f:
+            self.write("bench-duplex.json", f.read())
+        rc, md, _ = self.main()
+        self.assertEqual(rc, 1)
+        self.assertIn("bench-duplex.json is missing or not a format-2 result", md)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+STUB_SUITE = """#!/bin/sh
+cat "$(dirname "$0")/stub/suite.txt"; exit "$(cat "$(dirname "$0")/stub/suite.rc")"
+"""
+STUB_FAULTS = """#!/bin/sh
+[ "$1" = drive ] && [ "$2" = --out ] || exit 2
+cp "$(dirname "$0")/stub/faults.md" "$3"; echo "3 of 3 cases passed" >&2
+exit "$(cat "$(dirname "$0")/stub/faults.rc")"
+"""
+STUB_DUPLEX = """#!/bin/sh
+[ "$1" = calibrate ] || exit 2
+echo "calibrating" >&2; cat "$(dirname "$0")/stub/calibration.md"
+exit "$(cat "$(dirname "$0")/stub/calibrate.rc")"
+"""
+STUB_BENCH = """#!/bin/sh
+json=; quick=
+while [ $# -gt 0 ]; do case "$1" in --json) json=$2; shift;; --quick) quick=1;; esac; shift; done
+d=$(dirname "$0")/stub
+if [ -n "$quick" ]; then cp "$d/quick.json" "$json"; else cp "$d/duplex.json" "$json"; fi
+echo "bench stub"; exit "$(cat "$d/bench.rc")"
+"""
+STUB_TORCH = """import os, shutil, sys
+d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+rc = int(open(os.path.join(d, "torch.rc")).read())
+if rc == 0:
+    shutil.copy(os.path.join(d, "torch.json"), sys.argv[1])
+print("Warning: [PG this line is filtered")
+sys.exit(rc)
+"""
+
+
+@unittest.skipUnless(os.path.exists("/bin/bash"), "needs bash")
+class EndToEnd(unittest.TestCase):
+    """scripts/gpu.sh nightly with stub binaries in .gpu/ (NIGHTLY_BUILD=0):
+    the plumbing from each command's exit status and report to the verdict."""
+
+    def setUp(self):
+        import shutil
+        import subprocess
+        import test_bench_table as tbt
+        self.subprocess = subprocess
+        self.dir = tempfile.TemporaryDirectory()
+        root = self.root = self.dir.name
+        os.makedirs(os.path.join(root, "scripts"))
+        os.makedirs(os.path.join(root, "docs/gpu"))
+        os.makedirs(os.path.join(root, ".gpu/stub"))
+        os.makedirs(os.path.join(root, ".gpu/examples"))
+        for f in ("gpu.sh", "gpu-nightly.sh", "nightly_verdict.py", "nightly-known.txt", "bench_table.py"):
+            shutil.copy(os.path.join(HERE, f), os.path.join(root, "scripts", f))
+        shutil.copy(os.path.join(HERE, "bench_table.py"), os.path.join(root, ".gpu"))
+        for name, text in (("nccl-suite", STUB_SUITE), ("faults", STUB_FAULTS), ("duplex", STUB_DUPLEX),
+                           ("bench", STUB_BENCH), ("bench_torch.py", STUB_TORCH)):
+            path = os.path.join(root, ".gpu", name)
+            with open(path, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o755)
+        quick = tbt.new_duplex({k: v for k, v in tbt.GOOD_DUPLEX.items() if k.endswith("256MiB")})
+        quick["ctas"] = [64, 64]
+        self.stub({"suite.txt": SUITE_OK, "suite.rc": "0", "faults.md": FAULTS_OK, "faults.rc": "0",
+                   "calibration.md": committed("calibration.md"), "calibrate.rc": "1",
+                   "duplex.json": json.dumps(tbt.new_duplex(tbt.GOOD_DUPLEX)), "bench.rc": "0",
+                   "quick.json": json.dumps(quick),
+                   "torch.json": json.dumps(tbt.new_torch(tbt.GOOD_TORCH)), "torch.rc": "0"})
+        # The committed baseline of this fake checkout: the stubs' own figures.
+        subprocess.run([sys.executable, os.path.join(root, "scripts/bench_table.py"),
+                        os.path.join(root, ".gpu/stub/duplex.json"), os.path.join(root, ".gpu/stub/torch.json"),
+                        "--write-baseline", os.path.join(root, "docs/gpu/bench-baseline.json")],
+                       check=True, capture_output=True)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def stub(self, files):
+        for name, text in files.items():
+            with open(os.path.join(self.root, ".gpu/stub", name), "w") as f:
+                f.write(text)
+
+    def nightly(self):
+        out = os.path.join(self.root, "reports")
+        env = dict(os.environ, NIGHTLY_BUILD="0", OUT=out, PATH="/usr/bin:/bin:" + os.path.dirname(sys.executable))
+        p = self.subprocess.run(["bash", "scripts/gpu.sh", "nightly"], cwd=self.root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        with open(os.path.join(out, "nightly.json")) as f:
+            return p.returncode, p.stdout + p.stderr, json.load(f), out
+
+    def failing(self, j):
+        return [s["step"] for s in j["steps"] if not s["pass"]]
+
+    def test_a_good_run_passes_and_writes_every_report(self):
+        rc, log, j, out = self.nightly()
+        self.assertEqual(rc, 0, log)
+        self.assertEqual(self.failing(j), [])
+        for name in ("steps.txt", "suite.txt", "faults.md", "calibration.md", "bench-duplex.json",
+                     "bench-torch.json", "bench-ctas-64.json", "benchmarks.md", "nightly.md", "machine.txt"):
+            self.assertTrue(os.path.exists(os.path.join(out, name)), name)
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            md = f.read()
+        self.assertIn("within spread", md)
+        self.assertIn("| 64 | 357.0 [355.0–359.0] |", md)
+        with open(os.path.join(out, "faults.md")) as f:
+            self.assertIn("Produced by: scripts/gpu.sh run faults", f.read())
+        with open(os.path.join(out, "bench-log.txt")) as f:
+            self.assertNotIn("Warning: [PG", f.read())
+
+    def test_a_failing_suite_fails_the_nightly(self):
+        self.stub({"suite.txt": committed("suite.txt"), "suite.rc": "101"})
+        rc, log, j, _ = self.nightly()
+        self.assertEqual(rc, 1, log)
+        self.assertEqual(self.failing(j), ["suite"])
+
+    def test_a_failing_fault_case_fails_the_nightly(self):
+        self.stub({"faults.md": FAULTS_OK.replace("| killed | PASS |", "| killed | FAIL: hung |", 1), "faults.rc": "1"})
+        rc, _, j, _ = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["faults"]))
+
+    def test_a_calibration_disagreement_fails_the_nightly(self):
+        self.stub({"calibration.md": committed("calibration.md").replace(
+            "| seed.sched | deadlock | 5.53 | deadlock | yes |", "| seed.sched | ok | 5.53 | deadlock | NO |")})
+        rc, _, j, _ = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["calibrate"]))
+
+    def test_a_benchmark_worse_than_the_baseline_fails_the_nightly(self):
+        import test_bench_table as tbt
+        worse = dict(tbt.GOOD_DUPLEX, **{"host_us": [9.0, 9.1, 9.2, 9.3, 9.4]})
+        self.stub({"duplex.json": json.dumps(tbt.new_duplex(worse))})
+        rc, _, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["bench"]))
+        with open(os.path.join(out, "nightly.md")) as f:
+            self.assertIn("duplex:host_us", f.read())
+
+    def test_pytorch_failing_fails_the_nightly(self):
+        self.stub({"torch.rc": "1"})
+        rc, _, j, _ = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["bench"]))
+
+    def test_no_staged_binaries_fails_the_build_step(self):
+        os.remove(os.path.join(self.root, ".gpu/bench"))
+        rc, _, j, _ = self.nightly()
+        self.assertEqual(rc, 1)
+        self.assertEqual(self.failing(j), ["build", "suite", "faults", "calibrate", "bench"])
