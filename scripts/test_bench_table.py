@@ -228,6 +228,23 @@ class Comparing(unittest.TestCase):
         self.assertIn("one trial", r["band"][2])
         self.assertAlmostEqual(r["change"], 321.9 / 352.0 - 1)
 
+    def test_strict_fails_a_regression_not_a_median_outside_the_band(self):
+        def failures(values):
+            v = bt.compare(
+                bt.prefixed("duplex", bt.parse_run(new_duplex({"one_way/256MiB": values,
+                                                               "latency_us": [10.5] * 5,
+                                                               "host_us": [10.4] * 5}))[2]),
+                self.base())
+            return [r["name"] for r in bt.strict_failures(v)], {r["name"]: r["verdict"] for r in v}
+        # The median is below the band, but the best trial is inside it:
+        # flagged, not failed.
+        names, verdicts = failures([340, 341, 342, 343, 359])
+        self.assertEqual(verdicts["duplex:one_way/256MiB"], bt.WORSE)
+        self.assertEqual(names, [])
+        # Every trial is below the band: a regression.
+        names, _ = failures([340, 341, 342, 343, 344])
+        self.assertEqual(names, ["duplex:one_way/256MiB"])
+
     def test_strict_failures_are_worse_and_missing(self):
         v = bt.compare(
             bt.prefixed("duplex", bt.parse_run(new_duplex({"one_way/256MiB": [300] * 5,
