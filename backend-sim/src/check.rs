@@ -349,6 +349,46 @@ impl Runnable {
     }
 }
 
+/// What the search does next from a state.
+#[derive(Debug)]
+enum Decision {
+    /// Nothing to choose: this thread steps.
+    Forced(ThreadId),
+    /// A decision point: the runnable threads and those worth exploring.
+    Choose {
+        enabled: Vec<ThreadId>,
+        options: Vec<ThreadId>,
+    },
+}
+
+/// The next step of the search from `m`, one rule for the checker and its
+/// replays: the only runnable thread; else, with `reduce`, the next thread
+/// alone on its rank ([`Runnable::take_alone`]) or the one thread of
+/// [`reduce`]'s set; else a decision point. `None` when no thread can
+/// step. A `v2:` schedule ([`Schedule`]) records the choices at the
+/// decision points of `decide(.., true)`; a `v1:` one those of
+/// `decide(.., false)`, every point where more than one thread can step.
+fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> Option<Decision> {
+    let first = run.first()?;
+    if run.len() == 1 {
+        run.took(first);
+        return Some(Decision::Forced(first));
+    }
+    if reduce_steps && let Some(t) = run.take_alone() {
+        return Some(Decision::Forced(t));
+    }
+    let enabled = run.all();
+    let options = if reduce_steps {
+        reduce(m, &enabled, &Remaining(c))
+    } else {
+        enabled.clone()
+    };
+    if options.len() == 1 {
+        return Some(Decision::Forced(options[0]));
+    }
+    Some(Decision::Choose { enabled, options })
+}
+
 /// The threads to explore from `m`: all runnable ones, or, with `reduce`,
 /// [`reduce`]'s subset.
 pub fn expand(c: &Compiled, m: &Machine, reduce_steps: bool) -> Vec<ThreadId> {
@@ -521,22 +561,44 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
 
 /// Replays a path (the thread that steps at each host step) from the
 /// program's start; returns the machine, the described steps, the first
-/// error and the schedule of the path (its choices where more than one
-/// thread could step). Steps naming a thread that cannot step are skipped.
+/// error and the schedule of the path: its choices wherever more than one
+/// thread could step (`v1:`, see [`Schedule`]), which replay under any
+/// policy and model; or, when that would name more than
+/// [`V1_CHOICES`] threads and the path is one the reduced search takes
+/// (`reduce`), its choices at that search's decision points only (`v2:`),
+/// which replay under the same policy and model. Steps naming a thread
+/// that cannot step are skipped.
 pub fn replay_path(
     c: &Compiled,
     path: &[ThreadId],
+    reduce_steps: bool,
 ) -> (Machine, Vec<Step>, Result<(), ProgramError>, Schedule) {
     let mut m = c.machine();
     let mut run = Runnable::new(c, &mut m);
     let mut steps = Vec::new();
-    let mut schedule = Schedule::default();
+    let (mut v1, mut v2) = (Vec::new(), Vec::new());
+    let mut reduced = reduce_steps;
+    let schedule = |reduced, v1: Vec<ThreadId>, v2| {
+        if reduced && v1.len() > V1_CHOICES {
+            Schedule::v2(v2)
+        } else {
+            Schedule::v1(v1)
+        }
+    };
     for &t in path {
         if !run.contains(t) {
             continue;
         }
         if run.len() > 1 {
-            schedule.0.push(t);
+            v1.push(t);
+        }
+        if reduced {
+            match decide(c, &m, &mut run, true) {
+                Some(Decision::Forced(f)) if f == t => {}
+                Some(Decision::Choose { options, .. }) if options.contains(&t) => v2.push(t),
+                // Not a path of the reduced search: its schedule is `v1:`.
+                _ => reduced = false,
+            }
         }
         let info = &m.setup().threads[t.0 as usize];
         steps.push(Step {
@@ -546,12 +608,18 @@ pub fn replay_path(
             action: describe_step(c, &m, t),
         });
         if let Err(e) = step(c, &mut m, t) {
-            return (m, steps, Err(e), schedule);
+            return (m, steps, Err(e), schedule(reduced, v1, v2));
         }
         run.update(c, &mut m);
     }
-    (m, steps, Ok(()), schedule)
+    (m, steps, Ok(()), schedule(reduced, v1, v2))
 }
+
+/// The most choices a counterexample's `v1:` schedule may have; a longer
+/// interleaving gets a `v2:` schedule (a program whose ranks have one
+/// thread each runs a million steps with an empty `v2:` schedule, where its
+/// `v1:` schedule would name a thread at nearly every step).
+pub const V1_CHOICES: usize = 64;
 
 /// Where a replay ends: the machine, the described steps, and the first
 /// error.
@@ -559,7 +627,7 @@ pub type Replayed = (Machine, Vec<Step>, Result<(), ProgramError>);
 
 /// Replays a path; see [`replay_path`].
 pub fn replay(c: &Compiled, path: &[ThreadId]) -> Replayed {
-    let (m, steps, result, _) = replay_path(c, path);
+    let (m, steps, result, _) = replay_path(c, path, true);
     (m, steps, result)
 }
 
@@ -609,15 +677,14 @@ fn follow(
     let mut path = Vec::new();
     let mut m = c.machine();
     let mut run = Runnable::new(c, &mut m);
-    while let Some(first) = run.first() {
-        let t = if run.len() == 1 {
-            run.took(first);
-            first
-        } else {
-            match replayer.take_next() {
-                Some(t) if run.contains(t) => t,
-                named => return Err((path.len(), named, run.all())),
-            }
+    let reduced = replayer.reduced();
+    while let Some(decision) = decide(c, &m, &mut run, reduced) {
+        let t = match decision {
+            Decision::Forced(t) => t,
+            Decision::Choose { enabled, options } => match replayer.take_next() {
+                Some(t) if options.contains(&t) => t,
+                named => return Err((path.len(), named, enabled)),
+            },
         };
         each(&m, t);
         path.push(t);
@@ -646,11 +713,12 @@ pub fn trace_of(c: &Compiled, schedule: &Schedule) -> Result<duplex::trace::Trac
     ))
 }
 
-/// The verdict of the state a schedule leads to: what `duplex check
-/// --replay` reports.
-pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<Verdict, String> {
+/// The verdict of the state a schedule leads to, and the host steps it
+/// took: what `duplex check --replay` reports.
+pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<(Verdict, usize), String> {
     let (m, trace, result) = replay_schedule(c, schedule)?;
-    Ok(match result {
+    let steps = trace.len();
+    let verdict = match result {
         Err(error) => Verdict::Error {
             error,
             trace,
@@ -671,7 +739,8 @@ pub fn judge_schedule(c: &Compiled, schedule: &Schedule) -> Result<Verdict, Stri
                 None => Verdict::Ok,
             },
         },
-    })
+    };
+    Ok((verdict, steps))
 }
 
 /// A snapshot at a decision point: the machine before it, its runnable
@@ -713,26 +782,15 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
         executions += 1;
         // One execution, from the current machine and path.
         let verdict = loop {
-            let Some(first) = run.first() else {
-                break judge(c, &m, &path);
-            };
-            let t = if run.len() == 1 {
-                run.took(first);
-                first
-            } else if let Some(t) = options.reduce.then(|| run.take_alone()).flatten() {
-                t
-            } else {
-                let enabled = run.all();
-                let options_ = if options.reduce {
-                    reduce(&m, &enabled, &Remaining(c))
-                } else {
-                    enabled.clone()
-                };
-                if options_.len() == 1 {
-                    options_[0]
-                } else {
+            let t = match decide(c, &m, &mut run, options.reduce) {
+                None => break judge(c, &m, &path, options.reduce),
+                Some(Decision::Forced(t)) => t,
+                Some(Decision::Choose {
+                    enabled,
+                    options: choices,
+                }) => {
                     let depth = dfs.cursor();
-                    match dfs.choose(&enabled, &options_, fingerprint(&m)) {
+                    match dfs.choose(&enabled, &choices, fingerprint(&m)) {
                         Choice::Take(t) => {
                             if depth == snapshots.len() {
                                 snapshots.push(Snapshot {
@@ -750,7 +808,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
             transitions += 1;
             path.push(t);
             if step(c, &mut m, t).is_err() {
-                let (_, trace, result, schedule) = replay_path(c, &path);
+                let (_, trace, result, schedule) = replay_path(c, &path, options.reduce);
                 let error = result.err().unwrap_or_else(|| ProgramError::Invalid {
                     place: "replay".into(),
                     message: "an error found by the search did not replay (a bug in duplex)".into(),
@@ -805,11 +863,11 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
 
 /// The verdict a state where no thread can step forces: a hang, or a
 /// finished program's leftover error. `None` when it finished cleanly.
-fn judge(c: &Compiled, m: &Machine, path: &[ThreadId]) -> Option<Verdict> {
+fn judge(c: &Compiled, m: &Machine, path: &[ThreadId], reduce_steps: bool) -> Option<Verdict> {
     match m.status(&Remaining(c)) {
         Status::Running => None,
         Status::Stuck => {
-            let (_, trace, _, schedule) = replay_path(c, path);
+            let (_, trace, _, schedule) = replay_path(c, path, reduce_steps);
             Some(Verdict::Deadlock {
                 stuck: Box::new(m.stuck(&Remaining(c))),
                 trace,
@@ -817,7 +875,7 @@ fn judge(c: &Compiled, m: &Machine, path: &[ThreadId]) -> Option<Verdict> {
             })
         }
         Status::Finished => m.leftover().map(|error| {
-            let (_, trace, _, schedule) = replay_path(c, path);
+            let (_, trace, _, schedule) = replay_path(c, path, reduce_steps);
             Verdict::Error {
                 error,
                 trace,

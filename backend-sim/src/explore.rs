@@ -32,16 +32,48 @@ use duplex::machine::ThreadId;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The choices of one execution: the thread chosen at every point where
-/// more than one could step. Prints as `v1:` and the thread numbers joined
-/// by `.`; parses back from that.
+/// The choices of one execution. Prints as a version, `:`, and the thread
+/// numbers joined by `.`; parses back from that.
+///
+/// * `v1:` records the thread chosen at every point where more than one
+///   thread could step (the simulated transport's schedules, and the
+///   checker's without reduction);
+/// * `v2:` records it only where the checker's reduction left more than one
+///   thread to explore; elsewhere the replay takes the thread the checker
+///   took ([`crate::check`]). A program whose ranks have one thread each
+///   has the empty `v2:` schedule however long its run, where its `v1:`
+///   schedule names a thread at nearly every step.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Schedule(pub Vec<ThreadId>);
+pub struct Schedule {
+    /// The threads chosen, in order.
+    pub choices: Vec<ThreadId>,
+    /// `v2`: choices only at the reduced search's decision points.
+    pub reduced: bool,
+}
+
+impl Schedule {
+    /// A `v1:` schedule: a choice wherever more than one thread could step.
+    pub fn v1(choices: Vec<ThreadId>) -> Schedule {
+        Schedule {
+            choices,
+            reduced: false,
+        }
+    }
+
+    /// A `v2:` schedule: a choice wherever the checker's reduction left
+    /// more than one thread.
+    pub fn v2(choices: Vec<ThreadId>) -> Schedule {
+        Schedule {
+            choices,
+            reduced: true,
+        }
+    }
+}
 
 impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("v1:")?;
-        for (i, t) in self.0.iter().enumerate() {
+        f.write_str(if self.reduced { "v2:" } else { "v1:" })?;
+        for (i, t) in self.choices.iter().enumerate() {
             if i > 0 {
                 f.write_str(".")?;
             }
@@ -55,11 +87,21 @@ impl FromStr for Schedule {
     type Err = String;
 
     fn from_str(schedule: &str) -> Result<Schedule, String> {
-        let body = schedule.trim().strip_prefix("v1:").ok_or_else(|| {
-            format!("`{schedule}` is not a duplex schedule: it should start with `v1:`")
-        })?;
+        let s = schedule.trim();
+        let (body, reduced) = match (s.strip_prefix("v1:"), s.strip_prefix("v2:")) {
+            (Some(b), _) => (b, false),
+            (_, Some(b)) => (b, true),
+            _ => {
+                return Err(format!(
+                    "`{schedule}` is not a duplex schedule: it should start with `v1:` or `v2:`"
+                ));
+            }
+        };
         if body.is_empty() {
-            return Ok(Schedule::default());
+            return Ok(Schedule {
+                choices: Vec::new(),
+                reduced,
+            });
         }
         body.split('.')
             .map(|s| {
@@ -68,7 +110,7 @@ impl FromStr for Schedule {
                     .map_err(|_| format!("`{s}` in the schedule is not a thread number"))
             })
             .collect::<Result<_, _>>()
-            .map(Schedule)
+            .map(|choices| Schedule { choices, reduced })
     }
 }
 
@@ -172,14 +214,22 @@ impl Scheduler for Pct {
 #[derive(Debug)]
 pub struct Replay {
     choices: VecDeque<ThreadId>,
+    reduced: bool,
 }
 
 impl Replay {
     /// Replays `schedule`.
     pub fn new(schedule: Schedule) -> Replay {
         Replay {
-            choices: schedule.0.into(),
+            choices: schedule.choices.into(),
+            reduced: schedule.reduced,
         }
+    }
+
+    /// Whether the schedule is `v2:` (choices only where the checker's
+    /// reduction left more than one thread).
+    pub fn reduced(&self) -> bool {
+        self.reduced
     }
 
     /// Choices not used yet.
@@ -314,10 +364,14 @@ mod tests {
 
     #[test]
     fn schedules_round_trip() {
-        let s = Schedule(vec![ThreadId(0), ThreadId(3), ThreadId(1)]);
+        let s = Schedule::v1(vec![ThreadId(0), ThreadId(3), ThreadId(1)]);
         assert_eq!(s.to_string(), "v1:0.3.1");
         assert_eq!(s.to_string().parse(), Ok(s));
         assert_eq!("v1:".parse(), Ok(Schedule::default()));
+        let s = Schedule::v2(vec![ThreadId(2)]);
+        assert_eq!(s.to_string(), "v2:2");
+        assert_eq!(s.to_string().parse(), Ok(s));
+        assert_eq!("v2:".parse(), Ok(Schedule::v2(Vec::new())));
         assert!("0.1".parse::<Schedule>().unwrap_err().contains("v1:"));
         assert!("v1:0.x".parse::<Schedule>().unwrap_err().contains("`x`"));
     }
@@ -369,7 +423,7 @@ mod tests {
     #[test]
     fn replay_follows_the_schedule_and_says_when_it_does_not_fit() {
         let (a, b) = (ThreadId(0), ThreadId(1));
-        let mut r = Replay::new(Schedule(vec![b, a]));
+        let mut r = Replay::new(Schedule::v1(vec![b, a]));
         assert_eq!(r.choose(&[a], &[a], 0), Choice::Take(a));
         assert_eq!(r.choose(&[a, b], &[a, b], 0), Choice::Take(b));
         assert_eq!(r.left(), 1);

@@ -11,6 +11,11 @@ use crate::check::{Outcome, Stats, Step, Verdict};
 use duplex::machine::{OpInfo, ProgramError, Stuck};
 use duplex::schedule::Program;
 
+/// A text report shows this many first steps of a long interleaving…
+const SHOWN_HEAD: usize = 20;
+/// …and this many last ones.
+const SHOWN_TAIL: usize = 30;
+
 /// A check's report, ready to print as text (`Display`) or JSON (`Serialize`).
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -225,12 +230,33 @@ impl fmt::Display for Report {
                 "interleaving that leads there ({} host steps):",
                 self.steps.len()
             )?;
-            for s in &self.steps {
+            // A long interleaving shows its start and the steps into the
+            // hang; all of them are in `--format json`.
+            let n = self.steps.len();
+            let (head, tail) = if n > SHOWN_HEAD + SHOWN_TAIL + 1 {
+                (SHOWN_HEAD, SHOWN_TAIL)
+            } else {
+                (n, 0)
+            };
+            let line = |f: &mut fmt::Formatter<'_>, s: &Step| {
                 writeln!(
                     f,
                     "  {:>3}. rank {} {}: {}",
                     s.step, s.rank, s.thread, s.action
+                )
+            };
+            for s in &self.steps[..head] {
+                line(f, s)?;
+            }
+            if tail > 0 {
+                writeln!(
+                    f,
+                    "  … {} host steps not shown (all of them: --format json; as a timeline: --trace FILE) …",
+                    n - head - tail
                 )?;
+                for s in &self.steps[n - tail..] {
+                    line(f, s)?;
+                }
             }
         }
         if let Some(schedule) = &self.schedule {

@@ -91,6 +91,10 @@ fn a_schedule_that_does_not_fit_is_refused() {
     assert!(matches!(e, Failure::Schedule(_)), "{e}");
     let e = Sim::new(2).replay("garbage", rpc).unwrap_err();
     assert!(e.to_string().contains("v1:"), "{e}");
+    // `v2:` schedules are the checker's: the simulated transport says so.
+    let e = Sim::new(2).replay("v2:0", rpc).unwrap_err();
+    assert!(matches!(e, Failure::Schedule(_)), "{e}");
+    assert!(e.to_string().contains("duplex check"), "{e}");
 }
 
 #[test]

@@ -530,13 +530,13 @@ fn check_file(
         None => check_with_bar(file, &compiled, &options),
         Some(s) => {
             let start = std::time::Instant::now();
-            let verdict = check::judge_schedule(&compiled, s)
+            let (verdict, steps) = check::judge_schedule(&compiled, s)
                 .map_err(|e| Failure::invalid("replay", format!("--replay: {e}")).at(file, None))?;
             check::Outcome {
                 verdict,
                 stats: check::Stats {
                     states: 0,
-                    transitions: 0,
+                    transitions: steps,
                     executions: 1,
                     depth: 0,
                     stopped: None,

@@ -765,3 +765,36 @@ fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
     let out = duplex(&["check", f, "--time-limit", "-1"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A hang after a long run: the text shows the start and the end of the
+/// interleaving, and the schedule is the compact `v2:` form (the ranks have
+/// one thread each, so the search had no choice to record), which replays
+/// to the same hang.
+#[test]
+fn a_long_interleaving_is_shortened_and_its_v2_schedule_replays() {
+    let k = 200;
+    let mut text = String::from("ranks 2\nrank 0:\n");
+    text.push_str(&"  send 1 4KiB\n".repeat(k));
+    text.push_str("  recv 1 256MiB\n  send 1 256MiB\nrank 1:\n");
+    text.push_str(&"  recv 0 4KiB\n".repeat(k));
+    text.push_str("  recv 0 256MiB\n  send 0 256MiB\n");
+    let dir = tempdir();
+    let file = dir.join("long.sched");
+    std::fs::write(&file, &text).expect("write");
+    let file = file.to_str().expect("utf-8");
+    let out = duplex(&["check", file]);
+    assert_eq!(out.status.code(), Some(1));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("host steps not shown"), "{shown}");
+    assert!(shown.lines().count() < 120, "{shown}");
+    let out = duplex(&["check", file, "--format", "json"]);
+    let found: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(found["steps"].as_array().map(Vec::len), Some(2 * k + 6));
+    let schedule = found["schedule"].as_str().expect("a schedule");
+    assert_eq!(schedule, "v2:");
+    let out = duplex(&["check", file, "--replay", schedule, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let again: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(again["cycle"], found["cycle"]);
+    assert_eq!(again["steps"], found["steps"]);
+}

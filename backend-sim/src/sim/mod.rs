@@ -355,7 +355,7 @@ impl Sim {
         Ok(Run {
             executions: 1,
             states: 0,
-            schedule: Schedule(choices).to_string(),
+            schedule: Schedule::v1(choices).to_string(),
             trace,
         })
     }
@@ -379,6 +379,11 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         let choices: Schedule = schedule.parse().map_err(Failure::Schedule)?;
+        if choices.reduced {
+            return Err(Failure::Schedule(format!(
+                "`{schedule}` is a `v2:` schedule of `duplex check`, which replays it (`duplex check FILE --replay {schedule}`); Sim::replay takes the `v1:` schedules the simulated transport prints"
+            )));
+        }
         self.once(Strategy::Replay(Replay::new(choices)), &f)
     }
 
@@ -403,7 +408,7 @@ impl Sim {
                 return Ok(Run {
                     executions,
                     states: dfs.states(),
-                    schedule: Schedule(choices.clone()).to_string(),
+                    schedule: Schedule::v1(choices.clone()).to_string(),
                     trace,
                 });
             }
@@ -442,7 +447,7 @@ impl Sim {
     }
 
     fn conclude(&self, ending: Option<Ending>, choices: &[ThreadId]) -> Result<(), Failure> {
-        let schedule = Schedule(choices.to_vec()).to_string();
+        let schedule = Schedule::v1(choices.to_vec()).to_string();
         let replay = format!("{}.replay(\"{schedule}\", ...)", self.replay_hint());
         match ending {
             None | Some(Ending::Pruned) => Ok(()),

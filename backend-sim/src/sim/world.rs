@@ -456,7 +456,7 @@ impl World {
     }
 
     fn hang(&self, stuck: Stuck) -> Hang {
-        let schedule = Schedule(self.choices.clone()).to_string();
+        let schedule = Schedule::v1(self.choices.clone()).to_string();
         Hang {
             context: format!(
                 "the simulator found that no host thread can move ({})",
