@@ -187,6 +187,21 @@ fn env_num(name: &str) -> Result<u32> {
     })
 }
 
+/// The store's port, one above torchrun's `MASTER_PORT`: a clear error,
+/// naming `DUPLEX_PORT`, when there is no such port (a `MASTER_PORT` of
+/// 65535 or above, or 0, would wrap to another service's port).
+fn store_port(master: u32) -> Result<u16> {
+    match u16::try_from(master) {
+        Ok(p) if p > 0 && p < u16::MAX => Ok(p + 1),
+        _ => Err(Error::Invalid {
+            at: "MASTER_PORT".into(),
+            message: format!(
+                "MASTER_PORT={master}: duplex's store listens one port above it, and there is no such port; pick a MASTER_PORT from 1 to 65534, or set DUPLEX_PORT"
+            ),
+        }),
+    }
+}
+
 impl Process {
     /// This process's rank, from the variables torchrun sets: `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK` (the GPU), `MASTER_ADDR` and `MASTER_PORT`.
@@ -205,7 +220,7 @@ impl Process {
                 at: "DUPLEX_PORT".into(),
                 message: format!("DUPLEX_PORT={p} is not a port"),
             })?,
-            Err(_) => (env_num("MASTER_PORT")? as u16).wrapping_add(1),
+            Err(_) => store_port(env_num("MASTER_PORT")?)?,
         };
         if rank >= world {
             return Err(Error::Invalid {
@@ -419,6 +434,16 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_store_port_is_one_above_master_port_or_a_clear_error() {
+        assert_eq!(store_port(29500).ok(), Some(29501));
+        assert_eq!(store_port(65534).ok(), Some(65535));
+        for bad in [0, 65535, 65536, 70000] {
+            let e = store_port(bad).expect_err("no such port").to_string();
+            assert!(e.contains("DUPLEX_PORT"), "{e}");
+        }
+    }
 
     #[test]
     fn without_nccl_or_a_gpu_the_error_says_what_is_missing_and_how_to_fix_it() {
