@@ -142,8 +142,14 @@ pub(crate) struct Issued {
 }
 
 impl Issued {
+    /// Whether the device can no longer touch the op's buffers. A query
+    /// that fails (a CUDA error, after which nothing about the op is
+    /// known) answers no: the buffers are then kept for good rather than
+    /// freed or handed back to the host under a kernel that may still run
+    /// (P6). Whether the op succeeded is another question, answered with
+    /// its error by the waits (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
-        self.event.as_ref().is_none_or(|e| e.done().unwrap_or(true))
+        self.event.as_ref().is_none_or(|e| e.done().unwrap_or(false))
     }
 }
 
