@@ -149,7 +149,9 @@ impl Issued {
     /// (P6). Whether the op succeeded is another question, answered with
     /// its error by the waits (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
-        self.event.as_ref().is_none_or(|e| e.done().unwrap_or(false))
+        self.event
+            .as_ref()
+            .is_none_or(|e| e.done().unwrap_or(false))
     }
 }
 
@@ -188,6 +190,9 @@ pub(crate) struct OpMeta {
     pub(crate) fifo: u32,
     pub(crate) grouped: bool,
     pub(crate) at: &'static Location<'static>,
+    /// The call site set by `duplex::transport::check::at_site` when the op
+    /// was made (a schedule's line), which reports name instead of `at`.
+    pub(crate) site: Option<Arc<str>>,
 }
 
 impl OpMeta {
@@ -205,7 +210,10 @@ impl OpMeta {
 
     /// Where the call was made.
     pub(crate) fn place(&self) -> String {
-        check::place(self.at)
+        match &self.site {
+            Some(s) => s.to_string(),
+            None => check::place(self.at),
+        }
     }
 
     /// The op as a report shows it.

@@ -226,6 +226,7 @@ impl NcclRank {
                 fifo: 0,
                 grouped: false,
                 at,
+                site: check::site(),
             },
             ptr: buf.state.ptr(),
             stream,

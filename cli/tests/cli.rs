@@ -621,6 +621,11 @@ fn a_simulated_run_reports_its_hang_as_data() {
     let cycle = json["hang"]["stuck"]["cycle"].as_array().expect("a cycle");
     assert_eq!(cycle.len(), 4, "{json}");
     assert!(json["hang"]["stuck"]["ops"][0]["peer"].is_u64(), "{json}");
+    // Ops and calls are named at the schedule's lines, not at the code
+    // that runs the schedule.
+    let text = json.to_string();
+    assert!(text.contains("line 3") && text.contains("line 6"), "{json}");
+    assert!(!text.contains("execute.rs"), "{json}");
     let file = write(
         "run-mismatch.sched",
         "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",

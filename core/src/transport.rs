@@ -251,9 +251,41 @@ pub mod check {
         (comm, stream)
     }
 
-    /// `file:line:column` of a call.
+    std::thread_local! {
+        /// The call site set by [`at_site`] on this thread.
+        static SITE: std::cell::RefCell<Option<std::sync::Arc<str>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// Runs `f` with its transport calls reported at `site` (`line 14`)
+    /// instead of the Rust code that makes them: what
+    /// [`crate::schedule::execute`] does, so that `duplex run FILE` names
+    /// the schedule's lines. Backends ask [`place`] (or [`site`]).
+    pub fn at_site<R>(site: &str, f: impl FnOnce() -> R) -> R {
+        let old = SITE.with(|s| s.replace(Some(site.into())));
+        struct Restore(Option<std::sync::Arc<str>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let old = self.0.take();
+                SITE.with(|s| *s.borrow_mut() = old);
+            }
+        }
+        let _restore = Restore(old);
+        f()
+    }
+
+    /// The call site [`at_site`] set on this thread, if any.
+    pub fn site() -> Option<std::sync::Arc<str>> {
+        SITE.with(|s| s.borrow().clone())
+    }
+
+    /// Where a call was made: the site [`at_site`] set on this thread, else
+    /// `file:line:column` of the caller.
     pub fn place(at: &Location<'_>) -> String {
-        format!("{}:{}:{}", at.file(), at.line(), at.column())
+        match site() {
+            Some(s) => s.to_string(),
+            None => format!("{}:{}:{}", at.file(), at.line(), at.column()),
+        }
     }
 
     /// An invalid-call error at `at`.

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::{Dir, P2p, Program, StmtKind};
+use crate::transport::check::at_site;
 use crate::{Error, Place, Rank, Result, Transport};
 
 /// Per-rank objects shared by the rank's host threads.
@@ -126,38 +127,46 @@ fn run_thread<T: Transport>(
     let thread = &program.threads[index];
     let mut sent = Vec::new();
     let mut received: Vec<Pending<T>> = Vec::new();
+    // Reports name the schedule's lines, not this file's (`at_site`).
+    let at = |line: u32| format!("line {line}");
     for stmt in &thread.body {
-        match &stmt.kind {
-            StmtKind::Op(op) => p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?,
-            StmtKind::Group(ops) => t.group(|| {
-                for op in ops {
-                    // Each op of a multi-line group names its own line.
-                    let line = if op.line.0 != 0 { op.line } else { stmt.line };
-                    p2p(objects, t, op, line.0, &mut sent, &mut received)?;
+        at_site(&at(stmt.line.0), || -> Result<()> {
+            match &stmt.kind {
+                StmtKind::Op(op) => p2p(objects, t, op, stmt.line.0, &mut sent, &mut received)?,
+                StmtKind::Group(ops) => t.group(|| {
+                    for op in ops {
+                        // Each op of a multi-line group names its own line.
+                        let line = if op.line.0 != 0 { op.line } else { stmt.line };
+                        at_site(&at(line.0), || {
+                            p2p(objects, t, op, line.0, &mut sent, &mut received)
+                        })?;
+                    }
+                    Ok(())
+                })?,
+                StmtKind::Record {
+                    event: e,
+                    stream: s,
+                } => {
+                    let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
+                    t.record(&event(objects, t, e)?, &s)?;
                 }
-                Ok(())
-            })?,
-            StmtKind::Record {
-                event: e,
-                stream: s,
-            } => {
-                let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
-                t.record(&event(objects, t, e)?, &s)?;
+                StmtKind::Wait {
+                    event: e,
+                    stream: s,
+                } => {
+                    let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
+                    t.wait(&event(objects, t, e)?, &s)?;
+                }
+                StmtKind::Sync { stream: None } => t.synchronize()?,
+                StmtKind::Sync { stream: Some(s) } => t.sync_stream(&stream(objects, t, s)?)?,
+                StmtKind::Notify { peer, tag } => t.notify(*peer, tag)?,
+                StmtKind::Await { peer, tag } => t.await_notify(*peer, tag)?,
             }
-            StmtKind::Wait {
-                event: e,
-                stream: s,
-            } => {
-                let s = stream(objects, t, s.as_deref().unwrap_or("default"))?;
-                t.wait(&event(objects, t, e)?, &s)?;
-            }
-            StmtKind::Sync { stream: None } => t.synchronize()?,
-            StmtKind::Sync { stream: Some(s) } => t.sync_stream(&stream(objects, t, s)?)?,
-            StmtKind::Notify { peer, tag } => t.notify(*peer, tag)?,
-            StmtKind::Await { peer, tag } => t.await_notify(*peer, tag)?,
-        }
+            Ok(())
+        })?;
     }
-    t.synchronize()?;
+    // The thread's end (its implicit synchronize) is reported at its header.
+    at_site(&at(thread.line.0), || t.synchronize())?;
     for p in &received {
         let got = t.read(&p.buf)?;
         let want = payload(p.src, t.rank(), got.len() as u64);
