@@ -328,12 +328,13 @@ impl Machine {
         let rank = &mut self.state.ranks[launch.rank as usize];
         // Launches on one communicator complete in issue order (R2): the
         // one to drop is at the front (anywhere with `comm-order=off`).
-        if let Some(q) = rank.on_comm.get_mut(&comm) {
+        if let Ok(i) = rank.on_comm.binary_search_by_key(&comm, |(c, _)| *c) {
+            let q = &mut rank.on_comm[i].1;
             if let Some(pos) = q.iter().position(|p| *p == lref) {
                 q.remove(pos);
             }
             if q.is_empty() {
-                rank.on_comm.remove(&comm);
+                rank.on_comm.remove(i);
             }
         }
         if let Some(pos) = rank.pending.iter().position(|p| *p == lref) {

@@ -670,8 +670,9 @@ struct RankState {
     /// the state.
     pending: VecDeque<LaunchRef>,
     /// Per communicator, the launches on it issued and not completed, in
-    /// issue order (R2); no empty queues.
-    on_comm: BTreeMap<CommId, VecDeque<LaunchRef>>,
+    /// issue order (R2); sorted by communicator, no empty queues (a rank
+    /// has a few communicators in flight at once).
+    on_comm: Vec<(CommId, VecDeque<LaunchRef>)>,
     /// Launches holding a kernel slot (R10).
     running: u32,
 }
@@ -1372,7 +1373,10 @@ impl Machine {
             if self.setup.model.kernels.is_some() {
                 r.pending.push_back(lref);
             }
-            r.on_comm.entry(comm).or_default().push_back(lref);
+            match r.on_comm.binary_search_by_key(&comm, |(c, _)| *c) {
+                Ok(i) => r.on_comm[i].1.push_back(lref),
+                Err(i) => r.on_comm.insert(i, (comm, VecDeque::from([lref]))),
+            }
             self.state.launches.insert(
                 lref,
                 Launch {

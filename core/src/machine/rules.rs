@@ -163,7 +163,11 @@ impl Machine {
             // communicator, `Machine::op_refs`); the rank's launches on it
             // are queued in issue order.
             let comm = launch.comm();
-            if let Some(earlier) = rank.on_comm.get(&comm).and_then(|q| q.front())
+            if let Some(earlier) = rank
+                .on_comm
+                .binary_search_by_key(&comm, |(c, _)| *c)
+                .ok()
+                .and_then(|i| rank.on_comm[i].1.front())
                 && *earlier != lref
             {
                 f(Blocker {
