@@ -260,10 +260,24 @@ impl Process {
 
     /// Runs `f` as this rank. Rank 0 must be started for the others to
     /// connect; every wait, the rendezvous included, has the deadline.
+    ///
+    /// Once per process: rank 0's store keeps serving the job's unique id
+    /// and messages for as long as the process lives (the others may still
+    /// be reading them), so a second run would find its port taken on rank
+    /// 0 and the first run's id and messages on the other ranks. A second
+    /// call is refused with an error; start a new process per job, as
+    /// torchrun does.
     pub fn run<F>(&self, f: F) -> Result<RankReport>
     where
         F: Fn(&NcclRank) -> Result<()>,
     {
+        static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if RAN.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Invalid {
+                at: "Process::run".into(),
+                message: "Process::run runs once per process: rank 0's store still serves the first run's unique id and messages; start a new process for another job, as torchrun does".into(),
+            });
+        }
         if self.rank == 0 {
             let id = self.lib.unique_id()?;
             Store::serve(
