@@ -49,8 +49,8 @@ fn err<T>(line: u32, message: impl Into<String>) -> Result<T> {
 }
 
 /// Splits a line into tokens, making `{`, `}` and `;` tokens of their own.
-fn tokenize(line: &str) -> Vec<&str> {
-    let mut out = Vec::new();
+fn tokenize<'a>(line: &'a str, out: &mut Vec<&'a str>) {
+    out.clear();
     for word in line.split_whitespace() {
         let mut start = 0;
         for (i, c) in word.char_indices() {
@@ -66,7 +66,6 @@ fn tokenize(line: &str) -> Vec<&str> {
             out.push(&word[start..]);
         }
     }
-    out
 }
 
 fn is_name(s: &str) -> bool {
@@ -100,11 +99,12 @@ struct Parser {
 impl Parser {
     fn run(mut self, text: &str) -> Result<Program> {
         let mut last = 0;
+        let mut tokens = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = u32::try_from(i + 1).unwrap_or(u32::MAX);
             last = line;
             let code = raw.split('#').next().unwrap_or("");
-            let tokens = tokenize(code);
+            tokenize(code, &mut tokens);
             if tokens.is_empty() {
                 continue;
             }
