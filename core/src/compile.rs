@@ -100,6 +100,8 @@ struct Builder<'p> {
     op_texts: HashMap<Vec<OpKey<'p>>, Arc<str>, Fx>,
     /// The lane of each (rank, direction, peer) seen.
     lanes: HashMap<(Rank, Dir, Rank), (CommId, StreamId), Fx>,
+    /// Scratch: the key of the op or group being looked up.
+    key: Vec<OpKey<'p>>,
 }
 
 /// The compiler's hasher: its keys are small and not chosen by an attacker.
@@ -140,6 +142,7 @@ pub fn compile(program: &Program) -> Compiled {
         texts: HashSet::new(),
         op_texts: HashMap::default(),
         lanes: HashMap::default(),
+        key: Vec::new(),
     };
     let world = b
         .setup
@@ -266,7 +269,9 @@ impl<'p> Builder<'p> {
     /// The text of an op (`group`: false, one op) or of a group, shared
     /// with every op or group that says the same.
     fn op_text(&mut self, ops: &'p [P2p], group: bool) -> Arc<str> {
-        let mut key: Vec<OpKey<'p>> = ops.iter().map(OpKey::of).collect();
+        let mut key = std::mem::take(&mut self.key);
+        key.clear();
+        key.extend(ops.iter().map(OpKey::of));
         if group {
             // A group of one op and the op itself read differently.
             key.push(OpKey {
@@ -277,8 +282,10 @@ impl<'p> Builder<'p> {
                 stream: None,
             });
         }
-        if let Some(t) = self.op_texts.get(&key) {
-            return t.clone();
+        if let Some(t) = self.op_texts.get(key.as_slice()) {
+            let t = t.clone();
+            self.key = key;
+            return t;
         }
         let text = if group {
             StmtKind::Group(ops.to_vec()).to_string()
@@ -286,7 +293,8 @@ impl<'p> Builder<'p> {
             ops[0].to_string()
         };
         let t = self.text(text);
-        self.op_texts.insert(key, t.clone());
+        self.op_texts.insert(key.clone(), t.clone());
+        self.key = key;
         t
     }
 
