@@ -64,6 +64,29 @@ struct Reg {
     /// that a long run does not grow them.
     origins: std::collections::HashMap<(String, String), duplex::machine::Origin>,
     user_comms: Vec<(String, Vec<Rank>)>,
+    /// The live machine as it was when the trace was last compacted: it
+    /// stands for every call made before the trace's (see
+    /// [`Registry::local`]).
+    base: Option<Machine>,
+    /// Calls folded into `base` so far.
+    folded: usize,
+}
+
+impl Reg {
+    /// Folds the trace's calls into a copy of the live machine once they
+    /// reach `at`, so that a long run keeps a bounded trace. Only while the
+    /// live machine has applied every call (a refused call drops it, and
+    /// the trace is then kept whole for its replay to report the
+    /// refusal).
+    fn compact(&mut self, at: usize) {
+        if self.trace.calls.len() < at {
+            return;
+        }
+        let Some(live) = &self.live else { return };
+        self.base = Some(live.clone());
+        self.folded += self.trace.calls.len();
+        self.trace.calls.clear();
+    }
 }
 
 impl Reg {
@@ -128,7 +151,14 @@ pub(crate) struct LaunchRec<'a> {
 pub struct Registry {
     model: Model,
     inner: Mutex<Reg>,
+    /// Compact the trace once it holds this many calls ([`Registry::local`]);
+    /// `usize::MAX` keeps it whole.
+    compact_at: usize,
 }
+
+/// How many calls a local run's trace holds before it is folded into a
+/// snapshot of the live machine (about 10 MiB of calls).
+const COMPACT_AT: usize = 1 << 16;
 
 /// A hang's analysis: the model's explanation, and the calls it refused.
 #[derive(Clone, Debug)]
@@ -142,6 +172,22 @@ pub struct HangAnalysis {
 impl Registry {
     /// A registry for `ranks` ranks whose hangs are analysed under `model`.
     pub fn new(ranks: u32, model: Model) -> Arc<Registry> {
+        Registry::with_compaction(ranks, model, usize::MAX)
+    }
+
+    /// A registry for a run whose ranks all record here (`Local`): its
+    /// trace is folded into a snapshot of the live machine every
+    /// [`COMPACT_AT`] calls, so that a long run's memory does not grow with
+    /// the calls it makes; the hang analysis replays the calls since from
+    /// that snapshot ([`Trace::analyze_from`]). A process-per-rank run
+    /// keeps its trace whole ([`Registry::new`]): the ranks' traces are
+    /// joined for the analysis, and a snapshot of one rank's machine cannot
+    /// be joined.
+    pub fn local(ranks: u32, model: Model) -> Arc<Registry> {
+        Registry::with_compaction(ranks, model, COMPACT_AT)
+    }
+
+    fn with_compaction(ranks: u32, model: Model, compact_at: usize) -> Arc<Registry> {
         Arc::new(Registry {
             model,
             inner: Mutex::new(Reg {
@@ -149,8 +195,16 @@ impl Registry {
                 live: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
                 origins: std::collections::HashMap::new(),
                 user_comms: Vec::new(),
+                base: None,
+                folded: 0,
             }),
+            compact_at,
         })
+    }
+
+    /// Calls folded into the snapshot of a compacted trace so far.
+    pub fn folded(&self) -> usize {
+        self.lock().folded
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Reg> {
@@ -266,6 +320,13 @@ impl Registry {
             text,
             place,
         };
+        self.issue(call, metas)
+    }
+
+    /// Records launch `call`: the live machine checks it first, and the
+    /// FIFO positions it gives the ops go to `metas` (which may be empty).
+    fn issue(&self, call: TraceCall, metas: &mut [OpMeta]) -> Result<(), Error> {
+        let thread = call.thread as usize;
         let mut r = self.lock();
         if let Some((m, hc)) = r.live_call(&call) {
             let t = ThreadId(thread as u32);
@@ -288,6 +349,7 @@ impl Registry {
             let _ = m.apply(t, &hc);
         }
         r.trace.push(call);
+        r.compact(self.compact_at);
         Ok(())
     }
 
@@ -313,6 +375,7 @@ impl Registry {
             r.live = None;
         }
         r.trace.push(c);
+        r.compact(self.compact_at);
     }
 
     /// Marks a thread's code as returned: it issues nothing more, so a
@@ -342,7 +405,26 @@ impl Registry {
     /// [`Registry::analyze`] over this registry's trace joined with the
     /// traces of ranks recorded elsewhere (other processes of the job).
     pub fn analyze_with(&self, others: Vec<Trace>) -> HangAnalysis {
-        let mine = self.trace();
+        let (mine, base) = {
+            let r = self.lock();
+            (r.trace.clone(), r.base.clone())
+        };
+        if let Some(base) = base {
+            // A compacted local trace: every rank is here, and the
+            // snapshot stands for the calls folded into it.
+            if !others.is_empty() {
+                tracing::warn!("a compacted trace cannot be joined with other ranks' traces");
+            }
+            let Analysis {
+                stuck,
+                disagreements,
+                ..
+            } = mine.analyze_from(&base);
+            return HangAnalysis {
+                stuck,
+                disagreements,
+            };
+        }
         let trace = if others.is_empty() {
             mine
         } else {
@@ -422,6 +504,67 @@ mod tests {
                 .contains("no thread of rank 1 will ever issue the matching recv"),
             "{stuck}"
         );
+    }
+
+    /// A long local run's trace is folded into a snapshot of the live
+    /// machine, so that it stays bounded, and the hang analysis from the
+    /// snapshot explains the same stuck state as the replay of every call.
+    #[test]
+    fn a_compacted_trace_stays_bounded_and_explains_the_same_hang() {
+        let run = |reg: &Registry| {
+            reg.comm(0, "world", &[0, 1], true);
+            reg.comm(1, "pair:0-1", &[0, 1], true);
+            let s0 = reg.stream(0, "pair:0-1");
+            let s1 = reg.stream(1, "pair:0-1");
+            let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+            let op = |t: usize, dir: Dir, peer: u32, bytes: u64, stream: u32| TraceCall {
+                thread: t as u32,
+                call: Call::Launch {
+                    ops: vec![TraceOp {
+                        dir,
+                        peer,
+                        bytes,
+                        dtype: DType::U8,
+                        comm: 1,
+                        stream,
+                    }],
+                    grouped: false,
+                },
+                text: format!("{} {bytes}", dir.name()),
+                place: "x.rs:1:1".into(),
+            };
+            for _ in 0..50 {
+                reg.issue(op(t0, Dir::Send, 1, 4096, s0), &mut [])
+                    .expect("valid");
+                reg.issue(op(t1, Dir::Recv, 0, 4096, s1), &mut [])
+                    .expect("valid");
+            }
+            // The seed: both ranks send first, on one stream each.
+            for (t, peer, s) in [(t0, 1, s0), (t1, 0, s1)] {
+                reg.issue(op(t, Dir::Send, peer, 256 << 20, s), &mut [])
+                    .expect("valid");
+                reg.issue(op(t, Dir::Recv, peer, 256 << 20, s), &mut [])
+                    .expect("valid");
+                reg.blocked(
+                    t,
+                    Some(Blocked::Sync(
+                        None,
+                        ("synchronize".into(), "x.rs:2:1".into()),
+                    )),
+                );
+            }
+            reg.analyze()
+        };
+        let whole = Registry::new(2, Model::default());
+        let compacted = Registry::with_compaction(2, Model::default(), 16);
+        let (a, b) = (run(&whole), run(&compacted));
+        assert_eq!(whole.folded(), 0);
+        assert!(compacted.folded() >= 96, "{}", compacted.folded());
+        assert!(compacted.trace().calls.len() < 16);
+        assert!(a.disagreements.is_empty() && b.disagreements.is_empty());
+        let (a, b) = (a.stuck.expect("a hang"), b.stuck.expect("a hang"));
+        assert_eq!(a.cycle.len(), 4, "{a}");
+        assert_eq!(a, b);
     }
 
     /// A call that the model says could not have been made (here: an

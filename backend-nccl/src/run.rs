@@ -114,7 +114,7 @@ impl Local {
         F: Fn(&NcclRank) -> Result<()> + Sync,
     {
         let id = self.lib.unique_id()?;
-        let registry = Registry::new(self.ranks, self.settings.opts.model);
+        let registry = Registry::local(self.ranks, self.settings.opts.model);
         let board: Arc<dyn Board> = Arc::new(LocalBoard::default());
         let health: Arc<dyn Health> = Arc::new(LocalHealth::default());
         let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {

@@ -482,7 +482,18 @@ impl Trace {
 
     /// Replays the calls under `model` and explains where they lead.
     pub fn analyze(&self, model: Model) -> Analysis {
-        let mut r = Replayer::new(self, model);
+        self.analyze_replay(Replayer::new(self, model))
+    }
+
+    /// [`Trace::analyze`] from `base`: a machine (under its own model) that
+    /// has applied every call made before this trace's, which a long run
+    /// keeps instead of those calls (`duplex-nccl`'s registry compacts its
+    /// trace this way).
+    pub fn analyze_from(&self, base: &Machine) -> Analysis {
+        self.analyze_replay(Replayer::from_base(self, base.clone()))
+    }
+
+    fn analyze_replay(&self, mut r: Replayer<'_>) -> Analysis {
         if let Err(d) = r.check_ids() {
             return Analysis {
                 stuck: None,
@@ -522,25 +533,46 @@ struct Replayer<'t> {
 
 impl<'t> Replayer<'t> {
     fn new(trace: &'t Trace, model: Model) -> Replayer<'t> {
-        let mut setup = Setup::new(trace.ranks, model);
-        for c in &trace.comms {
-            setup.add_comm(c.name.clone(), c.members.clone(), c.warm);
+        Replayer::from_base(
+            trace,
+            Machine::new(Arc::new(Setup::new(trace.ranks, model))),
+        )
+    }
+
+    /// A replay of `trace`'s calls from `base`, a machine that has applied
+    /// the calls made before them; the trace declares everything `base`
+    /// knows and what was declared since.
+    fn from_base(trace: &'t Trace, mut m: Machine) -> Replayer<'t> {
+        let setup = m.setup_mut();
+        for (i, c) in trace.comms.iter().enumerate() {
+            match setup.comms.get_mut(i) {
+                // A communicator declared before may have been named since.
+                Some(known) => {
+                    known.name.clone_from(&c.name);
+                    known.members.clone_from(&c.members);
+                    known.warm = c.warm;
+                }
+                None => {
+                    setup.add_comm(c.name.clone(), c.members.clone(), c.warm);
+                }
+            }
         }
-        for t in &trace.threads {
+        for t in trace.threads.iter().skip(setup.threads.len()) {
             setup.add_thread(t.rank, t.name.clone());
         }
-        for s in &trace.streams {
+        for s in trace.streams.iter().skip(setup.streams.len()) {
             setup.add_stream(s.rank, s.name.clone());
         }
-        for e in &trace.events {
+        for e in trace.events.iter().skip(setup.events.len()) {
             setup.add_event(e.rank, e.name.clone());
         }
-        let calls: Vec<HostCall> = trace.calls.iter().map(|c| c.to_host(&mut setup)).collect();
+        let calls: Vec<HostCall> = trace.calls.iter().map(|c| c.to_host(setup)).collect();
         let waits: HashMap<ThreadId, HostCall> = trace
             .blocked
             .iter()
-            .map(|c| (ThreadId(c.thread), c.to_host(&mut setup)))
+            .map(|c| (ThreadId(c.thread), c.to_host(setup)))
             .collect();
+        m.sync_setup();
         let mut queues = vec![VecDeque::new(); trace.ranks as usize];
         for (i, c) in trace.calls.iter().enumerate() {
             let rank = trace.threads.get(c.thread as usize).map(|t| t.rank);
@@ -550,7 +582,7 @@ impl<'t> Replayer<'t> {
         }
         Replayer {
             trace,
-            m: Machine::new(Arc::new(setup)),
+            m,
             queues,
             calls,
             disagreements: Vec::new(),
