@@ -177,7 +177,7 @@ impl Registry {
 
     /// A registry for a run whose ranks all record here (`Local`): its
     /// trace is folded into a snapshot of the live machine every
-    /// [`COMPACT_AT`] calls, so that a long run's memory does not grow with
+    /// 65,536 calls, so that a long run's memory does not grow with
     /// the calls it makes; the hang analysis replays the calls since from
     /// that snapshot ([`Trace::analyze_from`]). A process-per-rank run
     /// keeps its trace whole ([`Registry::new`]): the ranks' traces are
