@@ -269,11 +269,10 @@ impl Machine {
                 return;
             };
             if ch.sends.is_empty() && ch.recvs.is_empty() {
-                if ch.delivered == 0 {
-                    // Kept only for what it remembers: having delivered a
-                    // message (R6).
-                    self.state.channels.remove(&key);
-                }
+                // A channel is made with a slot in it and a slot leaves only
+                // when delivered, so an empty channel remembers a delivery
+                // (R6) and stays.
+                debug_assert!(ch.delivered > 0);
                 return;
             }
             // R6: the first message of a cold channel is a rendezvous.
@@ -376,14 +375,6 @@ impl Machine {
         loop {
             let mut changed = self.sweep_markers();
             changed |= self.sweep_starts();
-            let started: Vec<LaunchRef> = self
-                .head_launches()
-                .into_iter()
-                .filter(|l| self.state.launches[l].started)
-                .collect();
-            for l in started {
-                self.activate(l);
-            }
             let keys: Vec<ChannelKey> = self
                 .state
                 .channels
@@ -416,8 +407,7 @@ impl Machine {
             self.forget_satisfied_waits(r);
             self.touch(r);
         }
-        for (r, parked) in self.work.parked.iter_mut().enumerate() {
-            let _ = r;
+        for parked in self.work.parked.iter_mut() {
             for s in parked.drain(..) {
                 self.work.is_parked[s.ix()] = false;
             }
