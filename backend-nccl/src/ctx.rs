@@ -527,12 +527,11 @@ impl RankCtx {
         all
     }
 
-    /// Aborts every communicator of the rank: each is freed now, or when the
-    /// last thread that holds it leaves (P4 of [`crate::guard`]).
+    /// Aborts every communicator of the rank, together (P8 of
+    /// [`crate::guard`]): each is freed now, or when the last thread that
+    /// holds it leaves (P4).
     pub(crate) fn abort_all(&self) {
-        for c in self.all_comms() {
-            c.abort();
-        }
+        abort_together(&self.all_comms());
     }
 
     /// Frees the aborted communicators that only a call blocked inside NCCL
@@ -584,6 +583,17 @@ impl RankCtx {
             );
         }
     }
+}
+
+/// Aborts `comms` together (P8 of [`crate::guard`]): every abort flag is
+/// raised before any communicator is freed. The names of those this call
+/// aborted (they were live).
+pub(crate) fn abort_together(comms: &[Comm]) -> Vec<String> {
+    let cells: Vec<_> = comms.iter().map(|c| &c.cell).collect();
+    crate::guard::abort_all(&cells)
+        .into_iter()
+        .map(|i| comms[i].name.clone())
+        .collect()
 }
 
 /// How long after aborting the communicators of a rank whose NCCL call

@@ -63,6 +63,16 @@
 //!   of a group or none of it. Aborting the communicators of a snapshot
 //!   while another thread is halfway through a group is P4: that thread's
 //!   next op fails, its group still ends, and the free waits for it.
+//! - **P8, a rank's communicators are aborted together.** Freeing a
+//!   communicator synchronizes the device (`cudaFree`, `cuMemFreeHost`),
+//!   which waits for every kernel of the device, those of the rank's other
+//!   communicators too; a kernel waiting for a peer that died ends only
+//!   once its own communicator's abort flag is raised. Aborted one at a
+//!   time, the first free waits for the kernel of a communicator not yet
+//!   aborted, for ever (NVIDIA/nccl#564; seen on the H200s with a killed
+//!   peer). [`abort_all`] therefore marks every communicator first and
+//!   frees those nobody holds in one [`CommApi::abort_many`], which raises
+//!   every abort flag before it frees anything.
 //!
 //! Lock order: the issue lock, then a communicator's state lock. A state
 //! lock is held only for a few counter updates, never across an NCCL call;
@@ -154,6 +164,15 @@ pub trait CommApi: Send + Sync {
     /// # Safety
     /// `comm` must be live, and is never used again.
     unsafe fn abort(&self, comm: Self::Comm) -> Result<(), Error>;
+
+    /// Aborts several communicators of the rank as one (P8): every one's
+    /// work is told to stop before any is freed. NCCL: `ncclCommAbort` of
+    /// each inside one `ncclGroupStart`/`ncclGroupEnd`, which raises each
+    /// abort flag at once and frees them all at the group's end.
+    ///
+    /// # Safety
+    /// As [`CommApi::abort`], for each.
+    unsafe fn abort_many(&self, comms: &[Self::Comm]) -> Result<(), Error>;
 }
 
 impl<A: CommApi + ?Sized> CommApi for &A {
@@ -207,6 +226,11 @@ impl<A: CommApi + ?Sized> CommApi for &A {
     unsafe fn abort(&self, comm: Self::Comm) -> Result<(), Error> {
         // SAFETY: the caller's contract is the same.
         unsafe { (**self).abort(comm) }
+    }
+
+    unsafe fn abort_many(&self, comms: &[Self::Comm]) -> Result<(), Error> {
+        // SAFETY: the caller's contract is the same.
+        unsafe { (**self).abort_many(comms) }
     }
 }
 
@@ -373,6 +397,57 @@ impl<A: CommApi> CommCell<A> {
             tracing::warn!(comm = %self.name, error = %e, "abort failed");
         }
     }
+}
+
+/// Aborts every communicator of `cells` as one (P4 for each, P8): each is
+/// marked aborted; those nobody holds are freed together by one
+/// [`CommApi::abort_many`] (every abort flag raised before any free); the
+/// others are revoked and freed by their last holder, as
+/// [`CommCell::abort`] does. Never waits for a holder. Returns the
+/// indices in `cells` of those this call aborted (those that were live; a
+/// cell named twice counts once). All cells must be of one library (one
+/// rank's).
+pub fn abort_all<A: CommApi>(cells: &[&CommCell<A>]) -> Vec<usize> {
+    let mut free = Vec::new();
+    let mut held = Vec::new();
+    let mut aborted = Vec::new();
+    for (i, &c) in cells.iter().enumerate() {
+        let mut st = lock(&c.state);
+        if st.phase != Phase::Live {
+            continue;
+        }
+        aborted.push(i);
+        if st.holders == 0 {
+            st.phase = Phase::Freed;
+            free.push(c);
+        } else {
+            st.phase = Phase::Aborted;
+            // Held while revoking, so that it is not freed under the call.
+            st.holders += 1;
+            held.push(c);
+        }
+    }
+    // Stop the held ones' work first (where the library can), so that the
+    // frees below wait for no kernel of theirs.
+    for c in &held {
+        // SAFETY: held, so not freed; other threads may be inside calls on
+        // it, which revoke allows.
+        if let Err(e) = unsafe { c.api.revoke(c.raw) } {
+            tracing::warn!(comm = %c.name, error = %e, "revoke failed");
+        }
+    }
+    if let Some(first) = free.first() {
+        let raws: Vec<A::Comm> = free.iter().map(|c| c.raw).collect();
+        // SAFETY: each moved to `Freed` above, once, under its state lock,
+        // with no holder; no new hold or call can start on any of them.
+        if let Err(e) = unsafe { first.api.abort_many(&raws) } {
+            tracing::warn!(error = %e, "aborting the communicators failed");
+        }
+    }
+    for c in &held {
+        c.leave();
+    }
+    aborted
 }
 
 impl<A: CommApi> Drop for CommCell<A> {

@@ -537,12 +537,8 @@ impl NcclRank {
                 }
             }
         };
-        let mut aborted = Vec::new();
-        for p in &pending {
-            if p.meta.comm.abort() {
-                aborted.push(p.meta.comm.name.clone());
-            }
-        }
+        let comms: Vec<Comm> = pending.iter().map(|p| p.meta.comm.clone()).collect();
+        let mut aborted = crate::ctx::abort_together(&comms);
         aborted.sort();
         aborted.dedup();
         Error::Hang(Box::new(Hang {

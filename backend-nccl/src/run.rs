@@ -423,14 +423,6 @@ where
 /// The most telling of several ranks' errors: a hang or a program error
 /// first, an error that is only the echo of another rank's last.
 fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
-    let rank_of = |e: &Error| match e {
-        Error::Program { .. } => 0,
-        Error::Invalid { .. } | Error::Race { .. } => 1,
-        Error::Hang(h) if !h.stuck.cycle.is_empty() || !h.stuck.missing.is_empty() => 2,
-        Error::Hang(_) => 3,
-        Error::User(_) | Error::Library { .. } | Error::Unavailable { .. } => 4,
-        Error::Aborted(_) => 5,
-    };
     let mut errors: Vec<Error> = Vec::new();
     let mut ok = Vec::new();
     for r in results {
@@ -439,7 +431,7 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
             Err(e) => errors.push(e),
         }
     }
-    match errors.into_iter().min_by_key(rank_of) {
+    match Error::most_telling(errors) {
         Some(e) => Err(e),
         None => Ok(ok),
     }

@@ -33,6 +33,13 @@ fn model(name: &str, preemptions: Option<usize>, f: impl Fn() + Sync + Send + 's
 }
 
 #[test]
+fn the_watchdog_and_the_teardown_abort_a_ranks_communicators_together() {
+    model("abort_all vs abort_all, kernels in flight", None, || {
+        scenarios::abort_all_with_kernels_in_flight()
+    });
+}
+
+#[test]
 fn issue_races_abort_on_a_non_blocking_communicator() {
     model("issue vs abort, non-blocking", None, || {
         scenarios::issue_races_abort(Mode::NonBlocking)

@@ -73,6 +73,27 @@ pub enum Error {
 }
 
 impl Error {
+    /// How much this error says about what went wrong, for choosing one of
+    /// several (lower says more): a program error, then an invalid call or
+    /// race, then a hang with its cycle, any other hang, a user, library or
+    /// availability error, and last [`Error::Aborted`], which is usually
+    /// the echo of another thread's or rank's failure.
+    pub fn rank(&self) -> u8 {
+        match self {
+            Error::Program { .. } => 0,
+            Error::Invalid { .. } | Error::Race { .. } => 1,
+            Error::Hang(h) if !h.stuck.cycle.is_empty() || !h.stuck.missing.is_empty() => 2,
+            Error::Hang(_) => 3,
+            Error::User(_) | Error::Library { .. } | Error::Unavailable { .. } => 4,
+            Error::Aborted(_) => 5,
+        }
+    }
+
+    /// The most telling of `errors` ([`Error::rank`]; the first of equals).
+    pub fn most_telling(errors: impl IntoIterator<Item = Error>) -> Option<Error> {
+        errors.into_iter().min_by_key(Error::rank)
+    }
+
     /// The hang report, if this is a hang.
     pub fn hang(&self) -> Option<&Hang> {
         match self {

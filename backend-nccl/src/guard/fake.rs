@@ -5,7 +5,10 @@
 //! It checks, at every call: that the communicator was not freed (a use
 //! after free), that no two threads are inside calls that build or launch
 //! work at once (R11, P1), that groups do not overlap (P2), and that a
-//! communicator is freed at most once. A blocking communicator's
+//! communicator is freed at most once, and that a free never waits for a
+//! kernel that nothing told to stop: a free synchronizes the device, so a
+//! kernel in flight ([`FakeNccl::launch_kernel`]) on a communicator whose
+//! abort flag is not raised would make it wait for ever (P8). A blocking communicator's
 //! `ncclGroupEnd` blocks until the communicator is revoked or aborted,
 //! like a call that waits for a peer that never comes. With `revoke`, the
 //! fake has `ncclCommRevoke`, and then it also checks that nothing frees a
@@ -29,6 +32,9 @@ struct Comm {
     blocked: AtomicBool,
     /// Calls made on it (any kind).
     calls: AtomicUsize,
+    /// A kernel is in flight on it, waiting for a peer: it ends only when
+    /// the communicator is interrupted (its abort flag).
+    kernel: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -123,6 +129,38 @@ impl FakeNccl {
     /// How many calls used communicator `c`'s handle.
     pub fn calls(&self, c: usize) -> usize {
         self.comm(c).calls.load(Ordering::SeqCst)
+    }
+
+    /// Puts a kernel in flight on communicator `c` that waits for a peer
+    /// that never comes: only the communicator's abort stops it.
+    pub fn launch_kernel(&self, c: usize) {
+        self.live(c, "launch").kernel.store(true, Ordering::SeqCst);
+    }
+
+    /// Frees communicator `c`, whose abort flag is raised: panics on a
+    /// second free. The free synchronizes the device: it waits while a
+    /// kernel of another communicator is in flight whose flag is not
+    /// raised, and panics when nothing raises it (a hang on real NCCL).
+    fn free(&self, comm: usize) {
+        let c = self.comm(comm);
+        assert!(
+            !c.freed.swap(true, Ordering::SeqCst),
+            "communicator {comm} freed twice"
+        );
+        c.frees.fetch_add(1, Ordering::SeqCst);
+        let mut waited = 0u32;
+        while let Some(i) =
+            self.0.comms.iter().position(|o| {
+                o.kernel.load(Ordering::SeqCst) && !o.interrupted.load(Ordering::SeqCst)
+            })
+        {
+            waited += 1;
+            assert!(
+                waited < 100_000,
+                "freeing communicator {comm} synchronizes the device, which waits for the kernel of communicator {i}, never told to stop: a hang (NVIDIA/nccl#564)"
+            );
+            thread::yield_now();
+        }
     }
 
     fn queue(&self, c: usize, call: &str) -> Result<bool, Error> {
@@ -229,13 +267,21 @@ impl CommApi for FakeNccl {
     }
 
     unsafe fn abort(&self, comm: usize) -> Result<(), Error> {
-        let c = self.comm(comm);
-        assert!(
-            !c.freed.swap(true, Ordering::SeqCst),
-            "communicator {comm} freed twice"
-        );
-        c.frees.fetch_add(1, Ordering::SeqCst);
-        c.interrupted.store(true, Ordering::SeqCst);
+        // NCCL raises the communicator's abort flag, then frees it.
+        self.comm(comm).interrupted.store(true, Ordering::SeqCst);
+        self.free(comm);
+        Ok(())
+    }
+
+    unsafe fn abort_many(&self, comms: &[usize]) -> Result<(), Error> {
+        // Inside one group: every flag is raised as its abort is called;
+        // the frees run at the group's end.
+        for &c in comms {
+            self.comm(c).interrupted.store(true, Ordering::SeqCst);
+        }
+        for &c in comms {
+            self.free(c);
+        }
         Ok(())
     }
 }

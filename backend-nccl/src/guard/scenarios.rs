@@ -249,3 +249,33 @@ pub fn snapshot_during_group() {
     drop(cells);
     assert_eq!((api.frees(0), api.frees(1)), (1, 1));
 }
+
+/// The watchdog and the rank's teardown abort a rank's communicators at
+/// once, each with a kernel in flight that waits for a peer that died:
+/// every communicator is freed exactly once, and no free waits for a
+/// kernel that nothing told to stop (P8; the fake panics where a device
+/// synchronization would wait for ever).
+pub fn abort_all_with_kernels_in_flight() {
+    let api = FakeNccl::new(&[false, false, false], false);
+    // SAFETY: communicators 0..3 of the fake are live, one cell each.
+    let cells: Arc<Vec<CommCell<FakeNccl>>> = Arc::new(unsafe {
+        (0..3)
+            .map(|c| CommCell::new(api.clone(), c, "lane"))
+            .collect()
+    });
+    for c in 0..3 {
+        api.launch_kernel(c);
+    }
+    let watchdog = {
+        let cells = cells.clone();
+        thread::spawn(move || super::abort_all(&cells.iter().collect::<Vec<_>>()))
+    };
+    let mut both = super::abort_all(&cells.iter().collect::<Vec<_>>());
+    both.extend(watchdog.join().expect("the watchdog panicked"));
+    both.sort_unstable();
+    assert_eq!(both, [0, 1, 2], "each communicator aborted by one caller");
+    for (i, c) in cells.iter().enumerate() {
+        assert_eq!(c.phase(), Phase::Freed);
+        assert_eq!(api.frees(i), 1);
+    }
+}

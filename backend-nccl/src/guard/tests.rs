@@ -33,6 +33,43 @@ fn an_unheld_communicator_is_freed_by_its_abort() {
 }
 
 #[test]
+#[should_panic(expected = "NVIDIA/nccl#564")]
+fn aborting_one_at_a_time_with_kernels_in_flight_hangs_on_real_nccl() {
+    // What the fake's check catches: the first free waits for the other
+    // communicator's kernel, which is told to stop only by the second abort.
+    let api = FakeNccl::new(&[false, false], false);
+    let (a, b) = (cell(&api, 0), cell(&api, 1));
+    api.launch_kernel(0);
+    api.launch_kernel(1);
+    a.abort();
+    b.abort();
+}
+
+#[test]
+fn abort_all_raises_every_flag_before_any_free() {
+    let api = FakeNccl::new(&[false, false, false], false);
+    let cells: Vec<_> = (0..3).map(|i| cell(&api, i)).collect();
+    api.launch_kernel(0);
+    api.launch_kernel(2);
+    // One is held by a thread outside NCCL: marked now, freed when it leaves.
+    let held = cells[1].enter().unwrap();
+    let refs: Vec<&CommCell<FakeNccl>> = cells.iter().collect();
+    assert_eq!(super::abort_all(&refs), [0, 1, 2]);
+    assert_eq!((api.frees(0), api.frees(1), api.frees(2)), (1, 0, 1));
+    assert!(matches!(held.async_error(), Err(Error::Aborted(_))));
+    drop(held);
+    assert_eq!(api.frees(1), 1);
+    assert!(super::abort_all(&refs).is_empty(), "idempotent");
+}
+
+#[test]
+fn the_watchdog_and_the_teardown_abort_together_on_threads() {
+    for _ in 0..200 {
+        scenarios::abort_all_with_kernels_in_flight();
+    }
+}
+
+#[test]
 fn a_held_communicator_is_freed_by_its_last_holder() {
     let api = FakeNccl::new(&[false], false);
     let c = cell(&api, 0);

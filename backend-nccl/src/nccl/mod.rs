@@ -348,6 +348,27 @@ impl Nccl {
         self.check("ncclCommAbort", r, None)
     }
 
+    /// `ncclCommAbort` of each of `comms` inside one group: NCCL raises
+    /// each one's abort flag as it is named and frees them all at
+    /// `ncclGroupEnd` (P8 of [`crate::guard`]). Every abort is attempted;
+    /// the first error is returned.
+    ///
+    /// # Safety
+    /// Each of `comms` must be live and never used again.
+    pub unsafe fn abort_many(&self, comms: &[ncclComm_t]) -> Result<(), Error> {
+        self.group_start()?;
+        let mut first = Ok(());
+        for &c in comms {
+            // SAFETY: as documented.
+            let r = unsafe { (self.abort)(c) };
+            if first.is_ok() {
+                first = self.check("ncclCommAbort", r, None);
+            }
+        }
+        let end = self.group_end().map(drop);
+        first.and(end)
+    }
+
     /// `ncclCommDestroy`.
     ///
     /// # Safety
@@ -489,6 +510,12 @@ impl CommApi for Nccl {
     unsafe fn abort(&self, comm: RawComm) -> Result<(), Error> {
         // SAFETY: the trait's contract is `Nccl::abort`'s.
         unsafe { Nccl::abort(self, comm.0) }
+    }
+
+    unsafe fn abort_many(&self, comms: &[RawComm]) -> Result<(), Error> {
+        let raw: Vec<ncclComm_t> = comms.iter().map(|c| c.0).collect();
+        // SAFETY: the trait's contract is `Nccl::abort_many`'s.
+        unsafe { Nccl::abort_many(self, &raw) }
     }
 }
 

@@ -78,17 +78,22 @@ pub fn execute<T: Transport>(program: &Arc<Program>, t: &T) -> Result<()> {
         .threads
         .iter()
         .position(|th| th.rank == rank && th.name.is_none());
-    let mut result = match main {
-        Some(i) => run_thread(program, i, &objects, t),
-        None => t.synchronize(),
-    };
-    for s in spawned {
-        let r = t.join(s);
-        if result.is_ok() {
-            result = r;
-        }
+    let mut results = Vec::new();
+    if let Some(i) = main {
+        results.push(run_thread(program, i, &objects, t));
     }
-    result
+    for s in spawned {
+        results.push(t.join(s));
+    }
+    if main.is_none() {
+        results.push(t.synchronize());
+    }
+    // One thread's hang aborts what the others wait on: report the hang,
+    // not the echoes (`Error::rank`).
+    match Error::most_telling(results.into_iter().filter_map(Result::err)) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 fn stream<T: Transport>(objects: &RankObjects<T>, t: &T, name: &str) -> Result<T::Stream> {
