@@ -1,6 +1,6 @@
 """Tests of nightly_verdict.py: each step's judgement on the reports the
-GPU run writes, the committed ones (docs/gpu/suite.txt, calibration.md) and
-small fixtures (no GPU needed).
+GPU run writes, an earlier run's (scripts/testdata/: suite.txt,
+calibration.md) and small fixtures (no GPU needed).
 
 python3 -m unittest discover -s scripts -p 'test_*.py'
 """
@@ -16,11 +16,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import nightly_verdict as nv  # noqa: E402
 
-REPO = os.path.dirname(HERE)
 
 
 def committed(name):
-    with open(os.path.join(REPO, "docs/gpu", name)) as f:
+    """A report of an earlier GPU run, kept as a fixture (scripts/testdata/),
+    so that committing a new run's reports to docs/gpu/ changes no test."""
+    with open(os.path.join(HERE, "testdata", name)) as f:
         return f.read()
 
 
@@ -241,7 +242,7 @@ class Whole(unittest.TestCase):
 
     def test_old_format_bench_json_is_not_a_nightly_result(self):
         self.good_run()
-        with open(os.path.join(REPO, "docs/gpu/bench-duplex.json")) as f:
+        with open(os.path.join(HERE, "testdata", "bench-duplex-format1.json")) as f:
             self.write("bench-duplex.json", f.read())
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)

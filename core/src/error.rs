@@ -193,3 +193,42 @@ impl fmt::Display for Hang {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_most_telling_error_is_the_cause_not_its_echo() {
+        let hang = Error::Hang(Box::new(Hang {
+            context: "rank 0 thread tx: deadline".into(),
+            stuck: Stuck {
+                cycle: Vec::new(),
+                missing: Vec::new(),
+                blocked: Vec::new(),
+                ops: Vec::new(),
+                note: None,
+            },
+            steps: Vec::new(),
+            schedule: None,
+            replay: None,
+            disagreements: Vec::new(),
+        }));
+        let echo = Error::Aborted("communicator pair:0-1 was aborted".into());
+        let user = Error::User("wrong data".into());
+        // A hang that aborted what another thread waited on: the hang.
+        let e = Error::most_telling([echo.clone(), hang.clone()]).unwrap();
+        assert!(e.hang().is_some(), "{e}");
+        assert!(matches!(
+            Error::most_telling([echo.clone(), user, hang]),
+            Some(Error::Hang(_))
+        ));
+        // Equals: the first.
+        let other = Error::Aborted("second".into());
+        assert_eq!(
+            Error::most_telling([echo, other]).unwrap().to_string(),
+            "aborted: communicator pair:0-1 was aborted"
+        );
+        assert!(Error::most_telling(Vec::new()).is_none());
+    }
+}
