@@ -168,6 +168,8 @@ impl Slot {
 }
 
 /// Creates this rank's handle on a new communicator of `nranks` ranks.
+/// The setup waits for every rank, under `timeout`, and ends early when
+/// `failed` names another rank of the job that failed (it cannot come).
 pub fn init(
     lib: &'static Nccl,
     id: ncclUniqueId,
@@ -175,6 +177,7 @@ pub fn init(
     rank: Rank,
     timeout: Duration,
     ctas: (Option<i32>, Option<i32>),
+    failed: &dyn Fn() -> Option<(Rank, String)>,
 ) -> Result<Comm, Error> {
     let mut config = lib.config(ctas.0, ctas.1, false);
     let slot = Slot::new();
@@ -187,8 +190,27 @@ pub fn init(
             "ncclCommInitRankConfig returned no communicator".into(),
         ));
     }
-    // SAFETY: `raw` is the communicator NCCL is setting up.
-    let ready = poll(timeout, || unsafe { lib.async_error(raw) });
+    let mut checks = 0u32;
+    let mut peer = None;
+    let ready = poll(timeout, || {
+        checks = checks.wrapping_add(1);
+        if checks.is_multiple_of(256)
+            && let Some(f) = failed()
+        {
+            peer = Some(f);
+            return Ok(true);
+        }
+        // SAFETY: `raw` is the communicator NCCL is setting up.
+        unsafe { lib.async_error(raw) }
+    });
+    if let Some((r, why)) = peer {
+        slot.abandon();
+        // SAFETY: abort is allowed while setup is in progress.
+        let _ = unsafe { lib.abort(raw) };
+        return Err(Error::Aborted(format!(
+            "creating the world communicator of rank {rank}: rank {r} failed: {why}"
+        )));
+    }
     match ready {
         Ok(true) => {}
         other => {

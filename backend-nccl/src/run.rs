@@ -11,7 +11,7 @@ use crate::board::{Board, LocalBoard};
 use crate::comm;
 use crate::ctx::{LaneCost, Options, RankCtx, RankSetup, panic_text};
 use crate::cuda::{self, Device};
-use crate::health::{Health, LocalHealth, StoreHealth};
+use crate::health::{Health, LocalHealth, SILENCE, StoreHealth};
 use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
 use crate::nccl::{Nccl, nccl};
 use crate::rank::NcclRank;
@@ -168,7 +168,9 @@ pub struct Process {
     host: String,
     port: u16,
     secret: Secret,
-    lib: &'static Nccl,
+    /// NCCL and CUDA, or why not: a rank without them still joins the
+    /// store in [`Process::run`] to tell the others why it cannot start.
+    lib: std::result::Result<&'static Nccl, Error>,
     settings: Settings,
 }
 
@@ -210,6 +212,11 @@ impl Process {
     /// and the `notify` messages; every connection must show the job's
     /// secret (`DUPLEX_STORE_TOKEN`, or derived from torchrun's
     /// `TORCHELASTIC_RUN_ID`: see [`crate::store`]).
+    ///
+    /// A missing NCCL library or GPU is not an error here but in
+    /// [`Process::run`], which first tells the other ranks through the
+    /// store, so that their waits end naming this rank instead of waiting
+    /// for it until their deadlines.
     pub fn from_env() -> Result<Process> {
         let rank = env_num("RANK")?;
         let world = env_num("WORLD_SIZE")?;
@@ -233,8 +240,7 @@ impl Process {
             .ok()
             .filter(|b| !b.is_empty())
             .unwrap_or_else(|| addr.clone());
-        let lib = nccl()?;
-        cuda::init()?;
+        let lib = nccl().and_then(|lib| cuda::init().map(|_| lib));
         Ok(Process {
             rank,
             world,
@@ -278,17 +284,61 @@ impl Process {
                 message: "Process::run runs once per process: rank 0's store still serves the first run's unique id and messages; start a new process for another job, as torchrun does".into(),
             });
         }
-        if self.rank == 0 {
-            let id = self.lib.unique_id()?;
-            Store::serve(
-                &self.bind,
-                self.port,
-                id.internal.to_vec(),
-                self.secret.clone(),
-            )?;
-        }
+        let timeout = self.settings.opts.timeout;
         let client = Store::client(self.host.clone(), self.port, self.secret.clone());
-        let bytes = client.unique_id(self.settings.opts.timeout)?;
+        // Rank 0 serves the store even when it cannot run (its NCCL or GPU
+        // is missing), with no unique id, so that the others learn why.
+        let id = match (self.rank, &self.lib) {
+            (0, Ok(lib)) => Some(lib.unique_id()?),
+            _ => None,
+        };
+        if self.rank == 0 {
+            let served = id
+                .as_ref()
+                .map_or(NO_ID.to_vec(), |id| id.internal.to_vec());
+            Store::serve(&self.bind, self.port, served, self.secret.clone())?;
+            // The job's size, which every other rank checks its own against.
+            client.put("job/world-size", self.world.to_string().as_bytes(), timeout)?;
+            if let Err(e) = &self.lib {
+                return Err(self.cannot_start(&client, e.clone()));
+            }
+        }
+        // Waits (under the deadline) for rank 0 to serve.
+        let bytes = client.unique_id(timeout)?;
+        if self.rank != 0 {
+            let theirs = client.get("job/world-size", timeout)?.unwrap_or_default();
+            let theirs = String::from_utf8_lossy(&theirs).into_owned();
+            if theirs != self.world.to_string() {
+                let e = Error::Invalid {
+                    at: "WORLD_SIZE".into(),
+                    message: format!(
+                        "rank {} has WORLD_SIZE={}, rank 0 has WORLD_SIZE={theirs}: every rank of a job must be given the same",
+                        self.rank, self.world
+                    ),
+                };
+                return Err(self.cannot_start(&client, e));
+            }
+        }
+        if bytes == NO_ID {
+            // Rank 0 cannot start; it posts why right after serving.
+            let mut why = None;
+            let _ = comm::poll(timeout, || {
+                why = client.health(self.rank, SILENCE, timeout).ok().flatten();
+                if why.is_none() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(why.is_some())
+            });
+            let (r, why) = why.unwrap_or((0, "it served no unique id".into()));
+            let e = Error::Aborted(format!(
+                "rank {r} cannot start, so neither can rank {}: {why}",
+                self.rank
+            ));
+            return Err(self.cannot_start(&client, e));
+        }
+        if let Err(e) = &self.lib {
+            return Err(self.cannot_start(&client, e.clone()));
+        }
         if bytes.len() != NCCL_UNIQUE_ID_BYTES {
             // Never print the id: it lets anyone join the communicator.
             return Err(Error::Aborted(format!(
@@ -308,8 +358,9 @@ impl Process {
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
         );
+        let lib = self.lib.clone()?;
         let result = rank_main(
-            self.lib,
+            lib,
             self.rank,
             self.world,
             self.device,
@@ -326,15 +377,32 @@ impl Process {
             // The store lives in this process: it stays up until every other
             // rank has finished or failed (bounded), so that their waits
             // never read its end as rank 0's death.
-            health.linger(
-                self.world,
-                0,
-                self.settings.opts.timeout + crate::health::SILENCE,
-            );
+            health.linger(self.world, 0, self.settings.opts.timeout + SILENCE);
         }
         result
     }
+
+    /// The error of a rank that cannot start (no NCCL or GPU, a wrong
+    /// `WORLD_SIZE`), posted to the store first so that the other ranks'
+    /// waits end naming it; rank 0, the store's host, stays until they
+    /// have read it (bounded).
+    fn cannot_start(&self, client: &Store, e: Error) -> Error {
+        let timeout = self.settings.opts.timeout;
+        let _ = client.fail(self.rank, &e.to_string(), timeout);
+        if self.rank == 0 {
+            let health = StoreHealth::start(
+                Store::client(self.host.clone(), self.port, self.secret.clone()),
+                0,
+            );
+            health.linger(self.world, 0, timeout + SILENCE);
+        }
+        e
+    }
 }
+
+/// What rank 0 serves instead of a unique id when it cannot start (no
+/// NCCL or GPU): one byte, never an NCCL id (128 bytes).
+const NO_ID: [u8; 1] = [0];
 
 /// How a rank reaches the others: the world communicator's id, messages,
 /// its trace, failures.
@@ -371,8 +439,10 @@ where
     };
     let device = Arc::new(Device::new(device).map_err(failed)?);
     let opts = settings.opts.clone();
-    let world_comm =
-        comm::init(lib, id, world, rank, opts.timeout, (None, None)).map_err(failed)?;
+    let world_comm = comm::init(lib, id, world, rank, opts.timeout, (None, None), &|| {
+        health.failed(rank)
+    })
+    .map_err(failed)?;
     let ctx = RankCtx::create(RankSetup {
         rank,
         world_size: world,
