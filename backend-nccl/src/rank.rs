@@ -455,6 +455,11 @@ impl NcclRank {
     fn verify_complete(&self, covered: &[Arc<Issued>], call: &str) -> Result<()> {
         for op in covered {
             if let Err(e) = op.meta.comm.check() {
+                // Another rank's failure is the cause: name it (the
+                // watchdog aborted this rank's communicators for it).
+                if let Some((r, why)) = self.ctx.health.failed(self.ctx.rank) {
+                    return Err(self.peer_failed(call, r, &why));
+                }
                 let err = Error::Aborted(format!(
                     "`{call}`: {} finished on the device, but {e}; its bytes cannot be trusted",
                     op.meta.info()
