@@ -40,6 +40,10 @@ pub struct Report {
     /// (`duplex check FILE --replay SCHEDULE`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub schedule: Option<String>,
+    /// The command that replays it: the schedule, with the command line's
+    /// overrides of the file's policy and model ([`Report::overridden`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
     /// Whether this reports one replayed interleaving (`--replay`) rather
     /// than a search of all of them.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -91,7 +95,37 @@ impl From<&ProgramError> for ErrorReport {
     }
 }
 
+/// `word` as one shell word: as it is when it needs no quoting, else in
+/// single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:+,@%".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
 impl Report {
+    /// The same report, its replay command carrying `flags`: the command
+    /// line's overrides of the file's policy and model (`--policy P`,
+    /// `--eager S`, `--model KEY=VALUE`, each a separate word), without
+    /// which the schedule would replay another program.
+    pub fn overridden(mut self, flags: &[String]) -> Report {
+        if let (Some(schedule), false) = (&self.schedule, flags.is_empty()) {
+            let flags: Vec<String> = flags.iter().map(|f| shell_word(f)).collect();
+            self.replay = Some(format!(
+                "duplex check {} {} --replay {schedule}",
+                shell_word(&self.file),
+                flags.join(" ")
+            ));
+        }
+        self
+    }
+
     /// Builds the report of `outcome` for `file`.
     pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
         let (verdict, stuck, error, steps, schedule) = match &outcome.verdict {
@@ -120,6 +154,9 @@ impl Report {
                 Some(schedule.to_string()),
             ),
         };
+        let replay = schedule
+            .as_ref()
+            .map(|s| format!("duplex check {} --replay {s}", shell_word(file)));
         Report {
             verdict,
             file: file.to_string(),
@@ -129,6 +166,7 @@ impl Report {
             error,
             steps,
             schedule,
+            replay,
             replayed: false,
             latent: Vec::new(),
             repairs: Vec::new(),
@@ -261,11 +299,9 @@ impl fmt::Display for Report {
         }
         if let Some(schedule) = &self.schedule {
             writeln!(f, "schedule: {schedule}")?;
-            writeln!(
-                f,
-                "replay it with: duplex check {} --replay {schedule}",
-                self.file
-            )?;
+            if let Some(replay) = &self.replay {
+                writeln!(f, "replay it with: {replay}")?;
+            }
         }
         for l in &self.latent {
             writeln!(f)?;

@@ -501,6 +501,22 @@ fn check_with_bar(
     outcome
 }
 
+/// The command line's overrides of a file's policy and model, as flags
+/// (for the replay command a report prints).
+fn override_flags(args: &CheckArgs) -> Vec<String> {
+    let mut flags = Vec::new();
+    if let Some(p) = args.policy {
+        flags.extend(["--policy".to_string(), p.to_string()]);
+    }
+    for setting in &args.model {
+        flags.extend(["--model".to_string(), setting.clone()]);
+    }
+    if let Some(e) = args.eager {
+        flags.extend(["--eager".to_string(), e.to_string()]);
+    }
+    flags
+}
+
 /// Checks one file under the command line's settings.
 fn check_file(
     args: &CheckArgs,
@@ -565,7 +581,8 @@ fn check_file(
                 .map_err(|e| Failure::invalid("read", format!("cannot write {path}: {e}")))?;
         }
     }
-    let report = Report::new(file, program.policy, program.model, &outcome);
+    let report = Report::new(file, program.policy, program.model, &outcome)
+        .overridden(&override_flags(args));
     Ok(if schedule.is_some() {
         report.replayed()
     } else {

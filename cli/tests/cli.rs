@@ -286,6 +286,40 @@ fn a_printed_schedule_replays_to_the_same_hang() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("this interleaving completes"));
 }
 
+/// A hang found under command-line overrides of the file's policy and
+/// model replays with the command the report prints: the overrides are in
+/// it (without them the schedule would follow another program).
+#[test]
+fn the_printed_replay_command_carries_the_overrides() {
+    let file =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc-per-direction.sched");
+    let file = file.to_str().expect("utf-8");
+    let args = ["check", file, "--policy", "shared", "--model", "eager=0"];
+    let out = duplex(&args);
+    assert_eq!(out.status.code(), Some(1), "the overrides make it hang");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let command = text
+        .lines()
+        .find_map(|l| l.strip_prefix("replay it with: duplex "))
+        .expect("a replay command");
+    assert!(
+        command.contains("--policy shared --model eager=0 --replay v1:"),
+        "{command}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&duplex(&[&args[..], &["--format", "json"]].concat()).stdout)
+            .expect("json");
+    assert_eq!(json["replay"], format!("duplex {command}"));
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let again = duplex(&words);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("this interleaving hangs"),
+        "{}",
+        String::from_utf8_lossy(&again.stdout)
+    );
+}
+
 #[test]
 fn a_schedule_that_does_not_fit_is_refused_with_a_reason() {
     let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed-rpc.sched");
