@@ -134,13 +134,6 @@ impl CommInner {
         };
         held.async_error().map(drop)
     }
-
-    /// Aborts the communicator (kills its device work); idempotent. The
-    /// handle is freed now, or by the last thread that holds it (P4 of
-    /// [`crate::guard`]). True when this call aborted it.
-    pub fn abort(&self) -> bool {
-        self.cell.abort()
-    }
 }
 
 /// Where NCCL stores a new communicator's handle. NCCL writes it from its

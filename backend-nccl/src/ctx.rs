@@ -267,6 +267,10 @@ pub(crate) struct RankCtx {
     pub(crate) events: Mutex<Vec<Event>>,
     /// Set when the watchdog aborted this rank's communicators.
     pub(crate) fired: AtomicBool,
+    /// The watchdog aborted the rank's communicators because another rank
+    /// failed (not for this rank's own deadline): errors then name that
+    /// rank as the cause.
+    pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Vec<LaneCost>,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
@@ -399,6 +403,7 @@ impl RankCtx {
             next_logical: AtomicU32::new(logical),
             events: Mutex::new(Vec::new()),
             fired: AtomicBool::new(false),
+            fired_for_peer: AtomicBool::new(false),
             costs,
             device,
             opts,
@@ -494,7 +499,7 @@ impl RankCtx {
     /// The error of an NCCL call that failed: after the watchdog aborted the
     /// communicators, a hang.
     pub(crate) fn watchdog_error(&self, e: Error, what: &str) -> Error {
-        if let Some((r, why)) = self.health.failed(self.rank) {
+        if let Some((r, why)) = self.peer_cause() {
             return Error::Aborted(format!(
                 "{what}: rank {r} failed ({why}), so rank {}'s communicators were aborted ({e})",
                 self.rank
@@ -507,6 +512,16 @@ impl RankCtx {
             ))
         } else {
             e
+        }
+    }
+
+    /// The failed rank (and why) for which the watchdog aborted this rank's
+    /// communicators, if that is why they were aborted.
+    pub(crate) fn peer_cause(&self) -> Option<(Rank, String)> {
+        if self.fired_for_peer.load(Ordering::Acquire) {
+            self.health.failed(self.rank)
+        } else {
+            None
         }
     }
 
@@ -622,6 +637,7 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                 if let Some((r, why)) = ctx.health.failed(ctx.rank)
                     && !ctx.fired.swap(true, Ordering::AcqRel)
                 {
+                    ctx.fired_for_peer.store(true, Ordering::Release);
                     tracing::warn!(
                         rank = ctx.rank,
                         failed = r,

@@ -70,9 +70,16 @@
 //!   once its own communicator's abort flag is raised. Aborted one at a
 //!   time, the first free waits for the kernel of a communicator not yet
 //!   aborted, for ever (NVIDIA/nccl#564; seen on the H200s with a killed
-//!   peer). [`abort_all`] therefore marks every communicator first and
-//!   frees those nobody holds in one [`CommApi::abort_many`], which raises
-//!   every abort flag before it frees anything.
+//!   peer). [`abort_all`] therefore marks every communicator of the rank
+//!   and makes them one batch, freed in one [`CommApi::abort_many`] (which
+//!   raises every abort flag before it frees anything) when the batch's
+//!   last member is released: at once when nobody holds any; else by the
+//!   last holder to leave, or by the watchdog's forced free (P5). Nothing
+//!   is freed while a member is held, since NCCL 2.28 cannot stop a held
+//!   communicator's kernel without freeing it, and the free of the others
+//!   would wait for that kernel on the very thread (the watchdog) that
+//!   must then force the held one free. A group's holds released one by
+//!   one release their members of the batch; the last frees them all.
 //!
 //! Lock order: the issue lock, then a communicator's state lock. A state
 //! lock is held only for a few counter updates, never across an NCCL call;
@@ -89,7 +96,7 @@ use std::time::{Duration, Instant};
 
 use duplex::Error;
 
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, lock};
+use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, lock};
 
 #[cfg(any(test, loom))]
 pub mod fake;
@@ -241,17 +248,77 @@ pub enum Phase {
     Live,
     /// Aborted: no new call; freed when the last holder leaves (P4).
     Aborted,
-    /// Freed (`ncclCommAbort` was called, once).
+    /// Freed: no thread will use it again, and it was given to
+    /// `ncclCommAbort` once, alone or with the rest of its batch (P8; a
+    /// batch is freed when its last member is).
     Freed,
 }
 
-#[derive(Debug)]
-struct CellState {
+struct CellState<A: CommApi> {
     phase: Phase,
     /// Live [`Use`]s, and an abort that is revoking (P4).
     holders: usize,
     /// Holders inside an NCCL call on it (P5).
     inside: usize,
+    /// The batch it was aborted with ([`abort_all`]): freed with it.
+    batch: Option<Arc<Batch<A>>>,
+}
+
+impl<A: CommApi> fmt::Debug for CellState<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CellState")
+            .field("phase", &self.phase)
+            .field("holders", &self.holders)
+            .field("inside", &self.inside)
+            .field("batch", &self.batch.is_some())
+            .finish()
+    }
+}
+
+/// Communicators aborted together (P8): freed in one
+/// [`CommApi::abort_many`] once none of them can be used any more, so
+/// that every abort flag is raised before anything is freed, whichever
+/// member is the last to be released.
+struct Batch<A: CommApi> {
+    api: A,
+    state: Mutex<BatchState<A>>,
+}
+
+struct BatchState<A: CommApi> {
+    /// The members' handles.
+    raws: Vec<A::Comm>,
+    /// Members not yet released (phase `Freed`).
+    waiting: usize,
+}
+
+impl<A: CommApi> fmt::Debug for Batch<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = lock(&self.state);
+        f.debug_struct("Batch")
+            .field("members", &st.raws.len())
+            .field("waiting", &st.waiting)
+            .finish()
+    }
+}
+
+impl<A: CommApi> Batch<A> {
+    /// A member was released; the last one frees them all.
+    fn release(&self) {
+        let raws = {
+            let mut st = lock(&self.state);
+            st.waiting -= 1;
+            if st.waiting > 0 {
+                return;
+            }
+            std::mem::take(&mut st.raws)
+        };
+        // SAFETY: every member moved to `Freed` once, under its state lock,
+        // with no holder outside NCCL (P4, P5); no new hold or call can
+        // start on any of them.
+        if let Err(e) = unsafe { self.api.abort_many(&raws) } {
+            tracing::warn!(error = %e, "aborting the communicators failed");
+        }
+    }
 }
 
 /// A communicator handle that is freed only when no thread can use it
@@ -260,7 +327,7 @@ pub struct CommCell<A: CommApi> {
     api: A,
     raw: A::Comm,
     name: String,
-    state: Mutex<CellState>,
+    state: Mutex<CellState<A>>,
 }
 
 impl<A: CommApi> fmt::Debug for CommCell<A> {
@@ -288,6 +355,7 @@ impl<A: CommApi> CommCell<A> {
                 phase: Phase::Live,
                 holders: 0,
                 inside: 0,
+                batch: None,
             }),
         }
     }
@@ -332,29 +400,11 @@ impl<A: CommApi> CommCell<A> {
     /// nobody holds it, else by the last holder, after asking the library
     /// to stop the calls in flight. Never waits. True when this call did
     /// it (the communicator was live).
-    pub fn abort(&self) -> bool {
-        let mut st = lock(&self.state);
-        if st.phase != Phase::Live {
-            return false;
-        }
-        st.phase = Phase::Aborted;
-        if st.holders == 0 {
-            st.phase = Phase::Freed;
-            drop(st);
-            self.free();
-            return true;
-        }
-        // Hold it while revoking, so that it is not freed under the call.
-        st.holders += 1;
-        drop(st);
-        // SAFETY: held, so not freed; other threads may be inside calls on
-        // it, which revoke allows.
-        match unsafe { self.api.revoke(self.raw) } {
-            Ok(_) => {}
-            Err(e) => tracing::warn!(comm = %self.name, error = %e, "revoke failed"),
-        }
-        self.leave();
-        true
+    pub fn abort(&self) -> bool
+    where
+        A: Clone,
+    {
+        !abort_all(&[self]).is_empty()
     }
 
     /// Frees an aborted communicator whose every holder is inside an NCCL
@@ -373,8 +423,9 @@ impl<A: CommApi> CommCell<A> {
             return false;
         }
         st.phase = Phase::Freed;
+        let batch = st.batch.take();
         drop(st);
-        self.free();
+        self.free(batch);
         true
     }
 
@@ -383,13 +434,20 @@ impl<A: CommApi> CommCell<A> {
         st.holders -= 1;
         if st.holders == 0 && st.phase == Phase::Aborted {
             st.phase = Phase::Freed;
+            let batch = st.batch.take();
             drop(st);
-            self.free();
+            self.free(batch);
         }
     }
 
-    /// The one free: called by whoever moved the phase to `Freed`.
-    fn free(&self) {
+    /// The one release: called by whoever moved the phase to `Freed`. A
+    /// member of a batch is freed with the batch, by its last member to be
+    /// released; any other communicator alone, now.
+    fn free(&self, batch: Option<Arc<Batch<A>>>) {
+        if let Some(b) = batch {
+            b.release();
+            return;
+        }
         // SAFETY: the phase moved to `Freed` once, under the state lock,
         // with no holder outside NCCL (P4, P5); no new hold or call can
         // start, so the handle is never used again by duplex.
@@ -399,36 +457,64 @@ impl<A: CommApi> CommCell<A> {
     }
 }
 
-/// Aborts every communicator of `cells` as one (P4 for each, P8): each is
-/// marked aborted; those nobody holds are freed together by one
-/// [`CommApi::abort_many`] (every abort flag raised before any free); the
-/// others are revoked and freed by their last holder, as
-/// [`CommCell::abort`] does. Never waits for a holder. Returns the
-/// indices in `cells` of those this call aborted (those that were live; a
-/// cell named twice counts once). All cells must be of one library (one
-/// rank's).
-pub fn abort_all<A: CommApi>(cells: &[&CommCell<A>]) -> Vec<usize> {
-    let mut free = Vec::new();
-    let mut held = Vec::new();
+/// A cell of [`abort_all`], its index in the caller's list, and its state,
+/// locked.
+type Locked<'a, A> = (usize, &'a CommCell<A>, MutexGuard<'a, CellState<A>>);
+
+/// Aborts every communicator of `cells` as one (P4 for each, P8). Each is
+/// marked aborted, so no new call is made through it, and all of them form
+/// one batch, freed in one [`CommApi::abort_many`] when its last member is
+/// released: at once when nobody holds any of them; else when the last
+/// holder leaves, or by the watchdog's [`CommCell::force_free`] (P5). The
+/// library is asked to stop the held ones' work now
+/// ([`CommApi::revoke`]). Freeing the unheld ones first would wait for a
+/// kernel of a held one whose abort flag nothing raised (NCCL 2.28 has no
+/// revoke), and the thread that would raise it (the watchdog) would be the
+/// one waiting. Never waits for a holder. Returns the indices in `cells`
+/// of those this call aborted (those that were live; a cell named twice
+/// counts once). All cells must be of one library (one rank's).
+pub fn abort_all<A: CommApi + Clone>(cells: &[&CommCell<A>]) -> Vec<usize> {
+    // Each cell once, locked in address order (two callers never wait on
+    // each other's locks), all locks held while the batch is formed, so
+    // that no holder leaves and frees its cell alone in between.
+    let mut order: Vec<(usize, &CommCell<A>)> = cells.iter().copied().enumerate().collect();
+    order.sort_by_key(|(i, c)| (std::ptr::from_ref(*c) as usize, *i));
+    order.dedup_by_key(|(_, c)| std::ptr::from_ref(*c) as usize);
+    let mut locked: Vec<Locked<'_, A>> = order
+        .into_iter()
+        .map(|(i, c)| (i, c, lock(&c.state)))
+        .filter(|(_, _, st)| st.phase == Phase::Live)
+        .collect();
+    let Some(api) = locked.first().map(|(_, c, _)| c.api.clone()) else {
+        return Vec::new();
+    };
+    let batch = Arc::new(Batch {
+        api,
+        state: Mutex::new(BatchState {
+            raws: locked.iter().map(|(_, c, _)| c.raw).collect(),
+            waiting: locked.len(),
+        }),
+    });
     let mut aborted = Vec::new();
-    for (i, &c) in cells.iter().enumerate() {
-        let mut st = lock(&c.state);
-        if st.phase != Phase::Live {
-            continue;
-        }
-        aborted.push(i);
-        if st.holders == 0 {
-            st.phase = Phase::Freed;
-            free.push(c);
-        } else {
-            st.phase = Phase::Aborted;
+    let mut held = Vec::new();
+    let mut released = 0;
+    for (i, c, st) in &mut locked {
+        aborted.push(*i);
+        st.phase = Phase::Aborted;
+        if st.holders > 0 {
             // Held while revoking, so that it is not freed under the call.
             st.holders += 1;
-            held.push(c);
+            st.batch = Some(batch.clone());
+            held.push(*c);
+        } else {
+            st.phase = Phase::Freed;
+            released += 1;
         }
     }
-    // Stop the held ones' work first (where the library can), so that the
-    // frees below wait for no kernel of theirs.
+    drop(locked);
+    for _ in 0..released {
+        batch.release();
+    }
     for c in &held {
         // SAFETY: held, so not freed; other threads may be inside calls on
         // it, which revoke allows.
@@ -436,17 +522,10 @@ pub fn abort_all<A: CommApi>(cells: &[&CommCell<A>]) -> Vec<usize> {
             tracing::warn!(comm = %c.name, error = %e, "revoke failed");
         }
     }
-    if let Some(first) = free.first() {
-        let raws: Vec<A::Comm> = free.iter().map(|c| c.raw).collect();
-        // SAFETY: each moved to `Freed` above, once, under its state lock,
-        // with no holder; no new hold or call can start on any of them.
-        if let Err(e) = unsafe { first.api.abort_many(&raws) } {
-            tracing::warn!(error = %e, "aborting the communicators failed");
-        }
-    }
     for c in &held {
         c.leave();
     }
+    aborted.sort_unstable();
     aborted
 }
 
@@ -456,7 +535,8 @@ impl<A: CommApi> Drop for CommCell<A> {
         let st = self.state.get_mut_or_lock();
         if st.phase != Phase::Freed {
             st.phase = Phase::Freed;
-            self.free();
+            let batch = st.batch.take();
+            self.free(batch);
         }
     }
 }

@@ -457,7 +457,7 @@ impl NcclRank {
             if let Err(e) = op.meta.comm.check() {
                 // Another rank's failure is the cause: name it (the
                 // watchdog aborted this rank's communicators for it).
-                if let Some((r, why)) = self.ctx.health.failed(self.ctx.rank) {
+                if let Some((r, why)) = self.ctx.peer_cause() {
                     return Err(self.peer_failed(call, r, &why));
                 }
                 let err = Error::Aborted(format!(

@@ -288,9 +288,14 @@ impl Process {
         let client = Store::client(self.host.clone(), self.port, self.secret.clone());
         // Rank 0 serves the store even when it cannot run (its NCCL or GPU
         // is missing), with no unique id, so that the others learn why.
-        let id = match (self.rank, &self.lib) {
-            (0, Ok(lib)) => Some(lib.unique_id()?),
-            _ => None,
+        // NCCL and CUDA, and on rank 0 the job's unique id: what this rank
+        // needs to start, or why it cannot.
+        let (lib, id) = match (self.rank, &self.lib) {
+            (0, Ok(lib)) => match lib.unique_id() {
+                Ok(id) => (Ok(*lib), Some(id)),
+                Err(e) => (Err(e), None),
+            },
+            (_, lib) => (lib.clone(), None),
         };
         if self.rank == 0 {
             let served = id
@@ -299,7 +304,7 @@ impl Process {
             Store::serve(&self.bind, self.port, served, self.secret.clone())?;
             // The job's size, which every other rank checks its own against.
             client.put("job/world-size", self.world.to_string().as_bytes(), timeout)?;
-            if let Err(e) = &self.lib {
+            if let Err(e) = &lib {
                 return Err(self.cannot_start(&client, e.clone()));
             }
         }
@@ -336,9 +341,10 @@ impl Process {
             ));
             return Err(self.cannot_start(&client, e));
         }
-        if let Err(e) = &self.lib {
-            return Err(self.cannot_start(&client, e.clone()));
-        }
+        let lib = match lib {
+            Ok(lib) => lib,
+            Err(e) => return Err(self.cannot_start(&client, e)),
+        };
         if bytes.len() != NCCL_UNIQUE_ID_BYTES {
             // Never print the id: it lets anyone join the communicator.
             return Err(Error::Aborted(format!(
@@ -358,7 +364,6 @@ impl Process {
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
         );
-        let lib = self.lib.clone()?;
         let result = rank_main(
             lib,
             self.rank,

@@ -40,6 +40,13 @@ fn the_watchdog_and_the_teardown_abort_a_ranks_communicators_together() {
 }
 
 #[test]
+fn the_watchdog_frees_a_group_blocked_in_nccl_with_its_kernels() {
+    model("blocked group vs abort_all + forced free", None, || {
+        scenarios::watchdog_frees_a_blocked_group_with_kernels()
+    });
+}
+
+#[test]
 fn issue_races_abort_on_a_non_blocking_communicator() {
     model("issue vs abort, non-blocking", None, || {
         scenarios::issue_races_abort(Mode::NonBlocking)

@@ -75,23 +75,25 @@ pub enum Error {
 impl Error {
     /// How much this error says about what went wrong, for choosing one of
     /// several (lower says more): a program error, then an invalid call or
-    /// race, then a hang with its cycle, any other hang, a user, library or
-    /// availability error, and last [`Error::Aborted`], which is usually
-    /// the echo of another thread's or rank's failure.
-    pub fn rank(&self) -> u8 {
+    /// race, then a hang with its wait-for cycle (or a partner that never
+    /// comes), a user, library or availability error (which may have left
+    /// others waiting), any other hang, and last [`Error::Aborted`], which
+    /// is usually the echo of another thread's or rank's failure.
+    pub fn severity(&self) -> u8 {
         match self {
             Error::Program { .. } => 0,
             Error::Invalid { .. } | Error::Race { .. } => 1,
             Error::Hang(h) if !h.stuck.cycle.is_empty() || !h.stuck.missing.is_empty() => 2,
-            Error::Hang(_) => 3,
-            Error::User(_) | Error::Library { .. } | Error::Unavailable { .. } => 4,
+            Error::User(_) | Error::Library { .. } | Error::Unavailable { .. } => 3,
+            Error::Hang(_) => 4,
             Error::Aborted(_) => 5,
         }
     }
 
-    /// The most telling of `errors` ([`Error::rank`]; the first of equals).
+    /// The most telling of `errors` ([`Error::severity`]; the first of
+    /// equals).
     pub fn most_telling(errors: impl IntoIterator<Item = Error>) -> Option<Error> {
-        errors.into_iter().min_by_key(Error::rank)
+        errors.into_iter().min_by_key(Error::severity)
     }
 
     /// The hang report, if this is a hang.
@@ -219,9 +221,11 @@ mod tests {
         // A hang that aborted what another thread waited on: the hang.
         let e = Error::most_telling([echo.clone(), hang.clone()]).unwrap();
         assert!(e.hang().is_some(), "{e}");
+        // A library or user error may be what left another thread waiting
+        // until its deadline: it outranks a hang with no cycle.
         assert!(matches!(
-            Error::most_telling([echo.clone(), user, hang]),
-            Some(Error::Hang(_))
+            Error::most_telling([echo.clone(), hang, user.clone()]),
+            Some(Error::User(_))
         ));
         // Equals: the first.
         let other = Error::Aborted("second".into());

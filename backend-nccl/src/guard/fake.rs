@@ -148,15 +148,26 @@ impl FakeNccl {
             "communicator {comm} freed twice"
         );
         c.frees.fetch_add(1, Ordering::SeqCst);
-        let mut waited = 0u32;
+        // Another thread may still raise the flag: wait, but not for ever
+        // (a bound in time on real threads, in steps under loom).
+        #[cfg(not(loom))]
+        let start = std::time::Instant::now();
+        #[cfg(loom)]
+        let mut steps = 0u32;
         while let Some(i) =
             self.0.comms.iter().position(|o| {
                 o.kernel.load(Ordering::SeqCst) && !o.interrupted.load(Ordering::SeqCst)
             })
         {
-            waited += 1;
+            #[cfg(not(loom))]
+            let waited_too_long = start.elapsed() > std::time::Duration::from_secs(5);
+            #[cfg(loom)]
+            let waited_too_long = {
+                steps += 1;
+                steps > 64
+            };
             assert!(
-                waited < 100_000,
+                !waited_too_long,
                 "freeing communicator {comm} synchronizes the device, which waits for the kernel of communicator {i}, never told to stop: a hang (NVIDIA/nccl#564)"
             );
             thread::yield_now();

@@ -279,3 +279,46 @@ pub fn abort_all_with_kernels_in_flight() {
         assert_eq!(api.frees(i), 1);
     }
 }
+
+/// P5 with P8: a thread is blocked inside a blocking `ncclGroupEnd` of two
+/// lanes whose kernels wait for a peer that died, and the world
+/// communicator is unheld. The watchdog aborts all of them (nothing is
+/// freed yet: a free would wait for the lanes' kernels, whose flags NCCL
+/// 2.28 cannot raise without freeing), then frees the blocked lanes
+/// (`force_free`, as after its grace): the last of the batch frees all
+/// three together. No free waits for a kernel that nothing told to stop,
+/// each is freed once, and the issuing thread ends with an error.
+pub fn watchdog_frees_a_blocked_group_with_kernels() {
+    let api = FakeNccl::new(&[false, true, true], false);
+    let lock = Arc::new(IssueLock::default());
+    // SAFETY: communicators 0..3 of the fake are live, one cell each.
+    let cells: Arc<Vec<CommCell<FakeNccl>>> = Arc::new(unsafe {
+        (0..3)
+            .map(|c| CommCell::new(api.clone(), c, "lane"))
+            .collect()
+    });
+    api.launch_kernel(1);
+    api.launch_kernel(2);
+    let issuer = {
+        let (lock, cells) = (lock.clone(), cells.clone());
+        thread::spawn(move || issue(&lock, &[&cells[1], &cells[2]]))
+    };
+    // The watchdog: the deadline passed (the call is blocked).
+    while !api.blocked(1) {
+        thread::yield_now();
+    }
+    let all: Vec<&CommCell<FakeNccl>> = cells.iter().collect();
+    assert_eq!(super::abort_all(&all), [0, 1, 2]);
+    // ... and the grace after it.
+    for c in cells.iter() {
+        // SAFETY: the fake says the call is blocked inside it; its holds
+        // are all inside NCCL.
+        unsafe { c.force_free() };
+    }
+    let r = issuer.join().expect("the issuing thread panicked");
+    assert!(matches!(r, Err(Error::Aborted(_))), "{r:?}");
+    for (i, c) in cells.iter().enumerate() {
+        assert_eq!(c.phase(), Phase::Freed);
+        assert_eq!(api.frees(i), 1);
+    }
+}

@@ -46,20 +46,51 @@ fn aborting_one_at_a_time_with_kernels_in_flight_hangs_on_real_nccl() {
 }
 
 #[test]
-fn abort_all_raises_every_flag_before_any_free() {
+fn abort_all_frees_nothing_while_a_held_one_cannot_be_stopped() {
+    // NCCL 2.28 cannot stop a held communicator's kernel without freeing
+    // it: freeing the others first would wait for that kernel (P8).
     let api = FakeNccl::new(&[false, false, false], false);
     let cells: Vec<_> = (0..3).map(|i| cell(&api, i)).collect();
-    api.launch_kernel(0);
-    api.launch_kernel(2);
-    // One is held by a thread outside NCCL: marked now, freed when it leaves.
+    for i in 0..3 {
+        api.launch_kernel(i);
+    }
     let held = cells[1].enter().unwrap();
     let refs: Vec<&CommCell<FakeNccl>> = cells.iter().collect();
     assert_eq!(super::abort_all(&refs), [0, 1, 2]);
-    assert_eq!((api.frees(0), api.frees(1), api.frees(2)), (1, 0, 1));
+    assert_eq!((api.frees(0), api.frees(1), api.frees(2)), (0, 0, 0));
     assert!(matches!(held.async_error(), Err(Error::Aborted(_))));
+    assert!(matches!(cells[0].enter(), Err(Error::Aborted(_))));
+    // The last holder leaves: the whole batch is freed, flags first.
     drop(held);
-    assert_eq!(api.frees(1), 1);
+    assert_eq!((api.frees(0), api.frees(1), api.frees(2)), (1, 1, 1));
     assert!(super::abort_all(&refs).is_empty(), "idempotent");
+}
+
+#[test]
+fn a_groups_holds_released_one_by_one_free_the_batch_once() {
+    // One thread holds both communicators of a group, each with a kernel
+    // in flight, when the watchdog aborts them; it drops its holds in
+    // turn: the first leaves its communicator to the batch, the second
+    // frees both together (alone, the first free would wait for the
+    // second's kernel, which only the thread's next drop would stop).
+    let api = FakeNccl::new(&[false, false], false);
+    let cells: Vec<_> = (0..2).map(|i| cell(&api, i)).collect();
+    api.launch_kernel(0);
+    api.launch_kernel(1);
+    let mut held: Vec<_> = cells.iter().map(|c| c.enter().unwrap()).collect();
+    let refs: Vec<&CommCell<FakeNccl>> = cells.iter().collect();
+    assert_eq!(super::abort_all(&refs), [0, 1]);
+    drop(held.remove(0));
+    assert_eq!((api.frees(0), api.frees(1)), (0, 0));
+    drop(held);
+    assert_eq!((api.frees(0), api.frees(1)), (1, 1));
+}
+
+#[test]
+fn the_watchdog_frees_a_blocked_group_on_threads() {
+    for _ in 0..100 {
+        scenarios::watchdog_frees_a_blocked_group_with_kernels();
+    }
 }
 
 #[test]

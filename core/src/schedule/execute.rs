@@ -85,11 +85,13 @@ pub fn execute<T: Transport>(program: &Arc<Program>, t: &T) -> Result<()> {
     for s in spawned {
         results.push(t.join(s));
     }
-    if main.is_none() {
+    // A rank without a main thread still ends with its streams drained,
+    // unless a thread already failed (that wait would only add a deadline).
+    if main.is_none() && results.iter().all(Result::is_ok) {
         results.push(t.synchronize());
     }
     // One thread's hang aborts what the others wait on: report the hang,
-    // not the echoes (`Error::rank`).
+    // not the echoes (`Error::severity`).
     match Error::most_telling(results.into_iter().filter_map(Result::err)) {
         Some(e) => Err(e),
         None => Ok(()),
