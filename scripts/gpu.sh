@@ -24,8 +24,11 @@
 # scripts/bench_table.py). Time limits: SUITE_S FAULTS_S CALIBRATE_S BENCH_S
 # TORCH_S seconds.
 #
-# With the `device` tool: build here, then
-#   run(command="scripts/gpu.sh run all", carry=[".gpu"], kind="nvidia-h200-x2")
+# With the `device` tool (which brings back at most 8 files, and one call
+# runs at most 10 minutes): build here, then two calls,
+#   run(command="OUT=/tmp/r FAULTS_S=250 SUITE_S=150 CALIBRATE_S=150 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
+#       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
+#   run(command="OUT=/tmp/r scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and copy the reports back into the repo (docs/gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -419,7 +419,13 @@ impl RankCtx {
         if ctx.opts.warm {
             warm.push(ctx.world.clone());
         }
-        ctx.connect(&warm)?;
+        if let Err(e) = ctx.connect(&warm) {
+            // Its kernels may wait for a peer for ever: stop them all before
+            // anything is freed (P8 of `crate::guard`), not one
+            // communicator at a time as dropping them would.
+            ctx.abort_all();
+            return Err(e);
+        }
         Ok(ctx)
     }
 
@@ -439,7 +445,10 @@ impl RankCtx {
             return Ok(());
         }
         self.device.bind()?;
-        let mem = Memory::zeroed(2)?;
+        // Freed only once the exchange is known to be over: on an error its
+        // kernels may still run (a peer that never comes), and a free would
+        // wait for them (cudaFree synchronizes the device). Two bytes leak.
+        let mem = std::mem::ManuallyDrop::new(Memory::zeroed(2)?);
         let stream = Stream::new()?;
         // NCCL refuses blocking and non-blocking communicators in one group.
         for blocking in [true, false] {
@@ -488,7 +497,7 @@ impl RankCtx {
                 self.rank, self.opts.timeout
             )));
         }
-        mem.free()
+        std::mem::ManuallyDrop::into_inner(mem).free()
     }
 
     /// The ops not completed: whole launches (P7 of [`crate::guard`]).
