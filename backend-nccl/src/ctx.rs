@@ -131,47 +131,83 @@ impl Drop for BufState {
     }
 }
 
-/// An op that was launched: what it is, an event recorded after it, and
-/// the buffer it uses (kept alive until the op is dropped, after it completed).
+/// An event recorded after the ops of one launch on one stream, shared by
+/// them: it completes once the last of them did (stream order), so each
+/// op asks it whether it is done (P6). Its completion is remembered, so it
+/// is queried until it completes and never after; once no op holds it, it
+/// goes back to its rank's pool if it completed.
 #[derive(Debug)]
-pub(crate) struct Issued {
-    pub(crate) meta: OpMeta,
-    pub(crate) event: Option<Event>,
-    pub(crate) ctx: std::sync::Weak<RankCtx>,
-    pub(crate) _buf: Arc<BufState>,
+pub(crate) struct OpEvent {
+    event: Option<Event>,
+    done: std::sync::atomic::AtomicBool,
+    ctx: std::sync::Weak<RankCtx>,
 }
 
-impl Issued {
-    /// Whether the device can no longer touch the op's buffers. A query
-    /// that fails (a CUDA error, after which nothing about the op is
-    /// known) answers no: the buffers are then kept for good rather than
-    /// freed or handed back to the host under a kernel that may still run
-    /// (P6). Whether the op succeeded is another question, answered with
-    /// its error by the waits (`NcclRank::verify_complete`).
+impl OpEvent {
+    pub(crate) fn new(event: Event, ctx: &Arc<RankCtx>) -> OpEvent {
+        OpEvent {
+            event: Some(event),
+            done: std::sync::atomic::AtomicBool::new(false),
+            ctx: Arc::downgrade(ctx),
+        }
+    }
+
+    /// Whether the ops before it on its stream completed. A query that
+    /// fails (a CUDA error, after which nothing about the ops is known)
+    /// answers no: their buffers are then kept for good rather than freed
+    /// or handed back to the host under a kernel that may still run (P6).
     pub(crate) fn done(&self) -> bool {
-        self.event
+        if self.done.load(Ordering::Acquire) {
+            return true;
+        }
+        let done = self
+            .event
             .as_ref()
-            .is_none_or(|e| e.done().unwrap_or(false))
+            .is_none_or(|e| e.done().unwrap_or(false));
+        if done {
+            self.done.store(true, Ordering::Release);
+        }
+        done
     }
 }
 
-impl Done for Issued {
-    fn done(&self) -> bool {
-        Issued::done(self)
-    }
-}
-
-impl Drop for Issued {
+impl Drop for OpEvent {
     fn drop(&mut self) {
-        // A completed op's event goes back to its rank's pool.
+        // A completed event goes back to its rank's pool.
         if let (Some(e), Some(ctx)) = (self.event.take(), self.ctx.upgrade())
-            && e.done().unwrap_or(false)
+            && (self.done.load(Ordering::Acquire) || e.done().unwrap_or(false))
         {
             let mut pool = lock(&ctx.events);
             if pool.len() < 4096 {
                 pool.push(e);
             }
         }
+    }
+}
+
+/// An op that was launched: what it is, the event recorded after it (and
+/// after the rest of its launch on its stream), and the buffer it uses
+/// (kept alive until the op is dropped, after it completed).
+#[derive(Debug)]
+pub(crate) struct Issued {
+    pub(crate) meta: OpMeta,
+    pub(crate) event: Arc<OpEvent>,
+    pub(crate) _buf: Arc<BufState>,
+}
+
+impl Issued {
+    /// Whether the device can no longer touch the op's buffers
+    /// ([`OpEvent::done`]). Whether the op succeeded is another question,
+    /// answered with its error by the waits
+    /// (`NcclRank::verify_complete`).
+    pub(crate) fn done(&self) -> bool {
+        self.event.done()
+    }
+}
+
+impl Done for Issued {
+    fn done(&self) -> bool {
+        Issued::done(self)
     }
 }
 

@@ -15,8 +15,8 @@ use duplex::{DType, Dir, Element, Error, Hang, Lane, Place, Policy, Rank, Result
 
 use crate::comm::{self, Comm, poll};
 use crate::ctx::{
-    BufState, EventInner, Issued, LaneCost, NcclComm, NcclEvent, NcclStream, OpMeta, RankCtx,
-    StreamInner, lock, panic_text,
+    BufState, EventInner, Issued, LaneCost, NcclComm, NcclEvent, NcclStream, OpEvent, OpMeta,
+    RankCtx, StreamInner, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
 use crate::nccl::Nccl;
@@ -144,6 +144,34 @@ impl NcclRank {
         drop((busy, held));
         if !launched {
             comm.ready(self.ctx.opts.timeout, "ncclSend/ncclRecv")?;
+        }
+        Ok(())
+    }
+
+    /// A plain `ncclSend` to this rank and `ncclRecv` from it, of `bytes`
+    /// at `out` and `inb`, in one NCCL group on the world communicator and
+    /// the default stream, bypassing duplex's bookkeeping: the one-GPU
+    /// baseline of `examples/overhead.rs`. It takes the rank's issue lock
+    /// and waits out a group NCCL reports in progress. The caller keeps the
+    /// memory alive until the default stream is synchronized.
+    pub fn raw_self_exchange(&self, out: u64, inb: u64, bytes: usize) -> Result<()> {
+        let comm = &self.ctx.world;
+        let me = comm.rank_of(self.ctx.rank).unwrap_or(0);
+        let s = self.ctx.default_stream.0.raw.raw();
+        let issuing = self.ctx.issue.lock();
+        let held = [comm.enter()?];
+        let end = issuing.group(&self.ctx.lib, &held, || {
+            // SAFETY: the caller keeps the memory alive until the stream
+            // is synchronized; the stream is live; the issue lock is held.
+            unsafe {
+                held[0].send(out, bytes, DType::U8.nccl(), me, s)?;
+                held[0].recv(inb, bytes, DType::U8.nccl(), me, s)?;
+            }
+            Ok(())
+        })?;
+        drop(held);
+        if !end? {
+            comm.ready(self.ctx.opts.timeout, "ncclGroupEnd")?;
         }
         Ok(())
     }
@@ -359,29 +387,55 @@ impl NcclRank {
             }
         }
         drop(held);
+        // One event per stream of the launch, recorded after its last op
+        // there, shared by the launch's ops on that stream.
+        let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
         let mut launch = Vec::with_capacity(reqs.len());
-        for r in reqs {
-            let event = match ctx
-                .event()
-                .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
-            {
-                Ok(e) => e,
-                Err(e) => {
-                    // The ops already given an event stay tracked (and keep
-                    // their buffers) even though this launch failed.
-                    ctx.ops.record(launch);
-                    return Err(e);
-                }
+        let mut reqs = reqs.into_iter();
+        while let Some(r) = reqs.next() {
+            let raw = r.stream.0.raw.raw();
+            let shared = events
+                .iter()
+                .find(|(s, _)| *s == raw)
+                .map(|(_, e)| e.clone());
+            let event = match shared {
+                Some(e) => e,
+                None => match ctx
+                    .event()
+                    .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
+                {
+                    Ok(e) => {
+                        let e = Arc::new(OpEvent::new(e, ctx));
+                        events.push((raw, e.clone()));
+                        e
+                    }
+                    Err(e) => {
+                        // The ops already given an event stay tracked (and
+                        // keep their buffers) even though this launch failed;
+                        // this one and the rest are not tracked, and keep
+                        // their buffers for good, since nothing says when
+                        // the device is done with them (P6).
+                        ctx.ops.record(launch);
+                        for r in std::iter::once(r).chain(reqs) {
+                            std::mem::forget(r.buf);
+                        }
+                        return Err(e);
+                    }
+                },
             };
             let issued = Arc::new(Issued {
                 meta: r.meta,
-                event: Some(event),
-                ctx: Arc::downgrade(ctx),
+                event,
                 _buf: r.buf.clone(),
             });
             {
                 let mut users = lock(&r.buf.users);
-                users.retain(|w| w.strong_count() > 0);
+                // Forget ops that are gone before the list would grow, so
+                // that the cost per op stays constant however many are in
+                // flight.
+                if users.len() == users.capacity() {
+                    users.retain(|w| w.strong_count() > 0);
+                }
                 users.push(Arc::downgrade(&issued));
             }
             launch.push(issued);

@@ -1,0 +1,155 @@
+//! The host time duplex adds to an op, and where it goes, on one GPU (so
+//! that it can be measured wherever a single GPU is): a rank sends 4 KiB to
+//! itself and receives it, in one group, `N` times, through duplex and
+//! through plain `ncclSend`/`ncclRecv` on the same communicator
+//! ([`NcclRank::raw_self_exchange`]); then the CUDA calls duplex makes per
+//! op on top of NCCL's, each alone: recording an event (duplex records one
+//! per op, for its completion tracking) and querying one. Every figure is
+//! taken in `--trials` trials (default 5), duplex and raw back to back in
+//! alternating order; it prints the median, min and max of each, in
+//! microseconds per op (a group of two ops counts two).
+//!
+//! `--spin SECONDS` instead issues through duplex for that long and prints
+//! nothing else: a steady state to sample with a debugger.
+//!
+//! `overhead [--trials N] [--spin SECONDS]`; with the `device` tool on one H200:
+//! `run(command=".gpu/overhead", carry=[".gpu"], kind="nvidia-h200")`.
+
+use std::time::{Duration, Instant};
+
+use duplex::Transport;
+use duplex_nccl::cuda::{Event, Stream};
+use duplex_nccl::{Local, NcclRank};
+
+const N: u32 = 4000;
+const BYTES: usize = 4096;
+
+fn median_min_max(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// Host time per op of `N` self-exchanges, synchronized after.
+fn exchanges(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
+    let out = t.alloc::<u8>(BYTES)?;
+    let mut inb = t.alloc::<u8>(BYTES)?;
+    let (o, i) = (t.raw_ptr(&out), t.raw_ptr(&inb));
+    // Warm-up: the first exchanges connect the rank to itself.
+    for _ in 0..20 {
+        if raw {
+            t.raw_self_exchange(o, i, BYTES)?;
+        } else {
+            t.group(|| {
+                t.send(&out, t.rank())?;
+                t.recv(&mut inb, t.rank())
+            })?;
+        }
+    }
+    t.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..N {
+        if raw {
+            t.raw_self_exchange(o, i, BYTES)?;
+        } else {
+            t.group(|| {
+                t.send(&out, t.rank())?;
+                t.recv(&mut inb, t.rank())
+            })?;
+        }
+    }
+    let enqueue = start.elapsed();
+    t.synchronize()?;
+    Ok(enqueue.as_secs_f64() * 1e6 / f64::from(2 * N))
+}
+
+/// Microseconds per call of `f`, `N` calls.
+fn per_call(mut f: impl FnMut() -> duplex::Result<()>) -> duplex::Result<f64> {
+    let start = Instant::now();
+    for _ in 0..N {
+        f()?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e6 / f64::from(N))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let trials: usize = args
+        .iter()
+        .position(|a| a == "--trials")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(5);
+    // Connected at creation (`warm`): the world communicator is then a
+    // blocking one, as per-direction lanes are, so a launch returns when
+    // it is queued; a non-blocking one would have both paths poll NCCL's
+    // state after each group, which is most of their time.
+    let local = match Local::new(1) {
+        Ok(l) => l.timeout(Duration::from_secs(30)).warm(true),
+        Err(e) => {
+            eprintln!("overhead: {e}");
+            std::process::exit(2);
+        }
+    };
+    let figures: std::sync::Mutex<[(&str, Vec<f64>); 5]> = std::sync::Mutex::new([
+        ("duplex: group { send; recv } to itself, per op", Vec::new()),
+        ("raw NCCL: the same group, per op", Vec::new()),
+        ("duplex minus raw, per op", Vec::new()),
+        ("cuEventRecord, per call", Vec::new()),
+        ("cuEventQuery, per call", Vec::new()),
+    ]);
+    let spin: Option<f64> = args
+        .iter()
+        .position(|a| a == "--spin")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
+    if let Some(secs) = spin {
+        let r = local.run(|t| {
+            let start = Instant::now();
+            while start.elapsed().as_secs_f64() < secs {
+                exchanges(t, false)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = r {
+            eprintln!("overhead failed: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let r = local.run(|t| {
+        let stream = Stream::new()?;
+        let event = Event::new(false)?;
+        for trial in 0..trials {
+            let order = if trial % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            let mut got = [0.0; 2];
+            for raw in order {
+                got[usize::from(raw)] = exchanges(t, raw)?;
+            }
+            let record = per_call(|| event.record(&stream))?;
+            let query = per_call(|| event.done().map(drop))?;
+            let mut f = figures.lock().unwrap_or_else(|e| e.into_inner());
+            for (k, v) in [got[0], got[1], got[0] - got[1], record, query]
+                .into_iter()
+                .enumerate()
+            {
+                f[k].1.push(v);
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = r {
+        eprintln!("overhead failed: {e}");
+        std::process::exit(1);
+    }
+    println!("host time, microseconds (median [min-max] of {trials} trials, {N} groups each)");
+    let mut figures = figures.into_inner().unwrap_or_else(|e| e.into_inner());
+    for (name, v) in &mut figures {
+        let (m, lo, hi) = median_min_max(v);
+        println!("  {name:<50} {m:7.2} [{lo:.2}-{hi:.2}]");
+    }
+}
