@@ -557,15 +557,35 @@ fn smoke() {
         "process, 1 rank, 256 MiB to itself: {r:?} ({:.2} s)",
         t0.elapsed().as_secs_f64()
     );
-    let port2 = std::net::TcpListener::bind("127.0.0.1:0")
+    // A hang through the process path: in a process of its own, since
+    // `Process::run` runs once per process.
+    let exe = std::env::current_exe().expect("this binary");
+    match Command::new(exe).arg("smoke-hang").output() {
+        Ok(o) => print!("{}", String::from_utf8_lossy(&o.stdout)),
+        Err(e) => println!("process hang: cannot start the child: {e}"),
+    }
+}
+
+/// The process path's hang report, one rank: `faults smoke-hang`.
+fn smoke_hang() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or(29_519);
-    // SAFETY: no other thread reads the environment now.
-    unsafe { std::env::set_var("DUPLEX_PORT", port2.to_string()) };
+    for (k, v) in [
+        ("RANK", "0".to_string()),
+        ("LOCAL_RANK", "0".to_string()),
+        ("WORLD_SIZE", "1".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+        ("DUPLEX_PORT", port.to_string()),
+        ("DUPLEX_STORE_TOKEN", format!("duplex-smoke-token-{port}")),
+    ] {
+        // SAFETY: no other thread reads the environment yet.
+        unsafe { std::env::set_var(k, v) };
+    }
     let t0 = Instant::now();
     let r = Process::from_env().and_then(|p| {
-        // A new port: the first run's store still listens on `port`.
         p.timeout(Duration::from_secs(2))
             .run(|t| t.await_notify(0, "never"))
             .map(drop)
@@ -592,6 +612,7 @@ fn main() {
         Some("local") => child_local(args.get(1).map_or("", String::as_str)),
         Some("drive") => drive(arg("--out"), arg("--only")),
         Some("smoke") => smoke(),
+        Some("smoke-hang") => smoke_hang(),
         _ => {
             eprintln!(
                 "usage: faults drive [--out FILE] [--only CASE] | faults rank CASE | faults local CASE"
