@@ -1,8 +1,12 @@
 //! The host time duplex adds to an op, and where it goes, on one GPU (so
 //! that it can be measured wherever a single GPU is): a rank sends 4 KiB to
 //! itself and receives it, in one group, `N` times, through duplex and
-//! through plain `ncclSend`/`ncclRecv` on the same communicator
-//! ([`NcclRank::raw_self_exchange`]); then the CUDA calls duplex makes per
+//! through plain `ncclSend`/`ncclRecv` on the same communicator and stream
+//! ([`NcclRank::raw_self_exchange`]): a communicator of its own, connected
+//! at creation, so a blocking one as per-direction lanes are (on a
+//! non-blocking one, such as the world communicator, every group end hands
+//! its work to NCCL's own thread and both paths poll for it, which is most
+//! of their time); then the CUDA calls duplex makes per
 //! op on top of NCCL's, each alone: recording an event (duplex records one
 //! per op, for its completion tracking) and querying one. Every figure is
 //! taken in `--trials` trials (default 5), duplex and raw back to back in
@@ -17,9 +21,9 @@
 
 use std::time::{Duration, Instant};
 
-use duplex::Transport;
+use duplex::{Place, Transport};
 use duplex_nccl::cuda::{Event, Stream};
-use duplex_nccl::{Local, NcclRank};
+use duplex_nccl::{Local, NcclComm, NcclRank, NcclStream};
 
 const N: u32 = 4000;
 const BYTES: usize = 4096;
@@ -29,37 +33,44 @@ fn median_min_max(v: &mut [f64]) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
-/// Host time per op of `N` self-exchanges, synchronized after.
-fn exchanges(t: &NcclRank, raw: bool) -> duplex::Result<f64> {
+/// Host time per op of `N` self-exchanges on `comm` and `stream`,
+/// synchronized after.
+fn exchanges(t: &NcclRank, on: &(NcclComm, NcclStream), raw: bool) -> duplex::Result<f64> {
+    let (comm, stream) = on;
     let out = t.alloc::<u8>(BYTES)?;
     let mut inb = t.alloc::<u8>(BYTES)?;
     let (o, i) = (t.raw_ptr(&out), t.raw_ptr(&inb));
-    // Warm-up: the first exchanges connect the rank to itself.
-    for _ in 0..20 {
+    let place = Place::on(comm, stream);
+    let mut once = || {
         if raw {
-            t.raw_self_exchange(o, i, BYTES)?;
+            t.raw_self_exchange(comm, stream, o, i, BYTES)
         } else {
             t.group(|| {
-                t.send(&out, t.rank())?;
-                t.recv(&mut inb, t.rank())
-            })?;
+                t.send_on(&out, t.rank(), &place)?;
+                t.recv_on(&mut inb, t.rank(), &place)
+            })
         }
+    };
+    // Warm-up.
+    for _ in 0..20 {
+        once()?;
     }
     t.synchronize()?;
     let start = Instant::now();
     for _ in 0..N {
-        if raw {
-            t.raw_self_exchange(o, i, BYTES)?;
-        } else {
-            t.group(|| {
-                t.send(&out, t.rank())?;
-                t.recv(&mut inb, t.rank())
-            })?;
-        }
+        once()?;
     }
     let enqueue = start.elapsed();
     t.synchronize()?;
     Ok(enqueue.as_secs_f64() * 1e6 / f64::from(2 * N))
+}
+
+/// The communicator and stream the exchanges run on.
+fn own_comm(t: &NcclRank) -> duplex::Result<(NcclComm, NcclStream)> {
+    let comm = t
+        .comm("self", &[t.rank()])?
+        .ok_or_else(|| duplex::Error::Aborted("no communicator".into()))?;
+    Ok((comm, t.stream("self")?))
 }
 
 /// Microseconds per call of `f`, `N` calls.
@@ -80,10 +91,9 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .filter(|n| *n > 0)
         .unwrap_or(5);
-    // Connected at creation (`warm`): the world communicator is then a
-    // blocking one, as per-direction lanes are, so a launch returns when
-    // it is queued; a non-blocking one would have both paths poll NCCL's
-    // state after each group, which is most of their time.
+    // Connected at creation (`warm`): the exchanges' own communicator is
+    // then a blocking one, as per-direction lanes are, so a launch returns
+    // when it is queued.
     let local = match Local::new(1) {
         Ok(l) => l.timeout(Duration::from_secs(30)).warm(true),
         Err(e) => {
@@ -105,9 +115,10 @@ fn main() {
         .and_then(|v| v.parse().ok());
     if let Some(secs) = spin {
         let r = local.run(|t| {
+            let on = own_comm(t)?;
             let start = Instant::now();
             while start.elapsed().as_secs_f64() < secs {
-                exchanges(t, false)?;
+                exchanges(t, &on, false)?;
             }
             Ok(())
         });
@@ -118,6 +129,7 @@ fn main() {
         return;
     }
     let r = local.run(|t| {
+        let on = own_comm(t)?;
         let stream = Stream::new()?;
         let event = Event::new(false)?;
         for trial in 0..trials {
@@ -128,7 +140,7 @@ fn main() {
             };
             let mut got = [0.0; 2];
             for raw in order {
-                got[usize::from(raw)] = exchanges(t, raw)?;
+                got[usize::from(raw)] = exchanges(t, &on, raw)?;
             }
             let record = per_call(|| event.record(&stream))?;
             let query = per_call(|| event.done().map(drop))?;

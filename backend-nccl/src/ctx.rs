@@ -139,14 +139,17 @@ impl Drop for BufState {
 #[derive(Debug)]
 pub(crate) struct OpEvent {
     event: Option<Event>,
+    /// The stream it was recorded on (its address: an identity only).
+    pub(crate) stream: usize,
     done: std::sync::atomic::AtomicBool,
     ctx: std::sync::Weak<RankCtx>,
 }
 
 impl OpEvent {
-    pub(crate) fn new(event: Event, ctx: &Arc<RankCtx>) -> OpEvent {
+    pub(crate) fn new(event: Event, stream: &Stream, ctx: &Arc<RankCtx>) -> OpEvent {
         OpEvent {
             event: Some(event),
+            stream: stream.raw() as usize,
             done: std::sync::atomic::AtomicBool::new(false),
             ctx: Arc::downgrade(ctx),
         }
@@ -208,6 +211,11 @@ impl Issued {
 impl Done for Issued {
     fn done(&self) -> bool {
         Issued::done(self)
+    }
+
+    /// Its stream: events recorded on one stream complete in order.
+    fn queue(&self) -> Option<usize> {
+        Some(self.event.stream)
     }
 }
 

@@ -771,12 +771,40 @@ impl Issuing<'_> {
 pub trait Done {
     /// True once the device can no longer touch it.
     fn done(&self) -> bool;
+
+    /// The queue it completes in: things of one queue complete in the
+    /// order they entered the ledger (ops of one CUDA stream), so that
+    /// once one is not done, none after it in that queue is, and the
+    /// ledger need not ask. `None` (the default): no such order.
+    fn queue(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
     fn done(&self) -> bool {
         (**self).done()
     }
+
+    fn queue(&self) -> Option<usize> {
+        (**self).queue()
+    }
+}
+
+/// Drops the completed ones of `ops`, in order, asking each queue only up
+/// to its first one not done (the rest of that queue cannot be done yet).
+fn prune<T: Done>(ops: &mut Vec<T>) {
+    let mut blocked: Vec<usize> = Vec::new();
+    ops.retain(|o| match o.queue() {
+        Some(q) if blocked.contains(&q) => true,
+        q => {
+            let done = o.done();
+            if !done && let Some(q) = q {
+                blocked.push(q);
+            }
+            !done
+        }
+    });
 }
 
 /// The ops of a rank that may still run on its device (P6, P7).
@@ -812,7 +840,7 @@ impl<T: Done + Clone> Ledger<T> {
         let mut ops = lock(&self.ops);
         ops.extend(launch);
         if ops.len() >= self.prune_at.load(Ordering::Relaxed) {
-            ops.retain(|o| !o.done());
+            prune(&mut ops);
             self.prune_at
                 .store((2 * ops.len()).max(256), Ordering::Relaxed);
         }
@@ -822,7 +850,7 @@ impl<T: Done + Clone> Ledger<T> {
     /// launches (P7). Completed ops leave.
     pub fn pending(&self) -> Vec<T> {
         let mut ops = lock(&self.ops);
-        ops.retain(|o| !o.done());
+        prune(&mut ops);
         ops.clone()
     }
 

@@ -149,15 +149,22 @@ impl NcclRank {
     }
 
     /// A plain `ncclSend` to this rank and `ncclRecv` from it, of `bytes`
-    /// at `out` and `inb`, in one NCCL group on the world communicator and
-    /// the default stream, bypassing duplex's bookkeeping: the one-GPU
-    /// baseline of `examples/overhead.rs`. It takes the rank's issue lock
-    /// and waits out a group NCCL reports in progress. The caller keeps the
-    /// memory alive until the default stream is synchronized.
-    pub fn raw_self_exchange(&self, out: u64, inb: u64, bytes: usize) -> Result<()> {
-        let comm = &self.ctx.world;
+    /// at `out` and `inb`, in one NCCL group on `comm` and `stream`,
+    /// bypassing duplex's bookkeeping: the one-GPU baseline of
+    /// `examples/overhead.rs`. It takes the rank's issue lock and waits out
+    /// a group NCCL reports in progress. The caller keeps the memory alive
+    /// until the stream is synchronized.
+    pub fn raw_self_exchange(
+        &self,
+        comm: &NcclComm,
+        stream: &NcclStream,
+        out: u64,
+        inb: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let comm = &comm.0;
         let me = comm.rank_of(self.ctx.rank).unwrap_or(0);
-        let s = self.ctx.default_stream.0.raw.raw();
+        let s = stream.0.raw.raw();
         let issuing = self.ctx.issue.lock();
         let held = [comm.enter()?];
         let end = issuing.group(&self.ctx.lib, &held, || {
@@ -405,7 +412,7 @@ impl NcclRank {
                     .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
                 {
                     Ok(e) => {
-                        let e = Arc::new(OpEvent::new(e, ctx));
+                        let e = Arc::new(OpEvent::new(e, &r.stream.0.raw, ctx));
                         events.push((raw, e.clone()));
                         e
                     }

@@ -63,6 +63,13 @@ struct Reg {
     /// The live machine's origins, one per distinct call text and place, so
     /// that a long run does not grow them.
     origins: std::collections::HashMap<(String, String), duplex::machine::Origin>,
+    /// The text, place and origin of each kind of launch (thread, call
+    /// site, ops), so that a launch like an earlier one formats nothing:
+    /// keyed by [`launch_key`]'s words; cleared when it grows large.
+    launches:
+        std::collections::HashMap<Vec<u64>, (String, String, Option<duplex::machine::Origin>)>,
+    /// The key of the launch being recorded (reused).
+    key: Vec<u64>,
     user_comms: Vec<(String, Vec<Rank>)>,
     /// The live machine as it was when the trace was last compacted: it
     /// stands for every call made before the trace's (see
@@ -90,21 +97,35 @@ impl Reg {
 }
 
 impl Reg {
-    /// `call` as the live machine's call, at an interned origin.
-    fn host_call(&mut self, call: &TraceCall) -> Option<duplex::machine::HostCall> {
+    /// The live machine's origin of a call with this text and place,
+    /// interned.
+    fn origin(&mut self, text: &str, place: &str) -> Option<duplex::machine::Origin> {
         let m = self.live.as_mut()?;
-        let key = (call.text.clone(), call.place.clone());
-        let origin = match self.origins.get(&key) {
+        let key = (text.to_string(), place.to_string());
+        Some(match self.origins.get(&key) {
             Some(o) => *o,
             None => {
-                let o = m.setup_mut().add_origin(duplex::machine::OriginInfo::at(
-                    key.0.as_str(),
-                    key.1.as_str(),
-                ));
+                let o = m
+                    .setup_mut()
+                    .add_origin(duplex::machine::OriginInfo::at(text, place));
                 self.origins.insert(key, o);
                 o
             }
+        })
+    }
+
+    /// `call` as the live machine's call, at an interned origin (`origin`
+    /// when the caller knows it).
+    fn host_call(
+        &mut self,
+        call: &TraceCall,
+        origin: Option<duplex::machine::Origin>,
+    ) -> Option<duplex::machine::HostCall> {
+        let origin = match origin {
+            Some(o) => o,
+            None => self.origin(&call.text, &call.place)?,
         };
+        let m = self.live.as_mut()?;
         Some(call.to_host_at(m.setup_mut(), origin))
     }
 
@@ -113,8 +134,12 @@ impl Reg {
     /// is no live machine any more, or when the model says the thread
     /// cannot make this call now: then the live machine is dropped, and the
     /// trace's replay reports the disagreement.
-    fn live_call(&mut self, call: &TraceCall) -> Option<(&mut Machine, duplex::machine::HostCall)> {
-        let hc = self.host_call(call)?;
+    fn live_call(
+        &mut self,
+        call: &TraceCall,
+        origin: Option<duplex::machine::Origin>,
+    ) -> Option<(&mut Machine, duplex::machine::HostCall)> {
+        let hc = self.host_call(call, origin)?;
         let t = ThreadId(call.thread);
         let enabled = {
             let m = self.live.as_mut()?;
@@ -130,6 +155,33 @@ impl Reg {
             return None;
         }
         Some((self.live.as_mut()?, hc))
+    }
+}
+
+/// The words that tell one kind of launch from another in the registry's
+/// text cache: the thread, whether grouped, the first op's call site, and
+/// each op's direction, type, peer and count (what its text says).
+fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[OpMeta], grouped: bool) {
+    key.clear();
+    key.extend([thread as u64, u64::from(grouped)]);
+    if let Some(m) = metas.first() {
+        key.push(std::ptr::from_ref(m.at) as usize as u64);
+        // The site's text (a schedule's `line N`), hashed: two sites whose
+        // hashes collide would share a place text in reports, nothing else.
+        let site = m.site.as_deref().map_or(0, |s| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            s.hash(&mut h);
+            h.finish() | 1
+        });
+        key.push(site);
+    }
+    for m in metas {
+        key.extend([
+            (m.dir as u64) | ((m.dtype as u64) << 8),
+            u64::from(m.peer),
+            m.count as u64,
+        ]);
     }
 }
 
@@ -194,6 +246,8 @@ impl Registry {
                 trace: Trace::new(ranks),
                 live: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
                 origins: std::collections::HashMap::new(),
+                launches: std::collections::HashMap::new(),
+                key: Vec::new(),
                 user_comms: Vec::new(),
                 base: None,
                 folded: 0,
@@ -304,13 +358,29 @@ impl Registry {
             metas,
             grouped,
         } = l;
-        let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
-        let text = if grouped {
-            format!("group {{ {} }}", texts.join("; "))
-        } else {
-            texts.join("; ")
+        let mut r = self.lock();
+        let mut key = std::mem::take(&mut r.key);
+        launch_key(&mut key, thread, metas, grouped);
+        let (text, place, origin) = match r.launches.get(key.as_slice()) {
+            Some((text, place, origin)) => (text.clone(), place.clone(), *origin),
+            None => {
+                let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
+                let text = if grouped {
+                    format!("group {{ {} }}", texts.join("; "))
+                } else {
+                    texts.join("; ")
+                };
+                let place = metas.first().map(OpMeta::place).unwrap_or_default();
+                let origin = r.origin(&text, &place);
+                if r.launches.len() >= 1 << 12 {
+                    r.launches.clear();
+                }
+                r.launches
+                    .insert(key.clone(), (text.clone(), place.clone(), origin));
+                (text, place, origin)
+            }
         };
-        let place = metas.first().map(OpMeta::place).unwrap_or_default();
+        r.key = key;
         let call = TraceCall {
             thread: thread as u32,
             call: Call::Launch {
@@ -320,15 +390,28 @@ impl Registry {
             text,
             place,
         };
-        self.issue(call, metas)
+        self.issue_locked(&mut r, call, metas, origin)
     }
 
     /// Records launch `call`: the live machine checks it first, and the
     /// FIFO positions it gives the ops go to `metas` (which may be empty).
+    #[cfg(test)]
     fn issue(&self, call: TraceCall, metas: &mut [OpMeta]) -> Result<(), Error> {
-        let thread = call.thread as usize;
         let mut r = self.lock();
-        if let Some((m, hc)) = r.live_call(&call) {
+        self.issue_locked(&mut r, call, metas, None)
+    }
+
+    /// [`Registry::issue`] under the registry's lock, at `origin` when the
+    /// caller knows it.
+    fn issue_locked(
+        &self,
+        r: &mut Reg,
+        call: TraceCall,
+        metas: &mut [OpMeta],
+        origin: Option<duplex::machine::Origin>,
+    ) -> Result<(), Error> {
+        let thread = call.thread as usize;
+        if let Some((m, hc)) = r.live_call(&call, origin) {
             let t = ThreadId(thread as u32);
             if let Err(e) = m.check_issue(t, &hc) {
                 let e: Error = e.into();
@@ -369,7 +452,7 @@ impl Registry {
         };
         let t = ThreadId(thread as u32);
         let refused = r
-            .live_call(&c)
+            .live_call(&c, None)
             .is_some_and(|(m, hc)| m.apply(t, &hc).is_err());
         if refused {
             r.live = None;

@@ -257,3 +257,44 @@ fn snapshots_during_groups_on_threads() {
         scenarios::snapshot_during_group();
     }
 }
+
+/// An op of a queue, counting the queries of its completion.
+#[derive(Clone, Debug)]
+struct Queued {
+    queue: usize,
+    done: bool,
+    asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl super::Done for Queued {
+    fn done(&self) -> bool {
+        self.asked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.done
+    }
+
+    fn queue(&self) -> Option<usize> {
+        Some(self.queue)
+    }
+}
+
+#[test]
+fn pruning_asks_each_queue_only_up_to_its_first_op_not_done() {
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let op = |queue, done| Queued {
+        queue,
+        done,
+        asked: asked.clone(),
+    };
+    // Queue 0: done, done, not done, then 100 more; queue 1: done, not done.
+    let ledger = Ledger::default();
+    let mut launch = vec![op(0, true), op(1, true), op(0, true), op(0, false)];
+    launch.extend((0..100).map(|_| op(0, false)));
+    launch.extend([op(1, false), op(1, false)]);
+    ledger.record(launch);
+    let left = ledger.pending();
+    assert_eq!(left.len(), 103, "the completed ones leave, the rest stay");
+    assert!(left.iter().all(|o| !o.done));
+    // Asked: the three done ones, and the first not done of each queue.
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 5);
+}
