@@ -78,6 +78,10 @@ pub(crate) struct StreamInner {
     pub(crate) name: Arc<str>,
     pub(crate) rank: Rank,
     pub(crate) id: u32,
+    /// Completion events recorded on it for ops so far: the next one's
+    /// position. Taken under the rank's issue lock, right after the
+    /// event's record, so positions follow the stream's order.
+    pub(crate) recorded: std::sync::atomic::AtomicU64,
 }
 
 /// An event of a rank.
@@ -139,17 +143,21 @@ impl Drop for BufState {
 #[derive(Debug)]
 pub(crate) struct OpEvent {
     event: Option<Event>,
-    /// The stream it was recorded on (its address: an identity only).
-    pub(crate) stream: usize,
+    /// The stream it was recorded on (its number, never reused, unlike its
+    /// address), and its position among the completion events recorded
+    /// there.
+    pub(crate) stream: (usize, u64),
     done: std::sync::atomic::AtomicBool,
     ctx: std::sync::Weak<RankCtx>,
 }
 
 impl OpEvent {
-    pub(crate) fn new(event: Event, stream: &Stream, ctx: &Arc<RankCtx>) -> OpEvent {
+    /// The event just recorded on `stream` (under the rank's issue lock).
+    pub(crate) fn new(event: Event, stream: &StreamInner, ctx: &Arc<RankCtx>) -> OpEvent {
+        let position = stream.recorded.fetch_add(1, Ordering::Relaxed);
         OpEvent {
             event: Some(event),
-            stream: stream.raw() as usize,
+            stream: (stream.id as usize, position),
             done: std::sync::atomic::AtomicBool::new(false),
             ctx: Arc::downgrade(ctx),
         }
@@ -213,8 +221,9 @@ impl Done for Issued {
         Issued::done(self)
     }
 
-    /// Its stream: events recorded on one stream complete in order.
-    fn queue(&self) -> Option<usize> {
+    /// Its stream and position there: events recorded on one stream
+    /// complete in the order they were recorded.
+    fn queue(&self) -> Option<(usize, u64)> {
         Some(self.event.stream)
     }
 }
@@ -362,6 +371,7 @@ impl RankCtx {
                 name: name.into(),
                 rank,
                 id: reg_stream(name),
+                recorded: std::sync::atomic::AtomicU64::new(0),
             }));
             streams.push(st.clone());
             Ok(st)

@@ -772,11 +772,13 @@ pub trait Done {
     /// True once the device can no longer touch it.
     fn done(&self) -> bool;
 
-    /// The queue it completes in: things of one queue complete in the
-    /// order they entered the ledger (ops of one CUDA stream), so that
-    /// once one is not done, none after it in that queue is, and the
-    /// ledger need not ask. `None` (the default): no such order.
-    fn queue(&self) -> Option<usize> {
+    /// The queue it completes in, and its position there: things of one
+    /// queue complete in the order of their positions (ops of one CUDA
+    /// stream, by the order their events were recorded), so that once one
+    /// is done, every earlier one is, and once one is not, no later one is;
+    /// the ledger then need not ask each. `None` (the default): no such
+    /// order.
+    fn queue(&self) -> Option<(usize, u64)> {
         None
     }
 }
@@ -786,20 +788,41 @@ impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
         (**self).done()
     }
 
-    fn queue(&self) -> Option<usize> {
+    fn queue(&self) -> Option<(usize, u64)> {
         (**self).queue()
     }
 }
 
-/// Drops the completed ones of `ops`, in order, asking each queue only up
-/// to its first one not done (the rest of that queue cannot be done yet).
+/// Drops the completed ones of `ops`. In each queue, the latest op is
+/// asked first: if it is done, so is every earlier one of its queue, and
+/// none of them is asked. Otherwise the queue's ops are asked in order up
+/// to the first one not done (no later one can be done yet). An op is
+/// dropped only once it, or a later op of its queue, said it is done.
 fn prune<T: Done>(ops: &mut Vec<T>) {
+    // Per queue: the latest position, and whether everything up to it is
+    // done (asked below).
+    let mut latest: Vec<(usize, u64, bool)> = Vec::new();
+    for o in ops.iter() {
+        if let Some((q, pos)) = o.queue() {
+            match latest.iter_mut().find(|(lq, _, _)| *lq == q) {
+                Some(l) => l.1 = l.1.max(pos),
+                None => latest.push((q, pos, false)),
+            }
+        }
+    }
+    for l in latest.iter_mut() {
+        l.2 = ops
+            .iter()
+            .find(|o| o.queue() == Some((l.0, l.1)))
+            .is_some_and(Done::done);
+    }
     let mut blocked: Vec<usize> = Vec::new();
     ops.retain(|o| match o.queue() {
-        Some(q) if blocked.contains(&q) => true,
+        Some((q, pos)) if latest.iter().any(|l| l.0 == q && l.2 && pos <= l.1) => false,
+        Some((q, _)) if blocked.contains(&q) => true,
         q => {
             let done = o.done();
-            if !done && let Some(q) = q {
+            if !done && let Some((q, _)) = q {
                 blocked.push(q);
             }
             !done

@@ -412,7 +412,7 @@ impl NcclRank {
                     .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
                 {
                     Ok(e) => {
-                        let e = Arc::new(OpEvent::new(e, &r.stream.0.raw, ctx));
+                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx));
                         events.push((raw, e.clone()));
                         e
                     }
@@ -719,6 +719,7 @@ impl Transport for NcclRank {
             name: name.into(),
             rank: self.ctx.rank,
             id,
+            recorded: std::sync::atomic::AtomicU64::new(0),
         }));
         lock(&self.ctx.streams).push(s.clone());
         Ok(s)

@@ -262,6 +262,7 @@ fn snapshots_during_groups_on_threads() {
 #[derive(Clone, Debug)]
 struct Queued {
     queue: usize,
+    position: u64,
     done: bool,
     asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -273,28 +274,55 @@ impl super::Done for Queued {
         self.done
     }
 
-    fn queue(&self) -> Option<usize> {
-        Some(self.queue)
+    fn queue(&self) -> Option<(usize, u64)> {
+        Some((self.queue, self.position))
     }
+}
+
+fn queued(
+    asked: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ops: &[(usize, bool)],
+) -> Vec<Queued> {
+    let mut next = [0u64; 4];
+    ops.iter()
+        .map(|&(queue, done)| {
+            next[queue] += 1;
+            Queued {
+                queue,
+                position: next[queue],
+                done,
+                asked: asked.clone(),
+            }
+        })
+        .collect()
 }
 
 #[test]
 fn pruning_asks_each_queue_only_up_to_its_first_op_not_done() {
     let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let op = |queue, done| Queued {
-        queue,
-        done,
-        asked: asked.clone(),
-    };
-    // Queue 0: done, done, not done, then 100 more; queue 1: done, not done.
+    // Queue 0: done, done, not done, then 100 more; queue 1: done, not
+    // done, not done (their latest ops are not done).
+    let mut spec = vec![(0, true), (1, true), (0, true), (0, false)];
+    spec.extend((0..100).map(|_| (0, false)));
+    spec.extend([(1, false), (1, false)]);
     let ledger = Ledger::default();
-    let mut launch = vec![op(0, true), op(1, true), op(0, true), op(0, false)];
-    launch.extend((0..100).map(|_| op(0, false)));
-    launch.extend([op(1, false), op(1, false)]);
-    ledger.record(launch);
+    ledger.record(queued(&asked, &spec));
     let left = ledger.pending();
     assert_eq!(left.len(), 103, "the completed ones leave, the rest stay");
     assert!(left.iter().all(|o| !o.done));
-    // Asked: the three done ones, and the first not done of each queue.
-    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 5);
+    // Asked: each queue's latest op (2), then the three done ones and the
+    // first not done of each queue (5).
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 7);
+}
+
+#[test]
+fn pruning_a_queue_whose_latest_op_is_done_asks_once() {
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let spec: Vec<(usize, bool)> = (0..300).map(|i| (i % 2, true)).collect();
+    let ledger = Ledger::default();
+    ledger.record(queued(&asked, &spec));
+    assert!(ledger.pending().is_empty());
+    // 300 ops reach the pruning (at 256): one question per queue, and
+    // nothing is left to ask at `pending`.
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 2);
 }
