@@ -793,40 +793,45 @@ impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
     }
 }
 
-/// Drops the completed ones of `ops`. In each queue, the latest op is
-/// asked first: if it is done, so is every earlier one of its queue, and
-/// none of them is asked. Otherwise the queue's ops are asked in order up
-/// to the first one not done (no later one can be done yet). An op is
-/// dropped only once it, or a later op of its queue, said it is done.
+/// Drops the completed ones of `ops`. The ops of a queue are done for a
+/// prefix of their positions (an op is done once a later one of its queue
+/// is), so each queue is searched by bisection: a few questions find its
+/// last op that is done, and every op up to it leaves unasked. Ops of no
+/// queue are asked one by one. An op leaves only once it, or a later op of
+/// its queue, said it is done.
 fn prune<T: Done>(ops: &mut Vec<T>) {
-    // Per queue: the latest position, and whether everything up to it is
-    // done (asked below).
-    let mut latest: Vec<(usize, u64, bool)> = Vec::new();
-    for o in ops.iter() {
+    // Per queue: (queue, [(position, index)]).
+    let mut queues: Vec<(usize, Vec<(u64, usize)>)> = Vec::new();
+    for (i, o) in ops.iter().enumerate() {
         if let Some((q, pos)) = o.queue() {
-            match latest.iter_mut().find(|(lq, _, _)| *lq == q) {
-                Some(l) => l.1 = l.1.max(pos),
-                None => latest.push((q, pos, false)),
+            match queues.iter_mut().find(|(lq, _)| *lq == q) {
+                Some((_, v)) => v.push((pos, i)),
+                None => queues.push((q, vec![(pos, i)])),
             }
         }
     }
-    for l in latest.iter_mut() {
-        l.2 = ops
-            .iter()
-            .find(|o| o.queue() == Some((l.0, l.1)))
-            .is_some_and(Done::done);
+    // Per queue: the last position known done, if any.
+    let mut done_to: Vec<(usize, Option<u64>)> = Vec::with_capacity(queues.len());
+    for (q, mut v) in queues {
+        v.sort_unstable();
+        // The first index in `v` that is not done: bisection over a
+        // predicate true on a prefix.
+        let (mut lo, mut hi) = (0, v.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if ops[v[mid].1].done() {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        done_to.push((q, lo.checked_sub(1).map(|k| v[k].0)));
     }
-    let mut blocked: Vec<usize> = Vec::new();
     ops.retain(|o| match o.queue() {
-        Some((q, pos)) if latest.iter().any(|l| l.0 == q && l.2 && pos <= l.1) => false,
-        Some((q, _)) if blocked.contains(&q) => true,
-        q => {
-            let done = o.done();
-            if !done && let Some((q, _)) = q {
-                blocked.push(q);
-            }
-            !done
-        }
+        Some((q, pos)) => !done_to
+            .iter()
+            .any(|(dq, to)| *dq == q && to.is_some_and(|to| pos <= to)),
+        None => !o.done(),
     });
 }
 
