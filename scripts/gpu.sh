@@ -50,6 +50,7 @@ for l in sys.stdin:
   cp "$suite" .gpu/nccl-suite
   cp target/release/examples/bench .gpu/
   cp target/release/examples/faults .gpu/
+  cp target/release/examples/overhead .gpu/
   cp -r examples .gpu/examples
   cp scripts/bench_torch.py scripts/bench_table.py .gpu/
   ls -la .gpu
