@@ -530,23 +530,7 @@ fn smoke() {
         "local, 1 rank, 256 MiB to itself: {local:?} ({:.2} s)",
         t0.elapsed().as_secs_f64()
     );
-    // SAFETY of the environment: this process is single-threaded here.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(29_518);
-    for (k, v) in [
-        ("RANK", "0".to_string()),
-        ("LOCAL_RANK", "0".to_string()),
-        ("WORLD_SIZE", "1".to_string()),
-        ("MASTER_ADDR", "127.0.0.1".to_string()),
-        ("MASTER_PORT", port.to_string()),
-        ("DUPLEX_PORT", port.to_string()),
-        ("DUPLEX_STORE_TOKEN", format!("duplex-smoke-token-{port}")),
-    ] {
-        // SAFETY: no other thread reads the environment yet.
-        unsafe { std::env::set_var(k, v) };
-    }
+    one_rank_env();
     let t0 = Instant::now();
     let p = Process::from_env();
     let r = p
@@ -566,12 +550,13 @@ fn smoke() {
     }
 }
 
-/// The process path's hang report, one rank: `faults smoke-hang`.
-fn smoke_hang() {
+/// Configures this process as the only rank of a job, as torchrun would,
+/// on a free port. Call it while the process has one thread.
+fn one_rank_env() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .unwrap_or(29_519);
+        .unwrap_or(29_518);
     for (k, v) in [
         ("RANK", "0".to_string()),
         ("LOCAL_RANK", "0".to_string()),
@@ -584,6 +569,11 @@ fn smoke_hang() {
         // SAFETY: no other thread reads the environment yet.
         unsafe { std::env::set_var(k, v) };
     }
+}
+
+/// The process path's hang report, one rank: `faults smoke-hang`.
+fn smoke_hang() {
+    one_rank_env();
     let t0 = Instant::now();
     let r = Process::from_env().and_then(|p| {
         p.timeout(Duration::from_secs(2))
