@@ -27,7 +27,9 @@
 //! On a hang in a process-per-rank run, each rank publishes its
 //! [`Trace`] to the store ([`Health::publish`]) before it returns, and the
 //! rank whose deadline expired gathers the others' ([`Health::gather`]), so
-//! that the analysis replays what every rank issued, as in a local run.
+//! that the analysis replays what every rank issued, as in a local run. A
+//! rank that finishes cleanly publishes its trace too (up to 100,000
+//! calls), so that a partner it returned without matching is named.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

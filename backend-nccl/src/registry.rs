@@ -261,6 +261,12 @@ impl Registry {
         self.lock().folded
     }
 
+    /// Calls recorded so far (folded ones included).
+    pub fn calls(&self) -> usize {
+        let r = self.lock();
+        r.folded + r.trace.calls.len()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Reg> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }

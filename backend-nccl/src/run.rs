@@ -405,6 +405,11 @@ impl Process {
     }
 }
 
+/// The most calls a rank that finished cleanly publishes for the others'
+/// hang analyses (a longer trace is not sent: its encoding would slow
+/// every clean exit).
+const PUBLISH_AT_EXIT_MAX: usize = 100_000;
+
 /// What rank 0 serves instead of a unique id when it cannot start (no
 /// NCCL or GPU): one byte, never an NCCL id (128 bytes).
 const NO_ID: [u8; 1] = [0];
@@ -476,6 +481,13 @@ where
     handle.end();
     let result = result.and_then(|()| handle.synchronize());
     if result.is_ok() {
+        // A rank that ended leaves what it issued for the others' hang
+        // analyses, so that a partner it never matched is named (a send
+        // whose recv this rank never issued); above a bound the trace is
+        // not worth the time it would add to every clean exit.
+        if health.remote() && registry.calls() <= PUBLISH_AT_EXIT_MAX {
+            health.publish(rank, &registry.trace());
+        }
         health.finished(rank);
     }
     if let Err(e) = &result {
