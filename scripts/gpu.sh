@@ -107,6 +107,11 @@ run)
         record "bench-ctas-$c" "$rc"
         [ "$rc" = 0 ] && ctas+=(--ctas "$out/bench-ctas-$c.json")
       done
+      # duplex's host time per op against raw NCCL on one GPU, with stack
+      # samples' worth of detail in examples/overhead.rs (reported, not
+      # judged: bench's two-GPU host-time figure is the judged one).
+      timeout 120 .gpu/overhead --trials "$trials" > "$out/overhead.txt" 2>&1
+      record overhead $?
       (cd .gpu && timeout "${TORCH_S:-240}" python3 bench_torch.py "$out/bench-torch.json" --trials "$trials") 2>&1 \
         | grep --line-buffered -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt"
       record bench-torch "${PIPESTATUS[0]}"
