@@ -330,7 +330,13 @@ impl Parser {
                 if tokens.get(1) != Some(&"{") {
                     return err(line, "expected `group { OP; OP; ... }`");
                 }
-                self.group = Some((Vec::new(), line));
+                // Room for the ops this line names (a group written on one
+                // line is common and large files hold many of them).
+                let ops = tokens[2..]
+                    .iter()
+                    .filter(|t| matches!(**t, "send" | "recv"))
+                    .count();
+                self.group = Some((Vec::with_capacity(ops), line));
                 self.group_tokens(line, &tokens[2..])?;
                 return Ok(None);
             }
