@@ -286,10 +286,10 @@ impl Process {
         }
         let timeout = self.settings.opts.timeout;
         let client = Store::client(self.host.clone(), self.port, self.secret.clone());
-        // Rank 0 serves the store even when it cannot run (its NCCL or GPU
-        // is missing), with no unique id, so that the others learn why.
         // NCCL and CUDA, and on rank 0 the job's unique id: what this rank
-        // needs to start, or why it cannot.
+        // needs to start, or why it cannot. Rank 0 serves the store even
+        // when it cannot start, with no unique id (`NO_ID`), so that the
+        // others learn why.
         let (lib, id) = match (self.rank, &self.lib) {
             (0, Ok(lib)) => match lib.unique_id() {
                 Ok(id) => (Ok(*lib), Some(id)),
