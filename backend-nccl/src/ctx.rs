@@ -82,6 +82,25 @@ pub(crate) struct StreamInner {
     /// position. Taken under the rank's issue lock, right after the
     /// event's record, so positions follow the stream's order.
     pub(crate) recorded: std::sync::atomic::AtomicU64,
+    /// A number no other stream of this process has, ever: the ledger's
+    /// name for its queue (an address can be reused, and a registry's
+    /// stream number is only unique within one run).
+    pub(crate) serial: u64,
+}
+
+impl StreamInner {
+    /// A stream of `rank`, numbered `id` by the registry.
+    pub(crate) fn new(raw: Stream, name: &str, rank: Rank, id: u32) -> StreamInner {
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        StreamInner {
+            raw,
+            name: name.into(),
+            rank,
+            id,
+            recorded: std::sync::atomic::AtomicU64::new(0),
+            serial: SERIAL.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 /// An event of a rank.
@@ -143,21 +162,26 @@ impl Drop for BufState {
 #[derive(Debug)]
 pub(crate) struct OpEvent {
     event: Option<Event>,
-    /// The stream it was recorded on (its number, never reused, unlike its
-    /// address), and its position among the completion events recorded
-    /// there.
+    /// The stream it was recorded on (its serial, never reused), and its
+    /// position among the completion events recorded there.
     pub(crate) stream: (usize, u64),
     done: std::sync::atomic::AtomicBool,
     ctx: std::sync::Weak<RankCtx>,
 }
 
 impl OpEvent {
-    /// The event just recorded on `stream` (under the rank's issue lock).
-    pub(crate) fn new(event: Event, stream: &StreamInner, ctx: &Arc<RankCtx>) -> OpEvent {
+    /// The event just recorded on `stream`; the issue lock (`_issuing`)
+    /// held since before the record keeps positions in record order.
+    pub(crate) fn new(
+        event: Event,
+        stream: &StreamInner,
+        ctx: &Arc<RankCtx>,
+        _issuing: &crate::guard::Issuing<'_>,
+    ) -> OpEvent {
         let position = stream.recorded.fetch_add(1, Ordering::Relaxed);
         OpEvent {
             event: Some(event),
-            stream: (stream.id as usize, position),
+            stream: (stream.serial as usize, position),
             done: std::sync::atomic::AtomicBool::new(false),
             ctx: Arc::downgrade(ctx),
         }
@@ -225,6 +249,10 @@ impl Done for Issued {
     /// complete in the order they were recorded.
     fn queue(&self) -> Option<(usize, u64)> {
         Some(self.event.stream)
+    }
+
+    fn mark_done(&self) {
+        self.event.done.store(true, Ordering::Release);
     }
 }
 
@@ -366,13 +394,12 @@ impl RankCtx {
         let mut streams = Vec::new();
         let reg_stream = |name: &str| registry.stream(rank, name);
         let new_stream = |name: &str, streams: &mut Vec<NcclStream>| -> Result<NcclStream> {
-            let st = NcclStream(Arc::new(StreamInner {
-                raw: Stream::new()?,
-                name: name.into(),
+            let st = NcclStream(Arc::new(StreamInner::new(
+                Stream::new()?,
+                name,
                 rank,
-                id: reg_stream(name),
-                recorded: std::sync::atomic::AtomicU64::new(0),
-            }));
+                reg_stream(name),
+            )));
             streams.push(st.clone());
             Ok(st)
         };

@@ -53,10 +53,14 @@
 //!   after the abort). What is left is NCCL's: the interrupted call's own
 //!   reads of the freed communicator.
 //! - **P6, buffers outlive their ops.** Each launched op holds its buffer;
-//!   the rank's [`Ledger`] drops an op only once the op says it completed
-//!   ([`Done`]: its CUDA event), and never drops one that has not: at the
-//!   end of a run, or when the ledger is dropped, ops that never completed
-//!   are leaked with their buffers rather than freed under a kernel.
+//!   the rank's [`Ledger`] drops an op only once the op, or a later op of
+//!   its stream, says it completed ([`Done`]: a CUDA event recorded after
+//!   it; events of one stream complete in the order they were recorded,
+//!   and their positions are taken in that order under the issue lock, on
+//!   a stream serial unique in the process), and never drops one that has
+//!   not: at the end of a run, or when the ledger is dropped, ops that
+//!   never completed are leaked with their buffers rather than freed under
+//!   a kernel.
 //! - **P7, snapshots see whole launches.** The ops of one launch enter the
 //!   ledger under one lock ([`Ledger::record`]), after the launch, so a
 //!   snapshot ([`Ledger::pending`], what a hang report lists) holds all
@@ -781,6 +785,10 @@ pub trait Done {
     fn queue(&self) -> Option<(usize, u64)> {
         None
     }
+
+    /// Told that it is done, because a later thing of its queue is: it
+    /// need not ask the device again (the default forgets it).
+    fn mark_done(&self) {}
 }
 
 impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
@@ -790,6 +798,10 @@ impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
 
     fn queue(&self) -> Option<(usize, u64)> {
         (**self).queue()
+    }
+
+    fn mark_done(&self) {
+        (**self).mark_done()
     }
 }
 
@@ -828,9 +840,15 @@ fn prune<T: Done>(ops: &mut Vec<T>) {
         done_to.push((q, lo.checked_sub(1).map(|k| v[k].0)));
     }
     ops.retain(|o| match o.queue() {
-        Some((q, pos)) => !done_to
-            .iter()
-            .any(|(dq, to)| *dq == q && to.is_some_and(|to| pos <= to)),
+        Some((q, pos)) => {
+            let done = done_to
+                .iter()
+                .any(|(dq, to)| *dq == q && to.is_some_and(|to| pos <= to));
+            if done {
+                o.mark_done();
+            }
+            !done
+        }
         None => !o.done(),
     });
 }

@@ -412,7 +412,7 @@ impl NcclRank {
                     .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
                 {
                     Ok(e) => {
-                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx));
+                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx, &issuing));
                         events.push((raw, e.clone()));
                         e
                     }
@@ -714,13 +714,12 @@ impl Transport for NcclRank {
     fn stream(&self, name: &str) -> Result<NcclStream> {
         self.ctx.device.bind()?;
         let id = self.ctx.registry.stream(self.ctx.rank, name);
-        let s = NcclStream(Arc::new(StreamInner {
-            raw: Stream::new()?,
-            name: name.into(),
-            rank: self.ctx.rank,
+        let s = NcclStream(Arc::new(StreamInner::new(
+            Stream::new()?,
+            name,
+            self.ctx.rank,
             id,
-            recorded: std::sync::atomic::AtomicU64::new(0),
-        }));
+        )));
         lock(&self.ctx.streams).push(s.clone());
         Ok(s)
     }

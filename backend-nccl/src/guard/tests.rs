@@ -277,7 +277,17 @@ impl super::Done for Queued {
     fn queue(&self) -> Option<(usize, u64)> {
         Some((self.queue, self.position))
     }
+
+    fn mark_done(&self) {
+        // Only an op that is done may be told so.
+        assert!(self.done, "an op not done was marked done");
+        MARKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
+
+/// Ops told they are done by a pruning (tests share the counter: they read
+/// it only as a lower bound).
+static MARKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn queued(
     asked: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -324,6 +334,8 @@ fn pruning_a_queue_whose_ops_are_all_done_empties_it() {
     // 300 ops reach the pruning (at 256): a bisection of 150 per queue.
     let n = asked.load(std::sync::atomic::Ordering::Relaxed);
     assert!(n <= 2 * 8, "{n} questions");
+    // Each dropped op was told it is done, so it never asks again.
+    assert!(MARKED.load(std::sync::atomic::Ordering::Relaxed) >= 300);
 }
 
 #[test]
