@@ -435,7 +435,7 @@ impl Registry {
             for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
                 meta.fifo = fifo;
             }
-            let _ = m.apply(t, &hc);
+            let _ = m.apply_checked(t, &hc);
         }
         r.trace.push(call);
         r.compact(self.compact_at);

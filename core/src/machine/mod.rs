@@ -950,6 +950,20 @@ impl Machine {
     pub fn apply(&mut self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
         debug_assert!(self.enabled(t, call));
         self.check_issue(t, call)?;
+        self.perform(t, call)
+    }
+
+    /// [`Machine::apply`] of a call that [`Machine::check_issue`] has just
+    /// accepted on this very state (a real backend checks before it
+    /// launches, then records): the check is not made twice.
+    pub fn apply_checked(&mut self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
+        debug_assert!(self.enabled(t, call));
+        debug_assert!(self.check_issue(t, call).is_ok());
+        self.perform(t, call)
+    }
+
+    /// The effect of thread `t`'s next call, checked.
+    fn perform(&mut self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
         let rank = self.rank_of(t);
         self.touch(rank);
         let th = &mut self.state.threads[t.ix()];
