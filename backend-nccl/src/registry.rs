@@ -399,16 +399,17 @@ impl Registry {
         self.issue_locked(&mut r, call, metas, origin)
     }
 
-    /// Records launch `call`: the live machine checks it first, and the
-    /// FIFO positions it gives the ops go to `metas` (which may be empty).
+    /// [`Registry::issue_locked`], taking the lock (for tests that record
+    /// calls without `OpMeta`s).
     #[cfg(test)]
     fn issue(&self, call: TraceCall, metas: &mut [OpMeta]) -> Result<(), Error> {
         let mut r = self.lock();
         self.issue_locked(&mut r, call, metas, None)
     }
 
-    /// [`Registry::issue`] under the registry's lock, at `origin` when the
-    /// caller knows it.
+    /// Records launch `call` under the registry's lock `r`, at `origin`
+    /// when the caller knows it: the live machine checks it first, and the
+    /// FIFO positions it gives the ops go to `metas` (which may be empty).
     fn issue_locked(
         &self,
         r: &mut Reg,

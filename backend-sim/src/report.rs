@@ -109,19 +109,23 @@ fn shell_word(word: &str) -> String {
     }
 }
 
+/// The command that replays `schedule` of `file` with the command line's
+/// `flags`, each quoted as a shell word.
+fn replay_command(file: &str, flags: &[String], schedule: &str) -> String {
+    let mut words = vec!["duplex".to_string(), "check".into(), shell_word(file)];
+    words.extend(flags.iter().map(|f| shell_word(f)));
+    words.extend(["--replay".into(), schedule.to_string()]);
+    words.join(" ")
+}
+
 impl Report {
     /// The same report, its replay command carrying `flags`: the command
     /// line's overrides of the file's policy and model (`--policy P`,
     /// `--eager S`, `--model KEY=VALUE`, each a separate word), without
     /// which the schedule would replay another program.
     pub fn overridden(mut self, flags: &[String]) -> Report {
-        if let (Some(schedule), false) = (&self.schedule, flags.is_empty()) {
-            let flags: Vec<String> = flags.iter().map(|f| shell_word(f)).collect();
-            self.replay = Some(format!(
-                "duplex check {} {} --replay {schedule}",
-                shell_word(&self.file),
-                flags.join(" ")
-            ));
+        if let Some(schedule) = &self.schedule {
+            self.replay = Some(replay_command(&self.file, flags, schedule));
         }
         self
     }
@@ -154,9 +158,7 @@ impl Report {
                 Some(schedule.to_string()),
             ),
         };
-        let replay = schedule
-            .as_ref()
-            .map(|s| format!("duplex check {} --replay {s}", shell_word(file)));
+        let replay = schedule.as_ref().map(|s| replay_command(file, &[], s));
         Report {
             verdict,
             file: file.to_string(),

@@ -8,8 +8,8 @@
 //! communicator is freed at most once, and that a free never waits for a
 //! kernel that nothing told to stop: a free synchronizes the device, so a
 //! kernel in flight ([`FakeNccl::launch_kernel`]) on a communicator whose
-//! abort flag is not raised would make it wait for ever (P8). A blocking communicator's
-//! `ncclGroupEnd` blocks until the communicator is revoked or aborted,
+//! abort flag is not raised would make it wait for ever (P8). A blocking
+//! communicator's `ncclGroupEnd` blocks until the communicator is revoked or aborted,
 //! like a call that waits for a peer that never comes. With `revoke`, the
 //! fake has `ncclCommRevoke`, and then it also checks that nothing frees a
 //! communicator while a call is blocked inside it.
@@ -278,10 +278,10 @@ impl CommApi for FakeNccl {
     }
 
     unsafe fn abort(&self, comm: usize) -> Result<(), Error> {
-        // NCCL raises the communicator's abort flag, then frees it.
-        self.comm(comm).interrupted.store(true, Ordering::SeqCst);
-        self.free(comm);
-        Ok(())
+        // NCCL raises the communicator's abort flag, then frees it: a group
+        // of one.
+        // SAFETY: the caller's contract is the same.
+        unsafe { self.abort_many(&[comm]) }
     }
 
     unsafe fn abort_many(&self, comms: &[usize]) -> Result<(), Error> {
