@@ -391,7 +391,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
                     Dir::Send => (t.rank, op.peer),
                     Dir::Recv => (op.peer, t.rank),
                 };
-                uses.push((c.clone(), src, dst));
+                uses.push((c.to_string(), src, dst));
             }
         }
     }
@@ -421,11 +421,10 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
                 continue;
             }
             let moved = P2p {
-                comm: Some(new_comm.clone()),
-                stream: Some(format!(
-                    "{}-{b}to{a}",
-                    op.stream.as_deref().unwrap_or("default")
-                )),
+                comm: Some(new_comm.as_str().into()),
+                stream: Some(
+                    format!("{}-{b}to{a}", op.stream.as_deref().unwrap_or("default")).into(),
+                ),
                 ..op.clone()
             };
             let old = written(source, s.line, &s.kind);

@@ -1,7 +1,7 @@
 //! The schedule parser: valid files, and every kind of invalid file, whose
 //! error must name the right line.
 
-use duplex::schedule::{Dir, MAX_MESSAGE_BYTES, StmtKind, parse};
+use duplex::schedule::{Dir, MAX_MESSAGE_BYTES, StmtKind, parse, parse_with};
 use duplex::{Policy, Size};
 
 #[test]
@@ -376,9 +376,88 @@ fn arbitrary_bytes_never_panic() {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        if let Ok(p) = parse(&text) {
+        let serial = parse(&text);
+        for workers in [2, 3] {
+            assert_eq!(
+                parse_with(&text, workers),
+                serial,
+                "{workers} readers: {text:?}"
+            );
+        }
+        if let Ok(p) = serial {
             // What parses prints to something that parses to the same program.
             assert_eq!(parse(&p.to_string()).as_ref(), Ok(&p), "{text:?}");
         }
     }
+}
+
+/// A file cut into pieces and read by several threads gives the program,
+/// or the error (its line and message), that one reader gives: on the
+/// examples, on every bad input above, and on a large file with an error
+/// placed before, across and after the cuts.
+#[test]
+fn parallel_parse_is_serial_parse() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let mut texts: Vec<String> = std::fs::read_dir(dir)
+        .expect("examples/")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+        .map(|p| std::fs::read_to_string(p).expect("example"))
+        .collect();
+    assert!(texts.len() > 10, "examples found: {}", texts.len());
+    texts.extend(BAD.iter().map(|(t, _, _)| t.to_string()));
+    // A ring of 8 ranks, 20 lines each; then the same with one fault.
+    let ring = |fault: &dyn Fn(u32, u32) -> Option<String>| {
+        let mut s = String::from("ranks 8\npolicy per-direction\ncomm c 0 1\n# the ring\n\n");
+        for r in 0..8 {
+            s.push_str(&format!("rank {r}:\n"));
+            for i in 0..20 {
+                match fault(r, i) {
+                    Some(line) => s.push_str(&line),
+                    None => s.push_str(&format!(
+                        "  group {{ send {} 4KiB; recv {} 4KiB }}  # {i}\n",
+                        (r + 1) % 8,
+                        (r + 7) % 8
+                    )),
+                }
+            }
+            if r == 3 {
+                s.push_str(&format!("rank {r} thread side:\n  sync\n\n"));
+            }
+        }
+        s
+    };
+    texts.push(ring(&|_, _| None));
+    for at in [0, 2, 3, 5, 7] {
+        for (i, fault) in [
+            "  group {\n",
+            "  send 9 4KiB\n",
+            "  send 1 4KiB comm=nowhere\n",
+            "  send 1 4KiB comm=c\n",
+            "rank 0:\n",
+            "rank 3 thread side:\n",
+            "policy shared\n",
+            "  group { send 1 4KiB\n",
+            "  \u{1F600}\n",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let text = ring(&|r, j| (r == at && j == 19 - i as u32).then(|| fault.to_string()));
+            texts.push(text);
+        }
+    }
+    for text in &texts {
+        let serial = parse_with(text, 1);
+        for workers in [2, 3, 4, 16] {
+            assert_eq!(
+                parse_with(text, workers),
+                serial,
+                "{workers} readers: {text}"
+            );
+        }
+    }
+    // Errors made a difference: most faulty rings are refused.
+    let refused = texts.iter().filter(|t| parse_with(t, 1).is_err()).count();
+    assert!(refused > 40, "{refused} refused");
 }

@@ -64,16 +64,19 @@ pub fn shape() -> Shape {
     }
 }
 
-/// The `parse` target. Whatever the bytes, the parser returns; a program it
-/// accepts prints in a form that parses to the same program and prints the
-/// same again ([`round_trip`]); a small one (at most 8 ranks and 32
-/// statements) compiles and passes [`invariants`] within
-/// [`PARSED_MAX_STATES`].
+/// The `parse` target. Whatever the bytes, the parser returns, and read by
+/// one thread or by three it returns the same; a program it accepts prints
+/// in a form that parses to the same program and prints the same again
+/// ([`round_trip`]); a small one (at most 8 ranks and 32 statements)
+/// compiles and passes [`invariants`] within [`PARSED_MAX_STATES`].
 pub fn parse(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(program) = duplex::schedule::parse(text) else {
+    let parsed = duplex::schedule::parse(text);
+    // Read by three threads, the file gives the same program or error.
+    assert_eq!(duplex::schedule::parse_with(text, 3), parsed, "{text:?}");
+    let Ok(program) = parsed else {
         return;
     };
     round_trip(&program);

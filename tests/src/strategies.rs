@@ -732,14 +732,14 @@ impl<'r> Builder<'r> {
             let comm = match comm.as_deref() {
                 None => None,
                 Some("world") if stream.is_some() && m.comm % 2 == 1 => None,
-                Some(c) => Some(c.to_string()),
+                Some(c) => Some(c.into()),
             };
             P2p {
                 dir,
                 peer,
                 size,
                 comm,
-                stream,
+                stream: stream.map(String::into_boxed_str),
                 line: Line(0),
             }
         };

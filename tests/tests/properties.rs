@@ -112,8 +112,8 @@ fn unlimited(p: &Program) -> Program {
                     Dir::Recv => (op.peer, t.rank),
                 };
                 pairs.insert((src, dst));
-                op.comm = Some(format!("d{src}-{dst}"));
-                op.stream = Some(format!("u{n}"));
+                op.comm = Some(format!("d{src}-{dst}").into());
+                op.stream = Some(format!("u{n}").into());
                 n += 1;
             }
         }
@@ -243,7 +243,7 @@ fn rename(p: &Program, rank_keys: &[u32], thread_keys: &[u32], salt: u32) -> Pro
                 }
                 k => {
                     for op in ops(k).iter().filter(|o| o.is_explicit()) {
-                        names.insert(op.stream.clone().unwrap_or_else(|| "default".into()));
+                        names.insert(op.stream.as_deref().unwrap_or("default").to_string());
                     }
                 }
             }
@@ -294,11 +294,12 @@ fn rename(p: &Program, rank_keys: &[u32], thread_keys: &[u32], salt: u32) -> Pro
                     for op in ops_mut(k) {
                         op.peer = to[op.peer as usize];
                         if op.is_explicit() {
-                            op.stream = stream(rank, &op.stream);
+                            op.stream = stream(rank, &op.stream.as_deref().map(str::to_string))
+                                .map(String::into_boxed_str);
                             if let Some(c) = &mut op.comm
-                                && c != "world"
+                                && &**c != "world"
                             {
-                                *c = format!("k{salt}-{c}");
+                                *c = format!("k{salt}-{c}").into();
                             }
                         }
                     }

@@ -4,7 +4,7 @@
 use crate::report::{OpInfo, OpState};
 use crate::schedule::Dir;
 
-use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, Setup, Slot};
+use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, OriginInfo, Setup, Slot};
 
 /// `line 4` or a source location, for a call's origin.
 pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
@@ -143,7 +143,7 @@ impl Machine {
             grouped,
             call: o.map(|o| o.text.to_string()).unwrap_or_default(),
             at: describe_origin(s, origin),
-            line: o.and_then(|o| o.line),
+            line: o.and_then(OriginInfo::line_number),
         }
     }
 }

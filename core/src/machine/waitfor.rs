@@ -474,7 +474,7 @@ impl Graph<'_> {
             _ => None,
         };
         let (call, at, line) = match origin.and_then(|o| m.setup.origins.get(o.ix())) {
-            Some(o) => (o.text.to_string(), o.place(), o.line),
+            Some(o) => (o.text.to_string(), o.place(), o.line_number()),
             None => (
                 "end of thread".to_string(),
                 "its implicit final synchronize".to_string(),

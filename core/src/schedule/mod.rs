@@ -11,7 +11,7 @@ mod parse;
 mod print;
 
 pub use execute::{execute, payload};
-pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, ParseError, parse};
+pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, ParseError, parse, parse_with};
 
 use crate::{Model, Policy, Size};
 
@@ -189,10 +189,11 @@ pub struct P2p {
     pub peer: u32,
     /// Bytes moved.
     pub size: Size,
-    /// `comm=` as written.
-    pub comm: Option<String>,
+    /// `comm=` as written. (A boxed `str`, not a `String`: a large file
+    /// holds millions of ops, and the spare capacity word is 8 bytes each.)
+    pub comm: Option<Box<str>>,
     /// `stream=` as written.
-    pub stream: Option<String>,
+    pub stream: Option<Box<str>>,
     /// Where the op was written: the statement's line for a plain op, its
     /// own line inside a multi-line group (0 for programs built in code).
     pub line: Line,

@@ -36,7 +36,163 @@ pub struct ParseError {
 /// On success every rank, peer, communicator and membership in the program is
 /// valid, so later stages need no checks of their own.
 pub fn parse(text: &str) -> Result<Program, ParseError> {
-    Parser::default().run(text)
+    let workers = if text.len() < PARALLEL_FROM {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_WORKERS))
+    };
+    parse_with(text, workers)
+}
+
+/// Files smaller than this are read by one thread: below it, starting
+/// threads costs more than they save.
+const PARALLEL_FROM: usize = 1 << 20;
+
+/// The most threads [`parse`] reads one file with.
+const MAX_WORKERS: usize = 8;
+
+/// [`parse`] with at most `workers` threads.
+///
+/// The rank blocks of a file are independent once its head (`ranks`,
+/// `policy`, `model`, `comm`) is read, so a large file is cut at rank
+/// block headers into `workers` pieces, read at once, and their threads
+/// joined in file order. Only a file that parses cleanly is accepted that
+/// way: any error, in a piece or in the joined program, sends the whole
+/// file through one reader, so an error is exactly the one reading it line
+/// by line gives (the first in the file, with its line). The program is the
+/// same whatever `workers` is; `parallel_parse_is_serial_parse` in the tests
+/// checks that.
+pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
+    let serial = || Parser::default().run(text);
+    if workers < 2 {
+        return serial();
+    }
+    let Some(pieces) = pieces(text, workers) else {
+        return serial();
+    };
+    // The head, read as the one reader would.
+    let mut head = Parser::default();
+    if head.lines(&text[..pieces[0].0], 0).is_err() || head.ranks.is_none() || head.group.is_some()
+    {
+        return serial();
+    }
+    let results: Vec<Result<Vec<Thread>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, &(start, first_line))| {
+                let end = pieces.get(i + 1).map_or(text.len(), |p| p.0);
+                let mut p = Parser {
+                    ranks: head.ranks,
+                    policy: head.policy,
+                    model: head.model,
+                    comms: head.comms.clone(),
+                    threads: Vec::new(),
+                    group: None,
+                    seen: HashMap::new(),
+                };
+                scope.spawn(move || {
+                    p.lines(&text[start..end], first_line)?;
+                    if p.group.is_some() {
+                        return err(0, "a group is open at the end of a piece");
+                    }
+                    Ok(p.threads)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| err(0, "a reader panicked")))
+            .collect()
+    });
+    let mut threads = Vec::new();
+    for r in results {
+        match r {
+            Ok(t) => threads.extend(t),
+            Err(_) => return serial(),
+        }
+    }
+    // A thread defined in two pieces is an error the pieces cannot see.
+    let mut seen = std::collections::HashSet::with_capacity(threads.len());
+    if !threads
+        .iter()
+        .all(|t| seen.insert((t.rank, t.name.as_deref())))
+    {
+        return serial();
+    }
+    let program = Program {
+        ranks: head.ranks.unwrap_or(1),
+        policy: head.policy.map(|(p, _)| p).unwrap_or_default(),
+        model: head.model,
+        comms: head.comms,
+        threads,
+    };
+    match validate(&program) {
+        Ok(()) => Ok(program),
+        Err(_) => serial(),
+    }
+}
+
+/// Where the pieces of a parallel read start: (byte offset, the number of
+/// lines before it), each at a rank block header (a line whose first word
+/// is `rank`), the first at the file's first header. `None` when the file
+/// has fewer than two headers to cut at.
+fn pieces(text: &str, workers: usize) -> Option<Vec<(usize, u32)>> {
+    let bytes = text.as_bytes();
+    // The start of the line holding byte `at` or, when `at` is not a line
+    // start, of the next line (a line start is always a char boundary).
+    let line_start = |at: usize| -> usize {
+        if at == 0 || bytes[at - 1] == b'\n' {
+            return at;
+        }
+        bytes[at..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map_or(bytes.len(), |i| at + i + 1)
+    };
+    // The start of the first header line at or after line start `from`.
+    let header_from = |mut from: usize| -> Option<usize> {
+        while from < bytes.len() {
+            let end = bytes[from..]
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(bytes.len(), |i| from + i + 1);
+            let line = text[from..end].trim_start();
+            if line
+                .strip_prefix("rank")
+                .is_some_and(|r| r.starts_with(char::is_whitespace))
+            {
+                return Some(from);
+            }
+            from = end;
+        }
+        None
+    };
+    let first = header_from(0)?;
+    let mut starts = vec![first];
+    for i in 1..workers {
+        let want = first + (bytes.len() - first) * i / workers;
+        let last = starts[starts.len() - 1];
+        match header_from(line_start(want.max(last + 1))) {
+            Some(s) => starts.push(s),
+            None => break,
+        }
+    }
+    starts.dedup();
+    if starts.len() < 2 {
+        return None;
+    }
+    let (mut lines, mut at) = (0u32, 0usize);
+    let out = starts
+        .into_iter()
+        .map(|s| {
+            let n = bytes[at..s].iter().filter(|&&b| b == b'\n').count();
+            lines = lines.saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
+            at = s;
+            (s, lines)
+        })
+        .collect();
+    Some(out)
 }
 
 type Result<T, E = ParseError> = std::result::Result<T, E>;
@@ -94,22 +250,13 @@ struct Parser {
     threads: Vec<Thread>,
     /// An open `group {` spanning lines: its ops and the line it started on.
     group: Option<(Vec<P2p>, u32)>,
+    /// Each thread block's index in `threads`, by rank and name.
+    seen: HashMap<(u32, Option<String>), usize>,
 }
 
 impl Parser {
     fn run(mut self, text: &str) -> Result<Program> {
-        let mut last = 0;
-        let mut tokens = Vec::new();
-        for (i, raw) in text.lines().enumerate() {
-            let line = u32::try_from(i + 1).unwrap_or(u32::MAX);
-            last = line;
-            let code = raw.split('#').next().unwrap_or("");
-            tokenize(code, &mut tokens);
-            if tokens.is_empty() {
-                continue;
-            }
-            self.line(line, &tokens)?;
-        }
+        let last = self.lines(text, 0)?;
         if let Some((_, start)) = self.group {
             return err(start, "`group {` is never closed with `}`");
         }
@@ -128,6 +275,26 @@ impl Parser {
         };
         validate(&program)?;
         Ok(program)
+    }
+
+    /// Reads `text`, whose first line is line `before + 1` of the file.
+    /// Returns the number of the last line read.
+    fn lines(&mut self, text: &str, before: u32) -> Result<u32> {
+        let mut last = before;
+        let mut tokens = Vec::new();
+        for (i, raw) in text.lines().enumerate() {
+            let line = u32::try_from(i + 1)
+                .unwrap_or(u32::MAX)
+                .saturating_add(before);
+            last = line;
+            let code = raw.split('#').next().unwrap_or("");
+            tokenize(code, &mut tokens);
+            if tokens.is_empty() {
+                continue;
+            }
+            self.line(line, &tokens)?;
+        }
+        Ok(last)
     }
 
     fn line(&mut self, line: u32, tokens: &[&str]) -> Result<()> {
@@ -298,11 +465,8 @@ impl Parser {
                 "`main` is the name of the rank's own block: write `rank R:`",
             );
         }
-        if let Some(first) = self
-            .threads
-            .iter()
-            .find(|t| t.rank == rank && t.name == name)
-        {
+        if let Some(&i) = self.seen.get(&(rank, name.clone())) {
+            let first = &self.threads[i];
             return err(
                 line,
                 format!(
@@ -312,6 +476,7 @@ impl Parser {
                 ),
             );
         }
+        self.seen.insert((rank, name.clone()), self.threads.len());
         self.threads.push(Thread {
             rank,
             name,
@@ -486,7 +651,7 @@ impl Parser {
             if slot.is_some() {
                 return err(line, format!("`{key}=` is given twice"));
             }
-            *slot = Some(name(line, key, value)?);
+            *slot = Some(name(line, key, value)?.into_boxed_str());
         }
         Ok(P2p {
             dir,
