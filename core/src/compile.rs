@@ -154,13 +154,25 @@ pub fn compile(program: &Program) -> Compiled {
             .add_comm(c.name.clone(), c.ranks.clone(), !model.lazy_connect);
         b.comms.insert(c.name.clone(), id);
     }
-    let mut scripts = Vec::new();
+    let mut scripts = Vec::with_capacity(program.threads.len());
     for thread in &program.threads {
         b.setup.add_thread(thread.rank, thread.display_name());
     }
+    // An origin per statement and one per op of a group, in one allocation
+    // (a large program has millions).
+    let origins: usize = program
+        .threads
+        .iter()
+        .flat_map(|t| &t.body)
+        .map(|s| match &s.kind {
+            StmtKind::Group(ops) => 1 + ops.len(),
+            _ => 1,
+        })
+        .sum();
+    b.setup.origins.reserve_exact(origins);
     for thread in &program.threads {
         let rank = thread.rank;
-        let mut calls = Vec::new();
+        let mut calls = Vec::with_capacity(thread.body.len() + 1);
         for stmt in &thread.body {
             let text = match &stmt.kind {
                 StmtKind::Op(op) => b.op_text(std::slice::from_ref(op), false),
