@@ -51,6 +51,11 @@ for l in sys.stdin:
   cp target/release/examples/bench .gpu/
   cp target/release/examples/faults .gpu/
   cp target/release/examples/overhead .gpu/
+  # The same with frame pointers, for `overhead --spin S --profile FILE`
+  # (its samples then name callers: scripts/profile_symbols.py).
+  CARGO_TARGET_DIR=target/fp RUSTFLAGS="-C force-frame-pointers=yes" \
+    cargo build --release -p duplex-nccl --example overhead
+  cp target/fp/release/examples/overhead .gpu/overhead-fp
   cp -r examples .gpu/examples
   cp scripts/bench_torch.py scripts/bench_table.py .gpu/
   ls -la .gpu

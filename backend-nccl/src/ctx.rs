@@ -227,7 +227,7 @@ impl Drop for OpEvent {
 pub(crate) struct Issued {
     pub(crate) meta: OpMeta,
     pub(crate) event: Arc<OpEvent>,
-    pub(crate) _buf: Arc<BufState>,
+    pub(crate) buf: Arc<BufState>,
 }
 
 impl Issued {

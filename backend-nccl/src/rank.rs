@@ -230,14 +230,19 @@ impl NcclRank {
                 format!("{}: the stream belongs to rank {}", what(), s.0.rank),
             );
         }
-        let (comm, stream) = check::resolve(
-            place_.comm.as_ref().map(|c| c.0.clone()),
-            place_.stream.clone(),
-            self.scoped.borrow().last().cloned(),
-            lane.map(|(_, c, s)| (c.clone(), s.clone())),
-            || self.ctx.world.clone(),
-            || self.ctx.default_stream.clone(),
-        );
+        // Resolved by reference; only the chosen pair is cloned.
+        let (comm, stream) = {
+            let scoped = self.scoped.borrow();
+            let (c, s) = check::resolve(
+                place_.comm.as_ref().map(|c| &c.0),
+                place_.stream.as_ref(),
+                scoped.last(),
+                lane.map(|(_, c, s)| (c, s)),
+                || &self.ctx.world,
+                || &self.ctx.default_stream,
+            );
+            (c.clone(), s.clone())
+        };
         if comm.rank_of(peer).is_none() || comm.rank_of(self.ctx.rank).is_none() {
             return check::invalid(
                 at,
@@ -301,7 +306,8 @@ impl NcclRank {
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
-        let mut metas: Vec<OpMeta> = reqs.iter().map(|r| r.meta.clone()).collect();
+        let metas: Vec<&OpMeta> = reqs.iter().map(|r| &r.meta).collect();
+        let mut fifos = vec![0u32; reqs.len()];
         let recs: Vec<OpRec> = reqs
             .iter()
             .map(|r| OpRec {
@@ -315,12 +321,14 @@ impl NcclRank {
             .collect();
         ctx.registry.launch(LaunchRec {
             thread: self.thread_id,
-            ops: &recs,
-            metas: &mut metas,
+            ops: recs,
+            metas: &metas,
+            fifos: &mut fifos,
             grouped,
         })?;
-        for (r, m) in reqs.iter_mut().zip(metas) {
-            r.meta.fifo = m.fifo;
+        drop(metas);
+        for (r, fifo) in reqs.iter_mut().zip(fifos) {
+            r.meta.fifo = fifo;
         }
         ctx.device.bind()?;
         // Hold every communicator the group names until its launch is over
@@ -433,10 +441,10 @@ impl NcclRank {
             let issued = Arc::new(Issued {
                 meta: r.meta,
                 event,
-                _buf: r.buf.clone(),
+                buf: r.buf,
             });
             {
-                let mut users = lock(&r.buf.users);
+                let mut users = lock(&issued.buf.users);
                 // Forget ops that are gone before the list would grow, so
                 // that the cost per op stays constant however many are in
                 // flight.

@@ -48,8 +48,8 @@ impl Blocked {
         TraceCall {
             thread: thread as u32,
             call,
-            text: text.clone(),
-            place: place.clone(),
+            text: text.as_str().into(),
+            place: place.as_str().into(),
         }
     }
 }
@@ -67,7 +67,7 @@ struct Reg {
     /// site, ops), so that a launch like an earlier one formats nothing:
     /// keyed by [`launch_key`]'s words; cleared when it grows large.
     launches:
-        std::collections::HashMap<Vec<u64>, (String, String, Option<duplex::machine::Origin>)>,
+        std::collections::HashMap<Vec<u64>, (Arc<str>, Arc<str>, Option<duplex::machine::Origin>)>,
     /// The key of the launch being recorded (reused).
     key: Vec<u64>,
     user_comms: Vec<(String, Vec<Rank>)>,
@@ -161,7 +161,7 @@ impl Reg {
 /// The words that tell one kind of launch from another in the registry's
 /// text cache: the thread, whether grouped, the first op's call site, and
 /// each op's direction, type, peer and count (what its text says).
-fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[OpMeta], grouped: bool) {
+fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], grouped: bool) {
     key.clear();
     key.extend([thread as u64, u64::from(grouped)]);
     if let Some(m) = metas.first() {
@@ -191,9 +191,11 @@ pub(crate) struct LaunchRec<'a> {
     /// The registry's number of the issuing thread.
     pub(crate) thread: usize,
     /// Its ops.
-    pub(crate) ops: &'a [OpRec],
-    /// Their descriptions; the registry sets their FIFO positions.
-    pub(crate) metas: &'a mut [OpMeta],
+    pub(crate) ops: Vec<OpRec>,
+    /// Their descriptions.
+    pub(crate) metas: &'a [&'a OpMeta],
+    /// Where the registry writes their FIFO positions.
+    pub(crate) fifos: &'a mut [u32],
     /// Issued as a group.
     pub(crate) grouped: bool,
 }
@@ -362,6 +364,7 @@ impl Registry {
             thread,
             ops,
             metas,
+            fifos,
             grouped,
         } = l;
         let mut r = self.lock();
@@ -370,17 +373,18 @@ impl Registry {
         let (text, place, origin) = match r.launches.get(key.as_slice()) {
             Some((text, place, origin)) => (text.clone(), place.clone(), *origin),
             None => {
-                let texts: Vec<String> = metas.iter().map(OpMeta::text).collect();
+                let texts: Vec<String> = metas.iter().map(|m| m.text()).collect();
                 let text = if grouped {
                     format!("group {{ {} }}", texts.join("; "))
                 } else {
                     texts.join("; ")
                 };
-                let place = metas.first().map(OpMeta::place).unwrap_or_default();
+                let place = metas.first().map(|m| m.place()).unwrap_or_default();
                 let origin = r.origin(&text, &place);
                 if r.launches.len() >= 1 << 12 {
                     r.launches.clear();
                 }
+                let (text, place): (Arc<str>, Arc<str>) = (text.into(), place.into());
                 r.launches
                     .insert(key.clone(), (text.clone(), place.clone(), origin));
                 (text, place, origin)
@@ -389,32 +393,29 @@ impl Registry {
         r.key = key;
         let call = TraceCall {
             thread: thread as u32,
-            call: Call::Launch {
-                ops: ops.to_vec(),
-                grouped,
-            },
+            call: Call::Launch { ops, grouped },
             text,
             place,
         };
-        self.issue_locked(&mut r, call, metas, origin)
+        self.issue_locked(&mut r, call, fifos, origin)
     }
 
     /// [`Registry::issue_locked`], taking the lock (for tests that record
     /// calls without `OpMeta`s).
     #[cfg(test)]
-    fn issue(&self, call: TraceCall, metas: &mut [OpMeta]) -> Result<(), Error> {
+    fn issue(&self, call: TraceCall, fifos: &mut [u32]) -> Result<(), Error> {
         let mut r = self.lock();
-        self.issue_locked(&mut r, call, metas, None)
+        self.issue_locked(&mut r, call, fifos, None)
     }
 
     /// Records launch `call` under the registry's lock `r`, at `origin`
     /// when the caller knows it: the live machine checks it first, and the
-    /// FIFO positions it gives the ops go to `metas` (which may be empty).
+    /// FIFO positions it gives the ops go to `fifos` (which may be empty).
     fn issue_locked(
         &self,
         r: &mut Reg,
         call: TraceCall,
-        metas: &mut [OpMeta],
+        fifos: &mut [u32],
         origin: Option<duplex::machine::Origin>,
     ) -> Result<(), Error> {
         let thread = call.thread as usize;
@@ -433,8 +434,8 @@ impl Registry {
                     other => other,
                 });
             }
-            for (meta, fifo) in metas.iter_mut().zip(m.fifo_positions(t, &hc)) {
-                meta.fifo = fifo;
+            for (slot, fifo) in fifos.iter_mut().zip(m.fifo_positions(t, &hc)) {
+                *slot = fifo;
             }
             let _ = m.apply_checked(t, &hc);
         }
@@ -455,7 +456,7 @@ impl Registry {
             thread: thread as u32,
             call,
             text: if record { "record" } else { "wait" }.into(),
-            place: String::new(),
+            place: "".into(),
         };
         let t = ThreadId(thread as u32);
         let refused = r
@@ -620,7 +621,7 @@ mod tests {
                     }],
                     grouped: false,
                 },
-                text: format!("{} {bytes}", dir.name()),
+                text: format!("{} {bytes}", dir.name()).into(),
                 place: "x.rs:1:1".into(),
             };
             for _ in 0..50 {

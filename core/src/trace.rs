@@ -132,9 +132,10 @@ pub struct TraceCall {
     /// The call.
     pub call: Call,
     /// The call as the user wrote it (`send 1024 x f32 to rank 1`).
-    pub text: String,
+    /// Shared: a backend records the same few texts millions of times.
+    pub text: Arc<str>,
     /// Where (`src/main.rs:12:5`, `line 4`).
-    pub place: String,
+    pub place: Arc<str>,
 }
 
 /// What ranks issued. Build it with the `add_*` methods and
@@ -454,8 +455,8 @@ impl Trace {
             t.push(TraceCall {
                 thread: thread.0,
                 call,
-                text: o.map(|o| o.text.to_string()).unwrap_or_default(),
-                place: o.map(|o| o.place()).unwrap_or_default(),
+                text: o.map_or_else(|| "".into(), |o| o.text.clone()),
+                place: o.map(|o| o.place()).unwrap_or_default().into(),
             });
         }
         t
@@ -603,8 +604,8 @@ impl<'t> Replayer<'t> {
             t.calls.push(HostSpan {
                 rank: th.rank,
                 thread: th.name.clone(),
-                call: c.text.clone(),
-                place: c.place.clone(),
+                call: c.text.to_string(),
+                place: c.place.to_string(),
                 step,
             });
         }
@@ -685,8 +686,8 @@ impl<'t> Replayer<'t> {
                 .threads
                 .get(c.thread as usize)
                 .map_or_else(|| format!("#{}", c.thread), |x| x.name.clone()),
-            call: c.text.clone(),
-            place: c.place.clone(),
+            call: c.text.to_string(),
+            place: c.place.to_string(),
             why,
         };
         for c in t.calls.iter().chain(&t.blocked) {
@@ -813,8 +814,8 @@ impl<'t> Replayer<'t> {
         self.disagreements.push(Disagreement {
             rank: info.rank,
             thread: info.name.clone(),
-            call: c.text.clone(),
-            place: c.place.clone(),
+            call: c.text.to_string(),
+            place: c.place.to_string(),
             why,
         });
     }
@@ -868,7 +869,7 @@ impl TraceCall {
     /// The machine's call for this trace call, with its origin added to
     /// `setup` (its ids are the trace's own indices).
     pub fn to_host(&self, setup: &mut Setup) -> HostCall {
-        let origin = setup.add_origin(OriginInfo::at(self.text.as_str(), self.place.clone()));
+        let origin = setup.add_origin(OriginInfo::at(self.text.clone(), self.place.to_string()));
         host_call(setup, self, origin)
     }
 

@@ -196,7 +196,7 @@ fn a_trace_naming_what_was_never_declared_is_refused_not_a_panic() {
             stream: 0,
         },
         text: "record".into(),
-        place: String::new(),
+        place: "".into(),
     });
     let a = t.analyze(duplex::Model::default());
     assert!(

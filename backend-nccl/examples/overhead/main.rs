@@ -14,10 +14,17 @@
 //! microseconds per op (a group of two ops counts two).
 //!
 //! `--spin SECONDS` instead issues through duplex for that long and prints
-//! nothing else: a steady state to sample with a debugger.
+//! nothing else: a steady state to sample with a debugger. With
+//! `--profile FILE` as well, the issuing thread samples itself
+//! (`sampler.rs`, every 100 µs of its CPU time) and writes the samples to
+//! FILE; `scripts/profile_symbols.py FILE BINARY` names them here (build
+//! with frame pointers to see callers: `scripts/gpu.sh build` does).
 //!
-//! `overhead [--trials N] [--spin SECONDS]`; with the `device` tool on one H200:
+//! `overhead [--trials N] [--spin SECONDS [--profile FILE]]`; with the
+//! `device` tool on one H200:
 //! `run(command=".gpu/overhead", carry=[".gpu"], kind="nvidia-h200")`.
+
+mod sampler;
 
 use std::time::{Duration, Instant};
 
@@ -113,12 +120,31 @@ fn main() {
         .position(|a| a == "--spin")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok());
+    let profile = args
+        .iter()
+        .position(|a| a == "--profile")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     if let Some(secs) = spin {
         let r = local.run(|t| {
             let on = own_comm(t)?;
+            exchanges(t, &on, false)?;
+            let sampling = match &profile {
+                Some(_) => Some(
+                    sampler::Sampler::start(Duration::from_micros(100))
+                        .map_err(|e| duplex::Error::Aborted(format!("--profile: {e}")))?,
+                ),
+                None => None,
+            };
             let start = Instant::now();
             while start.elapsed().as_secs_f64() < secs {
                 exchanges(t, &on, false)?;
+            }
+            if let (Some(s), Some(path)) = (sampling, &profile) {
+                let (kept, dropped) = s
+                    .finish(path)
+                    .map_err(|e| duplex::Error::Aborted(format!("--profile {path}: {e}")))?;
+                println!("{kept} samples in {path} ({dropped} dropped)");
             }
             Ok(())
         });
