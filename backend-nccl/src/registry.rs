@@ -54,6 +54,9 @@ impl Blocked {
     }
 }
 
+/// A kind of launch's text, place and origin in the live machine.
+type LaunchText = (Arc<str>, Arc<str>, Option<duplex::machine::Origin>);
+
 #[derive(Debug)]
 struct Reg {
     trace: Trace,
@@ -66,8 +69,7 @@ struct Reg {
     /// The text, place and origin of each kind of launch (thread, call
     /// site, ops), so that a launch like an earlier one formats nothing:
     /// keyed by [`launch_key`]'s words; cleared when it grows large.
-    launches:
-        std::collections::HashMap<Vec<u64>, (Arc<str>, Arc<str>, Option<duplex::machine::Origin>)>,
+    launches: std::collections::HashMap<Vec<u64>, LaunchText>,
     /// The key of the launch being recorded (reused).
     key: Vec<u64>,
     user_comms: Vec<(String, Vec<Rank>)>,

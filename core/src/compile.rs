@@ -98,11 +98,16 @@ struct Builder<'p> {
     /// a large program repeats a few statements many times, and spelling
     /// each one again costs more than the rest of compiling it.
     op_texts: HashMap<Vec<OpKey<'p>>, Arc<str>, Fx>,
+    /// The texts of each group seen and of its ops, by what the ops say.
+    group_texts: HashMap<Vec<OpKey<'p>>, GroupTexts, Fx>,
     /// The lane of each (rank, direction, peer) seen.
     lanes: HashMap<(Rank, Dir, Rank), (CommId, StreamId), Fx>,
     /// Scratch: the key of the op or group being looked up.
     key: Vec<OpKey<'p>>,
 }
+
+/// A group's text and each of its ops' texts.
+type GroupTexts = (Arc<str>, Arc<[Arc<str>]>);
 
 /// The compiler's hasher: its keys are small and not chosen by an attacker.
 type Fx = std::hash::BuildHasherDefault<crate::machine::table::FxHasher>;
@@ -141,6 +146,7 @@ pub fn compile(program: &Program) -> Compiled {
         events: HashMap::new(),
         texts: HashSet::new(),
         op_texts: HashMap::default(),
+        group_texts: HashMap::default(),
         lanes: HashMap::default(),
         key: Vec::new(),
     };
@@ -174,9 +180,15 @@ pub fn compile(program: &Program) -> Compiled {
         let rank = thread.rank;
         let mut calls = Vec::with_capacity(thread.body.len() + 1);
         for stmt in &thread.body {
+            // A group's text and its ops' texts, found together.
+            let mut op_texts = None;
             let text = match &stmt.kind {
                 StmtKind::Op(op) => b.op_text(std::slice::from_ref(op), false),
-                StmtKind::Group(ops) => b.op_text(ops, true),
+                StmtKind::Group(ops) => {
+                    let (text, ops) = b.group_texts(ops);
+                    op_texts = Some(ops);
+                    text
+                }
                 other => b.text(other.to_string()),
             };
             let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
@@ -187,14 +199,21 @@ pub fn compile(program: &Program) -> Compiled {
                     origin,
                 }),
                 StmtKind::Group(ops) => HostCall::Launch(LaunchSpec {
+                    // (Indexed, not zipped with the texts: the iterator
+                    // keeps its exact length, so the Vec is allocated
+                    // exactly, 64 bytes for two ops and not 128.)
                     ops: ops
                         .iter()
-                        .map(|op| {
+                        .enumerate()
+                        .map(|(i, op)| {
+                            let text = op_texts.as_ref().map_or_else(
+                                || b.op_text(std::slice::from_ref(op), false),
+                                |t| t[i].clone(),
+                            );
                             // Reports of the op name it and its own line
                             // (a group may span lines); the host call keeps
                             // the group's statement.
                             let line = if op.line.0 != 0 { op.line } else { stmt.line };
-                            let text = b.op_text(std::slice::from_ref(op), false);
                             let own = b.setup.add_origin(OriginInfo::line(text, line.0));
                             OpSpec {
                                 origin: Some(own),
@@ -308,6 +327,30 @@ impl<'p> Builder<'p> {
         self.op_texts.insert(key.clone(), t.clone());
         self.key = key;
         t
+    }
+
+    /// The text of a group and of each of its ops, shared with every group
+    /// that says the same (one lookup for all of them).
+    fn group_texts(&mut self, ops: &'p [P2p]) -> GroupTexts {
+        let mut key = std::mem::take(&mut self.key);
+        key.clear();
+        key.extend(ops.iter().map(OpKey::of));
+        let found = self.group_texts.get(key.as_slice()).cloned();
+        let texts = match found {
+            Some(t) => t,
+            None => {
+                let group = self.op_text(ops, true);
+                let each: Arc<[Arc<str>]> = ops
+                    .iter()
+                    .map(|op| self.op_text(std::slice::from_ref(op), false))
+                    .collect();
+                self.group_texts
+                    .insert(key.clone(), (group.clone(), each.clone()));
+                (group, each)
+            }
+        };
+        self.key = key;
+        texts
     }
 
     /// The shared copy of a statement's text.

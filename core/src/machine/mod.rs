@@ -31,6 +31,8 @@ pub mod waitfor;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::schedule::Dir;
 use crate::{DType, Model, ProgramErrorKind};
 
@@ -634,9 +636,9 @@ struct Op {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Launch {
     rank: Rank,
-    streams: Vec<StreamId>,
+    streams: SmallVec<[StreamId; 2]>,
     /// At least one; all on one communicator.
-    ops: Vec<Op>,
+    ops: SmallVec<[Op; 2]>,
     started: bool,
     grouped: bool,
     origin: Origin,
@@ -1237,21 +1239,24 @@ impl Machine {
     /// one communicator wait for each other's streams), in the order the
     /// communicators first appear.
     pub fn op_refs(thread: ThreadId, seq: u32, spec: &LaunchSpec) -> Vec<OpRef> {
-        let mut comms: Vec<CommId> = Vec::new();
-        let mut counts: Vec<u16> = Vec::new();
+        Machine::op_refs_inline(thread, seq, spec).into_vec()
+    }
+
+    /// [`Machine::op_refs`], kept inline for launches of a few ops.
+    fn op_refs_inline(thread: ThreadId, seq: u32, spec: &LaunchSpec) -> SmallVec<[OpRef; 2]> {
+        let mut comms: SmallVec<[(CommId, u16); 2]> = SmallVec::new();
         spec.ops
             .iter()
             .map(|o| {
-                let part = match comms.iter().position(|c| *c == o.comm) {
+                let part = match comms.iter().position(|(c, _)| *c == o.comm) {
                     Some(p) => p,
                     None => {
-                        comms.push(o.comm);
-                        counts.push(0);
+                        comms.push((o.comm, 0));
                         comms.len() - 1
                     }
                 };
-                let index = counts[part];
-                counts[part] += 1;
+                let index = comms[part].1;
+                comms[part].1 += 1;
                 OpRef {
                     launch: LaunchRef {
                         thread,
@@ -1356,8 +1361,9 @@ impl Machine {
     /// passed.
     fn enqueue(&mut self, t: ThreadId, seq: u32, spec: &LaunchSpec) {
         let rank = self.rank_of(t);
-        let refs = Machine::op_refs(t, seq, spec);
-        let mut parts: Vec<(LaunchRef, Vec<Op>, Vec<StreamId>)> = Vec::new();
+        let refs = Machine::op_refs_inline(t, seq, spec);
+        type Part = (LaunchRef, SmallVec<[Op; 2]>, SmallVec<[StreamId; 2]>);
+        let mut parts: SmallVec<[Part; 2]> = SmallVec::new();
         for (o, op_ref) in spec.ops.iter().zip(&refs) {
             let ch = self.state.channels.entry(channel_key(rank, o)).or_default();
             let slot = Slot {
@@ -1377,7 +1383,7 @@ impl Machine {
             mine.push_back(slot);
             let part = op_ref.launch.part as usize;
             if parts.len() <= part {
-                parts.push((op_ref.launch, Vec::new(), Vec::new()));
+                parts.push((op_ref.launch, SmallVec::new(), SmallVec::new()));
             }
             let (_, ops, streams) = &mut parts[part];
             ops.push(Op {
