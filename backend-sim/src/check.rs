@@ -224,7 +224,12 @@ pub struct Runnable {
     rest: BTreeSet<ThreadId>,
     /// Scratch: the ranks a step touched.
     touched: Vec<u32>,
+    /// The thread at the front of `queue` and how many steps it took there.
+    streak: (ThreadId, u32),
 }
+
+/// Steps a thread alone on its rank takes in a row ([`Runnable::take_alone`]).
+const BURST: u32 = 64;
 
 impl Runnable {
     /// The runnable threads of `m`, which starts keeping track of what
@@ -245,6 +250,7 @@ impl Runnable {
             solo: 0,
             rest: BTreeSet::new(),
             touched,
+            streak: (ThreadId(u32::MAX), 0),
         };
         for i in 0..n {
             r.set(ThreadId(i as u32), can_step(c, m, ThreadId(i as u32)));
@@ -334,8 +340,18 @@ impl Runnable {
     /// commute with it and none disables it; see [`reduce`]).
     pub fn take_alone(&mut self) -> Option<ThreadId> {
         let t = self.clean()?;
-        self.queue.pop_front();
-        self.queued[t.0 as usize] = false;
+        // A thread keeps the front for a burst of steps: its next calls
+        // lie next to each other in memory, and the threads in between
+        // would each bring their own into the cache.
+        if self.streak.0 != t {
+            self.streak = (t, 0);
+        }
+        self.streak.1 += 1;
+        if self.streak.1 >= BURST {
+            self.streak.1 = 0;
+            self.queue.pop_front();
+            self.queued[t.0 as usize] = false;
+        }
         Some(t)
     }
 
