@@ -461,6 +461,20 @@ proptest! {
         let text = q.to_string();
         prop_assert_eq!(parse(&text).map(|r| r.without_lines()), Ok(q.without_lines()), "{}\n{}", m, text);
     }
+
+    /// Catches: a parallel parse that differs from one reader (parse.rs,
+    /// `parse_with`: a cut inside a rank block, lines miscounted).
+    #[test]
+    fn parallel_parse_is_a_serial_one(
+        p in strategies::programs(Shape { extra_threads: 3, events: 2, notifies: 2, ..Shape::default() }),
+    ) {
+        let text = p.to_string();
+        let one = duplex::schedule::parse_with(&text, 1);
+        prop_assert!(one.is_ok(), "{}", text);
+        for workers in [2, 3, 5] {
+            prop_assert_eq!(&duplex::schedule::parse_with(&text, workers), &one, "{} readers\n{}", workers, text);
+        }
+    }
 }
 
 // (f) the simulated transport and the checker agree ----------------------------
