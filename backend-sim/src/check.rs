@@ -205,9 +205,11 @@ fn can_step(c: &Compiled, m: &Machine, t: ThreadId) -> bool {
 ///
 /// The runnable threads that are their rank's only thread wait in a queue:
 /// each is a persistent set alone ([`reduce`]), so the search may take any
-/// of them; taking them in turn (a thread that steps goes to the back)
-/// keeps what is in flight small, where taking the lowest first would run
-/// each rank to its end before the next one starts.
+/// of them; taking them in turn (a thread takes up to [`BURST`] steps at
+/// the front, then goes to the back) keeps what is in flight small, where
+/// taking the lowest first would run each rank to its end before the next
+/// one starts, and a burst keeps a thread's next calls, which lie together
+/// in memory, in the cache.
 #[derive(Clone, Debug)]
 pub struct Runnable {
     on: Vec<bool>,
@@ -226,15 +228,25 @@ pub struct Runnable {
     touched: Vec<u32>,
     /// The thread at the front of `queue` and how many steps it took there.
     streak: (ThreadId, u32),
+    /// Steps a thread alone on its rank takes in a row.
+    burst: u32,
 }
 
 /// Steps a thread alone on its rank takes in a row ([`Runnable::take_alone`]).
-const BURST: u32 = 64;
+/// Part of what a `v3:` schedule means: a change needs a new schedule tag
+/// (`v2:` schedules were recorded with bursts of 1).
+pub const BURST: u32 = 64;
 
 impl Runnable {
     /// The runnable threads of `m`, which starts keeping track of what
     /// its steps touch.
     pub fn new(c: &Compiled, m: &mut Machine) -> Runnable {
+        Runnable::with_burst(c, m, BURST)
+    }
+
+    /// [`Runnable::new`] where a thread alone on its rank takes `burst`
+    /// steps in a row ([`Runnable::take_alone`]; 1 replays a `v2:` schedule).
+    pub fn with_burst(c: &Compiled, m: &mut Machine, burst: u32) -> Runnable {
         let mut touched = Vec::new();
         m.take_touched(&mut touched);
         let setup = m.setup();
@@ -251,6 +263,7 @@ impl Runnable {
             rest: BTreeSet::new(),
             touched,
             streak: (ThreadId(u32::MAX), 0),
+            burst: burst.max(1),
         };
         for i in 0..n {
             r.set(ThreadId(i as u32), can_step(c, m, ThreadId(i as u32)));
@@ -334,10 +347,11 @@ impl Runnable {
         self.clean().or_else(|| self.rest.first().copied())
     }
 
-    /// Takes the next runnable thread that is its rank's only thread off
-    /// the queue (it goes to the back once it has stepped, if it still can
-    /// step): its step is a persistent set alone (steps of other ranks
-    /// commute with it and none disables it; see [`reduce`]).
+    /// The next runnable thread that is its rank's only thread: the one at
+    /// the queue's front, which stays there for a burst of steps and then
+    /// goes to the back (once it has stepped, if it still can step): its
+    /// step is a persistent set alone (steps of other ranks commute with it
+    /// and none disables it; see [`reduce`]).
     pub fn take_alone(&mut self) -> Option<ThreadId> {
         let t = self.clean()?;
         // A thread keeps the front for a burst of steps: its next calls
@@ -347,7 +361,7 @@ impl Runnable {
             self.streak = (t, 0);
         }
         self.streak.1 += 1;
-        if self.streak.1 >= BURST {
+        if self.streak.1 >= self.burst {
             self.streak.1 = 0;
             self.queue.pop_front();
             self.queued[t.0 as usize] = false;
@@ -381,7 +395,7 @@ enum Decision {
 /// replays: the only runnable thread; else, with `reduce`, the next thread
 /// alone on its rank ([`Runnable::take_alone`]) or the one thread of
 /// [`reduce`]'s set; else a decision point. `None` when no thread can
-/// step. A `v2:` schedule ([`Schedule`]) records the choices at the
+/// step. A `v3:` schedule ([`Schedule`]) records the choices at the
 /// decision points of `decide(.., true)`; a `v1:` one those of
 /// `decide(.., false)`, every point where more than one thread can step.
 fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> Option<Decision> {
@@ -581,7 +595,7 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
 /// thread could step (`v1:`, see [`Schedule`]), which replay under any
 /// policy and model; or, when that would name more than
 /// [`V1_CHOICES`] threads and the path is one the reduced search takes
-/// (`reduce`), its choices at that search's decision points only (`v2:`),
+/// (`reduce`), its choices at that search's decision points only (`v3:`),
 /// which replay under the same policy and model. Steps naming a thread
 /// that cannot step are skipped.
 pub fn replay_path(
@@ -596,7 +610,7 @@ pub fn replay_path(
     let mut reduced = reduce_steps;
     let schedule = |reduced, v1: Vec<ThreadId>, v2| {
         if reduced && v1.len() > V1_CHOICES {
-            Schedule::v2(v2)
+            Schedule::v3(v2)
         } else {
             Schedule::v1(v1)
         }
@@ -632,8 +646,8 @@ pub fn replay_path(
 }
 
 /// The most choices a counterexample's `v1:` schedule may have; a longer
-/// interleaving gets a `v2:` schedule (a program whose ranks have one
-/// thread each runs a million steps with an empty `v2:` schedule, where its
+/// interleaving gets a `v3:` schedule (a program whose ranks have one
+/// thread each runs a million steps with an empty `v3:` schedule, where its
 /// `v1:` schedule would name a thread at nearly every step).
 pub const V1_CHOICES: usize = 64;
 
@@ -692,7 +706,7 @@ fn follow(
 ) -> Result<Vec<ThreadId>, (usize, Option<ThreadId>, Vec<ThreadId>)> {
     let mut path = Vec::new();
     let mut m = c.machine();
-    let mut run = Runnable::new(c, &mut m);
+    let mut run = Runnable::with_burst(c, &mut m, replayer.burst());
     let reduced = replayer.reduced();
     while let Some(decision) = decide(c, &m, &mut run, reduced) {
         let t = match decision {

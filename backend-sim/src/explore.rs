@@ -38,17 +38,25 @@ use rand::{Rng, SeedableRng};
 /// * `v1:` records the thread chosen at every point where more than one
 ///   thread could step (the simulated transport's schedules, and the
 ///   checker's without reduction);
-/// * `v2:` records it only where the checker's reduction left more than one
+/// * `v3:` records it only where the checker's reduction left more than one
 ///   thread to explore; elsewhere the replay takes the thread the checker
 ///   took ([`crate::check`]). A program whose ranks have one thread each
-///   has the empty `v2:` schedule however long its run, where its `v1:`
+///   has the empty `v3:` schedule however long its run, where its `v1:`
 ///   schedule names a thread at nearly every step.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+/// * `v2:` is the same under the rule of earlier versions of duplex, where
+///   a thread alone on its rank took one step at a time rather than a
+///   burst (`check::BURST`): its decision points are other ones, so it
+///   keeps its own tag and replays under that rule.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Schedule {
     /// The threads chosen, in order.
     pub choices: Vec<ThreadId>,
-    /// `v2`: choices only at the reduced search's decision points.
+    /// `v2` or `v3`: choices only at the reduced search's decision points.
     pub reduced: bool,
+    /// For a reduced schedule, the steps a thread alone on its rank takes
+    /// in a row in the search it was recorded in: 1 for `v2:`,
+    /// `check::BURST` for `v3:`.
+    pub burst: u32,
 }
 
 impl Schedule {
@@ -57,22 +65,50 @@ impl Schedule {
         Schedule {
             choices,
             reduced: false,
+            burst: 1,
         }
     }
 
-    /// A `v2:` schedule: a choice wherever the checker's reduction left
-    /// more than one thread.
+    /// A `v2:` schedule: a choice wherever the reduction of earlier
+    /// versions (one step at a time) left more than one thread.
     pub fn v2(choices: Vec<ThreadId>) -> Schedule {
         Schedule {
             choices,
             reduced: true,
+            burst: 1,
         }
+    }
+
+    /// A `v3:` schedule: a choice wherever the checker's reduction left
+    /// more than one thread.
+    pub fn v3(choices: Vec<ThreadId>) -> Schedule {
+        Schedule {
+            choices,
+            reduced: true,
+            burst: crate::check::BURST,
+        }
+    }
+
+    /// `v1:`, `v2:` or `v3:`.
+    fn tag(&self) -> &'static str {
+        match (self.reduced, self.burst) {
+            (false, _) => "v1:",
+            (true, 1) => "v2:",
+            (true, _) => "v3:",
+        }
+    }
+}
+
+impl Default for Schedule {
+    /// The empty `v1:` schedule.
+    fn default() -> Schedule {
+        Schedule::v1(Vec::new())
     }
 }
 
 impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.reduced { "v2:" } else { "v1:" })?;
+        f.write_str(self.tag())?;
         for (i, t) in self.choices.iter().enumerate() {
             if i > 0 {
                 f.write_str(".")?;
@@ -88,20 +124,18 @@ impl FromStr for Schedule {
 
     fn from_str(schedule: &str) -> Result<Schedule, String> {
         let s = schedule.trim();
-        let (body, reduced) = match (s.strip_prefix("v1:"), s.strip_prefix("v2:")) {
-            (Some(b), _) => (b, false),
-            (_, Some(b)) => (b, true),
-            _ => {
-                return Err(format!(
-                    "`{schedule}` is not a duplex schedule: it should start with `v1:` or `v2:`"
-                ));
-            }
+        let empty = [Schedule::v1, Schedule::v2, Schedule::v3]
+            .into_iter()
+            .map(|make| make(Vec::new()))
+            .find(|e| s.starts_with(e.tag()));
+        let Some(empty) = empty else {
+            return Err(format!(
+                "`{schedule}` is not a duplex schedule: it should start with `v1:`, `v2:` or `v3:`"
+            ));
         };
+        let body = &s[empty.tag().len()..];
         if body.is_empty() {
-            return Ok(Schedule {
-                choices: Vec::new(),
-                reduced,
-            });
+            return Ok(empty);
         }
         body.split('.')
             .map(|s| {
@@ -110,7 +144,7 @@ impl FromStr for Schedule {
                     .map_err(|_| format!("`{s}` in the schedule is not a thread number"))
             })
             .collect::<Result<_, _>>()
-            .map(|choices| Schedule { choices, reduced })
+            .map(|choices| Schedule { choices, ..empty })
     }
 }
 
@@ -215,6 +249,7 @@ impl Scheduler for Pct {
 pub struct Replay {
     choices: VecDeque<ThreadId>,
     reduced: bool,
+    burst: u32,
 }
 
 impl Replay {
@@ -223,11 +258,18 @@ impl Replay {
         Replay {
             choices: schedule.choices.into(),
             reduced: schedule.reduced,
+            burst: schedule.burst,
         }
     }
 
-    /// Whether the schedule is `v2:` (choices only where the checker's
-    /// reduction left more than one thread).
+    /// The steps a thread alone on its rank takes in a row in the reduced
+    /// search the schedule was recorded in ([`Schedule::burst`]).
+    pub fn burst(&self) -> u32 {
+        self.burst
+    }
+
+    /// Whether the schedule is `v2:` or `v3:` (choices only where the
+    /// checker's reduction left more than one thread).
     pub fn reduced(&self) -> bool {
         self.reduced
     }
@@ -372,6 +414,14 @@ mod tests {
         assert_eq!(s.to_string(), "v2:2");
         assert_eq!(s.to_string().parse(), Ok(s));
         assert_eq!("v2:".parse(), Ok(Schedule::v2(Vec::new())));
+        let s = Schedule::v3(vec![ThreadId(1), ThreadId(4)]);
+        assert_eq!(s.to_string(), "v3:1.4");
+        assert_eq!("v3:1.4".parse(), Ok(s));
+        assert_eq!(
+            "v3:".parse::<Schedule>().map(|s| s.burst),
+            Ok(crate::check::BURST)
+        );
+        assert_eq!("v2:3".parse::<Schedule>().map(|s| s.burst), Ok(1));
         assert!("0.1".parse::<Schedule>().unwrap_err().contains("v1:"));
         assert!("v1:0.x".parse::<Schedule>().unwrap_err().contains("`x`"));
     }

@@ -91,10 +91,13 @@ fn a_schedule_that_does_not_fit_is_refused() {
     assert!(matches!(e, Failure::Schedule(_)), "{e}");
     let e = Sim::new(2).replay("garbage", rpc).unwrap_err();
     assert!(e.to_string().contains("v1:"), "{e}");
-    // `v2:` schedules are the checker's: the simulated transport says so.
-    let e = Sim::new(2).replay("v2:0", rpc).unwrap_err();
-    assert!(matches!(e, Failure::Schedule(_)), "{e}");
-    assert!(e.to_string().contains("duplex check"), "{e}");
+    // `v2:` and `v3:` schedules are the checker's: the simulated transport
+    // says so.
+    for reduced in ["v2:0", "v3:0"] {
+        let e = Sim::new(2).replay(reduced, rpc).unwrap_err();
+        assert!(matches!(e, Failure::Schedule(_)), "{e}");
+        assert!(e.to_string().contains("duplex check"), "{e}");
+    }
 }
 
 #[test]

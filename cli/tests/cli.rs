@@ -806,11 +806,11 @@ fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
 }
 
 /// A hang after a long run: the text shows the start and the end of the
-/// interleaving, and the schedule is the compact `v2:` form (the ranks have
+/// interleaving, and the schedule is the compact `v3:` form (the ranks have
 /// one thread each, so the search had no choice to record), which replays
 /// to the same hang.
 #[test]
-fn a_long_interleaving_is_shortened_and_its_v2_schedule_replays() {
+fn a_long_interleaving_is_shortened_and_its_v3_schedule_replays() {
     let k = 200;
     let mut text = String::from("ranks 2\nrank 0:\n");
     text.push_str(&"  send 1 4KiB\n".repeat(k));
@@ -830,7 +830,7 @@ fn a_long_interleaving_is_shortened_and_its_v2_schedule_replays() {
     let found: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(found["steps"].as_array().map(Vec::len), Some(2 * k + 6));
     let schedule = found["schedule"].as_str().expect("a schedule");
-    assert_eq!(schedule, "v2:");
+    assert_eq!(schedule, "v3:");
     let out = duplex(&["check", file, "--replay", schedule, "--format", "json"]);
     assert_eq!(out.status.code(), Some(1));
     let again: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");

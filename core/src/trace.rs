@@ -132,7 +132,8 @@ pub struct TraceCall {
     /// The call.
     pub call: Call,
     /// The call as the user wrote it (`send 1024 x f32 to rank 1`).
-    /// Shared: a backend records the same few texts millions of times.
+    /// An `Arc`: the NCCL backend's registry records the same few texts and
+    /// places millions of times, and shares them.
     pub text: Arc<str>,
     /// Where (`src/main.rs:12:5`, `line 4`).
     pub place: Arc<str>,

@@ -24,6 +24,8 @@
 //! `device` tool on one H200:
 //! `run(command=".gpu/overhead", carry=[".gpu"], kind="nvidia-h200")`.
 
+// The sampler reads x86-64 registers from a Linux signal context.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 mod sampler;
 
 use std::time::{Duration, Instant};
@@ -80,6 +82,28 @@ fn own_comm(t: &NcclRank) -> duplex::Result<(NcclComm, NcclStream)> {
     Ok((comm, t.stream("self")?))
 }
 
+/// Runs `f` with the calling thread sampled, and writes the samples to
+/// `path` (`sampler.rs`).
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn profiled(path: &str, f: impl FnOnce() -> duplex::Result<()>) -> duplex::Result<()> {
+    let s = sampler::Sampler::start(Duration::from_micros(100))
+        .map_err(|e| duplex::Error::Aborted(format!("--profile: {e}")))?;
+    f()?;
+    let (kept, dropped) = s
+        .finish(path)
+        .map_err(|e| duplex::Error::Aborted(format!("--profile {path}: {e}")))?;
+    println!("{kept} samples in {path} ({dropped} dropped)");
+    Ok(())
+}
+
+/// `--profile` where the sampler cannot run.
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+fn profiled(_: &str, _: impl FnOnce() -> duplex::Result<()>) -> duplex::Result<()> {
+    Err(duplex::Error::Aborted(
+        "--profile samples x86-64 Linux only".into(),
+    ))
+}
+
 /// Microseconds per call of `f`, `N` calls.
 fn per_call(mut f: impl FnMut() -> duplex::Result<()>) -> duplex::Result<f64> {
     let start = Instant::now();
@@ -129,24 +153,19 @@ fn main() {
         let r = local.run(|t| {
             let on = own_comm(t)?;
             exchanges(t, &on, false)?;
-            let sampling = match &profile {
-                Some(_) => Some(
-                    sampler::Sampler::start(Duration::from_micros(100))
-                        .map_err(|e| duplex::Error::Aborted(format!("--profile: {e}")))?,
-                ),
-                None => None,
-            };
             let start = Instant::now();
-            while start.elapsed().as_secs_f64() < secs {
-                exchanges(t, &on, false)?;
-            }
-            if let (Some(s), Some(path)) = (sampling, &profile) {
-                let (kept, dropped) = s
-                    .finish(path)
-                    .map_err(|e| duplex::Error::Aborted(format!("--profile {path}: {e}")))?;
-                println!("{kept} samples in {path} ({dropped} dropped)");
-            }
-            Ok(())
+            let Some(path) = &profile else {
+                while start.elapsed().as_secs_f64() < secs {
+                    exchanges(t, &on, false)?;
+                }
+                return Ok(());
+            };
+            profiled(path, || {
+                while start.elapsed().as_secs_f64() < secs {
+                    exchanges(t, &on, false)?;
+                }
+                Ok(())
+            })
         });
         if let Err(e) = r {
             eprintln!("overhead failed: {e}");

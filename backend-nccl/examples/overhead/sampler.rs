@@ -20,10 +20,18 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 static STACK_LO: AtomicUsize = AtomicUsize::new(0);
 static STACK_HI: AtomicUsize = AtomicUsize::new(0);
 
-/// A running profile of the calling thread.
+/// A running profile of the calling thread; dropped without
+/// [`Sampler::finish`], it stops sampling and writes nothing.
 #[derive(Debug)]
 pub(crate) struct Sampler {
     timer: libc::timer_t,
+    stopped: bool,
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 extern "C" fn on_sigprof(_: libc::c_int, _: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
@@ -45,11 +53,13 @@ extern "C" fn on_sigprof(_: libc::c_int, _: *mut libc::siginfo_t, ctx: *mut libc
         row[0] = uc.uc_mcontext.gregs[libc::REG_RIP as usize] as usize;
         let mut fp = uc.uc_mcontext.gregs[libc::REG_RBP as usize] as usize;
         for slot in row.iter_mut().skip(1) {
-            if fp < lo || fp + 16 > hi || !fp.is_multiple_of(8) {
+            // (`hi - 16` and not `fp + 16`: a garbage frame pointer near
+            // the top of the address space must not wrap around.)
+            if fp < lo || fp > hi.saturating_sub(16) || !fp.is_multiple_of(8) {
                 break;
             }
-            let ret = *((fp + 8) as *const usize);
-            let next = *(fp as *const usize);
+            let ret = std::ptr::read_volatile((fp + 8) as *const usize);
+            let next = std::ptr::read_volatile(fp as *const usize);
             *slot = ret;
             if next <= fp {
                 break;
@@ -60,6 +70,20 @@ extern "C" fn on_sigprof(_: libc::c_int, _: *mut libc::siginfo_t, ctx: *mut libc
 }
 
 impl Sampler {
+    /// Deletes the timer and ignores `SIGPROF` from here on, once: after
+    /// it no handler writes `SAMPLES` (a signal already raised is
+    /// delivered before `timer_delete` returns or not at all).
+    fn stop(&mut self) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
+        // SAFETY: deleting our own timer, and a plain `signal` call.
+        unsafe {
+            libc::timer_delete(self.timer);
+            libc::signal(libc::SIGPROF, libc::SIG_IGN);
+        }
+    }
+
     /// Starts sampling the calling thread every `period` of its CPU time.
     pub(crate) fn start(period: Duration) -> std::io::Result<Sampler> {
         let err = std::io::Error::last_os_error;
@@ -101,22 +125,18 @@ impl Sampler {
             if libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()) != 0 {
                 return Err(err());
             }
-            Ok(Sampler { timer })
+            Ok(Sampler {
+                timer,
+                stopped: false,
+            })
         }
     }
 
     /// Stops sampling and writes the samples and the memory map to `path`;
     /// returns (samples kept, samples dropped).
-    pub(crate) fn finish(self, path: &str) -> std::io::Result<(usize, usize)> {
+    pub(crate) fn finish(mut self, path: &str) -> std::io::Result<(usize, usize)> {
         use std::io::Write;
-        // SAFETY: deleting our own timer; afterwards no handler writes
-        // `SAMPLES` (a signal already raised is delivered before
-        // `timer_delete` returns or not at all, and the signal is ignored
-        // from here on).
-        unsafe {
-            libc::timer_delete(self.timer);
-            libc::signal(libc::SIGPROF, libc::SIG_IGN);
-        }
+        self.stop();
         let taken = NEXT.load(Ordering::Relaxed);
         let kept = taken.min(CAPACITY);
         let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);

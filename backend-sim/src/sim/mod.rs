@@ -381,7 +381,7 @@ impl Sim {
         let choices: Schedule = schedule.parse().map_err(Failure::Schedule)?;
         if choices.reduced {
             return Err(Failure::Schedule(format!(
-                "`{schedule}` is a `v2:` schedule of `duplex check`, which replays it (`duplex check FILE --replay {schedule}`); Sim::replay takes the `v1:` schedules the simulated transport prints"
+                "`{schedule}` is a reduced (`v2:` or `v3:`) schedule of `duplex check`, which replays it (`duplex check FILE --replay {schedule}`); Sim::replay takes the `v1:` schedules the simulated transport prints"
             )));
         }
         self.once(Strategy::Replay(Replay::new(choices)), &f)

@@ -51,7 +51,7 @@ const PARALLEL_FROM: usize = 1 << 20;
 /// The most threads [`parse`] reads one file with.
 const MAX_WORKERS: usize = 8;
 
-/// [`parse`] with at most `workers` threads.
+/// [`parse`] with at most `workers` threads (and at most 8).
 ///
 /// The rank blocks of a file are independent once its head (`ranks`,
 /// `policy`, `model`, `comm`) is read, so a large file is cut at rank
@@ -64,6 +64,7 @@ const MAX_WORKERS: usize = 8;
 /// checks that.
 pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
     let serial = || Parser::default().run(text);
+    let workers = workers.min(MAX_WORKERS);
     if workers < 2 {
         return serial();
     }
@@ -76,7 +77,9 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
     {
         return serial();
     }
-    let results: Vec<Result<Vec<Thread>>> = std::thread::scope(|scope| {
+    // A piece whose thread cannot start (a process at its thread limit)
+    // comes back as `None`, and the file is read by one reader.
+    let results: Vec<Option<Result<Vec<Thread>>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = pieces
             .iter()
             .enumerate()
@@ -91,25 +94,27 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
                     group: None,
                     seen: HashMap::new(),
                 };
-                scope.spawn(move || {
-                    p.lines(&text[start..end], first_line)?;
-                    if p.group.is_some() {
-                        return err(0, "a group is open at the end of a piece");
-                    }
-                    Ok(p.threads)
-                })
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, move || {
+                        p.lines(&text[start..end], first_line)?;
+                        if p.group.is_some() {
+                            return err(0, "a group is open at the end of a piece");
+                        }
+                        Ok(p.threads)
+                    })
+                    .ok()
             })
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| err(0, "a reader panicked")))
+            .map(|h| h.and_then(|h| h.join().ok()))
             .collect()
     });
     let mut threads = Vec::new();
     for r in results {
         match r {
-            Ok(t) => threads.extend(t),
-            Err(_) => return serial(),
+            Some(Ok(t)) => threads.extend(t),
+            _ => return serial(),
         }
     }
     // A thread defined in two pieces is an error the pieces cannot see.
