@@ -4,8 +4,10 @@
     scripts/profile_symbols.py SAMPLES BINARY [--top N]
 
 SAMPLES: one sample per line (hex return addresses, leaf first), then
-`# maps` and the process's /proc/self/maps. BINARY: the very executable that
-ran (its debug line tables name the functions, through `addr2line`).
+`# maps` and the process's /proc/self/maps. BINARY: the executable that ran,
+or the same build before its line tables were stripped (they name the
+functions, through `addr2line`); its samples are those in the process's
+executable (its first mapped file that is neither a device nor a library).
 Prints the functions by self samples (the leaf) and by inclusive samples
 (anywhere in the stack, once per sample), and the most common leaf-to-caller
 paths inside the binary."""
@@ -44,7 +46,13 @@ def main():
         sys.exit(__doc__)
     samples, maps = load(args[0])
     binary = args[1]
-    name = os.path.basename(binary)
+    # The executable: the first mapped file that is not a device or a
+    # shared library.
+    exe = [
+        m[3] for m in maps
+        if m[3].startswith("/") and not m[3].startswith("/dev/") and ".so" not in os.path.basename(m[3])
+    ]
+    name = os.path.basename(exe[0]) if exe else os.path.basename(binary)
     # Each address: ("bin", address in the file) or ("lib", library name).
     where = {}
     for s in samples:

@@ -17,8 +17,10 @@
 //! nothing else: a steady state to sample with a debugger. With
 //! `--profile FILE` as well, the issuing thread samples itself
 //! (`sampler.rs`, every 100 µs of its CPU time) and writes the samples to
-//! FILE; `scripts/profile_symbols.py FILE BINARY` names them here (build
-//! with frame pointers to see callers: `scripts/gpu.sh build` does).
+//! FILE; `scripts/profile_symbols.py FILE BINARY` names them here, from
+//! the same build with its line tables (build with frame pointers to see
+//! callers: `scripts/gpu.sh build` stages one as `.gpu/overhead-fp`, and
+//! BINARY is then `target/fp/release/examples/overhead`).
 //!
 //! `overhead [--trials N] [--spin SECONDS [--profile FILE]]`; with the
 //! `device` tool on one H200:
