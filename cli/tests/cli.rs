@@ -837,3 +837,56 @@ fn a_long_interleaving_is_shortened_and_its_v3_schedule_replays() {
     assert_eq!(again["cycle"], found["cycle"]);
     assert_eq!(again["steps"], found["steps"]);
 }
+
+/// A `v2:` schedule, printed by duplex before the search took bursts of
+/// steps (2026-12-01, commit 5ccf6c1, for this program: `v2:0.2`), still
+/// replays to the interleaving it named then: ranks 2 and 3 in one-step
+/// turns, then rank 0's two threads and rank 1's, into the deadlock of
+/// their sends on one communicator. Today's search prints `v3:0.2` for the
+/// same choices, whose interleaving runs rank 2 and rank 3 in bursts and
+/// reaches the same stuck state.
+#[test]
+fn a_v2_schedule_of_an_earlier_version_replays_as_it_did() {
+    let mut text = String::from("ranks 4\n");
+    text.push_str("rank 0 thread a:\n  send 1 256MiB comm=world stream=s1\n");
+    text.push_str("rank 0 thread b:\n  recv 1 256MiB comm=world stream=s2\n");
+    text.push_str("rank 1 thread c:\n  send 0 256MiB comm=world stream=s1\n");
+    text.push_str("rank 1 thread d:\n  recv 0 256MiB comm=world stream=s2\n");
+    text.push_str("rank 2:\n");
+    text.push_str(&"  group { send 3 4KiB; recv 3 4KiB }\n".repeat(100));
+    text.push_str("rank 3:\n");
+    text.push_str(&"  group { send 2 4KiB; recv 2 4KiB }\n".repeat(100));
+    let dir = tempdir();
+    let file = dir.join("bursts.sched");
+    std::fs::write(&file, &text).expect("write");
+    let file = file.to_str().expect("utf-8");
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = duplex(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let ranks = |v: &serde_json::Value| -> String {
+        v["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .map(|s| s["rank"].to_string())
+            .collect()
+    };
+    let old = run(&["check", file, "--replay", "v2:0.2", "--format", "json"]);
+    assert_eq!(old["verdict"], "deadlock");
+    // (101 steps each: 100 groups and the end of the thread.)
+    assert_eq!(ranks(&old), format!("{}00001111", "23".repeat(101)));
+    let found = run(&["check", file, "--format", "json"]);
+    assert_eq!(found["schedule"], "v3:0.2");
+    assert!(
+        ranks(&found).starts_with(&"2".repeat(64)),
+        "{}",
+        ranks(&found)
+    );
+    let new = run(&["check", file, "--replay", "v3:0.2", "--format", "json"]);
+    assert_eq!(ranks(&new), ranks(&found));
+    for key in ["cycle", "blocked", "ops"] {
+        assert_eq!(new[key], old[key], "{key}");
+    }
+}
