@@ -17,7 +17,7 @@
 //! printed repair never trades one problem for another. Each is a list of
 //! concrete edits to the file, by line.
 
-use duplex::compile::compile;
+use duplex::compile::compile_under;
 use duplex::report::Stuck;
 use duplex::schedule::{CommDecl, Dir, Line, P2p, Program, Stmt, StmtKind};
 use duplex::{Policy, Size};
@@ -97,8 +97,13 @@ pub struct Repair {
 }
 
 fn check_quick(p: &Program) -> Verdict {
+    check_quick_under(p, p.model)
+}
+
+/// [`check_quick`] of `p` under `model` instead of its own.
+fn check_quick_under(p: &Program, model: duplex::Model) -> Verdict {
     check::check(
-        &compile(p),
+        &compile_under(p, model),
         &Options {
             max_states: CANDIDATE_STATES,
             reduce: true,
@@ -108,36 +113,83 @@ fn check_quick(p: &Program) -> Verdict {
     .verdict
 }
 
+/// Whether `lazy-connect=on` can change how `program` runs: some op is on
+/// a communicator it leaves unconnected until first use (the world, a
+/// declared communicator, a `shared` lane). Per-direction lanes are
+/// connected at creation under either setting (`compile::lane_connected`),
+/// so a per-direction program with no explicitly placed op compiles to the
+/// same machine, and its check would repeat the first.
+fn lazy_connect_matters(program: &Program) -> bool {
+    program.policy != duplex::Policy::PerDirection
+        || program
+            .threads
+            .iter()
+            .flat_map(|t| &t.body)
+            .any(|s| match &s.kind {
+                StmtKind::Op(op) => op.is_explicit(),
+                StmtKind::Group(ops) => ops.iter().any(P2p::is_explicit),
+                _ => false,
+            })
+}
+
 /// The hangs an `ok` program has under NCCL's contract (`eager=0`) or on
 /// new communicators (`lazy-connect=on`); empty when it has none, or when
-/// its own model already is that strict.
+/// its own model already is that strict, or when the setting cannot change
+/// how the program runs ([`lazy_connect_matters`]). The two checks run at once, each
+/// on a thread of its own (serially where a thread cannot start).
 pub fn latent(program: &Program) -> Vec<Latent> {
-    let mut out = Vec::new();
-    if program.model.eager.bytes() > 0 {
-        let mut strict = program.clone();
-        strict.model.eager = Size(0);
-        if let Verdict::Deadlock { stuck, .. } = check_quick(&strict) {
-            out.push(Latent {
-                knob: "eager",
-                setting: "eager=0B".into(),
-                meaning: "NCCL's contract: a send may wait for its recv",
+    let mut strict = program.model;
+    strict.eager = Size(0);
+    let mut cold = program.model;
+    cold.lazy_connect = true;
+    let wanted = [
+        (program.model.eager.bytes() > 0).then_some((
+            "eager",
+            "eager=0B",
+            "NCCL's contract: a send may wait for its recv",
+            strict,
+        )),
+        (!program.model.lazy_connect && lazy_connect_matters(program)).then_some((
+            "lazy-connect",
+            "lazy-connect=on",
+            "new communicators: first use connects, first message is a rendezvous",
+            cold,
+        )),
+    ];
+    let verdicts: Vec<_> = std::thread::scope(|scope| {
+        let started: Vec<_> = wanted
+            .iter()
+            .flatten()
+            .map(|w| {
+                let model = w.3;
+                let run = std::thread::Builder::new()
+                    .spawn_scoped(scope, move || check_quick_under(program, model));
+                (w, run)
+            })
+            .collect();
+        started
+            .into_iter()
+            .map(|(w, run)| {
+                let verdict = match run {
+                    Ok(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                    Err(_) => check_quick_under(program, w.3),
+                };
+                (w, verdict)
+            })
+            .collect()
+    });
+    verdicts
+        .into_iter()
+        .filter_map(|((knob, setting, meaning, _), verdict)| match verdict {
+            Verdict::Deadlock { stuck, .. } => Some(Latent {
+                knob,
+                setting: (*setting).into(),
+                meaning,
                 stuck: *stuck,
-            });
-        }
-    }
-    if !program.model.lazy_connect {
-        let mut cold = program.clone();
-        cold.model.lazy_connect = true;
-        if let Verdict::Deadlock { stuck, .. } = check_quick(&cold) {
-            out.push(Latent {
-                knob: "lazy-connect",
-                setting: "lazy-connect=on".into(),
-                meaning: "new communicators: first use connects, first message is a rendezvous",
-                stuck: *stuck,
-            });
-        }
-    }
-    out
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The repairs of a program that can hang, each verified to make it `ok`.
@@ -482,6 +534,29 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lazy_connect_matters_unless_every_op_is_on_a_per_direction_lane() {
+        let matters =
+            |src: &str| lazy_connect_matters(&duplex::schedule::parse(src).expect("valid"));
+        let pair = "rank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n";
+        assert!(!matters(&format!("ranks 2\npolicy per-direction\n{pair}")));
+        assert!(matters(&format!("ranks 2\npolicy shared\n{pair}")));
+        assert!(matters(
+            "ranks 2\npolicy per-direction\nrank 0:\n  group { send 1 4KiB; recv 1 4KiB comm=world }\nrank 1:\n  recv 0 4KiB\n  send 0 4KiB\n"
+        ));
+        // Where it matters, the advice checks it: two cold first sends
+        // (R7) hang under lazy-connect=on on the world communicator.
+        let cold = duplex::schedule::parse(
+            "ranks 2\nmodel lazy-connect=off\nrank 0:\n  send 1 4KiB comm=world\n  recv 1 4KiB comm=world\nrank 1:\n  send 0 4KiB comm=world\n  recv 0 4KiB comm=world\n",
+        )
+        .expect("valid");
+        assert!(
+            latent(&cold).iter().any(|l| l.knob == "lazy-connect"),
+            "{:?}",
+            latent(&cold).iter().map(|l| l.knob).collect::<Vec<_>>()
+        );
+    }
 
     fn stuck_of(src: &str) -> (Program, Stuck) {
         let p = duplex::schedule::parse(src).expect("valid");

@@ -581,6 +581,10 @@ fn check_file(
                 .map_err(|e| Failure::invalid("read", format!("cannot write {path}: {e}")))?;
         }
     }
+    // The advice below checks the program again under other settings: the
+    // compiled program is not needed any more (on a large file it is
+    // hundreds of MiB).
+    drop(compiled);
     let report = Report::new(file, program.policy, program.model, &outcome)
         .overridden(&override_flags(args));
     Ok(if schedule.is_some() {

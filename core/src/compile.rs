@@ -88,6 +88,8 @@ pub fn lane_pairs(policy: Policy, ranks: u32) -> impl Iterator<Item = (Rank, Ran
 
 struct Builder<'p> {
     program: &'p Program,
+    /// The model compiled under (the program's own, or an override).
+    model: crate::Model,
     setup: Setup,
     comms: HashMap<String, CommId>,
     streams: HashMap<(Rank, String), StreamId>,
@@ -137,9 +139,16 @@ impl<'p> OpKey<'p> {
 /// Compiles a (valid) program. Explicitly placed ops default to comm `world`
 /// and stream `default`; the others go to the policy's lanes.
 pub fn compile(program: &Program) -> Compiled {
-    let model = program.model;
+    compile_under(program, program.model)
+}
+
+/// [`compile`] under `model` in place of the program's own (what `duplex
+/// check --model` and the latent-hang advice do, without copying the
+/// program).
+pub fn compile_under(program: &Program, model: crate::Model) -> Compiled {
     let mut b = Builder {
         program,
+        model,
         setup: Setup::new(program.ranks, model),
         comms: HashMap::new(),
         streams: HashMap::new(),
@@ -273,7 +282,7 @@ impl<'p> Builder<'p> {
         } else {
             let policy = self.program.policy;
             let (name, members, stream) = lane(policy, rank, op.dir, op.peer);
-            let warm = lane_connected(policy, !self.program.model.lazy_connect);
+            let warm = lane_connected(policy, !self.model.lazy_connect);
             let comm = match self.comms.get(&name) {
                 Some(c) => *c,
                 None => {

@@ -154,6 +154,31 @@ proptest! {
         );
     }
 
+    /// Catches: a latent-hang advice that skips the `lazy-connect=on` check
+    /// of a per-direction program without explicit placement
+    /// (`advice::lazy_connect_matters`) when that setting would change the
+    /// program: it compiles to the same machine under either setting.
+    #[test]
+    fn lazy_connect_cannot_change_a_policy_placed_per_direction_program(
+        p in strategies::programs(Shape::policy_placed()),
+    ) {
+        let p = per_direction(&p);
+        let (mut on, mut off) = (p.model, p.model);
+        on.lazy_connect = true;
+        off.lazy_connect = false;
+        let (a, b) = (duplex::compile::compile_under(&p, on), duplex::compile::compile_under(&p, off));
+        prop_assert_eq!(&a.scripts, &b.scripts, "{}", p);
+        // The world communicator's flag differs, and no op is on it.
+        let used: std::collections::BTreeSet<u32> = a.scripts.iter().flatten().filter_map(|c| match c {
+            duplex::machine::HostCall::Launch(l) => Some(l.ops.iter().map(|o| o.comm.0)),
+            _ => None,
+        }).flatten().collect();
+        for c in used {
+            let (x, y) = (&a.setup.comms[c as usize], &b.setup.comms[c as usize]);
+            prop_assert_eq!((&x.name, x.warm), (&y.name, y.warm), "{}", p);
+        }
+    }
+
     /// The property over every policy-placed program, groups included.
     /// It once failed on a group holding both directions of a pair (see
     /// `a_group_across_both_lanes_of_a_pair_does_not_hang`), while the model
