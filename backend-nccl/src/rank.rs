@@ -916,11 +916,12 @@ impl Transport for NcclRank {
             );
         }
         self.ctx.device.bind()?;
+        // This stream's ops, by its serial (two streams may share a name).
         let covered: Vec<Arc<Issued>> = self
             .ctx
             .pending()
             .into_iter()
-            .filter(|op| *op.meta.stream == *stream.0.name)
+            .filter(|op| op.event.stream.0 == stream.0.serial as usize)
             .collect();
         let ev = Event::new(false)?;
         ev.record(&stream.0.raw)?;
