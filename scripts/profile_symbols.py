@@ -35,17 +35,9 @@ def load(path):
     return samples, maps
 
 
-def main():
-    args = sys.argv[1:]
-    top = 25
-    if "--top" in args:
-        i = args.index("--top")
-        top = int(args[i + 1])
-        del args[i : i + 2]
-    if len(args) != 2:
-        sys.exit(__doc__)
-    samples, maps = load(args[0])
-    binary = args[1]
+def report(path, binary, top=25):
+    """The report of the samples in `path` (see the module's docs), as text."""
+    samples, maps = load(path)
     # The executable: the first mapped file that is not a device or a
     # shared library.
     exe = [
@@ -91,12 +83,25 @@ def main():
         for f in set(frames):
             incl[f] += 1
         paths[" <- ".join(frames[:4])] += 1
-    n = len(samples)
-    print(f"{n} samples")
+    n = max(len(samples), 1)
+    lines = [f"{len(samples)} samples"]
     for title, c in (("self", self_count), ("inclusive", incl), ("paths (leaf <- callers)", paths)):
-        print(f"\n## {title}")
+        lines.append(f"\n## {title}")
         for f, k in c.most_common(top):
-            print(f"{100 * k / n:6.1f}%  {f}")
+            lines.append(f"{100 * k / n:6.1f}%  {f}")
+    return "\n".join(lines)
+
+
+def main():
+    args = sys.argv[1:]
+    top = 25
+    if "--top" in args:
+        i = args.index("--top")
+        top = int(args[i + 1])
+        del args[i : i + 2]
+    if len(args) != 2:
+        sys.exit(__doc__)
+    print(report(args[0], args[1], top))
 
 
 if __name__ == "__main__":
