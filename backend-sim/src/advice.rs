@@ -135,8 +135,9 @@ fn lazy_connect_matters(program: &Program) -> bool {
 /// The hangs an `ok` program has under NCCL's contract (`eager=0`) or on
 /// new communicators (`lazy-connect=on`); empty when it has none, or when
 /// its own model already is that strict, or when the setting cannot change
-/// how the program runs ([`lazy_connect_matters`]). The two checks run at once, each
-/// on a thread of its own (serially where a thread cannot start).
+/// how the program runs (every op on a per-direction lane). The two checks
+/// run at once, each on a thread of its own (serially where a thread
+/// cannot start).
 pub fn latent(program: &Program) -> Vec<Latent> {
     let mut strict = program.model;
     strict.eager = Size(0);
