@@ -711,7 +711,8 @@ pub(crate) const FORCE_GRACE: Duration = Duration::from_millis(500);
 /// deadline (a blocking communicator whose call waits on a peer, say), and
 /// if that call still has not returned `FORCE_GRACE` later, frees the
 /// communicators it holds to interrupt it (P5 of [`crate::guard`]), so
-/// that no thread stays blocked inside NCCL. It ends with the rank.
+/// that no thread stays blocked inside NCCL. Each tick it also settles the
+/// registry's live model. It ends with the rank.
 pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
     let weak = Arc::downgrade(ctx);
     let limit = ctx.opts.timeout;
@@ -722,6 +723,9 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
             loop {
                 std::thread::sleep(Duration::from_millis(20));
                 let Some(ctx) = weak.upgrade() else { return };
+                // The live model applies what the ranks issued since the
+                // last tick, off their issue path (`Registry::settle`).
+                ctx.registry.settle_now_and_then();
                 // Another rank of the job failed: this rank's work cannot
                 // complete, so nothing of it may stay blocked inside NCCL.
                 if let Some((r, why)) = ctx.health.failed(ctx.rank)

@@ -2,15 +2,21 @@
 //! shared between them; this process's rank in a process-per-rank run,
 //! whose hang analysis joins the other processes' traces
 //! ([`Registry::analyze_with`]). The registry holds no rule of its own: it records each call in a
-//! [`Trace`] and applies it to a live [`Machine`], whose issue check (R3
-//! sizes and types, R8 grouping) refuses a mismatch before NCCL sees it;
-//! when a deadline expires, [`Registry::analyze`] replays the trace through
-//! the machine ([`Trace::analyze`]) and explains the hang with the model's
+//! [`Trace`]; the issue check ([`IssueMatch`], the model's R3 and R8 alone)
+//! refuses a launch whose size, type or grouping disagrees with the partner
+//! issued at its position before NCCL sees it, and the live [`Machine`],
+//! brought up to date, names both ops. The live machine applies the
+//! recorded calls later, off the issue path ([`Registry::settle`], each
+//! watchdog tick: on one H200 this took duplex's host time per op over raw
+//! NCCL from a median of 1.19 µs to 0.95 µs, BENCHMARKS.md). When a
+//! deadline expires, [`Registry::analyze`] replays the trace through the
+//! machine ([`Trace::analyze`]) and explains the hang with the model's
 //! wait-for cycle. Calls the model refuses are kept as disagreements
 //! between the model and the GPU, and reported with the hang.
 
 use std::sync::{Arc, Mutex};
 
+use duplex::machine::issue::{IssueMatch, IssueOp};
 use duplex::machine::{Machine, Next, Setup, ThreadId};
 use duplex::report::{OpInfo, Stuck};
 use duplex::trace::{Analysis, Call, Disagreement, Trace, TraceCall};
@@ -54,21 +60,21 @@ impl Blocked {
     }
 }
 
-/// A kind of launch's text, place and origin in the live machine.
-type LaunchText = (Arc<str>, Arc<str>, Option<duplex::machine::Origin>);
+/// A kind of launch's text and place.
+type LaunchText = (Arc<str>, Arc<str>);
 
+/// What a rank's issue path touches (the registry's first lock): the
+/// trace, the issue check, and the texts of the kinds of launch seen.
 #[derive(Debug)]
 struct Reg {
     trace: Trace,
-    /// The calls applied as they are made; `None` once the model refused
-    /// one (the trace keeps everything; its replay reports the refusal).
-    live: Option<Machine>,
-    /// The live machine's origins, one per distinct call text and place, so
-    /// that a long run does not grow them.
-    origins: std::collections::HashMap<(String, String), duplex::machine::Origin>,
-    /// The text, place and origin of each kind of launch (thread, call
-    /// site, ops), so that a launch like an earlier one formats nothing:
-    /// keyed by [`launch_key`]'s words; cleared when it grows large.
+    /// R3 and R8 at issue, kept up to date with every launch recorded
+    /// (the model's own rule, without the rest of the machine: see
+    /// [`IssueMatch`]).
+    matcher: IssueMatch,
+    /// The text and place of each kind of launch (thread, call site, ops),
+    /// so that a launch like an earlier one formats nothing: keyed by
+    /// [`launch_key`]'s words; cleared when it grows large.
     launches: std::collections::HashMap<Vec<u64>, LaunchText>,
     /// The key of the launch being recorded (reused).
     key: Vec<u64>,
@@ -77,86 +83,65 @@ struct Reg {
     /// stands for every call made before the trace's (see
     /// [`Registry::local`]).
     base: Option<Machine>,
-    /// Calls folded into `base` so far.
+    /// Calls folded into `base` so far: `trace.calls[0]` is call number
+    /// `folded`.
     folded: usize,
+    /// Calls the live machine has applied (the others wait in the trace).
+    applied: usize,
 }
 
-impl Reg {
-    /// Folds the trace's calls into a copy of the live machine once they
-    /// reach `at`, so that a long run keeps a bounded trace. Only while the
-    /// live machine has applied every call (a refused call drops it, and
-    /// the trace is then kept whole for its replay to report the
-    /// refusal).
-    fn compact(&mut self, at: usize) {
-        if self.trace.calls.len() < at {
-            return;
-        }
-        let Some(live) = &self.live else { return };
-        self.base = Some(live.clone());
-        self.folded += self.trace.calls.len();
-        self.trace.calls.clear();
-    }
+/// The live machine (the registry's second lock): it applies the calls
+/// the trace records, later and in order ([`Registry::settle`]).
+#[derive(Debug)]
+struct Live {
+    /// `None` once the model refused a call (the trace keeps everything;
+    /// its replay reports the refusal).
+    machine: Option<Machine>,
+    /// The live machine's origins, one per distinct call text and place, so
+    /// that a long run does not grow them.
+    origins: std::collections::HashMap<(Arc<str>, Arc<str>), duplex::machine::Origin>,
 }
 
-impl Reg {
-    /// The live machine's origin of a call with this text and place,
-    /// interned.
-    fn origin(&mut self, text: &str, place: &str) -> Option<duplex::machine::Origin> {
-        let m = self.live.as_mut()?;
-        let key = (text.to_string(), place.to_string());
-        Some(match self.origins.get(&key) {
+impl Live {
+    /// `call` as the live machine's call, at its interned origin.
+    fn host_call(&mut self, call: &TraceCall) -> Option<duplex::machine::HostCall> {
+        let m = self.machine.as_mut()?;
+        let key = (call.text.clone(), call.place.clone());
+        let origin = match self.origins.get(&key) {
             Some(o) => *o,
             None => {
-                let o = m
-                    .setup_mut()
-                    .add_origin(duplex::machine::OriginInfo::at(text, place));
+                let o = m.setup_mut().add_origin(duplex::machine::OriginInfo::at(
+                    call.text.clone(),
+                    call.place.to_string(),
+                ));
                 self.origins.insert(key, o);
                 o
             }
-        })
-    }
-
-    /// `call` as the live machine's call, at an interned origin (`origin`
-    /// when the caller knows it).
-    fn host_call(
-        &mut self,
-        call: &TraceCall,
-        origin: Option<duplex::machine::Origin>,
-    ) -> Option<duplex::machine::HostCall> {
-        let origin = match origin {
-            Some(o) => o,
-            None => self.origin(&call.text, &call.place)?,
         };
-        let m = self.live.as_mut()?;
         Some(call.to_host_at(m.setup_mut(), origin))
     }
 
-    /// The live machine and `call` as its call, once the calling thread has
-    /// finished any handshake the model lets it finish. `None` when there
-    /// is no live machine any more, or when the model says the thread
-    /// cannot make this call now: then the live machine is dropped, and the
-    /// trace's replay reports the disagreement.
-    fn live_call(
-        &mut self,
-        call: &TraceCall,
-        origin: Option<duplex::machine::Origin>,
-    ) -> Option<(&mut Machine, duplex::machine::HostCall)> {
-        let hc = self.host_call(call, origin)?;
-        let t = ThreadId(call.thread);
-        let enabled = {
-            let m = self.live.as_mut()?;
-            while m.next(t) == Next::Resume {
-                if m.resume(t).is_err() {
-                    break;
-                }
-            }
-            m.enabled(t, &hc)
+    /// Applies `call`, made by the trace's thread `call.thread`: the
+    /// calling thread first finishes any handshake the model lets it
+    /// finish. A call the model refuses (the thread cannot make it now, or
+    /// it fails its check) drops the live machine, and the trace's replay
+    /// reports the disagreement.
+    fn apply(&mut self, call: &TraceCall) {
+        let Some(hc) = self.host_call(call) else {
+            return;
         };
-        if !enabled {
-            self.live = None;
-            return None;
+        let Some(m) = self.machine.as_mut() else {
+            return;
+        };
+        let t = ThreadId(call.thread);
+        while m.next(t) == Next::Resume {
+            if m.resume(t).is_err() {
+                break;
+            }
         }
-        Some((self.live.as_mut()?, hc))
+        if !m.enabled(t, &hc) || m.apply(t, &hc).is_err() {
+            self.machine = None;
+        }
     }
 }
 
@@ -203,12 +188,19 @@ pub(crate) struct LaunchRec<'a> {
 }
 
 /// The registry of one local run.
+///
+/// Two locks: the issue path takes the first (`inner`: the trace and the
+/// issue check) and never the second; the live machine (`live`) applies
+/// the recorded calls later, in order, on whichever thread settles it (a
+/// rank's watchdog, every tick; anything that reads it). A thread that
+/// needs both takes `live` first.
 #[derive(Debug)]
 pub struct Registry {
     model: Model,
     inner: Mutex<Reg>,
-    /// Compact the trace once it holds this many calls ([`Registry::local`]);
-    /// `usize::MAX` keeps it whole.
+    live: Mutex<Live>,
+    /// Compact the trace once it holds this many applied calls
+    /// ([`Registry::local`]); `usize::MAX` keeps it whole.
     compact_at: usize,
 }
 
@@ -248,13 +240,17 @@ impl Registry {
             model,
             inner: Mutex::new(Reg {
                 trace: Trace::new(ranks),
-                live: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
-                origins: std::collections::HashMap::new(),
+                matcher: IssueMatch::new(model.one_sided_groups),
                 launches: std::collections::HashMap::new(),
                 key: Vec::new(),
                 user_comms: Vec::new(),
                 base: None,
                 folded: 0,
+                applied: 0,
+            }),
+            live: Mutex::new(Live {
+                machine: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
+                origins: std::collections::HashMap::new(),
             }),
             compact_at,
         })
@@ -275,10 +271,83 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn lock_live(&self) -> std::sync::MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies the calls recorded and not yet applied to the live machine,
+    /// in order, and folds the trace into a snapshot once it is long
+    /// ([`Registry::local`]). The calls are copied out under the first
+    /// lock and applied under the second alone, so the issue path waits
+    /// only for the copy.
+    pub fn settle(&self) {
+        let mut live = self.lock_live();
+        self.settle_locked(&mut live);
+    }
+
+    /// [`Registry::settle`] unless another thread is settling (a watchdog's
+    /// tick: the other thread does the work).
+    pub(crate) fn settle_now_and_then(&self) {
+        if let Ok(mut live) = self.live.try_lock() {
+            self.settle_locked(&mut live);
+        }
+    }
+
+    fn settle_locked(&self, live: &mut Live) {
+        let (batch, start) = {
+            let r = self.lock();
+            let from = r.applied - r.folded;
+            (r.trace.calls[from..].to_vec(), r.applied)
+        };
+        if batch.is_empty() {
+            return;
+        }
+        for call in &batch {
+            live.apply(call);
+        }
+        let applied = start + batch.len();
+        // A snapshot once enough calls are applied, taken with the live
+        // lock held (no other call is applied meanwhile); a refused call
+        // keeps the trace whole, for its replay to report the refusal.
+        let snapshot = {
+            let r = self.lock();
+            (applied - r.folded >= self.compact_at)
+                .then(|| live.machine.clone())
+                .flatten()
+        };
+        let mut r = self.lock();
+        r.applied = applied;
+        if let Some(base) = snapshot {
+            let n = applied - r.folded;
+            r.trace.calls.drain(..n);
+            r.folded = applied;
+            r.base = Some(base);
+        }
+    }
+
+    /// [`Registry::settle`] with both locks held: the issue path waits
+    /// meanwhile (the slow path of a disagreement).
+    fn settle_held(&self, live: &mut Live, r: &mut Reg) {
+        let from = r.applied - r.folded;
+        for call in &r.trace.calls[from..] {
+            live.apply(call);
+        }
+        r.applied = r.folded + r.trace.calls.len();
+        if r.applied - r.folded >= self.compact_at
+            && let Some(base) = live.machine.clone()
+        {
+            r.folded = r.applied;
+            r.trace.calls.clear();
+            r.base = Some(base);
+        }
+    }
+
     /// Declares communicator `logical` (every rank declares the same ones);
     /// `warm` when it was connected at creation, so that R6 and R7 never
     /// apply to it.
     pub fn comm(&self, logical: u32, name: &str, members: &[Rank], warm: bool) {
+        let mut live = self.lock_live();
+        self.settle_locked(&mut live);
         let mut r = self.lock();
         let i = logical as usize;
         while r.trace.comms.len() <= i {
@@ -289,10 +358,10 @@ impl Registry {
             members: members.to_vec(),
             warm,
         };
-        let comms = r.trace.comms.clone();
-        if let Some(m) = r.live.as_mut() {
+        let comms = r.trace.comms.len();
+        if let Some(m) = live.machine.as_mut() {
             let setup = m.setup_mut();
-            while setup.comms.len() < comms.len() {
+            while setup.comms.len() < comms {
                 setup.add_comm("", Vec::new(), true);
             }
             let c = &mut setup.comms[i];
@@ -306,8 +375,9 @@ impl Registry {
     /// a run that otherwise completed, a send that completed into the
     /// channel's buffer (R5) and that nobody received.
     pub fn unmatched(&self) -> Vec<OpInfo> {
-        let r = self.lock();
-        match &r.live {
+        let mut live = self.lock_live();
+        self.settle_locked(&mut live);
+        match &live.machine {
             Some(m) => m.unmatched(),
             None => Vec::new(),
         }
@@ -328,39 +398,57 @@ impl Registry {
         }
     }
 
-    /// Registers a stream; returns its number.
-    pub fn stream(&self, rank: Rank, name: &str) -> u32 {
-        let mut r = self.lock();
-        if let Some(m) = r.live.as_mut() {
-            m.setup_mut().add_stream(rank, name);
+    /// Adds to the setup of the live machine and of the trace at once,
+    /// after the calls recorded so far are applied.
+    fn declare<T>(
+        &self,
+        live_setup: impl FnOnce(&mut Machine),
+        trace: impl FnOnce(&mut Trace) -> T,
+    ) -> T {
+        let mut live = self.lock_live();
+        self.settle_locked(&mut live);
+        if let Some(m) = live.machine.as_mut() {
+            live_setup(m);
             m.sync_setup();
         }
-        r.trace.add_stream(rank, name)
+        trace(&mut self.lock().trace)
+    }
+
+    /// Registers a stream; returns its number.
+    pub fn stream(&self, rank: Rank, name: &str) -> u32 {
+        self.declare(
+            |m| {
+                m.setup_mut().add_stream(rank, name);
+            },
+            |t| t.add_stream(rank, name),
+        )
     }
 
     /// Registers an event; returns its number.
     pub fn event(&self, rank: Rank) -> u32 {
-        let mut r = self.lock();
-        if let Some(m) = r.live.as_mut() {
-            m.setup_mut().add_event(rank, "event");
-            m.sync_setup();
-        }
-        r.trace.add_event(rank, "event")
+        self.declare(
+            |m| {
+                m.setup_mut().add_event(rank, "event");
+            },
+            |t| t.add_event(rank, "event"),
+        )
     }
 
     /// Registers a host thread; returns its number.
     pub fn thread(&self, rank: Rank, name: &str) -> usize {
-        let mut r = self.lock();
-        if let Some(m) = r.live.as_mut() {
-            m.setup_mut().add_thread(rank, name);
-            m.sync_setup();
-        }
-        r.trace.add_thread(rank, name) as usize
+        self.declare(
+            |m| {
+                m.setup_mut().add_thread(rank, name);
+            },
+            |t| t.add_thread(rank, name) as usize,
+        )
     }
 
-    /// Records a launch. The live machine checks it first (R3 size and
-    /// type, R8 grouping, against what the other side of each channel has
-    /// issued, [`Machine::check_issue`]); nothing is recorded when it fails.
+    /// Records a launch. The issue check refuses it first when an op
+    /// disagrees with the partner issued at its position on its channel
+    /// (R3 size and type, R8 grouping); then the live machine, brought up
+    /// to date, names both ops ([`Machine::check_issue`]); nothing is
+    /// recorded when it fails. The FIFO positions go to `l.fifos`.
     pub(crate) fn launch(&self, l: LaunchRec<'_>) -> Result<(), Error> {
         let LaunchRec {
             thread,
@@ -372,8 +460,8 @@ impl Registry {
         let mut r = self.lock();
         let mut key = std::mem::take(&mut r.key);
         launch_key(&mut key, thread, metas, grouped);
-        let (text, place, origin) = match r.launches.get(key.as_slice()) {
-            Some((text, place, origin)) => (text.clone(), place.clone(), *origin),
+        let (text, place) = match r.launches.get(key.as_slice()) {
+            Some((text, place)) => (text.clone(), place.clone()),
             None => {
                 let texts: Vec<String> = metas.iter().map(|m| m.text()).collect();
                 let text = if grouped {
@@ -382,14 +470,13 @@ impl Registry {
                     texts.join("; ")
                 };
                 let place = metas.first().map(|m| m.place()).unwrap_or_default();
-                let origin = r.origin(&text, &place);
                 if r.launches.len() >= 1 << 12 {
                     r.launches.clear();
                 }
                 let (text, place): (Arc<str>, Arc<str>) = (text.into(), place.into());
                 r.launches
-                    .insert(key.clone(), (text.clone(), place.clone(), origin));
-                (text, place, origin)
+                    .insert(key.clone(), (text.clone(), place.clone()));
+                (text, place)
             }
         };
         r.key = key;
@@ -399,31 +486,51 @@ impl Registry {
             text,
             place,
         };
-        self.issue_locked(&mut r, call, fifos, origin)
+        self.record_launch(r, call, fifos)
     }
 
-    /// [`Registry::issue_locked`], taking the lock (for tests that record
-    /// calls without `OpMeta`s).
-    #[cfg(test)]
-    fn issue(&self, call: TraceCall, fifos: &mut [u32]) -> Result<(), Error> {
-        let mut r = self.lock();
-        self.issue_locked(&mut r, call, fifos, None)
-    }
-
-    /// Records launch `call` under the registry's lock `r`, at `origin`
-    /// when the caller knows it: the live machine checks it first, and the
-    /// FIFO positions it gives the ops go to `fifos` (which may be empty).
-    fn issue_locked(
+    /// The issue path's end: check `call` with the issue check, and when
+    /// it finds a disagreement, let the live machine name it; else record
+    /// the call and its FIFO positions.
+    fn record_launch(
         &self,
-        r: &mut Reg,
+        mut r: std::sync::MutexGuard<'_, Reg>,
         call: TraceCall,
         fifos: &mut [u32],
-        origin: Option<duplex::machine::Origin>,
     ) -> Result<(), Error> {
-        let thread = call.thread as usize;
-        if let Some((m, hc)) = r.live_call(&call, origin) {
-            let t = ThreadId(thread as u32);
-            if let Err(e) = m.check_issue(t, &hc) {
+        let Call::Launch { ops, grouped } = &call.call else {
+            return Ok(());
+        };
+        let rank = r
+            .trace
+            .threads
+            .get(call.thread as usize)
+            .map_or(0, |t| t.rank);
+        let iops: Vec<IssueOp> = ops
+            .iter()
+            .map(|o| IssueOp {
+                dir: o.dir,
+                peer: o.peer,
+                comm: duplex::machine::CommId(o.comm),
+                bytes: o.bytes,
+                dtype: o.dtype,
+            })
+            .collect();
+        let is_group = *grouped && ops.len() > 1;
+        let (bad, positions) = r.matcher.check(rank, &iops, is_group);
+        if bad.is_some() {
+            // The live machine names both ops: bring it up to date (the
+            // live lock first), and check again with both locks held.
+            drop(r);
+            let mut live = self.lock_live();
+            let mut r = self.lock();
+            // With both locks held nothing is recorded meanwhile, so the
+            // machine sees exactly what the check below sees.
+            self.settle_held(&mut live, &mut r);
+            let hc = live.host_call(&call);
+            if let (Some(hc), Some(m)) = (hc, live.machine.as_mut())
+                && let Err(e) = m.check_issue(ThreadId(call.thread), &hc)
+            {
                 let e: Error = e.into();
                 return Err(match e {
                     Error::Program { kind, message, ops } => Error::Program {
@@ -436,14 +543,49 @@ impl Registry {
                     other => other,
                 });
             }
-            for (slot, fifo) in fifos.iter_mut().zip(m.fifo_positions(t, &hc)) {
-                *slot = fifo;
-            }
-            let _ = m.apply_checked(t, &hc);
+            // The machine is gone (it refused an earlier call: the hang
+            // analysis reports that) or finds no disagreement: record.
+            return self.record_checked(r, call, fifos, &iops, is_group);
         }
+        for (slot, fifo) in fifos.iter_mut().zip(positions) {
+            *slot = fifo;
+        }
+        r.matcher.issue(rank, &iops, is_group);
         r.trace.push(call);
-        r.compact(self.compact_at);
         Ok(())
+    }
+
+    /// Records a launch the slow path let through (both locks held).
+    fn record_checked(
+        &self,
+        mut r: std::sync::MutexGuard<'_, Reg>,
+        call: TraceCall,
+        fifos: &mut [u32],
+        iops: &[IssueOp],
+        is_group: bool,
+    ) -> Result<(), Error> {
+        let rank = r
+            .trace
+            .threads
+            .get(call.thread as usize)
+            .map_or(0, |t| t.rank);
+        let (_, positions) = r.matcher.check(rank, iops, is_group);
+        for (slot, fifo) in fifos.iter_mut().zip(positions) {
+            *slot = fifo;
+        }
+        r.matcher.issue(rank, iops, is_group);
+        r.trace.push(call);
+        Ok(())
+    }
+
+    /// [`Registry::record_launch`] for tests that record calls without
+    /// `OpMeta`s.
+    #[cfg(test)]
+    fn issue(&self, call: TraceCall, fifos: &mut [u32]) -> Result<(), Error> {
+        let r = self.lock();
+        let result = self.record_launch(r, call, fifos);
+        self.settle();
+        result
     }
 
     /// Records a `record` or `wait` of an event on a stream.
@@ -453,22 +595,12 @@ impl Registry {
         } else {
             Call::Wait { event, stream }
         };
-        let mut r = self.lock();
-        let c = TraceCall {
+        self.lock().trace.push(TraceCall {
             thread: thread as u32,
             call,
             text: if record { "record" } else { "wait" }.into(),
             place: "".into(),
-        };
-        let t = ThreadId(thread as u32);
-        let refused = r
-            .live_call(&c, None)
-            .is_some_and(|(m, hc)| m.apply(t, &hc).is_err());
-        if refused {
-            r.live = None;
-        }
-        r.trace.push(c);
-        r.compact(self.compact_at);
+        });
     }
 
     /// Marks a thread's code as returned: it issues nothing more, so a
@@ -597,6 +729,124 @@ mod tests {
                 .contains("no thread of rank 1 will ever issue the matching recv"),
             "{stuck}"
         );
+    }
+
+    /// The issue check refuses a recv whose size differs from the send
+    /// issued at its position, naming both ops through the live machine,
+    /// even while the machine has not yet applied the send (it applies
+    /// calls later, `Registry::settle`); it records nothing then, and the
+    /// FIFO positions of the launches it lets through count on.
+    #[test]
+    fn a_size_mismatch_is_refused_before_nccl_sees_it() {
+        let reg = Registry::local(2, Model::default());
+        reg.comm(0, "world", &[0, 1], true);
+        let s0 = reg.stream(0, "s");
+        let s1 = reg.stream(1, "s");
+        let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+        let op = |dir, peer, bytes, stream| TraceOp {
+            dir,
+            peer,
+            bytes,
+            dtype: DType::U8,
+            comm: 0,
+            stream,
+        };
+        let launch = |t: usize, o: TraceOp| TraceCall {
+            thread: t as u32,
+            call: Call::Launch {
+                ops: vec![o],
+                grouped: false,
+            },
+            text: format!("{} {}", o.dir.name(), o.bytes).into(),
+            place: "x.rs:1:1".into(),
+        };
+        let record = |call: TraceCall| {
+            let mut fifos = [u32::MAX];
+            let r = reg.lock();
+            reg.record_launch(r, call, &mut fifos)
+                .map(|()| fifos[0])
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(record(launch(t0, op(Dir::Send, 1, 4096, s0))), Ok(0));
+        assert_eq!(record(launch(t0, op(Dir::Send, 1, 4096, s0))), Ok(1));
+        // Not applied yet: the live machine is brought up to date to name
+        // the ops.
+        assert_eq!(reg.lock().applied, 0);
+        let text = record(launch(t1, op(Dir::Recv, 0, 8192, s1))).expect_err("a size mismatch");
+        assert!(text.contains("refused to launch"), "{text}");
+        assert!(
+            text.contains("send → 1 4KiB") && text.contains("recv ← 0 8KiB"),
+            "{text}"
+        );
+        let calls = reg.calls();
+        assert_eq!(calls, 2, "the refused recv is not recorded");
+        assert_eq!(record(launch(t1, op(Dir::Recv, 0, 4096, s1))), Ok(0));
+        assert_eq!(record(launch(t1, op(Dir::Recv, 0, 4096, s1))), Ok(1));
+        reg.settle();
+        assert_eq!(reg.lock().applied, 4);
+        assert!(reg.analyze().disagreements.is_empty());
+    }
+
+    /// Two ranks' threads issue while a third settles the live machine
+    /// (as the watchdogs do): every call is applied once and in order, the
+    /// trace is folded as it grows, and the run ends with nothing unmatched
+    /// and no disagreement (the lock order: the live machine's first).
+    #[test]
+    fn issuing_while_another_thread_settles_applies_every_call_once() {
+        const N: usize = 1000;
+        let reg = Registry::with_compaction(2, Model::default(), 256);
+        reg.comm(0, "world", &[0, 1], true);
+        let s0 = reg.stream(0, "s");
+        let s1 = reg.stream(1, "s");
+        let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let issue = |t: usize, dir: Dir, peer: u32, stream: u32| {
+                let reg = &reg;
+                move || {
+                    for i in 0..N {
+                        let call = TraceCall {
+                            thread: t as u32,
+                            call: Call::Launch {
+                                ops: vec![TraceOp {
+                                    dir,
+                                    peer,
+                                    bytes: 4096,
+                                    dtype: DType::U8,
+                                    comm: 0,
+                                    stream,
+                                }],
+                                grouped: false,
+                            },
+                            text: "op".into(),
+                            place: "x.rs:1:1".into(),
+                        };
+                        let mut fifos = [u32::MAX];
+                        let r = reg.lock();
+                        reg.record_launch(r, call, &mut fifos).expect("sizes agree");
+                        assert_eq!(fifos[0] as usize, i);
+                    }
+                }
+            };
+            let a = scope.spawn(issue(t0, Dir::Send, 1, s0));
+            let b = scope.spawn(issue(t1, Dir::Recv, 0, s1));
+            scope.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    reg.settle_now_and_then();
+                    std::thread::yield_now();
+                }
+            });
+            a.join().expect("rank 0");
+            b.join().expect("rank 1");
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        assert!(reg.unmatched().is_empty());
+        let r = reg.lock();
+        assert_eq!(r.applied, 2 * N);
+        assert_eq!(r.folded + r.trace.calls.len(), 2 * N);
+        assert!(r.folded > 0, "the trace was folded");
+        drop(r);
+        assert!(reg.analyze().disagreements.is_empty());
     }
 
     /// A long local run's trace is folded into a snapshot of the live

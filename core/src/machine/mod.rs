@@ -23,6 +23,7 @@
 //! them ([`waitfor`]).
 
 mod device;
+pub mod issue;
 mod rules;
 pub(crate) mod table;
 mod view;
@@ -1288,9 +1289,16 @@ impl Machine {
             let Some(partner) = theirs.get(position) else {
                 continue;
             };
-            let one_sided =
-                partner.grouped != spec.is_group() && !self.setup.model.one_sided_groups;
-            if partner.bytes == o.bytes && partner.dtype == o.dtype && !one_sided {
+            let sig = |bytes, dtype, grouped| issue::Sig {
+                bytes,
+                dtype,
+                grouped,
+            };
+            if issue::agree(
+                &sig(partner.bytes, partner.dtype, partner.grouped),
+                &sig(o.bytes, o.dtype, spec.is_group()),
+                self.setup.model.one_sided_groups,
+            ) {
                 continue;
             }
             let this = OpInfo {

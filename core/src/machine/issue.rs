@@ -1,0 +1,174 @@
+//! [`IssueMatch`]: the issue check of R3 and R8 alone, for a backend that
+//! checks each launch before NCCL sees it and steps the rest of the
+//! machine later, on another thread.
+//!
+//! The k-th send on a channel meets its k-th recv (R3); they must agree on
+//! size and element type, and a group's op may meet only a group's op
+//! unless the model accepts one-sided groups (R8). [`Machine`]'s own check
+//! ([`Machine::check_issue`]) asks the same of the ops it keeps until they
+//! complete; this keeps, per channel, only the ops one side issued beyond
+//! the other, and forgets a pair once both sides issued it. The comparison
+//! is one function for both ([`agree`]), and a property test
+//! (`tests/issue_match.rs`) checks that this refuses a launch exactly when
+//! the machine does.
+//!
+//! [`Machine`]: super::Machine
+//! [`Machine::check_issue`]: super::Machine::check_issue
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{CommId, Rank, table::FxHasher};
+use crate::{DType, Dir};
+
+/// What R3 and R8 compare of an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sig {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Launched as a group in the sense of R8 ([`super::LaunchSpec::is_group`]).
+    pub grouped: bool,
+}
+
+/// Whether an op agrees with the partner issued at its position (R3 size
+/// and type; R8 grouping, unless `one_sided_groups`).
+pub(crate) fn agree(partner: &Sig, op: &Sig, one_sided_groups: bool) -> bool {
+    partner.bytes == op.bytes
+        && partner.dtype == op.dtype
+        && (partner.grouped == op.grouped || one_sided_groups)
+}
+
+/// One op of a launch, as the check needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IssueOp {
+    /// Send or receive.
+    pub dir: Dir,
+    /// The other rank.
+    pub peer: Rank,
+    /// The communicator.
+    pub comm: CommId,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DType,
+}
+
+/// A channel's ops issued by one side beyond the other: `ahead` holds
+/// them, oldest first; `matched` counts the pairs both sides issued.
+#[derive(Clone, Debug, Default)]
+struct Queue {
+    matched: u32,
+    ahead: Option<Dir>,
+    ops: VecDeque<Sig>,
+}
+
+/// The issue check of R3 and R8 over every channel.
+#[derive(Clone, Debug, Default)]
+pub struct IssueMatch {
+    channels: HashMap<(CommId, Rank, Rank), Queue, std::hash::BuildHasherDefault<FxHasher>>,
+    one_sided_groups: bool,
+}
+
+/// Where an op of a launch stands on its channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position {
+    /// Its message number on the channel (from 0).
+    pub fifo: u32,
+    /// The partner already issued at that number, if any.
+    pub partner: Option<Sig>,
+}
+
+impl IssueMatch {
+    /// An empty check under `one_sided_groups` (the model's knob).
+    pub fn new(one_sided_groups: bool) -> IssueMatch {
+        IssueMatch {
+            one_sided_groups,
+            ..IssueMatch::default()
+        }
+    }
+
+    fn key(rank: Rank, op: &IssueOp) -> (CommId, Rank, Rank) {
+        match op.dir {
+            Dir::Send => (op.comm, rank, op.peer),
+            Dir::Recv => (op.comm, op.peer, rank),
+        }
+    }
+
+    /// Where each op of a launch by `rank` stands: its FIFO position and
+    /// the partner issued there.
+    pub fn positions(&self, rank: Rank, ops: &[IssueOp]) -> Vec<Position> {
+        ops.iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let key = IssueMatch::key(rank, o);
+                let earlier = ops[..i]
+                    .iter()
+                    .filter(|p| p.dir == o.dir && IssueMatch::key(rank, p) == key)
+                    .count();
+                let Some(q) = self.channels.get(&key) else {
+                    return Position {
+                        fifo: earlier as u32,
+                        partner: None,
+                    };
+                };
+                let mine = if q.ahead == Some(o.dir) {
+                    q.ops.len()
+                } else {
+                    0
+                };
+                let partner = if q.ahead == Some(o.dir.other()) {
+                    q.ops.get(earlier).copied()
+                } else {
+                    None
+                };
+                Position {
+                    fifo: q.matched + (mine + earlier) as u32,
+                    partner,
+                }
+            })
+            .collect()
+    }
+
+    /// The first op of a launch by `rank` (`grouped`: a group in the sense
+    /// of R8) that disagrees with the partner issued at its position, if
+    /// any; with the FIFO positions of all of them.
+    pub fn check(&self, rank: Rank, ops: &[IssueOp], grouped: bool) -> (Option<usize>, Vec<u32>) {
+        let positions = self.positions(rank, ops);
+        let bad = ops.iter().zip(&positions).position(|(o, p)| {
+            p.partner.is_some_and(|partner| {
+                !agree(
+                    &partner,
+                    &Sig {
+                        bytes: o.bytes,
+                        dtype: o.dtype,
+                        grouped,
+                    },
+                    self.one_sided_groups,
+                )
+            })
+        });
+        (bad, positions.iter().map(|p| p.fifo).collect())
+    }
+
+    /// Records a launch by `rank` as issued.
+    pub fn issue(&mut self, rank: Rank, ops: &[IssueOp], grouped: bool) {
+        for o in ops {
+            let q = self.channels.entry(IssueMatch::key(rank, o)).or_default();
+            if q.ahead == Some(o.dir.other()) {
+                q.ops.pop_front();
+                q.matched += 1;
+                if q.ops.is_empty() {
+                    q.ahead = None;
+                }
+            } else {
+                q.ahead = Some(o.dir);
+                q.ops.push_back(Sig {
+                    bytes: o.bytes,
+                    dtype: o.dtype,
+                    grouped,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! `IssueMatch` (the issue check of R3 and R8 alone) refuses a launch
+//! exactly when the whole machine's check does, and gives the same FIFO
+//! positions, on random launches of three ranks over two communicators.
+
+use std::sync::Arc;
+
+use duplex::machine::issue::{IssueMatch, IssueOp};
+use duplex::machine::{HostCall, LaunchSpec, Machine, OpSpec, Origin, Setup, ThreadId};
+use duplex::{DType, Dir, Model};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+#[test]
+fn issue_match_refuses_exactly_what_the_machine_refuses() {
+    let mut refused = 0;
+    let mut accepted = 0;
+    for seed in 1..400u64 {
+        for one_sided in [false, true] {
+            let model = Model {
+                one_sided_groups: one_sided,
+                ..Model::default()
+            };
+            let mut setup = Setup::new(3, model);
+            let comms = [
+                setup.add_comm("a", vec![0, 1, 2], true),
+                setup.add_comm("b", vec![0, 1, 2], true),
+            ];
+            let threads: Vec<ThreadId> = (0..3).map(|r| setup.add_thread(r, "main")).collect();
+            let streams: Vec<_> = (0..3).map(|r| setup.add_stream(r, "s")).collect();
+            let origin = setup.add_origin(duplex::machine::OriginInfo::line("x".into(), 1));
+            let mut m = Machine::new(Arc::new(setup));
+            let mut check = IssueMatch::new(one_sided);
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            for _ in 0..40 {
+                let rank = rng.next(3) as u32;
+                let n = 1 + rng.next(3) as usize;
+                let grouped = n > 1 || rng.next(2) == 0;
+                let ops: Vec<OpSpec> = (0..n)
+                    .map(|_| {
+                        let peer = (rank + 1 + rng.next(2) as u32) % 3;
+                        OpSpec {
+                            dir: if rng.next(2) == 0 {
+                                Dir::Send
+                            } else {
+                                Dir::Recv
+                            },
+                            peer,
+                            bytes: [4, 8][rng.next(2) as usize],
+                            dtype: [DType::U8, DType::F32][rng.next(4).min(1) as usize],
+                            comm: comms[rng.next(2) as usize],
+                            stream: streams[rank as usize],
+                            origin: None,
+                        }
+                    })
+                    .collect();
+                let spec = LaunchSpec {
+                    ops,
+                    grouped,
+                    origin: Origin(origin.0),
+                };
+                let call = HostCall::Launch(spec.clone());
+                let t = threads[rank as usize];
+                let iops: Vec<IssueOp> = spec
+                    .ops
+                    .iter()
+                    .map(|o| IssueOp {
+                        dir: o.dir,
+                        peer: o.peer,
+                        comm: o.comm,
+                        bytes: o.bytes,
+                        dtype: o.dtype,
+                    })
+                    .collect();
+                let (bad, fifos) = check.check(rank, &iops, spec.is_group());
+                let machine = m.check_issue(t, &call);
+                assert_eq!(
+                    bad.is_some(),
+                    machine.is_err(),
+                    "seed {seed}, one-sided {one_sided}: {spec:?}: {machine:?}"
+                );
+                if machine.is_err() {
+                    refused += 1;
+                    continue;
+                }
+                accepted += 1;
+                assert_eq!(fifos, m.fifo_positions(t, &call), "seed {seed}: {spec:?}");
+                assert!(m.enabled(t, &call), "a launch on a connected communicator");
+                m.apply_checked(t, &call).expect("checked");
+                check.issue(rank, &iops, spec.is_group());
+            }
+        }
+    }
+    // Both answers occur often enough for the comparison to mean something.
+    assert!(
+        refused > 1000 && accepted > 1000,
+        "{refused} refused, {accepted} accepted"
+    );
+}
