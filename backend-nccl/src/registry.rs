@@ -121,6 +121,40 @@ impl Live {
         Some(call.to_host_at(m.setup_mut(), origin))
     }
 
+    /// The program error the live machine finds in launch `call` if it
+    /// were made now (after the calling thread finishes any handshake the
+    /// model lets it finish): `None` when it finds none, has no machine,
+    /// or the thread cannot make the call now.
+    fn judge(&mut self, call: &TraceCall) -> Option<duplex::machine::ProgramError> {
+        let hc = self.host_call(call)?;
+        let m = self.machine.as_mut()?;
+        let t = ThreadId(call.thread);
+        while m.next(t) == Next::Resume {
+            if m.resume(t).is_err() {
+                return None;
+            }
+        }
+        if !m.enabled(t, &hc) {
+            return None;
+        }
+        m.check_issue(t, &hc).err()
+    }
+
+    /// Applies `calls` in order. A panic of the model (a bug in it) drops
+    /// the live machine rather than the thread that settles it (a
+    /// watchdog), and the calls count as applied: none is applied twice.
+    fn apply_all(&mut self, calls: &[TraceCall]) {
+        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for call in calls {
+                self.apply(call);
+            }
+        }));
+        if applied.is_err() {
+            tracing::error!("the live model panicked while applying calls: it is dropped");
+            self.machine = None;
+        }
+    }
+
     /// Applies `call`, made by the trace's thread `call.thread`: the
     /// calling thread first finishes any handshake the model lets it
     /// finish. A call the model refuses (the thread cannot make it now, or
@@ -142,6 +176,68 @@ impl Live {
         if !m.enabled(t, &hc) || m.apply(t, &hc).is_err() {
             self.machine = None;
         }
+    }
+}
+
+/// The error of a launch the issue check refuses, from the check alone:
+/// op `i` disagrees with the partner issued at its position.
+fn issue_error(
+    matcher: &IssueMatch,
+    rank: Rank,
+    ops: &[IssueOp],
+    i: usize,
+    grouped: bool,
+    call: &TraceCall,
+) -> Error {
+    let position = matcher.positions(rank, ops)[i];
+    let op = &ops[i];
+    let Some(partner) = position.partner else {
+        return Error::Aborted(format!("the issue check refused `{}`", call.text));
+    };
+    let (kind, what) = if partner.bytes != op.bytes {
+        (
+            duplex::ProgramErrorKind::SizeMismatch,
+            format!(
+                "size mismatch (R3): {} bytes against {}",
+                op.bytes, partner.bytes
+            ),
+        )
+    } else if partner.dtype != op.dtype {
+        (
+            duplex::ProgramErrorKind::TypeMismatch,
+            format!("type mismatch (R3): {} against {}", op.dtype, partner.dtype),
+        )
+    } else {
+        (
+            duplex::ProgramErrorKind::GroupMismatch,
+            format!(
+                "group mismatch (R8): {} against {}",
+                if grouped { "grouped" } else { "not grouped" },
+                if partner.grouped {
+                    "grouped"
+                } else {
+                    "not grouped"
+                }
+            ),
+        )
+    };
+    Error::Program {
+        kind,
+        message: format!(
+            "{what}: rank {rank}'s `{}` ({}) {} {} rank {} meets, as message #{} of its channel, the {} issued there before",
+            call.text,
+            call.place,
+            op.dir.name(),
+            if op.dir == duplex::Dir::Send {
+                "to"
+            } else {
+                "from"
+            },
+            op.peer,
+            position.fifo,
+            op.dir.other().name()
+        ),
+        ops: Vec::new(),
     }
 }
 
@@ -288,9 +384,12 @@ impl Registry {
     /// [`Registry::settle`] unless another thread is settling (a watchdog's
     /// tick: the other thread does the work).
     pub(crate) fn settle_now_and_then(&self) {
-        if let Ok(mut live) = self.live.try_lock() {
-            self.settle_locked(&mut live);
-        }
+        let mut live = match self.live.try_lock() {
+            Ok(live) => live,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        self.settle_locked(&mut live);
     }
 
     fn settle_locked(&self, live: &mut Live) {
@@ -302,9 +401,7 @@ impl Registry {
         if batch.is_empty() {
             return;
         }
-        for call in &batch {
-            live.apply(call);
-        }
+        live.apply_all(&batch);
         let applied = start + batch.len();
         // A snapshot once enough calls are applied, taken with the live
         // lock held (no other call is applied meanwhile); a refused call
@@ -329,9 +426,7 @@ impl Registry {
     /// meanwhile (the slow path of a disagreement).
     fn settle_held(&self, live: &mut Live, r: &mut Reg) {
         let from = r.applied - r.folded;
-        for call in &r.trace.calls[from..] {
-            live.apply(call);
-        }
+        live.apply_all(&r.trace.calls[from..]);
         r.applied = r.folded + r.trace.calls.len();
         if r.applied - r.folded >= self.compact_at
             && let Some(base) = live.machine.clone()
@@ -492,9 +587,9 @@ impl Registry {
     /// The issue path's end: check `call` with the issue check, and when
     /// it finds a disagreement, let the live machine name it; else record
     /// the call and its FIFO positions.
-    fn record_launch(
-        &self,
-        mut r: std::sync::MutexGuard<'_, Reg>,
+    fn record_launch<'s>(
+        &'s self,
+        mut r: std::sync::MutexGuard<'s, Reg>,
         call: TraceCall,
         fifos: &mut [u32],
     ) -> Result<(), Error> {
@@ -517,21 +612,25 @@ impl Registry {
             })
             .collect();
         let is_group = *grouped && ops.len() > 1;
-        let (bad, positions) = r.matcher.check(rank, &iops, is_group);
+        let (mut bad, mut positions) = r.matcher.check(rank, &iops, is_group);
         if bad.is_some() {
-            // The live machine names both ops: bring it up to date (the
-            // live lock first), and check again with both locks held.
+            // Refused. The live machine names both ops when it can judge
+            // the call: bring it up to date (the live lock first, then
+            // both held, so that nothing is recorded meanwhile and the
+            // machine sees what the check sees), and check again.
             drop(r);
             let mut live = self.lock_live();
-            let mut r = self.lock();
-            // With both locks held nothing is recorded meanwhile, so the
-            // machine sees exactly what the check below sees.
+            r = self.lock();
             self.settle_held(&mut live, &mut r);
-            let hc = live.host_call(&call);
-            if let (Some(hc), Some(m)) = (hc, live.machine.as_mut())
-                && let Err(e) = m.check_issue(ThreadId(call.thread), &hc)
-            {
-                let e: Error = e.into();
+            (bad, positions) = r.matcher.check(rank, &iops, is_group);
+            if let Some(i) = bad {
+                let e = match live.judge(&call) {
+                    Some(e) => Error::from(e),
+                    // The machine is gone (it refused an earlier call: the
+                    // hang analysis reports that) or cannot judge: the
+                    // check's own positions are NCCL's call order.
+                    None => issue_error(&r.matcher, rank, &iops, i, is_group, &call),
+                };
                 return Err(match e {
                     Error::Program { kind, message, ops } => Error::Program {
                         kind,
@@ -543,37 +642,11 @@ impl Registry {
                     other => other,
                 });
             }
-            // The machine is gone (it refused an earlier call: the hang
-            // analysis reports that) or finds no disagreement: record.
-            return self.record_checked(r, call, fifos, &iops, is_group);
         }
         for (slot, fifo) in fifos.iter_mut().zip(positions) {
             *slot = fifo;
         }
         r.matcher.issue(rank, &iops, is_group);
-        r.trace.push(call);
-        Ok(())
-    }
-
-    /// Records a launch the slow path let through (both locks held).
-    fn record_checked(
-        &self,
-        mut r: std::sync::MutexGuard<'_, Reg>,
-        call: TraceCall,
-        fifos: &mut [u32],
-        iops: &[IssueOp],
-        is_group: bool,
-    ) -> Result<(), Error> {
-        let rank = r
-            .trace
-            .threads
-            .get(call.thread as usize)
-            .map_or(0, |t| t.rank);
-        let (_, positions) = r.matcher.check(rank, iops, is_group);
-        for (slot, fifo) in fifos.iter_mut().zip(positions) {
-            *slot = fifo;
-        }
-        r.matcher.issue(rank, iops, is_group);
         r.trace.push(call);
         Ok(())
     }
@@ -785,6 +858,63 @@ mod tests {
         reg.settle();
         assert_eq!(reg.lock().applied, 4);
         assert!(reg.analyze().disagreements.is_empty());
+    }
+
+    /// On a communicator connected on first use, a thread's second launch
+    /// comes while the model still holds its first in the handshake (R7):
+    /// the mismatch is found all the same (the thread's handshake is
+    /// finished first), and without a live machine the issue check refuses
+    /// it by itself.
+    #[test]
+    fn a_mismatch_on_a_cold_communicator_is_refused_with_or_without_the_model() {
+        for drop_model in [false, true] {
+            let reg = Registry::local(2, Model::default());
+            reg.comm(0, "world", &[0, 1], false);
+            let s0 = reg.stream(0, "s");
+            let s1 = reg.stream(1, "s");
+            let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+            if drop_model {
+                reg.lock_live().machine = None;
+            }
+            let launch = |t: usize, dir: Dir, peer: u32, bytes: u64, stream: u32| {
+                let call = TraceCall {
+                    thread: t as u32,
+                    call: Call::Launch {
+                        ops: vec![TraceOp {
+                            dir,
+                            peer,
+                            bytes,
+                            dtype: DType::U8,
+                            comm: 0,
+                            stream,
+                        }],
+                        grouped: false,
+                    },
+                    text: format!("{} {bytes}", dir.name()).into(),
+                    place: "x.rs:1:1".into(),
+                };
+                let mut fifos = [u32::MAX];
+                let r = reg.lock();
+                reg.record_launch(r, call, &mut fifos)
+                    .map(|()| fifos[0])
+                    .map_err(|e| e.to_string())
+            };
+            assert_eq!(launch(t0, Dir::Send, 1, 4096, s0), Ok(0));
+            assert_eq!(launch(t1, Dir::Recv, 0, 4096, s1), Ok(0));
+            assert_eq!(launch(t0, Dir::Send, 1, 8192, s0), Ok(1));
+            let e = launch(t1, Dir::Recv, 0, 4096, s1).expect_err("8 KiB sent, 4 KiB received");
+            assert!(
+                e.contains("size mismatch") && e.contains("refused to launch"),
+                "{e}"
+            );
+            if !drop_model {
+                // The model names both ops.
+                assert!(e.contains("8KiB") && e.contains("4KiB"), "{e}");
+            } else {
+                assert!(e.contains("4096 bytes against 8192"), "{e}");
+            }
+            assert_eq!(launch(t1, Dir::Recv, 0, 8192, s1), Ok(1));
+        }
     }
 
     /// Two ranks' threads issue while a third settles the live machine

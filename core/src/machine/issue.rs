@@ -8,9 +8,13 @@
 //! ([`Machine::check_issue`]) asks the same of the ops it keeps until they
 //! complete; this keeps, per channel, only the ops one side issued beyond
 //! the other, and forgets a pair once both sides issued it. The comparison
-//! is one function for both ([`agree`]), and a property test
-//! (`tests/issue_match.rs`) checks that this refuses a launch exactly when
-//! the machine does.
+//! is one function for both (`agree`). Its positions are the order of the
+//! calls, which is NCCL's: on communicators connected at creation they are
+//! the machine's too, and `tests/issue_match.rs` checks on random launches
+//! that this refuses a launch exactly when the machine does, with the same
+//! FIFO positions; on a communicator connected on first use the machine
+//! queues an op only once its handshake (R7) is over, so this also sees a
+//! partner the machine does not yet, and refuses at least what it refuses.
 //!
 //! [`Machine`]: super::Machine
 //! [`Machine::check_issue`]: super::Machine::check_issue
