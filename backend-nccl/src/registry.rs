@@ -7,8 +7,8 @@
 //! issued at its position before NCCL sees it, and the live [`Machine`],
 //! brought up to date, names both ops. The live machine applies the
 //! recorded calls later, off the issue path ([`Registry::settle`], each
-//! watchdog tick: on one H200 this took duplex's host time per op over raw
-//! NCCL from a median of 1.19 µs to 0.95 µs, BENCHMARKS.md). When a
+//! watchdog tick: on one H200 this took a quarter off duplex's host time
+//! per op over raw NCCL, BENCHMARKS.md). When a
 //! deadline expires, [`Registry::analyze`] replays the trace through the
 //! machine ([`Trace::analyze`]) and explains the hang with the model's
 //! wait-for cycle. Calls the model refuses are kept as disagreements
