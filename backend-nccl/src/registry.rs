@@ -754,6 +754,36 @@ mod tests {
     use duplex::trace::TraceOp;
     use duplex::{DType, Dir};
 
+    /// A launch of one `u8` op by trace thread `t` on communicator `comm`.
+    fn one_op(t: usize, dir: Dir, peer: u32, bytes: u64, comm: u32, stream: u32) -> TraceCall {
+        TraceCall {
+            thread: t as u32,
+            call: Call::Launch {
+                ops: vec![TraceOp {
+                    dir,
+                    peer,
+                    bytes,
+                    dtype: DType::U8,
+                    comm,
+                    stream,
+                }],
+                grouped: false,
+            },
+            text: format!("{} {bytes}", dir.name()).into(),
+            place: "x.rs:1:1".into(),
+        }
+    }
+
+    /// Records `call` through the issue path; its FIFO position, or the
+    /// error's text.
+    fn record(reg: &Registry, call: TraceCall) -> Result<u32, String> {
+        let mut fifos = [u32::MAX];
+        let r = reg.lock();
+        reg.record_launch(r, call, &mut fifos)
+            .map(|()| fifos[0])
+            .map_err(|e| e.to_string())
+    }
+
     /// A send that no rank receives, once the other rank's code has
     /// returned: the report names the missing partner (seen on the H200s
     /// without `ended`: a hang whose report named nothing).
@@ -816,30 +846,9 @@ mod tests {
         let s0 = reg.stream(0, "s");
         let s1 = reg.stream(1, "s");
         let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
-        let op = |dir, peer, bytes, stream| TraceOp {
-            dir,
-            peer,
-            bytes,
-            dtype: DType::U8,
-            comm: 0,
-            stream,
-        };
-        let launch = |t: usize, o: TraceOp| TraceCall {
-            thread: t as u32,
-            call: Call::Launch {
-                ops: vec![o],
-                grouped: false,
-            },
-            text: format!("{} {}", o.dir.name(), o.bytes).into(),
-            place: "x.rs:1:1".into(),
-        };
-        let record = |call: TraceCall| {
-            let mut fifos = [u32::MAX];
-            let r = reg.lock();
-            reg.record_launch(r, call, &mut fifos)
-                .map(|()| fifos[0])
-                .map_err(|e| e.to_string())
-        };
+        let launch = |t, (dir, peer, bytes, stream)| one_op(t, dir, peer, bytes, 0, stream);
+        let op = |dir, peer, bytes, stream| (dir, peer, bytes, stream);
+        let record = |call| record(&reg, call);
         assert_eq!(record(launch(t0, op(Dir::Send, 1, 4096, s0))), Ok(0));
         assert_eq!(record(launch(t0, op(Dir::Send, 1, 4096, s0))), Ok(1));
         // Not applied yet: the live machine is brought up to date to name
@@ -876,29 +885,8 @@ mod tests {
             if drop_model {
                 reg.lock_live().machine = None;
             }
-            let launch = |t: usize, dir: Dir, peer: u32, bytes: u64, stream: u32| {
-                let call = TraceCall {
-                    thread: t as u32,
-                    call: Call::Launch {
-                        ops: vec![TraceOp {
-                            dir,
-                            peer,
-                            bytes,
-                            dtype: DType::U8,
-                            comm: 0,
-                            stream,
-                        }],
-                        grouped: false,
-                    },
-                    text: format!("{} {bytes}", dir.name()).into(),
-                    place: "x.rs:1:1".into(),
-                };
-                let mut fifos = [u32::MAX];
-                let r = reg.lock();
-                reg.record_launch(r, call, &mut fifos)
-                    .map(|()| fifos[0])
-                    .map_err(|e| e.to_string())
-            };
+            let launch =
+                |t, dir, peer, bytes, stream| record(&reg, one_op(t, dir, peer, bytes, 0, stream));
             assert_eq!(launch(t0, Dir::Send, 1, 4096, s0), Ok(0));
             assert_eq!(launch(t1, Dir::Recv, 0, 4096, s1), Ok(0));
             assert_eq!(launch(t0, Dir::Send, 1, 8192, s0), Ok(1));
@@ -935,26 +923,8 @@ mod tests {
                 let reg = &reg;
                 move || {
                     for i in 0..N {
-                        let call = TraceCall {
-                            thread: t as u32,
-                            call: Call::Launch {
-                                ops: vec![TraceOp {
-                                    dir,
-                                    peer,
-                                    bytes: 4096,
-                                    dtype: DType::U8,
-                                    comm: 0,
-                                    stream,
-                                }],
-                                grouped: false,
-                            },
-                            text: "op".into(),
-                            place: "x.rs:1:1".into(),
-                        };
-                        let mut fifos = [u32::MAX];
-                        let r = reg.lock();
-                        reg.record_launch(r, call, &mut fifos).expect("sizes agree");
-                        assert_eq!(fifos[0] as usize, i);
+                        let fifo = record(reg, one_op(t, dir, peer, 4096, 0, stream));
+                        assert_eq!(fifo, Ok(i as u32));
                     }
                 }
             };
@@ -990,22 +960,7 @@ mod tests {
             let s0 = reg.stream(0, "pair:0-1");
             let s1 = reg.stream(1, "pair:0-1");
             let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
-            let op = |t: usize, dir: Dir, peer: u32, bytes: u64, stream: u32| TraceCall {
-                thread: t as u32,
-                call: Call::Launch {
-                    ops: vec![TraceOp {
-                        dir,
-                        peer,
-                        bytes,
-                        dtype: DType::U8,
-                        comm: 1,
-                        stream,
-                    }],
-                    grouped: false,
-                },
-                text: format!("{} {bytes}", dir.name()).into(),
-                place: "x.rs:1:1".into(),
-            };
+            let op = |t, dir, peer, bytes, stream| one_op(t, dir, peer, bytes, 1, stream);
             for _ in 0..50 {
                 reg.issue(op(t0, Dir::Send, 1, 4096, s0), &mut [])
                     .expect("valid");
