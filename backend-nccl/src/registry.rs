@@ -16,8 +16,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use duplex::machine::issue::{IssueMatch, IssueOp};
-use duplex::machine::{Machine, Next, Setup, ThreadId};
+use duplex::machine::issue::IssueMatch;
+use duplex::machine::{Machine, Next, OpSpec, Setup, ThreadId};
 use duplex::report::{OpInfo, Stuck};
 use duplex::trace::{Analysis, Call, Disagreement, Trace, TraceCall};
 use duplex::{Error, Model, Rank};
@@ -90,6 +90,19 @@ struct Reg {
     applied: usize,
 }
 
+impl Reg {
+    /// Notes that the live machine has applied the calls up to number
+    /// `applied`, and folds them into `base` when it is given.
+    fn advance(&mut self, applied: usize, base: Option<Machine>) {
+        self.applied = applied;
+        if let Some(base) = base {
+            self.trace.calls.drain(..applied - self.folded);
+            self.folded = applied;
+            self.base = Some(base);
+        }
+    }
+}
+
 /// The live machine (the registry's second lock): it applies the calls
 /// the trace records, later and in order ([`Registry::settle`]).
 #[derive(Debug)]
@@ -129,12 +142,7 @@ impl Live {
         let hc = self.host_call(call)?;
         let m = self.machine.as_mut()?;
         let t = ThreadId(call.thread);
-        while m.next(t) == Next::Resume {
-            if m.resume(t).is_err() {
-                return None;
-            }
-        }
-        if !m.enabled(t, &hc) {
+        if !ready(m, t, &hc) {
             return None;
         }
         m.check_issue(t, &hc).err()
@@ -168,15 +176,21 @@ impl Live {
             return;
         };
         let t = ThreadId(call.thread);
-        while m.next(t) == Next::Resume {
-            if m.resume(t).is_err() {
-                break;
-            }
-        }
-        if !m.enabled(t, &hc) || m.apply(t, &hc).is_err() {
+        if !ready(m, t, &hc) || m.apply(t, &hc).is_err() {
             self.machine = None;
         }
     }
+}
+
+/// Whether thread `t` can make `call` now in `m`, once it has finished any
+/// handshake the model lets it finish.
+fn ready(m: &mut Machine, t: ThreadId, call: &duplex::machine::HostCall) -> bool {
+    while m.next(t) == Next::Resume {
+        if m.resume(t).is_err() {
+            return false;
+        }
+    }
+    m.enabled(t, call)
 }
 
 /// The error of a launch the issue check refuses, from the check alone:
@@ -184,7 +198,7 @@ impl Live {
 fn issue_error(
     matcher: &IssueMatch,
     rank: Rank,
-    ops: &[IssueOp],
+    ops: &[OpSpec],
     i: usize,
     grouped: bool,
     call: &TraceCall,
@@ -393,33 +407,20 @@ impl Registry {
     }
 
     fn settle_locked(&self, live: &mut Live) {
-        let (batch, start) = {
+        let (batch, start, folded) = {
             let r = self.lock();
             let from = r.applied - r.folded;
-            (r.trace.calls[from..].to_vec(), r.applied)
+            (r.trace.calls[from..].to_vec(), r.applied, r.folded)
         };
         if batch.is_empty() {
             return;
         }
         live.apply_all(&batch);
         let applied = start + batch.len();
-        // A snapshot once enough calls are applied, taken with the live
-        // lock held (no other call is applied meanwhile); a refused call
-        // keeps the trace whole, for its replay to report the refusal.
-        let snapshot = {
-            let r = self.lock();
-            (applied - r.folded >= self.compact_at)
-                .then(|| live.machine.clone())
-                .flatten()
-        };
-        let mut r = self.lock();
-        r.applied = applied;
-        if let Some(base) = snapshot {
-            let n = applied - r.folded;
-            r.trace.calls.drain(..n);
-            r.folded = applied;
-            r.base = Some(base);
-        }
+        // `folded` changes only under the live lock, held here: the
+        // snapshot is taken without blocking the issue path.
+        let base = self.snapshot(live, applied - folded);
+        self.lock().advance(applied, base);
     }
 
     /// [`Registry::settle`] with both locks held: the issue path waits
@@ -427,14 +428,19 @@ impl Registry {
     fn settle_held(&self, live: &mut Live, r: &mut Reg) {
         let from = r.applied - r.folded;
         live.apply_all(&r.trace.calls[from..]);
-        r.applied = r.folded + r.trace.calls.len();
-        if r.applied - r.folded >= self.compact_at
-            && let Some(base) = live.machine.clone()
-        {
-            r.folded = r.applied;
-            r.trace.calls.clear();
-            r.base = Some(base);
-        }
+        let applied = r.folded + r.trace.calls.len();
+        let base = self.snapshot(live, applied - r.folded);
+        r.advance(applied, base);
+    }
+
+    /// A snapshot of the live machine to fold the trace into, once
+    /// `unfolded` applied calls make the trace long ([`Registry::local`]);
+    /// none after a refused call, which keeps the trace whole for its
+    /// replay to report the refusal.
+    fn snapshot(&self, live: &Live, unfolded: usize) -> Option<Machine> {
+        (unfolded >= self.compact_at)
+            .then(|| live.machine.clone())
+            .flatten()
     }
 
     /// Declares communicator `logical` (every rank declares the same ones);
@@ -601,18 +607,9 @@ impl Registry {
             .threads
             .get(call.thread as usize)
             .map_or(0, |t| t.rank);
-        let iops: Vec<IssueOp> = ops
-            .iter()
-            .map(|o| IssueOp {
-                dir: o.dir,
-                peer: o.peer,
-                comm: duplex::machine::CommId(o.comm),
-                bytes: o.bytes,
-                dtype: o.dtype,
-            })
-            .collect();
+        let specs: Vec<OpSpec> = ops.iter().map(OpRec::spec).collect();
         let is_group = *grouped && ops.len() > 1;
-        let (mut bad, mut positions) = r.matcher.check(rank, &iops, is_group);
+        let (mut bad, mut positions) = r.matcher.check(rank, &specs, is_group);
         if bad.is_some() {
             // Refused. The live machine names both ops when it can judge
             // the call: bring it up to date (the live lock first, then
@@ -622,14 +619,14 @@ impl Registry {
             let mut live = self.lock_live();
             r = self.lock();
             self.settle_held(&mut live, &mut r);
-            (bad, positions) = r.matcher.check(rank, &iops, is_group);
+            (bad, positions) = r.matcher.check(rank, &specs, is_group);
             if let Some(i) = bad {
                 let e = match live.judge(&call) {
                     Some(e) => Error::from(e),
                     // The machine is gone (it refused an earlier call: the
                     // hang analysis reports that) or cannot judge: the
                     // check's own positions are NCCL's call order.
-                    None => issue_error(&r.matcher, rank, &iops, i, is_group, &call),
+                    None => issue_error(&r.matcher, rank, &specs, i, is_group, &call),
                 };
                 return Err(match e {
                     Error::Program { kind, message, ops } => Error::Program {
@@ -646,7 +643,7 @@ impl Registry {
         for (slot, fifo) in fifos.iter_mut().zip(positions) {
             *slot = fifo;
         }
-        r.matcher.issue(rank, &iops, is_group);
+        r.matcher.issue(rank, &specs, is_group);
         r.trace.push(call);
         Ok(())
     }

@@ -881,22 +881,26 @@ impl TraceCall {
     }
 }
 
+impl TraceOp {
+    /// The machine's op (ids are the trace's indices).
+    pub fn spec(&self) -> OpSpec {
+        OpSpec {
+            dir: self.dir,
+            peer: self.peer,
+            bytes: self.bytes,
+            dtype: self.dtype,
+            comm: CommId(self.comm),
+            stream: StreamId(self.stream),
+            origin: None,
+        }
+    }
+}
+
 /// The machine's call for a trace call (ids are the trace's indices).
 fn host_call(setup: &mut Setup, c: &TraceCall, origin: Origin) -> HostCall {
     match &c.call {
         Call::Launch { ops, grouped } => HostCall::Launch(LaunchSpec {
-            ops: ops
-                .iter()
-                .map(|o| OpSpec {
-                    dir: o.dir,
-                    peer: o.peer,
-                    bytes: o.bytes,
-                    dtype: o.dtype,
-                    comm: CommId(o.comm),
-                    stream: StreamId(o.stream),
-                    origin: None,
-                })
-                .collect(),
+            ops: ops.iter().map(TraceOp::spec).collect(),
             grouped: *grouped,
             origin,
         }),

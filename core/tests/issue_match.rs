@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use duplex::machine::issue::{IssueMatch, IssueOp};
+use duplex::machine::issue::IssueMatch;
 use duplex::machine::{HostCall, LaunchSpec, Machine, OpSpec, Origin, Setup, ThreadId};
 use duplex::{DType, Dir, Model};
 
@@ -81,17 +81,6 @@ fn compare(warm: bool) {
                 };
                 let call = HostCall::Launch(spec.clone());
                 let t = threads[rank as usize];
-                let iops: Vec<IssueOp> = spec
-                    .ops
-                    .iter()
-                    .map(|o| IssueOp {
-                        dir: o.dir,
-                        peer: o.peer,
-                        comm: o.comm,
-                        bytes: o.bytes,
-                        dtype: o.dtype,
-                    })
-                    .collect();
                 // The thread first finishes a handshake the model lets it
                 // finish (as the registry's live machine does); one still
                 // waiting for its peer (R7) makes no call now.
@@ -102,7 +91,7 @@ fn compare(warm: bool) {
                     assert!(!warm, "a launch on a connected communicator is enabled");
                     continue;
                 }
-                let (bad, fifos) = check.check(rank, &iops, spec.is_group());
+                let (bad, fifos) = check.check(rank, &spec.ops, spec.is_group());
                 let machine = m.check_issue(t, &call);
                 if warm {
                     assert_eq!(
@@ -125,7 +114,7 @@ fn compare(warm: bool) {
                     assert_eq!(fifos, m.fifo_positions(t, &call), "seed {seed}: {spec:?}");
                 }
                 m.apply(t, &call).expect("checked");
-                check.issue(rank, &iops, spec.is_group());
+                check.issue(rank, &spec.ops, spec.is_group());
             }
         }
     }

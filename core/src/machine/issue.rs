@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{CommId, Rank, table::FxHasher};
+use super::{ChannelKey, OpSpec, Rank, channel_key, earlier_on_channel, table::FxHasher};
 use crate::{DType, Dir};
 
 /// What R3 and R8 compare of an op.
@@ -43,21 +43,6 @@ pub(crate) fn agree(partner: &Sig, op: &Sig, one_sided_groups: bool) -> bool {
         && (partner.grouped == op.grouped || one_sided_groups)
 }
 
-/// One op of a launch, as the check needs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IssueOp {
-    /// Send or receive.
-    pub dir: Dir,
-    /// The other rank.
-    pub peer: Rank,
-    /// The communicator.
-    pub comm: CommId,
-    /// Bytes moved.
-    pub bytes: u64,
-    /// Element type.
-    pub dtype: DType,
-}
-
 /// A channel's ops issued by one side beyond the other: `ahead` holds
 /// them, oldest first; `matched` counts the pairs both sides issued.
 #[derive(Clone, Debug, Default)]
@@ -70,7 +55,7 @@ struct Queue {
 /// The issue check of R3 and R8 over every channel.
 #[derive(Clone, Debug, Default)]
 pub struct IssueMatch {
-    channels: HashMap<(CommId, Rank, Rank), Queue, std::hash::BuildHasherDefault<FxHasher>>,
+    channels: HashMap<ChannelKey, Queue, std::hash::BuildHasherDefault<FxHasher>>,
     one_sided_groups: bool,
 }
 
@@ -92,25 +77,14 @@ impl IssueMatch {
         }
     }
 
-    fn key(rank: Rank, op: &IssueOp) -> (CommId, Rank, Rank) {
-        match op.dir {
-            Dir::Send => (op.comm, rank, op.peer),
-            Dir::Recv => (op.comm, op.peer, rank),
-        }
-    }
-
     /// Where each op of a launch by `rank` stands: its FIFO position and
     /// the partner issued there.
-    pub fn positions(&self, rank: Rank, ops: &[IssueOp]) -> Vec<Position> {
+    pub fn positions(&self, rank: Rank, ops: &[OpSpec]) -> Vec<Position> {
         ops.iter()
             .enumerate()
             .map(|(i, o)| {
-                let key = IssueMatch::key(rank, o);
-                let earlier = ops[..i]
-                    .iter()
-                    .filter(|p| p.dir == o.dir && IssueMatch::key(rank, p) == key)
-                    .count();
-                let Some(q) = self.channels.get(&key) else {
+                let earlier = earlier_on_channel(rank, ops, i);
+                let Some(q) = self.channels.get(&channel_key(rank, o)) else {
                     return Position {
                         fifo: earlier as u32,
                         partner: None,
@@ -137,7 +111,7 @@ impl IssueMatch {
     /// The first op of a launch by `rank` (`grouped`: a group in the sense
     /// of R8) that disagrees with the partner issued at its position, if
     /// any; with the FIFO positions of all of them.
-    pub fn check(&self, rank: Rank, ops: &[IssueOp], grouped: bool) -> (Option<usize>, Vec<u32>) {
+    pub fn check(&self, rank: Rank, ops: &[OpSpec], grouped: bool) -> (Option<usize>, Vec<u32>) {
         let positions = self.positions(rank, ops);
         let bad = ops.iter().zip(&positions).position(|(o, p)| {
             p.partner.is_some_and(|partner| {
@@ -156,9 +130,9 @@ impl IssueMatch {
     }
 
     /// Records a launch by `rank` as issued.
-    pub fn issue(&mut self, rank: Rank, ops: &[IssueOp], grouped: bool) {
+    pub fn issue(&mut self, rank: Rank, ops: &[OpSpec], grouped: bool) {
         for o in ops {
-            let q = self.channels.entry(IssueMatch::key(rank, o)).or_default();
+            let q = self.channels.entry(channel_key(rank, o)).or_default();
             if q.ahead == Some(o.dir.other()) {
                 q.ops.pop_front();
                 q.matched += 1;

@@ -1285,7 +1285,7 @@ impl Machine {
                 Dir::Send => (&ch.sends, &ch.recvs),
                 Dir::Recv => (&ch.recvs, &ch.sends),
             };
-            let position = mine.len() + earlier_on_channel(rank, spec, i);
+            let position = mine.len() + earlier_on_channel(rank, &spec.ops, i);
             let Some(partner) = theirs.get(position) else {
                 continue;
             };
@@ -1344,7 +1344,7 @@ impl Machine {
                                 Dir::Recv => ch.recvs.len(),
                             } as u32
                     });
-                issued + earlier_on_channel(rank, spec, i) as u32
+                issued + earlier_on_channel(rank, &spec.ops, i) as u32
             })
             .collect()
     }
@@ -1434,11 +1434,12 @@ impl Machine {
     }
 }
 
-/// Ops of `spec` before op `i` that go the same way on the same channel.
-fn earlier_on_channel(rank: Rank, spec: &LaunchSpec, i: usize) -> usize {
-    let o = &spec.ops[i];
+/// Ops of a launch by `rank` before op `i` that go the same way on the
+/// same channel.
+fn earlier_on_channel(rank: Rank, ops: &[OpSpec], i: usize) -> usize {
+    let o = &ops[i];
     let key = channel_key(rank, o);
-    spec.ops[..i]
+    ops[..i]
         .iter()
         .filter(|p| p.dir == o.dir && channel_key(rank, p) == key)
         .count()
