@@ -5,12 +5,12 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::schedule::{Dir, P2p, Program, StmtKind};
+use crate::schedule::{Dir, P2p, Program, Stmt, StmtKind};
 use crate::{DType, Policy, Size};
 
 use crate::machine::{
-    CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, OriginInfo, Rank, Setup, StreamId,
-    TagId, ThreadId, waitfor,
+    CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, Origin, OriginInfo, Rank, Setup,
+    StreamId, TagId, ThreadId, waitfor,
 };
 
 /// A program ready to run: the setup and every thread's calls (the last
@@ -96,15 +96,15 @@ struct Builder<'p> {
     events: HashMap<(Rank, String), EventId>,
     /// Statement texts, shared by equal statements.
     texts: HashSet<Arc<str>>,
-    /// The text of each op and group seen, by what it says (not where):
-    /// a large program repeats a few statements many times, and spelling
-    /// each one again costs more than the rest of compiling it.
-    op_texts: HashMap<Vec<OpKey<'p>>, Arc<str>, Fx>,
+    /// The text of each op seen, by what it says (not where): a large
+    /// program repeats a few statements many times, and spelling each one
+    /// again costs more than the rest of compiling it.
+    op_texts: HashMap<OpKey<'p>, Arc<str>, Fx>,
     /// The texts of each group seen and of its ops, by what the ops say.
     group_texts: HashMap<Vec<OpKey<'p>>, GroupTexts, Fx>,
     /// The lane of each (rank, direction, peer) seen.
     lanes: HashMap<(Rank, Dir, Rank), (CommId, StreamId), Fx>,
-    /// Scratch: the key of the op or group being looked up.
+    /// Scratch: the key of the group being looked up.
     key: Vec<OpKey<'p>>,
 }
 
@@ -189,73 +189,66 @@ pub fn compile_under(program: &Program, model: crate::Model) -> Compiled {
         let rank = thread.rank;
         let mut calls = Vec::with_capacity(thread.body.len() + 1);
         for stmt in &thread.body {
-            // A group's text and its ops' texts, found together.
-            let mut op_texts = None;
-            let text = match &stmt.kind {
-                StmtKind::Op(op) => b.op_text(std::slice::from_ref(op), false),
-                StmtKind::Group(ops) => {
-                    let (text, ops) = b.group_texts(ops);
-                    op_texts = Some(ops);
-                    text
-                }
-                other => b.text(other.to_string()),
-            };
-            let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
             let call = match &stmt.kind {
-                StmtKind::Op(op) => HostCall::Launch(LaunchSpec {
-                    ops: vec![b.op(rank, op)],
-                    grouped: false,
-                    origin,
-                }),
-                StmtKind::Group(ops) => HostCall::Launch(LaunchSpec {
-                    // (Indexed, not zipped with the texts: the iterator
-                    // keeps its exact length, so the Vec is allocated
-                    // exactly, 64 bytes for two ops and not 128.)
-                    ops: ops
-                        .iter()
-                        .enumerate()
-                        .map(|(i, op)| {
-                            let text = op_texts.as_ref().map_or_else(
-                                || b.op_text(std::slice::from_ref(op), false),
-                                |t| t[i].clone(),
-                            );
-                            // Reports of the op name it and its own line
-                            // (a group may span lines); the host call keeps
-                            // the group's statement.
-                            let line = if op.line.0 != 0 { op.line } else { stmt.line };
-                            let own = b.setup.add_origin(OriginInfo::line(text, line.0));
-                            OpSpec {
-                                origin: Some(own),
-                                ..b.op(rank, op)
-                            }
-                        })
-                        .collect(),
-                    grouped: true,
-                    origin,
-                }),
+                StmtKind::Op(op) => {
+                    let text = b.op_text(op);
+                    let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
+                    HostCall::Launch(LaunchSpec {
+                        ops: vec![b.op(rank, op)],
+                        grouped: false,
+                        origin,
+                    })
+                }
+                StmtKind::Group(ops) => {
+                    // The group's text and its ops' texts, found together.
+                    let (text, each) = b.group_texts(ops);
+                    let origin = b.setup.add_origin(OriginInfo::line(text, stmt.line.0));
+                    HostCall::Launch(LaunchSpec {
+                        // (Zipped slices keep their exact length, so the
+                        // Vec is allocated exactly, 64 bytes for two ops.)
+                        ops: ops
+                            .iter()
+                            .zip(each.iter())
+                            .map(|(op, text)| {
+                                // Reports of the op name it and its own line
+                                // (a group may span lines); the host call
+                                // keeps the group's statement.
+                                let line = if op.line.0 != 0 { op.line } else { stmt.line };
+                                let own =
+                                    b.setup.add_origin(OriginInfo::line(text.clone(), line.0));
+                                OpSpec {
+                                    origin: Some(own),
+                                    ..b.op(rank, op)
+                                }
+                            })
+                            .collect(),
+                        grouped: true,
+                        origin,
+                    })
+                }
                 StmtKind::Record { event, stream } => HostCall::Record {
+                    origin: b.statement_origin(stmt),
                     event: b.event(rank, event),
                     stream: b.stream(rank, stream.as_deref().unwrap_or("default")),
-                    origin,
                 },
                 StmtKind::Wait { event, stream } => HostCall::Wait {
+                    origin: b.statement_origin(stmt),
                     event: b.event(rank, event),
                     stream: b.stream(rank, stream.as_deref().unwrap_or("default")),
-                    origin,
                 },
                 StmtKind::Sync { stream } => HostCall::Sync {
+                    origin: b.statement_origin(stmt),
                     stream: stream.as_deref().map(|s| b.stream(rank, s)),
-                    origin,
                 },
                 StmtKind::Notify { peer, tag } => HostCall::Notify {
+                    origin: b.statement_origin(stmt),
                     to: *peer,
                     tag: b.tag(tag),
-                    origin,
                 },
                 StmtKind::Await { peer, tag } => HostCall::Await {
+                    origin: b.statement_origin(stmt),
                     from: *peer,
                     tag: b.tag(tag),
-                    origin,
                 },
             };
             calls.push(call);
@@ -306,35 +299,14 @@ impl<'p> Builder<'p> {
         }
     }
 
-    /// The text of an op (`group`: false, one op) or of a group, shared
-    /// with every op or group that says the same.
-    fn op_text(&mut self, ops: &'p [P2p], group: bool) -> Arc<str> {
-        let mut key = std::mem::take(&mut self.key);
-        key.clear();
-        key.extend(ops.iter().map(OpKey::of));
-        if group {
-            // A group of one op and the op itself read differently.
-            key.push(OpKey {
-                dir: Dir::Send,
-                peer: Rank::MAX,
-                size: u64::MAX,
-                comm: None,
-                stream: None,
-            });
+    /// The text of an op, shared with every op that says the same.
+    fn op_text(&mut self, op: &'p P2p) -> Arc<str> {
+        let key = OpKey::of(op);
+        if let Some(t) = self.op_texts.get(&key) {
+            return t.clone();
         }
-        if let Some(t) = self.op_texts.get(key.as_slice()) {
-            let t = t.clone();
-            self.key = key;
-            return t;
-        }
-        let text = if group {
-            StmtKind::Group(ops.to_vec()).to_string()
-        } else {
-            ops[0].to_string()
-        };
-        let t = self.text(text);
-        self.op_texts.insert(key.clone(), t.clone());
-        self.key = key;
+        let t = self.text(op.to_string());
+        self.op_texts.insert(key, t.clone());
         t
     }
 
@@ -348,11 +320,8 @@ impl<'p> Builder<'p> {
         let texts = match found {
             Some(t) => t,
             None => {
-                let group = self.op_text(ops, true);
-                let each: Arc<[Arc<str>]> = ops
-                    .iter()
-                    .map(|op| self.op_text(std::slice::from_ref(op), false))
-                    .collect();
+                let group = self.text(StmtKind::Group(ops.to_vec()).to_string());
+                let each: Arc<[Arc<str>]> = ops.iter().map(|op| self.op_text(op)).collect();
                 self.group_texts
                     .insert(key.clone(), (group.clone(), each.clone()));
                 (group, each)
@@ -360,6 +329,13 @@ impl<'p> Builder<'p> {
         };
         self.key = key;
         texts
+    }
+
+    /// The origin of a statement that is not a launch: its text, shared,
+    /// at its line.
+    fn statement_origin(&mut self, stmt: &Stmt) -> Origin {
+        let text = self.text(stmt.kind.to_string());
+        self.setup.add_origin(OriginInfo::line(text, stmt.line.0))
     }
 
     /// The shared copy of a statement's text.
