@@ -135,9 +135,9 @@ fn lazy_connect_matters(program: &Program) -> bool {
 /// The hangs an `ok` program has under NCCL's contract (`eager=0`) or on
 /// new communicators (`lazy-connect=on`); empty when it has none, or when
 /// its own model already is that strict, or when the setting cannot change
-/// how the program runs (every op on a per-direction lane). The two checks
-/// run at once, each on a thread of its own (serially where a thread
-/// cannot start).
+/// how the program runs (every op on a per-direction lane). When both are
+/// wanted they run at once, the first on a thread of its own (serially
+/// where a thread cannot start).
 pub fn latent(program: &Program) -> Vec<Latent> {
     let mut strict = program.model;
     strict.eager = Size(0);
@@ -157,17 +157,24 @@ pub fn latent(program: &Program) -> Vec<Latent> {
             cold,
         )),
     ];
+    let wanted: Vec<_> = wanted.iter().flatten().collect();
     let verdicts: Vec<_> = std::thread::scope(|scope| {
-        let started: Vec<_> = wanted
+        // Every check but the last on a thread of its own; the last on
+        // this one.
+        let (last, others) = match wanted.split_last() {
+            Some((last, others)) => (Some(last), others),
+            None => (None, &[][..]),
+        };
+        let started: Vec<_> = others
             .iter()
-            .flatten()
             .map(|w| {
                 let model = w.3;
                 let run = std::thread::Builder::new()
                     .spawn_scoped(scope, move || check_quick_under(program, model));
-                (w, run)
+                (*w, run)
             })
             .collect();
+        let here = last.map(|w| (*w, check_quick_under(program, w.3)));
         started
             .into_iter()
             .map(|(w, run)| {
@@ -177,6 +184,7 @@ pub fn latent(program: &Program) -> Vec<Latent> {
                 };
                 (w, verdict)
             })
+            .chain(here)
             .collect()
     });
     verdicts
