@@ -73,10 +73,10 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
     };
     // The head, read as the one reader would.
     let mut head = Parser::default();
-    if head.lines(&text[..pieces[0].0], 0).is_err() || head.ranks.is_none() || head.group.is_some()
-    {
-        return serial();
-    }
+    let ranks = match (head.lines(&text[..pieces[0].0], 0), head.ranks) {
+        (Ok(_), Some(ranks)) if head.group.is_none() => ranks,
+        _ => return serial(),
+    };
     // A piece whose thread cannot start (a process at its thread limit)
     // comes back as `None`, and the file is read by one reader.
     let results: Vec<Option<Result<Vec<Thread>>>> = std::thread::scope(|scope| {
@@ -125,17 +125,8 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
     {
         return serial();
     }
-    let program = Program {
-        ranks: head.ranks.unwrap_or(1),
-        policy: head.policy.map(|(p, _)| p).unwrap_or_default(),
-        model: head.model,
-        comms: head.comms,
-        threads,
-    };
-    match validate(&program) {
-        Ok(()) => Ok(program),
-        Err(_) => serial(),
-    }
+    head.threads = threads;
+    head.finish(ranks).or_else(|_| serial())
 }
 
 /// Where the pieces of a parallel read start: (byte offset, the number of
@@ -146,22 +137,24 @@ fn pieces(text: &str, workers: usize) -> Option<Vec<(usize, u32)>> {
     let bytes = text.as_bytes();
     // The start of the line holding byte `at` or, when `at` is not a line
     // start, of the next line (a line start is always a char boundary).
-    let line_start = |at: usize| -> usize {
-        if at == 0 || bytes[at - 1] == b'\n' {
-            return at;
-        }
+    // The start of the line after the one holding byte `at`.
+    let next_line = |at: usize| -> usize {
         bytes[at..]
             .iter()
             .position(|&b| b == b'\n')
             .map_or(bytes.len(), |i| at + i + 1)
     };
+    let line_start = |at: usize| -> usize {
+        if at == 0 || bytes[at - 1] == b'\n' {
+            at
+        } else {
+            next_line(at)
+        }
+    };
     // The start of the first header line at or after line start `from`.
     let header_from = |mut from: usize| -> Option<usize> {
         while from < bytes.len() {
-            let end = bytes[from..]
-                .iter()
-                .position(|&b| b == b'\n')
-                .map_or(bytes.len(), |i| from + i + 1);
+            let end = next_line(from);
             let line = text[from..end].trim_start();
             if line
                 .strip_prefix("rank")
@@ -271,6 +264,11 @@ impl Parser {
                 "the file has no `ranks N` statement: it must be the first statement",
             );
         };
+        self.finish(ranks)
+    }
+
+    /// The program read, of `ranks` ranks, validated.
+    fn finish(self, ranks: u32) -> Result<Program> {
         let program = Program {
             ranks,
             policy: self.policy.map(|(p, _)| p).unwrap_or_default(),
