@@ -222,18 +222,14 @@ fn issue_error(
             format!("type mismatch (R3): {} against {}", op.dtype, partner.dtype),
         )
     } else {
-        (
-            duplex::ProgramErrorKind::GroupMismatch,
+        (duplex::ProgramErrorKind::GroupMismatch, {
+            let g = |g: bool| if g { "grouped" } else { "not grouped" };
             format!(
                 "group mismatch (R8): {} against {}",
-                if grouped { "grouped" } else { "not grouped" },
-                if partner.grouped {
-                    "grouped"
-                } else {
-                    "not grouped"
-                }
-            ),
-        )
+                g(grouped),
+                g(partner.grouped)
+            )
+        })
     };
     Error::Program {
         kind,

@@ -156,18 +156,16 @@ fn main() {
             let on = own_comm(t)?;
             exchanges(t, &on, false)?;
             let start = Instant::now();
-            let Some(path) = &profile else {
-                while start.elapsed().as_secs_f64() < secs {
-                    exchanges(t, &on, false)?;
-                }
-                return Ok(());
-            };
-            profiled(path, || {
+            let spin = || {
                 while start.elapsed().as_secs_f64() < secs {
                     exchanges(t, &on, false)?;
                 }
                 Ok(())
-            })
+            };
+            match &profile {
+                Some(path) => profiled(path, spin),
+                None => spin(),
+            }
         });
         if let Err(e) = r {
             eprintln!("overhead failed: {e}");
