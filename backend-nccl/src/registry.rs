@@ -454,6 +454,7 @@ impl Registry {
             name: name.to_string(),
             members: members.to_vec(),
             warm,
+            copy: false,
         };
         let comms = r.trace.comms.len();
         if let Some(m) = live.machine.as_mut() {

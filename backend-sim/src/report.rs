@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use duplex::{Model, Policy, ProgramErrorKind};
+use duplex::{Model, Policy, ProgramErrorKind, Size};
 use serde::Serialize;
 
 use crate::advice::{self, Latent, Repair};
@@ -25,6 +25,10 @@ pub struct Report {
     pub file: String,
     /// The policy it was checked under.
     pub policy: Policy,
+    /// Under `per-direction`, the size from which ops went on copy-engine
+    /// lanes ([`Report::copy_from`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_from: Option<Size>,
     /// The model it was checked under.
     pub model: Model,
     /// For a deadlock: why it is stuck.
@@ -130,6 +134,21 @@ impl Report {
         self
     }
 
+    /// Says that ops from `size` up went on copy-engine lanes (the
+    /// program's `copy-from=`).
+    pub fn copy_from(mut self, size: Option<Size>) -> Report {
+        self.copy_from = size;
+        self
+    }
+
+    /// The policy as a schedule file writes it.
+    fn policy_text(&self) -> String {
+        match self.copy_from {
+            Some(c) => format!("{} copy-from={c}", self.policy),
+            None => self.policy.to_string(),
+        }
+    }
+
     /// Builds the report of `outcome` for `file`.
     pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
         let (verdict, stuck, error, steps, schedule) = match &outcome.verdict {
@@ -163,6 +182,7 @@ impl Report {
             verdict,
             file: file.to_string(),
             policy,
+            copy_from: None,
             model,
             stuck,
             error,
@@ -228,7 +248,8 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "  checked under policy {}, model {}",
-            self.policy, self.model
+            self.policy_text(),
+            self.model
         )?;
         if let Some(e) = &self.error {
             writeln!(f)?;
@@ -427,7 +448,7 @@ impl Report {
                 VerdictKind::Error => "ERROR",
                 VerdictKind::Inconclusive => "inconclusive",
             },
-            self.policy,
+            self.policy_text(),
             self.model
         );
         let _ = writeln!(g, "digraph duplex {{");

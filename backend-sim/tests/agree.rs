@@ -17,6 +17,10 @@ use duplex_sim::{Failure, Sim};
 fn scaled(mut p: Program) -> Program {
     let shrink = |s: &mut Size| s.0 = s.0.div_ceil(1 << 16);
     p.model.eager.0 >>= 16;
+    // Ops keep their lanes: a ≥ c implies ⌈a/k⌉ ≥ ⌈c/k⌉.
+    if let Some(c) = p.copy_from.as_mut() {
+        shrink(c);
+    }
     for t in &mut p.threads {
         for st in &mut t.body {
             match &mut st.kind {
@@ -42,6 +46,7 @@ fn simulator(p: &Program) -> &'static str {
     let program = Arc::new(p.clone());
     let result = Sim::new(p.ranks)
         .policy(p.policy)
+        .copy_from(p.copy_from)
         .model(p.model)
         .check(|t| duplex::schedule::execute(&program, t));
     match result {

@@ -80,6 +80,10 @@ struct RunArgs {
     /// Place ops without comm=/stream= by this policy (overrides the file).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<Policy>,
+    /// Under per-direction, put ops of at least SIZE bytes on copy-engine
+    /// lanes (overrides the file's `copy-from=`; simulator only).
+    #[arg(long, value_name = "SIZE", value_parser = Size::parse)]
+    copy_from: Option<Size>,
     /// Deadline of every wait on GPUs, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
@@ -122,6 +126,11 @@ struct CheckArgs {
     /// Place ops without comm=/stream= by this policy (overrides the file).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<Policy>,
+    /// Under per-direction, put ops of at least SIZE bytes on copy-engine
+    /// lanes (overrides the file's `copy-from=`; docs/semantics.md,
+    /// "Copy-engine lanes").
+    #[arg(long, value_name = "SIZE", value_parser = Size::parse)]
+    copy_from: Option<Size>,
     /// Eager capacity of rule R5, e.g. 64MiB (overrides the file's model).
     #[arg(long, value_parser = Size::parse)]
     eager: Option<Size>,
@@ -318,8 +327,8 @@ fn run_run(args: &RunArgs) -> ExitCode {
         Ok(p) => p,
         Err(f) => return fail(&f, json, "outcome"),
     };
-    if let Some(p) = args.policy {
-        program.policy = p;
+    if let Err(f) = place(&mut program, args.policy, args.copy_from) {
+        return fail(&f, json, "outcome");
     }
     for setting in &args.model {
         if let Err(e) = program.model.set(setting) {
@@ -369,20 +378,22 @@ fn run_run(args: &RunArgs) -> ExitCode {
 fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     let json = matches!(args.format, TableFormat::Json);
     let timeout = std::time::Duration::from_millis(args.timeout_ms);
-    let (cap, rows) = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout) {
+    let cal = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout) {
         Ok(r) => r,
         Err(f) => return fail(&f, json, "outcome"),
     };
+    let (cap, rows) = (&cal.cap, &cal.rows);
     let model = duplex::Model {
         eager: Size(cap.fits),
         one_sided_groups: true,
         ..duplex::Model::default()
     };
     match args.format {
-        TableFormat::Markdown => print(&calibrate::markdown(&cap, &rows, &model)),
+        TableFormat::Markdown => print(&calibrate::markdown(&cal, &model)),
         TableFormat::Json => {
-            match serde_json::to_string_pretty(&serde_json::json!({"capacity": cap, "rows": rows}))
-            {
+            match serde_json::to_string_pretty(
+                &serde_json::json!({"capacity": cap, "rows": rows, "not_run": cal.skipped}),
+            ) {
                 Ok(j) => print(&format!("{j}\n")),
                 Err(e) => {
                     let f = Failure::invalid(
@@ -501,12 +512,41 @@ fn check_with_bar(
     outcome
 }
 
+/// Applies the command line's `--policy` and `--copy-from` to a program:
+/// copy-engine lanes are per direction, so `--copy-from` needs that policy,
+/// and a policy other than per-direction drops the file's `copy-from=`.
+fn place(
+    program: &mut duplex::schedule::Program,
+    policy: Option<Policy>,
+    copy_from: Option<Size>,
+) -> Result<(), Failure> {
+    if let Some(p) = policy {
+        program.policy = p;
+    }
+    if copy_from.is_some() {
+        if program.policy != Policy::PerDirection {
+            return Err(Failure::invalid(
+                "usage",
+                "--copy-from puts ops on copy-engine lanes, which are per direction: add --policy per-direction",
+            ));
+        }
+        program.copy_from = copy_from;
+    }
+    if program.policy != Policy::PerDirection {
+        program.copy_from = None;
+    }
+    Ok(())
+}
+
 /// The command line's overrides of a file's policy and model, as flags
 /// (for the replay command a report prints).
 fn override_flags(args: &CheckArgs) -> Vec<String> {
     let mut flags = Vec::new();
     if let Some(p) = args.policy {
         flags.extend(["--policy".to_string(), p.to_string()]);
+    }
+    if let Some(c) = args.copy_from {
+        flags.extend(["--copy-from".to_string(), c.to_string()]);
     }
     for setting in &args.model {
         flags.extend(["--model".to_string(), setting.clone()]);
@@ -524,9 +564,7 @@ fn check_file(
     schedule: Option<&duplex_sim::explore::Schedule>,
 ) -> Result<Report, Failure> {
     let (mut program, source) = load_text(file)?;
-    if let Some(p) = args.policy {
-        program.policy = p;
-    }
+    place(&mut program, args.policy, args.copy_from)?;
     for setting in &args.model {
         program
             .model
@@ -586,6 +624,7 @@ fn check_file(
     // hundreds of MiB).
     drop(compiled);
     let report = Report::new(file, program.policy, program.model, &outcome)
+        .copy_from(program.copy_from)
         .overridden(&override_flags(args));
     Ok(if schedule.is_some() {
         report.replayed()

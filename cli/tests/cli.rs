@@ -890,3 +890,61 @@ fn a_v2_schedule_of_an_earlier_version_replays_as_it_did() {
         assert_eq!(new[key], old[key], "{key}");
     }
 }
+
+#[test]
+fn copy_engine_lanes_need_the_per_direction_policy_and_are_not_run_on_gpus_yet() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let seed = dir.join("seed.sched");
+    let seed = seed.to_str().expect("utf-8 path");
+    // The seed's policy is shared: --copy-from alone is a usage error.
+    let out = duplex(&["check", seed, "--copy-from", "1MiB"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--policy per-direction"), "{err}");
+    let out = duplex(&[
+        "check",
+        seed,
+        "--policy",
+        "per-direction",
+        "--copy-from",
+        "1MiB",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("checked under policy per-direction copy-from=1MiB"),
+        "{text}"
+    );
+    // A bad policy setting in a file names its line.
+    let bad = std::env::temp_dir().join(format!("duplex-copy-{}.sched", std::process::id()));
+    std::fs::write(&bad, "ranks 2\npolicy shared copy-from=1MiB\n").expect("write");
+    let out = duplex(&["check", bad.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(&bad);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(":2:") && err.contains("per direction"),
+        "{err}"
+    );
+    // GPUs: refused before anything runs, saying why (status 4).
+    let copy = dir.join("copy-lanes-seed.sched");
+    let out = duplex(&["run", copy.to_str().expect("utf-8"), "--backend", "nccl"]);
+    assert_eq!(out.status.code(), Some(4));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("copy-engine lanes"), "{err}");
+    // The simulator runs it (smaller, as the simulator moves real bytes).
+    let small =
+        std::env::temp_dir().join(format!("duplex-copy-small-{}.sched", std::process::id()));
+    let text = std::fs::read_to_string(&copy)
+        .expect("read")
+        .replace("256MiB", "2MiB");
+    std::fs::write(&small, text).expect("write");
+    let out = duplex(&["run", small.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(&small);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -64,6 +64,29 @@ pub fn lane(policy: Policy, rank: Rank, dir: Dir, peer: Rank) -> (String, Vec<Ra
     }
 }
 
+/// Whether a policy-placed op of `bytes` goes on its direction's
+/// copy-engine lane ([`copy_lane`]) rather than the policy's [`lane`]:
+/// under [`Policy::PerDirection`] with `copy_from` set, ops of at least
+/// `copy_from` bytes do. Both ends of a message decide alike, since a
+/// matched pair has one size (R3); a pair whose sizes differ across the
+/// threshold is matched on neither lane with the other, as on a backend.
+pub fn goes_by_copy(policy: Policy, copy_from: Option<u64>, bytes: u64) -> bool {
+    policy == Policy::PerDirection && copy_from.is_some_and(|c| bytes >= c)
+}
+
+/// The copy-engine lane of traffic between `rank` and `peer` in `dir`:
+/// the lane `copy:src->dst` (members src and dst), on the stream of the
+/// direction's NCCL lane, `lane:src->dst`, so that the direction's ops stay
+/// in issue order on each rank whichever lane carries them.
+pub fn copy_lane(rank: Rank, dir: Dir, peer: Rank) -> (String, Vec<Rank>, String) {
+    let (_, members, stream) = lane(Policy::PerDirection, rank, dir, peer);
+    let (src, dst) = match dir {
+        Dir::Send => (rank, peer),
+        Dir::Recv => (peer, rank),
+    };
+    (format!("copy:{src}->{dst}"), members, stream)
+}
+
 /// Whether the policy's lanes are connected before the program's first
 /// call, so that R6 and R7 never apply to them: duplex connects
 /// per-direction lanes at creation, in an order that cannot hang; shared
@@ -102,8 +125,8 @@ struct Builder<'p> {
     op_texts: HashMap<OpKey<'p>, Arc<str>, Fx>,
     /// The texts of each group seen and of its ops, by what the ops say.
     group_texts: HashMap<Vec<OpKey<'p>>, GroupTexts, Fx>,
-    /// The lane of each (rank, direction, peer) seen.
-    lanes: HashMap<(Rank, Dir, Rank), (CommId, StreamId), Fx>,
+    /// The lane of each (rank, direction, peer, by copy engine) seen.
+    lanes: HashMap<(Rank, Dir, Rank, bool), (CommId, StreamId), Fx>,
     /// Scratch: the key of the group being looked up.
     key: Vec<OpKey<'p>>,
 }
@@ -270,23 +293,38 @@ impl<'p> Builder<'p> {
                 comm,
                 self.stream(rank, op.stream.as_deref().unwrap_or("default")),
             )
-        } else if let Some(lane) = self.lanes.get(&(rank, op.dir, op.peer)) {
-            *lane
         } else {
             let policy = self.program.policy;
-            let (name, members, stream) = lane(policy, rank, op.dir, op.peer);
-            let warm = lane_connected(policy, !self.model.lazy_connect);
-            let comm = match self.comms.get(&name) {
-                Some(c) => *c,
-                None => {
-                    let c = self.setup.add_comm(name.clone(), members, warm);
-                    self.comms.insert(name, c);
-                    c
-                }
-            };
-            let placed = (comm, self.stream(rank, &stream));
-            self.lanes.insert((rank, op.dir, op.peer), placed);
-            placed
+            let copy = goes_by_copy(
+                policy,
+                self.program.copy_from.map(Size::bytes),
+                op.size.bytes(),
+            );
+            if let Some(lane) = self.lanes.get(&(rank, op.dir, op.peer, copy)) {
+                *lane
+            } else {
+                let (name, members, stream) = if copy {
+                    copy_lane(rank, op.dir, op.peer)
+                } else {
+                    lane(policy, rank, op.dir, op.peer)
+                };
+                let warm = lane_connected(policy, !self.model.lazy_connect);
+                let comm = match self.comms.get(&name) {
+                    Some(c) => *c,
+                    None => {
+                        let c = if copy {
+                            self.setup.add_copy_lane(name.clone(), members)
+                        } else {
+                            self.setup.add_comm(name.clone(), members, warm)
+                        };
+                        self.comms.insert(name, c);
+                        c
+                    }
+                };
+                let placed = (comm, self.stream(rank, &stream));
+                self.lanes.insert((rank, op.dir, op.peer, copy), placed);
+                placed
+            }
         };
         OpSpec {
             dir: op.dir,

@@ -43,6 +43,9 @@ pub struct TraceComm {
     pub members: Vec<Rank>,
     /// Connected at creation: R6 and R7 never apply to it.
     pub warm: bool,
+    /// A copy-engine lane ([`crate::machine::CommInfo::copy`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub copy: bool,
 }
 
 /// A host thread, stream or event: the rank it belongs to and its name.
@@ -258,8 +261,16 @@ impl Trace {
             name: name.to_string(),
             members: members.to_vec(),
             warm,
+            copy: false,
         });
         (self.comms.len() - 1) as u32
+    }
+
+    /// Declares a copy-engine lane; returns its index.
+    pub fn add_copy_lane(&mut self, name: &str, members: &[Rank]) -> u32 {
+        let i = self.add_comm(name, members, true);
+        self.comms[i as usize].copy = true;
+        i
     }
 
     /// Declares a host thread; returns its index.
@@ -367,7 +378,11 @@ impl Trace {
     ) -> Trace {
         let mut t = Trace::new(setup.ranks);
         for c in &setup.comms {
-            t.add_comm(&c.name, &c.members, c.warm);
+            if c.copy {
+                t.add_copy_lane(&c.name, &c.members);
+            } else {
+                t.add_comm(&c.name, &c.members, c.warm);
+            }
         }
         for x in &setup.threads {
             t.add_thread(x.rank, &x.name);
@@ -553,6 +568,10 @@ impl<'t> Replayer<'t> {
                     known.name.clone_from(&c.name);
                     known.members.clone_from(&c.members);
                     known.warm = c.warm;
+                    known.copy = c.copy;
+                }
+                None if c.copy => {
+                    setup.add_copy_lane(c.name.clone(), c.members.clone());
                 }
                 None => {
                     setup.add_comm(c.name.clone(), c.members.clone(), c.warm);

@@ -136,6 +136,14 @@ pub trait Transport: Sized + Send + 'static {
     fn world_size(&self) -> u32;
     /// The placement policy of ops without a [`Place`].
     fn policy(&self) -> Policy;
+    /// Under [`Policy::PerDirection`], the size in bytes from which ops
+    /// without an explicit communicator go on their direction's copy-engine
+    /// lane instead of its NCCL lane (`docs/semantics.md`, "Copy-engine
+    /// lanes"; [`crate::compile::goes_by_copy`]). `None`, the default: no
+    /// op does. [`Transport::lane`] is always the NCCL lane.
+    fn copy_from(&self) -> Option<u64> {
+        None
+    }
 
     /// A zeroed buffer of `len` elements.
     fn alloc<E: Element>(&self, len: usize) -> Result<Self::Buffer<E>>;

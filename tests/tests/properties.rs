@@ -84,6 +84,7 @@ fn op_count(p: &Program) -> usize {
 fn per_direction(p: &Program) -> Program {
     let mut q = p.clone();
     q.policy = Policy::PerDirection;
+    q.copy_from = None;
     q.model.kernels = None;
     q
 }
@@ -94,6 +95,7 @@ fn per_direction(p: &Program) -> Program {
 /// `comm-order=off` and unbounded kernels.
 fn unlimited(p: &Program) -> Program {
     let mut q = p.clone();
+    q.copy_from = None;
     q.model = Model {
         eager: p.model.eager,
         lazy_connect: false,
@@ -467,6 +469,67 @@ fn a_lazy_handshake_can_hide_a_race_with_another_threads_sync() {
     assert_eq!(verdict(&off), "deadlock");
 }
 
+// (d) copy-engine lanes ----------------------------------------------------------
+
+/// `p` with every op on copy-engine lanes (`copy-from=0`), unbounded kernels.
+fn all_copy(p: &Program) -> Program {
+    let mut q = per_direction(p);
+    q.copy_from = Some(Size(0));
+    q
+}
+
+/// `p` on per-direction NCCL lanes under NCCL's contract (`eager=0`),
+/// unbounded kernels.
+fn nccl_lanes_strict(p: &Program) -> Program {
+    let mut q = per_direction(p);
+    q.model.eager = Size(0);
+    q
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// Copy-engine lanes are per-direction lanes that never buffer (C3) and
+    /// need no kernel (C5): with every op on them and kernels unbounded,
+    /// the verdict is the per-direction verdict under `eager=0`, whatever
+    /// the program's `eager`.
+    ///
+    /// Catches: a copy lane that buffers (device.rs `settle_channel` using
+    /// the model's `eager` on it; planted and caught). The order of a
+    /// group's copy and NCCL launches (C6) needs both kinds in one group:
+    /// `backend-sim/tests/copy_lanes.rs` tests it.
+    #[test]
+    fn copy_lanes_are_per_direction_lanes_that_never_buffer(
+        p in strategies::programs(Shape::policy_placed()),
+    ) {
+        let (c, n) = (all_copy(&p), nccl_lanes_strict(&p));
+        prop_assert_eq!(
+            verdict(&c), verdict(&n),
+            "copy-engine lanes:\n{}\nNCCL lanes, eager=0:\n{}", c, n
+        );
+    }
+
+    /// Catches: a simulated transport that routes by size differently from
+    /// the compiler (sim/mod.rs `Lanes::get` against
+    /// `compile::goes_by_copy`), or that reserves copy lanes as NCCL
+    /// communicators.
+    #[test]
+    fn the_simulator_and_the_checker_agree_with_copy_lanes(
+        p in strategies::programs(Shape::small().with_copy_lanes()),
+    ) {
+        prop_assert_eq!(verdict(&p), simulator(&p), "{}", p);
+    }
+
+    /// Catches: a printer or parser that drops `copy-from=`.
+    #[test]
+    fn a_printed_program_with_copy_lanes_parses_back_to_itself(
+        p in strategies::programs(Shape::default().with_copy_lanes()),
+    ) {
+        let text = p.to_string();
+        prop_assert_eq!(parse(&text).map(|q| q.without_lines()), Ok(p.without_lines()), "{}", text);
+    }
+}
+
 // (e) printing and parsing -----------------------------------------------------
 
 proptest! {
@@ -510,6 +573,7 @@ fn simulator(p: &Program) -> String {
     let program = Arc::new(p.clone());
     let result = Sim::new(p.ranks)
         .policy(p.policy)
+        .copy_from(p.copy_from)
         .model(p.model)
         .max_executions(200_000)
         .check(|t| duplex::schedule::execute(&program, t));

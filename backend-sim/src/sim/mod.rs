@@ -59,6 +59,7 @@ pub const DEFAULT_MAX_EXECUTIONS: usize = 20_000;
 pub struct Sim {
     ranks: u32,
     policy: Policy,
+    copy_from: Option<u64>,
     model: Model,
     max_executions: usize,
     reduce: bool,
@@ -208,9 +209,14 @@ impl std::error::Error for Failure {}
 pub(crate) struct Lanes {
     ranks: u32,
     policy: Policy,
+    /// Ops of at least this many bytes go on copy-engine lanes.
+    copy_from: Option<u64>,
     defaults: Vec<StreamId>,
     /// The first lane communicator (`1 + lo·N + hi`, or `1 + src·N + dst`).
     comm_base: u32,
+    /// The first copy-engine lane (`src·N + dst` after it), when
+    /// `copy_from` is set.
+    copy_base: u32,
     /// The first lane stream (`base + rank·2N + k`).
     stream_base: u32,
 }
@@ -218,17 +224,32 @@ pub(crate) struct Lanes {
 impl Lanes {
     /// Reserves the lanes of `policy` among the ranks of `s`, whose
     /// communicators and streams so far are the world and the defaults.
-    fn reserve(s: &mut Setup, policy: Policy, warm: bool, defaults: Vec<StreamId>) -> Lanes {
+    fn reserve(
+        s: &mut Setup,
+        policy: Policy,
+        copy_from: Option<u64>,
+        warm: bool,
+        defaults: Vec<StreamId>,
+    ) -> Lanes {
         let n = s.ranks;
+        let copy_from = copy_from.filter(|_| policy == Policy::PerDirection);
+        let nn = n as usize * n as usize;
         let lanes = Lanes {
             ranks: n,
             policy,
+            copy_from,
             defaults,
             comm_base: s.comms.len() as u32,
+            copy_base: (s.comms.len() + nn) as u32,
             stream_base: s.streams.len() as u32,
         };
-        for _ in 0..n as usize * n as usize {
+        for _ in 0..nn {
             s.add_comm(String::new(), Vec::new(), warm);
+        }
+        if copy_from.is_some() {
+            for _ in 0..nn {
+                s.add_copy_lane(String::new(), Vec::new());
+            }
         }
         for r in 0..n {
             for _ in 0..2 * n {
@@ -238,13 +259,27 @@ impl Lanes {
         lanes
     }
 
+    /// The size from which ops go on copy-engine lanes, if any.
+    pub(crate) fn copy_from(&self) -> Option<u64> {
+        self.copy_from
+    }
+
     /// The communicator and stream of `rank`'s lane toward `peer` in
-    /// direction `dir`; `None` when `peer` does not exist.
-    fn get(&self, rank: Rank, peer: Rank, dir: Dir) -> Option<(CommId, StreamId)> {
+    /// direction `dir` for a message of `bytes` (`None`: the NCCL lane,
+    /// whatever the size); `None` when `peer` does not exist.
+    fn get(
+        &self,
+        rank: Rank,
+        peer: Rank,
+        dir: Dir,
+        bytes: Option<u64>,
+    ) -> Option<(CommId, StreamId)> {
         let n = self.ranks;
         if rank >= n || peer >= n {
             return None;
         }
+        let copy =
+            bytes.is_some_and(|b| duplex::compile::goes_by_copy(self.policy, self.copy_from, b));
         let (comm, k) = match self.policy {
             Policy::Shared => {
                 let (lo, hi) = (rank.min(peer), rank.max(peer));
@@ -257,8 +292,9 @@ impl Lanes {
                 Dir::Recv => (peer * n + rank, n + peer),
             },
         };
+        let base = if copy { self.copy_base } else { self.comm_base };
         Some((
-            CommId(self.comm_base + comm),
+            CommId(base + comm),
             StreamId(self.stream_base + rank * 2 * n + k),
         ))
     }
@@ -271,9 +307,14 @@ impl Lanes {
         rank: Rank,
         peer: Rank,
         dir: Dir,
+        bytes: Option<u64>,
     ) -> Option<(CommId, StreamId, String)> {
-        let (comm, stream) = self.get(rank, peer, dir)?;
-        let (name, members, stream_name) = duplex::compile::lane(self.policy, rank, dir, peer);
+        let (comm, stream) = self.get(rank, peer, dir, bytes)?;
+        let (name, members, stream_name) = if setup.comms[comm.0 as usize].copy {
+            duplex::compile::copy_lane(rank, dir, peer)
+        } else {
+            duplex::compile::lane(self.policy, rank, dir, peer)
+        };
         let c = &mut setup.comms[comm.0 as usize];
         if c.name.is_empty() {
             c.name = name.clone();
@@ -297,6 +338,7 @@ impl Sim {
         Sim {
             ranks,
             policy: Policy::Shared,
+            copy_from: None,
             model: Model::default(),
             max_executions,
             reduce: true,
@@ -307,6 +349,14 @@ impl Sim {
     /// Places ops without an explicit place by `policy`.
     pub fn policy(mut self, policy: Policy) -> Sim {
         self.policy = policy;
+        self
+    }
+
+    /// Under [`Policy::PerDirection`], places ops of at least `size` bytes
+    /// without an explicit communicator on copy-engine lanes
+    /// ([`duplex::compile::goes_by_copy`]); `None` (the default): none.
+    pub fn copy_from(mut self, size: Option<duplex::Size>) -> Sim {
+        self.copy_from = size.map(duplex::Size::bytes);
         self
     }
 
@@ -435,13 +485,17 @@ impl Sim {
             Policy::Shared => "Policy::Shared",
             Policy::PerDirection => "Policy::PerDirection",
         };
+        let policy = match self.copy_from {
+            Some(c) => format!("{policy}).copy_from(Some(duplex::Size({c})))"),
+            None => format!("{policy})"),
+        };
         let model = if self.model == Model::default() {
             String::new()
         } else {
             format!(".model(/* {} */)", self.model)
         };
         format!(
-            "duplex_sim::Sim::new({}).policy({policy}){model}",
+            "duplex_sim::Sim::new({}).policy({policy}{model}",
             self.ranks
         )
     }
@@ -486,7 +540,7 @@ impl Sim {
             .map(|r| s.add_stream(r, "default"))
             .collect();
         let warm = duplex::compile::lane_connected(self.policy, !cold);
-        let lanes = Lanes::reserve(&mut s, self.policy, warm, defaults);
+        let lanes = Lanes::reserve(&mut s, self.policy, self.copy_from, warm, defaults);
         (s, lanes)
     }
 

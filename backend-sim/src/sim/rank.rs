@@ -137,12 +137,14 @@ impl SimRank {
         what: &str,
         peer: Rank,
         dir: Dir,
+        bytes: u64,
         place: &Place<Self>,
     ) -> Result<(CommId, StreamId)> {
         check::peer(at, || what.to_string(), peer, self.world_size)?;
         let lane = {
             let mut w = self.shared.lock();
-            self.lanes.open(w.machine.setup_mut(), self.rank, peer, dir)
+            self.lanes
+                .open(w.machine.setup_mut(), self.rank, peer, dir, Some(bytes))
         };
         let Some((lane_comm, lane_stream, _)) = lane else {
             return check::invalid(at, format!("{what}: no lane toward rank {peer}"));
@@ -192,7 +194,8 @@ impl SimRank {
                 return check::invalid(at, format!("{what}: the buffer belongs to another rank"));
             }
         }
-        let (comm, stream) = self.resolve(at, &what, peer, dir, place)?;
+        let bytes = (buf.len * E::DTYPE.size()) as u64;
+        let (comm, stream) = self.resolve(at, &what, peer, dir, bytes, place)?;
         let _span = tracing::trace_span!(
             "duplex.op",
             backend = "sim",
@@ -300,6 +303,10 @@ impl Transport for SimRank {
         self.policy
     }
 
+    fn copy_from(&self) -> Option<u64> {
+        self.lanes.copy_from()
+    }
+
     fn alloc<E: Element>(&self, len: usize) -> Result<SimBuffer<E>> {
         let mut w = self.shared.lock();
         let bytes = len
@@ -400,7 +407,8 @@ impl Transport for SimRank {
     fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>> {
         let lane = {
             let mut w = self.shared.lock();
-            self.lanes.open(w.machine.setup_mut(), self.rank, peer, dir)
+            self.lanes
+                .open(w.machine.setup_mut(), self.rank, peer, dir, None)
         };
         match lane {
             Some((comm, stream, name)) => Ok(Lane {

@@ -200,7 +200,9 @@ impl Machine {
             .expect("head launch is live");
         launch.started = true;
         let rank = launch.rank;
-        self.state.ranks[rank as usize].running += 1;
+        if !self.is_copy(lref) {
+            self.state.ranks[rank as usize].running += 1;
+        }
         self.activate(lref);
     }
 
@@ -244,8 +246,14 @@ impl Machine {
     /// complete into a connected channel's buffer while it has room (R5,
     /// R6).
     fn settle_channel(&mut self, key: ChannelKey) {
-        let eager = self.setup.model.eager.bytes();
-        let warm = self.setup.comms[key.0.ix()].warm;
+        let info = &self.setup.comms[key.0.ix()];
+        // Copy-engine lanes never buffer.
+        let eager = if info.copy {
+            0
+        } else {
+            self.setup.model.eager.bytes()
+        };
+        let warm = info.warm;
         loop {
             let mut changed = false;
             while let Some(Front::Ready(send, recv)) = self.front(key) {
@@ -324,9 +332,11 @@ impl Machine {
             return;
         };
         let comm = launch.comm();
+        let copy = self.setup.comms[comm.ix()].copy;
         let rank = &mut self.state.ranks[launch.rank as usize];
         // Launches on one communicator complete in issue order (R2): the
-        // one to drop is at the front (anywhere with `comm-order=off`).
+        // one to drop is at the front (anywhere with `comm-order=off`, or on
+        // a copy-engine lane).
         if let Ok(i) = rank.on_comm.binary_search_by_key(&comm, |(c, _)| *c) {
             let q = &mut rank.on_comm[i].1;
             if let Some(pos) = q.iter().position(|p| *p == lref) {
@@ -339,7 +349,9 @@ impl Machine {
         if let Some(pos) = rank.pending.iter().position(|p| *p == lref) {
             rank.pending.remove(pos);
         }
-        rank.running -= 1;
+        if !copy {
+            rank.running -= 1;
+        }
         for s in launch.streams {
             debug_assert_eq!(
                 self.state.streams[s.ix()].queue.front(),

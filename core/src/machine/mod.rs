@@ -111,6 +111,12 @@ pub struct CommInfo {
     pub members: Vec<Rank>,
     /// Connected before the program starts: R6 and R7 never apply to it.
     pub warm: bool,
+    /// A copy-engine lane of duplex's own, not an NCCL communicator
+    /// (`docs/semantics.md`, "Copy-engine lanes"): always connected, never
+    /// buffers (R5 off), takes no kernel slot (R10 off), is not ordered
+    /// with the rank's other launches on it beyond its streams (R2 off),
+    /// and ignores grouping (R8's `group-mismatch` off).
+    pub copy: bool,
 }
 
 /// An event's identity.
@@ -259,8 +265,27 @@ impl Setup {
             name: name.into(),
             members,
             warm,
+            copy: false,
         });
         CommId(self.comms.len() as u32 - 1)
+    }
+
+    /// Adds a copy-engine lane ([`CommInfo::copy`]).
+    pub fn add_copy_lane(&mut self, name: impl Into<String>, members: Vec<Rank>) -> CommId {
+        self.comms.push(CommInfo {
+            name: name.into(),
+            members,
+            warm: true,
+            copy: true,
+        });
+        CommId(self.comms.len() as u32 - 1)
+    }
+
+    /// Whether an op of a launch counts as grouped for R8's comparison: the
+    /// launch is a group ([`LaunchSpec::is_group`]) and the op is on an
+    /// NCCL communicator (copy-engine lanes ignore grouping).
+    pub fn grouped(&self, spec: &LaunchSpec, op: &OpSpec) -> bool {
+        spec.is_group() && !self.comms[op.comm.ix()].copy
     }
 
     /// Adds an event.
@@ -650,6 +675,13 @@ impl Launch {
     /// communicator of a group a launch of its own).
     fn comm(&self) -> CommId {
         self.ops[0].spec.comm
+    }
+}
+
+impl Machine {
+    /// Whether a launch is on a copy-engine lane ([`CommInfo::copy`]).
+    fn is_copy(&self, lref: LaunchRef) -> bool {
+        self.setup.comms[self.state.launches[&lref].comm().ix()].copy
     }
 }
 
@@ -1289,14 +1321,17 @@ impl Machine {
             let Some(partner) = theirs.get(position) else {
                 continue;
             };
+            let copy = self.setup.comms[o.comm.ix()].copy;
             let sig = |bytes, dtype, grouped| issue::Sig {
                 bytes,
                 dtype,
                 grouped,
             };
             if issue::agree(
-                &sig(partner.bytes, partner.dtype, partner.grouped),
-                &sig(o.bytes, o.dtype, spec.is_group()),
+                // A partner is on the same channel, so on the same kind of
+                // communicator.
+                &sig(partner.bytes, partner.dtype, partner.grouped && !copy),
+                &sig(o.bytes, o.dtype, self.setup.grouped(spec, o)),
                 self.setup.model.one_sided_groups,
             ) {
                 continue;
@@ -1403,6 +1438,9 @@ impl Machine {
                 streams.push(o.stream);
             }
         }
+        // A group's launches on copy-engine lanes go on their streams after
+        // its NCCL launches: the backend issues them after `ncclGroupEnd`.
+        parts.sort_by_key(|(_, ops, _)| self.setup.comms[ops[0].spec.comm.ix()].copy);
         for (lref, ops, streams) in parts {
             for s in &streams {
                 self.state.streams[s.ix()]

@@ -158,7 +158,8 @@ impl Machine {
             }
         }
         let rank = &self.state.ranks[launch.rank as usize];
-        if self.setup.model.comm_order {
+        let copy = self.is_copy(lref);
+        if self.setup.model.comm_order && !copy {
             // A launch is on one communicator (a group is launched once per
             // communicator, `Machine::op_refs`); the rank's launches on it
             // are queued in issue order.
@@ -178,12 +179,13 @@ impl Machine {
             }
         }
         if let Some(k) = self.setup.model.kernels
+            && !copy
             && rank.running >= k
         {
             for r in rank
                 .pending
                 .iter()
-                .filter(|p| self.state.launches[p].started)
+                .filter(|p| self.state.launches[p].started && !self.is_copy(**p))
             {
                 f(Blocker {
                     rule: Rule::R10,
@@ -254,7 +256,10 @@ impl Machine {
             .unwrap_or(0);
         let rule = if pos == 0 {
             Rule::R4
-        } else if op.spec.dir == Dir::Send && self.setup.model.eager.bytes() > 0 {
+        } else if op.spec.dir == Dir::Send
+            && self.setup.model.eager.bytes() > 0
+            && !self.setup.comms[op.spec.comm.ix()].copy
+        {
             Rule::R5
         } else {
             Rule::R3

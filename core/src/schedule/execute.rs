@@ -40,9 +40,29 @@ pub fn payload(src: Rank, dst: Rank, len: u64) -> Vec<u8> {
 }
 
 /// Runs rank `t.rank()`'s part of `program`. Every rank must call it; the
-/// transport's policy should be the program's.
+/// transport's policy should be the program's, and its copy-engine lanes
+/// ([`Transport::copy_from`]) must be: a program whose large ops the
+/// checker put on copy-engine lanes is not run on NCCL lanes.
 pub fn execute<T: Transport>(program: &Arc<Program>, t: &T) -> Result<()> {
     let rank = t.rank();
+    let wanted = program
+        .copy_from
+        .filter(|_| program.policy == crate::Policy::PerDirection)
+        .map(crate::Size::bytes);
+    if t.copy_from() != wanted {
+        let say = |c: Option<u64>| match c {
+            Some(c) => format!("from {} on copy-engine lanes", crate::Size(c)),
+            None => "none on copy-engine lanes".to_string(),
+        };
+        return Err(Error::Invalid {
+            at: "schedule".into(),
+            message: format!(
+                "the program puts ops {}, the transport {}",
+                say(wanted),
+                say(t.copy_from())
+            ),
+        });
+    }
     if t.world_size() != program.ranks {
         return Err(Error::Invalid {
             at: "schedule".into(),

@@ -34,6 +34,10 @@ pub struct Program {
     pub ranks: u32,
     /// How ops without `comm=`/`stream=` are placed.
     pub policy: Policy,
+    /// Under [`Policy::PerDirection`], policy-placed ops of at least this
+    /// many bytes go on the copy-engine lane of their direction instead of
+    /// its NCCL lane (`policy per-direction copy-from=SIZE`).
+    pub copy_from: Option<Size>,
     /// The model knobs.
     pub model: Model,
     /// Declared communicators (`world` is implicit and never listed here).

@@ -88,6 +88,7 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
                 let mut p = Parser {
                     ranks: head.ranks,
                     policy: head.policy,
+                    copy_from: head.copy_from,
                     model: head.model,
                     comms: head.comms.clone(),
                     threads: Vec::new(),
@@ -243,6 +244,7 @@ fn name(line: u32, what: &str, s: &str) -> Result<String> {
 struct Parser {
     ranks: Option<u32>,
     policy: Option<(Policy, u32)>,
+    copy_from: Option<Size>,
     model: Model,
     comms: Vec<CommDecl>,
     threads: Vec<Thread>,
@@ -272,6 +274,7 @@ impl Parser {
         let program = Program {
             ranks,
             policy: self.policy.map(|(p, _)| p).unwrap_or_default(),
+            copy_from: self.copy_from,
             model: self.model,
             comms: self.comms,
             threads: self.threads,
@@ -344,10 +347,38 @@ impl Parser {
                         format!("`policy` is given twice (first at line {first})"),
                     );
                 }
-                let [_, p] = tokens else {
-                    return err(line, "expected `policy shared` or `policy per-direction`");
+                let (p, copy) = match tokens {
+                    [_, p] => (p, None),
+                    [_, p, copy] => (p, Some(copy)),
+                    _ => {
+                        return err(
+                            line,
+                            "expected `policy shared`, `policy per-direction` or `policy per-direction copy-from=SIZE`",
+                        );
+                    }
                 };
                 let p = Policy::parse(p).map_err(|m| ParseError { line, message: m })?;
+                if let Some(copy) = copy {
+                    let Some(size) = copy.strip_prefix("copy-from=") else {
+                        return err(
+                            line,
+                            format!(
+                                "unknown policy setting `{copy}`: the only one is `copy-from=SIZE`"
+                            ),
+                        );
+                    };
+                    if p != Policy::PerDirection {
+                        return err(
+                            line,
+                            "copy-engine lanes (`copy-from=`) are per direction: write `policy per-direction copy-from=SIZE`",
+                        );
+                    }
+                    let size = Size::parse(size).map_err(|m| ParseError {
+                        line,
+                        message: format!("copy-from: {m}"),
+                    })?;
+                    self.copy_from = Some(size);
+                }
                 self.policy = Some((p, line));
                 Ok(())
             }

@@ -54,7 +54,10 @@ impl fmt::Display for StmtKind {
 impl fmt::Display for Program {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "ranks {}", self.ranks)?;
-        writeln!(f, "policy {}", self.policy)?;
+        match self.copy_from {
+            Some(c) => writeln!(f, "policy {} copy-from={c}", self.policy)?,
+            None => writeln!(f, "policy {}", self.policy)?,
+        }
         writeln!(f, "model {}", self.model)?;
         for c in &self.comms {
             write!(f, "comm {}", c.name)?;
