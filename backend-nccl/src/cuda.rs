@@ -23,6 +23,11 @@ fn err(call: &str, e: result::DriverError) -> Error {
     }
 }
 
+/// A raw driver result as a duplex error naming `call`.
+pub fn check(call: &str, r: sys::CUresult) -> Result<(), Error> {
+    r.result().map_err(|e| err(call, e))
+}
+
 /// Loads the driver and initializes it, once; returns the number of devices.
 pub fn init() -> Result<usize, Error> {
     static INIT: OnceLock<Result<usize, Error>> = OnceLock::new();
@@ -91,10 +96,53 @@ impl Device {
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| err("cuCtxSetCurrent", e))
     }
 
+    /// Makes this device's context current until the guard is dropped,
+    /// which makes the previous one current again.
+    pub fn bind_scoped(&self) -> Result<Bound, Error> {
+        let previous = result::ctx::get_current()
+            .map_err(|e| err("cuCtxGetCurrent", e))?
+            .filter(|c| *c != self.ctx);
+        self.bind()?;
+        Ok(Bound { previous })
+    }
+
+    /// The context handle.
+    pub fn raw_ctx(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
+    /// Lets this device's context reach `peer`'s memory directly (peer
+    /// access); already enabled is fine.
+    pub fn enable_peer(&self, peer: &Device) -> Result<(), Error> {
+        let _bound = self.bind_scoped()?;
+        // SAFETY: both contexts are retained.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx, 0) };
+        if r == sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check("cuCtxEnablePeerAccess", r)
+    }
+
     /// Free and total device memory, in bytes.
     pub fn memory(&self) -> Result<(usize, usize), Error> {
         self.bind()?;
         result::mem_get_info().map_err(|e| err("cuMemGetInfo", e))
+    }
+}
+
+/// The context that was current before [`Device::bind_scoped`].
+#[derive(Debug)]
+pub struct Bound {
+    previous: Option<sys::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(c) = self.previous {
+            // SAFETY: the context was current on this thread a moment ago;
+            // whoever made it current keeps it alive.
+            let _ = unsafe { result::ctx::set_current(c) };
+        }
     }
 }
 

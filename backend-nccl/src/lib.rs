@@ -31,6 +31,7 @@
 
 pub mod board;
 pub mod comm;
+pub mod copy;
 pub mod ctx;
 pub mod cuda;
 pub mod guard;

@@ -99,3 +99,65 @@ fn a_hang_snapshot_sees_whole_groups() {
         scenarios::snapshot_during_group,
     );
 }
+
+/// A copy-engine lane (`duplex_nccl::copy`): a send and its recv issued on
+/// two threads while a third aborts the lane and a fourth runs the device
+/// (one copy) and settles. Whatever the interleaving: an op is delivered
+/// only if its bytes are in the recv buffer, both ops end in the same
+/// state, and once the device has run and the lane settled, neither
+/// stream is left waiting.
+#[test]
+fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
+    use duplex::{DType, Dir};
+    use duplex_nccl::copy::fake::Fake;
+    use duplex_nccl::copy::{CopyLane, TicketState};
+    use loom::sync::Arc;
+    use loom::thread;
+
+    model("copy lane: send, recv, abort, device", Some(3), || {
+        let fake = Fake::default();
+        fake.put(1, vec![9; 8]);
+        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+        let issue = |dir: Dir, stream: u32, ptr: u64| {
+            let lane = lane.clone();
+            let fake = fake.clone();
+            thread::spawn(move || {
+                let t = lane
+                    .issue(dir, &stream, ptr, 8, DType::U8, dir.name(), Box::new(()))
+                    .ok()?;
+                lane.settle().expect("the fake reports no device error");
+                if t.state() == TicketState::Delivered {
+                    assert_eq!(fake.get(2), vec![9; 8], "delivered before the bytes");
+                }
+                Some(t)
+            })
+        };
+        let s = issue(Dir::Send, 1, 1);
+        let r = issue(Dir::Recv, 2, 2);
+        let aborter = {
+            let lane = lane.clone();
+            thread::spawn(move || lane.abort("deadline"))
+        };
+        let device = {
+            let (lane, fake) = (lane.clone(), fake.clone());
+            thread::spawn(move || {
+                fake.run(1);
+                lane.settle().expect("the fake reports no device error");
+            })
+        };
+        let (s, r) = (s.join().unwrap(), r.join().unwrap());
+        aborter.join().unwrap();
+        device.join().unwrap();
+        fake.run(usize::MAX);
+        lane.settle().expect("no device error");
+        for t in [&s, &r].into_iter().flatten() {
+            if t.state() == TicketState::Delivered {
+                assert_eq!(fake.get(2), vec![9; 8], "delivered without the bytes");
+            }
+        }
+        if let (Some(s), Some(r)) = (&s, &r) {
+            assert_eq!(s.state(), r.state());
+        }
+        assert!(fake.released(1) && fake.released(2), "a stream is left waiting");
+    });
+}

@@ -1,0 +1,565 @@
+//! Copy-engine lanes: one direction of traffic between two GPUs moved by
+//! the GPUs' copy engines instead of NCCL kernels, with the blocking rules
+//! C1–C6 of `docs/semantics.md` ("Copy-engine lanes").
+//!
+//! # How a message moves
+//!
+//! Message *k* of a lane (its *k*-th send meets its *k*-th recv, C2) goes
+//! like this, whichever side is issued first:
+//!
+//! 1. Each side, when issued on its stream, records a **ready** event there
+//!    (everything before the op on that stream is done: the send's bytes are
+//!    written, the recv's buffer is free) and then makes its stream **wait**
+//!    until the lane's flag slot `k % SLOTS` holds at least `k / SLOTS + 1`.
+//!    The stream is now blocked at the op, as an NCCL op blocks it until its
+//!    partner runs (R4); nothing on the host blocks.
+//! 2. When the second side is issued, the two are compared (size, element
+//!    type: a difference is a program error naming both, and nothing is
+//!    enqueued), and the lane's own **copy stream** is given: wait for both
+//!    ready events, copy the bytes into the recv buffer, record a **done**
+//!    event, write `k / SLOTS + 1` into the slot. The write releases both
+//!    user streams. The done event is recorded before the write, so a
+//!    stream released by it finds the copy done.
+//!
+//! Copies of a lane run in message order on its one copy stream, so each
+//! slot's value only grows and a waiter is never released by an older
+//! message. The flags live in pinned host memory mapped into every device,
+//! so the host can write them too.
+//!
+//! # Never success without the bytes
+//!
+//! Each op gets a [`Ticket`]. It says [`Delivered`](TicketState::Delivered)
+//! only once the lane has seen the copy's done event complete
+//! ([`CopyLane::settle`]); an op whose stream passed its wait for any other
+//! reason (an abort released it) is [`Failed`](TicketState::Failed).
+//!
+//! # Abort
+//!
+//! [`CopyLane::abort`] (a hang past its deadline, a failed rank) marks every
+//! ticket not yet delivered failed, refuses every later op, and writes the
+//! largest value into every slot, which releases every stream waiting on the
+//! lane. A copy already enqueued may still run later (when its ready events
+//! fire) and write its own smaller value into its slot; while aborted,
+//! [`CopyLane::settle`] writes the largest value again after any copy
+//! completes, so such a write can hold a stream back only until the next
+//! settle (the rank's watchdog settles every tick). The buffers of an
+//! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
+//! event completes, or for good if it never does (P6 of `crate::guard`).
+//!
+//! The device side is the [`CopyApi`] trait: [`Cuda`] on GPUs, and a fake in
+//! the tests that checks this protocol on the CPU.
+
+use std::collections::VecDeque;
+
+use duplex::{DType, Dir, Error, ProgramErrorKind};
+
+use std::sync::Arc;
+
+use crate::sync::{Mutex, lock};
+
+/// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
+pub const SLOTS: usize = 1024;
+
+/// The value message `k` waits for in its slot.
+fn generation(k: u64) -> u32 {
+    // Wraps after 2^32 generations of SLOTS messages: not a concern.
+    (k / SLOTS as u64 + 1) as u32
+}
+
+fn slot(k: u64) -> usize {
+    (k % SLOTS as u64) as usize
+}
+
+/// What a copy-engine lane needs of the device. Every call enqueues work
+/// and returns; none blocks on the device.
+pub trait CopyApi: Send + Sync {
+    /// A user's stream.
+    type Stream;
+    /// A ready event recorded on a user's stream.
+    type Ready: Send;
+    /// A done event recorded on the copy stream.
+    type Done: Send;
+    /// Records a ready event on `stream`.
+    fn ready(&self, stream: &Self::Stream) -> Result<Self::Ready, Error>;
+    /// Makes `stream` wait until flag `slot` holds at least `value`.
+    fn wait(&self, stream: &Self::Stream, slot: usize, value: u32) -> Result<(), Error>;
+    /// On the copy stream: wait for both ready events, copy `bytes` from
+    /// `src` to `dst`, record a done event, write `value` into `slot`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy(
+        &self,
+        send: &Self::Ready,
+        recv: &Self::Ready,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        slot: usize,
+        value: u32,
+    ) -> Result<Self::Done, Error>;
+    /// Whether a copy's done event has completed.
+    fn done(&self, done: &Self::Done) -> Result<bool, Error>;
+    /// Writes the largest value into every slot, from the host.
+    fn release_all(&self);
+}
+
+/// Where an op of a lane stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TicketState {
+    /// Issued; its partner has not been issued yet.
+    Waiting,
+    /// Matched; its copy is enqueued and not seen done yet.
+    Copying,
+    /// Its copy completed: the bytes are in the recv buffer.
+    Delivered,
+    /// It will never be delivered, or nobody can say it was: why.
+    Failed(Arc<str>),
+}
+
+/// One op of a lane: message `k`, and where it stands.
+#[derive(Debug)]
+pub struct Ticket {
+    k: u64,
+    state: Mutex<TicketState>,
+}
+
+impl Ticket {
+    /// The op's message number on its lane.
+    pub fn message(&self) -> u64 {
+        self.k
+    }
+
+    /// Where it stands.
+    pub fn state(&self) -> TicketState {
+        lock(&self.state).clone()
+    }
+
+    /// Moves to `to`, except out of `Failed` or `Delivered`.
+    fn set(&self, to: TicketState) {
+        let mut s = lock(&self.state);
+        if matches!(*s, TicketState::Waiting | TicketState::Copying) {
+            *s = to;
+        }
+    }
+}
+
+/// Something to keep alive until a copy is done (the op's buffer).
+pub type Keep = Box<dyn std::any::Any + Send + Sync>;
+
+/// An op issued whose partner has not come yet.
+struct Side<R> {
+    ready: R,
+    ptr: u64,
+    bytes: usize,
+    dtype: DType,
+    text: String,
+    ticket: Arc<Ticket>,
+    keep: Keep,
+}
+
+/// A copy enqueued and not seen done yet.
+struct Enqueued<D> {
+    done: D,
+    tickets: [Arc<Ticket>; 2],
+    _keep: [Keep; 2],
+}
+
+struct State<A: CopyApi> {
+    /// Sends, then recvs, issued beyond the other side (one of the two is
+    /// empty), oldest first.
+    ahead: [VecDeque<Side<A::Ready>>; 2],
+    /// The next message number of sends and of recvs.
+    next: [u64; 2],
+    /// Copies enqueued, in message order.
+    copies: VecDeque<Enqueued<A::Done>>,
+    /// Why the lane was aborted.
+    aborted: Option<Arc<str>>,
+}
+
+fn ix(dir: Dir) -> usize {
+    match dir {
+        Dir::Send => 0,
+        Dir::Recv => 1,
+    }
+}
+
+/// One copy-engine lane: the traffic from one rank to another.
+pub struct CopyLane<A: CopyApi> {
+    name: String,
+    api: A,
+    state: Mutex<State<A>>,
+}
+
+impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyLane").field("name", &self.name).finish()
+    }
+}
+
+impl<A: CopyApi> CopyLane<A> {
+    /// A lane named `name` (`copy:0->1`) on `api`.
+    pub fn new(name: impl Into<String>, api: A) -> CopyLane<A> {
+        CopyLane {
+            name: name.into(),
+            api,
+            state: Mutex::new(State {
+                ahead: [VecDeque::new(), VecDeque::new()],
+                next: [0, 0],
+                copies: VecDeque::new(),
+                aborted: None,
+            }),
+        }
+    }
+
+    /// The lane's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device side.
+    pub fn api(&self) -> &A {
+        &self.api
+    }
+
+    /// Issues one side of the next message on `stream`: `dir` from the
+    /// lane's point of view (a send of its source rank, a recv of its
+    /// destination rank), `ptr` the buffer's device address, `text` the op
+    /// as reports name it. `keep` is held until the copy is done. Callers
+    /// issue the ops of one side in stream order, one at a time (the rank's
+    /// issue lock).
+    #[allow(clippy::too_many_arguments)]
+    pub fn issue(
+        &self,
+        dir: Dir,
+        stream: &A::Stream,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        text: &str,
+        keep: Keep,
+    ) -> Result<Arc<Ticket>, Error> {
+        let mut st = lock(&self.state);
+        if let Some(why) = &st.aborted {
+            return Err(Error::Aborted(format!(
+                "{text}: {} was aborted: {why}",
+                self.name
+            )));
+        }
+        let (me, other) = (ix(dir), ix(dir.other()));
+        let k = st.next[me];
+        if let Some(p) = st.ahead[other].front()
+            && (p.bytes != bytes || p.dtype != dtype)
+        {
+            let (send, recv) = if dir == Dir::Send {
+                (text, p.text.as_str())
+            } else {
+                (p.text.as_str(), text)
+            };
+            let (kind, what) = if p.bytes != bytes {
+                (ProgramErrorKind::SizeMismatch, "size")
+            } else {
+                (ProgramErrorKind::TypeMismatch, "element type")
+            };
+            return Err(Error::Program {
+                kind,
+                message: format!(
+                    "message #{k} of {}: {send} is matched with {recv}, which differ in {what} (R3)",
+                    self.name
+                ),
+                ops: Vec::new(),
+            });
+        }
+        let ready = self.api.ready(stream)?;
+        self.api.wait(stream, slot(k), generation(k))?;
+        st.next[me] += 1;
+        let ticket = Arc::new(Ticket {
+            k,
+            state: Mutex::new(TicketState::Waiting),
+        });
+        let Some(p) = st.ahead[other].pop_front() else {
+            st.ahead[me].push_back(Side {
+                ready,
+                ptr,
+                bytes,
+                dtype,
+                text: text.to_string(),
+                ticket: ticket.clone(),
+                keep,
+            });
+            return Ok(ticket);
+        };
+        let (send_ready, src, recv_ready, dst) = if dir == Dir::Send {
+            (&ready, ptr, &p.ready, p.ptr)
+        } else {
+            (&p.ready, p.ptr, &ready, ptr)
+        };
+        match self
+            .api
+            .copy(send_ready, recv_ready, dst, src, bytes, slot(k), generation(k))
+        {
+            Ok(done) => {
+                ticket.set(TicketState::Copying);
+                p.ticket.set(TicketState::Copying);
+                st.copies.push_back(Enqueued {
+                    done,
+                    tickets: [ticket.clone(), p.ticket],
+                    _keep: [keep, p.keep],
+                });
+                Ok(ticket)
+            }
+            Err(e) => {
+                // Both streams wait for a copy that will never be made:
+                // release them, and the lane is done for.
+                p.ticket.set(TicketState::Failed(e.to_string().into()));
+                ticket.set(TicketState::Failed(e.to_string().into()));
+                self.abort_locked(&mut st, &format!("enqueuing the copy of {text} failed: {e}"));
+                Err(e)
+            }
+        }
+    }
+
+    /// Marks the copies seen done delivered, and drops what they kept.
+    /// While the lane is aborted, releases every slot again (see the module
+    /// docs). Returns an error if the device reports one; the lane is then
+    /// aborted.
+    pub fn settle(&self) -> Result<(), Error> {
+        let mut st = lock(&self.state);
+        let mut finished = false;
+        while let Some(c) = st.copies.front() {
+            match self.api.done(&c.done) {
+                Ok(true) => {
+                    for t in &c.tickets {
+                        t.set(TicketState::Delivered);
+                    }
+                    st.copies.pop_front();
+                    finished = true;
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    let why = format!("a copy of {} failed: {e}", self.name);
+                    self.abort_locked(&mut st, &why);
+                    return Err(e);
+                }
+            }
+        }
+        if st.aborted.is_some() && (finished || !st.copies.is_empty()) {
+            self.api.release_all();
+        }
+        Ok(())
+    }
+
+    /// Aborts the lane (see the module docs); idempotent.
+    pub fn abort(&self, why: &str) {
+        let mut st = lock(&self.state);
+        self.abort_locked(&mut st, why);
+    }
+
+    fn abort_locked(&self, st: &mut State<A>, why: &str) {
+        let why: Arc<str> = match &st.aborted {
+            Some(w) => w.clone(),
+            None => why.into(),
+        };
+        st.aborted = Some(why.clone());
+        for side in st.ahead.iter_mut() {
+            for s in side.drain(..) {
+                s.ticket.set(TicketState::Failed(why.clone()));
+            }
+        }
+        for c in &st.copies {
+            for t in &c.tickets {
+                t.set(TicketState::Failed(why.clone()));
+            }
+        }
+        self.api.release_all();
+    }
+
+    /// Why the lane was aborted, if it was.
+    pub fn aborted(&self) -> Option<Arc<str>> {
+        lock(&self.state).aborted.clone()
+    }
+
+    /// Copies enqueued and not seen done.
+    pub fn copies_in_flight(&self) -> usize {
+        lock(&self.state).copies.len()
+    }
+}
+
+#[cfg(not(loom))]
+pub use cuda::Cuda;
+
+#[cfg(not(loom))]
+mod cuda {
+    use std::ffi::c_void;
+
+    use cudarc::driver::sys;
+    use duplex::Error;
+
+    use super::{CopyApi, SLOTS};
+    use crate::cuda::{Device, Event, Stream, check};
+
+    /// Pinned host memory mapped into every device: the lane's flag slots.
+    #[derive(Debug)]
+    struct Flags {
+        host: *mut u32,
+    }
+
+    // SAFETY: the memory is plain pinned host memory, written with volatile
+    // stores and read by the devices.
+    unsafe impl Send for Flags {}
+    // SAFETY: as above.
+    unsafe impl Sync for Flags {}
+
+    impl Flags {
+        fn new() -> Result<Flags, Error> {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: allocates SLOTS u32s of pinned memory, mapped into the
+            // address space of every context (portable, device-mapped; with
+            // unified addressing the device address is the host address).
+            check("cuMemHostAlloc", unsafe {
+                sys::cuMemHostAlloc(
+                    &mut p,
+                    SLOTS * 4,
+                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            })?;
+            let flags = Flags { host: p as *mut u32 };
+            for i in 0..SLOTS {
+                // SAFETY: `i` is within the allocation.
+                unsafe { flags.host.add(i).write_volatile(0) };
+            }
+            Ok(flags)
+        }
+
+        fn device(&self, slot: usize) -> sys::CUdeviceptr {
+            // SAFETY: within the allocation.
+            unsafe { self.host.add(slot) as sys::CUdeviceptr }
+        }
+    }
+
+    impl Drop for Flags {
+        fn drop(&mut self) {
+            // SAFETY: allocated by cuMemHostAlloc, freed once. A stream
+            // still waiting on it would read freed memory: lanes are dropped
+            // only with their rank, after its streams are done or aborted.
+            let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+        }
+    }
+
+    /// The CUDA side of a lane from device `src` to device `dst` (the same
+    /// device in a test): flags, and a copy stream on `src` (copies are
+    /// pushed by the source GPU's copy engines).
+    #[derive(Debug)]
+    pub struct Cuda {
+        flags: Flags,
+        src: std::sync::Arc<Device>,
+        dst: std::sync::Arc<Device>,
+        stream: Stream,
+    }
+
+    impl Cuda {
+        /// The device side of a lane from `src` to `dst`. Enables peer
+        /// access between the two when they differ.
+        pub fn new(src: std::sync::Arc<Device>, dst: std::sync::Arc<Device>) -> Result<Cuda, Error> {
+            if src.ordinal() != dst.ordinal() {
+                src.enable_peer(&dst)?;
+                dst.enable_peer(&src)?;
+            }
+            src.bind()?;
+            let stream = Stream::new()?;
+            Ok(Cuda {
+                flags: Flags::new()?,
+                src,
+                dst,
+                stream,
+            })
+        }
+
+        /// The copy stream.
+        pub fn stream(&self) -> &Stream {
+            &self.stream
+        }
+    }
+
+    impl CopyApi for Cuda {
+        type Stream = Stream;
+        type Ready = Event;
+        type Done = Event;
+
+        fn ready(&self, stream: &Stream) -> Result<Event, Error> {
+            let e = Event::new(false)?;
+            e.record(stream)?;
+            Ok(e)
+        }
+
+        fn wait(&self, stream: &Stream, slot: usize, value: u32) -> Result<(), Error> {
+            // SAFETY: the stream is live; the address is mapped pinned
+            // memory that lives as long as the lane.
+            check("cuStreamWaitValue32", unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream.raw() as sys::CUstream,
+                    self.flags.device(slot),
+                    value,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            })
+        }
+
+        fn copy(
+            &self,
+            send: &Event,
+            recv: &Event,
+            dst: u64,
+            src: u64,
+            bytes: usize,
+            slot: usize,
+            value: u32,
+        ) -> Result<Event, Error> {
+            let _bound = self.src.bind_scoped()?;
+            self.stream.wait(send)?;
+            self.stream.wait(recv)?;
+            if bytes > 0 {
+                // SAFETY: both buffers hold `bytes` bytes and are kept alive
+                // until the done event completes (the lane's `keep`).
+                check("cuMemcpyPeerAsync", unsafe {
+                    sys::cuMemcpyPeerAsync(
+                        dst,
+                        self.dst.raw_ctx(),
+                        src,
+                        self.src.raw_ctx(),
+                        bytes,
+                        self.stream.raw() as sys::CUstream,
+                    )
+                })?;
+            }
+            let done = Event::new(false)?;
+            done.record(&self.stream)?;
+            // SAFETY: as in `wait`.
+            check("cuStreamWriteValue32", unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    self.stream.raw() as sys::CUstream,
+                    self.flags.device(slot),
+                    value,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            })?;
+            Ok(done)
+        }
+
+        fn done(&self, done: &Event) -> Result<bool, Error> {
+            done.done()
+        }
+
+        fn release_all(&self) {
+            for i in 0..SLOTS {
+                // SAFETY: within the allocation.
+                unsafe { self.flags.host.add(i).write_volatile(u32::MAX) };
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(any(test, loom))]
+pub mod fake;
+
+#[cfg(all(test, not(loom)))]
+mod tests;

@@ -1,0 +1,175 @@
+//! A device for copy-engine lanes on the CPU: memory is a map of byte
+//! vectors, the flag slots an array, and the copy stream a queue that runs
+//! when the test says so ([`Fake::run`]). It records what each user stream
+//! was asked to wait for, so a test can ask whether a stream is released
+//! ([`Fake::released`]). Used by the unit tests and the loom tests.
+
+use std::collections::{HashMap, VecDeque};
+
+use duplex::Error;
+
+use super::{CopyApi, SLOTS};
+use crate::sync::{Arc, AtomicBool, Mutex, Ordering, lock};
+
+/// A user stream: a number.
+pub type FakeStream = u32;
+
+/// A copy enqueued and not run yet.
+#[derive(Debug)]
+struct Pending {
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    slot: usize,
+    value: u32,
+    done: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    memory: HashMap<u64, Vec<u8>>,
+    slots: Vec<u32>,
+    /// Per stream, the (slot, value) waits enqueued, oldest first.
+    waits: HashMap<FakeStream, Vec<(usize, u32)>>,
+    queue: VecDeque<Pending>,
+    /// Calls to `copy` that fail from now on.
+    fail_copies: bool,
+    copies: usize,
+}
+
+/// The fake device.
+#[derive(Debug, Clone)]
+pub struct Fake(Arc<Mutex<Inner>>);
+
+impl Default for Fake {
+    fn default() -> Self {
+        Fake(Arc::new(Mutex::new(Inner {
+            memory: HashMap::new(),
+            slots: vec![0; SLOTS],
+            waits: HashMap::new(),
+            queue: VecDeque::new(),
+            fail_copies: false,
+            copies: 0,
+        })))
+    }
+}
+
+impl Fake {
+    /// Puts `data` at address `ptr`.
+    pub fn put(&self, ptr: u64, data: Vec<u8>) {
+        lock(&self.0).memory.insert(ptr, data);
+    }
+
+    /// The bytes at `ptr`.
+    pub fn get(&self, ptr: u64) -> Vec<u8> {
+        lock(&self.0).memory.get(&ptr).cloned().unwrap_or_default()
+    }
+
+    /// Runs up to `n` enqueued copies, in order: copies the bytes, marks
+    /// the copy done, writes its slot. Returns how many ran.
+    pub fn run(&self, n: usize) -> usize {
+        let mut g = lock(&self.0);
+        let mut ran = 0;
+        while ran < n {
+            let Some(p) = g.queue.pop_front() else { break };
+            let data = g.memory.get(&p.src).cloned().unwrap_or_default();
+            let dst = g.memory.entry(p.dst).or_default();
+            dst.clear();
+            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
+            p.done.store(true, Ordering::SeqCst);
+            g.slots[p.slot] = p.value;
+            ran += 1;
+        }
+        ran
+    }
+
+    /// Whether every wait enqueued on `stream` is satisfied now.
+    pub fn released(&self, stream: FakeStream) -> bool {
+        let g = lock(&self.0);
+        g.waits
+            .get(&stream)
+            .is_none_or(|w| w.iter().all(|(s, v)| g.slots[*s] >= *v))
+    }
+
+    /// The value in flag `slot`.
+    pub fn slot(&self, slot: usize) -> u32 {
+        lock(&self.0).slots[slot]
+    }
+
+    /// Makes every later `copy` call fail.
+    pub fn fail_copies(&self) {
+        lock(&self.0).fail_copies = true;
+    }
+
+    /// Copies enqueued so far.
+    pub fn copies(&self) -> usize {
+        lock(&self.0).copies
+    }
+
+    /// The waits enqueued on `stream`.
+    pub fn waits(&self, stream: FakeStream) -> Vec<(usize, u32)> {
+        lock(&self.0).waits.get(&stream).cloned().unwrap_or_default()
+    }
+}
+
+impl CopyApi for Fake {
+    type Stream = FakeStream;
+    type Ready = FakeStream;
+    type Done = Arc<AtomicBool>;
+
+    fn ready(&self, stream: &FakeStream) -> Result<FakeStream, Error> {
+        Ok(*stream)
+    }
+
+    fn wait(&self, stream: &FakeStream, slot: usize, value: u32) -> Result<(), Error> {
+        lock(&self.0)
+            .waits
+            .entry(*stream)
+            .or_default()
+            .push((slot, value));
+        Ok(())
+    }
+
+    fn copy(
+        &self,
+        _send: &FakeStream,
+        _recv: &FakeStream,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        slot: usize,
+        value: u32,
+    ) -> Result<Arc<AtomicBool>, Error> {
+        let mut g = lock(&self.0);
+        if g.fail_copies {
+            return Err(Error::Library {
+                library: "CUDA",
+                call: "cuMemcpyPeerAsync".into(),
+                code: 1,
+                text: "the fake was told to fail".into(),
+            });
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        g.queue.push_back(Pending {
+            dst,
+            src,
+            bytes,
+            slot,
+            value,
+            done: done.clone(),
+        });
+        g.copies += 1;
+        Ok(done)
+    }
+
+    fn done(&self, done: &Arc<AtomicBool>) -> Result<bool, Error> {
+        Ok(done.load(Ordering::SeqCst))
+    }
+
+    fn release_all(&self) {
+        let mut g = lock(&self.0);
+        for s in g.slots.iter_mut() {
+            *s = u32::MAX;
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The copy-engine lane's protocol on the CPU fake.
+
+use std::sync::Arc;
+
+use duplex::{DType, Dir, Error, ProgramErrorKind};
+
+use super::fake::Fake;
+use super::{CopyLane, SLOTS, TicketState};
+
+/// Stream of the sending rank and of the receiving rank.
+const S: u32 = 1;
+const R: u32 = 2;
+
+fn lane() -> (CopyLane<Fake>, Fake) {
+    let fake = Fake::default();
+    (CopyLane::new("copy:0->1", fake.clone()), fake)
+}
+
+fn keep() -> super::Keep {
+    Box::new(())
+}
+
+fn send(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
+    l.issue(Dir::Send, &S, ptr, bytes, DType::U8, &format!("send {bytes}"), keep())
+}
+
+fn recv(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
+    l.issue(Dir::Recv, &R, ptr, bytes, DType::U8, &format!("recv {bytes}"), keep())
+}
+
+#[test]
+fn a_message_is_delivered_only_once_its_copy_is_done_whichever_side_comes_first() {
+    for send_first in [true, false] {
+        let (l, fake) = lane();
+        fake.put(100, vec![7; 16]);
+        let (s, r) = if send_first {
+            let s = send(&l, 100, 16).unwrap();
+            assert_eq!(s.state(), TicketState::Waiting);
+            assert!(!fake.released(S), "a send blocks its stream until its copy");
+            (s, recv(&l, 200, 16).unwrap())
+        } else {
+            let r = recv(&l, 200, 16).unwrap();
+            (send(&l, 100, 16).unwrap(), r)
+        };
+        assert_eq!(fake.copies(), 1);
+        assert_eq!((s.state(), r.state()), (TicketState::Copying, TicketState::Copying));
+        assert!(!fake.released(S) && !fake.released(R));
+        l.settle().unwrap();
+        assert_eq!(s.state(), TicketState::Copying, "not done yet");
+        assert_eq!(fake.run(1), 1);
+        assert!(fake.released(S) && fake.released(R));
+        assert_eq!(fake.get(200), vec![7; 16]);
+        l.settle().unwrap();
+        assert_eq!((s.state(), r.state()), (TicketState::Delivered, TicketState::Delivered));
+        assert_eq!(l.copies_in_flight(), 0);
+    }
+}
+
+#[test]
+fn messages_match_in_order_and_share_slots_with_growing_generations() {
+    let (l, fake) = lane();
+    let n = SLOTS as u64 + 3;
+    for k in 0..n {
+        fake.put(1000 + k, vec![k as u8; 4]);
+        send(&l, 1000 + k, 4).unwrap();
+    }
+    for k in 0..n {
+        let t = recv(&l, 5000 + k, 4).unwrap();
+        assert_eq!(t.message(), k);
+    }
+    let waits = fake.waits(R);
+    assert_eq!(waits[0], (0, 1));
+    assert_eq!(waits[SLOTS], (0, 2), "message SLOTS reuses slot 0, one generation up");
+    // Copies run in message order: after the first, message SLOTS's
+    // waiter is still blocked although its slot was written.
+    fake.run(1);
+    assert_eq!(fake.slot(0), 1);
+    assert!(!fake.released(R));
+    fake.run(usize::MAX);
+    assert!(fake.released(R) && fake.released(S));
+    for k in 0..n {
+        assert_eq!(fake.get(5000 + k), vec![k as u8; 4], "message {k}");
+    }
+}
+
+#[test]
+fn a_size_mismatch_names_both_ops_and_enqueues_nothing() {
+    let (l, fake) = lane();
+    let s = send(&l, 100, 16).unwrap();
+    match recv(&l, 200, 8) {
+        Err(Error::Program { kind, message, .. }) => {
+            assert_eq!(kind, ProgramErrorKind::SizeMismatch);
+            assert!(message.contains("send 16") && message.contains("recv 8"), "{message}");
+        }
+        other => panic!("expected a size mismatch, got {other:?}"),
+    }
+    assert_eq!(fake.copies(), 0);
+    assert!(fake.waits(R).is_empty(), "the refused recv's stream waits for nothing");
+    assert_eq!(s.state(), TicketState::Waiting);
+    // The next recv of the right size takes message #0.
+    let r = recv(&l, 200, 16).unwrap();
+    assert_eq!(r.message(), 0);
+    match l.issue(Dir::Send, &S, 1, 4, DType::U8, "send 4", keep()) {
+        Ok(_) => {}
+        other => panic!("{other:?}"),
+    }
+    match l.issue(Dir::Recv, &R, 2, 4, DType::F32, "recv f32", keep()) {
+        Err(Error::Program { kind, .. }) => assert_eq!(kind, ProgramErrorKind::TypeMismatch),
+        other => panic!("expected a type mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn abort_fails_every_undelivered_op_releases_every_stream_and_refuses_new_ones() {
+    let (l, fake) = lane();
+    let s = send(&l, 100, 16).unwrap();
+    assert!(!fake.released(S));
+    l.abort("rank 1 failed");
+    assert!(matches!(s.state(), TicketState::Failed(w) if &*w == "rank 1 failed"));
+    assert!(fake.released(S));
+    match recv(&l, 200, 16) {
+        Err(Error::Aborted(m)) => assert!(m.contains("rank 1 failed"), "{m}"),
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    assert_eq!(fake.copies(), 0);
+}
+
+#[test]
+fn a_copy_that_finishes_after_the_abort_is_not_success_and_its_late_write_is_undone() {
+    let (l, fake) = lane();
+    // Message 0 is matched and its copy enqueued; message SLOTS (same
+    // slot) is a send whose recv never comes.
+    fake.put(100, vec![1; 4]);
+    let s0 = send(&l, 100, 4).unwrap();
+    let r0 = recv(&l, 200, 4).unwrap();
+    for k in 1..=SLOTS as u64 {
+        send(&l, 100 + k, 4).unwrap();
+    }
+    l.abort("deadline");
+    assert!(fake.released(S));
+    // The copy runs late and writes generation 1 into slot 0: the waiter of
+    // message SLOTS (generation 2) is blocked again...
+    fake.run(1);
+    assert!(!fake.released(S));
+    // ...until the next settle releases every slot again.
+    l.settle().unwrap();
+    assert!(fake.released(S));
+    // The bytes arrived, but after the abort failed the ops: they stay
+    // failed, never success.
+    assert!(matches!(s0.state(), TicketState::Failed(_)));
+    assert!(matches!(r0.state(), TicketState::Failed(_)));
+    assert_eq!(l.copies_in_flight(), 0);
+}
+
+#[test]
+fn a_copy_that_cannot_be_enqueued_fails_both_ops_and_releases_both_streams() {
+    let (l, fake) = lane();
+    let s = send(&l, 100, 4).unwrap();
+    fake.fail_copies();
+    assert!(matches!(recv(&l, 200, 4), Err(Error::Library { .. })));
+    assert!(matches!(s.state(), TicketState::Failed(_)));
+    assert!(fake.released(S) && fake.released(R));
+    assert!(l.aborted().is_some());
+}
+
+#[test]
+fn buffers_are_kept_until_their_copy_is_done() {
+    let (l, fake) = lane();
+    let (a, b) = (Arc::new(()), Arc::new(()));
+    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(a.clone()))
+        .unwrap();
+    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(b.clone()))
+        .unwrap();
+    l.settle().unwrap();
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
+    // An abort does not drop them: the copy may still run.
+    l.abort("test");
+    l.settle().unwrap();
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
+    fake.run(1);
+    l.settle().unwrap();
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (1, 1));
+}
+
+#[test]
+fn two_threads_issuing_at_once_deliver_every_message_to_its_partner() {
+    let (l, fake) = lane();
+    let l = Arc::new(l);
+    let n = 2000u64;
+    for k in 0..n {
+        fake.put(10_000 + k, k.to_le_bytes().to_vec());
+    }
+    let sender = {
+        let l = l.clone();
+        std::thread::spawn(move || {
+            for k in 0..n {
+                send(&l, 10_000 + k, 8).unwrap();
+            }
+        })
+    };
+    let runner = {
+        let (l, fake) = (l.clone(), fake.clone());
+        std::thread::spawn(move || {
+            let mut ran = 0;
+            while ran < n as usize {
+                ran += fake.run(7);
+                l.settle().unwrap();
+                std::thread::yield_now();
+            }
+        })
+    };
+    let tickets: Vec<_> = (0..n).map(|k| recv(&l, 50_000 + k, 8).unwrap()).collect();
+    sender.join().unwrap();
+    runner.join().unwrap();
+    l.settle().unwrap();
+    for (k, t) in tickets.iter().enumerate() {
+        assert_eq!(t.state(), TicketState::Delivered);
+        assert_eq!(fake.get(50_000 + k as u64), (k as u64).to_le_bytes());
+    }
+}
