@@ -36,11 +36,11 @@
 //! # Abort
 //!
 //! [`CopyLane::abort`] (a hang past its deadline, a failed rank) marks every
-//! ticket not yet delivered failed, refuses every later op, and writes the
-//! largest value into every slot, which releases every stream waiting on the
+//! ticket not yet delivered failed, refuses every later op, and writes
+//! [`RELEASED`] into every slot, which releases every stream waiting on the
 //! lane. A copy already enqueued may still run later (when its ready events
 //! fire) and write its own smaller value into its slot; while aborted,
-//! [`CopyLane::settle`] writes the largest value again after any copy
+//! [`CopyLane::settle`] writes [`RELEASED`] again after any copy
 //! completes, so such a write can hold a stream back only until the next
 //! settle (the rank's watchdog settles every tick). The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
@@ -62,8 +62,21 @@ pub const SLOTS: usize = 1024;
 
 /// The value message `k` waits for in its slot.
 fn generation(k: u64) -> u32 {
-    // Wraps after 2^32 generations of SLOTS messages: not a concern.
+    // CUDA compares cyclically (below): fine below 2^31 generations of
+    // SLOTS messages.
     (k / SLOTS as u64 + 1) as u32
+}
+
+/// What a release writes into every slot. A stream's wait is satisfied
+/// when `(slot - value) as i32 >= 0` (`CU_STREAM_WAIT_VALUE_GEQ` compares
+/// cyclically, ignoring wraparound), so `u32::MAX` would read as -1 and
+/// satisfy nothing; `i32::MAX` is ahead of every generation in use.
+pub const RELEASED: u32 = i32::MAX as u32;
+
+/// Whether a slot holding `slot` satisfies a wait for `value`, as the
+/// device decides (`CU_STREAM_WAIT_VALUE_GEQ`).
+pub fn satisfies(slot: u32, value: u32) -> bool {
+    slot.wrapping_sub(value) as i32 >= 0
 }
 
 fn slot(k: u64) -> usize {
@@ -98,7 +111,7 @@ pub trait CopyApi: Send + Sync {
     ) -> Result<Self::Done, Error>;
     /// Whether a copy's done event has completed.
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
-    /// Writes the largest value into every slot, from the host.
+    /// Writes [`RELEASED`] into every slot, from the host.
     fn release_all(&self);
 }
 
@@ -551,7 +564,7 @@ mod cuda {
         fn release_all(&self) {
             for i in 0..SLOTS {
                 // SAFETY: within the allocation.
-                unsafe { self.flags.host.add(i).write_volatile(u32::MAX) };
+                unsafe { self.flags.host.add(i).write_volatile(super::RELEASED) };
             }
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         }

@@ -180,6 +180,13 @@ impl Stream {
         self.raw as *mut c_void
     }
 
+    /// Blocks the calling thread until the stream's work is done (tools
+    /// and tests only: the transport never blocks without a deadline).
+    pub fn synchronize(&self) -> Result<(), Error> {
+        // SAFETY: the stream is live.
+        unsafe { result::stream::synchronize(self.raw) }.map_err(|e| err("cuStreamSynchronize", e))
+    }
+
     /// Makes the stream wait for `event` (R9).
     pub fn wait(&self, event: &Event) -> Result<(), Error> {
         // SAFETY: both handles are live.

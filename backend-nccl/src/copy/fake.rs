@@ -2,7 +2,8 @@
 //! vectors, the flag slots an array, and the copy stream a queue that runs
 //! when the test says so ([`Fake::run`]). It records what each user stream
 //! was asked to wait for, so a test can ask whether a stream is released
-//! ([`Fake::released`]). Used by the unit tests and the loom tests.
+//! ([`Fake::released`]), comparing as the device does (cyclically,
+//! [`super::satisfies`]). Used by the unit tests and the loom tests.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -88,7 +89,7 @@ impl Fake {
         let g = lock(&self.0);
         g.waits
             .get(&stream)
-            .is_none_or(|w| w.iter().all(|(s, v)| g.slots[*s] >= *v))
+            .is_none_or(|w| w.iter().all(|(s, v)| super::satisfies(g.slots[*s], *v)))
     }
 
     /// The value in flag `slot`.
@@ -169,7 +170,7 @@ impl CopyApi for Fake {
     fn release_all(&self) {
         let mut g = lock(&self.0);
         for s in g.slots.iter_mut() {
-            *s = u32::MAX;
+            *s = super::RELEASED;
         }
     }
 }
