@@ -145,7 +145,9 @@ fn check_data(a: &Rank, b: &Rank, ab: &Lane) -> Res<String> {
         let sends = sender.join().map_err(|_| "the sending thread panicked")??;
         Ok((sends, recvs))
     })?;
-    if !drain(&b.inn, &[ab], Duration::from_secs(10))? || !drain(&a.out, &[ab], Duration::from_secs(10))? {
+    if !drain(&b.inn, &[ab], Duration::from_secs(10))?
+        || !drain(&a.out, &[ab], Duration::from_secs(10))?
+    {
         return Err("the streams did not drain in 10 s".into());
     }
     for (k, t) in tickets.0.iter().chain(&tickets.1).enumerate() {
@@ -158,27 +160,68 @@ fn check_data(a: &Rank, b: &Rank, ab: &Lane) -> Res<String> {
             return Err(format!("message {k} ({} B) arrived wrong", sizes[k]).into());
         }
     }
-    Ok(format!("{} messages each way, 0 B to 8 MiB, bytes compared", sizes.len()))
+    Ok(format!(
+        "{} messages each way, 0 B to 8 MiB, bytes compared",
+        sizes.len()
+    ))
 }
 
 fn check_seed(a: &Rank, b: &Rank, ab: &Lane, ba: &Lane, bytes: usize) -> Res<String> {
     a.dev.bind()?;
-    let (a_src, a_dst) = (Arc::new(Memory::zeroed(bytes)?), Arc::new(Memory::zeroed(bytes)?));
+    let (a_src, a_dst) = (
+        Arc::new(Memory::zeroed(bytes)?),
+        Arc::new(Memory::zeroed(bytes)?),
+    );
     a_src.write(&pattern(bytes, 1))?;
     b.dev.bind()?;
-    let (b_src, b_dst) = (Arc::new(Memory::zeroed(bytes)?), Arc::new(Memory::zeroed(bytes)?));
+    let (b_src, b_dst) = (
+        Arc::new(Memory::zeroed(bytes)?),
+        Arc::new(Memory::zeroed(bytes)?),
+    );
     b_src.write(&pattern(bytes, 2))?;
     let start = Instant::now();
     std::thread::scope(|s| -> Res<()> {
         let other = s.spawn(|| -> Result<(), duplex::Error> {
             b.dev.bind()?;
-            ba.issue(Dir::Send, &b.out, b_src.ptr(), bytes, DType::U8, "rank 1 send", keep(&b_src))?;
-            ab.issue(Dir::Recv, &b.inn, b_dst.ptr(), bytes, DType::U8, "rank 1 recv", keep(&b_dst))?;
+            ba.issue(
+                Dir::Send,
+                &b.out,
+                b_src.ptr(),
+                bytes,
+                DType::U8,
+                "rank 1 send",
+                keep(&b_src),
+            )?;
+            ab.issue(
+                Dir::Recv,
+                &b.inn,
+                b_dst.ptr(),
+                bytes,
+                DType::U8,
+                "rank 1 recv",
+                keep(&b_dst),
+            )?;
             Ok(())
         });
         a.dev.bind()?;
-        ab.issue(Dir::Send, &a.out, a_src.ptr(), bytes, DType::U8, "rank 0 send", keep(&a_src))?;
-        ba.issue(Dir::Recv, &a.inn, a_dst.ptr(), bytes, DType::U8, "rank 0 recv", keep(&a_dst))?;
+        ab.issue(
+            Dir::Send,
+            &a.out,
+            a_src.ptr(),
+            bytes,
+            DType::U8,
+            "rank 0 send",
+            keep(&a_src),
+        )?;
+        ba.issue(
+            Dir::Recv,
+            &a.inn,
+            a_dst.ptr(),
+            bytes,
+            DType::U8,
+            "rank 0 recv",
+            keep(&a_dst),
+        )?;
         other.join().map_err(|_| "rank 1 panicked")??;
         Ok(())
     })?;
@@ -202,7 +245,15 @@ fn check_abort(a: &Rank, b: &Rank) -> Res<String> {
     let lane = CopyLane::new("copy:abort", Cuda::new(a.dev.clone(), b.dev.clone())?);
     a.dev.bind()?;
     let m = Arc::new(Memory::zeroed(1 << 20)?);
-    let t = lane.issue(Dir::Send, &a.out, m.ptr(), 1 << 20, DType::U8, "send", keep(&m))?;
+    let t = lane.issue(
+        Dir::Send,
+        &a.out,
+        m.ptr(),
+        1 << 20,
+        DType::U8,
+        "send",
+        keep(&m),
+    )?;
     let after = Event::new(false)?;
     after.record(&a.out)?;
     std::thread::sleep(Duration::from_millis(300));
@@ -299,17 +350,37 @@ fn show(name: &str, unit: &str, v: Vec<f64>) {
 /// timed on its sender's device: the recvs are issued first, then each
 /// send between two timing events on its stream, so each time is the
 /// copy plus the release of the sender's stream.
-fn lane_gbps(ends: &[(&Lane, &Rank, &Rank)], bufs: &[(Arc<Memory>, Arc<Memory>)], bytes: usize) -> Res<Vec<f64>> {
+fn lane_gbps(
+    ends: &[(&Lane, &Rank, &Rank)],
+    bufs: &[(Arc<Memory>, Arc<Memory>)],
+    bytes: usize,
+) -> Res<Vec<f64>> {
     for ((lane, _, b), (_, dst)) in ends.iter().zip(bufs) {
         b.dev.bind()?;
-        lane.issue(Dir::Recv, &b.inn, dst.ptr(), bytes, DType::U8, "recv", keep(dst))?;
+        lane.issue(
+            Dir::Recv,
+            &b.inn,
+            dst.ptr(),
+            bytes,
+            DType::U8,
+            "recv",
+            keep(dst),
+        )?;
     }
     let mut events = Vec::new();
     for ((lane, a, _), (src, _)) in ends.iter().zip(bufs) {
         a.dev.bind()?;
         let (start, end) = (Event::new(true)?, Event::new(true)?);
         start.record(&a.out)?;
-        lane.issue(Dir::Send, &a.out, src.ptr(), bytes, DType::U8, "send", keep(src))?;
+        lane.issue(
+            Dir::Send,
+            &a.out,
+            src.ptr(),
+            bytes,
+            DType::U8,
+            "send",
+            keep(src),
+        )?;
         end.record(&a.out)?;
         events.push((start, end));
     }
@@ -365,11 +436,17 @@ impl Spin {
         let d = result::device::get(dev.ordinal())?;
         // SAFETY: a valid device.
         let sms = unsafe {
-            result::device::get_attribute(d, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            result::device::get_attribute(
+                d,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
         }?;
         // Two blocks of 1024 threads fill an SM's 2048 thread slots; four
         // waves of them.
-        Ok(Spin { f, blocks: sms as u32 * 2 * 4 })
+        Ok(Spin {
+            f,
+            blocks: sms as u32 * 2 * 4,
+        })
     }
 
     /// Milliseconds the kernel takes on `stream`.
@@ -380,7 +457,14 @@ impl Spin {
         let mut params = [&mut c as *mut u64 as *mut std::ffi::c_void];
         // SAFETY: one u64 parameter, as the kernel declares.
         unsafe {
-            result::launch_kernel(self.f, (self.blocks, 1, 1), (1024, 1, 1), 0, stream.raw() as sys::CUstream, &mut params)
+            result::launch_kernel(
+                self.f,
+                (self.blocks, 1, 1),
+                (1024, 1, 1),
+                0,
+                stream.raw() as sys::CUstream,
+                &mut params,
+            )
         }?;
         end.record(stream)?;
         stream.synchronize()?;
@@ -407,7 +491,10 @@ fn run() -> Res<bool> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| -> Res<usize> {
-            Ok(args.next().ok_or(format!("{name} needs a value"))?.parse()?)
+            Ok(args
+                .next()
+                .ok_or(format!("{name} needs a value"))?
+                .parse()?)
         };
         match a.as_str() {
             "--trials" => trials = value("--trials")?.max(1),
@@ -472,14 +559,25 @@ fn run() -> Res<bool> {
         s.record(&raw_stream)?;
         // SAFETY: both buffers hold `bytes` bytes and outlive the copy.
         unsafe {
-            sys::cuMemcpyPeerAsync(dst.ptr(), b.dev.raw_ctx(), src.ptr(), a.dev.raw_ctx(), bytes, raw_stream.raw() as sys::CUstream)
+            sys::cuMemcpyPeerAsync(
+                dst.ptr(),
+                b.dev.raw_ctx(),
+                src.ptr(),
+                a.dev.raw_ctx(),
+                bytes,
+                raw_stream.raw() as sys::CUstream,
+            )
         }
         .result()?;
         e.record(&raw_stream)?;
         raw_stream.synchronize()?;
         raw.push(bytes as f64 / (f64::from(e.since(&s)?) * 1e-3) / 1e9);
     }
-    show(&format!("raw cuMemcpyPeerAsync {mib} MiB, one way"), "GB/s", raw);
+    show(
+        &format!("raw cuMemcpyPeerAsync {mib} MiB, one way"),
+        "GB/s",
+        raw,
+    );
     let one = (0..trials)
         .map(|_| Ok(lane_gbps(&[(&ab, &a, &b)], &[(src.clone(), dst.clone())], bytes)?[0]))
         .collect::<Res<Vec<f64>>>()?;
@@ -488,15 +586,26 @@ fn run() -> Res<bool> {
     for _ in 0..trials {
         let g = lane_gbps(
             &[(&ab, &a, &b), (&ba, &b, &a)],
-            &[(src.clone(), dst.clone()), (back_src.clone(), back_dst.clone())],
+            &[
+                (src.clone(), dst.clone()),
+                (back_src.clone(), back_dst.clone()),
+            ],
             bytes,
         )?;
         both[0].push(g[0]);
         both[1].push(g[1]);
     }
     let [fwd, back] = both;
-    show(&format!("lane {mib} MiB, both ways at once, 0->1"), "GB/s", fwd);
-    show(&format!("lane {mib} MiB, both ways at once, 1->0"), "GB/s", back);
+    show(
+        &format!("lane {mib} MiB, both ways at once, 0->1"),
+        "GB/s",
+        fwd,
+    );
+    show(
+        &format!("lane {mib} MiB, both ways at once, 1->0"),
+        "GB/s",
+        back,
+    );
     // Small messages: µs per message, 1000 in a row.
     let n = 1000;
     let small = 4096;
@@ -506,9 +615,25 @@ fn run() -> Res<bool> {
         let start = Instant::now();
         for _ in 0..n {
             a.dev.bind()?;
-            ab.issue(Dir::Send, &a.out, src.ptr(), small, DType::U8, "send", keep(&src))?;
+            ab.issue(
+                Dir::Send,
+                &a.out,
+                src.ptr(),
+                small,
+                DType::U8,
+                "send",
+                keep(&src),
+            )?;
             b.dev.bind()?;
-            ab.issue(Dir::Recv, &b.inn, dst.ptr(), small, DType::U8, "recv", keep(&dst))?;
+            ab.issue(
+                Dir::Recv,
+                &b.inn,
+                dst.ptr(),
+                small,
+                DType::U8,
+                "recv",
+                keep(&dst),
+            )?;
         }
         drain(&b.inn, &[&ab], Duration::from_secs(10))?;
         drain(&a.out, &[&ab], Duration::from_secs(10))?;
@@ -518,7 +643,14 @@ fn run() -> Res<bool> {
         for _ in 0..n {
             // SAFETY: as above.
             unsafe {
-                sys::cuMemcpyPeerAsync(dst.ptr(), b.dev.raw_ctx(), src.ptr(), a.dev.raw_ctx(), small, raw_stream.raw() as sys::CUstream)
+                sys::cuMemcpyPeerAsync(
+                    dst.ptr(),
+                    b.dev.raw_ctx(),
+                    src.ptr(),
+                    a.dev.raw_ctx(),
+                    small,
+                    raw_stream.raw() as sys::CUstream,
+                )
             }
             .result()?;
         }
@@ -538,11 +670,30 @@ fn run() -> Res<bool> {
         alone.push(spin.time(&kstream, cycles)?);
         // Keep copies in flight both ways while the kernel runs.
         for _ in 0..16 {
-            for (lane, x, y, s, d) in [(&ab, &a, &b, &src, &dst), (&ba, &b, &a, &back_src, &back_dst)] {
+            for (lane, x, y, s, d) in [
+                (&ab, &a, &b, &src, &dst),
+                (&ba, &b, &a, &back_src, &back_dst),
+            ] {
                 x.dev.bind()?;
-                lane.issue(Dir::Send, &x.out, s.ptr(), bytes, DType::U8, "send", keep(s))?;
+                lane.issue(
+                    Dir::Send,
+                    &x.out,
+                    s.ptr(),
+                    bytes,
+                    DType::U8,
+                    "send",
+                    keep(s),
+                )?;
                 y.dev.bind()?;
-                lane.issue(Dir::Recv, &y.inn, d.ptr(), bytes, DType::U8, "recv", keep(d))?;
+                lane.issue(
+                    Dir::Recv,
+                    &y.inn,
+                    d.ptr(),
+                    bytes,
+                    DType::U8,
+                    "recv",
+                    keep(d),
+                )?;
             }
         }
         a.dev.bind()?;

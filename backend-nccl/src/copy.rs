@@ -204,7 +204,9 @@ pub struct CopyLane<A: CopyApi> {
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyLane").field("name", &self.name).finish()
+        f.debug_struct("CopyLane")
+            .field("name", &self.name)
+            .finish()
     }
 }
 
@@ -305,10 +307,15 @@ impl<A: CopyApi> CopyLane<A> {
         } else {
             (&p.ready, p.ptr, &ready, ptr)
         };
-        match self
-            .api
-            .copy(send_ready, recv_ready, dst, src, bytes, slot(k), generation(k))
-        {
+        match self.api.copy(
+            send_ready,
+            recv_ready,
+            dst,
+            src,
+            bytes,
+            slot(k),
+            generation(k),
+        ) {
             Ok(done) => {
                 ticket.set(TicketState::Copying);
                 p.ticket.set(TicketState::Copying);
@@ -324,7 +331,10 @@ impl<A: CopyApi> CopyLane<A> {
                 // release them, and the lane is done for.
                 p.ticket.set(TicketState::Failed(e.to_string().into()));
                 ticket.set(TicketState::Failed(e.to_string().into()));
-                self.abort_locked(&mut st, &format!("enqueuing the copy of {text} failed: {e}"));
+                self.abort_locked(
+                    &mut st,
+                    &format!("enqueuing the copy of {text} failed: {e}"),
+                );
                 Err(e)
             }
         }
@@ -434,7 +444,9 @@ mod cuda {
                     sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
                 )
             })?;
-            let flags = Flags { host: p as *mut u32 };
+            let flags = Flags {
+                host: p as *mut u32,
+            };
             for i in 0..SLOTS {
                 // SAFETY: `i` is within the allocation.
                 unsafe { flags.host.add(i).write_volatile(0) };
@@ -471,7 +483,10 @@ mod cuda {
     impl Cuda {
         /// The device side of a lane from `src` to `dst`. Enables peer
         /// access between the two when they differ.
-        pub fn new(src: std::sync::Arc<Device>, dst: std::sync::Arc<Device>) -> Result<Cuda, Error> {
+        pub fn new(
+            src: std::sync::Arc<Device>,
+            dst: std::sync::Arc<Device>,
+        ) -> Result<Cuda, Error> {
             if src.ordinal() != dst.ordinal() {
                 src.enable_peer(&dst)?;
                 dst.enable_peer(&src)?;

@@ -158,6 +158,9 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
         if let (Some(s), Some(r)) = (&s, &r) {
             assert_eq!(s.state(), r.state());
         }
-        assert!(fake.released(1) && fake.released(2), "a stream is left waiting");
+        assert!(
+            fake.released(1) && fake.released(2),
+            "a stream is left waiting"
+        );
     });
 }

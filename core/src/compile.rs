@@ -64,14 +64,21 @@ pub fn lane(policy: Policy, rank: Rank, dir: Dir, peer: Rank) -> (String, Vec<Ra
     }
 }
 
-/// Whether a policy-placed op of `bytes` goes on its direction's
-/// copy-engine lane ([`copy_lane`]) rather than the policy's [`lane`]:
-/// under [`Policy::PerDirection`] with `copy_from` set, ops of at least
-/// `copy_from` bytes do. Both ends of a message decide alike, since a
+/// Whether a policy-placed op of `rank` toward `peer` of `bytes` goes on
+/// its direction's copy-engine lane ([`copy_lane`]) rather than the
+/// policy's [`lane`]: under [`Policy::PerDirection`] with `copy_from` set,
+/// ops of at least `copy_from` bytes to another rank do (a rank's messages
+/// to itself stay on NCCL). Both ends of a message decide alike, since a
 /// matched pair has one size (R3); a pair whose sizes differ across the
 /// threshold is matched on neither lane with the other, as on a backend.
-pub fn goes_by_copy(policy: Policy, copy_from: Option<u64>, bytes: u64) -> bool {
-    policy == Policy::PerDirection && copy_from.is_some_and(|c| bytes >= c)
+pub fn goes_by_copy(
+    policy: Policy,
+    copy_from: Option<u64>,
+    rank: Rank,
+    peer: Rank,
+    bytes: u64,
+) -> bool {
+    policy == Policy::PerDirection && rank != peer && copy_from.is_some_and(|c| bytes >= c)
 }
 
 /// The copy-engine lane of traffic between `rank` and `peer` in `dir`:
@@ -298,6 +305,8 @@ impl<'p> Builder<'p> {
             let copy = goes_by_copy(
                 policy,
                 self.program.copy_from.map(Size::bytes),
+                rank,
+                op.peer,
                 op.size.bytes(),
             );
             if let Some(lane) = self.lanes.get(&(rank, op.dir, op.peer, copy)) {

@@ -1,7 +1,7 @@
 //! `IssueMatch` (the issue check of R3 and R8 alone) refuses a launch
 //! exactly when the whole machine's check does, and gives the same FIFO
 //! positions, on random launches of three ranks over two connected
-//! communicators; over communicators connected on first use it refuses
+//! communicators and a copy-engine lane; over communicators connected on first use it refuses
 //! whatever the machine refuses (and more: it counts a partner the model
 //! still holds in its handshake, R7, which NCCL has been called with).
 
@@ -35,7 +35,7 @@ fn on_cold_communicators_issue_match_refuses_at_least_what_the_machine_refuses()
 fn compare(warm: bool) {
     let mut refused = 0;
     let mut accepted = 0;
-    for seed in 1..400u64 {
+    for seed in 1..600u64 {
         for one_sided in [false, true] {
             let model = Model {
                 one_sided_groups: one_sided,
@@ -45,12 +45,15 @@ fn compare(warm: bool) {
             let comms = [
                 setup.add_comm("a", vec![0, 1, 2], warm),
                 setup.add_comm("b", vec![0, 1, 2], warm),
+                // A copy-engine lane: grouping does not count (C6).
+                setup.add_copy_lane("c", vec![0, 1, 2]),
             ];
             let threads: Vec<ThreadId> = (0..3).map(|r| setup.add_thread(r, "main")).collect();
             let streams: Vec<_> = (0..3).map(|r| setup.add_stream(r, "s")).collect();
             let origin = setup.add_origin(duplex::machine::OriginInfo::line("x".into(), 1));
             let mut m = Machine::new(Arc::new(setup));
             let mut check = IssueMatch::new(one_sided);
+            check.copy_lane(comms[2]);
             let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
             for _ in 0..40 {
                 let rank = rng.next(3) as u32;
@@ -68,7 +71,7 @@ fn compare(warm: bool) {
                             peer,
                             bytes: [4, 8][rng.next(2) as usize],
                             dtype: [DType::U8, DType::F32][rng.next(4).min(1) as usize],
-                            comm: comms[rng.next(2) as usize],
+                            comm: comms[rng.next(3) as usize],
                             stream: streams[rank as usize],
                             origin: None,
                         }

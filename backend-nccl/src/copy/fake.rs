@@ -109,7 +109,11 @@ impl Fake {
 
     /// The waits enqueued on `stream`.
     pub fn waits(&self, stream: FakeStream) -> Vec<(usize, u32)> {
-        lock(&self.0).waits.get(&stream).cloned().unwrap_or_default()
+        lock(&self.0)
+            .waits
+            .get(&stream)
+            .cloned()
+            .unwrap_or_default()
     }
 }
 

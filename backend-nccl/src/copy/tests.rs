@@ -21,11 +21,27 @@ fn keep() -> super::Keep {
 }
 
 fn send(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
-    l.issue(Dir::Send, &S, ptr, bytes, DType::U8, &format!("send {bytes}"), keep())
+    l.issue(
+        Dir::Send,
+        &S,
+        ptr,
+        bytes,
+        DType::U8,
+        &format!("send {bytes}"),
+        keep(),
+    )
 }
 
 fn recv(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
-    l.issue(Dir::Recv, &R, ptr, bytes, DType::U8, &format!("recv {bytes}"), keep())
+    l.issue(
+        Dir::Recv,
+        &R,
+        ptr,
+        bytes,
+        DType::U8,
+        &format!("recv {bytes}"),
+        keep(),
+    )
 }
 
 #[test]
@@ -43,7 +59,10 @@ fn a_message_is_delivered_only_once_its_copy_is_done_whichever_side_comes_first(
             (send(&l, 100, 16).unwrap(), r)
         };
         assert_eq!(fake.copies(), 1);
-        assert_eq!((s.state(), r.state()), (TicketState::Copying, TicketState::Copying));
+        assert_eq!(
+            (s.state(), r.state()),
+            (TicketState::Copying, TicketState::Copying)
+        );
         assert!(!fake.released(S) && !fake.released(R));
         l.settle().unwrap();
         assert_eq!(s.state(), TicketState::Copying, "not done yet");
@@ -51,7 +70,10 @@ fn a_message_is_delivered_only_once_its_copy_is_done_whichever_side_comes_first(
         assert!(fake.released(S) && fake.released(R));
         assert_eq!(fake.get(200), vec![7; 16]);
         l.settle().unwrap();
-        assert_eq!((s.state(), r.state()), (TicketState::Delivered, TicketState::Delivered));
+        assert_eq!(
+            (s.state(), r.state()),
+            (TicketState::Delivered, TicketState::Delivered)
+        );
         assert_eq!(l.copies_in_flight(), 0);
     }
 }
@@ -70,7 +92,11 @@ fn messages_match_in_order_and_share_slots_with_growing_generations() {
     }
     let waits = fake.waits(R);
     assert_eq!(waits[0], (0, 1));
-    assert_eq!(waits[SLOTS], (0, 2), "message SLOTS reuses slot 0, one generation up");
+    assert_eq!(
+        waits[SLOTS],
+        (0, 2),
+        "message SLOTS reuses slot 0, one generation up"
+    );
     // Copies run in message order: after the first, message SLOTS's
     // waiter is still blocked although its slot was written.
     fake.run(1);
@@ -90,12 +116,18 @@ fn a_size_mismatch_names_both_ops_and_enqueues_nothing() {
     match recv(&l, 200, 8) {
         Err(Error::Program { kind, message, .. }) => {
             assert_eq!(kind, ProgramErrorKind::SizeMismatch);
-            assert!(message.contains("send 16") && message.contains("recv 8"), "{message}");
+            assert!(
+                message.contains("send 16") && message.contains("recv 8"),
+                "{message}"
+            );
         }
         other => panic!("expected a size mismatch, got {other:?}"),
     }
     assert_eq!(fake.copies(), 0);
-    assert!(fake.waits(R).is_empty(), "the refused recv's stream waits for nothing");
+    assert!(
+        fake.waits(R).is_empty(),
+        "the refused recv's stream waits for nothing"
+    );
     assert_eq!(s.state(), TicketState::Waiting);
     // The next recv of the right size takes message #0.
     let r = recv(&l, 200, 16).unwrap();

@@ -278,8 +278,9 @@ impl Lanes {
         if rank >= n || peer >= n {
             return None;
         }
-        let copy =
-            bytes.is_some_and(|b| duplex::compile::goes_by_copy(self.policy, self.copy_from, b));
+        let copy = bytes.is_some_and(|b| {
+            duplex::compile::goes_by_copy(self.policy, self.copy_from, rank, peer, b)
+        });
         let (comm, k) = match self.policy {
             Policy::Shared => {
                 let (lo, hi) = (rank.min(peer), rank.max(peer));

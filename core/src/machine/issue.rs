@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{ChannelKey, OpSpec, Rank, channel_key, earlier_on_channel, table::FxHasher};
+use super::{ChannelKey, CommId, OpSpec, Rank, channel_key, earlier_on_channel, table::FxHasher};
 use crate::{DType, Dir};
 
 /// What R3 and R8 compare of an op.
@@ -57,6 +57,8 @@ struct Queue {
 pub struct IssueMatch {
     channels: HashMap<ChannelKey, Queue, std::hash::BuildHasherDefault<FxHasher>>,
     one_sided_groups: bool,
+    /// Copy-engine lanes, which ignore grouping (C6), sorted.
+    copy: Vec<CommId>,
 }
 
 /// Where an op of a launch stands on its channel.
@@ -75,6 +77,20 @@ impl IssueMatch {
             one_sided_groups,
             ..IssueMatch::default()
         }
+    }
+
+    /// Declares `comm` a copy-engine lane: its ops match whether or not
+    /// either side grouped them (C6 of `docs/semantics.md`).
+    pub fn copy_lane(&mut self, comm: CommId) {
+        if let Err(i) = self.copy.binary_search(&comm) {
+            self.copy.insert(i, comm);
+        }
+    }
+
+    /// Whether an op on `comm` of a launch that is a group (`grouped`)
+    /// counts as grouped.
+    fn grouped(&self, comm: CommId, grouped: bool) -> bool {
+        grouped && self.copy.binary_search(&comm).is_err()
     }
 
     /// Where each op of a launch by `rank` stands: its FIFO position and
@@ -120,7 +136,7 @@ impl IssueMatch {
                     &Sig {
                         bytes: o.bytes,
                         dtype: o.dtype,
-                        grouped,
+                        grouped: self.grouped(o.comm, grouped),
                     },
                     self.one_sided_groups,
                 )
@@ -132,6 +148,7 @@ impl IssueMatch {
     /// Records a launch by `rank` as issued.
     pub fn issue(&mut self, rank: Rank, ops: &[OpSpec], grouped: bool) {
         for o in ops {
+            let grouped = self.grouped(o.comm, grouped);
             let q = self.channels.entry(channel_key(rank, o)).or_default();
             if q.ahead == Some(o.dir.other()) {
                 q.ops.pop_front();
