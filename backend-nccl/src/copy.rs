@@ -113,6 +113,9 @@ pub trait CopyApi: Send + Sync {
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
     /// Writes [`RELEASED`] into every slot, from the host.
     fn release_all(&self);
+    /// Never frees the flags: a stream may still wait on them after an
+    /// abort, and freeing pinned memory waits for the device.
+    fn leak(&self) {}
 }
 
 /// Where an op of a lane stands.
@@ -406,6 +409,15 @@ impl<A: CopyApi> CopyLane<A> {
     }
 }
 
+impl<A: CopyApi> Drop for CopyLane<A> {
+    fn drop(&mut self) {
+        let st = lock(&self.state);
+        if st.aborted.is_some() || !st.copies.is_empty() || st.ahead.iter().any(|a| !a.is_empty()) {
+            self.api.leak();
+        }
+    }
+}
+
 #[cfg(not(loom))]
 pub use cuda::Cuda;
 
@@ -423,6 +435,8 @@ mod cuda {
     #[derive(Debug)]
     struct Flags {
         host: *mut u32,
+        /// Never freed (`CopyApi::leak`).
+        leak: std::sync::atomic::AtomicBool,
     }
 
     // SAFETY: the memory is plain pinned host memory, written with volatile
@@ -446,6 +460,7 @@ mod cuda {
             })?;
             let flags = Flags {
                 host: p as *mut u32,
+                leak: std::sync::atomic::AtomicBool::new(false),
             };
             for i in 0..SLOTS {
                 // SAFETY: `i` is within the allocation.
@@ -462,9 +477,12 @@ mod cuda {
 
     impl Drop for Flags {
         fn drop(&mut self) {
-            // SAFETY: allocated by cuMemHostAlloc, freed once. A stream
-            // still waiting on it would read freed memory: lanes are dropped
-            // only with their rank, after its streams are done or aborted.
+            if self.leak.load(std::sync::atomic::Ordering::Acquire) {
+                return;
+            }
+            // SAFETY: allocated by cuMemHostAlloc, freed once, by a lane
+            // that was never aborted and has nothing in flight
+            // (`CopyLane`'s drop), so no stream waits on it.
             let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
         }
     }
@@ -574,6 +592,12 @@ mod cuda {
 
         fn done(&self, done: &Event) -> Result<bool, Error> {
             done.done()
+        }
+
+        fn leak(&self) {
+            self.flags
+                .leak
+                .store(true, std::sync::atomic::Ordering::Release);
         }
 
         fn release_all(&self) {

@@ -15,6 +15,7 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
+use crate::copy::{CopyLane, Cuda, Ticket};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::guard::{Done, IssueLock, Ledger};
 use crate::health::Health;
@@ -36,6 +37,11 @@ pub struct Options {
     pub model: Model,
     /// CTA bounds of lane communicators (`ncclConfig_t.minCTAs`/`maxCTAs`).
     pub ctas: (Option<i32>, Option<i32>),
+    /// Under [`Policy::PerDirection`], ops of at least this many bytes
+    /// without an explicit communicator go on copy-engine lanes
+    /// ([`crate::copy`]; C1–C6 of `docs/semantics.md`). One process only
+    /// ([`crate::Local`]).
+    pub copy_from: Option<u64>,
 }
 
 impl Default for Options {
@@ -49,6 +55,7 @@ impl Default for Options {
             warm: false,
             model: Model::default(),
             ctas: (None, None),
+            copy_from: None,
         }
     }
 }
@@ -222,12 +229,46 @@ impl Drop for OpEvent {
 
 /// An op that was launched: what it is, the event recorded after it (and
 /// after the rest of its launch on its stream), and the buffer it uses
-/// (kept alive until the op is dropped, after it completed).
+/// (kept alive until the op is dropped, after it completed). An op on a
+/// copy-engine lane also has its ticket, which says whether its bytes
+/// arrived.
 #[derive(Debug)]
 pub(crate) struct Issued {
     pub(crate) meta: OpMeta,
     pub(crate) event: Arc<OpEvent>,
     pub(crate) buf: Arc<BufState>,
+    pub(crate) ticket: Option<Arc<Ticket>>,
+}
+
+/// One end of a copy-engine lane: the lane, shared with the rank at its
+/// other end, and its number and name in the registry.
+#[derive(Debug)]
+pub(crate) struct CopyEnd {
+    pub(crate) name: String,
+    pub(crate) logical: u32,
+    pub(crate) lane: Arc<CopyLane<Cuda>>,
+}
+
+/// The copy-engine lanes of a job, by (source, destination) rank.
+pub(crate) type CopyLanes = Vec<((Rank, Rank), Arc<CopyLane<Cuda>>)>;
+
+/// Makes the copy-engine lanes of a job of `ranks` ranks on GPUs
+/// `0..ranks` of this process, one per ordered pair (when `opts` asks for
+/// them under `policy`).
+pub(crate) fn copy_lanes(ranks: u32, policy: Policy, opts: &Options) -> Result<CopyLanes> {
+    if policy != Policy::PerDirection || opts.copy_from.is_none() {
+        return Ok(Vec::new());
+    }
+    let devices = (0..ranks)
+        .map(|r| Device::new(r as i32).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
+    compile::lane_pairs(Policy::PerDirection, ranks)
+        .map(|(a, b)| {
+            let (name, _, _) = compile::copy_lane(a, Dir::Send, b);
+            let api = Cuda::new(devices[a as usize].clone(), devices[b as usize].clone())?;
+            Ok(((a, b), Arc::new(CopyLane::new(name, api))))
+        })
+        .collect()
 }
 
 impl Issued {
@@ -267,6 +308,8 @@ pub(crate) struct OpMeta {
     pub(crate) count: usize,
     pub(crate) dtype: DType,
     pub(crate) comm: Comm,
+    /// The copy-engine lane it goes on instead of `comm` (C1).
+    pub(crate) copy: Option<Arc<CopyEnd>>,
     pub(crate) stream: Arc<str>,
     pub(crate) fifo: u32,
     pub(crate) grouped: bool,
@@ -289,6 +332,17 @@ impl OpMeta {
         )
     }
 
+    /// Its communicator's number in the registry: its copy-engine lane's,
+    /// if it has one.
+    pub(crate) fn logical(&self) -> u32 {
+        self.copy.as_ref().map_or(self.comm.logical, |c| c.logical)
+    }
+
+    /// Its communicator's name, or its copy-engine lane's.
+    pub(crate) fn comm_name(&self) -> &str {
+        self.copy.as_ref().map_or(&self.comm.name, |c| &c.name)
+    }
+
     /// Where the call was made.
     pub(crate) fn place(&self) -> String {
         match &self.site {
@@ -306,7 +360,7 @@ impl OpMeta {
             peer: self.peer,
             bytes: (self.count * self.dtype.size()) as u64,
             dtype: self.dtype,
-            comm: self.comm.name.clone(),
+            comm: self.comm_name().to_string(),
             stream: self.stream.to_string(),
             fifo: self.fifo,
             state: duplex::report::OpState::NotComplete,
@@ -327,6 +381,8 @@ pub(crate) struct RankCtx {
     pub(crate) opts: Options,
     pub(crate) lib: &'static Nccl,
     pub(crate) lanes: HashMap<(Rank, Dir), (String, Comm, NcclStream)>,
+    /// Copy-engine lanes toward (send) and from (recv) each peer.
+    pub(crate) copy: HashMap<(Rank, Dir), Arc<CopyEnd>>,
     pub(crate) world: Comm,
     pub(crate) default_stream: NcclStream,
     pub(crate) streams: Mutex<Vec<NcclStream>>,
@@ -373,6 +429,8 @@ pub(crate) struct RankSetup {
     pub board: Arc<dyn Board>,
     pub registry: Arc<Registry>,
     pub health: Arc<dyn Health>,
+    /// The job's copy-engine lanes ([`copy_lanes`]), or none.
+    pub copy: CopyLanes,
 }
 
 impl RankCtx {
@@ -390,6 +448,7 @@ impl RankCtx {
             board,
             registry,
             health,
+            copy: copy_lanes,
         } = s;
         let mut streams = Vec::new();
         let reg_stream = |name: &str| registry.stream(rank, name);
@@ -465,12 +524,43 @@ impl RankCtx {
                 measured_by,
             });
         }
+        // Copy-engine lanes: numbered after the NCCL lanes, in the same order
+        // on every rank, each declared by every rank (as the lanes are).
+        let mut copy = HashMap::new();
+        if !copy_lanes.is_empty() {
+            for (a, b) in compile::lane_pairs(Policy::PerDirection, n) {
+                let (name, members, _) = compile::copy_lane(a, Dir::Send, b);
+                registry.copy_lane(logical, &name, &members);
+                if a == rank || b == rank {
+                    let lane = copy_lanes
+                        .iter()
+                        .find(|(pair, _)| *pair == (a, b))
+                        .map(|(_, l)| l.clone())
+                        .ok_or_else(|| Error::Aborted(format!("{name} was not made")))?;
+                    let key = if a == rank {
+                        (b, Dir::Send)
+                    } else {
+                        (a, Dir::Recv)
+                    };
+                    copy.insert(
+                        key,
+                        Arc::new(CopyEnd {
+                            name,
+                            logical,
+                            lane,
+                        }),
+                    );
+                }
+                logical += 1;
+            }
+        }
         let ctx = Arc::new(RankCtx {
             rank,
             world_size: n,
             policy,
             lib,
             lanes,
+            copy,
             world,
             default_stream,
             streams: Mutex::new(streams),
@@ -637,6 +727,12 @@ impl RankCtx {
     /// holds it leaves (P4).
     pub(crate) fn abort_all(&self) {
         abort_together(&self.all_comms());
+        for end in self.copy.values() {
+            end.lane.abort(&format!(
+                "rank {}'s communicators and lanes were aborted",
+                self.rank
+            ));
+        }
     }
 
     /// Frees the aborted communicators that only a call blocked inside NCCL
@@ -726,6 +822,11 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                 // The live model applies what the ranks issued since the
                 // last tick, off their issue path (`Registry::settle`).
                 ctx.registry.settle_now_and_then();
+                // Copy-engine lanes: copies seen done, and after an abort
+                // the release of every stream again (`crate::copy`).
+                for end in ctx.copy.values() {
+                    let _ = end.lane.settle();
+                }
                 // Another rank of the job failed: this rank's work cannot
                 // complete, so nothing of it may stay blocked inside NCCL.
                 if let Some((r, why)) = ctx.health.failed(ctx.rank)

@@ -14,9 +14,10 @@ use duplex::transport::{DeviceBuffer, check};
 use duplex::{DType, Dir, Element, Error, Hang, Lane, Place, Policy, Rank, Result, Transport};
 
 use crate::comm::{self, Comm, poll};
+use crate::copy::{Ticket, TicketState};
 use crate::ctx::{
-    BufState, EventInner, Issued, LaneCost, NcclComm, NcclEvent, NcclStream, OpEvent, OpMeta,
-    RankCtx, StreamInner, lock, panic_text,
+    BufState, CopyEnd, EventInner, Issued, LaneCost, NcclComm, NcclEvent, NcclStream, OpEvent,
+    OpMeta, RankCtx, StreamInner, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
 use crate::nccl::Nccl;
@@ -253,6 +254,20 @@ impl NcclRank {
                 ),
             );
         }
+        // C1: a policy-placed op of at least `copy_from` bytes goes on the
+        // copy-engine lane of its direction, on the same stream.
+        let copy = if place_.comm.is_none()
+            && duplex::compile::goes_by_copy(
+                self.ctx.policy,
+                self.ctx.opts.copy_from,
+                self.ctx.rank,
+                peer,
+                (buf.len * E::DTYPE.size()) as u64,
+            ) {
+            self.ctx.copy.get(&(peer, dir)).cloned()
+        } else {
+            None
+        };
         Ok(Req {
             meta: OpMeta {
                 rank: self.ctx.rank,
@@ -262,6 +277,7 @@ impl NcclRank {
                 count: buf.len,
                 dtype: E::DTYPE,
                 comm,
+                copy,
                 stream: stream.0.name.clone(),
                 fifo: 0,
                 grouped: false,
@@ -274,7 +290,8 @@ impl NcclRank {
         })
     }
 
-    /// Launches `reqs` as one group.
+    /// Launches `reqs` as one group: its NCCL ops in one NCCL group, then
+    /// its ops on copy-engine lanes, in order (C6 of `docs/semantics.md`).
     fn issue(
         &self,
         mut reqs: Vec<Req>,
@@ -283,13 +300,22 @@ impl NcclRank {
     ) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
-            if r.meta.comm.is_aborted() {
+            if let Some(c) = &r.meta.copy {
+                if let Some(why) = c.lane.aborted() {
+                    return Err(Error::Aborted(format!(
+                        "{}: copy-engine lane {} was aborted: {why}",
+                        r.meta.text(),
+                        c.name
+                    )));
+                }
+            } else if r.meta.comm.is_aborted() {
                 return Err(r.meta.comm.cell.aborted_error());
             }
         }
+        let on_nccl = |r: &&Req| r.meta.copy.is_none();
         if let (Some(a), Some(b)) = (
-            reqs.iter().find(|r| r.meta.comm.blocking),
-            reqs.iter().find(|r| !r.meta.comm.blocking),
+            reqs.iter().filter(on_nccl).find(|r| r.meta.comm.blocking),
+            reqs.iter().filter(on_nccl).find(|r| !r.meta.comm.blocking),
         ) {
             return check::invalid(
                 at,
@@ -315,7 +341,7 @@ impl NcclRank {
                 peer: r.meta.peer,
                 bytes: (r.meta.count * r.meta.dtype.size()) as u64,
                 dtype: r.meta.dtype,
-                comm: r.meta.comm.logical,
+                comm: r.meta.logical(),
                 stream: r.stream.0.id,
             })
             .collect();
@@ -331,11 +357,139 @@ impl NcclRank {
             r.meta.fifo = fifo;
         }
         ctx.device.bind()?;
+        if reqs.iter().any(|r| r.meta.copy.is_none())
+            && let Some(call) = self.launch_nccl(&reqs, &issuing, grouped)?
+        {
+            // Its connection handshake (R7) overstayed the deadline.
+            drop(issuing);
+            return Err(self.hang(&call, &check::place(at), None));
+        }
+        // Copy-engine ops, after `ncclGroupEnd` (C6). One that fails to
+        // enqueue enqueued nothing (`CopyLane::issue`); it and the ops
+        // after it are not launched.
+        let mut tickets: Vec<Option<Arc<Ticket>>> = vec![None; reqs.len()];
+        let mut failed: Option<(usize, Error)> = None;
+        for (i, r) in reqs.iter().enumerate() {
+            let Some(c) = &r.meta.copy else { continue };
+            let m = &r.meta;
+            let _span = tracing::trace_span!(
+                "duplex.op",
+                backend = "nccl",
+                rank = m.rank,
+                thread = %m.thread,
+                lane = %c.name,
+                op = m.dir.name(),
+                peer = m.peer,
+                bytes = (m.count * m.dtype.size()) as u64,
+                grouped,
+            )
+            .entered();
+            match c.lane.issue(
+                m.dir,
+                &r.stream.0.raw,
+                r.ptr,
+                m.count * m.dtype.size(),
+                m.dtype,
+                &m.text(),
+                Box::new(r.buf.clone()),
+            ) {
+                Ok(t) => tickets[i] = Some(t),
+                Err(e) => {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let launched =
+            |i: usize| reqs[i].meta.copy.is_none() || failed.as_ref().is_none_or(|(f, _)| i < *f);
+        let launched: Vec<bool> = (0..reqs.len()).map(launched).collect();
+        // One event per stream of the launch, recorded after its last op
+        // there, shared by the launch's ops on that stream.
+        let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
+        let mut launch = Vec::with_capacity(reqs.len());
+        let mut reqs = reqs.into_iter().zip(tickets).zip(launched);
+        while let Some(((r, ticket), launched)) = reqs.next() {
+            if !launched {
+                // Nothing was enqueued for it: its buffer is free.
+                continue;
+            }
+            let raw = r.stream.0.raw.raw();
+            let shared = events
+                .iter()
+                .find(|(s, _)| *s == raw)
+                .map(|(_, e)| e.clone());
+            let event = match shared {
+                Some(e) => e,
+                None => match ctx
+                    .event()
+                    .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
+                {
+                    Ok(e) => {
+                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx, &issuing));
+                        events.push((raw, e.clone()));
+                        e
+                    }
+                    Err(e) => {
+                        // The ops already given an event stay tracked (and
+                        // keep their buffers) even though this launch failed;
+                        // this one and the rest are not tracked, and keep
+                        // their buffers for good, since nothing says when
+                        // the device is done with them (P6).
+                        ctx.ops.record(launch);
+                        std::mem::forget(r.buf);
+                        for ((r, _), launched) in reqs {
+                            if launched {
+                                std::mem::forget(r.buf);
+                            }
+                        }
+                        return Err(e);
+                    }
+                },
+            };
+            let issued = Arc::new(Issued {
+                meta: r.meta,
+                event,
+                buf: r.buf,
+                ticket,
+            });
+            {
+                let mut users = lock(&issued.buf.users);
+                // Forget ops that are gone before the list would grow, so
+                // that the cost per op stays constant however many are in
+                // flight.
+                if users.len() == users.capacity() {
+                    users.retain(|w| w.strong_count() > 0);
+                }
+                users.push(Arc::downgrade(&issued));
+            }
+            launch.push(issued);
+        }
+        // One launch enters the ledger whole: a hang report taken by another
+        // thread lists all of it or none of it (P7).
+        ctx.ops.record(launch);
+        match failed {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The NCCL part of a launch: its ops on NCCL communicators in one
+    /// group, under the issue lock (`issuing`). Returns the call to report
+    /// as hung when the group's connection handshake (R7) did not finish
+    /// within the deadline.
+    fn launch_nccl(
+        &self,
+        reqs: &[Req],
+        issuing: &crate::guard::Issuing<'_>,
+        grouped: bool,
+    ) -> Result<Option<String>> {
+        let ctx = &self.ctx;
+        let nccl: Vec<&Req> = reqs.iter().filter(|r| r.meta.copy.is_none()).collect();
         // Hold every communicator the group names until its launch is over
-        // (P3 of `crate::guard`); `slot[i]` is the hold of `reqs[i]`.
+        // (P3 of `crate::guard`); `slot[i]` is the hold of `nccl[i]`.
         let mut comms: Vec<&Comm> = Vec::new();
-        let mut slot = Vec::with_capacity(reqs.len());
-        for r in &reqs {
+        let mut slot = Vec::with_capacity(nccl.len());
+        for r in &nccl {
             let i = match comms.iter().position(|c| Arc::ptr_eq(c, &r.meta.comm)) {
                 Some(i) => i,
                 None => {
@@ -350,7 +504,7 @@ impl NcclRank {
             .map(|c| c.enter())
             .collect::<Result<Vec<_>>>()?;
         let end = issuing.group(&ctx.lib, &held, || {
-            for (r, &i) in reqs.iter().zip(&slot) {
+            for (r, &i) in nccl.iter().zip(&slot) {
                 let m = &r.meta;
                 let _span = tracing::trace_span!(
                     "duplex.op",
@@ -379,7 +533,7 @@ impl NcclRank {
             }
             Ok(())
         })?;
-        let launched = end.map_err(|e| ctx.watchdog_error(e, &reqs[0].meta.text()))?;
+        let launched = end.map_err(|e| ctx.watchdog_error(e, &nccl[0].meta.text()))?;
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
@@ -392,73 +546,13 @@ impl NcclRank {
                 Ok(true)
             })?;
             if !ok {
-                drop(held);
-                drop(issuing);
-                return Err(self.hang(
-                    &format!("{} (its connection handshake, R7)", reqs[0].meta.text()),
-                    &check::place(at),
-                    None,
-                ));
+                return Ok(Some(format!(
+                    "{} (its connection handshake, R7)",
+                    nccl[0].meta.text()
+                )));
             }
         }
-        drop(held);
-        // One event per stream of the launch, recorded after its last op
-        // there, shared by the launch's ops on that stream.
-        let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
-        let mut launch = Vec::with_capacity(reqs.len());
-        let mut reqs = reqs.into_iter();
-        while let Some(r) = reqs.next() {
-            let raw = r.stream.0.raw.raw();
-            let shared = events
-                .iter()
-                .find(|(s, _)| *s == raw)
-                .map(|(_, e)| e.clone());
-            let event = match shared {
-                Some(e) => e,
-                None => match ctx
-                    .event()
-                    .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
-                {
-                    Ok(e) => {
-                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx, &issuing));
-                        events.push((raw, e.clone()));
-                        e
-                    }
-                    Err(e) => {
-                        // The ops already given an event stay tracked (and
-                        // keep their buffers) even though this launch failed;
-                        // this one and the rest are not tracked, and keep
-                        // their buffers for good, since nothing says when
-                        // the device is done with them (P6).
-                        ctx.ops.record(launch);
-                        for r in std::iter::once(r).chain(reqs) {
-                            std::mem::forget(r.buf);
-                        }
-                        return Err(e);
-                    }
-                },
-            };
-            let issued = Arc::new(Issued {
-                meta: r.meta,
-                event,
-                buf: r.buf,
-            });
-            {
-                let mut users = lock(&issued.buf.users);
-                // Forget ops that are gone before the list would grow, so
-                // that the cost per op stays constant however many are in
-                // flight.
-                if users.len() == users.capacity() {
-                    users.retain(|w| w.strong_count() > 0);
-                }
-                users.push(Arc::downgrade(&issued));
-            }
-            launch.push(issued);
-        }
-        // One launch enters the ledger whole: a hang report taken by another
-        // thread lists all of it or none of it (P7).
-        ctx.ops.record(launch);
-        Ok(())
+        Ok(None)
     }
 
     /// Waits until `done`, under the deadline; a timeout is a hang.
@@ -486,7 +580,17 @@ impl NcclRank {
             if checks.is_multiple_of(256) {
                 // A failed communicator (a peer that died, say) is an error now.
                 for op in self.ctx.pending() {
-                    op.meta.comm.check().inspect_err(|e| {
+                    let checked = match &op.meta.copy {
+                        Some(c) => match c.lane.aborted() {
+                            Some(why) => Err(Error::Aborted(format!(
+                                "copy-engine lane {} was aborted, so its ops did not move their bytes: {why}",
+                                c.name
+                            ))),
+                            None => Ok(()),
+                        },
+                        None => op.meta.comm.check(),
+                    };
+                    checked.inspect_err(|e| {
                         self.ctx.health.fail(self.ctx.rank, &e.to_string());
                     })?;
                 }
@@ -523,6 +627,10 @@ impl NcclRank {
     /// job failed.
     fn verify_complete(&self, covered: &[Arc<Issued>], call: &str) -> Result<()> {
         for op in covered {
+            if let (Some(c), Some(t)) = (&op.meta.copy, &op.ticket) {
+                self.verify_copy(op, c, t, call)?;
+                continue;
+            }
             if let Err(e) = op.meta.comm.check() {
                 // Another rank's failure is the cause: name it (the
                 // watchdog aborted this rank's communicators for it).
@@ -543,6 +651,33 @@ impl NcclRank {
             return Err(self.peer_failed(call, r, &why));
         }
         Ok(())
+    }
+
+    /// Checks that an op on a copy-engine lane, whose stream went past it,
+    /// moved its bytes: its ticket says its copy was seen done. A lane
+    /// aborted first (a hang, a failed rank) fails it, even if the copy ran
+    /// later.
+    fn verify_copy(&self, op: &Issued, c: &CopyEnd, t: &Ticket, call: &str) -> Result<()> {
+        // The copy's done event completes before the write that let the
+        // stream go on (`crate::copy`): settling now sees it.
+        c.lane.settle()?;
+        let why = match t.state() {
+            TicketState::Delivered => return Ok(()),
+            TicketState::Failed(why) => why.to_string(),
+            s => format!(
+                "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
+            ),
+        };
+        if let Some((r, w)) = self.ctx.peer_cause() {
+            return Err(self.peer_failed(call, r, &w));
+        }
+        let err = Error::Aborted(format!(
+            "`{call}`: {} finished on the device, but copy-engine lane {} did not deliver it: {why}; its bytes cannot be trusted",
+            op.meta.info(),
+            c.name
+        ));
+        self.ctx.health.fail(self.ctx.rank, &err.to_string());
+        Err(err)
     }
 
     /// The hang error: every pending op of this rank, the model's wait-for
@@ -611,8 +746,23 @@ impl NcclRank {
                 }
             }
         };
-        let comms: Vec<Comm> = pending.iter().map(|p| p.meta.comm.clone()).collect();
+        let comms: Vec<Comm> = pending
+            .iter()
+            .filter(|p| p.meta.copy.is_none())
+            .map(|p| p.meta.comm.clone())
+            .collect();
         let mut aborted = crate::ctx::abort_together(&comms);
+        for p in &pending {
+            if let Some(c) = &p.meta.copy
+                && c.lane.aborted().is_none()
+            {
+                c.lane.abort(&format!(
+                    "rank {} thread {}: `{call}` did not return within its deadline",
+                    ctx.rank, self.thread
+                ));
+                aborted.push(c.name.clone());
+            }
+        }
         aborted.sort();
         aborted.dedup();
         Error::Hang(Box::new(Hang {
@@ -666,6 +816,13 @@ impl Transport for NcclRank {
 
     fn policy(&self) -> Policy {
         self.ctx.policy
+    }
+
+    fn copy_from(&self) -> Option<u64> {
+        self.ctx
+            .opts
+            .copy_from
+            .filter(|_| self.ctx.policy == Policy::PerDirection)
     }
 
     #[track_caller]

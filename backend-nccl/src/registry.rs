@@ -443,6 +443,17 @@ impl Registry {
     /// `warm` when it was connected at creation, so that R6 and R7 never
     /// apply to it.
     pub fn comm(&self, logical: u32, name: &str, members: &[Rank], warm: bool) {
+        self.declare_comm(logical, name, members, warm, false);
+    }
+
+    /// Declares copy-engine lane `logical` (`copy:a->b`, C1–C6 of
+    /// `docs/semantics.md`): always connected, and its ops match whatever
+    /// their grouping.
+    pub fn copy_lane(&self, logical: u32, name: &str, members: &[Rank]) {
+        self.declare_comm(logical, name, members, true, true);
+    }
+
+    fn declare_comm(&self, logical: u32, name: &str, members: &[Rank], warm: bool, copy: bool) {
         let mut live = self.lock_live();
         self.settle_locked(&mut live);
         let mut r = self.lock();
@@ -454,8 +465,11 @@ impl Registry {
             name: name.to_string(),
             members: members.to_vec(),
             warm,
-            copy: false,
+            copy,
         };
+        if copy {
+            r.matcher.copy_lane(duplex::machine::CommId(logical));
+        }
         let comms = r.trace.comms.len();
         if let Some(m) = live.machine.as_mut() {
             let setup = m.setup_mut();
@@ -466,6 +480,7 @@ impl Registry {
             c.name = name.to_string();
             c.members = members.to_vec();
             c.warm = warm;
+            c.copy = copy;
         }
     }
 

@@ -68,6 +68,15 @@ macro_rules! builder {
             self.settings.opts.ctas = (min, max);
             self
         }
+
+        /// Under [`Policy::PerDirection`], puts ops of at least `size`
+        /// bytes without an explicit communicator on copy-engine lanes
+        /// (C1–C6 of `docs/semantics.md`; [`crate::copy`]). `None`, the
+        /// default: no op. [`crate::Local`] only for now.
+        pub fn copy_from(mut self, size: Option<duplex::Size>) -> Self {
+            self.settings.opts.copy_from = size.map(duplex::Size::bytes);
+            self
+        }
     };
 }
 
@@ -114,14 +123,20 @@ impl Local {
         F: Fn(&NcclRank) -> Result<()> + Sync,
     {
         let id = self.lib.unique_id()?;
+        let copy = crate::ctx::copy_lanes(self.ranks, self.settings.policy, &self.settings.opts)?;
         let registry = Registry::local(self.ranks, self.settings.opts.model);
         let board: Arc<dyn Board> = Arc::new(LocalBoard::default());
         let health: Arc<dyn Health> = Arc::new(LocalHealth::default());
         let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..self.ranks)
                 .map(|r| {
-                    let (registry, board, health, f) =
-                        (registry.clone(), board.clone(), health.clone(), &f);
+                    let (registry, board, health, copy, f) = (
+                        registry.clone(),
+                        board.clone(),
+                        health.clone(),
+                        copy.clone(),
+                        &f,
+                    );
                     scope.spawn(move || {
                         rank_main(
                             self.lib,
@@ -134,6 +149,7 @@ impl Local {
                                 board,
                                 registry,
                                 health,
+                                copy,
                             },
                             f,
                         )
@@ -277,6 +293,17 @@ impl Process {
     where
         F: Fn(&NcclRank) -> Result<()>,
     {
+        if self.settings.policy == Policy::PerDirection
+            && let Some(c) = self.settings.opts.copy_from
+        {
+            return Err(Error::Unavailable {
+                what: format!(
+                    "copy-engine lanes across processes (copy_from {})",
+                    duplex::Size(c)
+                ),
+                how: "not built yet: they need CUDA IPC; run the ranks as threads of one process (Local), or leave copy_from unset".into(),
+            });
+        }
         static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if RAN.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return Err(Error::Invalid {
@@ -375,6 +402,7 @@ impl Process {
                 board,
                 registry,
                 health: health.clone(),
+                copy: Vec::new(),
             },
             &f,
         );
@@ -421,6 +449,8 @@ struct Links {
     board: Arc<dyn Board>,
     registry: Arc<Registry>,
     health: Arc<dyn Health>,
+    /// The job's copy-engine lanes (one process only).
+    copy: crate::ctx::CopyLanes,
 }
 
 fn rank_main<F>(
@@ -440,6 +470,7 @@ where
         board,
         registry,
         health,
+        copy,
     } = links;
     let start = Instant::now();
     let failed = |e: Error| {
@@ -464,6 +495,7 @@ where
         board,
         registry: registry.clone(),
         health: health.clone(),
+        copy,
     })
     .map_err(failed)?;
     let setup_ms = start.elapsed().as_secs_f64() * 1e3;

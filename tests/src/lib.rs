@@ -36,6 +36,14 @@ fn len() -> usize {
     LEN.load(Ordering::Relaxed)
 }
 
+/// The `copy_from` of the scenarios on copy-engine lanes
+/// ([`Scenario::copy`]): half a message, in bytes, so that a message of
+/// the scenarios' length ([`set_len`]) goes on the copy-engine lane and
+/// one of a quarter of that stays on NCCL.
+pub fn copy_threshold() -> duplex::Size {
+    duplex::Size((len() * std::mem::size_of::<u32>() / 2) as u64)
+}
+
 /// What a scenario must do on a correct backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expect {
@@ -63,6 +71,9 @@ pub struct Scenario<T: Transport> {
     pub ranks: u32,
     /// The placement policy.
     pub policy: Policy,
+    /// Under `per-direction`, large ops go on copy-engine lanes, from
+    /// [`copy_threshold`] up (C1–C6 of `docs/semantics.md`).
+    pub copy: bool,
     /// What must happen.
     pub expect: Expect,
     /// The rank code.
@@ -75,6 +86,7 @@ impl<T: Transport> std::fmt::Debug for Scenario<T> {
             .field("name", &self.name)
             .field("ranks", &self.ranks)
             .field("policy", &self.policy)
+            .field("copy", &self.copy)
             .field("expect", &self.expect)
             .finish()
     }
@@ -150,6 +162,16 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         about,
         ranks,
         policy,
+        copy: false,
+        expect,
+        run,
+    };
+    let copy = |name, about, ranks, expect, run| Scenario {
+        name,
+        about,
+        ranks,
+        policy: PerDirection,
+        copy: true,
         expect,
         run,
     };
@@ -282,7 +304,104 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             Hangs,
             unmatched_send::<T>,
         ),
+        copy(
+            "seed/copy",
+            "the seed with its messages on copy-engine lanes completes",
+            2,
+            Completes,
+            seed::<T>,
+        ),
+        copy(
+            "seed-rpc/copy",
+            "the RPC form on copy-engine lanes",
+            2,
+            Completes,
+            seed_rpc::<T>,
+        ),
+        copy(
+            "all-to-all/copy",
+            "every rank sends to every other, then receives, on copy-engine lanes",
+            4,
+            Completes,
+            all_to_all::<T>,
+        ),
+        copy(
+            "mixed-sizes/copy",
+            "large and small messages interleaved both ways: the large on copy-engine lanes, the small on NCCL, one stream per direction (C1)",
+            2,
+            Completes,
+            mixed_sizes::<T>,
+        ),
+        copy(
+            "never-buffered/copy",
+            "each rank waits for its send before it receives: a copy-engine lane never buffers (C3)",
+            2,
+            Hangs,
+            send_sync_recv::<T>,
+        ),
+        copy(
+            "size-mismatch/copy",
+            "rank 0 sends a message, rank 1 receives three quarters of it, both on the copy-engine lane",
+            2,
+            Fails(ProgramErrorKind::SizeMismatch),
+            size_mismatch_copy::<T>,
+        ),
     ]
+}
+
+/// Large and small messages interleaved, both ways at once, each checked.
+pub fn mixed_sizes<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let sizes = [len(), len() / 4, len(), len() / 4];
+    let mut outs = Vec::new();
+    for (tag, &n) in sizes.iter().enumerate() {
+        let mut buf = t.alloc::<u32>(n)?;
+        let data: Vec<u32> = (0..n)
+            .map(|i| pattern(t.rank(), peer, tag as u32, i))
+            .collect();
+        t.write(&mut buf, &data)?;
+        outs.push(buf);
+    }
+    let mut ins = Vec::new();
+    for &n in &sizes {
+        ins.push(t.alloc::<u32>(n)?);
+    }
+    for o in &outs {
+        t.send(o, peer)?;
+    }
+    for i in ins.iter_mut() {
+        t.recv(i, peer)?;
+    }
+    t.synchronize()?;
+    for (tag, i) in ins.iter().enumerate() {
+        check(t, i, peer, tag as u32)?;
+    }
+    Ok(())
+}
+
+/// Send, wait for the send, then receive: completes only where a send can
+/// complete before its recv starts (R5); never on copy-engine lanes (C3).
+pub fn send_sync_recv<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let out = filled(t, peer, 0)?;
+    let mut inb = t.alloc::<u32>(len())?;
+    t.send(&out, peer)?;
+    t.synchronize()?;
+    t.recv(&mut inb, peer)?;
+    t.synchronize()?;
+    check(t, &inb, peer, 0)
+}
+
+/// A size mismatch where both sides are on the copy-engine lane.
+pub fn size_mismatch_copy<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 0)?;
+        t.send(&out, 1)?;
+    } else {
+        let mut inb = t.alloc::<u32>(len() * 3 / 4)?;
+        t.recv(&mut inb, 0)?;
+    }
+    t.synchronize()
 }
 
 /// The value at `i` of a message from `src` to `dst` with `tag`: every byte

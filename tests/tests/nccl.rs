@@ -90,7 +90,12 @@ fn child(name: &str) {
         return;
     };
     let start = Instant::now();
-    let o = outcome(local(s.ranks.min(2)).policy(s.policy).run(s.run));
+    let o = outcome(
+        local(s.ranks.min(2))
+            .policy(s.policy)
+            .copy_from(s.copy.then(duplex_tests::copy_threshold))
+            .run(s.run),
+    );
     let elapsed = start.elapsed();
     if let Outcome::Hang(h) = &o {
         eprintln!("{h}");

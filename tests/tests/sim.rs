@@ -21,7 +21,10 @@ fn every_scenario_on_the_simulator() {
     let mut ran = 0;
     for s in scenarios::<SimRank>() {
         let start = Instant::now();
-        let result = Sim::new(s.ranks).policy(s.policy).check(s.run);
+        let result = Sim::new(s.ranks)
+            .policy(s.policy)
+            .copy_from(s.copy.then(duplex_tests::copy_threshold))
+            .check(s.run);
         let elapsed = start.elapsed();
         let o = outcome(result);
         eprintln!(
@@ -56,7 +59,11 @@ fn every_scenario_on_the_simulator() {
 fn every_completing_scenario_replays_from_its_trace() {
     let mut replayed = 0;
     for s in scenarios::<SimRank>() {
-        let Ok(run) = Sim::new(s.ranks).policy(s.policy).run(7, s.run) else {
+        let Ok(run) = Sim::new(s.ranks)
+            .policy(s.policy)
+            .copy_from(s.copy.then(duplex_tests::copy_threshold))
+            .run(7, s.run)
+        else {
             continue;
         };
         assert!(!run.trace.calls.is_empty(), "{}: empty trace", s.name);
