@@ -276,6 +276,24 @@ def targets(figs):
             add(text, None, "not measured")
         else:
             add(text, d >= 0.99 * r, f"{d / r:.3f}× ({d:.1f} vs {r:.1f} GB/s)")
+    # Copy-engine lanes (item 4): both ways at once against PyTorch's best
+    # and against raw peer copies one way.
+    both = median_of(figs, "duplex:copy_both_ways/256MiB")
+    best = [(median_of(figs, f"torch:{k}/256MiB"), n) for k, n in
+            (("batch", "batch_isend_irecv"), ("two_pgs", "one PG per direction"))]
+    best = [(v, n) for v, n in best if v is not None]
+    text = "256 MiB both ways at once on copy-engine lanes ≥ 1.08× PyTorch's best both ways, per direction"
+    if both is None or not best:
+        add(text, None, "not measured")
+    else:
+        v, n = max(best)
+        add(text, both >= 1.08 * v, f"{both / v:.3f}× ({both:.1f} vs {n} {v:.1f} GB/s)")
+    ce = median_of(figs, "duplex:ce_one_way/256MiB")
+    text = "256 MiB both ways at once on copy-engine lanes ≥ 0.97× raw peer copies one way, per direction"
+    if both is None or not ce:
+        add(text, None, "not measured")
+    else:
+        add(text, both >= 0.97 * ce, f"{both / ce:.3f}× ({both:.1f} vs {ce:.1f} GB/s)")
     for key, text in (("latency_us", "4 KiB half round trip within 1 µs of raw NCCL (same communicators and stream)"),
                       ("host_us", "host time per op ≤ 1 µs over raw ncclSend/ncclRecv")):
         d, r = median_of(figs, f"duplex:{key}"), median_of(figs, f"duplex:raw_{key}")

@@ -51,6 +51,7 @@ for l in sys.stdin:
   cp target/release/examples/bench .gpu/
   cp target/release/examples/faults .gpu/
   cp target/release/examples/overhead .gpu/
+  cp target/release/examples/copylane .gpu/
   # The same with frame pointers, for `overhead --spin S --profile FILE`
   # (its samples then name callers: scripts/profile_symbols.py).
   CARGO_TARGET_DIR=target/fp RUSTFLAGS="-C force-frame-pointers=yes" \
@@ -61,7 +62,7 @@ for l in sys.stdin:
   # code is unchanged, so a profile names its samples from the unstripped
   # build here (scripts/profile_symbols.py FILE target/fp/release/examples/overhead).
   if command -v strip >/dev/null; then
-    strip --strip-debug .gpu/duplex .gpu/nccl-suite .gpu/bench .gpu/faults .gpu/overhead .gpu/overhead-fp
+    strip --strip-debug .gpu/duplex .gpu/nccl-suite .gpu/bench .gpu/faults .gpu/overhead .gpu/overhead-fp .gpu/copylane
   fi
   cp -r examples .gpu/examples
   cp scripts/bench_torch.py scripts/bench_table.py .gpu/
@@ -124,6 +125,11 @@ run)
       # judged: bench's two-GPU host-time figure is the judged one).
       timeout 120 .gpu/overhead --trials "$trials" > "$out/overhead.txt" 2>&1
       record overhead $?
+      # Copy-engine lanes without NCCL: the mechanism's checks, raw peer
+      # copies against the lane, and a compute kernel beside the copies
+      # (equal times: the copies take no SMs).
+      timeout 120 .gpu/copylane --trials "$trials" --limit 110 > "$out/copylane.txt" 2>&1
+      record copylane $?
       (cd .gpu && timeout "${TORCH_S:-240}" python3 bench_torch.py "$out/bench-torch.json" --trials "$trials") 2>&1 \
         | grep --line-buffered -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt"
       record bench-torch "${PIPESTATUS[0]}"

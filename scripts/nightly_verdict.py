@@ -21,8 +21,9 @@ the last line of a name counts) and the reports of each step:
   bench      bench and bench_torch.py exit 0 and write their JSON, and
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
-             unmeasured. The lane-CTA sweep (bench-ctas-N) is reported, not
-             judged.
+             unmeasured; and the copy-engine lane checks (`copylane`,
+             OUT/copylane.txt) exit 0. The lane-CTA sweep (bench-ctas-N) is
+             reported, not judged.
 
 Writes OUT/nightly.md and OUT/nightly.json, prints the former, and exits 1
 when any step failed (0 when all passed; 2 for a wrong command line).
@@ -241,6 +242,13 @@ def judge_bench(steps, out):
         reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's spread")
     elif rc != 0:
         reasons.append(f"bench_table.py: {status_text(rc)}" + (f": {log.strip()[-300:]}" if log.strip() else ""))
+    rc = steps.get("copylane")
+    if rc is None:
+        reasons.append("the copy-engine lane checks (copylane) did not run")
+    elif rc != 0:
+        fails = [l for l in (read(os.path.join(out, "copylane.txt")) or "").splitlines()
+                 if l.startswith("FAIL")]
+        reasons.append(f"copylane: {status_text(rc)}" + (f": {'; '.join(fails)}" if fails else ""))
     for name in sorted(k for k in steps if k.startswith("bench-ctas-")):
         if steps[name] != 0:
             notes.append(f"lane-CTA sweep {name[len('bench-ctas-'):]}: {status_text(steps[name])} (not judged)")

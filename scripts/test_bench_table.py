@@ -77,6 +77,7 @@ GOOD_DUPLEX = {
     "latency_us": [7.0, 7.1, 7.2, 7.3, 7.4], "raw_latency_us": [6.5, 6.6, 6.7, 6.8, 6.9],
     "host_us": [6.5, 6.6, 6.7, 6.8, 6.9], "raw_host_us": [6.0, 6.1, 6.2, 6.3, 6.4],
     "lane_create_ms/lane:0->1": [30, 31, 32, 33, 34], "lane_bytes/lane:0->1": [207618048] * 5,
+    "copy_both_ways/256MiB": [372, 373, 374, 375, 376], "ce_one_way/256MiB": [381, 382, 383, 384, 385],
 }
 GOOD_TORCH = {
     "one_way/1MiB": [37, 38, 39, 40, 41], "one_way/64MiB": [330, 331, 332, 333, 334],
@@ -262,7 +263,7 @@ class Targets(unittest.TestCase):
 
     def test_all_met(self):
         rows = bt.targets(self.figs(GOOD_DUPLEX, GOOD_TORCH))
-        self.assertEqual(len(rows), 9)
+        self.assertEqual(len(rows), 11)
         self.assertTrue(all(met is True for _, met, _ in rows), rows)
 
     def test_each_target_can_fail(self):
@@ -272,8 +273,10 @@ class Targets(unittest.TestCase):
         d["one_way/1MiB"] = [70] * 5           # < 0.99 x 72
         d["latency_us"] = [7.8] * 5            # +1.1 us
         d["host_us"] = [10.2] * 5              # +4 us
+        d["copy_both_ways/256MiB"] = [369] * 5  # < 1.08 x 342 = 369.4, < 0.97 x 383 = 371.5
         met = {text: m for text, m, _ in bt.targets(self.figs(d, GOOD_TORCH))}
-        by = lambda *words: [m for text, m in met.items() if all(w in text for w in words)]
+        nccl = {text: m for text, m in met.items() if "copy-engine" not in text}
+        by = lambda *words: [m for text, m in nccl.items() if all(w in text for w in words)]
         self.assertEqual(by("256 MiB", "0.97"), [False])
         self.assertEqual(by("256 MiB", "PyTorch"), [False])
         self.assertEqual(by("64 MiB", "0.97"), [False])
@@ -282,6 +285,8 @@ class Targets(unittest.TestCase):
         self.assertEqual(by("256 MiB", "raw"), [True])
         self.assertEqual(by("4 KiB"), [False])
         self.assertEqual(by("host"), [False])
+        copy = [m for text, m in met.items() if "copy-engine" in text]
+        self.assertEqual(copy, [False, False])
 
     def test_boundaries_are_met(self):
         d = dict(GOOD_DUPLEX)
@@ -304,7 +309,7 @@ class Targets(unittest.TestCase):
     def test_without_torch_the_torch_targets_are_not_measured(self):
         f = bt.prefixed("duplex", bt.parse_run(new_duplex(GOOD_DUPLEX))[2])
         rows = {text: m for text, m, _ in bt.targets(f)}
-        self.assertEqual([m for t, m in rows.items() if "PyTorch" in t], [None, None])
+        self.assertEqual([m for t, m in rows.items() if "PyTorch" in t], [None, None, None])
 
 
 class CommandLine(unittest.TestCase):

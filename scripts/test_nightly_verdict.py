@@ -192,7 +192,7 @@ class Whole(unittest.TestCase):
 
     def good_run(self):
         self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\n"
-                   "bench-ctas-16 0\nbench-ctas-64 1\nbench-torch 0\nbench-table 0\n")
+                   "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\n")
         self.write("suite.txt", SUITE_OK)
         self.write("faults.md", FAULTS_OK)
         self.write("calibration.md", committed("calibration.md"))
@@ -217,7 +217,7 @@ class Whole(unittest.TestCase):
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\n")
         self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
                                         "measured: duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
@@ -225,10 +225,23 @@ class Whole(unittest.TestCase):
         self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
         self.assertIn("duplex:both_ways/256MiB", md)
 
+    def test_a_failed_copy_lane_check_fails_it(self):
+        self.good_run()
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\n")
+        self.write("copylane.txt", "PASS data: ok\nFAIL abort: the abort did not release the stream in 2 s\n")
+        rc, md, j = self.main()
+        self.assertEqual(rc, 1)
+        self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
+        self.assertIn("copylane: exit status 1: FAIL abort", md)
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 0\n")
+        rc, md, _ = self.main()
+        self.assertEqual(rc, 1)
+        self.assertIn("copy-engine lane checks (copylane) did not run", md)
+
     def test_a_missing_torch_result_fails_it(self):
         self.good_run()
         os.remove(os.path.join(self.out, "bench-torch.json"))
-        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 1\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 1\nbench-table 1\n")
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)
         self.assertIn("bench_torch.py: exit status 1", md)
@@ -273,6 +286,10 @@ d=$(dirname "$0")/stub
 if [ -n "$quick" ]; then cp "$d/quick.json" "$json"; else cp "$d/duplex.json" "$json"; fi
 echo "bench stub"; exit "$(cat "$d/bench.rc")"
 """
+STUB_COPYLANE = """#!/bin/sh
+d=$(dirname "$0")/stub
+cat "$d/copylane.txt"; exit "$(cat "$d/copylane.rc")"
+"""
 STUB_TORCH = """import os, shutil, sys
 d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
 rc = int(open(os.path.join(d, "torch.rc")).read())
@@ -303,7 +320,8 @@ class EndToEnd(unittest.TestCase):
             shutil.copy(os.path.join(HERE, f), os.path.join(root, "scripts", f))
         shutil.copy(os.path.join(HERE, "bench_table.py"), os.path.join(root, ".gpu"))
         for name, text in (("nccl-suite", STUB_SUITE), ("faults", STUB_FAULTS), ("duplex", STUB_DUPLEX),
-                           ("bench", STUB_BENCH), ("bench_torch.py", STUB_TORCH)):
+                           ("bench", STUB_BENCH), ("bench_torch.py", STUB_TORCH),
+                           ("copylane", STUB_COPYLANE)):
             path = os.path.join(root, ".gpu", name)
             with open(path, "w") as f:
                 f.write(text)
@@ -314,7 +332,8 @@ class EndToEnd(unittest.TestCase):
                    "calibration.md": committed("calibration.md"), "calibrate.rc": "1",
                    "duplex.json": json.dumps(tbt.new_duplex(tbt.GOOD_DUPLEX)), "bench.rc": "0",
                    "quick.json": json.dumps(quick),
-                   "torch.json": json.dumps(tbt.new_torch(tbt.GOOD_TORCH)), "torch.rc": "0"})
+                   "torch.json": json.dumps(tbt.new_torch(tbt.GOOD_TORCH)), "torch.rc": "0",
+                   "copylane.txt": "PASS data: stub\n", "copylane.rc": "0"})
         # The committed baseline of this fake checkout: the stubs' own figures.
         subprocess.run([sys.executable, os.path.join(root, "scripts/bench_table.py"),
                         os.path.join(root, ".gpu/stub/duplex.json"), os.path.join(root, ".gpu/stub/torch.json"),

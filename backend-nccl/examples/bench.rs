@@ -2,9 +2,13 @@
 //! on per-direction lanes, through duplex and through plain NCCL calls on
 //! the same communicators and streams; 4 KiB ping-pong latency through
 //! duplex and through plain NCCL calls; the host time duplex adds to each
-//! op; and what a lane costs. Prints a table and writes JSON.
+//! op; and what a lane costs. Then the same bandwidths on copy-engine lanes
+//! (`copy_from` 1 MiB, a second run of [`Local`]) and raw peer copies
+//! (`cuMemcpyPeerAsync`) between the two GPUs, from which it suggests the
+//! size from which copy-engine lanes are faster. Prints a table and writes
+//! JSON.
 //!
-//! `bench [--json FILE] [--trials N] [--quick] [--min-ctas N --max-ctas N]`;
+//! `bench [--json FILE] [--trials N] [--quick] [--no-copy] [--min-ctas N --max-ctas N]`;
 //! run `scripts/gpu.sh run bench` for the side-by-side run with PyTorch.
 //!
 //! Every figure is taken in `--trials` trials (default 5; `--quick`, which
@@ -125,8 +129,15 @@ struct Results {
     /// direction, on rank 1's clock: it sees the data arrive),
     /// `latency_us`, `raw_latency_us` (4 KiB, half a round trip, rank 1),
     /// `host_us`, `raw_host_us` (host time to enqueue one 4 KiB op, rank
-    /// 0), `lane_create_ms/LANE`, `lane_bytes/LANE` (rank 1's lanes).
+    /// 0), `lane_create_ms/LANE`, `lane_bytes/LANE` (rank 1's lanes);
+    /// `copy_one_way/SIZE`, `copy_both_ways/SIZE` (copy-engine lanes),
+    /// `ce_one_way/SIZE`, `ce_both_ways/SIZE` (raw peer copies, timed by
+    /// events).
     figures: BTreeMap<String, Figure>,
+    /// The smallest size measured from which copy-engine lanes moved more
+    /// than NCCL lanes one way (medians), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    copy_from_suggested: Option<u64>,
     /// The lanes of the last run, with how their memory was measured.
     lanes: Vec<duplex_nccl::LaneCost>,
 }
@@ -330,15 +341,119 @@ fn both_paths(trial: u32) -> [Path; 2] {
     }
 }
 
+/// The bandwidth sizes.
+fn sizes(quick: bool) -> &'static [u64] {
+    if quick {
+        &[256 << 20]
+    } else {
+        &[1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+    }
+}
+
+/// The copy-engine lanes' bandwidths, on a run with `copy_from` set below
+/// every size measured. Rank 1 keeps them.
+fn measure_copy(t: &NcclRank, trials: u32, quick: bool) -> duplex::Result<Samples> {
+    let mut s = Samples::default();
+    let mut buffers = sizes(quick)
+        .iter()
+        .map(|&b| Buffers::new(t, b))
+        .collect::<duplex::Result<Vec<_>>>()?;
+    for trial in 0..trials {
+        eprintln!(
+            "rank {}: copy-engine lanes, trial {} of {trials}",
+            t.rank(),
+            trial + 1
+        );
+        for b in &mut buffers {
+            for both in [false, true] {
+                let g = bandwidth(t, b, both, Path::Duplex, trial)?;
+                if t.rank() == 1 {
+                    let what = if both { "both_ways" } else { "one_way" };
+                    s.push(
+                        format!("copy_{what}/{}", duplex::Size(b.bytes)),
+                        Unit::GbPerS,
+                        Some(b.bytes),
+                        g,
+                    );
+                }
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Raw peer copies between GPUs 0 and 1 (`cuMemcpyPeerAsync`, a stream on
+/// each source GPU), one way and both ways at once, timed by events on
+/// each copy's stream; GB/s per direction (both ways: the slower).
+fn raw_copy_engines(trials: u32, quick: bool) -> Result<Samples, duplex::Error> {
+    use duplex_nccl::cuda::{Device, Event, Memory, Stream};
+    use std::sync::Arc;
+    let mut s = Samples::default();
+    let dev = [Arc::new(Device::new(0)?), Arc::new(Device::new(1)?)];
+    dev[0].enable_peer(&dev[1])?;
+    dev[1].enable_peer(&dev[0])?;
+    for &bytes in sizes(quick) {
+        let mut bufs = Vec::new();
+        let mut streams = Vec::new();
+        for d in &dev {
+            d.bind()?;
+            bufs.push((
+                Memory::zeroed(bytes as usize)?,
+                Memory::zeroed(bytes as usize)?,
+            ));
+            streams.push(Stream::new()?);
+        }
+        for _ in 0..trials {
+            for both in [false, true] {
+                let n = iters(bytes);
+                let mut times = Vec::new();
+                let mut marks = Vec::new();
+                for from in 0..if both { 2 } else { 1 } {
+                    let to = 1 - from;
+                    dev[from].bind()?;
+                    let (a, b) = (Event::new(true)?, Event::new(true)?);
+                    a.record(&streams[from])?;
+                    for _ in 0..n {
+                        // SAFETY: both buffers hold `bytes` bytes and outlive
+                        // the copies (the stream is synchronized below).
+                        duplex_nccl::cuda::check("cuMemcpyPeerAsync", unsafe {
+                            cudarc::driver::sys::cuMemcpyPeerAsync(
+                                bufs[to].1.ptr(),
+                                dev[to].raw_ctx(),
+                                bufs[from].0.ptr(),
+                                dev[from].raw_ctx(),
+                                bytes as usize,
+                                streams[from].raw() as cudarc::driver::sys::CUstream,
+                            )
+                        })?;
+                    }
+                    b.record(&streams[from])?;
+                    marks.push((from, a, b));
+                }
+                for (from, a, b) in marks {
+                    dev[from].bind()?;
+                    streams[from].synchronize()?;
+                    times.push(f64::from(b.since(&a)?) * 1e-3);
+                }
+                let slowest = times.iter().copied().fold(0.0, f64::max);
+                let what = if both { "both_ways" } else { "one_way" };
+                s.push(
+                    format!("ce_{what}/{}", duplex::Size(bytes)),
+                    Unit::GbPerS,
+                    Some(bytes),
+                    (bytes * u64::from(n)) as f64 / slowest / 1e9,
+                );
+            }
+        }
+    }
+    Ok(s)
+}
+
 /// Every trial of every figure on one rank. Rank 1 keeps the bandwidth and
 /// latency figures (its clock sees the data arrive), rank 0 the host time.
 fn measure(t: &NcclRank, trials: u32, quick: bool) -> duplex::Result<Samples> {
     let mut s = Samples::default();
-    let sizes: &[u64] = if quick {
-        &[256 << 20]
-    } else {
-        &[1 << 20, 64 << 20, 256 << 20]
-    };
+    let sizes = sizes(quick);
     let mut buffers = sizes
         .iter()
         .map(|&b| Buffers::new(t, b))
@@ -433,6 +548,38 @@ fn print_table(r: &Results) {
             cell(f(&format!("raw_both_ways/{size}"))),
         );
     }
+    if r.figures.keys().any(|k| k.starts_with("copy_")) {
+        println!(
+            "{:>8} {:>26} {:>26} {:>26} {:>26}",
+            "size",
+            "copy lane one way",
+            "raw peer copy one way",
+            "copy lanes both ways",
+            "raw peer copies both"
+        );
+        let mut sizes: Vec<u64> = r.figures.values().filter_map(|f| f.bytes).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for b in sizes {
+            let size = duplex::Size(b);
+            println!(
+                "{:>8} {:>26} {:>26} {:>26} {:>26}",
+                size.to_string(),
+                cell(f(&format!("copy_one_way/{size}"))),
+                cell(f(&format!("ce_one_way/{size}"))),
+                cell(f(&format!("copy_both_ways/{size}"))),
+                cell(f(&format!("ce_both_ways/{size}"))),
+            );
+        }
+        match r.copy_from_suggested {
+            Some(b) => println!(
+                "copy-engine lanes move more than NCCL lanes one way from {} (of the sizes measured): copy_from {}",
+                duplex::Size(b),
+                duplex::Size(b)
+            ),
+            None => println!("copy-engine lanes moved less than NCCL lanes at every size measured"),
+        }
+    }
     if f("latency_us").is_some() {
         println!(
             "4 KiB latency (half a round trip), us: duplex {}, raw NCCL {}",
@@ -470,6 +617,7 @@ fn main() {
     );
     // --quick: only 256 MiB bandwidth, for sweeps of settings.
     let quick = args.iter().any(|a| a == "--quick");
+    let copy = !args.iter().any(|a| a == "--no-copy");
     let trials = match arg("--trials").map(|v| v.parse::<u32>()) {
         None => {
             if quick {
@@ -534,8 +682,38 @@ fn main() {
             std::process::exit(1);
         }
     }
+    if copy {
+        // Copy-engine lanes from 1 MiB, every size measured above on them.
+        let copies = local
+            .clone()
+            .copy_from(Some(duplex::Size(1 << 20)))
+            .run(|t| {
+                let s = measure_copy(t, trials, quick)?;
+                results.lock().unwrap_or_else(|e| e.into_inner()).add(s);
+                Ok(())
+            });
+        if let Err(e) = copies {
+            eprintln!("bench failed: copy-engine lanes: {e}");
+            std::process::exit(1);
+        }
+        match raw_copy_engines(trials, quick) {
+            Ok(s) => results.lock().unwrap_or_else(|e| e.into_inner()).add(s),
+            Err(e) => {
+                eprintln!("bench failed: raw peer copies: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let mut r = results.into_inner().unwrap_or_else(|e| e.into_inner());
     r.add(lanes.into_inner().unwrap_or_else(|e| e.into_inner()));
+    r.copy_from_suggested = sizes(quick).iter().copied().find(|&b| {
+        let size = duplex::Size(b);
+        let (c, n) = (
+            r.figures.get(&format!("copy_one_way/{size}")),
+            r.figures.get(&format!("one_way/{size}")),
+        );
+        matches!((c, n), (Some(c), Some(n)) if c.median > n.median)
+    });
     print_table(&r);
     if let Some(path) = arg("--json") {
         let written = serde_json::to_string_pretty(&r)
