@@ -194,17 +194,7 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
             .unwrap_or("nothing".into())
     );
     let mut rows = Vec::new();
-    let mut skipped = Vec::new();
     for (f, name, mut program) in programs {
-        if program.copy_from.is_some() {
-            // Copy-engine lanes are in the model and the checker, not yet
-            // in duplex-nccl: nothing to compare.
-            eprintln!(
-                "not running {name}: its ops use copy-engine lanes, which duplex-nccl does not have yet"
-            );
-            skipped.push(name);
-            continue;
-        }
         // The model fitted to this machine: its measured capacity, kernels
         // in progress at once without bound, communicator order, and
         // one-sided grouping accepted (all measured in docs/semantics.md);
@@ -242,7 +232,7 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
             agrees,
         });
     }
-    Ok(Calibration { cap, rows, skipped })
+    Ok(Calibration { cap, rows })
 }
 
 /// What `duplex calibrate` found.
@@ -251,8 +241,6 @@ pub(crate) struct Calibration {
     pub cap: Capacity,
     /// Every example run, with the checker's verdict.
     pub rows: Vec<Row>,
-    /// Examples not run: those on copy-engine lanes.
-    pub skipped: Vec<String>,
 }
 
 /// The table as Markdown.
@@ -305,13 +293,6 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
         .filter(|r| r.agrees == "yes" || r.agrees.starts_with("consistent"))
         .count();
     let _ = writeln!(s, "\n{agree} of {} examples agree.", rows.len());
-    if !cal.skipped.is_empty() {
-        let _ = writeln!(
-            s,
-            "\nNot run: {} (copy-engine lanes, which duplex-nccl does not have yet).",
-            cal.skipped.join(", ")
-        );
-    }
     for r in rows
         .iter()
         .filter(|r| r.agrees != "yes" && !r.real.detail.is_empty())

@@ -391,9 +391,8 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     match args.format {
         TableFormat::Markdown => print(&calibrate::markdown(&cal, &model)),
         TableFormat::Json => {
-            match serde_json::to_string_pretty(
-                &serde_json::json!({"capacity": cap, "rows": rows, "not_run": cal.skipped}),
-            ) {
+            match serde_json::to_string_pretty(&serde_json::json!({"capacity": cap, "rows": rows}))
+            {
                 Ok(j) => print(&format!("{j}\n")),
                 Err(e) => {
                     let f = Failure::invalid(

@@ -95,14 +95,9 @@ fn classify(start: Instant, r: Result<(), Error>) -> Ran {
 /// program's `lazy-connect` decides whether communicators are connected
 /// before it starts; its policy places the ops.
 pub(crate) fn on_nccl(program: &Program, timeout: Duration) -> Result<Ran, Error> {
-    if let Some(c) = program.copy_from {
-        return Err(Error::Unavailable {
-            what: format!("running copy-engine lanes (`copy-from={c}`) on GPUs"),
-            how: "duplex-nccl does not have copy-engine lanes yet; check the program with `duplex check`, or run it on the simulator (`--backend sim`)".into(),
-        });
-    }
     let local = Local::new(program.ranks)?
         .policy(program.policy)
+        .copy_from(program.copy_from)
         .warm(!program.model.lazy_connect)
         .model(program.model)
         .timeout(timeout);

@@ -926,12 +926,7 @@ fn copy_engine_lanes_need_the_per_direction_policy_and_are_not_run_on_gpus_yet()
         err.contains(":2:") && err.contains("per direction"),
         "{err}"
     );
-    // GPUs: refused before anything runs, saying why (status 4).
     let copy = dir.join("copy-lanes-seed.sched");
-    let out = duplex(&["run", copy.to_str().expect("utf-8"), "--backend", "nccl"]);
-    assert_eq!(out.status.code(), Some(4));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("copy-engine lanes"), "{err}");
     // The simulator runs it (smaller, as the simulator moves real bytes).
     let small =
         std::env::temp_dir().join(format!("duplex-copy-small-{}.sched", std::process::id()));
