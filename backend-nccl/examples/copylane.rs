@@ -133,7 +133,10 @@ fn check_data(a: &Rank, b: &Rank, ab: &Lane) -> Res<String> {
             a.dev.bind()?;
             src.iter()
                 .zip(&sizes)
-                .map(|(m, &n)| ab.issue(Dir::Send, &a.out, m.ptr(), n, DType::U8, "send", keep(m)))
+                .map(|(m, &n)| {
+                    ab.issue(Dir::Send, &a.out, m.ptr(), n, DType::U8, "send", keep(m))
+                        .map_err(duplex::Error::from)
+                })
                 .collect()
         });
         b.dev.bind()?;

@@ -55,6 +55,7 @@ use duplex::{DType, Dir, Error, ProgramErrorKind};
 
 use std::sync::Arc;
 
+use crate::guard::GetMut;
 use crate::sync::{Mutex, lock};
 
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
@@ -97,7 +98,8 @@ pub trait CopyApi: Send + Sync {
     /// Makes `stream` wait until flag `slot` holds at least `value`.
     fn wait(&self, stream: &Self::Stream, slot: usize, value: u32) -> Result<(), Error>;
     /// On the copy stream: wait for both ready events, copy `bytes` from
-    /// `src` to `dst`, record a done event, write `value` into `slot`.
+    /// `src` to `dst`, record a done event, write `value` into `slot`. A
+    /// failure says whether the copy may have been enqueued.
     #[allow(clippy::too_many_arguments)]
     fn copy(
         &self,
@@ -108,7 +110,7 @@ pub trait CopyApi: Send + Sync {
         bytes: usize,
         slot: usize,
         value: u32,
-    ) -> Result<Self::Done, Error>;
+    ) -> Result<Self::Done, CopyFailed>;
     /// Whether a copy's done event has completed.
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
     /// Writes [`RELEASED`] into every slot, from the host.
@@ -176,7 +178,7 @@ struct Side<R> {
 struct Enqueued<D> {
     done: D,
     tickets: [Arc<Ticket>; 2],
-    _keep: [Keep; 2],
+    keep: [Keep; 2],
 }
 
 struct State<A: CopyApi> {
@@ -244,6 +246,10 @@ impl<A: CopyApi> CopyLane<A> {
     /// as reports name it. `keep` is held until the copy is done. Callers
     /// issue the ops of one side in stream order, one at a time (the rank's
     /// issue lock).
+    ///
+    /// On failure, [`IssueFailure::ticket`] says whether the op is on its
+    /// stream all the same (its wait was enqueued: it is launched, and
+    /// failed). A device error aborts the lane.
     #[allow(clippy::too_many_arguments)]
     pub fn issue(
         &self,
@@ -254,13 +260,31 @@ impl<A: CopyApi> CopyLane<A> {
         dtype: DType,
         text: &str,
         keep: Keep,
-    ) -> Result<Arc<Ticket>, Error> {
+    ) -> Result<Arc<Ticket>, IssueFailure> {
+        let mut dropped = Vec::new();
+        let r = self.issue_locked(dir, stream, ptr, bytes, dtype, text, keep, &mut dropped);
+        // Buffers are freed (which may wait for the device) with no lock held.
+        drop(dropped);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn issue_locked(
+        &self,
+        dir: Dir,
+        stream: &A::Stream,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        text: &str,
+        keep: Keep,
+        dropped: &mut Vec<Keep>,
+    ) -> Result<Arc<Ticket>, IssueFailure> {
+        let fail = |error, ticket| IssueFailure { error, ticket };
         let mut st = lock(&self.state);
         if let Some(why) = &st.aborted {
-            return Err(Error::Aborted(format!(
-                "{text}: {} was aborted: {why}",
-                self.name
-            )));
+            let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+            return Err(fail(e, None));
         }
         let (me, other) = (ix(dir), ix(dir.other()));
         let k = st.next[me];
@@ -277,17 +301,29 @@ impl<A: CopyApi> CopyLane<A> {
             } else {
                 (ProgramErrorKind::TypeMismatch, "element type")
             };
-            return Err(Error::Program {
+            let e = Error::Program {
                 kind,
                 message: format!(
                     "message #{k} of {}: {send} is matched with {recv}, which differ in {what} (R3)",
                     self.name
                 ),
                 ops: Vec::new(),
-            });
+            };
+            return Err(fail(e, None));
         }
-        let ready = self.api.ready(stream)?;
-        self.api.wait(stream, slot(k), generation(k))?;
+        // A device error from here on leaves the lane's numbering unsure
+        // (the caller's records count this op): the lane is done for.
+        let ready = match self.api.ready(stream) {
+            Ok(r) => r,
+            Err(e) => {
+                self.abort_locked(&mut st, &format!("{text}: {e}"), dropped);
+                return Err(fail(e, None));
+            }
+        };
+        if let Err(e) = self.api.wait(stream, slot(k), generation(k)) {
+            self.abort_locked(&mut st, &format!("{text}: {e}"), dropped);
+            return Err(fail(e, None));
+        }
         st.next[me] += 1;
         let ticket = Arc::new(Ticket {
             k,
@@ -325,49 +361,64 @@ impl<A: CopyApi> CopyLane<A> {
                 st.copies.push_back(Enqueued {
                     done,
                     tickets: [ticket.clone(), p.ticket],
-                    _keep: [keep, p.keep],
+                    keep: [keep, p.keep],
                 });
                 Ok(ticket)
             }
-            Err(e) => {
-                // Both streams wait for a copy that will never be made:
-                // release them, and the lane is done for.
-                p.ticket.set(TicketState::Failed(e.to_string().into()));
-                ticket.set(TicketState::Failed(e.to_string().into()));
-                self.abort_locked(
-                    &mut st,
-                    &format!("enqueuing the copy of {text} failed: {e}"),
-                );
-                Err(e)
+            Err(CopyFailed { error, started }) => {
+                // Both streams wait for a copy that will not be seen done:
+                // fail both ops, release the streams; the lane is done for.
+                let why: Arc<str> = format!("enqueuing the copy of {text} failed: {error}").into();
+                p.ticket.set(TicketState::Failed(why.clone()));
+                ticket.set(TicketState::Failed(why.clone()));
+                if started {
+                    // The copy may run: nothing says when it is done, so
+                    // its buffers are never freed (P6 of `crate::guard`).
+                    std::mem::forget(keep);
+                    std::mem::forget(p.keep);
+                } else {
+                    dropped.extend([keep, p.keep]);
+                }
+                self.abort_locked(&mut st, &why, dropped);
+                Err(fail(error, Some(ticket)))
             }
         }
     }
 
-    /// Marks the copies seen done delivered, and drops what they kept.
-    /// While the lane is aborted, releases every slot again (see the module
-    /// docs). Returns an error if the device reports one; the lane is then
-    /// aborted.
+    /// Marks the copies seen done delivered, and drops what they kept (with
+    /// the lane's lock released). While the lane is aborted, releases every
+    /// slot again, every time (see the module docs). Returns an error if
+    /// the device reports one; the lane is then aborted.
     pub fn settle(&self) -> Result<(), Error> {
+        let mut dropped = Vec::new();
+        let r = self.settle_locked(&mut dropped);
+        drop(dropped);
+        r
+    }
+
+    fn settle_locked(&self, dropped: &mut Vec<Keep>) -> Result<(), Error> {
         let mut st = lock(&self.state);
-        let mut finished = false;
         while let Some(c) = st.copies.front() {
             match self.api.done(&c.done) {
                 Ok(true) => {
                     for t in &c.tickets {
                         t.set(TicketState::Delivered);
                     }
-                    st.copies.pop_front();
-                    finished = true;
+                    if let Some(c) = st.copies.pop_front() {
+                        dropped.extend(c.keep);
+                    }
                 }
                 Ok(false) => break,
                 Err(e) => {
                     let why = format!("a copy of {} failed: {e}", self.name);
-                    self.abort_locked(&mut st, &why);
+                    self.abort_locked(&mut st, &why, dropped);
                     return Err(e);
                 }
             }
         }
-        if st.aborted.is_some() && (finished || !st.copies.is_empty()) {
+        if st.aborted.is_some() {
+            // A copy's own write can land after any earlier release (its
+            // done event completes just before it): write them all again.
             self.api.release_all();
         }
         Ok(())
@@ -375,11 +426,17 @@ impl<A: CopyApi> CopyLane<A> {
 
     /// Aborts the lane (see the module docs); idempotent.
     pub fn abort(&self, why: &str) {
-        let mut st = lock(&self.state);
-        self.abort_locked(&mut st, why);
+        let mut dropped = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            self.abort_locked(&mut st, why, &mut dropped);
+        }
+        drop(dropped);
     }
 
-    fn abort_locked(&self, st: &mut State<A>, why: &str) {
+    /// Aborts under the lock; what the unmatched ops kept goes to
+    /// `dropped` (no copy will touch it).
+    fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
         let why: Arc<str> = match &st.aborted {
             Some(w) => w.clone(),
             None => why.into(),
@@ -388,6 +445,7 @@ impl<A: CopyApi> CopyLane<A> {
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
                 s.ticket.set(TicketState::Failed(why.clone()));
+                dropped.push(s.keep);
             }
         }
         for c in &st.copies {
@@ -411,24 +469,76 @@ impl<A: CopyApi> CopyLane<A> {
 
 impl<A: CopyApi> Drop for CopyLane<A> {
     fn drop(&mut self) {
-        let st = lock(&self.state);
+        let st = self.state.get_mut_or_lock();
         if st.aborted.is_some() || !st.copies.is_empty() || st.ahead.iter().any(|a| !a.is_empty()) {
             self.api.leak();
+        }
+        // A copy not seen done may still write into its buffers: they are
+        // never freed (P6 of `crate::guard`).
+        for c in st.copies.drain(..) {
+            if matches!(self.api.done(&c.done), Ok(true)) {
+                drop(c.keep);
+            } else {
+                std::mem::forget(c.keep);
+            }
         }
     }
 }
 
-#[cfg(not(loom))]
+/// Why [`CopyLane::issue`] failed, and whether the op is on its stream all
+/// the same.
+#[derive(Debug)]
+pub struct IssueFailure {
+    /// What went wrong.
+    pub error: Error,
+    /// The op's ticket (failed) when its wait was enqueued on its stream:
+    /// it is launched and must be tracked until its stream passes it.
+    pub ticket: Option<Arc<Ticket>>,
+}
+
+impl std::fmt::Display for IssueFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for IssueFailure {}
+
+impl From<IssueFailure> for Error {
+    fn from(f: IssueFailure) -> Error {
+        f.error
+    }
+}
+
+/// Why [`CopyApi::copy`] failed.
+#[derive(Debug)]
+pub struct CopyFailed {
+    /// What went wrong.
+    pub error: Error,
+    /// Whether the copy may have been enqueued before the failure (its
+    /// buffers may then be written at any time).
+    pub started: bool,
+}
+
+impl From<Error> for CopyFailed {
+    /// A failure before anything was enqueued.
+    fn from(error: Error) -> CopyFailed {
+        CopyFailed {
+            error,
+            started: false,
+        }
+    }
+}
+
 pub use cuda::Cuda;
 
-#[cfg(not(loom))]
 mod cuda {
     use std::ffi::c_void;
 
     use cudarc::driver::sys;
     use duplex::Error;
 
-    use super::{CopyApi, SLOTS};
+    use super::{CopyApi, CopyFailed, SLOTS};
     use crate::cuda::{Device, Event, Stream, check};
 
     /// Pinned host memory mapped into every device: the lane's flag slots.
@@ -558,8 +668,10 @@ mod cuda {
             bytes: usize,
             slot: usize,
             value: u32,
-        ) -> Result<Event, Error> {
+        ) -> Result<Event, CopyFailed> {
             let _bound = self.src.bind_scoped()?;
+            // Everything that can fail without enqueuing comes first.
+            let done = Event::new(false)?;
             self.stream.wait(send)?;
             self.stream.wait(recv)?;
             if bytes > 0 {
@@ -576,8 +688,11 @@ mod cuda {
                     )
                 })?;
             }
-            let done = Event::new(false)?;
-            done.record(&self.stream)?;
+            let started = |error| CopyFailed {
+                error,
+                started: true,
+            };
+            done.record(&self.stream).map_err(started)?;
             // SAFETY: as in `wait`.
             check("cuStreamWriteValue32", unsafe {
                 sys::cuStreamWriteValue32_v2(
@@ -586,7 +701,8 @@ mod cuda {
                     value,
                     sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
                 )
-            })?;
+            })
+            .map_err(started)?;
             Ok(done)
         }
 

@@ -15,7 +15,7 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
-use crate::copy::{CopyLane, Cuda, Ticket};
+use crate::copy::{CopyLane, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::guard::{Done, IssueLock, Ledger};
 use crate::health::Health;
@@ -238,6 +238,9 @@ pub(crate) struct Issued {
     pub(crate) event: Arc<OpEvent>,
     pub(crate) buf: Arc<BufState>,
     pub(crate) ticket: Option<Arc<Ticket>>,
+    /// Whether its delivery was checked once its stream passed it
+    /// ([`Issued::check_delivery`]).
+    pub(crate) checked: AtomicBool,
 }
 
 /// One end of a copy-engine lane: the lane, shared with the rank at its
@@ -277,7 +280,39 @@ impl Issued {
     /// answered with its error by the waits
     /// (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
-        self.event.done()
+        let done = self.event.done();
+        if done {
+            self.check_delivery();
+        }
+        done
+    }
+
+    /// Once its stream passed it: an op on a copy-engine lane whose bytes
+    /// were not delivered (its lane was aborted) is remembered in its
+    /// rank's [`RankCtx::lost`], so that every later wait of the rank
+    /// reports it, even after the ledger forgot the op.
+    fn check_delivery(&self) {
+        let (Some(t), Some(c)) = (&self.ticket, &self.meta.copy) else {
+            return;
+        };
+        if self.checked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if t.state() != TicketState::Delivered {
+            let _ = c.lane.settle();
+        }
+        let why = match t.state() {
+            TicketState::Delivered => return,
+            TicketState::Failed(why) => why.to_string(),
+            s => format!("its stream went on while its copy is {s:?}"),
+        };
+        if let Some(ctx) = self.event.ctx.upgrade() {
+            lock(&ctx.lost).push(format!(
+                "{} finished on the device, but copy-engine lane {} did not deliver it ({why}); its bytes cannot be trusted",
+                self.meta.info(),
+                c.name
+            ));
+        }
     }
 }
 
@@ -294,6 +329,7 @@ impl Done for Issued {
 
     fn mark_done(&self) {
         self.event.done.store(true, Ordering::Release);
+        self.check_delivery();
     }
 }
 
@@ -402,6 +438,10 @@ pub(crate) struct RankCtx {
     pub(crate) next_logical: AtomicU32,
     /// Events of completed ops, for reuse.
     pub(crate) events: Mutex<Vec<Event>>,
+    /// Ops on copy-engine lanes whose streams went on without their bytes
+    /// ([`Issued::check_delivery`]): every later wait of the rank fails
+    /// naming the first.
+    pub(crate) lost: Mutex<Vec<String>>,
     /// Set when the watchdog aborted this rank's communicators.
     pub(crate) fired: AtomicBool,
     /// The watchdog aborted the rank's communicators because another rank
@@ -573,6 +613,7 @@ impl RankCtx {
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
             events: Mutex::new(Vec::new()),
+            lost: Mutex::new(Vec::new()),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
             costs,
@@ -726,13 +767,16 @@ impl RankCtx {
     /// [`crate::guard`]): each is freed now, or when the last thread that
     /// holds it leaves (P4).
     pub(crate) fn abort_all(&self) {
-        abort_together(&self.all_comms());
+        // Copy-engine lanes first: aborting them releases the streams that
+        // wait on them, and never blocks; freeing a communicator waits for
+        // every stream of the device (P8 of [`crate::guard`]).
         for end in self.copy.values() {
             end.lane.abort(&format!(
                 "rank {}'s communicators and lanes were aborted",
                 self.rank
             ));
         }
+        abort_together(&self.all_comms());
     }
 
     /// Frees the aborted communicators that only a call blocked inside NCCL

@@ -546,7 +546,7 @@ impl<A: CommApi> Drop for CommCell<A> {
 }
 
 /// `get_mut` that ignores poisoning, for both `std` and loom mutexes.
-trait GetMut<T> {
+pub(crate) trait GetMut<T> {
     fn get_mut_or_lock(&mut self) -> &mut T;
 }
 

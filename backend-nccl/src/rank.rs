@@ -364,45 +364,95 @@ impl NcclRank {
             drop(issuing);
             return Err(self.hang(&call, &check::place(at), None));
         }
-        // Copy-engine ops, after `ncclGroupEnd` (C6). One that fails to
-        // enqueue enqueued nothing (`CopyLane::issue`); it and the ops
-        // after it are not launched.
+        // Copy-engine ops, after `ncclGroupEnd` (C6): one launch per lane,
+        // in the order the lanes first appear in the group (as the model's
+        // launches), each lane's ops in group order. An op that fails to
+        // enqueue stops the rest; it is launched only if its wait is on its
+        // stream (`IssueFailure::ticket`).
         let mut tickets: Vec<Option<Arc<Ticket>>> = vec![None; reqs.len()];
-        let mut failed: Option<(usize, Error)> = None;
-        for (i, r) in reqs.iter().enumerate() {
-            let Some(c) = &r.meta.copy else { continue };
-            let m = &r.meta;
-            let _span = tracing::trace_span!(
-                "duplex.op",
-                backend = "nccl",
-                rank = m.rank,
-                thread = %m.thread,
-                lane = %c.name,
-                op = m.dir.name(),
-                peer = m.peer,
-                bytes = (m.count * m.dtype.size()) as u64,
-                grouped,
-            )
-            .entered();
-            match c.lane.issue(
-                m.dir,
-                &r.stream.0.raw,
-                r.ptr,
-                m.count * m.dtype.size(),
-                m.dtype,
-                &m.text(),
-                Box::new(r.buf.clone()),
-            ) {
-                Ok(t) => tickets[i] = Some(t),
-                Err(e) => {
-                    failed = Some((i, e));
-                    break;
-                }
+        let mut launched: Vec<bool> = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
+        let mut failed: Option<Error> = None;
+        let copies: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].meta.copy.is_some())
+            .collect();
+        let lane_of = |i: usize| reqs[i].meta.copy.as_ref().map(|c| Arc::as_ptr(&c.lane));
+        let mut parts: Vec<Vec<usize>> = Vec::new();
+        for &i in &copies {
+            match parts.iter_mut().find(|p| lane_of(p[0]) == lane_of(i)) {
+                Some(p) => p.push(i),
+                None => parts.push(vec![i]),
             }
         }
-        let launched =
-            |i: usize| reqs[i].meta.copy.is_none() || failed.as_ref().is_none_or(|(f, _)| i < *f);
-        let launched: Vec<bool> = (0..reqs.len()).map(launched).collect();
+        'parts: for part in &parts {
+            // A launch over several streams holds all of them from its start
+            // to its end (R1, R8): the streams wait for each other first
+            // and last.
+            let streams: Vec<&Stream> = {
+                let mut v: Vec<&Stream> = Vec::new();
+                for &i in part {
+                    let s = &reqs[i].stream.0.raw;
+                    if !v.iter().any(|x| x.raw() == s.raw()) {
+                        v.push(s);
+                    }
+                }
+                v
+            };
+            if let Err(e) = join_streams(&streams) {
+                failed = Some(e);
+                break;
+            }
+            for &i in part {
+                let r = &reqs[i];
+                let m = &r.meta;
+                let Some(c) = &m.copy else { continue };
+                let _span = tracing::trace_span!(
+                    "duplex.op",
+                    backend = "nccl",
+                    rank = m.rank,
+                    thread = %m.thread,
+                    lane = %c.name,
+                    op = m.dir.name(),
+                    peer = m.peer,
+                    bytes = (m.count * m.dtype.size()) as u64,
+                    grouped,
+                )
+                .entered();
+                match c.lane.issue(
+                    m.dir,
+                    &r.stream.0.raw,
+                    r.ptr,
+                    m.count * m.dtype.size(),
+                    m.dtype,
+                    &m.text(),
+                    Box::new(r.buf.clone()),
+                ) {
+                    Ok(t) => {
+                        tickets[i] = Some(t);
+                        launched[i] = true;
+                    }
+                    Err(f) => {
+                        if let Some(t) = f.ticket {
+                            tickets[i] = Some(t);
+                            launched[i] = true;
+                        }
+                        failed = Some(f.error);
+                        break 'parts;
+                    }
+                }
+            }
+            if let Err(e) = join_streams(&streams) {
+                failed = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = &failed
+            && !matches!(e, Error::Program { .. })
+        {
+            // The registry counted ops that the lanes did not: the job's
+            // hang analysis and this rank's copy lanes no longer agree.
+            ctx.health
+                .fail(ctx.rank, &format!("a copy-engine op failed to launch: {e}"));
+        }
         // One event per stream of the launch, recorded after its last op
         // there, shared by the launch's ops on that stream.
         let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
@@ -410,7 +460,8 @@ impl NcclRank {
         let mut reqs = reqs.into_iter().zip(tickets).zip(launched);
         while let Some(((r, ticket), launched)) = reqs.next() {
             if !launched {
-                // Nothing was enqueued for it: its buffer is free.
+                // Nothing of it is on its stream, and no copy uses its
+                // buffer (`CopyLane::issue` keeps what a copy may touch).
                 continue;
             }
             let raw = r.stream.0.raw.raw();
@@ -451,6 +502,7 @@ impl NcclRank {
                 event,
                 buf: r.buf,
                 ticket,
+                checked: std::sync::atomic::AtomicBool::new(false),
             });
             {
                 let mut users = lock(&issued.buf.users);
@@ -468,7 +520,7 @@ impl NcclRank {
         // thread lists all of it or none of it (P7).
         ctx.ops.record(launch);
         match failed {
-            Some((_, e)) => Err(e),
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -626,6 +678,18 @@ impl NcclRank {
     /// aborted can make NCCL's kernels exit early), and no other rank of the
     /// job failed.
     fn verify_complete(&self, covered: &[Arc<Issued>], call: &str) -> Result<()> {
+        // Ops on copy-engine lanes that went past their waits without their
+        // bytes, whether or not this wait covers them (the ledger may have
+        // forgotten them).
+        for op in covered {
+            op.done();
+        }
+        if let Some(first) = lock(&self.ctx.lost).first() {
+            if let Some((r, why)) = self.ctx.peer_cause() {
+                return Err(self.peer_failed(call, r, &why));
+            }
+            return Err(Error::Aborted(format!("`{call}`: {first}")));
+        }
         for op in covered {
             if let (Some(c), Some(t)) = (&op.meta.copy, &op.ticket) {
                 self.verify_copy(op, c, t, call)?;
@@ -746,12 +810,10 @@ impl NcclRank {
                 }
             }
         };
-        let comms: Vec<Comm> = pending
-            .iter()
-            .filter(|p| p.meta.copy.is_none())
-            .map(|p| p.meta.comm.clone())
-            .collect();
-        let mut aborted = crate::ctx::abort_together(&comms);
+        // Copy-engine lanes first: their abort releases the streams that
+        // wait on them, and never blocks; freeing a communicator waits for
+        // every stream of the device (P8 of `crate::guard`).
+        let mut aborted = Vec::new();
         for p in &pending {
             if let Some(c) = &p.meta.copy
                 && c.lane.aborted().is_none()
@@ -763,6 +825,12 @@ impl NcclRank {
                 aborted.push(c.name.clone());
             }
         }
+        let comms: Vec<Comm> = pending
+            .iter()
+            .filter(|p| p.meta.copy.is_none())
+            .map(|p| p.meta.comm.clone())
+            .collect();
+        aborted.extend(crate::ctx::abort_together(&comms));
         aborted.sort();
         aborted.dedup();
         Error::Hang(Box::new(Hang {
@@ -797,6 +865,30 @@ impl NcclRank {
         }
         Ok(())
     }
+}
+
+/// Makes each of `streams` (of one device) wait for everything issued so
+/// far on the others.
+fn join_streams(streams: &[&Stream]) -> Result<()> {
+    if streams.len() < 2 {
+        return Ok(());
+    }
+    let marks = streams
+        .iter()
+        .map(|s| {
+            let e = Event::new(false)?;
+            e.record(s)?;
+            Ok(e)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (i, s) in streams.iter().enumerate() {
+        for (j, e) in marks.iter().enumerate() {
+            if i != j {
+                s.wait(e)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Transport for NcclRank {

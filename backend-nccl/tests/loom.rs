@@ -102,7 +102,8 @@ fn a_hang_snapshot_sees_whole_groups() {
 
 /// A copy-engine lane (`duplex_nccl::copy`): a send and its recv issued on
 /// two threads while a third aborts the lane and a fourth runs the device
-/// (one copy) and settles. Whatever the interleaving: an op is delivered
+/// (one copy, its slot write landing after its done event) and settles.
+/// Whatever the interleaving: an op is delivered
 /// only if its bytes are in the recv buffer, both ops end in the same
 /// state, and once the device has run and the lane settled, neither
 /// stream is left waiting.
@@ -141,14 +142,18 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
         let device = {
             let (lane, fake) = (lane.clone(), fake.clone());
             thread::spawn(move || {
-                fake.run(1);
+                // As on the device: the copy's done event completes just
+                // before its slot write lands.
+                fake.run_done_only(1);
                 lane.settle().expect("the fake reports no device error");
+                fake.land_writes();
             })
         };
         let (s, r) = (s.join().unwrap(), r.join().unwrap());
         aborter.join().unwrap();
         device.join().unwrap();
         fake.run(usize::MAX);
+        fake.land_writes();
         lane.settle().expect("no device error");
         for t in [&s, &r].into_iter().flatten() {
             if t.state() == TicketState::Delivered {

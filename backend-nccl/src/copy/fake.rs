@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 
 use duplex::Error;
 
-use super::{CopyApi, SLOTS};
+use super::{CopyApi, CopyFailed, SLOTS};
 use crate::sync::{Arc, AtomicBool, Mutex, Ordering, lock};
 
 /// A user stream: a number.
@@ -33,8 +33,13 @@ struct Inner {
     /// Per stream, the (slot, value) waits enqueued, oldest first.
     waits: HashMap<FakeStream, Vec<(usize, u32)>>,
     queue: VecDeque<Pending>,
-    /// Calls to `copy` that fail from now on.
-    fail_copies: bool,
+    /// Calls to `copy` fail from now on; `true`: after enqueuing the copy.
+    fail_copies: Option<bool>,
+    /// Calls to `wait` fail from now on.
+    fail_waits: bool,
+    /// Copies run whose slot write has not landed yet
+    /// ([`Fake::run_done_only`]).
+    writes: Vec<(usize, u32)>,
     copies: usize,
 }
 
@@ -49,7 +54,9 @@ impl Default for Fake {
             slots: vec![0; SLOTS],
             waits: HashMap::new(),
             queue: VecDeque::new(),
-            fail_copies: false,
+            fail_copies: None,
+            fail_waits: false,
+            writes: Vec::new(),
             copies: 0,
         })))
     }
@@ -97,9 +104,43 @@ impl Fake {
         lock(&self.0).slots[slot]
     }
 
-    /// Makes every later `copy` call fail.
-    pub fn fail_copies(&self) {
-        lock(&self.0).fail_copies = true;
+    /// Makes every later `copy` call fail; `started`: after enqueuing the
+    /// copy (as when recording its done event fails).
+    pub fn fail_copies(&self, started: bool) {
+        lock(&self.0).fail_copies = Some(started);
+    }
+
+    /// Makes every later `wait` call fail.
+    pub fn fail_waits(&self) {
+        lock(&self.0).fail_waits = true;
+    }
+
+    /// Runs up to `n` copies as far as their done events: the bytes move
+    /// and the copies are done, but their slot writes land only at
+    /// [`Fake::land_writes`] (on the device the done event completes just
+    /// before the write).
+    pub fn run_done_only(&self, n: usize) -> usize {
+        let mut g = lock(&self.0);
+        let mut ran = 0;
+        while ran < n {
+            let Some(p) = g.queue.pop_front() else { break };
+            let data = g.memory.get(&p.src).cloned().unwrap_or_default();
+            let dst = g.memory.entry(p.dst).or_default();
+            dst.clear();
+            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
+            p.done.store(true, Ordering::SeqCst);
+            g.writes.push((p.slot, p.value));
+            ran += 1;
+        }
+        ran
+    }
+
+    /// Lands the slot writes of [`Fake::run_done_only`].
+    pub fn land_writes(&self) {
+        let mut g = lock(&self.0);
+        for (slot, value) in std::mem::take(&mut g.writes) {
+            g.slots[slot] = value;
+        }
     }
 
     /// Copies enqueued so far.
@@ -127,11 +168,16 @@ impl CopyApi for Fake {
     }
 
     fn wait(&self, stream: &FakeStream, slot: usize, value: u32) -> Result<(), Error> {
-        lock(&self.0)
-            .waits
-            .entry(*stream)
-            .or_default()
-            .push((slot, value));
+        let mut g = lock(&self.0);
+        if g.fail_waits {
+            return Err(Error::Library {
+                library: "CUDA",
+                call: "cuStreamWaitValue32".into(),
+                code: 1,
+                text: "the fake was told to fail".into(),
+            });
+        }
+        g.waits.entry(*stream).or_default().push((slot, value));
         Ok(())
     }
 
@@ -144,15 +190,27 @@ impl CopyApi for Fake {
         bytes: usize,
         slot: usize,
         value: u32,
-    ) -> Result<Arc<AtomicBool>, Error> {
+    ) -> Result<Arc<AtomicBool>, CopyFailed> {
         let mut g = lock(&self.0);
-        if g.fail_copies {
-            return Err(Error::Library {
+        if let Some(started) = g.fail_copies {
+            let error = Error::Library {
                 library: "CUDA",
-                call: "cuMemcpyPeerAsync".into(),
+                call: "cuStreamWriteValue32".into(),
                 code: 1,
                 text: "the fake was told to fail".into(),
-            });
+            };
+            if started {
+                // As if the memcpy was enqueued before the failure.
+                g.queue.push_back(Pending {
+                    dst,
+                    src,
+                    bytes,
+                    slot,
+                    value,
+                    done: Arc::new(AtomicBool::new(false)),
+                });
+            }
+            return Err(CopyFailed { error, started });
         }
         let done = Arc::new(AtomicBool::new(false));
         g.queue.push_back(Pending {

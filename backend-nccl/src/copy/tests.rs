@@ -20,7 +20,11 @@ fn keep() -> super::Keep {
     Box::new(())
 }
 
-fn send(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
+fn send(
+    l: &CopyLane<Fake>,
+    ptr: u64,
+    bytes: usize,
+) -> Result<Arc<super::Ticket>, super::IssueFailure> {
     l.issue(
         Dir::Send,
         &S,
@@ -32,7 +36,11 @@ fn send(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>
     )
 }
 
-fn recv(l: &CopyLane<Fake>, ptr: u64, bytes: usize) -> Result<Arc<super::Ticket>, Error> {
+fn recv(
+    l: &CopyLane<Fake>,
+    ptr: u64,
+    bytes: usize,
+) -> Result<Arc<super::Ticket>, super::IssueFailure> {
     l.issue(
         Dir::Recv,
         &R,
@@ -113,7 +121,7 @@ fn messages_match_in_order_and_share_slots_with_growing_generations() {
 fn a_size_mismatch_names_both_ops_and_enqueues_nothing() {
     let (l, fake) = lane();
     let s = send(&l, 100, 16).unwrap();
-    match recv(&l, 200, 8) {
+    match recv(&l, 200, 8).map_err(|f| f.error) {
         Err(Error::Program { kind, message, .. }) => {
             assert_eq!(kind, ProgramErrorKind::SizeMismatch);
             assert!(
@@ -136,7 +144,10 @@ fn a_size_mismatch_names_both_ops_and_enqueues_nothing() {
         Ok(_) => {}
         other => panic!("{other:?}"),
     }
-    match l.issue(Dir::Recv, &R, 2, 4, DType::F32, "recv f32", keep()) {
+    match l
+        .issue(Dir::Recv, &R, 2, 4, DType::F32, "recv f32", keep())
+        .map_err(|f| f.error)
+    {
         Err(Error::Program { kind, .. }) => assert_eq!(kind, ProgramErrorKind::TypeMismatch),
         other => panic!("expected a type mismatch, got {other:?}"),
     }
@@ -150,7 +161,7 @@ fn abort_fails_every_undelivered_op_releases_every_stream_and_refuses_new_ones()
     l.abort("rank 1 failed");
     assert!(matches!(s.state(), TicketState::Failed(w) if &*w == "rank 1 failed"));
     assert!(fake.released(S));
-    match recv(&l, 200, 16) {
+    match recv(&l, 200, 16).map_err(|f| f.error) {
         Err(Error::Aborted(m)) => assert!(m.contains("rank 1 failed"), "{m}"),
         other => panic!("expected an abort, got {other:?}"),
     }
@@ -186,13 +197,104 @@ fn a_copy_that_finishes_after_the_abort_is_not_success_and_its_late_write_is_und
 
 #[test]
 fn a_copy_that_cannot_be_enqueued_fails_both_ops_and_releases_both_streams() {
+    for started in [false, true] {
+        let (l, fake) = lane();
+        let (a, b) = (Arc::new(()), Arc::new(()));
+        let s = l
+            .issue(
+                Dir::Send,
+                &S,
+                100,
+                4,
+                DType::U8,
+                "send",
+                Box::new(a.clone()),
+            )
+            .unwrap();
+        fake.fail_copies(started);
+        let f = l
+            .issue(
+                Dir::Recv,
+                &R,
+                200,
+                4,
+                DType::U8,
+                "recv",
+                Box::new(b.clone()),
+            )
+            .unwrap_err();
+        assert!(matches!(f.error, Error::Library { .. }));
+        // The recv's wait is on its stream: it is launched, and failed.
+        let r = f.ticket.expect("the recv's wait was enqueued");
+        assert!(matches!(r.state(), TicketState::Failed(_)));
+        assert!(matches!(s.state(), TicketState::Failed(_)));
+        assert!(fake.released(S) && fake.released(R));
+        assert!(l.aborted().is_some());
+        // A copy that may have been enqueued keeps its buffers for good.
+        let held = if started { 2 } else { 1 };
+        assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (held, held));
+    }
+}
+
+#[test]
+fn a_late_write_after_the_last_settle_is_undone_by_the_next() {
+    // On the device a copy's done event completes just before its slot
+    // write lands: a settle can see the copy done, release every slot,
+    // and then the write lands.
+    let (l, fake) = lane();
+    fake.put(100, vec![1; 4]);
+    send(&l, 100, 4).unwrap();
+    recv(&l, 200, 4).unwrap();
+    for k in 1..=SLOTS as u64 {
+        send(&l, 100 + k, 4).unwrap();
+    }
+    l.abort("deadline");
+    fake.run_done_only(1);
+    l.settle().unwrap();
+    assert_eq!(l.copies_in_flight(), 0);
+    fake.land_writes();
+    assert!(!fake.released(S), "message SLOTS waits for generation 2");
+    l.settle().unwrap();
+    assert!(
+        fake.released(S),
+        "a settle of an aborted lane releases every slot again"
+    );
+}
+
+#[test]
+fn a_dropped_lane_never_frees_the_buffers_of_a_copy_not_seen_done() {
+    let (l, fake) = lane();
+    let (a, b) = (Arc::new(()), Arc::new(()));
+    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(a.clone()))
+        .unwrap();
+    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(b.clone()))
+        .unwrap();
+    l.abort("deadline");
+    drop(l);
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
+    // Once done, a dropped lane frees them.
+    let (l, fake2) = lane();
+    let (c, d) = (Arc::new(()), Arc::new(()));
+    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(c.clone()))
+        .unwrap();
+    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(d.clone()))
+        .unwrap();
+    fake2.run(1);
+    drop(l);
+    assert_eq!((Arc::strong_count(&c), Arc::strong_count(&d)), (1, 1));
+    drop(fake);
+}
+
+#[test]
+fn a_device_error_before_the_copy_aborts_the_lane() {
     let (l, fake) = lane();
     let s = send(&l, 100, 4).unwrap();
-    fake.fail_copies();
-    assert!(matches!(recv(&l, 200, 4), Err(Error::Library { .. })));
-    assert!(matches!(s.state(), TicketState::Failed(_)));
-    assert!(fake.released(S) && fake.released(R));
+    fake.fail_waits();
+    let f = recv(&l, 200, 4).unwrap_err();
+    assert!(f.ticket.is_none(), "nothing of the recv is on its stream");
     assert!(l.aborted().is_some());
+    assert!(matches!(s.state(), TicketState::Failed(_)));
+    assert!(fake.released(S));
 }
 
 #[test]
