@@ -61,11 +61,16 @@ use crate::sync::{Mutex, lock};
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
 pub const SLOTS: usize = 1024;
 
-/// The value message `k` waits for in its slot.
+/// The value message `k` waits for in its slot, with `SLOTS` slots.
 fn generation(k: u64) -> u32 {
+    generation_of(k, SLOTS)
+}
+
+/// The value message `k` waits for in its slot, with `n` slots.
+fn generation_of(k: u64, n: usize) -> u32 {
     // CUDA compares cyclically (below): fine below 2^31 generations of
     // SLOTS messages.
-    (k / SLOTS as u64 + 1) as u32
+    (k / n as u64 + 1) as u32
 }
 
 /// What a release writes into every slot. A stream's wait is satisfied
@@ -80,8 +85,9 @@ pub fn satisfies(slot: u32, value: u32) -> bool {
     slot.wrapping_sub(value) as i32 >= 0
 }
 
-fn slot(k: u64) -> usize {
-    (k % SLOTS as u64) as usize
+/// The slot of message `k`, with `n` slots.
+fn slot_of(k: u64, n: usize) -> usize {
+    (k % n as u64) as usize
 }
 
 /// What a copy-engine lane needs of the device. Every call enqueues work
@@ -115,6 +121,10 @@ pub trait CopyApi: Send + Sync {
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
     /// Writes [`RELEASED`] into every slot, from the host.
     fn release_all(&self);
+    /// The number of flag slots ([`SLOTS`] on GPUs).
+    fn slots(&self) -> usize {
+        SLOTS
+    }
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
@@ -320,7 +330,11 @@ impl<A: CopyApi> CopyLane<A> {
                 return Err(fail(e, None));
             }
         };
-        if let Err(e) = self.api.wait(stream, slot(k), generation(k)) {
+        let (slot, value) = (
+            slot_of(k, self.api.slots()),
+            generation_of(k, self.api.slots()),
+        );
+        if let Err(e) = self.api.wait(stream, slot, value) {
             self.abort_locked(&mut st, &format!("{text}: {e}"), dropped);
             return Err(fail(e, None));
         }
@@ -346,15 +360,10 @@ impl<A: CopyApi> CopyLane<A> {
         } else {
             (&p.ready, p.ptr, &ready, ptr)
         };
-        match self.api.copy(
-            send_ready,
-            recv_ready,
-            dst,
-            src,
-            bytes,
-            slot(k),
-            generation(k),
-        ) {
+        match self
+            .api
+            .copy(send_ready, recv_ready, dst, src, bytes, slot, value)
+        {
             Ok(done) => {
                 ticket.set(TicketState::Copying);
                 p.ticket.set(TicketState::Copying);

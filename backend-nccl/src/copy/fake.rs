@@ -49,9 +49,16 @@ pub struct Fake(Arc<Mutex<Inner>>);
 
 impl Default for Fake {
     fn default() -> Self {
+        Fake::with_slots(SLOTS)
+    }
+}
+
+impl Fake {
+    /// A fake with `n` flag slots (few, to exercise their reuse).
+    pub fn with_slots(n: usize) -> Fake {
         Fake(Arc::new(Mutex::new(Inner {
             memory: HashMap::new(),
-            slots: vec![0; SLOTS],
+            slots: vec![0; n.max(1)],
             waits: HashMap::new(),
             queue: VecDeque::new(),
             fail_copies: None,
@@ -60,9 +67,7 @@ impl Default for Fake {
             copies: 0,
         })))
     }
-}
 
-impl Fake {
     /// Puts `data` at address `ptr`.
     pub fn put(&self, ptr: u64, data: Vec<u8>) {
         lock(&self.0).memory.insert(ptr, data);
@@ -77,6 +82,11 @@ impl Fake {
     /// the copy done, writes its slot. Returns how many ran.
     pub fn run(&self, n: usize) -> usize {
         let mut g = lock(&self.0);
+        // The copy stream runs in order: an earlier copy's write lands
+        // before a later copy runs.
+        if n > 0 {
+            g.land();
+        }
         let mut ran = 0;
         while ran < n {
             let Some(p) = g.queue.pop_front() else { break };
@@ -121,6 +131,9 @@ impl Fake {
     /// before the write).
     pub fn run_done_only(&self, n: usize) -> usize {
         let mut g = lock(&self.0);
+        if n > 0 {
+            g.land();
+        }
         let mut ran = 0;
         while ran < n {
             let Some(p) = g.queue.pop_front() else { break };
@@ -137,10 +150,7 @@ impl Fake {
 
     /// Lands the slot writes of [`Fake::run_done_only`].
     pub fn land_writes(&self) {
-        let mut g = lock(&self.0);
-        for (slot, value) in std::mem::take(&mut g.writes) {
-            g.slots[slot] = value;
-        }
+        lock(&self.0).land();
     }
 
     /// Copies enqueued so far.
@@ -155,6 +165,14 @@ impl Fake {
             .get(&stream)
             .cloned()
             .unwrap_or_default()
+    }
+}
+
+impl Inner {
+    fn land(&mut self) {
+        for (slot, value) in std::mem::take(&mut self.writes) {
+            self.slots[slot] = value;
+        }
     }
 }
 
@@ -227,6 +245,10 @@ impl CopyApi for Fake {
 
     fn done(&self, done: &Arc<AtomicBool>) -> Result<bool, Error> {
         Ok(done.load(Ordering::SeqCst))
+    }
+
+    fn slots(&self) -> usize {
+        lock(&self.0).slots.len()
     }
 
     fn release_all(&self) {

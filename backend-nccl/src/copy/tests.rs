@@ -362,3 +362,135 @@ fn a_release_satisfies_every_wait_in_use_as_the_device_compares() {
         assert!(super::satisfies(g, g) && !super::satisfies(g - 1, g));
     }
 }
+
+mod random {
+    //! Random interleavings of everything that can happen to a lane: sends
+    //! and recvs (some of the wrong size), copies running on the device
+    //! (their done events and their slot writes landing apart), settles and
+    //! an abort; the invariants are checked after every step.
+
+    use std::sync::Arc;
+
+    use duplex::{DType, Dir};
+    use proptest::prelude::*;
+
+    use super::super::fake::Fake;
+    use super::super::{CopyLane, Ticket, TicketState};
+    use super::{R, S};
+
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        Send,
+        Recv,
+        /// A recv of the wrong size.
+        BadRecv,
+        Run,
+        RunDoneOnly,
+        Land,
+        Settle,
+        Abort,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => Just(Step::Send),
+            4 => Just(Step::Recv),
+            1 => Just(Step::BadRecv),
+            3 => Just(Step::Run),
+            2 => Just(Step::RunDoneOnly),
+            2 => Just(Step::Land),
+            3 => Just(Step::Settle),
+            1 => Just(Step::Abort),
+        ]
+    }
+
+    /// Address of message k's send buffer and recv buffer.
+    fn src(k: u64) -> u64 {
+        1_000_000 + k
+    }
+    fn dst(k: u64) -> u64 {
+        2_000_000 + k
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn a_lane_never_says_delivered_without_the_bytes_and_never_leaves_a_stream_waiting(
+            steps in proptest::collection::vec(step(), 1..80),
+            slots in 1usize..5,
+        ) {
+            let fake = Fake::with_slots(slots);
+            let lane = CopyLane::new("copy:0->1", fake.clone());
+            let mut sends: Vec<Arc<Ticket>> = Vec::new();
+            let mut recvs: Vec<(u64, Arc<Ticket>)> = Vec::new();
+            let mut aborted = false;
+            let mut seen: [Vec<TicketState>; 2] = [Vec::new(), Vec::new()];
+            for st in steps {
+                match st {
+                    Step::Send => {
+                        let k = sends.len() as u64;
+                        fake.put(src(k), vec![k as u8 ^ 0x5a; 8]);
+                        if let Ok(t) = lane.issue(Dir::Send, &S, src(k), 8, DType::U8, "send", Box::new(())) {
+                            prop_assert!(!aborted, "an aborted lane took a send");
+                            sends.push(t);
+                        }
+                    }
+                    Step::Recv | Step::BadRecv => {
+                        let k = recvs.len() as u64;
+                        let bytes = if matches!(st, Step::BadRecv) { 4 } else { 8 };
+                        match lane.issue(Dir::Recv, &R, dst(k), bytes, DType::U8, "recv", Box::new(())) {
+                            Ok(t) => {
+                                prop_assert!(!aborted, "an aborted lane took a recv");
+                                recvs.push((k, t));
+                            }
+                            Err(f) => prop_assert!(f.ticket.is_none(), "a refused recv is on its stream"),
+                        }
+                    }
+                    Step::Run => { fake.run(1); }
+                    Step::RunDoneOnly => { fake.run_done_only(1); }
+                    Step::Land => fake.land_writes(),
+                    Step::Settle => lane.settle().unwrap(),
+                    Step::Abort => {
+                        lane.abort("test");
+                        aborted = true;
+                    }
+                }
+                // Delivered only with the bytes; states never go back.
+                for (k, t) in &recvs {
+                    if t.state() == TicketState::Delivered {
+                        prop_assert_eq!(fake.get(dst(*k)), vec![*k as u8 ^ 0x5a; 8], "message {}", k);
+                    }
+                }
+                let now = [
+                    sends.iter().map(|t| t.state()).collect::<Vec<_>>(),
+                    recvs.iter().map(|(_, t)| t.state()).collect::<Vec<_>>(),
+                ];
+                for (seen, now) in seen.iter().zip(&now) {
+                    for (before, after) in seen.iter().zip(now) {
+                        if matches!(before, TicketState::Delivered | TicketState::Failed(_)) {
+                            prop_assert_eq!(before, after);
+                        }
+                    }
+                }
+                seen = now;
+            }
+            // The device finishes what was enqueued and the lane settles:
+            // no stream may still wait, unless a message has no partner
+            // and the lane was never aborted.
+            fake.run(usize::MAX);
+            fake.land_writes();
+            lane.settle().unwrap();
+            let matched = sends.len().min(recvs.len());
+            if aborted {
+                prop_assert!(fake.released(S) && fake.released(R), "an aborted lane left a stream waiting");
+            } else {
+                prop_assert_eq!(fake.released(S), sends.len() == matched, "sends {} recvs {}", sends.len(), recvs.len());
+                prop_assert_eq!(fake.released(R), recvs.len() == matched);
+                for t in sends.iter().take(matched).chain(recvs.iter().take(matched).map(|(_, t)| t)) {
+                    prop_assert_eq!(t.state(), TicketState::Delivered);
+                }
+            }
+        }
+    }
+}
