@@ -61,11 +61,6 @@ use crate::sync::{Mutex, lock};
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
 pub const SLOTS: usize = 1024;
 
-/// The value message `k` waits for in its slot, with `SLOTS` slots.
-fn generation(k: u64) -> u32 {
-    generation_of(k, SLOTS)
-}
-
 /// The value message `k` waits for in its slot, with `n` slots.
 fn generation_of(k: u64, n: usize) -> u32 {
     // CUDA compares cyclically (below): fine below 2^31 generations of

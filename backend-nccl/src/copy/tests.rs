@@ -357,7 +357,7 @@ fn two_threads_issuing_at_once_deliver_every_message_to_its_partner() {
 fn a_release_satisfies_every_wait_in_use_as_the_device_compares() {
     // CU_STREAM_WAIT_VALUE_GEQ is cyclic: u32::MAX is "before" 1.
     assert!(!super::satisfies(u32::MAX, 1));
-    for g in [1, 2, 1000, super::generation(u64::from(u32::MAX))] {
+    for g in [1, 2, 1000, super::generation_of(u64::from(u32::MAX), SLOTS)] {
         assert!(super::satisfies(super::RELEASED, g), "generation {g}");
         assert!(super::satisfies(g, g) && !super::satisfies(g - 1, g));
     }
