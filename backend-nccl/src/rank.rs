@@ -369,12 +369,23 @@ impl NcclRank {
         // launches), each lane's ops in group order. An op that fails to
         // enqueue stops the rest; it is launched only if its wait is on its
         // stream (`IssueFailure::ticket`).
-        let mut tickets: Vec<Option<Arc<Ticket>>> = vec![None; reqs.len()];
-        let mut launched: Vec<bool> = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
+        // Only a launch with copy ops allocates for them (the NCCL-only
+        // path is the hot one): no ticket and every op launched otherwise.
+        let any_copy = reqs.iter().any(|r| r.meta.copy.is_some());
+        let mut tickets: Vec<Option<Arc<Ticket>>> = Vec::new();
+        let mut launched: Vec<bool> = Vec::new();
+        if any_copy {
+            tickets = vec![None; reqs.len()];
+            launched = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
+        }
         let mut failed: Option<Error> = None;
-        let copies: Vec<usize> = (0..reqs.len())
-            .filter(|&i| reqs[i].meta.copy.is_some())
-            .collect();
+        let copies: Vec<usize> = if any_copy {
+            (0..reqs.len())
+                .filter(|&i| reqs[i].meta.copy.is_some())
+                .collect()
+        } else {
+            Vec::new()
+        };
         let lane_of = |i: usize| reqs[i].meta.copy.as_ref().map(|c| Arc::as_ptr(&c.lane));
         let mut parts: Vec<Vec<usize>> = Vec::new();
         for &i in &copies {
@@ -457,8 +468,12 @@ impl NcclRank {
         // there, shared by the launch's ops on that stream.
         let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
         let mut launch = Vec::with_capacity(reqs.len());
-        let mut reqs = reqs.into_iter().zip(tickets).zip(launched);
-        while let Some(((r, ticket), launched)) = reqs.next() {
+        let (mut tickets, mut launched) = (tickets.into_iter(), launched.into_iter());
+        let mut reqs = reqs.into_iter().map(|r| {
+            let ticket = tickets.next().flatten();
+            (r, ticket, launched.next().unwrap_or(true))
+        });
+        while let Some((r, ticket, launched)) = reqs.next() {
             if !launched {
                 // Nothing of it is on its stream, and no copy uses its
                 // buffer (`CopyLane::issue` keeps what a copy may touch).
@@ -488,7 +503,7 @@ impl NcclRank {
                         // the device is done with them (P6).
                         ctx.ops.record(launch);
                         std::mem::forget(r.buf);
-                        for ((r, _), launched) in reqs {
+                        for (r, _, launched) in reqs {
                             if launched {
                                 std::mem::forget(r.buf);
                             }
@@ -536,12 +551,12 @@ impl NcclRank {
         grouped: bool,
     ) -> Result<Option<String>> {
         let ctx = &self.ctx;
-        let nccl: Vec<&Req> = reqs.iter().filter(|r| r.meta.copy.is_none()).collect();
+        let nccl = || reqs.iter().filter(|r| r.meta.copy.is_none());
         // Hold every communicator the group names until its launch is over
-        // (P3 of `crate::guard`); `slot[i]` is the hold of `nccl[i]`.
+        // (P3 of `crate::guard`); `slot[i]` is the hold of the i-th NCCL op.
         let mut comms: Vec<&Comm> = Vec::new();
-        let mut slot = Vec::with_capacity(nccl.len());
-        for r in &nccl {
+        let mut slot = Vec::with_capacity(reqs.len());
+        for r in nccl() {
             let i = match comms.iter().position(|c| Arc::ptr_eq(c, &r.meta.comm)) {
                 Some(i) => i,
                 None => {
@@ -556,7 +571,7 @@ impl NcclRank {
             .map(|c| c.enter())
             .collect::<Result<Vec<_>>>()?;
         let end = issuing.group(&ctx.lib, &held, || {
-            for (r, &i) in nccl.iter().zip(&slot) {
+            for (r, &i) in nccl().zip(&slot) {
                 let m = &r.meta;
                 let _span = tracing::trace_span!(
                     "duplex.op",
@@ -585,7 +600,8 @@ impl NcclRank {
             }
             Ok(())
         })?;
-        let launched = end.map_err(|e| ctx.watchdog_error(e, &nccl[0].meta.text()))?;
+        let first = || nccl().next().map(|r| r.meta.text()).unwrap_or_default();
+        let launched = end.map_err(|e| ctx.watchdog_error(e, &first()))?;
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
@@ -600,7 +616,7 @@ impl NcclRank {
             if !ok {
                 return Ok(Some(format!(
                     "{} (its connection handshake, R7)",
-                    nccl[0].meta.text()
+                    first()
                 )));
             }
         }
@@ -681,7 +697,7 @@ impl NcclRank {
         // Ops on copy-engine lanes that went past their waits without their
         // bytes, whether or not this wait covers them (the ledger may have
         // forgotten them).
-        for op in covered {
+        for op in covered.iter().filter(|op| op.ticket.is_some()) {
             op.done();
         }
         if let Some(first) = lock(&self.ctx.lost).first() {
