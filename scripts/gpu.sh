@@ -26,9 +26,11 @@
 #
 # With the `device` tool (which brings back at most 8 files, and one call
 # runs at most 10 minutes): build here, then two calls,
-#   run(command="OUT=/tmp/r FAULTS_S=250 SUITE_S=150 CALIBRATE_S=150 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
+#   run(command="OUT=/tmp/r FAULTS_S=230 SUITE_S=190 CALIBRATE_S=160 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
-#   run(command="OUT=/tmp/r scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
+#   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
+# (the suite has 27 jobs since the copy-engine lane scenarios; BENCH_CTAS
+# lists the lane-CTA sweep's values, default "16 32 64", empty for none)
 # and copy the reports back into the repo (docs/gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -113,7 +115,7 @@ run)
       record bench "${PIPESTATUS[0]}"
       # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the table.
       ctas=()
-      for c in 16 32 64; do
+      for c in ${BENCH_CTAS-16 32 64}; do
         echo "== lane CTAs $c" | tee -a "$out/bench-log.txt"
         timeout 60 .gpu/bench --quick --min-ctas $c --max-ctas $c --json "$out/bench-ctas-$c.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
         rc=${PIPESTATUS[0]}
