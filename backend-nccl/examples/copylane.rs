@@ -245,7 +245,11 @@ fn check_seed(a: &Rank, b: &Rank, ab: &Lane, ba: &Lane, bytes: usize) -> Res<Str
 }
 
 fn check_abort(a: &Rank, b: &Rank) -> Res<String> {
-    let lane = CopyLane::new("copy:abort", Cuda::new(a.dev.clone(), b.dev.clone())?);
+    let lane = Arc::new(CopyLane::new(
+        "copy:abort",
+        Cuda::new(a.dev.clone(), b.dev.clone())?,
+    ));
+    CopyLane::start(&lane)?;
     a.dev.bind()?;
     let m = Arc::new(Memory::zeroed(1 << 20)?);
     let t = lane.issue(
@@ -304,7 +308,11 @@ fn probe_flags(a: &Rank) -> Res<bool> {
     );
     // 2. A fresh lane: a copy of 0 bytes writes the slot from the copy
     // stream, which waits for two ready events.
-    let lane = CopyLane::new("copy:probe2", Cuda::new(a.dev.clone(), a.dev.clone())?);
+    let lane = Arc::new(CopyLane::new(
+        "copy:probe2",
+        Cuda::new(a.dev.clone(), a.dev.clone())?,
+    ));
+    CopyLane::start(&lane)?;
     let m = Arc::new(Memory::zeroed(16)?);
     let t1 = lane.issue(Dir::Send, &a.out, m.ptr(), 16, DType::U8, "send", keep(&m))?;
     let after1 = Event::new(false)?;
@@ -521,8 +529,16 @@ fn run() -> Res<bool> {
         a.dev.ordinal(),
         b.dev.ordinal()
     );
-    let ab = CopyLane::new("copy:0->1", Cuda::new(a.dev.clone(), b.dev.clone())?);
-    let ba = CopyLane::new("copy:1->0", Cuda::new(b.dev.clone(), a.dev.clone())?);
+    let ab = Arc::new(CopyLane::new(
+        "copy:0->1",
+        Cuda::new(a.dev.clone(), b.dev.clone())?,
+    ));
+    let ba = Arc::new(CopyLane::new(
+        "copy:1->0",
+        Cuda::new(b.dev.clone(), a.dev.clone())?,
+    ));
+    CopyLane::start(&ab)?;
+    CopyLane::start(&ba)?;
     let bytes = mib << 20;
     type Check<'a> = Box<dyn Fn() -> Res<String> + 'a>;
     let checks: [(&'static str, Check<'_>); 4] = [

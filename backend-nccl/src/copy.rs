@@ -21,6 +21,14 @@
 //!    user streams. The done event is recorded before the write, so a
 //!    stream released by it finds the copy done.
 //!
+//! No lock of the lane's state is held across a device call (an enqueue
+//! blocks while a stream's queue is full, and a lane is shared by two
+//! ranks): a side reserves its message number under the lock, enqueues on
+//! its own stream without it, then registers or matches under it. Matched
+//! copies are enqueued in message order under the pump lock, by the thread
+//! that matched them while the copy stream is shallow ([`INLINE_DEPTH`]),
+//! else by the lane's service thread ([`CopyLane::start`]).
+//!
 //! Copies of a lane run in message order on its one copy stream, so each
 //! slot's value only grows and a waiter is never released by an older
 //! message. The flags live in pinned host memory mapped into every device,
@@ -40,9 +48,10 @@
 //! [`RELEASED`] into every slot, which releases every stream waiting on the
 //! lane. A copy already enqueued may still run later (when its ready events
 //! fire) and write its own smaller value into its slot; while aborted,
-//! [`CopyLane::settle`] writes [`RELEASED`] again after any copy
-//! completes, so such a write can hold a stream back only until the next
-//! settle (the rank's watchdog settles every tick). The buffers of an
+//! every [`CopyLane::settle`] writes [`RELEASED`] again, so such a write
+//! can hold a stream back only until the next settle (the rank's watchdog
+//! settles every tick). An abort releases the slots before it takes the
+//! lane's lock. The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
 //! event completes, or for good if it never does (P6 of `crate::guard`).
 //!
@@ -56,7 +65,12 @@ use duplex::{DType, Dir, Error, ProgramErrorKind};
 use std::sync::Arc;
 
 use crate::guard::GetMut;
-use crate::sync::{Mutex, lock};
+use crate::sync::{Condvar, Mutex, MutexGuard, lock};
+
+/// Copies in flight on a lane's copy stream up to which the issuing thread
+/// enqueues a matched copy itself (each takes five entries of the stream's
+/// queue, which holds about a thousand before an enqueue blocks).
+pub const INLINE_DEPTH: usize = 64;
 
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
 pub const SLOTS: usize = 1024;
@@ -179,6 +193,13 @@ struct Side<R> {
     keep: Keep,
 }
 
+/// A matched message whose copy the service has not enqueued yet.
+struct Job<R> {
+    k: u64,
+    send: Side<R>,
+    recv: Side<R>,
+}
+
 /// A copy enqueued and not seen done yet.
 struct Enqueued<D> {
     done: D,
@@ -192,6 +213,8 @@ struct State<A: CopyApi> {
     ahead: [VecDeque<Side<A::Ready>>; 2],
     /// The next message number of sends and of recvs.
     next: [u64; 2],
+    /// Matched messages for the service to enqueue, in message order.
+    jobs: VecDeque<Job<A::Ready>>,
     /// Copies enqueued, in message order.
     copies: VecDeque<Enqueued<A::Done>>,
     /// Why the lane was aborted.
@@ -206,10 +229,23 @@ fn ix(dir: Dir) -> usize {
 }
 
 /// One copy-engine lane: the traffic from one rank to another.
+///
+/// No lock of the lane's state is held across a device call: enqueuing
+/// can block (a stream's queue is finite), and a lane is shared by two
+/// ranks. Each side enqueues its own ready event and wait on its own
+/// stream; the copies are enqueued, in message order, under the pump lock:
+/// by the issuing thread that matched them when the copy stream is not deep
+/// ([`INLINE_DEPTH`]) and no other thread is pumping, else by the lane's
+/// service thread ([`CopyLane::serve`]), or a test ([`CopyLane::pump`]).
 pub struct CopyLane<A: CopyApi> {
     name: String,
     api: A,
     state: Mutex<State<A>>,
+    /// Serializes [`CopyLane::pump`], so that copies go on the copy stream
+    /// in message order.
+    pumping: Mutex<()>,
+    /// Wakes the service when a job is queued.
+    wake: Condvar,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -220,8 +256,15 @@ impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
     }
 }
 
+/// What failed a side that was reserved: its wait may be on its stream.
+fn failure(error: Error, ticket: Option<Arc<Ticket>>) -> IssueFailure {
+    IssueFailure { error, ticket }
+}
+
 impl<A: CopyApi> CopyLane<A> {
-    /// A lane named `name` (`copy:0->1`) on `api`.
+    /// A lane named `name` (`copy:0->1`) on `api`. Its copies are enqueued
+    /// by [`CopyLane::pump`]: start [`CopyLane::serve`] on a thread of its
+    /// own, or call `pump` (tests).
     pub fn new(name: impl Into<String>, api: A) -> CopyLane<A> {
         CopyLane {
             name: name.into(),
@@ -229,9 +272,12 @@ impl<A: CopyApi> CopyLane<A> {
             state: Mutex::new(State {
                 ahead: [VecDeque::new(), VecDeque::new()],
                 next: [0, 0],
+                jobs: VecDeque::new(),
                 copies: VecDeque::new(),
                 aborted: None,
             }),
+            pumping: Mutex::new(()),
+            wake: Condvar::new(),
         }
     }
 
@@ -248,8 +294,8 @@ impl<A: CopyApi> CopyLane<A> {
     /// Issues one side of the next message on `stream`: `dir` from the
     /// lane's point of view (a send of its source rank, a recv of its
     /// destination rank), `ptr` the buffer's device address, `text` the op
-    /// as reports name it. `keep` is held until the copy is done. Callers
-    /// issue the ops of one side in stream order, one at a time (the rank's
+    /// as reports name it. `keep` is held until the copy is done. Each side
+    /// is issued by one thread at a time, in its stream order (the rank's
     /// issue lock).
     ///
     /// On failure, [`IssueFailure::ticket`] says whether the op is on its
@@ -266,127 +312,262 @@ impl<A: CopyApi> CopyLane<A> {
         text: &str,
         keep: Keep,
     ) -> Result<Arc<Ticket>, IssueFailure> {
-        let mut dropped = Vec::new();
-        let r = self.issue_locked(dir, stream, ptr, bytes, dtype, text, keep, &mut dropped);
-        // Buffers are freed (which may wait for the device) with no lock held.
-        drop(dropped);
-        r
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn issue_locked(
-        &self,
-        dir: Dir,
-        stream: &A::Stream,
-        ptr: u64,
-        bytes: usize,
-        dtype: DType,
-        text: &str,
-        keep: Keep,
-        dropped: &mut Vec<Keep>,
-    ) -> Result<Arc<Ticket>, IssueFailure> {
-        let fail = |error, ticket| IssueFailure { error, ticket };
-        let mut st = lock(&self.state);
-        if let Some(why) = &st.aborted {
-            let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
-            return Err(fail(e, None));
-        }
         let (me, other) = (ix(dir), ix(dir.other()));
-        let k = st.next[me];
-        if let Some(p) = st.ahead[other].front()
-            && (p.bytes != bytes || p.dtype != dtype)
-        {
-            let (send, recv) = if dir == Dir::Send {
-                (text, p.text.as_str())
-            } else {
-                (p.text.as_str(), text)
-            };
-            let (kind, what) = if p.bytes != bytes {
-                (ProgramErrorKind::SizeMismatch, "size")
-            } else {
-                (ProgramErrorKind::TypeMismatch, "element type")
-            };
-            let e = Error::Program {
-                kind,
-                message: format!(
-                    "message #{k} of {}: {send} is matched with {recv}, which differ in {what} (R3)",
-                    self.name
-                ),
-                ops: Vec::new(),
-            };
-            return Err(fail(e, None));
-        }
-        // A device error from here on leaves the lane's numbering unsure
-        // (the caller's records count this op): the lane is done for.
-        let ready = match self.api.ready(stream) {
-            Ok(r) => r,
-            Err(e) => {
-                self.abort_locked(&mut st, &format!("{text}: {e}"), dropped);
-                return Err(fail(e, None));
+        // 1. Under the lock: refuse on an abort or a mismatch with the
+        // partner already issued; reserve the message number.
+        let k = {
+            let st = lock(&self.state);
+            if let Some(why) = &st.aborted {
+                let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+                return Err(failure(e, None));
             }
+            if let Some(e) = self.mismatch(&st, dir, bytes, dtype, text) {
+                return Err(failure(e, None));
+            }
+            st.next[me]
         };
+        // 2. No lock: the side's ready event and wait on its own stream (a
+        // call that may block while the stream's queue is full).
         let (slot, value) = (
             slot_of(k, self.api.slots()),
             generation_of(k, self.api.slots()),
         );
-        if let Err(e) = self.api.wait(stream, slot, value) {
-            self.abort_locked(&mut st, &format!("{text}: {e}"), dropped);
-            return Err(fail(e, None));
-        }
-        st.next[me] += 1;
+        let ready = self.api.ready(stream).and_then(|r| {
+            self.api.wait(stream, slot, value)?;
+            Ok(r)
+        });
+        let ready = match ready {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing of this op is on its stream that blocks it; the
+                // caller's records count it: the lane is done for.
+                self.abort(&format!("{text}: {e}"));
+                return Err(failure(e, None));
+            }
+        };
         let ticket = Arc::new(Ticket {
             k,
             state: Mutex::new(TicketState::Waiting),
         });
-        let Some(p) = st.ahead[other].pop_front() else {
-            st.ahead[me].push_back(Side {
-                ready,
-                ptr,
-                bytes,
-                dtype,
-                text: text.to_string(),
-                ticket: ticket.clone(),
-                keep,
-            });
-            return Ok(ticket);
+        let side = Side {
+            ready,
+            ptr,
+            bytes,
+            dtype,
+            text: text.to_string(),
+            ticket: ticket.clone(),
+            keep,
         };
-        let (send_ready, src, recv_ready, dst) = if dir == Dir::Send {
-            (&ready, ptr, &p.ready, p.ptr)
-        } else {
-            (&p.ready, p.ptr, &ready, ptr)
-        };
-        match self
-            .api
-            .copy(send_ready, recv_ready, dst, src, bytes, slot, value)
-        {
-            Ok(done) => {
-                ticket.set(TicketState::Copying);
+        // 3. Under the lock: register the side, or match it.
+        let mut dropped = Vec::new();
+        let result = {
+            let mut st = lock(&self.state);
+            st.next[me] = k + 1;
+            if let Some(why) = st.aborted.clone() {
+                // Aborted meanwhile: the abort released the slots, so the
+                // wait just enqueued passes; the op failed.
+                ticket.set(TicketState::Failed(why.clone()));
+                dropped.push(side.keep);
+                let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+                Err(failure(e, Some(ticket)))
+            } else if let Some(e) = self.mismatch(&st, dir, bytes, dtype, text) {
+                // The partner came meanwhile, and differs: this op's wait is
+                // on its stream; fail both and release them.
+                dropped.push(side.keep);
+                self.abort_locked(&mut st, &e.to_string(), &mut dropped);
+                ticket.set(TicketState::Failed(e.to_string().into()));
+                Err(failure(e, Some(ticket)))
+            } else if let Some(p) = st.ahead[other].pop_front() {
+                side.ticket.set(TicketState::Copying);
                 p.ticket.set(TicketState::Copying);
-                st.copies.push_back(Enqueued {
-                    done,
-                    tickets: [ticket.clone(), p.ticket],
-                    keep: [keep, p.keep],
-                });
+                let (send, recv) = if dir == Dir::Send {
+                    (side, p)
+                } else {
+                    (p, side)
+                };
+                st.jobs.push_back(Job { k, send, recv });
+                self.wake.notify_all();
+                Ok(ticket)
+            } else {
+                st.ahead[me].push_back(side);
                 Ok(ticket)
             }
-            Err(CopyFailed { error, started }) => {
-                // Both streams wait for a copy that will not be seen done:
-                // fail both ops, release the streams; the lane is done for.
-                let why: Arc<str> = format!("enqueuing the copy of {text} failed: {error}").into();
-                p.ticket.set(TicketState::Failed(why.clone()));
-                ticket.set(TicketState::Failed(why.clone()));
-                if started {
-                    // The copy may run: nothing says when it is done, so
-                    // its buffers are never freed (P6 of `crate::guard`).
-                    std::mem::forget(keep);
-                    std::mem::forget(p.keep);
-                } else {
-                    dropped.extend([keep, p.keep]);
+        };
+        // Buffers are freed (which may wait for the device) with no lock held.
+        drop(dropped);
+        if result.is_ok() {
+            self.pump_inline();
+        }
+        result
+    }
+
+    /// The program error if the partner issued at this side's next position
+    /// differs in size or element type.
+    fn mismatch(
+        &self,
+        st: &State<A>,
+        dir: Dir,
+        bytes: usize,
+        dtype: DType,
+        text: &str,
+    ) -> Option<Error> {
+        let p = st.ahead[ix(dir.other())].front()?;
+        if p.bytes == bytes && p.dtype == dtype {
+            return None;
+        }
+        let k = st.next[ix(dir)];
+        let (send, recv) = if dir == Dir::Send {
+            (text, p.text.as_str())
+        } else {
+            (p.text.as_str(), text)
+        };
+        let (kind, what) = if p.bytes != bytes {
+            (ProgramErrorKind::SizeMismatch, "size")
+        } else {
+            (ProgramErrorKind::TypeMismatch, "element type")
+        };
+        Some(Error::Program {
+            kind,
+            message: format!(
+                "message #{k} of {}: {send} is matched with {recv}, which differ in {what} (R3)",
+                self.name
+            ),
+            ops: Vec::new(),
+        })
+    }
+
+    /// Enqueues the copies of the messages matched so far, in message
+    /// order, each with no lane lock held. Returns how many it enqueued.
+    pub fn pump(&self) -> usize {
+        let _one = lock(&self.pumping);
+        self.pump_held(usize::MAX)
+    }
+
+    /// What the issuing thread that matched a message does: enqueue the
+    /// copy itself, unless another thread is doing so (it then takes this
+    /// one too) or the copy stream already holds [`INLINE_DEPTH`] copies,
+    /// which the service then enqueues (an enqueue into a full stream
+    /// blocks, and the issuing thread holds its rank's issue lock).
+    fn pump_inline(&self) {
+        let Ok(_one) = self.pumping.try_lock() else {
+            return;
+        };
+        self.pump_held(INLINE_DEPTH);
+    }
+
+    /// [`CopyLane::pump`] with its lock held, while fewer than `depth`
+    /// copies are in flight.
+    fn pump_held(&self, depth: usize) -> usize {
+        let mut n = 0;
+        loop {
+            if lock(&self.state).copies.len() >= depth {
+                // Copies done but not yet seen done count too: look first.
+                let _ = self.settle();
+            }
+            let job = {
+                let mut st = lock(&self.state);
+                if st.copies.len() >= depth {
+                    self.wake.notify_all();
+                    return n;
                 }
-                self.abort_locked(&mut st, &why, dropped);
-                Err(fail(error, Some(ticket)))
+                st.jobs.pop_front()
+            };
+            let Some(job) = job else {
+                return n;
+            };
+            let Job { k, send, recv } = job;
+            let (slot, value) = (
+                slot_of(k, self.api.slots()),
+                generation_of(k, self.api.slots()),
+            );
+            let r = self.api.copy(
+                &send.ready,
+                &recv.ready,
+                recv.ptr,
+                send.ptr,
+                send.bytes,
+                slot,
+                value,
+            );
+            let mut dropped = Vec::new();
+            {
+                let mut st = lock(&self.state);
+                match r {
+                    Ok(done) => {
+                        if let Some(why) = &st.aborted {
+                            // Aborted while it was enqueued: it may run, but
+                            // nobody waits for it.
+                            send.ticket.set(TicketState::Failed(why.clone()));
+                            recv.ticket.set(TicketState::Failed(why.clone()));
+                        }
+                        st.copies.push_back(Enqueued {
+                            done,
+                            tickets: [send.ticket, recv.ticket],
+                            keep: [send.keep, recv.keep],
+                        });
+                        n += 1;
+                    }
+                    Err(CopyFailed { error, started }) => {
+                        let why: Arc<str> =
+                            format!("enqueuing the copy of {} failed: {error}", send.text).into();
+                        send.ticket.set(TicketState::Failed(why.clone()));
+                        recv.ticket.set(TicketState::Failed(why.clone()));
+                        if started {
+                            // The copy may run: nothing says when it is done,
+                            // so its buffers are never freed (P6).
+                            std::mem::forget(send.keep);
+                            std::mem::forget(recv.keep);
+                        } else {
+                            dropped.extend([send.keep, recv.keep]);
+                        }
+                        self.abort_locked(&mut st, &why, &mut dropped);
+                    }
+                }
+            }
+            drop(dropped);
+        }
+    }
+
+    /// Starts the lane's service on a thread of its own ([`CopyLane::serve`]).
+    pub fn start(lane: &Arc<CopyLane<A>>) -> Result<(), Error>
+    where
+        A: 'static,
+    {
+        let weak = Arc::downgrade(lane);
+        std::thread::Builder::new()
+            .name(format!("duplex {}", lane.name))
+            .spawn(move || CopyLane::serve(weak))
+            .map(drop)
+            .map_err(|e| Error::Aborted(format!("cannot start the service of {}: {e}", lane.name)))
+    }
+
+    /// The lane's service: pumps whenever a message is matched, until the
+    /// lane is dropped. Run it on a thread of its own.
+    pub fn serve(lane: std::sync::Weak<CopyLane<A>>) {
+        while let Some(l) = lane.upgrade() {
+            l.pump();
+            let st = lock(&l.state);
+            if st.jobs.is_empty() {
+                // Woken by a match; the timeout notices a dropped lane.
+                drop(l.wait_for_jobs(st));
             }
         }
+    }
+
+    #[cfg(not(loom))]
+    fn wait_for_jobs<'g>(&self, st: MutexGuard<'g, State<A>>) -> MutexGuard<'g, State<A>> {
+        match self
+            .wake
+            .wait_timeout(st, std::time::Duration::from_millis(50))
+        {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        }
+    }
+
+    #[cfg(loom)]
+    fn wait_for_jobs<'g>(&self, st: MutexGuard<'g, State<A>>) -> MutexGuard<'g, State<A>> {
+        st
     }
 
     /// Marks the copies seen done delivered, and drops what they kept (with
@@ -428,8 +609,10 @@ impl<A: CopyApi> CopyLane<A> {
         Ok(())
     }
 
-    /// Aborts the lane (see the module docs); idempotent.
+    /// Aborts the lane (see the module docs); idempotent. Releases every
+    /// slot before it takes the lane's lock.
     pub fn abort(&self, why: &str) {
+        self.api.release_all();
         let mut dropped = Vec::new();
         {
             let mut st = lock(&self.state);
@@ -438,8 +621,8 @@ impl<A: CopyApi> CopyLane<A> {
         drop(dropped);
     }
 
-    /// Aborts under the lock; what the unmatched ops kept goes to
-    /// `dropped` (no copy will touch it).
+    /// Aborts under the lock; what the unmatched ops and the jobs not
+    /// enqueued kept goes to `dropped` (no copy will touch it).
     fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
         let why: Arc<str> = match &st.aborted {
             Some(w) => w.clone(),
@@ -448,6 +631,12 @@ impl<A: CopyApi> CopyLane<A> {
         st.aborted = Some(why.clone());
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
+                s.ticket.set(TicketState::Failed(why.clone()));
+                dropped.push(s.keep);
+            }
+        }
+        for j in st.jobs.drain(..) {
+            for s in [j.send, j.recv] {
                 s.ticket.set(TicketState::Failed(why.clone()));
                 dropped.push(s.keep);
             }
@@ -465,16 +654,24 @@ impl<A: CopyApi> CopyLane<A> {
         lock(&self.state).aborted.clone()
     }
 
-    /// Copies enqueued and not seen done.
+    /// Copies matched or enqueued and not seen done.
     pub fn copies_in_flight(&self) -> usize {
-        lock(&self.state).copies.len()
+        let st = lock(&self.state);
+        st.jobs.len() + st.copies.len()
     }
 }
 
 impl<A: CopyApi> Drop for CopyLane<A> {
     fn drop(&mut self) {
         let st = self.state.get_mut_or_lock();
-        if st.aborted.is_some() || !st.copies.is_empty() || st.ahead.iter().any(|a| !a.is_empty()) {
+        let idle = st.aborted.is_none()
+            && st.copies.is_empty()
+            && st.jobs.is_empty()
+            && st.ahead.iter().all(|a| a.is_empty());
+        if !idle {
+            // A stream may still wait on the flags: release it, and never
+            // free them.
+            self.api.release_all();
             self.api.leak();
         }
         // A copy not seen done may still write into its buffers: they are
@@ -636,6 +833,18 @@ mod cuda {
         /// The copy stream.
         pub fn stream(&self) -> &Stream {
             &self.stream
+        }
+    }
+
+    impl Drop for Cuda {
+        fn drop(&mut self) {
+            if !self.flags.leak.load(std::sync::atomic::Ordering::Acquire) {
+                // An idle lane: its last copy's flag write may still be
+                // landing; let it before the flags are freed.
+                if let Ok(_bound) = self.src.bind_scoped() {
+                    let _ = self.stream.synchronize();
+                }
+            }
         }
     }
 

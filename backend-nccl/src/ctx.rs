@@ -153,7 +153,10 @@ impl Drop for BufState {
     fn drop(&mut self) {
         // No op holds this buffer any more, so none can touch it.
         if let Some(mem) = self.mem.take() {
-            let _ = self.device.bind();
+            // The caller's context is made current again afterwards: a
+            // buffer may be freed on another rank's thread (a copy-engine
+            // lane's last holder).
+            let _bound = self.device.bind_scoped();
             if let Err(e) = mem.free() {
                 tracing::warn!(rank = self.rank, error = %e, "freeing a buffer failed");
             }
@@ -269,7 +272,9 @@ pub(crate) fn copy_lanes(ranks: u32, policy: Policy, opts: &Options) -> Result<C
         .map(|(a, b)| {
             let (name, _, _) = compile::copy_lane(a, Dir::Send, b);
             let api = Cuda::new(devices[a as usize].clone(), devices[b as usize].clone())?;
-            Ok(((a, b), Arc::new(CopyLane::new(name, api))))
+            let lane = Arc::new(CopyLane::new(name, api));
+            CopyLane::start(&lane)?;
+            Ok(((a, b), lane))
         })
         .collect()
 }
@@ -295,23 +300,32 @@ impl Issued {
         let (Some(t), Some(c)) = (&self.ticket, &self.meta.copy) else {
             return;
         };
-        if self.checked.swap(true, Ordering::AcqRel) {
+        if self.checked.load(Ordering::Acquire) {
             return;
         }
         if t.state() != TicketState::Delivered {
             let _ = c.lane.settle();
         }
         let why = match t.state() {
-            TicketState::Delivered => return,
+            TicketState::Delivered => {
+                self.checked.store(true, Ordering::Release);
+                return;
+            }
             TicketState::Failed(why) => why.to_string(),
             s => format!("its stream went on while its copy is {s:?}"),
         };
         if let Some(ctx) = self.event.ctx.upgrade() {
-            lock(&ctx.lost).push(format!(
-                "{} finished on the device, but copy-engine lane {} did not deliver it ({why}); its bytes cannot be trusted",
-                self.meta.info(),
-                c.name
-            ));
+            // Marked checked only with the entry in place, so that a
+            // second caller (another thread's prune) returns only once
+            // every later wait sees it.
+            let mut lost = lock(&ctx.lost);
+            if !self.checked.swap(true, Ordering::AcqRel) {
+                lost.push(format!(
+                    "{} finished on the device, but copy-engine lane {} did not deliver it ({why}); its bytes cannot be trusted",
+                    self.meta.info(),
+                    c.name
+                ));
+            }
         }
     }
 }

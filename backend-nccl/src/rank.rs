@@ -356,13 +356,30 @@ impl NcclRank {
         for (r, fifo) in reqs.iter_mut().zip(fifos) {
             r.meta.fifo = fifo;
         }
-        ctx.device.bind()?;
-        if reqs.iter().any(|r| r.meta.copy.is_none())
-            && let Some(call) = self.launch_nccl(&reqs, &issuing, grouped)?
-        {
-            // Its connection handshake (R7) overstayed the deadline.
-            drop(issuing);
-            return Err(self.hang(&call, &check::place(at), None));
+        // From here on the registry counts every op of the launch: a copy
+        // op that does not reach its lane would leave the lane's numbering
+        // and the registry's apart, so every error aborts the launch's copy
+        // lanes (`abandon`).
+        let ends: Vec<Arc<CopyEnd>> = reqs.iter().filter_map(|r| r.meta.copy.clone()).collect();
+        if let Err(e) = ctx.device.bind() {
+            self.abandon(&ends, &e);
+            return Err(e);
+        }
+        if reqs.iter().any(|r| r.meta.copy.is_none()) {
+            match self.launch_nccl(&reqs, &issuing, grouped) {
+                Ok(None) => {}
+                Ok(Some(call)) => {
+                    // Its connection handshake (R7) overstayed the deadline.
+                    drop(issuing);
+                    let e = Error::Aborted(format!("{call} did not return"));
+                    self.abandon(&ends, &e);
+                    return Err(self.hang(&call, &check::place(at), None));
+                }
+                Err(e) => {
+                    self.abandon(&ends, &e);
+                    return Err(e);
+                }
+            }
         }
         // Copy-engine ops, after `ncclGroupEnd` (C6): one launch per lane,
         // in the order the lanes first appear in the group (as the model's
@@ -456,13 +473,8 @@ impl NcclRank {
                 break;
             }
         }
-        if let Some(e) = &failed
-            && !matches!(e, Error::Program { .. })
-        {
-            // The registry counted ops that the lanes did not: the job's
-            // hang analysis and this rank's copy lanes no longer agree.
-            ctx.health
-                .fail(ctx.rank, &format!("a copy-engine op failed to launch: {e}"));
+        if let Some(e) = &failed {
+            self.abandon(&ends, e);
         }
         // One event per stream of the launch, recorded after its last op
         // there, shared by the launch's ops on that stream.
@@ -502,6 +514,10 @@ impl NcclRank {
                         // their buffers for good, since nothing says when
                         // the device is done with them (P6).
                         ctx.ops.record(launch);
+                        // Untracked copy ops must not keep their streams
+                        // waiting: their lanes are aborted (which releases
+                        // them).
+                        self.abandon(&ends, &e);
                         std::mem::forget(r.buf);
                         for (r, _, launched) in reqs {
                             if launched {
@@ -537,6 +553,28 @@ impl NcclRank {
         match failed {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// After an error in a launch the registry has recorded: aborts the
+    /// copy-engine lanes of its copy ops (which also releases any stream
+    /// waiting on them), and says this rank failed, unless the error is a
+    /// program error or an abort whose cause is reported already.
+    fn abandon(&self, ends: &[Arc<CopyEnd>], e: &Error) {
+        if ends.is_empty() {
+            return;
+        }
+        for c in ends {
+            c.lane.abort(&format!(
+                "an op of rank {} on it failed to launch: {e}",
+                self.ctx.rank
+            ));
+        }
+        if !matches!(e, Error::Program { .. } | Error::Aborted(_)) {
+            self.ctx.health.fail(
+                self.ctx.rank,
+                &format!("a copy-engine op failed to launch: {e}"),
+            );
         }
     }
 
@@ -614,10 +652,7 @@ impl NcclRank {
                 Ok(true)
             })?;
             if !ok {
-                return Ok(Some(format!(
-                    "{} (its connection handshake, R7)",
-                    first()
-                )));
+                return Ok(Some(format!("{} (its connection handshake, R7)", first())));
             }
         }
         Ok(None)

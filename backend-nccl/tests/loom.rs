@@ -100,13 +100,15 @@ fn a_hang_snapshot_sees_whole_groups() {
     );
 }
 
-/// A copy-engine lane (`duplex_nccl::copy`): a send and its recv issued on
-/// two threads while a third aborts the lane and a fourth runs the device
-/// (one copy, its slot write landing after its done event) and settles.
-/// Whatever the interleaving: an op is delivered
-/// only if its bytes are in the recv buffer, both ops end in the same
-/// state, and once the device has run and the lane settled, neither
-/// stream is left waiting.
+/// A copy-engine lane (`duplex_nccl::copy`) with one flag slot: message 0
+/// (a send and its recv, issued on two threads; the sender then issues
+/// message 1, which waits on the same slot) while a third thread aborts the
+/// lane and a fourth enqueues and runs the copy (its slot write landing
+/// after its done event) and settles. Whatever the interleaving: an op is
+/// delivered only if its bytes are in the recv buffer, both ops of message
+/// 0 end in the same state, and once the device has run and the lane
+/// settled, no stream is left waiting (message 1's send included, which a
+/// late write of message 0's generation would block again).
 #[test]
 fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
     use duplex::{DType, Dir};
@@ -115,11 +117,11 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
     use loom::sync::Arc;
     use loom::thread;
 
-    model("copy lane: send, recv, abort, device", Some(3), || {
-        let fake = Fake::default();
+    model("copy lane: send, recv, abort, device", Some(2), || {
+        let fake = Fake::with_slots(1);
         fake.put(1, vec![9; 8]);
         let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
-        let issue = |dir: Dir, stream: u32, ptr: u64| {
+        let issue = |dir: Dir, stream: u32, ptr: u64, then: bool| {
             let lane = lane.clone();
             let fake = fake.clone();
             thread::spawn(move || {
@@ -130,11 +132,15 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
                 if t.state() == TicketState::Delivered {
                     assert_eq!(fake.get(2), vec![9; 8], "delivered before the bytes");
                 }
+                if then {
+                    // Message 1, on the same slot; its recv never comes.
+                    let _ = lane.issue(dir, &stream, ptr, 8, DType::U8, "send 1", Box::new(()));
+                }
                 Some(t)
             })
         };
-        let s = issue(Dir::Send, 1, 1);
-        let r = issue(Dir::Recv, 2, 2);
+        let s = issue(Dir::Send, 1, 1, true);
+        let r = issue(Dir::Recv, 2, 2, false);
         let aborter = {
             let lane = lane.clone();
             thread::spawn(move || lane.abort("deadline"))
@@ -144,6 +150,7 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
             thread::spawn(move || {
                 // As on the device: the copy's done event completes just
                 // before its slot write lands.
+                lane.pump();
                 fake.run_done_only(1);
                 lane.settle().expect("the fake reports no device error");
                 fake.land_writes();
@@ -152,6 +159,7 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
         let (s, r) = (s.join().unwrap(), r.join().unwrap());
         aborter.join().unwrap();
         device.join().unwrap();
+        lane.pump();
         fake.run(usize::MAX);
         fake.land_writes();
         lane.settle().expect("no device error");
