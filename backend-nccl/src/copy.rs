@@ -65,7 +65,7 @@ use duplex::{DType, Dir, Error, ProgramErrorKind};
 use std::sync::Arc;
 
 use crate::guard::GetMut;
-use crate::sync::{Condvar, Mutex, MutexGuard, lock};
+use crate::sync::{Mutex, lock};
 
 /// Copies in flight on a lane's copy stream up to which the issuing thread
 /// enqueues a matched copy itself (each takes five entries of the stream's
@@ -133,6 +133,12 @@ pub trait CopyApi: Send + Sync {
     /// The number of flag slots ([`SLOTS`] on GPUs).
     fn slots(&self) -> usize {
         SLOTS
+    }
+    /// Frees what copies kept, once no copy can touch it. Freeing device
+    /// memory waits for the device, so on GPUs this hands them to a thread
+    /// that nothing waits for ([`Cuda`]); the default frees at once.
+    fn reap(&self, keeps: Vec<Keep>) {
+        drop(keeps);
     }
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
@@ -244,8 +250,9 @@ pub struct CopyLane<A: CopyApi> {
     /// Serializes [`CopyLane::pump`], so that copies go on the copy stream
     /// in message order.
     pumping: Mutex<()>,
-    /// Wakes the service when a job is queued.
-    wake: Condvar,
+    /// The service thread ([`CopyLane::start`]), woken when a job is
+    /// queued.
+    service: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -277,7 +284,7 @@ impl<A: CopyApi> CopyLane<A> {
                 aborted: None,
             }),
             pumping: Mutex::new(()),
-            wake: Condvar::new(),
+            service: std::sync::OnceLock::new(),
         }
     }
 
@@ -321,10 +328,11 @@ impl<A: CopyApi> CopyLane<A> {
                 let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
                 return Err(failure(e, None));
             }
-            if let Some(e) = self.mismatch(&st, dir, bytes, dtype, text) {
+            let k = st.next[me];
+            if let Some(e) = self.mismatch(&st, k, dir, bytes, dtype, text) {
                 return Err(failure(e, None));
             }
-            st.next[me]
+            k
         };
         // 2. No lock: the side's ready event and wait on its own stream (a
         // call that may block while the stream's queue is full).
@@ -370,7 +378,7 @@ impl<A: CopyApi> CopyLane<A> {
                 dropped.push(side.keep);
                 let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
                 Err(failure(e, Some(ticket)))
-            } else if let Some(e) = self.mismatch(&st, dir, bytes, dtype, text) {
+            } else if let Some(e) = self.mismatch(&st, k, dir, bytes, dtype, text) {
                 // The partner came meanwhile, and differs: this op's wait is
                 // on its stream; fail both and release them.
                 dropped.push(side.keep);
@@ -386,26 +394,26 @@ impl<A: CopyApi> CopyLane<A> {
                     (p, side)
                 };
                 st.jobs.push_back(Job { k, send, recv });
-                self.wake.notify_all();
                 Ok(ticket)
             } else {
                 st.ahead[me].push_back(side);
                 Ok(ticket)
             }
         };
-        // Buffers are freed (which may wait for the device) with no lock held.
-        drop(dropped);
+        // Buffers are freed (which may wait for the device) elsewhere.
+        self.api.reap(dropped);
         if result.is_ok() {
             self.pump_inline();
         }
         result
     }
 
-    /// The program error if the partner issued at this side's next position
+    /// The program error if the partner issued at this side's position `k`
     /// differs in size or element type.
     fn mismatch(
         &self,
         st: &State<A>,
+        k: u64,
         dir: Dir,
         bytes: usize,
         dtype: DType,
@@ -415,7 +423,6 @@ impl<A: CopyApi> CopyLane<A> {
         if p.bytes == bytes && p.dtype == dtype {
             return None;
         }
-        let k = st.next[ix(dir)];
         let (send, recv) = if dir == Dir::Send {
             (text, p.text.as_str())
         } else {
@@ -467,7 +474,9 @@ impl<A: CopyApi> CopyLane<A> {
             let job = {
                 let mut st = lock(&self.state);
                 if st.copies.len() >= depth {
-                    self.wake.notify_all();
+                    // Deep: the service takes the rest.
+                    drop(st);
+                    self.wake();
                     return n;
                 }
                 st.jobs.pop_front()
@@ -524,7 +533,7 @@ impl<A: CopyApi> CopyLane<A> {
                     }
                 }
             }
-            drop(dropped);
+            self.api.reap(dropped);
         }
     }
 
@@ -534,40 +543,37 @@ impl<A: CopyApi> CopyLane<A> {
         A: 'static,
     {
         let weak = Arc::downgrade(lane);
-        std::thread::Builder::new()
+        let t = std::thread::Builder::new()
             .name(format!("duplex {}", lane.name))
             .spawn(move || CopyLane::serve(weak))
-            .map(drop)
-            .map_err(|e| Error::Aborted(format!("cannot start the service of {}: {e}", lane.name)))
+            .map_err(|e| {
+                Error::Aborted(format!("cannot start the service of {}: {e}", lane.name))
+            })?;
+        let _ = lane.service.set(t.thread().clone());
+        Ok(())
     }
 
-    /// The lane's service: pumps whenever a message is matched, until the
-    /// lane is dropped. Run it on a thread of its own.
+    /// The lane's service: pumps whenever woken ([`CopyLane::start`] lets
+    /// matches wake it) or every 50 ms, until the lane is dropped. It holds
+    /// the lane only while it pumps, so the lane is dropped (and its device
+    /// side freed) by whoever drops it last, not here.
     pub fn serve(lane: std::sync::Weak<CopyLane<A>>) {
-        while let Some(l) = lane.upgrade() {
-            l.pump();
-            let st = lock(&l.state);
-            if st.jobs.is_empty() {
-                // Woken by a match; the timeout notices a dropped lane.
-                drop(l.wait_for_jobs(st));
+        loop {
+            match lane.upgrade() {
+                Some(l) => {
+                    l.pump();
+                }
+                None => return,
             }
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
         }
     }
 
-    #[cfg(not(loom))]
-    fn wait_for_jobs<'g>(&self, st: MutexGuard<'g, State<A>>) -> MutexGuard<'g, State<A>> {
-        match self
-            .wake
-            .wait_timeout(st, std::time::Duration::from_millis(50))
-        {
-            Ok((g, _)) => g,
-            Err(e) => e.into_inner().0,
+    /// Wakes the service, if it runs.
+    fn wake(&self) {
+        if let Some(t) = self.service.get() {
+            t.unpark();
         }
-    }
-
-    #[cfg(loom)]
-    fn wait_for_jobs<'g>(&self, st: MutexGuard<'g, State<A>>) -> MutexGuard<'g, State<A>> {
-        st
     }
 
     /// Marks the copies seen done delivered, and drops what they kept (with
@@ -577,7 +583,7 @@ impl<A: CopyApi> CopyLane<A> {
     pub fn settle(&self) -> Result<(), Error> {
         let mut dropped = Vec::new();
         let r = self.settle_locked(&mut dropped);
-        drop(dropped);
+        self.api.reap(dropped);
         r
     }
 
@@ -618,7 +624,7 @@ impl<A: CopyApi> CopyLane<A> {
             let mut st = lock(&self.state);
             self.abort_locked(&mut st, why, &mut dropped);
         }
-        drop(dropped);
+        self.api.reap(dropped);
     }
 
     /// Aborts under the lock; what the unmatched ops and the jobs not
@@ -741,6 +747,39 @@ mod cuda {
 
     use super::{CopyApi, CopyFailed, SLOTS};
     use crate::cuda::{Device, Event, Stream, check};
+
+    /// Hands buffers to the process's reaper thread, which frees them.
+    /// Freeing device memory waits for the device, which may wait for a
+    /// copy that only a pumping or issuing thread can enqueue: those threads
+    /// never free. Without a reaper (it could not start) they are leaked.
+    fn reap(keeps: Vec<super::Keep>) {
+        use std::sync::mpsc::{Sender, channel};
+        use std::sync::{Mutex, OnceLock};
+        static REAPER: OnceLock<Option<Mutex<Sender<Vec<super::Keep>>>>> = OnceLock::new();
+        let tx = REAPER.get_or_init(|| {
+            let (tx, rx) = channel::<Vec<super::Keep>>();
+            std::thread::Builder::new()
+                .name("duplex reaper".into())
+                .spawn(move || {
+                    while let Ok(k) = rx.recv() {
+                        drop(k);
+                    }
+                })
+                .ok()
+                .map(|_| Mutex::new(tx))
+        });
+        let sent = match tx {
+            Some(tx) => tx
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .send(keeps)
+                .map_err(|e| e.0),
+            None => Err(keeps),
+        };
+        if let Err(keeps) = sent {
+            std::mem::forget(keeps);
+        }
+    }
 
     /// Pinned host memory mapped into every device: the lane's flag slots.
     #[derive(Debug)]
@@ -921,6 +960,12 @@ mod cuda {
 
         fn done(&self, done: &Event) -> Result<bool, Error> {
             done.done()
+        }
+
+        fn reap(&self, keeps: Vec<super::Keep>) {
+            if !keeps.is_empty() {
+                reap(keeps);
+            }
         }
 
         fn leak(&self) {

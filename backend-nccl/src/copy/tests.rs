@@ -511,3 +511,106 @@ mod random {
         }
     }
 }
+
+mod step3 {
+    //! A mismatch found after the side's wait is on its stream (the partner
+    //! came while this side enqueued): a concurrent test with a fake whose
+    //! wait on one stream blocks until opened (from review 3).
+    use super::*;
+    use crate::copy::{CopyApi, CopyFailed};
+    use std::sync::{Condvar, Mutex};
+
+    /// Fake whose `wait` on stream `gated` blocks until opened.
+    #[derive(Clone)]
+    struct Gate {
+        fake: Fake,
+        gated: u32,
+        open: Arc<(Mutex<bool>, Condvar)>,
+        entered: Arc<(Mutex<bool>, Condvar)>,
+    }
+    impl Gate {
+        fn open(&self) {
+            *self.open.0.lock().expect("the gate's lock") = true;
+            self.open.1.notify_all();
+        }
+        fn wait_entered(&self) {
+            let mut g = self.entered.0.lock().expect("the gate's lock");
+            while !*g {
+                g = self.entered.1.wait(g).expect("the gate's lock");
+            }
+        }
+    }
+    impl CopyApi for Gate {
+        type Stream = u32;
+        type Ready = u32;
+        type Done = <Fake as CopyApi>::Done;
+        fn ready(&self, s: &u32) -> Result<u32, Error> {
+            self.fake.ready(s)
+        }
+        fn wait(&self, s: &u32, slot: usize, value: u32) -> Result<(), Error> {
+            if *s == self.gated {
+                *self.entered.0.lock().expect("the gate's lock") = true;
+                self.entered.1.notify_all();
+                let mut g = self.open.0.lock().expect("the gate's lock");
+                while !*g {
+                    g = self.open.1.wait(g).expect("the gate's lock");
+                }
+            }
+            self.fake.wait(s, slot, value)
+        }
+        fn copy(
+            &self,
+            a: &u32,
+            b: &u32,
+            d: u64,
+            s: u64,
+            n: usize,
+            slot: usize,
+            v: u32,
+        ) -> Result<Self::Done, CopyFailed> {
+            self.fake.copy(a, b, d, s, n, slot, v)
+        }
+        fn done(&self, d: &Self::Done) -> Result<bool, Error> {
+            self.fake.done(d)
+        }
+        fn release_all(&self) {
+            self.fake.release_all()
+        }
+        fn slots(&self) -> usize {
+            self.fake.slots()
+        }
+    }
+
+    /// Side A in step 2 while side B does steps 1-3; A then finds the mismatch in step 3.
+    #[test]
+    fn step3_mismatch_message_number() {
+        let fake = Fake::default();
+        let g = Gate {
+            fake: fake.clone(),
+            gated: S,
+            open: Arc::new((Mutex::new(false), Condvar::new())),
+            entered: Arc::new((Mutex::new(false), Condvar::new())),
+        };
+        let l = Arc::new(CopyLane::new("copy:0->1", g.clone()));
+        let a = {
+            let l = l.clone();
+            std::thread::spawn(move || {
+                l.issue(Dir::Send, &S, 1, 16, DType::U8, "send 16", Box::new(()))
+            })
+        };
+        g.wait_entered();
+        let r = l
+            .issue(Dir::Recv, &R, 2, 8, DType::U8, "recv 8", Box::new(()))
+            .unwrap();
+        g.open();
+        let f = a.join().unwrap().unwrap_err();
+        assert!(f.error.to_string().contains("message #0"), "{}", f.error);
+        // The send's wait is on its stream: it is launched and failed, the
+        // recv too, and the lane is aborted (both streams released).
+        let s = f.ticket.expect("the send's wait was enqueued");
+        assert!(matches!(s.state(), TicketState::Failed(_)));
+        assert!(matches!(r.state(), TicketState::Failed(_)));
+        assert!(l.aborted().is_some());
+        assert!(fake.released(S) && fake.released(R));
+    }
+}
