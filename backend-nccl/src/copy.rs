@@ -53,7 +53,9 @@
 //! settles every tick). An abort releases the slots before it takes the
 //! lane's lock. The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
-//! event completes, or for good if it never does (P6 of `crate::guard`).
+//! event completes, or for good if it never does (P6 of `crate::guard`);
+//! then they are freed on a thread nothing waits for
+//! ([`CopyApi::reap`]), since freeing device memory waits for the device.
 //!
 //! The device side is the [`CopyApi`] trait: [`Cuda`] on GPUs, and a fake in
 //! the tests that checks this protocol on the CPU.
