@@ -614,3 +614,49 @@ mod step3 {
         assert!(fake.released(S) && fake.released(R));
     }
 }
+
+#[test]
+fn with_the_service_running_every_message_is_enqueued_without_an_explicit_pump() {
+    // Past INLINE_DEPTH copies in flight the issuing threads leave copies
+    // to the service thread; nothing here calls `pump`.
+    let fake = Fake::default();
+    let l = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+    CopyLane::start(&l).unwrap();
+    let n = 3000u64;
+    for k in 0..n {
+        fake.put(10_000 + k, k.to_le_bytes().to_vec());
+    }
+    let sender = {
+        let l = l.clone();
+        std::thread::spawn(move || {
+            for k in 0..n {
+                send(&l, 10_000 + k, 8).unwrap();
+            }
+        })
+    };
+    let device = {
+        let (l, fake) = (l.clone(), fake.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut ran = 0;
+            while ran < n as usize && start.elapsed() < std::time::Duration::from_secs(20) {
+                ran += fake.run(5);
+                l.settle().unwrap();
+                std::thread::yield_now();
+            }
+            ran
+        })
+    };
+    let tickets: Vec<_> = (0..n).map(|k| recv(&l, 50_000 + k, 8).unwrap()).collect();
+    sender.join().unwrap();
+    assert_eq!(
+        device.join().unwrap(),
+        n as usize,
+        "a matched copy was never enqueued"
+    );
+    l.settle().unwrap();
+    for (k, t) in tickets.iter().enumerate() {
+        assert_eq!(t.state(), TicketState::Delivered, "message {k}");
+        assert_eq!(fake.get(50_000 + k as u64), (k as u64).to_le_bytes());
+    }
+}
