@@ -6,21 +6,11 @@ use duplex::compile::compile;
 use duplex::machine::ProgramError;
 use duplex::machine::ThreadId;
 use duplex::report::Rule;
-use duplex_sim::check::{self, Outcome, Verdict};
+use duplex_sim::check::{self, Verdict};
 
-fn run(src: &str) -> Outcome {
-    let program = duplex::schedule::parse(src).unwrap_or_else(|e| panic!("{e}\n{src}"));
-    check::check(&compile(&program), &check::Options::default())
-}
-
-fn verdict(src: &str) -> &'static str {
-    match run(src).verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
-}
+#[path = "common/verdicts.rs"]
+mod verdicts;
+use verdicts::{run, verdict};
 
 /// The rules named in the deadlock's cycle (or missing-partner chains).
 fn cycle_rules(src: &str) -> Vec<Rule> {

@@ -81,24 +81,7 @@ impl Fake {
     /// Runs up to `n` enqueued copies, in order: copies the bytes, marks
     /// the copy done, writes its slot. Returns how many ran.
     pub fn run(&self, n: usize) -> usize {
-        let mut g = lock(&self.0);
-        // The copy stream runs in order: an earlier copy's write lands
-        // before a later copy runs.
-        if n > 0 {
-            g.land();
-        }
-        let mut ran = 0;
-        while ran < n {
-            let Some(p) = g.queue.pop_front() else { break };
-            let data = g.memory.get(&p.src).cloned().unwrap_or_default();
-            let dst = g.memory.entry(p.dst).or_default();
-            dst.clear();
-            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
-            p.done.store(true, Ordering::SeqCst);
-            g.slots[p.slot] = p.value;
-            ran += 1;
-        }
-        ran
+        lock(&self.0).run(n, true)
     }
 
     /// Whether every wait enqueued on `stream` is satisfied now.
@@ -130,22 +113,7 @@ impl Fake {
     /// [`Fake::land_writes`] (on the device the done event completes just
     /// before the write).
     pub fn run_done_only(&self, n: usize) -> usize {
-        let mut g = lock(&self.0);
-        if n > 0 {
-            g.land();
-        }
-        let mut ran = 0;
-        while ran < n {
-            let Some(p) = g.queue.pop_front() else { break };
-            let data = g.memory.get(&p.src).cloned().unwrap_or_default();
-            let dst = g.memory.entry(p.dst).or_default();
-            dst.clear();
-            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
-            p.done.store(true, Ordering::SeqCst);
-            g.writes.push((p.slot, p.value));
-            ran += 1;
-        }
-        ran
+        lock(&self.0).run(n, false)
     }
 
     /// Lands the slot writes of [`Fake::run_done_only`].
@@ -169,6 +137,32 @@ impl Fake {
 }
 
 impl Inner {
+    /// Runs up to `n` copies in order; their slot writes land now, or (not
+    /// `write`) at the next [`Inner::land`]. The copy stream runs in order:
+    /// an earlier copy's write lands before a later copy runs.
+    fn run(&mut self, n: usize, write: bool) -> usize {
+        if n > 0 {
+            self.land();
+        }
+        let mut ran = 0;
+        while ran < n {
+            let Some(p) = self.queue.pop_front() else {
+                break;
+            };
+            let data = self.memory.get(&p.src).cloned().unwrap_or_default();
+            let dst = self.memory.entry(p.dst).or_default();
+            dst.clear();
+            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
+            p.done.store(true, Ordering::SeqCst);
+            self.writes.push((p.slot, p.value));
+            if write {
+                self.land();
+            }
+            ran += 1;
+        }
+        ran
+    }
+
     fn land(&mut self) {
         for (slot, value) in std::mem::take(&mut self.writes) {
             self.slots[slot] = value;
