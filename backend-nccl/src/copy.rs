@@ -750,39 +750,6 @@ mod cuda {
     use super::{CopyApi, CopyFailed, SLOTS};
     use crate::cuda::{Device, Event, Stream, check};
 
-    /// Hands buffers to the process's reaper thread, which frees them.
-    /// Freeing device memory waits for the device, which may wait for a
-    /// copy that only a pumping or issuing thread can enqueue: those threads
-    /// never free. Without a reaper (it could not start) they are leaked.
-    fn reap(keeps: Vec<super::Keep>) {
-        use std::sync::mpsc::{Sender, channel};
-        use std::sync::{Mutex, OnceLock};
-        static REAPER: OnceLock<Option<Mutex<Sender<Vec<super::Keep>>>>> = OnceLock::new();
-        let tx = REAPER.get_or_init(|| {
-            let (tx, rx) = channel::<Vec<super::Keep>>();
-            std::thread::Builder::new()
-                .name("duplex reaper".into())
-                .spawn(move || {
-                    while let Ok(k) = rx.recv() {
-                        drop(k);
-                    }
-                })
-                .ok()
-                .map(|_| Mutex::new(tx))
-        });
-        let sent = match tx {
-            Some(tx) => tx
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .send(keeps)
-                .map_err(|e| e.0),
-            None => Err(keeps),
-        };
-        if let Err(keeps) = sent {
-            std::mem::forget(keeps);
-        }
-    }
-
     /// Pinned host memory mapped into every device: the lane's flag slots.
     #[derive(Debug)]
     struct Flags {
@@ -965,9 +932,7 @@ mod cuda {
         }
 
         fn reap(&self, keeps: Vec<super::Keep>) {
-            if !keeps.is_empty() {
-                reap(keeps);
-            }
+            crate::reaper::reap(keeps);
         }
 
         fn leak(&self) {

@@ -345,6 +345,11 @@ impl Done for Issued {
         self.event.done.store(true, Ordering::Release);
         self.check_delivery();
     }
+
+    /// It holds the last reference to its buffer, whose memory a drop frees.
+    fn frees_on_drop(&self) -> bool {
+        Arc::strong_count(&self.buf) == 1
+    }
 }
 
 /// What describes an op, made of cheap clones on the hot path; the words
@@ -620,7 +625,7 @@ impl RankCtx {
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
             issue: IssueLock::default(),
-            ops: Ledger::default(),
+            ops: Ledger::reaping(crate::reaper::reap::<Arc<Issued>>),
             board,
             registry,
             health,

@@ -38,6 +38,7 @@ pub mod guard;
 pub mod health;
 pub mod nccl;
 pub mod rank;
+pub mod reaper;
 pub mod registry;
 mod run;
 pub mod store;
