@@ -151,11 +151,31 @@ impl BufState {
 
 impl Drop for BufState {
     fn drop(&mut self) {
-        // No op holds this buffer any more, so none can touch it.
+        // No op holds this buffer any more, so none can touch it. Freeing
+        // device memory waits for the device, which may wait for something
+        // only the dropping thread would do next (issue an op, answer a
+        // peer): the process's reaper frees it (`crate::reaper`).
         if let Some(mem) = self.mem.take() {
-            // The caller's context is made current again afterwards: a
-            // buffer may be freed on another rank's thread (a copy-engine
-            // lane's last holder).
+            crate::reaper::reap(vec![Freeing {
+                mem: Some(mem),
+                device: self.device.clone(),
+                rank: self.rank,
+            }]);
+        }
+    }
+}
+
+/// A buffer's memory on its way to be freed, by whoever drops this (the
+/// reaper).
+struct Freeing {
+    mem: Option<Memory>,
+    device: Arc<Device>,
+    rank: Rank,
+}
+
+impl Drop for Freeing {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
             let _bound = self.device.bind_scoped();
             if let Err(e) = mem.free() {
                 tracing::warn!(rank = self.rank, error = %e, "freeing a buffer failed");
@@ -344,11 +364,6 @@ impl Done for Issued {
     fn mark_done(&self) {
         self.event.done.store(true, Ordering::Release);
         self.check_delivery();
-    }
-
-    /// It holds the last reference to its buffer, whose memory a drop frees.
-    fn frees_on_drop(&self) -> bool {
-        Arc::strong_count(&self.buf) == 1
     }
 }
 
@@ -625,7 +640,7 @@ impl RankCtx {
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
             issue: IssueLock::default(),
-            ops: Ledger::reaping(crate::reaper::reap::<Arc<Issued>>),
+            ops: Ledger::default(),
             board,
             registry,
             health,

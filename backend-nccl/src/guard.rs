@@ -789,14 +789,6 @@ pub trait Done {
     /// Told that it is done, because a later thing of its queue is: it
     /// need not ask the device again (the default forgets it).
     fn mark_done(&self) {}
-
-    /// Whether dropping it now may free device memory (it holds the last
-    /// reference to a buffer), which waits for the device: a reaping
-    /// ledger hands only those to its reaper ([`Ledger::reaping`]). The
-    /// default: yes.
-    fn frees_on_drop(&self) -> bool {
-        true
-    }
 }
 
 impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
@@ -811,10 +803,6 @@ impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
     fn mark_done(&self) {
         (**self).mark_done()
     }
-
-    fn frees_on_drop(&self) -> bool {
-        std::sync::Arc::strong_count(self) == 1 && (**self).frees_on_drop()
-    }
 }
 
 /// Drops the completed ones of `ops`. The ops of a queue are done for a
@@ -823,7 +811,7 @@ impl<T: Done + ?Sized> Done for std::sync::Arc<T> {
 /// last op that is done, and every op up to it leaves unasked. Ops of no
 /// queue are asked one by one. An op leaves only once it, or a later op of
 /// its queue, said it is done.
-fn prune<T: Done>(ops: &mut Vec<T>, reaping: bool) -> Vec<T> {
+fn prune<T: Done>(ops: &mut Vec<T>) {
     // Per queue: (queue, [(position, index)]).
     let mut queues: Vec<(usize, Vec<(u64, usize)>)> = Vec::new();
     for (i, o) in ops.iter().enumerate() {
@@ -851,11 +839,7 @@ fn prune<T: Done>(ops: &mut Vec<T>, reaping: bool) -> Vec<T> {
         }
         done_to.push((q, lo.checked_sub(1).map(|k| v[k].0)));
     }
-    // The completed ones leave. Those whose drop may free device memory
-    // are returned when `reaping` (the caller hands them to a thread that
-    // nothing waits for); the rest are dropped here, with no allocation.
-    let mut freeing = Vec::new();
-    let gone = ops.extract_if(.., |o| match o.queue() {
+    ops.retain(|o| match o.queue() {
         Some((q, pos)) => {
             let done = done_to
                 .iter()
@@ -863,16 +847,10 @@ fn prune<T: Done>(ops: &mut Vec<T>, reaping: bool) -> Vec<T> {
             if done {
                 o.mark_done();
             }
-            done
+            !done
         }
-        None => o.done(),
+        None => !o.done(),
     });
-    for o in gone {
-        if reaping && o.frees_on_drop() {
-            freeing.push(o);
-        }
-    }
-    freeing
 }
 
 /// The ops of a rank that may still run on its device (P6, P7).
@@ -880,11 +858,6 @@ pub struct Ledger<T: Done> {
     ops: Mutex<Vec<T>>,
     /// Length at which completed ops are next pruned.
     prune_at: AtomicUsize,
-    /// Where completed ops go once pruned, with the ledger's lock released:
-    /// dropping one may free its buffer, and freeing device memory waits
-    /// for the device, which the thread pruning (it may hold its rank's
-    /// issue lock) must not do ([`Ledger::reaping`]). `None`: dropped there.
-    reap: Option<fn(Vec<T>)>,
 }
 
 impl<T: Done> fmt::Debug for Ledger<T> {
@@ -900,25 +873,6 @@ impl<T: Done> Default for Ledger<T> {
         Ledger {
             ops: Mutex::new(Vec::new()),
             prune_at: AtomicUsize::new(256),
-            reap: None,
-        }
-    }
-}
-
-impl<T: Done> Ledger<T> {
-    /// A ledger that hands pruned ops to `reap` (a thread that nothing
-    /// waits for) instead of dropping them where they are pruned.
-    pub fn reaping(reap: fn(Vec<T>)) -> Ledger<T> {
-        let mut l = Ledger::default();
-        l.reap = Some(reap);
-        l
-    }
-
-    /// Hands what [`prune`] returned (ops whose drop may free device
-    /// memory) to the reaper.
-    fn dispose(&self, freeing: Vec<T>) {
-        if let (Some(reap), false) = (self.reap, freeing.is_empty()) {
-            reap(freeing);
         }
     }
 }
@@ -929,31 +883,21 @@ impl<T: Done + Clone> Ledger<T> {
     /// doubled, so the cost per op stays constant however many are in
     /// flight.
     pub fn record(&self, launch: Vec<T>) {
-        let gone = {
-            let mut ops = lock(&self.ops);
-            ops.extend(launch);
-            if ops.len() >= self.prune_at.load(Ordering::Relaxed) {
-                let gone = prune(&mut ops, self.reap.is_some());
-                self.prune_at
-                    .store((2 * ops.len()).max(256), Ordering::Relaxed);
-                gone
-            } else {
-                Vec::new()
-            }
-        };
-        self.dispose(gone);
+        let mut ops = lock(&self.ops);
+        ops.extend(launch);
+        if ops.len() >= self.prune_at.load(Ordering::Relaxed) {
+            prune(&mut ops);
+            self.prune_at
+                .store((2 * ops.len()).max(256), Ordering::Relaxed);
+        }
     }
 
     /// The ops not completed, in launch order: a snapshot that holds whole
     /// launches (P7). Completed ops leave.
     pub fn pending(&self) -> Vec<T> {
-        let (gone, pending) = {
-            let mut ops = lock(&self.ops);
-            let gone = prune(&mut ops, self.reap.is_some());
-            (gone, ops.clone())
-        };
-        self.dispose(gone);
-        pending
+        let mut ops = lock(&self.ops);
+        prune(&mut ops);
+        ops.clone()
     }
 
     /// Gives up the ops not completed without dropping them: their buffers

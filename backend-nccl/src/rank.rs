@@ -368,12 +368,33 @@ impl NcclRank {
         if reqs.iter().any(|r| r.meta.copy.is_none()) {
             match self.launch_nccl(&reqs, &issuing, grouped) {
                 Ok(None) => {}
-                Ok(Some(call)) => {
-                    // Its connection handshake (R7) overstayed the deadline.
+                Ok(Some(Unfinished { call, error })) => {
+                    // NCCL's background job may still put this group's
+                    // kernels on the streams: its communicators are aborted
+                    // (which stops it), and its buffers are never freed,
+                    // since nothing tracks those kernels (P6).
+                    let comms: Vec<Comm> = reqs
+                        .iter()
+                        .filter(|r| r.meta.copy.is_none())
+                        .map(|r| r.meta.comm.clone())
+                        .collect();
+                    crate::ctx::abort_together(&comms);
+                    for r in reqs.iter().filter(|r| r.meta.copy.is_none()) {
+                        std::mem::forget(r.buf.clone());
+                    }
                     drop(issuing);
-                    let e = Error::Aborted(format!("{call} did not return"));
-                    self.abandon(&ends, &e);
-                    return Err(self.hang(&call, &check::place(at), None));
+                    return Err(match error {
+                        Some(e) => {
+                            self.abandon(&ends, &e);
+                            e
+                        }
+                        None => {
+                            // Its handshake overstayed the deadline: a hang.
+                            let e = Error::Aborted(format!("{call} did not return"));
+                            self.abandon(&ends, &e);
+                            self.hang(&call, &check::place(at), None)
+                        }
+                    });
                 }
                 Err(e) => {
                     self.abandon(&ends, &e);
@@ -579,15 +600,16 @@ impl NcclRank {
     }
 
     /// The NCCL part of a launch: its ops on NCCL communicators in one
-    /// group, under the issue lock (`issuing`). Returns the call to report
-    /// as hung when the group's connection handshake (R7) did not finish
-    /// within the deadline.
+    /// group, under the issue lock (`issuing`). An error means nothing was
+    /// launched; [`Unfinished`] means NCCL's background job may still
+    /// launch the group (a non-blocking group whose connection handshake,
+    /// R7, did not finish within the deadline, or reported an error).
     fn launch_nccl(
         &self,
         reqs: &[Req],
         issuing: &crate::guard::Issuing<'_>,
         grouped: bool,
-    ) -> Result<Option<String>> {
+    ) -> Result<Option<Unfinished>> {
         let ctx = &self.ctx;
         let nccl = || reqs.iter().filter(|r| r.meta.copy.is_none());
         // Hold every communicator the group names until its launch is over
@@ -643,16 +665,28 @@ impl NcclRank {
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
-            let ok = poll(ctx.opts.timeout, || {
+            let polled = poll(ctx.opts.timeout, || {
                 for h in &held {
                     if !h.async_error()? {
                         return Ok(false);
                     }
                 }
                 Ok(true)
-            })?;
-            if !ok {
-                return Ok(Some(format!("{} (its connection handshake, R7)", first())));
+            });
+            match polled {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Ok(Some(Unfinished {
+                        call: format!("{} (its connection handshake, R7)", first()),
+                        error: None,
+                    }));
+                }
+                Err(e) => {
+                    return Ok(Some(Unfinished {
+                        call: first(),
+                        error: Some(e),
+                    }));
+                }
             }
         }
         Ok(None)
@@ -916,6 +950,14 @@ impl NcclRank {
         }
         Ok(())
     }
+}
+
+/// A non-blocking group that NCCL may still launch: the call to report,
+/// and the error its handshake reported (`None`: it overstayed the
+/// deadline, a hang).
+struct Unfinished {
+    call: String,
+    error: Option<Error>,
 }
 
 /// Makes each of `streams` (of one device) wait for everything issued so

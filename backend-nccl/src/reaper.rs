@@ -2,9 +2,9 @@
 //! op or a buffer may free device memory, and freeing device memory waits
 //! for the device (P8 of [`crate::guard`]); the device may be waiting for
 //! something only the dropping thread would do next (issue a copy, an op, a
-//! host message). So the threads of the protocol (issuing, pumping, the
-//! watchdog) never drop those themselves: they hand them here, and nothing
-//! ever waits for this thread.
+//! host message). So no buffer's memory is freed where it is dropped
+//! (`BufState`'s drop in `crate::ctx`, a copy lane's buffers): it is handed
+//! here, and nothing ever waits for this thread.
 
 use std::any::Any;
 use std::sync::mpsc::{Sender, channel};

@@ -352,20 +352,3 @@ fn pruning_never_drops_an_op_that_no_later_op_of_its_queue_vouches_for() {
         assert!(left.iter().all(|o| !o.done));
     }
 }
-
-#[test]
-fn a_reaping_ledger_hands_its_pruned_ops_over_instead_of_dropping_them() {
-    // Dropping an op may free device memory, which waits for the device: a
-    // reaping ledger never does it on the pruning thread.
-    static REAPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    fn reap(ops: Vec<Queued>) {
-        REAPED.fetch_add(ops.len(), std::sync::atomic::Ordering::SeqCst);
-        std::mem::forget(ops);
-    }
-    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let spec: Vec<(usize, bool)> = (0..10).map(|i| (0, i < 6)).collect();
-    let ledger = Ledger::reaping(reap);
-    ledger.record(queued(&asked, &spec));
-    assert_eq!(ledger.pending().len(), 4);
-    assert_eq!(REAPED.load(std::sync::atomic::Ordering::SeqCst), 6);
-}
