@@ -416,16 +416,16 @@ fn raw_copy_engines(trials: u32, quick: bool) -> Result<Samples, duplex::Error> 
                     for _ in 0..n {
                         // SAFETY: both buffers hold `bytes` bytes and outlive
                         // the copies (the stream is synchronized below).
-                        duplex_nccl::cuda::check("cuMemcpyPeerAsync", unsafe {
-                            cudarc::driver::sys::cuMemcpyPeerAsync(
+                        unsafe {
+                            duplex_nccl::cuda::copy_peer(
+                                &dev[to],
                                 bufs[to].1.ptr(),
-                                dev[to].raw_ctx(),
+                                &dev[from],
                                 bufs[from].0.ptr(),
-                                dev[from].raw_ctx(),
                                 bytes as usize,
-                                streams[from].raw() as cudarc::driver::sys::CUstream,
+                                &streams[from],
                             )
-                        })?;
+                        }?;
                     }
                     b.record(&streams[from])?;
                     marks.push((from, a, b));

@@ -577,17 +577,7 @@ fn run() -> Res<bool> {
         let (s, e) = (Event::new(true)?, Event::new(true)?);
         s.record(&raw_stream)?;
         // SAFETY: both buffers hold `bytes` bytes and outlive the copy.
-        unsafe {
-            sys::cuMemcpyPeerAsync(
-                dst.ptr(),
-                b.dev.raw_ctx(),
-                src.ptr(),
-                a.dev.raw_ctx(),
-                bytes,
-                raw_stream.raw() as sys::CUstream,
-            )
-        }
-        .result()?;
+        unsafe { cuda::copy_peer(&b.dev, dst.ptr(), &a.dev, src.ptr(), bytes, &raw_stream) }?;
         e.record(&raw_stream)?;
         raw_stream.synchronize()?;
         raw.push(bytes as f64 / (f64::from(e.since(&s)?) * 1e-3) / 1e9);
@@ -661,17 +651,7 @@ fn run() -> Res<bool> {
         let start = Instant::now();
         for _ in 0..n {
             // SAFETY: as above.
-            unsafe {
-                sys::cuMemcpyPeerAsync(
-                    dst.ptr(),
-                    b.dev.raw_ctx(),
-                    src.ptr(),
-                    a.dev.raw_ctx(),
-                    small,
-                    raw_stream.raw() as sys::CUstream,
-                )
-            }
-            .result()?;
+            unsafe { cuda::copy_peer(&b.dev, dst.ptr(), &a.dev, src.ptr(), small, &raw_stream) }?;
         }
         raw_stream.synchronize()?;
         raw_us.push(start.elapsed().as_secs_f64() * 1e6 / f64::from(n));

@@ -748,7 +748,7 @@ mod cuda {
     use duplex::Error;
 
     use super::{CopyApi, CopyFailed, SLOTS};
-    use crate::cuda::{Device, Event, Stream, check};
+    use crate::cuda::{Device, Event, Stream, check, copy_peer};
 
     /// Pinned host memory mapped into every device: the lane's flag slots.
     #[derive(Debug)]
@@ -898,16 +898,7 @@ mod cuda {
             if bytes > 0 {
                 // SAFETY: both buffers hold `bytes` bytes and are kept alive
                 // until the done event completes (the lane's `keep`).
-                check("cuMemcpyPeerAsync", unsafe {
-                    sys::cuMemcpyPeerAsync(
-                        dst,
-                        self.dst.raw_ctx(),
-                        src,
-                        self.src.raw_ctx(),
-                        bytes,
-                        self.stream.raw() as sys::CUstream,
-                    )
-                })?;
+                unsafe { copy_peer(&self.dst, dst, &self.src, src, bytes, &self.stream) }?;
             }
             let started = |error| CopyFailed {
                 error,

@@ -106,11 +106,6 @@ impl Device {
         Ok(Bound { previous })
     }
 
-    /// The context handle.
-    pub fn raw_ctx(&self) -> sys::CUcontext {
-        self.ctx
-    }
-
     /// Lets this device's context reach `peer`'s memory directly (peer
     /// access); already enabled is fine.
     pub fn enable_peer(&self, peer: &Device) -> Result<(), Error> {
@@ -206,6 +201,29 @@ impl Drop for Stream {
         // SAFETY: the stream is live; work still queued completes first.
         let _ = unsafe { result::stream::destroy(self.raw) };
     }
+}
+
+/// Enqueues on `stream` (of `src`'s context) a copy of `bytes` from `src_ptr` on
+/// device `src` to `dst_ptr` on device `dst` (`cuMemcpyPeerAsync`; the same
+/// device is allowed).
+///
+/// # Safety
+///
+/// Both addresses must hold `bytes` bytes that stay allocated until the
+/// copy has run.
+pub unsafe fn copy_peer(
+    dst: &Device,
+    dst_ptr: u64,
+    src: &Device,
+    src_ptr: u64,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<(), Error> {
+    // SAFETY: the caller's promise; the contexts are retained by the
+    // devices and the stream is live.
+    check("cuMemcpyPeerAsync", unsafe {
+        sys::cuMemcpyPeerAsync(dst_ptr, dst.ctx, src_ptr, src.ctx, bytes, stream.raw)
+    })
 }
 
 /// An event without timing.
