@@ -524,53 +524,62 @@ fn cell(f: Option<&Figure>) -> String {
     }
 }
 
-fn print_table(r: &Results) {
-    println!(
-        "duplex bench, NCCL {}, lane CTAs {:?}, {} trials; median [min-max]",
-        r.nccl, r.ctas, r.trials
-    );
-    let f = |name: &str| r.figures.get(name);
+/// A table of bandwidth figures, a row per message size measured and a
+/// column per figure name (`NAME/SIZE`).
+fn print_sizes(r: &Results, headers: [&str; 4], names: [&str; 4]) {
     println!(
         "{:>8} {:>26} {:>26} {:>26} {:>26}",
-        "size", "one way GB/s", "raw NCCL one way", "both ways (each)", "raw NCCL both ways"
+        "size", headers[0], headers[1], headers[2], headers[3]
     );
     let mut sizes: Vec<u64> = r.figures.values().filter_map(|f| f.bytes).collect();
     sizes.sort_unstable();
     sizes.dedup();
     for b in sizes {
         let size = duplex::Size(b);
+        let c = |name: &str| cell(r.figures.get(&format!("{name}/{size}")));
         println!(
             "{:>8} {:>26} {:>26} {:>26} {:>26}",
             size.to_string(),
-            cell(f(&format!("one_way/{size}"))),
-            cell(f(&format!("raw_one_way/{size}"))),
-            cell(f(&format!("both_ways/{size}"))),
-            cell(f(&format!("raw_both_ways/{size}"))),
+            c(names[0]),
+            c(names[1]),
+            c(names[2]),
+            c(names[3]),
         );
     }
+}
+
+fn print_table(r: &Results) {
+    println!(
+        "duplex bench, NCCL {}, lane CTAs {:?}, {} trials; median [min-max]",
+        r.nccl, r.ctas, r.trials
+    );
+    let f = |name: &str| r.figures.get(name);
+    print_sizes(
+        r,
+        [
+            "one way GB/s",
+            "raw NCCL one way",
+            "both ways (each)",
+            "raw NCCL both ways",
+        ],
+        ["one_way", "raw_one_way", "both_ways", "raw_both_ways"],
+    );
     if r.figures.keys().any(|k| k.starts_with("copy_")) {
-        println!(
-            "{:>8} {:>26} {:>26} {:>26} {:>26}",
-            "size",
-            "copy lane one way",
-            "raw peer copy one way",
-            "copy lanes both ways",
-            "raw peer copies both"
+        print_sizes(
+            r,
+            [
+                "copy lane one way",
+                "raw peer copy one way",
+                "copy lanes both ways",
+                "raw peer copies both",
+            ],
+            [
+                "copy_one_way",
+                "ce_one_way",
+                "copy_both_ways",
+                "ce_both_ways",
+            ],
         );
-        let mut sizes: Vec<u64> = r.figures.values().filter_map(|f| f.bytes).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        for b in sizes {
-            let size = duplex::Size(b);
-            println!(
-                "{:>8} {:>26} {:>26} {:>26} {:>26}",
-                size.to_string(),
-                cell(f(&format!("copy_one_way/{size}"))),
-                cell(f(&format!("ce_one_way/{size}"))),
-                cell(f(&format!("copy_both_ways/{size}"))),
-                cell(f(&format!("ce_both_ways/{size}"))),
-            );
-        }
         match r.copy_from_suggested {
             Some(b) => println!(
                 "copy-engine lanes move more than NCCL lanes one way from {} (of the sizes measured): copy_from {}",
