@@ -136,6 +136,16 @@ impl Fake {
     }
 }
 
+/// The error of a call the fake was told to fail.
+fn told_to_fail(call: &str) -> Error {
+    Error::Library {
+        library: "CUDA",
+        call: call.into(),
+        code: 1,
+        text: "the fake was told to fail".into(),
+    }
+}
+
 impl Inner {
     /// Runs up to `n` copies in order; their slot writes land now, or (not
     /// `write`) at the next [`Inner::land`]. The copy stream runs in order:
@@ -182,12 +192,7 @@ impl CopyApi for Fake {
     fn wait(&self, stream: &FakeStream, slot: usize, value: u32) -> Result<(), Error> {
         let mut g = lock(&self.0);
         if g.fail_waits {
-            return Err(Error::Library {
-                library: "CUDA",
-                call: "cuStreamWaitValue32".into(),
-                code: 1,
-                text: "the fake was told to fail".into(),
-            });
+            return Err(told_to_fail("cuStreamWaitValue32"));
         }
         g.waits.entry(*stream).or_default().push((slot, value));
         Ok(())
@@ -204,25 +209,12 @@ impl CopyApi for Fake {
         value: u32,
     ) -> Result<Arc<AtomicBool>, CopyFailed> {
         let mut g = lock(&self.0);
-        if let Some(started) = g.fail_copies {
-            let error = Error::Library {
-                library: "CUDA",
-                call: "cuStreamWriteValue32".into(),
-                code: 1,
-                text: "the fake was told to fail".into(),
-            };
-            if started {
-                // As if the memcpy was enqueued before the failure.
-                g.queue.push_back(Pending {
-                    dst,
-                    src,
-                    bytes,
-                    slot,
-                    value,
-                    done: Arc::new(AtomicBool::new(false)),
-                });
-            }
-            return Err(CopyFailed { error, started });
+        let fail = g.fail_copies;
+        if fail == Some(false) {
+            return Err(CopyFailed {
+                error: told_to_fail("cuMemcpyPeerAsync"),
+                started: false,
+            });
         }
         let done = Arc::new(AtomicBool::new(false));
         g.queue.push_back(Pending {
@@ -233,6 +225,13 @@ impl CopyApi for Fake {
             value,
             done: done.clone(),
         });
+        if fail == Some(true) {
+            // As if the memcpy was enqueued and a later call failed.
+            return Err(CopyFailed {
+                error: told_to_fail("cuStreamWriteValue32"),
+                started: true,
+            });
+        }
         g.copies += 1;
         Ok(done)
     }

@@ -328,22 +328,26 @@ fn buffers_are_kept_until_their_copy_is_done() {
     assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (1, 1));
 }
 
+/// Puts the bytes of `n` messages (message k: `k` as 8 bytes at
+/// `10_000 + k`) and sends them from a thread of their own.
+fn sending(l: &Arc<CopyLane<Fake>>, fake: &Fake, n: u64) -> std::thread::JoinHandle<()> {
+    for k in 0..n {
+        fake.put(10_000 + k, k.to_le_bytes().to_vec());
+    }
+    let l = l.clone();
+    std::thread::spawn(move || {
+        for k in 0..n {
+            send(&l, 10_000 + k, 8).expect("a send");
+        }
+    })
+}
+
 #[test]
 fn two_threads_issuing_at_once_deliver_every_message_to_its_partner() {
     let (l, fake) = lane();
     let l = Arc::new(l);
     let n = 2000u64;
-    for k in 0..n {
-        fake.put(10_000 + k, k.to_le_bytes().to_vec());
-    }
-    let sender = {
-        let l = l.clone();
-        std::thread::spawn(move || {
-            for k in 0..n {
-                send(&l, 10_000 + k, 8).unwrap();
-            }
-        })
-    };
+    let sender = sending(&l, &fake, n);
     let runner = {
         let (l, fake) = (l.clone(), fake.clone());
         std::thread::spawn(move || {
@@ -623,17 +627,7 @@ fn with_the_service_running_every_message_is_enqueued_without_an_explicit_pump()
     let l = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
     CopyLane::start(&l).unwrap();
     let n = 3000u64;
-    for k in 0..n {
-        fake.put(10_000 + k, k.to_le_bytes().to_vec());
-    }
-    let sender = {
-        let l = l.clone();
-        std::thread::spawn(move || {
-            for k in 0..n {
-                send(&l, 10_000 + k, 8).unwrap();
-            }
-        })
-    };
+    let sender = sending(&l, &fake, n);
     let device = {
         let (l, fake) = (l.clone(), fake.clone());
         std::thread::spawn(move || {
