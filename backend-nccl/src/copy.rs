@@ -53,9 +53,10 @@
 //! settles every tick). An abort releases the slots before it takes the
 //! lane's lock. The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
-//! event completes, or for good if it never does (P6 of `crate::guard`);
-//! then they are freed on a thread nothing waits for
-//! ([`CopyApi::reap`]), since freeing device memory waits for the device.
+//! event completes, or for good if it never does (P6 of `crate::guard`).
+//! They are dropped with no lane lock held; dropping one must not wait for
+//! the device (the backend's buffers hand their memory to
+//! `crate::reaper`).
 //!
 //! The device side is the [`CopyApi`] trait: [`Cuda`] on GPUs, and a fake in
 //! the tests that checks this protocol on the CPU.
@@ -136,12 +137,6 @@ pub trait CopyApi: Send + Sync {
     fn slots(&self) -> usize {
         SLOTS
     }
-    /// Frees what copies kept, once no copy can touch it. Freeing device
-    /// memory waits for the device, so on GPUs this hands them to a thread
-    /// that nothing waits for ([`Cuda`]); the default frees at once.
-    fn reap(&self, keeps: Vec<Keep>) {
-        drop(keeps);
-    }
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
@@ -187,7 +182,8 @@ impl Ticket {
     }
 }
 
-/// Something to keep alive until a copy is done (the op's buffer).
+/// Something to keep alive until a copy is done (the op's buffer). Its drop
+/// must not wait for the device (a lane drops it wherever it finishes).
 pub type Keep = Box<dyn std::any::Any + Send + Sync>;
 
 /// An op issued whose partner has not come yet.
@@ -402,8 +398,7 @@ impl<A: CopyApi> CopyLane<A> {
                 Ok(ticket)
             }
         };
-        // Buffers are freed (which may wait for the device) elsewhere.
-        self.api.reap(dropped);
+        drop(dropped);
         if result.is_ok() {
             self.pump_inline();
         }
@@ -535,7 +530,7 @@ impl<A: CopyApi> CopyLane<A> {
                     }
                 }
             }
-            self.api.reap(dropped);
+            drop(dropped);
         }
     }
 
@@ -585,7 +580,7 @@ impl<A: CopyApi> CopyLane<A> {
     pub fn settle(&self) -> Result<(), Error> {
         let mut dropped = Vec::new();
         let r = self.settle_locked(&mut dropped);
-        self.api.reap(dropped);
+        drop(dropped);
         r
     }
 
@@ -626,7 +621,7 @@ impl<A: CopyApi> CopyLane<A> {
             let mut st = lock(&self.state);
             self.abort_locked(&mut st, why, &mut dropped);
         }
-        self.api.reap(dropped);
+        drop(dropped);
     }
 
     /// Aborts under the lock; what the unmatched ops and the jobs not
@@ -920,10 +915,6 @@ mod cuda {
 
         fn done(&self, done: &Event) -> Result<bool, Error> {
             done.done()
-        }
-
-        fn reap(&self, keeps: Vec<super::Keep>) {
-            crate::reaper::reap(keeps);
         }
 
         fn leak(&self) {

@@ -3,8 +3,9 @@
 //! for the device (P8 of [`crate::guard`]); the device may be waiting for
 //! something only the dropping thread would do next (issue a copy, an op, a
 //! host message). So no buffer's memory is freed where it is dropped
-//! (`BufState`'s drop in `crate::ctx`, a copy lane's buffers): it is handed
-//! here, and nothing ever waits for this thread.
+//! (`BufState`'s drop in `crate::ctx`, wherever its last holder is: an op,
+//! a sync's snapshot, a copy lane): it is handed here, and nothing ever
+//! waits for this thread.
 
 use std::any::Any;
 use std::sync::mpsc::{Sender, channel};
