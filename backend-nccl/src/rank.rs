@@ -402,98 +402,7 @@ impl NcclRank {
                 }
             }
         }
-        // Copy-engine ops, after `ncclGroupEnd` (C6): one launch per lane,
-        // in the order the lanes first appear in the group (as the model's
-        // launches), each lane's ops in group order. An op that fails to
-        // enqueue stops the rest; it is launched only if its wait is on its
-        // stream (`IssueFailure::ticket`).
-        // Only a launch with copy ops allocates for them (the NCCL-only
-        // path is the hot one): no ticket and every op launched otherwise.
-        let any_copy = reqs.iter().any(|r| r.meta.copy.is_some());
-        let mut tickets: Vec<Option<Arc<Ticket>>> = Vec::new();
-        let mut launched: Vec<bool> = Vec::new();
-        if any_copy {
-            tickets = vec![None; reqs.len()];
-            launched = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
-        }
-        let mut failed: Option<Error> = None;
-        let copies: Vec<usize> = if any_copy {
-            (0..reqs.len())
-                .filter(|&i| reqs[i].meta.copy.is_some())
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let lane_of = |i: usize| reqs[i].meta.copy.as_ref().map(|c| Arc::as_ptr(&c.lane));
-        let mut parts: Vec<Vec<usize>> = Vec::new();
-        for &i in &copies {
-            match parts.iter_mut().find(|p| lane_of(p[0]) == lane_of(i)) {
-                Some(p) => p.push(i),
-                None => parts.push(vec![i]),
-            }
-        }
-        'parts: for part in &parts {
-            // A launch over several streams holds all of them from its start
-            // to its end (R1, R8): the streams wait for each other first
-            // and last.
-            let streams: Vec<&Stream> = {
-                let mut v: Vec<&Stream> = Vec::new();
-                for &i in part {
-                    let s = &reqs[i].stream.0.raw;
-                    if !v.iter().any(|x| x.raw() == s.raw()) {
-                        v.push(s);
-                    }
-                }
-                v
-            };
-            if let Err(e) = join_streams(&streams) {
-                failed = Some(e);
-                break;
-            }
-            for &i in part {
-                let r = &reqs[i];
-                let m = &r.meta;
-                let Some(c) = &m.copy else { continue };
-                let _span = tracing::trace_span!(
-                    "duplex.op",
-                    backend = "nccl",
-                    rank = m.rank,
-                    thread = %m.thread,
-                    lane = %c.name,
-                    op = m.dir.name(),
-                    peer = m.peer,
-                    bytes = (m.count * m.dtype.size()) as u64,
-                    grouped,
-                )
-                .entered();
-                match c.lane.issue(
-                    m.dir,
-                    &r.stream.0.raw,
-                    r.ptr,
-                    m.count * m.dtype.size(),
-                    m.dtype,
-                    &m.text(),
-                    Box::new(r.buf.clone()),
-                ) {
-                    Ok(t) => {
-                        tickets[i] = Some(t);
-                        launched[i] = true;
-                    }
-                    Err(f) => {
-                        if let Some(t) = f.ticket {
-                            tickets[i] = Some(t);
-                            launched[i] = true;
-                        }
-                        failed = Some(f.error);
-                        break 'parts;
-                    }
-                }
-            }
-            if let Err(e) = join_streams(&streams) {
-                failed = Some(e);
-                break;
-            }
-        }
+        let (tickets, launched, failed) = self.launch_copies(&reqs, grouped);
         if let Some(e) = &failed {
             self.abandon(&ends, e);
         }
@@ -575,6 +484,103 @@ impl NcclRank {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// The copy-engine part of a launch, after `ncclGroupEnd` (C6): each
+    /// op's ticket, whether each op is launched (its wait is on its
+    /// stream; NCCL ops always are), and the error that stopped it.
+    fn launch_copies(
+        &self,
+        reqs: &[Req],
+        grouped: bool,
+    ) -> (Vec<Option<Arc<Ticket>>>, Vec<bool>, Option<Error>) {
+        // Copy-engine ops, after `ncclGroupEnd` (C6): one launch per lane,
+        // in the order the lanes first appear in the group (as the model's
+        // launches), each lane's ops in group order. An op that fails to
+        // enqueue stops the rest; it is launched only if its wait is on its
+        // stream (`IssueFailure::ticket`).
+        // Only a launch with copy ops allocates for them (the NCCL-only
+        // path is the hot one): no ticket and every op launched otherwise.
+        let copies: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].meta.copy.is_some())
+            .collect();
+        if copies.is_empty() {
+            return (Vec::new(), Vec::new(), None);
+        }
+        let mut tickets: Vec<Option<Arc<Ticket>>> = vec![None; reqs.len()];
+        let mut launched: Vec<bool> = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
+        let mut failed: Option<Error> = None;
+        let lane_of = |i: usize| reqs[i].meta.copy.as_ref().map(|c| Arc::as_ptr(&c.lane));
+        let mut parts: Vec<Vec<usize>> = Vec::new();
+        for &i in &copies {
+            match parts.iter_mut().find(|p| lane_of(p[0]) == lane_of(i)) {
+                Some(p) => p.push(i),
+                None => parts.push(vec![i]),
+            }
+        }
+        'parts: for part in &parts {
+            // A launch over several streams holds all of them from its start
+            // to its end (R1, R8): the streams wait for each other first
+            // and last.
+            let streams: Vec<&Stream> = {
+                let mut v: Vec<&Stream> = Vec::new();
+                for &i in part {
+                    let s = &reqs[i].stream.0.raw;
+                    if !v.iter().any(|x| x.raw() == s.raw()) {
+                        v.push(s);
+                    }
+                }
+                v
+            };
+            if let Err(e) = join_streams(&streams) {
+                failed = Some(e);
+                break;
+            }
+            for &i in part {
+                let r = &reqs[i];
+                let m = &r.meta;
+                let Some(c) = &m.copy else { continue };
+                let _span = tracing::trace_span!(
+                    "duplex.op",
+                    backend = "nccl",
+                    rank = m.rank,
+                    thread = %m.thread,
+                    lane = %c.name,
+                    op = m.dir.name(),
+                    peer = m.peer,
+                    bytes = (m.count * m.dtype.size()) as u64,
+                    grouped,
+                )
+                .entered();
+                match c.lane.issue(
+                    m.dir,
+                    &r.stream.0.raw,
+                    r.ptr,
+                    m.count * m.dtype.size(),
+                    m.dtype,
+                    &m.text(),
+                    Box::new(r.buf.clone()),
+                ) {
+                    Ok(t) => {
+                        tickets[i] = Some(t);
+                        launched[i] = true;
+                    }
+                    Err(f) => {
+                        if let Some(t) = f.ticket {
+                            tickets[i] = Some(t);
+                            launched[i] = true;
+                        }
+                        failed = Some(f.error);
+                        break 'parts;
+                    }
+                }
+            }
+            if let Err(e) = join_streams(&streams) {
+                failed = Some(e);
+                break;
+            }
+        }
+        (tickets, launched, failed)
     }
 
     /// After an error in a launch the registry has recorded: aborts the
