@@ -355,12 +355,7 @@ pub fn mixed_sizes<T: Transport>(t: &T) -> Result<()> {
     let sizes = [len(), len() / 4, len(), len() / 4];
     let mut outs = Vec::new();
     for (tag, &n) in sizes.iter().enumerate() {
-        let mut buf = t.alloc::<u32>(n)?;
-        let data: Vec<u32> = (0..n)
-            .map(|i| pattern(t.rank(), peer, tag as u32, i))
-            .collect();
-        t.write(&mut buf, &data)?;
-        outs.push(buf);
+        outs.push(filled_with(t, peer, tag as u32, n)?);
     }
     let mut ins = Vec::new();
     for &n in &sizes {
@@ -411,8 +406,13 @@ pub fn pattern(src: Rank, dst: Rank, tag: u32, i: usize) -> u32 {
 }
 
 fn filled<T: Transport>(t: &T, dst: Rank, tag: u32) -> Result<T::Buffer<u32>> {
-    let mut buf = t.alloc::<u32>(len())?;
-    let data: Vec<u32> = (0..len()).map(|i| pattern(t.rank(), dst, tag, i)).collect();
+    filled_with(t, dst, tag, len())
+}
+
+/// A buffer of `n` elements holding the message to `dst` with `tag`.
+fn filled_with<T: Transport>(t: &T, dst: Rank, tag: u32, n: usize) -> Result<T::Buffer<u32>> {
+    let mut buf = t.alloc::<u32>(n)?;
+    let data: Vec<u32> = (0..n).map(|i| pattern(t.rank(), dst, tag, i)).collect();
     t.write(&mut buf, &data)?;
     Ok(buf)
 }
