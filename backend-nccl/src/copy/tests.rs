@@ -52,6 +52,19 @@ fn recv(
     )
 }
 
+/// Message 0 of `l` issued on both sides (4 bytes, send at 1, recv at 2)
+/// and its copy enqueued; returns what each side's `keep` holds, to count
+/// who still holds it.
+fn matched(l: &CopyLane<Fake>) -> (Arc<()>, Arc<()>) {
+    let (a, b) = (Arc::new(()), Arc::new(()));
+    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(a.clone()))
+        .expect("the send");
+    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(b.clone()))
+        .expect("the recv");
+    l.pump();
+    (a, b)
+}
+
 #[test]
 fn a_message_is_delivered_only_once_its_copy_is_done_whichever_side_comes_first() {
     for send_first in [true, false] {
@@ -273,23 +286,13 @@ fn a_late_write_after_the_last_settle_is_undone_by_the_next() {
 #[test]
 fn a_dropped_lane_never_frees_the_buffers_of_a_copy_not_seen_done() {
     let (l, fake) = lane();
-    let (a, b) = (Arc::new(()), Arc::new(()));
-    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(a.clone()))
-        .unwrap();
-    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(b.clone()))
-        .unwrap();
-    l.pump();
+    let (a, b) = matched(&l);
     l.abort("deadline");
     drop(l);
     assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
     // Once done, a dropped lane frees them.
     let (l, fake2) = lane();
-    let (c, d) = (Arc::new(()), Arc::new(()));
-    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(c.clone()))
-        .unwrap();
-    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(d.clone()))
-        .unwrap();
-    l.pump();
+    let (c, d) = matched(&l);
     fake2.run(1);
     drop(l);
     assert_eq!((Arc::strong_count(&c), Arc::strong_count(&d)), (1, 1));
@@ -311,12 +314,7 @@ fn a_device_error_before_the_copy_aborts_the_lane() {
 #[test]
 fn buffers_are_kept_until_their_copy_is_done() {
     let (l, fake) = lane();
-    let (a, b) = (Arc::new(()), Arc::new(()));
-    l.issue(Dir::Send, &S, 1, 4, DType::U8, "send", Box::new(a.clone()))
-        .unwrap();
-    l.issue(Dir::Recv, &R, 2, 4, DType::U8, "recv", Box::new(b.clone()))
-        .unwrap();
-    l.pump();
+    let (a, b) = matched(&l);
     l.settle().unwrap();
     assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
     // An abort does not drop them: the copy may still run.
