@@ -373,6 +373,39 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
         diff = f"{dm - rm:+.2f}" if dm is not None and rm is not None else "–"
         p(f"| {label} | {cell(f'duplex:{key}')} | {cell(f'duplex:raw_{key}')} "
           f"| {cell(torch) if torch else '–'} | {diff} |")
+    copy_sizes = sorted({f["bytes"] for k, f in current.items() if k.startswith("duplex:copy_") and f.get("bytes")})
+    if copy_sizes:
+        p("")
+        p("### Copy-engine lanes, GB/s per direction")
+        p("")
+        p("| size | copy lane one way | raw peer copy one way | copy lanes both ways (each) "
+          "| raw peer copies both ways (each) | duplex NCCL lanes both ways (each) |")
+        p("|---|---|---|---|---|---|")
+        for b in copy_sizes:
+            s = size_name(b)
+            p(f"| {s.replace('MiB', ' MiB')} | {cell(f'duplex:copy_one_way/{s}')} | {cell(f'duplex:ce_one_way/{s}')} "
+              f"| {cell(f'duplex:copy_both_ways/{s}')} | {cell(f'duplex:ce_both_ways/{s}')} "
+              f"| {cell(f'duplex:both_ways/{s}')} |")
+    th = d.get("copy_threshold")
+    if isinstance(th, dict):
+        p("")
+        secs = d.get("copy_threshold_s")
+        took = f", which took {secs:.2f} s" if isinstance(secs, (int, float)) else ""
+        p(f"### The threshold the transport measured (`Local::measure_copy_from`{took})")
+        p("")
+        p(f"Host time per message, µs, median of {th.get('trials', '?')} trials.")
+        p("")
+        p("| size | NCCL lane one way | copy lane one way | NCCL lanes both ways | copy lanes both ways | faster |")
+        p("|---|---|---|---|---|---|")
+        for r in th.get("sizes", []):
+            nccl = r["nccl_one_way"] + r["nccl_both_ways"]
+            copy = r["copy_one_way"] + r["copy_both_ways"]
+            p(f"| {size_name(r['bytes']).replace('MiB', ' MiB').replace('KiB', ' KiB')} | {r['nccl_one_way']:.1f} "
+              f"| {r['copy_one_way']:.1f} | {r['nccl_both_ways']:.1f} | {r['copy_both_ways']:.1f} "
+              f"| {'copy' if copy < nccl else 'nccl'} |")
+        p("")
+        c = th.get("copy_from")
+        p(f"Chosen: `copy_from` {size_name(c) if c is not None else 'off (copy lanes faster at no size up to the largest)'}.")
     lanes = sorted({k.split("/", 1)[1] for k in current if k.startswith("duplex:lane_create_ms/")})
     if lanes:
         p("")

@@ -330,6 +330,28 @@ class CommandLine(unittest.TestCase):
         self.assertNotIn("1.1×", out)
         self.assertNotIn("Compared with the baseline", out)
 
+    def test_copy_engine_lanes_and_the_measured_threshold(self):
+        doc = new_duplex(GOOD_DUPLEX)
+        row = lambda b, n, c: {"bytes": b, "nccl_one_way": n, "copy_one_way": c,
+                               "nccl_both_ways": n, "copy_both_ways": c}
+        doc["copy_threshold"] = {"trials": 5, "copy_from": 4 * MiB,
+                                 "sizes": [row(MiB, 10.0, 12.0), row(4 * MiB, 30.0, 25.0)]}
+        doc["copy_threshold_s"] = 1.5
+        rc, out, _ = run_main([self.files.write("d.json", doc), self.torch])
+        self.assertEqual(rc, 0)
+        self.assertIn("### Copy-engine lanes, GB/s per direction", out)
+        self.assertIn("| 256 MiB | – | 383.0 [381.0–385.0] | 374.0 [372.0–376.0] | – | 352.0 [350.0–354.0] |", out)
+        self.assertIn("which took 1.50 s", out)
+        self.assertIn("| 1 MiB | 10.0 | 12.0 | 10.0 | 12.0 | nccl |", out)
+        self.assertIn("| 4 MiB | 30.0 | 25.0 | 30.0 | 25.0 | copy |", out)
+        self.assertIn("Chosen: `copy_from` 4MiB.", out)
+        doc["copy_threshold"]["copy_from"] = None
+        _, out, _ = run_main([self.files.write("d2.json", doc), self.torch])
+        self.assertIn("Chosen: `copy_from` off", out)
+        # Without the measurement, no such section.
+        _, out, _ = run_main([self.duplex, self.torch])
+        self.assertNotIn("measured (`Local::measure_copy_from`", out)
+
     def test_write_baseline_then_compare_with_itself(self):
         base = self.files.path("baseline.json")
         rc, _, _ = run_main([self.duplex, self.torch, "--write-baseline", base, "--baseline-note", "fixture"])

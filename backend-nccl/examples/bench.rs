@@ -134,10 +134,13 @@ struct Results {
     /// `ce_one_way/SIZE`, `ce_both_ways/SIZE` (raw peer copies, timed by
     /// events).
     figures: BTreeMap<String, Figure>,
-    /// The smallest size measured from which copy-engine lanes moved more
-    /// than NCCL lanes one way (medians), if any.
+    /// What `Local::measure_copy_from` measured (`duplex_nccl::threshold`):
+    /// the threshold a transport would pick on this machine, and why.
     #[serde(skip_serializing_if = "Option::is_none")]
-    copy_from_suggested: Option<u64>,
+    copy_threshold: Option<duplex_nccl::threshold::Measurement>,
+    /// How long that measurement took, seconds (its run's setup included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    copy_threshold_s: Option<f64>,
     /// The lanes of the last run, with how their memory was measured.
     lanes: Vec<duplex_nccl::LaneCost>,
 }
@@ -580,14 +583,9 @@ fn print_table(r: &Results) {
                 "ce_both_ways",
             ],
         );
-        match r.copy_from_suggested {
-            Some(b) => println!(
-                "copy-engine lanes move more than NCCL lanes one way from {} (of the sizes measured): copy_from {}",
-                duplex::Size(b),
-                duplex::Size(b)
-            ),
-            None => println!("copy-engine lanes moved less than NCCL lanes at every size measured"),
-        }
+    }
+    if let (Some(m), Some(s)) = (&r.copy_threshold, r.copy_threshold_s) {
+        println!("{m}\n(Local::measure_copy_from took {s:.2} s)");
     }
     if f("latency_us").is_some() {
         println!(
@@ -715,14 +713,20 @@ fn main() {
     }
     let mut r = results.into_inner().unwrap_or_else(|e| e.into_inner());
     r.add(lanes.into_inner().unwrap_or_else(|e| e.into_inner()));
-    r.copy_from_suggested = sizes(quick).iter().copied().find(|&b| {
-        let size = duplex::Size(b);
-        let (c, n) = (
-            r.figures.get(&format!("copy_one_way/{size}")),
-            r.figures.get(&format!("one_way/{size}")),
-        );
-        matches!((c, n), (Some(c), Some(n)) if c.median > n.median)
-    });
+    if copy {
+        // The threshold as a transport measures it for itself.
+        let start = Instant::now();
+        match local.measure_copy_from(&duplex_nccl::threshold::Plan::default()) {
+            Ok(m) => {
+                r.copy_threshold = Some(m);
+                r.copy_threshold_s = Some(start.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                eprintln!("bench failed: Local::measure_copy_from: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     print_table(&r);
     if let Some(path) = arg("--json") {
         let written = serde_json::to_string_pretty(&r)

@@ -43,6 +43,7 @@ pub mod registry;
 mod run;
 pub mod store;
 pub mod sync;
+pub mod threshold;
 
 pub use ctx::{LaneCost, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};

@@ -170,6 +170,48 @@ impl Local {
         });
         combine(results)
     }
+
+    /// Measures from which message size copy-engine lanes are faster than
+    /// NCCL lanes between GPUs 0 and 1 of this machine
+    /// ([`crate::threshold`]), in a run of its own with two ranks and this
+    /// run's settings otherwise (its CTA bounds, timeout and model), lanes
+    /// connected at creation. Pass the result's
+    /// [`copy_from`](crate::threshold::Measurement::copy_from) to
+    /// [`Local::copy_from`]; print the result to show why. Takes a second
+    /// or two, mostly to make the run's communicators.
+    pub fn measure_copy_from(
+        &self,
+        plan: &crate::threshold::Plan,
+    ) -> Result<crate::threshold::Measurement> {
+        if self.ranks < 2 {
+            return Err(Error::Unavailable {
+                what: "a second GPU".into(),
+                how: format!(
+                    "copy-engine lanes move data between two GPUs, and this run has {} rank; measure with Local::new(2) or more",
+                    self.ranks
+                ),
+            });
+        }
+        let Some(&smallest) = plan.sizes.first() else {
+            return crate::threshold::Measurement::new(plan, &[]);
+        };
+        let mut probe = self.clone();
+        probe.ranks = 2;
+        probe.settings.policy = Policy::PerDirection;
+        probe.settings.opts.copy_from = Some(smallest);
+        probe.settings.opts.warm = true;
+        let samples = std::sync::Mutex::new(Vec::new());
+        probe.run(|t| {
+            let mine = crate::threshold::measure(t, plan)?;
+            samples
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(mine);
+            Ok(())
+        })?;
+        let samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
+        crate::threshold::Measurement::new(plan, &samples)
+    }
 }
 
 /// One rank of a one-process-per-rank job.

@@ -81,9 +81,11 @@ struct RunArgs {
     #[arg(long, value_parser = parse_policy)]
     policy: Option<Policy>,
     /// Under per-direction, put ops of at least SIZE bytes on copy-engine
-    /// lanes (overrides the file's `copy-from=`; simulator only).
-    #[arg(long, value_name = "SIZE", value_parser = Size::parse)]
-    copy_from: Option<Size>,
+    /// lanes (overrides the file's `copy-from=`). `auto` (with `--backend
+    /// nccl`): measure on GPUs 0 and 1 from which size copy-engine lanes are
+    /// faster than NCCL lanes, print the measurement, and use that.
+    #[arg(long, value_name = "SIZE|auto", value_parser = CopyFrom::parse)]
+    copy_from: Option<CopyFrom>,
     /// Deadline of every wait on GPUs, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
@@ -98,6 +100,24 @@ struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
+}
+
+/// `duplex run --copy-from`: a size, or measured on the GPUs.
+#[derive(Clone, Copy, Debug)]
+enum CopyFrom {
+    At(Size),
+    Auto,
+}
+
+impl CopyFrom {
+    fn parse(text: &str) -> Result<CopyFrom, String> {
+        if text == "auto" {
+            return Ok(CopyFrom::Auto);
+        }
+        Size::parse(text)
+            .map(CopyFrom::At)
+            .map_err(|e| format!("{e}, or `auto`"))
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -327,14 +347,27 @@ fn run_run(args: &RunArgs) -> ExitCode {
         Ok(p) => p,
         Err(f) => return fail(&f, json, "outcome"),
     };
-    if let Err(f) = place(&mut program, args.policy, args.copy_from) {
-        return fail(&f, json, "outcome");
-    }
     for setting in &args.model {
         if let Err(e) = program.model.set(setting) {
             let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
             return fail(&f, json, "outcome");
         }
+    }
+    let copy_from = match args.copy_from {
+        None => None,
+        Some(CopyFrom::At(size)) => Some(size),
+        Some(CopyFrom::Auto) => match measured_copy_from(args, &program) {
+            Ok(c) => c,
+            Err(f) => return fail(&f, json, "outcome"),
+        },
+    };
+    let auto_off = matches!(args.copy_from, Some(CopyFrom::Auto)) && copy_from.is_none();
+    if let Err(f) = place(&mut program, args.policy, copy_from) {
+        return fail(&f, json, "outcome");
+    }
+    if auto_off {
+        // Measured: copy-engine lanes lose at every size, whatever the file says.
+        program.copy_from = None;
     }
     let ran = match args.backend {
         Backend::Sim => run::on_sim(&program, args.seed),
@@ -373,6 +406,45 @@ fn run_run(args: &RunArgs) -> ExitCode {
         }
     }
     ExitCode::from(if ran.outcome == "ok" { OK } else { FOUND })
+}
+
+/// `--copy-from auto`: measures the threshold on GPUs 0 and 1 under the
+/// program's model and prints the measurement on standard error.
+fn measured_copy_from(
+    args: &RunArgs,
+    program: &duplex::schedule::Program,
+) -> Result<Option<Size>, Failure> {
+    if !matches!(args.backend, Backend::Nccl) {
+        return Err(Failure::invalid(
+            "usage",
+            "--copy-from auto measures copy-engine lanes against NCCL lanes on GPUs: add --backend nccl, or give the simulator a size (--copy-from 4MiB)",
+        ));
+    }
+    if args.policy.unwrap_or(program.policy) != Policy::PerDirection {
+        return Err(Failure::invalid(
+            "usage",
+            "--copy-from puts ops on copy-engine lanes, which are per direction: add --policy per-direction",
+        ));
+    }
+    let unavailable = |e: duplex::Error| Failure::unavailable(e.to_string()).at(&args.file, None);
+    let local = duplex_nccl::Local::new(program.ranks.max(2))
+        .map_err(unavailable)?
+        .model(program.model)
+        .timeout(std::time::Duration::from_millis(args.timeout_ms));
+    let m = local
+        .measure_copy_from(&duplex_nccl::threshold::Plan::default())
+        .map_err(|e| match e {
+            duplex::Error::Unavailable { .. } => unavailable(e),
+            e => Failure {
+                status: FOUND,
+                kind: "failed",
+                file: Some(args.file.clone()),
+                line: None,
+                message: format!("--copy-from auto: the measurement failed: {e}"),
+            },
+        })?;
+    eprintln!("{m}");
+    Ok(m.copy_from)
 }
 
 fn run_calibrate(args: &CalibrateArgs) -> ExitCode {

@@ -892,7 +892,7 @@ fn a_v2_schedule_of_an_earlier_version_replays_as_it_did() {
 }
 
 #[test]
-fn copy_engine_lanes_need_the_per_direction_policy_and_are_not_run_on_gpus_yet() {
+fn copy_engine_lanes_need_the_per_direction_policy() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
     let seed = dir.join("seed.sched");
     let seed = seed.to_str().expect("utf-8 path");
@@ -926,6 +926,27 @@ fn copy_engine_lanes_need_the_per_direction_policy_and_are_not_run_on_gpus_yet()
         err.contains(":2:") && err.contains("per direction"),
         "{err}"
     );
+    // `auto` measures on GPUs: the simulator needs a size; a bad value
+    // names both forms.
+    for (args, says) in [
+        (
+            vec![
+                "run",
+                seed,
+                "--policy",
+                "per-direction",
+                "--copy-from",
+                "auto",
+            ],
+            "--backend nccl",
+        ),
+        (vec!["run", seed, "--copy-from", "fast"], "or `auto`"),
+    ] {
+        let out = duplex(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
     let copy = dir.join("copy-lanes-seed.sched");
     // The simulator runs it (smaller, as the simulator moves real bytes).
     let small =
