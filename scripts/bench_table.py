@@ -5,7 +5,7 @@ value), and a comparison with a committed baseline.
 
 usage: python3 bench_table.py DUPLEX.json TORCH.json
            [--baseline FILE]... [--tolerance FRACTION] [--slack FRACTION]
-           [--strict] [--write-baseline OUT.json] [--ctas FILE]...
+           [--strict] [--write-baseline OUT.json] [--setting FILE]...
 
 DUPLEX.json is what backend-nccl/examples/bench.rs writes, TORCH.json what
 scripts/bench_torch.py writes: format 2 (each figure's trials, median, min,
@@ -27,8 +27,12 @@ max) or the old format of one value per figure (read as one trial each).
 --write-baseline  writes the figures of DUPLEX.json and TORCH.json as a
                   baseline file (docs/gpu/bench-baseline.json);
                   --baseline-note TEXT says in it which run it is.
---ctas FILE       a `bench --quick --min-ctas N --max-ctas N --json FILE`
-                  result (repeatable): a lane-CTA table at 256 MiB.
+--setting FILE    a `bench --quick --no-copy --json FILE` result run under
+                  other lane settings (repeatable; `--ctas` is the same):
+                  its CTA bounds (`--min-ctas N --max-ctas N`) and the
+                  NCCL_* environment it ran with, which bench records. A
+                  table at 256 MiB: each setting's lane memory, creation
+                  time and bandwidths beside the main run's.
 
 Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line.
 A missing or unreadable input is a note in the output (its figures are then
@@ -417,18 +421,24 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
             p(f"| {lane} | {cell(f'duplex:lane_create_ms/{lane}')} | {cell(f'duplex:lane_bytes/{lane}')} |")
     if ctas:
         p("")
-        p("### Lane CTA bounds, 256 MiB, duplex only")
+        p("### Lane settings, 256 MiB, duplex only")
         p("")
-        p("| lane CTAs | one way | both ways (each) | both / one way | both / PyTorch's best |")
-        p("|---|---|---|---|---|")
+        p("A lane's device memory and creation time are rank 1's lane `lane:0->1`, one trial per run.")
+        p("")
+        p("| lane CTAs | NCCL environment (beyond the main run's) | lane memory, MiB | lane creation, ms "
+          "| one way | both ways (each) | both / one way | both / PyTorch's best |")
+        p("|---|---|---|---|---|---|---|---|")
         best = max([v for v in (median_of(current, "torch:batch/256MiB"), median_of(current, "torch:two_pgs/256MiB"))
                     if v is not None], default=None)
-        for label, figs in [(ctas_label(d.get("ctas")), {k[7:]: v for k, v in current.items()
-                                                         if k.startswith("duplex:")})] + list(ctas):
+        main_env = d.get("env") or {}
+        main_figs = {k[7:]: v for k, v in current.items() if k.startswith("duplex:")}
+        for label, env, figs in [(ctas_label(d.get("ctas")), main_env, main_figs)] + list(ctas):
             one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
+            mem, made = figs.get("lane_bytes/lane:0->1"), figs.get("lane_create_ms/lane:0->1")
             r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
             r2 = f"{both['median'] / best:.3f}×" if both and best else "–"
-            p(f"| {label} | {spread(one) if one else '–'} | {spread(both) if both else '–'} | {r1} | {r2} |")
+            p(f"| {label} | {env_label(env, main_env)} | {spread(mem) if mem else '–'} | {spread(made) if made else '–'} "
+              f"| {spread(one) if one else '–'} | {spread(both) if both else '–'} | {r1} | {r2} |")
     p("")
     p("### Targets (issue 12; medians)")
     p("")
@@ -463,6 +473,13 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
     return "\n".join(out) + "\n"
 
 
+def env_label(env, main_env):
+    """The NCCL_* settings of `env` that differ from the main run's."""
+    keys = sorted(set(env) | set(main_env))
+    diff = [f"{k}={env[k]}" if k in env else f"{k} unset" for k in keys if env.get(k) != main_env.get(k)]
+    return ", ".join(diff) if diff else "as the main run"
+
+
 def ctas_label(c):
     if not c or all(v is None for v in c):
         return "NCCL's default"
@@ -480,7 +497,7 @@ def main(argv=None):
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--write-baseline")
     ap.add_argument("--baseline-note", help="what the written baseline is (the run, the machine)")
-    ap.add_argument("--ctas", action="append", default=[])
+    ap.add_argument("--setting", "--ctas", dest="settings", action="append", default=[])
     a = ap.parse_args(argv)
     if a.tolerance < 0 or a.slack < 0:
         ap.error("--tolerance and --slack are fractions ≥ 0")
@@ -498,10 +515,10 @@ def main(argv=None):
         runs.append(run)
         sources.append(path)
     ctas = []
-    for path in a.ctas:
+    for path in a.settings:
         run = load_run(path, notes)
         if run is not None:
-            ctas.append((ctas_label(run[1].get("ctas")), run[2]))
+            ctas.append((ctas_label(run[1].get("ctas")), run[1].get("env") or {}, run[2]))
     rows, base_name = None, None
     if a.baseline:
         baseline = {}

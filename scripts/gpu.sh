@@ -28,10 +28,15 @@
 # runs at most 10 minutes): build here, then two calls,
 #   run(command="OUT=/tmp/r FAULTS_S=230 SUITE_S=190 CALIBRATE_S=160 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
-#   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
-# (the suite has 27 jobs since the copy-engine lane scenarios; BENCH_CTAS
-# lists the lane-CTA sweep's values, default "16 32 64", empty for none)
-# and copy the reports back into the repo (docs/gpu/).
+#   run(command="OUT=/tmp/r BENCH_CTAS=64 BENCH_LANE_ENV= scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
+# (the suite has 27 jobs since the copy-engine lane scenarios) and copy the
+# reports back into the repo (docs/gpu/). The bench step's lane-settings
+# sweep (256 MiB, lane memory and creation time, each a `bench --quick
+# --no-copy` of its own, ~20-30 s): BENCH_CTAS lists lane CTA bounds
+# (default "16 32 64"), BENCH_LANE_ENV NCCL environments, each a
+# comma-joined KEY=VALUE list (default below); empty for none. A third
+# call can run the environments alone:
+#   run(command="OUT=/tmp/r BENCH_TRIALS=3 BENCH_CTAS= scripts/gpu.sh run bench; ...")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
@@ -113,14 +118,27 @@ run)
       set +e
       timeout "${BENCH_S:-240}" .gpu/bench --trials "$trials" --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt"
       record bench "${PIPESTATUS[0]}"
-      # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the table.
+      # Lane settings, 256 MiB only: what duplex's defaults leave on the
+      # table, and what a lane's device memory comes down to (issue 12,
+      # item 3): CTA bounds, then NCCL environments (NCCL reads them when a
+      # process makes its first communicator, so each runs a process).
       ctas=()
       for c in ${BENCH_CTAS-16 32 64}; do
         echo "== lane CTAs $c" | tee -a "$out/bench-log.txt"
-        timeout 60 .gpu/bench --quick --min-ctas $c --max-ctas $c --json "$out/bench-ctas-$c.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
+        timeout 60 .gpu/bench --quick --no-copy --min-ctas $c --max-ctas $c --json "$out/bench-ctas-$c.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
         rc=${PIPESTATUS[0]}
         record "bench-ctas-$c" "$rc"
-        [ "$rc" = 0 ] && ctas+=(--ctas "$out/bench-ctas-$c.json")
+        [ "$rc" = 0 ] && ctas+=(--setting "$out/bench-ctas-$c.json")
+      done
+      n=0
+      for e in ${BENCH_LANE_ENV-NCCL_BUFFSIZE=1048576 NCCL_MAX_P2P_NCHANNELS=8 NCCL_PROTO=Simple NCCL_BUFFSIZE=1048576,NCCL_MAX_P2P_NCHANNELS=8,NCCL_PROTO=Simple}; do
+        n=$((n + 1))
+        echo "== lane environment $e" | tee -a "$out/bench-log.txt"
+        # shellcheck disable=SC2046
+        timeout 60 env $(echo "$e" | tr , ' ') .gpu/bench --quick --no-copy --json "$out/bench-env-$n.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
+        rc=${PIPESTATUS[0]}
+        record "bench-env-$n" "$rc"
+        [ "$rc" = 0 ] && ctas+=(--setting "$out/bench-env-$n.json")
       done
       # duplex's host time per op against raw NCCL on one GPU, with stack
       # samples' worth of detail in examples/overhead.rs (reported, not

@@ -22,8 +22,8 @@ the last line of a name counts) and the reports of each step:
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
              unmeasured; and the copy-engine lane checks (`copylane`,
-             OUT/copylane.txt) exit 0. The lane-CTA sweep (bench-ctas-N) is
-             reported, not judged.
+             OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
+             bench-env-N) is reported, not judged.
 
 Writes OUT/nightly.md and OUT/nightly.json, prints the former, and exits 1
 when any step failed (0 when all passed; 2 for a wrong command line).
@@ -249,9 +249,9 @@ def judge_bench(steps, out):
         fails = [l for l in (read(os.path.join(out, "copylane.txt")) or "").splitlines()
                  if l.startswith("FAIL")]
         reasons.append(f"copylane: {status_text(rc)}" + (f": {'; '.join(fails)}" if fails else ""))
-    for name in sorted(k for k in steps if k.startswith("bench-ctas-")):
+    for name in sorted(k for k in steps if k.startswith(("bench-ctas-", "bench-env-"))):
         if steps[name] != 0:
-            notes.append(f"lane-CTA sweep {name[len('bench-ctas-'):]}: {status_text(steps[name])} (not judged)")
+            notes.append(f"lane-settings sweep {name[len('bench-'):]}: {status_text(steps[name])} (not judged)")
     ok = not reasons
     if ok:
         reasons.append("every figure measured and none worse beyond the baseline's spread (benchmarks.md)")

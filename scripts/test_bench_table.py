@@ -434,8 +434,22 @@ class CommandLine(unittest.TestCase):
         path = self.files.write("ctas-64.json", sweep)
         rc, out, _ = run_main([self.duplex, self.torch, "--ctas", path])
         self.assertEqual(rc, 0)
-        self.assertIn("| NCCL's default | 357.0 [355.0–359.0] | 352.0 [350.0–354.0] | 0.986× | 1.029× |", out)
-        self.assertIn("| 64 | 362.0 [360.0–364.0] | 357.0 [355.0–359.0] | 0.986× | 1.044× |", out)
+        self.assertIn("| NCCL's default | as the main run | 198.0 [198.0–198.0] | 32.0 [30.0–34.0] "
+                      "| 357.0 [355.0–359.0] | 352.0 [350.0–354.0] | 0.986× | 1.029× |", out)
+        self.assertIn("| 64 | as the main run | – | – | 362.0 [360.0–364.0] | 357.0 [355.0–359.0] | 0.986× | 1.044× |", out)
+
+    def test_lane_settings_name_their_nccl_environment(self):
+        main = new_duplex(GOOD_DUPLEX)
+        main["env"] = {"NCCL_NVLS_ENABLE": "0"}
+        small = new_duplex({"one_way/256MiB": [350] * 5, "both_ways/256MiB": [340] * 5,
+                            "lane_bytes/lane:0->1": [50 * MiB] * 1, "lane_create_ms/lane:0->1": [20]})
+        small["env"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_BUFFSIZE": "1048576"}
+        rc, out, _ = run_main([self.files.write("main.json", main), self.torch,
+                               "--setting", self.files.write("small.json", small)])
+        self.assertEqual(rc, 0)
+        self.assertIn("| NCCL's default | NCCL_BUFFSIZE=1048576 | 50.0 | 20.0 | 350.0 [350.0–350.0] "
+                      "| 340.0 [340.0–340.0] | 0.971× | 0.994× |", out)
+        self.assertEqual(bt.env_label({}, {"NCCL_PROTO": "Simple"}), "NCCL_PROTO unset")
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ class Whole(unittest.TestCase):
         self.assertEqual(rc, 0, md)
         self.assertTrue(j["pass"])
         self.assertIn("# GPU nightly: PASS", md)
-        self.assertIn("lane-CTA sweep 64: exit status 1 (not judged)", md)
+        self.assertIn("lane-settings sweep ctas-64: exit status 1 (not judged)", md)
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
@@ -279,12 +279,16 @@ STUB_DUPLEX = """#!/bin/sh
 echo "calibrating" >&2; cat "$(dirname "$0")/stub/calibration.md"
 exit "$(cat "$(dirname "$0")/stub/calibrate.rc")"
 """
-STUB_BENCH = """#!/bin/sh
-json=; quick=
-while [ $# -gt 0 ]; do case "$1" in --json) json=$2; shift;; --quick) quick=1;; esac; shift; done
-d=$(dirname "$0")/stub
-if [ -n "$quick" ]; then cp "$d/quick.json" "$json"; else cp "$d/duplex.json" "$json"; fi
-echo "bench stub"; exit "$(cat "$d/bench.rc")"
+STUB_BENCH = """#!/usr/bin/env python3
+import json, os, sys
+a = sys.argv[1:]
+d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+doc = json.load(open(os.path.join(d, "quick.json" if "--quick" in a else "duplex.json")))
+# As bench does: the run's NCCL_* environment.
+doc["env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+json.dump(doc, open(a[a.index("--json") + 1], "w"))
+print("bench stub")
+sys.exit(int(open(os.path.join(d, "bench.rc")).read()))
 """
 STUB_COPYLANE = """#!/bin/sh
 d=$(dirname "$0")/stub
@@ -364,12 +368,16 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(rc, 0, log)
         self.assertEqual(self.failing(j), [])
         for name in ("steps.txt", "suite.txt", "faults.md", "calibration.md", "bench-duplex.json",
-                     "bench-torch.json", "bench-ctas-64.json", "benchmarks.md", "nightly.md", "machine.txt"):
+                     "bench-torch.json", "bench-ctas-64.json", "bench-env-4.json", "benchmarks.md", "nightly.md", "machine.txt"):
             self.assertTrue(os.path.exists(os.path.join(out, name)), name)
         with open(os.path.join(out, "benchmarks.md")) as f:
             md = f.read()
         self.assertIn("within spread", md)
-        self.assertIn("| 64 | 357.0 [355.0–359.0] |", md)
+        self.assertIn("| 64 | as the main run | – | – | 357.0 [355.0–359.0] |", md)
+        # Each NCCL environment of the sweep reached its bench process (the
+        # stub answers every --quick run with CTAs 64).
+        self.assertIn("| 64 | NCCL_MAX_P2P_NCHANNELS=8 |", md)
+        self.assertIn("| 64 | NCCL_BUFFSIZE=1048576, NCCL_MAX_P2P_NCHANNELS=8, NCCL_PROTO=Simple |", md)
         with open(os.path.join(out, "faults.md")) as f:
             self.assertIn("Produced by: scripts/gpu.sh run faults", f.read())
         with open(os.path.join(out, "bench-log.txt")) as f:

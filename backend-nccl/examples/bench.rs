@@ -122,6 +122,9 @@ struct Results {
     bench: &'static str,
     nccl: String,
     ctas: (Option<i32>, Option<i32>),
+    /// The `NCCL_*` environment variables of the run (lane settings such
+    /// as `NCCL_BUFFSIZE`, `NCCL_MAX_P2P_NCHANNELS`, `NCCL_PROTO`).
+    env: BTreeMap<String, String>,
     trials: u32,
     quick: bool,
     /// Figure name → its trials and summary. Names: `one_way/SIZE`,
@@ -556,6 +559,10 @@ fn print_table(r: &Results) {
         "duplex bench, NCCL {}, lane CTAs {:?}, {} trials; median [min-max]",
         r.nccl, r.ctas, r.trials
     );
+    if !r.env.is_empty() {
+        let env: Vec<String> = r.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("NCCL environment: {}", env.join(" "));
+    }
     let f = |name: &str| r.figures.get(name);
     print_sizes(
         r,
@@ -643,6 +650,9 @@ fn main() {
         format: 2,
         bench: "duplex",
         ctas,
+        env: std::env::vars()
+            .filter(|(k, _)| k.starts_with("NCCL_"))
+            .collect(),
         trials,
         quick,
         ..Default::default()
