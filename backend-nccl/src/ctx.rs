@@ -132,8 +132,32 @@ pub(crate) struct BufState {
     pub(crate) mem: Option<Memory>,
     pub(crate) rank: Rank,
     pub(crate) device: Arc<Device>,
-    /// Ops launched on it (weak: an op holds its buffer, not the reverse).
-    pub(crate) users: Mutex<Vec<std::sync::Weak<Issued>>>,
+    /// Ops launched on it (weak: an op holds its buffer, not the reverse),
+    /// and the last recv into it.
+    pub(crate) users: Mutex<Users>,
+}
+
+/// What a buffer knows of the ops launched on it.
+#[derive(Debug, Default)]
+pub(crate) struct Users {
+    /// Every op not yet known to be gone.
+    pub(crate) ops: Vec<std::sync::Weak<Issued>>,
+    /// The last recv launched into the buffer since the host last wrote
+    /// it: a host read checks that it delivered (`NcclRank::read`), since
+    /// the waits that would say so may never have covered it. Weak
+    /// references: a buffer does not keep a communicator or lane alive.
+    pub(crate) last_recv: Option<LastRecv>,
+}
+
+/// A recv as a host read of its buffer checks it.
+#[derive(Debug)]
+pub(crate) struct LastRecv {
+    /// The rank it receives from.
+    pub(crate) peer: Rank,
+    /// Its NCCL communicator (unused for a copy-engine op).
+    pub(crate) comm: std::sync::Weak<crate::comm::CommInner>,
+    /// On a copy-engine lane: the lane and the op's ticket.
+    pub(crate) copy: Option<(std::sync::Weak<CopyEnd>, Arc<Ticket>)>,
 }
 
 impl BufState {
@@ -144,8 +168,8 @@ impl BufState {
     /// The first op on this buffer that has not completed.
     pub(crate) fn busy(&self) -> Option<Arc<Issued>> {
         let mut users = lock(&self.users);
-        users.retain(|w| w.upgrade().is_some_and(|i| !i.done()));
-        users.first().and_then(std::sync::Weak::upgrade)
+        users.ops.retain(|w| w.upgrade().is_some_and(|i| !i.done()));
+        users.ops.first().and_then(std::sync::Weak::upgrade)
     }
 }
 

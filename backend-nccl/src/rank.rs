@@ -16,8 +16,8 @@ use duplex::{DType, Dir, Element, Error, Hang, Lane, Place, Policy, Rank, Result
 use crate::comm::{self, Comm, poll};
 use crate::copy::{Ticket, TicketState};
 use crate::ctx::{
-    BufState, CopyEnd, EventInner, Issued, LaneCost, NcclComm, NcclEvent, NcclStream, OpEvent,
-    OpMeta, RankCtx, StreamInner, lock, panic_text,
+    BufState, CopyEnd, EventInner, Issued, LaneCost, LastRecv, NcclComm, NcclEvent, NcclStream,
+    OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
 use crate::nccl::Nccl;
@@ -470,10 +470,22 @@ impl NcclRank {
                 // Forget ops that are gone before the list would grow, so
                 // that the cost per op stays constant however many are in
                 // flight.
-                if users.len() == users.capacity() {
-                    users.retain(|w| w.strong_count() > 0);
+                if users.ops.len() == users.ops.capacity() {
+                    users.ops.retain(|w| w.strong_count() > 0);
                 }
-                users.push(Arc::downgrade(&issued));
+                users.ops.push(Arc::downgrade(&issued));
+                if issued.meta.dir == Dir::Recv {
+                    users.last_recv = Some(LastRecv {
+                        peer: issued.meta.peer,
+                        comm: Arc::downgrade(&issued.meta.comm),
+                        copy: issued
+                            .meta
+                            .copy
+                            .as_ref()
+                            .zip(issued.ticket.as_ref())
+                            .map(|(c, t)| (Arc::downgrade(c), t.clone())),
+                    });
+                }
             }
             launch.push(issued);
         }
@@ -958,6 +970,52 @@ impl NcclRank {
     }
 }
 
+impl NcclRank {
+    /// Before a host read returns a buffer's bytes (every op on it is done,
+    /// `check_users`): its last recv delivered them. A recv whose
+    /// communicator was aborted or reports an asynchronous error, or whose
+    /// copy-engine lane did not deliver, may have left the buffer stale,
+    /// and the waits that would have said so need not have covered it. As
+    /// a wait does (`verify_complete`), a communicator aborted after the
+    /// recv completed counts too: nothing says which came first.
+    fn check_delivered(&self, buf: &BufState) -> Result<()> {
+        let Some((peer, comm, copy)) = lock(&buf.users)
+            .last_recv
+            .as_ref()
+            .map(|l| (l.peer, l.comm.upgrade(), l.copy.clone()))
+        else {
+            return Ok(());
+        };
+        let why = match copy {
+            Some((end, ticket)) => {
+                // A lane gone with its run: nothing left to ask.
+                let Some(end) = end.upgrade() else {
+                    return Ok(());
+                };
+                // Its done event completed before its stream went on
+                // (`crate::copy`): settling now sees it.
+                let _ = end.lane.settle();
+                match ticket.state() {
+                    TicketState::Delivered => return Ok(()),
+                    TicketState::Failed(why) => format!("copy-engine lane {}: {why}", end.name),
+                    s => format!("copy-engine lane {}: its copy is {s:?}", end.name),
+                }
+            }
+            None => match comm.map(|c| c.check()) {
+                None | Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => e.to_string(),
+            },
+        };
+        if let Some((r, w)) = self.ctx.peer_cause() {
+            return Err(self.peer_failed("read", r, &w));
+        }
+        Err(Error::Aborted(format!(
+            "rank {} thread {}: read of a buffer whose last recv (from rank {peer}) did not deliver its bytes: {why}; the buffer's contents cannot be trusted (write it to use it again)",
+            self.ctx.rank, self.thread
+        )))
+    }
+}
+
 /// A non-blocking group that NCCL may still launch: the call to report,
 /// and the error its handshake reported (`None`: it overstayed the
 /// deadline, a hang).
@@ -1028,7 +1086,7 @@ impl Transport for NcclRank {
                 mem: Some(Memory::zeroed(bytes)?),
                 rank: self.ctx.rank,
                 device: self.ctx.device.clone(),
-                users: Mutex::new(Vec::new()),
+                users: Mutex::new(Users::default()),
             }),
             len,
             _e: PhantomData,
@@ -1045,16 +1103,19 @@ impl Transport for NcclRank {
             x.to_le(&mut bytes);
         }
         self.ctx.device.bind()?;
-        match &buf.state.mem {
-            Some(m) => m.write(&bytes),
-            None => Ok(()),
+        if let Some(m) = &buf.state.mem {
+            m.write(&bytes)?;
         }
+        // The bytes are the host's now, whatever a recv did before.
+        lock(&buf.state.users).last_recv = None;
+        Ok(())
     }
 
     #[track_caller]
     fn read<E: Element>(&self, buf: &NcclBuffer<E>) -> Result<Vec<E>> {
         let at = Location::caller();
         self.check_users(at, &buf.state, "read")?;
+        self.check_delivered(&buf.state)?;
         self.ctx.device.bind()?;
         let bytes = match &buf.state.mem {
             Some(m) => m.read()?,

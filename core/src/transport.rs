@@ -151,7 +151,11 @@ pub trait Transport: Sized + Send + 'static {
     /// [`Error::Race`](crate::Error::Race) while a device op uses `buf`.
     fn write<E: Element>(&self, buf: &mut Self::Buffer<E>, data: &[E]) -> Result<()>;
     /// Copies `buf` out. Fails with [`Error::Race`](crate::Error::Race) while a
-    /// device op uses `buf`: synchronize first.
+    /// device op uses `buf`: synchronize first. Fails with
+    /// [`Error::Aborted`](crate::Error::Aborted) when the last recv into
+    /// `buf` (since the host last wrote it) finished without delivering its
+    /// bytes (its communicator or lane was aborted): never stale bytes as
+    /// if they had arrived.
     fn read<E: Element>(&self, buf: &Self::Buffer<E>) -> Result<Vec<E>>;
 
     /// A new stream of this rank.
