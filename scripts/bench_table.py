@@ -409,7 +409,7 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
               f"| {'copy' if copy < nccl else 'nccl'} |")
         p("")
         c = th.get("copy_from")
-        p(f"Chosen: `copy_from` {size_name(c) if c is not None else 'off (copy lanes faster at no size up to the largest)'}.")
+        p(f"Chosen: `copy_from` {size_name(c) if c is not None else 'off (copy lanes not faster at the largest size measured)'}.")
     lanes = sorted({k.split("/", 1)[1] for k in current if k.startswith("duplex:lane_create_ms/")})
     if lanes:
         p("")

@@ -723,6 +723,7 @@ fn main() {
     }
     let mut r = results.into_inner().unwrap_or_else(|e| e.into_inner());
     r.add(lanes.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let mut threshold_failed = None;
     if copy {
         // The threshold as a transport measures it for itself.
         let start = Instant::now();
@@ -732,8 +733,8 @@ fn main() {
                 r.copy_threshold_s = Some(start.elapsed().as_secs_f64());
             }
             Err(e) => {
-                eprintln!("bench failed: Local::measure_copy_from: {e}");
-                std::process::exit(1);
+                // Reported after every other figure is printed and written.
+                threshold_failed = Some(e);
             }
         }
     }
@@ -746,5 +747,9 @@ fn main() {
             eprintln!("bench: cannot write {path}: {e}");
             std::process::exit(1);
         }
+    }
+    if let Some(e) = threshold_failed {
+        eprintln!("bench failed: Local::measure_copy_from: {e}");
+        std::process::exit(1);
     }
 }

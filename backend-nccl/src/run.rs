@@ -192,9 +192,8 @@ impl Local {
                 ),
             });
         }
-        let Some(&smallest) = plan.sizes.first() else {
-            return crate::threshold::Measurement::new(plan, &[]);
-        };
+        plan.check()?;
+        let smallest = plan.sizes[0];
         let mut probe = self.clone();
         probe.ranks = 2;
         probe.settings.policy = Policy::PerDirection;

@@ -7,13 +7,16 @@
 //! (about nine driver calls), and moves large messages faster, with no SMs
 //! (`BENCHMARKS.md`). Where the two cross depends on the GPUs, their links
 //! and the driver, so [`measure`] times both kinds of lane, on ranks 0 and
-//! 1 of a running transport, at each size of a [`Plan`]: back-to-back
-//! messages one way and both ways at once, in alternating order, after a
-//! pass that checks every byte each path delivered. [`Measurement::new`]
+//! 1 of a running transport, at each size of a [`Plan`]: the host time per
+//! message of back-to-back messages (a throughput, not one message's
+//! latency), one way and both ways at once, the two kinds of lane in
+//! alternating order, after a pass that checks every byte each path
+//! delivered. [`Measurement::new`]
 //! takes the median of the trials and [`choose`] picks the threshold.
 //!
 //! [`measure`] is generic over [`Transport`], so the procedure itself (the
-//! pairing of ops, the byte check, the absence of any hang) is tested on
+//! pairing of ops, the byte check, the absence of any hang, also where one
+//! NCCL kernel runs at a time and with eager buffering off) is tested on
 //! the simulator on the CPU; only its times need GPUs. On GPUs,
 //! [`crate::Local::measure_copy_from`] runs it.
 
@@ -22,8 +25,16 @@ use std::time::Instant;
 
 use duplex::{Dir, Error, Place, Policy, Rank, Result, Size, Transport};
 
-/// The sizes measured by default: 64 KiB to 64 MiB, by fours.
-pub const SIZES: [u64; 6] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
+/// The sizes measured by default: 64 KiB to 256 MiB, by fours.
+pub const SIZES: [u64; 7] = [
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+];
 
 /// What [`measure`] times.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,7 +65,7 @@ impl Plan {
     }
 
     /// Refuses a plan [`measure`] cannot run.
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let why = if self.sizes.is_empty() {
             Some("it has no sizes".to_string())
         } else if self.sizes.windows(2).any(|w| w[0] >= w[1]) {
@@ -203,11 +214,17 @@ pub fn measure<T: Transport>(t: &T, plan: &Plan) -> Result<Vec<Sample>> {
                 for path in paths {
                     barrier()?;
                     let start = Instant::now();
+                    // Rank 1 receives before it sends, as in the byte check:
+                    // both ranks sending first would hang wherever only one
+                    // NCCL kernel runs at a time (R10, `kernels=1`).
                     for _ in 0..n {
+                        if rank == 1 {
+                            recv(path, inb)?;
+                        }
                         if both_ways || rank == 0 {
                             send(path, &*out)?;
                         }
-                        if both_ways || rank == 1 {
+                        if both_ways && rank == 0 {
                             recv(path, inb)?;
                         }
                     }

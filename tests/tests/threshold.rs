@@ -68,6 +68,39 @@ fn the_measurement_completes_and_summarizes_on_three_ranks() {
     }
 }
 
+/// Where only one NCCL kernel runs at a time (R10), two ranks that both
+/// send first on NCCL lanes hang; the measurement must not, under that model
+/// or with eager buffering (R5).
+#[test]
+fn the_measurement_completes_under_one_kernel_and_under_eager_buffering() {
+    let plan = plan();
+    for (name, model) in [
+        (
+            "kernels=1",
+            duplex::Model {
+                kernels: Some(1),
+                ..duplex::Model::default()
+            },
+        ),
+        (
+            "eager=64MiB",
+            duplex::Model {
+                eager: Size(64 << 20),
+                ..duplex::Model::default()
+            },
+        ),
+    ] {
+        for seed in 0..4 {
+            Sim::new(2)
+                .policy(Policy::PerDirection)
+                .copy_from(Some(Size(1 << 10)))
+                .model(model)
+                .run(seed, |t| measure(t, &plan).map(drop))
+                .unwrap_or_else(|f| panic!("{name}, seed {seed}: {f}"));
+        }
+    }
+}
+
 #[test]
 fn a_transport_without_copy_lanes_for_every_size_is_refused() {
     let plan = plan();
