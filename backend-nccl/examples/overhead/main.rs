@@ -11,7 +11,9 @@
 //! per op, for its completion tracking) and querying one. Every figure is
 //! taken in `--trials` trials (default 5), duplex and raw back to back in
 //! alternating order; it prints the median, min and max of each, in
-//! microseconds per op (a group of two ops counts two).
+//! microseconds per op (a group of two ops counts two), and the heap
+//! allocations the issuing thread makes per op (Rust's, counted by this
+//! example's global allocator; NCCL's and CUDA's own are not seen).
 //!
 //! `--spin SECONDS` instead issues through duplex for that long and prints
 //! nothing else: a steady state to sample with a debugger. With
@@ -39,14 +41,62 @@ use duplex_nccl::{Local, NcclComm, NcclRank, NcclStream};
 const N: u32 = 4000;
 const BYTES: usize = 4096;
 
+/// Counts the Rust heap allocations of each thread (NCCL's and CUDA's own
+/// `malloc`s are not counted): the issue path should make none per op.
+struct Counting;
+
+std::thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_one() {
+    let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
+}
+
+/// Allocations made by this thread so far.
+fn allocations() -> u64 {
+    ALLOCATIONS.try_with(std::cell::Cell::get).unwrap_or(0)
+}
+
+// SAFETY: every call goes to `System` unchanged; counting touches only a
+// thread-local integer (no allocation, no destructor).
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: as the caller promised for `layout`.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: as the caller promised for `layout`.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        count_one();
+        // SAFETY: as the caller promised for `ptr`, `layout` and `new`.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: as the caller promised for `ptr` and `layout`.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
 fn median_min_max(v: &mut [f64]) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 /// Host time per op of `N` self-exchanges on `comm` and `stream`,
-/// synchronized after.
-fn exchanges(t: &NcclRank, on: &(NcclComm, NcclStream), raw: bool) -> duplex::Result<f64> {
+/// synchronized after, and the issuing thread's heap allocations per op.
+fn exchanges(
+    t: &NcclRank,
+    on: &(NcclComm, NcclStream),
+    raw: bool,
+) -> duplex::Result<(f64, f64)> {
     let (comm, stream) = on;
     let out = t.alloc::<u8>(BYTES)?;
     let mut inb = t.alloc::<u8>(BYTES)?;
@@ -67,13 +117,18 @@ fn exchanges(t: &NcclRank, on: &(NcclComm, NcclStream), raw: bool) -> duplex::Re
         once()?;
     }
     t.synchronize()?;
+    let allocated = allocations();
     let start = Instant::now();
     for _ in 0..N {
         once()?;
     }
     let enqueue = start.elapsed();
+    let allocated = allocations() - allocated;
     t.synchronize()?;
-    Ok(enqueue.as_secs_f64() * 1e6 / f64::from(2 * N))
+    Ok((
+        enqueue.as_secs_f64() * 1e6 / f64::from(2 * N),
+        allocated as f64 / f64::from(2 * N),
+    ))
 }
 
 /// The communicator and stream the exchanges run on.
@@ -134,12 +189,14 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let figures: std::sync::Mutex<[(&str, Vec<f64>); 5]> = std::sync::Mutex::new([
+    let figures: std::sync::Mutex<[(&str, Vec<f64>); 7]> = std::sync::Mutex::new([
         ("duplex: group { send; recv } to itself, per op", Vec::new()),
         ("raw NCCL: the same group, per op", Vec::new()),
         ("duplex minus raw, per op", Vec::new()),
         ("cuEventRecord, per call", Vec::new()),
         ("cuEventQuery, per call", Vec::new()),
+        ("duplex: heap allocations per op (count)", Vec::new()),
+        ("raw NCCL: heap allocations per op (count)", Vec::new()),
     ]);
     let spin: Option<f64> = args
         .iter()
@@ -183,14 +240,23 @@ fn main() {
             } else {
                 [true, false]
             };
-            let mut got = [0.0; 2];
+            let mut got = [(0.0, 0.0); 2];
             for raw in order {
                 got[usize::from(raw)] = exchanges(t, &on, raw)?;
             }
+            let (allocs, got) = ([got[0].1, got[1].1], [got[0].0, got[1].0]);
             let record = per_call(|| event.record(&stream))?;
             let query = per_call(|| event.done().map(drop))?;
             let mut f = figures.lock().unwrap_or_else(|e| e.into_inner());
-            for (k, v) in [got[0], got[1], got[0] - got[1], record, query]
+            for (k, v) in [
+                got[0],
+                got[1],
+                got[0] - got[1],
+                record,
+                query,
+                allocs[0],
+                allocs[1],
+            ]
                 .into_iter()
                 .enumerate()
             {
