@@ -758,7 +758,9 @@ impl Issuing<'_> {
         // held: count them inside NCCL (P5), aborted ones included. None
         // is freed: a holder outside NCCL (this thread, until now) keeps
         // `force_free` away.
-        let mut inside = Vec::with_capacity(uses.len());
+        // On the stack: a group names a few communicators, and this runs
+        // for every launch.
+        let mut inside: smallvec::SmallVec<[Inside<'_, A>; 4]> = smallvec::SmallVec::new();
         for u in uses {
             if let Ok(i) = Inside::new(u.cell, true) {
                 inside.push(i);
@@ -882,7 +884,7 @@ impl<T: Done + Clone> Ledger<T> {
     /// leave now and then; the next pruning waits until the list has
     /// doubled, so the cost per op stays constant however many are in
     /// flight.
-    pub fn record(&self, launch: Vec<T>) {
+    pub fn record(&self, launch: impl IntoIterator<Item = T>) {
         let mut ops = lock(&self.ops);
         ops.extend(launch);
         if ops.len() >= self.prune_at.load(Ordering::Relaxed) {

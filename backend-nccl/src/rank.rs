@@ -12,6 +12,7 @@ use std::time::Duration;
 use duplex::report::{BlockedCall, OpInfo, Stuck};
 use duplex::transport::{DeviceBuffer, check};
 use duplex::{DType, Dir, Element, Error, Hang, Lane, Place, Policy, Rank, Result, Transport};
+use smallvec::{SmallVec, smallvec};
 
 use crate::comm::{self, Comm, poll};
 use crate::copy::{Ticket, TicketState};
@@ -59,9 +60,18 @@ pub struct NcclRank {
     ctx: Arc<RankCtx>,
     thread: Arc<str>,
     thread_id: usize,
-    group: RefCell<Option<Vec<Req>>>,
+    group: RefCell<Option<Reqs>>,
     scoped: RefCell<Vec<NcclStream>>,
 }
+
+/// The ops of one launch. The issue path keeps its per-launch lists on the
+/// stack up to this many ops (`smallvec`), so that a launch of a few ops
+/// allocates only what outlives it (the trace's record and the ops it
+/// tracks).
+const INLINE_OPS: usize = 4;
+
+/// The ops of one launch, on the stack up to [`INLINE_OPS`].
+type Reqs = SmallVec<[Req; INLINE_OPS]>;
 
 #[derive(Debug)]
 struct Req {
@@ -292,12 +302,7 @@ impl NcclRank {
 
     /// Launches `reqs` as one group: its NCCL ops in one NCCL group, then
     /// its ops on copy-engine lanes, in order (C6 of `docs/semantics.md`).
-    fn issue(
-        &self,
-        mut reqs: Vec<Req>,
-        grouped: bool,
-        at: &'static Location<'static>,
-    ) -> Result<()> {
+    fn issue(&self, mut reqs: Reqs, grouped: bool, at: &'static Location<'static>) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
             if let Some(c) = &r.meta.copy {
@@ -332,8 +337,8 @@ impl NcclRank {
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
-        let metas: Vec<&OpMeta> = reqs.iter().map(|r| &r.meta).collect();
-        let mut fifos = vec![0u32; reqs.len()];
+        let metas: SmallVec<[&OpMeta; INLINE_OPS]> = reqs.iter().map(|r| &r.meta).collect();
+        let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
         let recs: Vec<OpRec> = reqs
             .iter()
             .map(|r| OpRec {
@@ -360,7 +365,8 @@ impl NcclRank {
         // op that does not reach its lane would leave the lane's numbering
         // and the registry's apart, so every error aborts the launch's copy
         // lanes (`abandon`).
-        let ends: Vec<Arc<CopyEnd>> = reqs.iter().filter_map(|r| r.meta.copy.clone()).collect();
+        let ends: SmallVec<[Arc<CopyEnd>; INLINE_OPS]> =
+            reqs.iter().filter_map(|r| r.meta.copy.clone()).collect();
         if let Err(e) = ctx.device.bind() {
             self.abandon(&ends, &e);
             return Err(e);
@@ -408,8 +414,8 @@ impl NcclRank {
         }
         // One event per stream of the launch, recorded after its last op
         // there, shared by the launch's ops on that stream.
-        let mut events: Vec<(*mut std::ffi::c_void, Arc<OpEvent>)> = Vec::new();
-        let mut launch = Vec::with_capacity(reqs.len());
+        let mut events: SmallVec<[(*mut std::ffi::c_void, Arc<OpEvent>); 2]> = SmallVec::new();
+        let mut launch: SmallVec<[Arc<Issued>; INLINE_OPS]> = SmallVec::with_capacity(reqs.len());
         let (mut tickets, mut launched) = (tickets.into_iter(), launched.into_iter());
         let mut reqs = reqs.into_iter().map(|r| {
             let ticket = tickets.next().flatten();
@@ -632,8 +638,8 @@ impl NcclRank {
         let nccl = || reqs.iter().filter(|r| r.meta.copy.is_none());
         // Hold every communicator the group names until its launch is over
         // (P3 of `crate::guard`); `slot[i]` is the hold of the i-th NCCL op.
-        let mut comms: Vec<&Comm> = Vec::new();
-        let mut slot = Vec::with_capacity(reqs.len());
+        let mut comms: SmallVec<[&Comm; INLINE_OPS]> = SmallVec::new();
+        let mut slot: SmallVec<[usize; INLINE_OPS]> = SmallVec::with_capacity(reqs.len());
         for r in nccl() {
             let i = match comms.iter().position(|c| Arc::ptr_eq(c, &r.meta.comm)) {
                 Some(i) => i,
@@ -647,7 +653,7 @@ impl NcclRank {
         let held = comms
             .iter()
             .map(|c| c.enter())
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<SmallVec<[_; INLINE_OPS]>>>()?;
         let end = issuing.group(&ctx.lib, &held, || {
             for (r, &i) in nccl().zip(&slot) {
                 let m = &r.meta;
@@ -1212,7 +1218,7 @@ impl Transport for NcclRank {
             g.push(r);
             return Ok(());
         }
-        self.issue(vec![r], false, at)
+        self.issue(smallvec![r], false, at)
     }
 
     #[track_caller]
@@ -1228,7 +1234,7 @@ impl Transport for NcclRank {
             g.push(r);
             return Ok(());
         }
-        self.issue(vec![r], false, at)
+        self.issue(smallvec![r], false, at)
     }
 
     #[track_caller]
@@ -1247,7 +1253,7 @@ impl Transport for NcclRank {
         if self.group.borrow().is_some() {
             return f();
         }
-        *self.group.borrow_mut() = Some(Vec::new());
+        *self.group.borrow_mut() = Some(Reqs::new());
         let result = f();
         let reqs = self.group.borrow_mut().take().unwrap_or_default();
         let value = result?;

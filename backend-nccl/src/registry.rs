@@ -619,7 +619,7 @@ impl Registry {
             .threads
             .get(call.thread as usize)
             .map_or(0, |t| t.rank);
-        let specs: Vec<OpSpec> = ops.iter().map(OpRec::spec).collect();
+        let specs: smallvec::SmallVec<[OpSpec; 4]> = ops.iter().map(OpRec::spec).collect();
         let is_group = *grouped && ops.len() > 1;
         let (mut bad, mut positions) = r.matcher.check(rank, &specs, is_group);
         if bad.is_some() {

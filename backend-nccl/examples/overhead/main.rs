@@ -92,11 +92,7 @@ fn median_min_max(v: &mut [f64]) -> (f64, f64, f64) {
 
 /// Host time per op of `N` self-exchanges on `comm` and `stream`,
 /// synchronized after, and the issuing thread's heap allocations per op.
-fn exchanges(
-    t: &NcclRank,
-    on: &(NcclComm, NcclStream),
-    raw: bool,
-) -> duplex::Result<(f64, f64)> {
+fn exchanges(t: &NcclRank, on: &(NcclComm, NcclStream), raw: bool) -> duplex::Result<(f64, f64)> {
     let (comm, stream) = on;
     let out = t.alloc::<u8>(BYTES)?;
     let mut inb = t.alloc::<u8>(BYTES)?;
@@ -257,8 +253,8 @@ fn main() {
                 allocs[0],
                 allocs[1],
             ]
-                .into_iter()
-                .enumerate()
+            .into_iter()
+            .enumerate()
             {
                 f[k].1.push(v);
             }

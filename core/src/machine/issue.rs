@@ -21,6 +21,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use smallvec::SmallVec;
+
 use super::{ChannelKey, CommId, OpSpec, Rank, channel_key, earlier_on_channel, table::FxHasher};
 use crate::{DType, Dir};
 
@@ -95,7 +97,9 @@ impl IssueMatch {
 
     /// Where each op of a launch by `rank` stands: its FIFO position and
     /// the partner issued there.
-    pub fn positions(&self, rank: Rank, ops: &[OpSpec]) -> Vec<Position> {
+    /// (On the stack for launches of up to four ops: the NCCL backend asks
+    /// this for every launch.)
+    pub fn positions(&self, rank: Rank, ops: &[OpSpec]) -> SmallVec<[Position; 4]> {
         ops.iter()
             .enumerate()
             .map(|(i, o)| {
@@ -127,7 +131,12 @@ impl IssueMatch {
     /// The first op of a launch by `rank` (`grouped`: a group in the sense
     /// of R8) that disagrees with the partner issued at its position, if
     /// any; with the FIFO positions of all of them.
-    pub fn check(&self, rank: Rank, ops: &[OpSpec], grouped: bool) -> (Option<usize>, Vec<u32>) {
+    pub fn check(
+        &self,
+        rank: Rank,
+        ops: &[OpSpec],
+        grouped: bool,
+    ) -> (Option<usize>, SmallVec<[u32; 4]>) {
         let positions = self.positions(rank, ops);
         let bad = ops.iter().zip(&positions).position(|(o, p)| {
             p.partner.is_some_and(|partner| {
