@@ -298,6 +298,12 @@ def targets(figs):
         add(text, None, "not measured")
     else:
         add(text, both >= 0.97 * ce, f"{both / ce:.3f}× ({both:.1f} vs {ce:.1f} GB/s)")
+    d, c = median_of(figs, "duplex:lane_latency_us"), median_of(figs, "duplex:copy_latency_us")
+    text = "4 KiB latency unchanged with copy-engine lanes on (≤ 1.05× without; policy-placed, half a round trip)"
+    if d is None or c is None:
+        add(text, None, "not measured")
+    else:
+        add(text, c <= 1.05 * d, f"{c / d:.3f}× ({c:.2f} vs {d:.2f} µs)")
     for key, text in (("latency_us", "4 KiB half round trip within 1 µs of raw NCCL (same communicators and stream)"),
                       ("host_us", "host time per op ≤ 1 µs over raw ncclSend/ncclRecv")):
         d, r = median_of(figs, f"duplex:{key}"), median_of(figs, f"duplex:raw_{key}")
@@ -377,6 +383,10 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
         diff = f"{dm - rm:+.2f}" if dm is not None and rm is not None else "–"
         p(f"| {label} | {cell(f'duplex:{key}')} | {cell(f'duplex:raw_{key}')} "
           f"| {cell(torch) if torch else '–'} | {diff} |")
+    if "duplex:lane_latency_us" in current or "duplex:copy_latency_us" in current:
+        p(f"| 4 KiB placed by the policy, half a round trip | {cell('duplex:lane_latency_us')} | – | – | – |")
+        p(f"| the same with copy-engine lanes on (4 KiB stays below their threshold) "
+          f"| {cell('duplex:copy_latency_us')} | – | – | – |")
     copy_sizes = sorted({f["bytes"] for k, f in current.items() if k.startswith("duplex:copy_") and f.get("bytes")})
     if copy_sizes:
         p("")

@@ -76,6 +76,7 @@ GOOD_DUPLEX = {
     "both_ways/256MiB": [350, 351, 352, 353, 354], "raw_both_ways/256MiB": [350, 351, 352, 353, 354],
     "latency_us": [7.0, 7.1, 7.2, 7.3, 7.4], "raw_latency_us": [6.5, 6.6, 6.7, 6.8, 6.9],
     "host_us": [6.5, 6.6, 6.7, 6.8, 6.9], "raw_host_us": [6.0, 6.1, 6.2, 6.3, 6.4],
+    "lane_latency_us": [7.0, 7.1, 7.2, 7.3, 7.4], "copy_latency_us": [7.1, 7.2, 7.3, 7.4, 7.5],
     "lane_create_ms/lane:0->1": [30, 31, 32, 33, 34], "lane_bytes/lane:0->1": [207618048] * 5,
     "copy_both_ways/256MiB": [372, 373, 374, 375, 376], "ce_one_way/256MiB": [381, 382, 383, 384, 385],
 }
@@ -263,7 +264,7 @@ class Targets(unittest.TestCase):
 
     def test_all_met(self):
         rows = bt.targets(self.figs(GOOD_DUPLEX, GOOD_TORCH))
-        self.assertEqual(len(rows), 11)
+        self.assertEqual(len(rows), 12)
         self.assertTrue(all(met is True for _, met, _ in rows), rows)
 
     def test_each_target_can_fail(self):
@@ -274,6 +275,7 @@ class Targets(unittest.TestCase):
         d["latency_us"] = [7.8] * 5            # +1.1 us
         d["host_us"] = [10.2] * 5              # +4 us
         d["copy_both_ways/256MiB"] = [369] * 5  # < 1.08 x 342 = 369.4, < 0.97 x 383 = 371.5
+        d["copy_latency_us"] = [7.6] * 5        # > 1.05 x 7.2 = 7.56
         met = {text: m for text, m, _ in bt.targets(self.figs(d, GOOD_TORCH))}
         nccl = {text: m for text, m in met.items() if "copy-engine" not in text}
         by = lambda *words: [m for text, m in nccl.items() if all(w in text for w in words)]
@@ -286,7 +288,7 @@ class Targets(unittest.TestCase):
         self.assertEqual(by("4 KiB"), [False])
         self.assertEqual(by("host"), [False])
         copy = [m for text, m in met.items() if "copy-engine" in text]
-        self.assertEqual(copy, [False, False])
+        self.assertEqual(copy, [False, False, False])
 
     def test_boundaries_are_met(self):
         d = dict(GOOD_DUPLEX)
@@ -302,7 +304,7 @@ class Targets(unittest.TestCase):
         rows = {text: (m, v) for text, m, v in bt.targets(f)}
         raw = [r for t, r in rows.items() if "raw NCCL (≥" in t]
         self.assertEqual(raw, [(None, "not measured")] * 3)
-        lat = [r for t, r in rows.items() if "4 KiB" in t][0]
+        lat = [r for t, r in rows.items() if "4 KiB half round trip" in t][0]
         self.assertEqual(lat[0], False)
         self.assertIn("+5.19 µs", lat[1])
 

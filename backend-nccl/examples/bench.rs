@@ -135,7 +135,8 @@ struct Results {
     /// 0), `lane_create_ms/LANE`, `lane_bytes/LANE` (rank 1's lanes);
     /// `copy_one_way/SIZE`, `copy_both_ways/SIZE` (copy-engine lanes),
     /// `ce_one_way/SIZE`, `ce_both_ways/SIZE` (raw peer copies, timed by
-    /// events).
+    /// events); `lane_latency_us`, `copy_latency_us` (4 KiB, half a round
+    /// trip, placed by the policy, without and with copy-engine lanes).
     figures: BTreeMap<String, Figure>,
     /// What `Local::measure_copy_from` measured (`duplex_nccl::threshold`):
     /// the threshold a transport would pick on this machine, and why.
@@ -315,6 +316,37 @@ fn latency(t: &NcclRank, p: &mut Pingpong, path: Path, trial: u32) -> duplex::Re
     Ok(d.as_secs_f64() * 1e6 / f64::from(N) / 2.0)
 }
 
+/// Round trips of 4 KiB placed by the policy (each direction's lane and
+/// stream: what copy-engine lanes route by size): half the mean round
+/// trip, rank 1's clock. Run with and without copy-engine lanes, it says
+/// what they cost a message that stays below their threshold.
+fn policy_latency(t: &NcclRank, trial: u32, tag: &str) -> duplex::Result<f64> {
+    const N: u32 = 2000;
+    let peer = 1 - t.rank();
+    let out = t.alloc::<u8>(4096)?;
+    let mut inb = t.alloc::<u8>(4096)?;
+    let mut one = || -> duplex::Result<()> {
+        if t.rank() == 0 {
+            t.send(&out, peer)?;
+            t.recv(&mut inb, peer)
+        } else {
+            t.recv(&mut inb, peer)?;
+            t.send(&out, peer)
+        }
+    };
+    for _ in 0..50 {
+        one()?;
+    }
+    t.synchronize()?;
+    barrier(t, &format!("plat{tag}{trial}"))?;
+    let start = Instant::now();
+    for _ in 0..N {
+        one()?;
+    }
+    t.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() * 1e6 / f64::from(N) / 2.0)
+}
+
 /// Host time per enqueued 4 KiB op, duplex vs plain ncclSend/ncclRecv on
 /// the same lanes.
 fn host_overhead(t: &NcclRank, path: Path, trial: u32) -> duplex::Result<f64> {
@@ -382,6 +414,14 @@ fn measure_copy(t: &NcclRank, trials: u32, quick: bool) -> duplex::Result<Sample
                         g,
                     );
                 }
+            }
+        }
+        if !quick {
+            // 4 KiB stays below the threshold: NCCL lanes, after one size
+            // comparison (C1).
+            let us = policy_latency(t, trial, "copy")?;
+            if t.rank() == 1 {
+                s.push("copy_latency_us".into(), Unit::Micros, None, us);
             }
         }
     }
@@ -494,6 +534,10 @@ fn measure(t: &NcclRank, trials: u32, quick: bool) -> duplex::Result<Samples> {
                     us,
                 );
             }
+        }
+        let us = policy_latency(t, trial, "lanes")?;
+        if receiver {
+            s.push("lane_latency_us".into(), Unit::Micros, None, us);
         }
         for path in both_paths(trial) {
             let us = host_overhead(t, path, trial)?;
