@@ -353,11 +353,16 @@ fn run_run(args: &RunArgs) -> ExitCode {
             return fail(&f, json, "outcome");
         }
     }
+    let mut measured = None;
     let copy_from = match args.copy_from {
         None => None,
         Some(CopyFrom::At(size)) => Some(size),
         Some(CopyFrom::Auto) => match measured_copy_from(args, &program) {
-            Ok(c) => c,
+            Ok(m) => {
+                let c = m.copy_from;
+                measured = Some(m);
+                c
+            }
             Err(f) => return fail(&f, json, "outcome"),
         },
     };
@@ -370,7 +375,7 @@ fn run_run(args: &RunArgs) -> ExitCode {
         // measured; off, whatever the file says.
         program.copy_from = None;
     }
-    let ran = match args.backend {
+    let mut ran = match args.backend {
         Backend::Sim => run::on_sim(&program, args.seed),
         Backend::Nccl => {
             match run::on_nccl(&program, std::time::Duration::from_millis(args.timeout_ms)) {
@@ -384,6 +389,7 @@ fn run_run(args: &RunArgs) -> ExitCode {
             }
         }
     };
+    ran.copy_threshold = measured.and_then(|m| serde_json::to_value(m).ok());
     match args.format {
         Format::Json => match to_json(&ran) {
             Ok(j) => print(&format!("{j}\n")),
@@ -410,11 +416,12 @@ fn run_run(args: &RunArgs) -> ExitCode {
 }
 
 /// `--copy-from auto`: measures the threshold on GPUs 0 and 1 under the
-/// program's model and prints the measurement on standard error.
+/// program's model and prints the measurement on standard error (and puts
+/// it in the JSON report, `copy_threshold`).
 fn measured_copy_from(
     args: &RunArgs,
     program: &duplex::schedule::Program,
-) -> Result<Option<Size>, Failure> {
+) -> Result<duplex_nccl::threshold::Measurement, Failure> {
     if !matches!(args.backend, Backend::Nccl) {
         return Err(Failure::invalid(
             "usage",
@@ -445,7 +452,7 @@ fn measured_copy_from(
             },
         })?;
     eprintln!("{m}");
-    Ok(m.copy_from)
+    Ok(m)
 }
 
 fn run_calibrate(args: &CalibrateArgs) -> ExitCode {

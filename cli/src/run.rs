@@ -26,6 +26,10 @@ pub(crate) struct Ran {
     /// For an error or a crash: `{"kind", "message", ...}` ([`error_json`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) error: Option<serde_json::Value>,
+    /// With `--copy-from auto`: what was measured and the threshold chosen
+    /// (`duplex_nccl::threshold::Measurement`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) copy_threshold: Option<serde_json::Value>,
 }
 
 fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
@@ -35,6 +39,7 @@ fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
         detail,
         hang: None,
         error: None,
+        copy_threshold: None,
     }
 }
 
