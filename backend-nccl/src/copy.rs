@@ -17,9 +17,11 @@
 //!    type: a difference is a program error naming both, and nothing is
 //!    enqueued), and the lane's own **copy stream** is given: wait for both
 //!    ready events, copy the bytes into the recv buffer, record a **done**
-//!    event, write `k / SLOTS + 1` into the slot. The write releases both
-//!    user streams. The done event is recorded before the write, so a
-//!    stream released by it finds the copy done.
+//!    event; then, once the lane has registered the copy, write
+//!    `k / SLOTS + 1` into the slot. The write releases both user streams.
+//!    The done event is recorded before the write, and the copy registered
+//!    before the write is enqueued, so a stream released by it finds the
+//!    copy done and known to the lane ([`CopyLane::settle`] delivers it).
 //!
 //! No lock of the lane's state is held across a device call (an enqueue
 //! blocks while a stream's queue is full, and a lane is shared by two
@@ -116,9 +118,8 @@ pub trait CopyApi: Send + Sync {
     /// Makes `stream` wait until flag `slot` holds at least `value`.
     fn wait(&self, stream: &Self::Stream, slot: usize, value: u32) -> Result<(), Error>;
     /// On the copy stream: wait for both ready events, copy `bytes` from
-    /// `src` to `dst`, record a done event, write `value` into `slot`. A
-    /// failure says whether the copy may have been enqueued.
-    #[allow(clippy::too_many_arguments)]
+    /// `src` to `dst`, record a done event. A failure says whether the copy
+    /// may have been enqueued.
     fn copy(
         &self,
         send: &Self::Ready,
@@ -126,9 +127,13 @@ pub trait CopyApi: Send + Sync {
         dst: u64,
         src: u64,
         bytes: usize,
-        slot: usize,
-        value: u32,
     ) -> Result<Self::Done, CopyFailed>;
+    /// On the copy stream, after the last copy: write `value` into `slot`,
+    /// which releases the user streams waiting for it. Enqueued only once
+    /// the lane knows the copy before it ([`CopyLane::settle`] can see its
+    /// done event), so that a stream it releases never finds its op's copy
+    /// unknown.
+    fn release(&self, slot: usize, value: u32) -> Result<(), Error>;
     /// Whether a copy's done event has completed.
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
     /// Writes [`RELEASED`] into every slot, from the host.
@@ -486,25 +491,24 @@ impl<A: CopyApi> CopyLane<A> {
                 slot_of(k, self.api.slots()),
                 generation_of(k, self.api.slots()),
             );
-            let r = self.api.copy(
-                &send.ready,
-                &recv.ready,
-                recv.ptr,
-                send.ptr,
-                send.bytes,
-                slot,
-                value,
-            );
+            let r = self
+                .api
+                .copy(&send.ready, &recv.ready, recv.ptr, send.ptr, send.bytes);
             let mut dropped = Vec::new();
+            let mut release = None;
             {
                 let mut st = lock(&self.state);
                 match r {
                     Ok(done) => {
-                        if let Some(why) = &st.aborted {
-                            // Aborted while it was enqueued: it may run, but
-                            // nobody waits for it.
-                            send.ticket.set(TicketState::Failed(why.clone()));
-                            recv.ticket.set(TicketState::Failed(why.clone()));
+                        match &st.aborted {
+                            Some(why) => {
+                                // Aborted while it was enqueued: it may run,
+                                // but nobody waits for it (the abort released
+                                // every slot).
+                                send.ticket.set(TicketState::Failed(why.clone()));
+                                recv.ticket.set(TicketState::Failed(why.clone()));
+                            }
+                            None => release = Some(send.text),
                         }
                         st.copies.push_back(Enqueued {
                             done,
@@ -529,6 +533,14 @@ impl<A: CopyApi> CopyLane<A> {
                         self.abort_locked(&mut st, &why, &mut dropped);
                     }
                 }
+            }
+            // The copy is registered: now its write may release the streams.
+            if let Some(text) = release
+                && let Err(e) = self.api.release(slot, value)
+            {
+                let why = format!("enqueuing the release of {text} failed: {e}");
+                let mut st = lock(&self.state);
+                self.abort_locked(&mut st, &why, &mut dropped);
             }
             drop(dropped);
         }
@@ -586,23 +598,10 @@ impl<A: CopyApi> CopyLane<A> {
 
     fn settle_locked(&self, dropped: &mut Vec<Keep>) -> Result<(), Error> {
         let mut st = lock(&self.state);
-        while let Some(c) = st.copies.front() {
-            match self.api.done(&c.done) {
-                Ok(true) => {
-                    for t in &c.tickets {
-                        t.set(TicketState::Delivered);
-                    }
-                    if let Some(c) = st.copies.pop_front() {
-                        dropped.extend(c.keep);
-                    }
-                }
-                Ok(false) => break,
-                Err(e) => {
-                    let why = format!("a copy of {} failed: {e}", self.name);
-                    self.abort_locked(&mut st, &why, dropped);
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.deliver_done(&mut st, dropped) {
+            let why = format!("a copy of {} failed: {e}", self.name);
+            self.abort_locked(&mut st, &why, dropped);
+            return Err(e);
         }
         if st.aborted.is_some() {
             // A copy's own write can land after any earlier release (its
@@ -626,7 +625,26 @@ impl<A: CopyApi> CopyLane<A> {
 
     /// Aborts under the lock; what the unmatched ops and the jobs not
     /// enqueued kept goes to `dropped` (no copy will touch it).
+    /// Marks delivered the copies whose done events completed, oldest
+    /// first, and lets their buffers go.
+    fn deliver_done(&self, st: &mut State<A>, dropped: &mut Vec<Keep>) -> Result<(), Error> {
+        while let Some(c) = st.copies.front() {
+            if !self.api.done(&c.done)? {
+                break;
+            }
+            for t in &c.tickets {
+                t.set(TicketState::Delivered);
+            }
+            if let Some(c) = st.copies.pop_front() {
+                dropped.extend(c.keep);
+            }
+        }
+        Ok(())
+    }
+
     fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
+        // Copies already done delivered their bytes, aborted or not.
+        let _ = self.deliver_done(st, dropped);
         let why: Arc<str> = match &st.aborted {
             Some(w) => w.clone(),
             None => why.into(),
@@ -882,8 +900,6 @@ mod cuda {
             dst: u64,
             src: u64,
             bytes: usize,
-            slot: usize,
-            value: u32,
         ) -> Result<Event, CopyFailed> {
             let _bound = self.src.bind_scoped()?;
             // Everything that can fail without enqueuing comes first.
@@ -900,6 +916,11 @@ mod cuda {
                 started: true,
             };
             done.record(&self.stream).map_err(started)?;
+            Ok(done)
+        }
+
+        fn release(&self, slot: usize, value: u32) -> Result<(), Error> {
+            let _bound = self.src.bind_scoped()?;
             // SAFETY: as in `wait`.
             check("cuStreamWriteValue32", unsafe {
                 sys::cuStreamWriteValue32_v2(
@@ -909,8 +930,6 @@ mod cuda {
                     sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
                 )
             })
-            .map_err(started)?;
-            Ok(done)
         }
 
         fn done(&self, done: &Event) -> Result<bool, Error> {

@@ -177,3 +177,49 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
         );
     });
 }
+
+/// A copy-engine lane's write releases the user streams only once the
+/// lane knows the copy: a recv is issued, then its send on another thread
+/// (which matches it and enqueues the copy), while a third thread runs the
+/// device and, if the recv's stream is released, settles the lane as a
+/// rank's wait does. Whatever the interleaving, a released stream finds its
+/// op delivered: were the write enqueued with the copy, before the lane
+/// registered it, the wait would find the op still copying and call its
+/// bytes lost.
+#[test]
+fn a_copy_lane_releases_a_stream_only_once_it_knows_the_copy() {
+    use duplex::{DType, Dir};
+    use duplex_nccl::copy::fake::Fake;
+    use duplex_nccl::copy::{CopyLane, TicketState};
+    use loom::sync::Arc;
+    use loom::thread;
+
+    model("copy lane: release after registration", None, || {
+        let fake = Fake::with_slots(1);
+        fake.put(1, vec![4; 8]);
+        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+        let r = lane
+            .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv", Box::new(()))
+            .expect("the recv");
+        let sender = {
+            let lane = lane.clone();
+            thread::spawn(move || {
+                lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send", Box::new(()))
+                    .expect("the send")
+            })
+        };
+        let device = {
+            let (lane, fake, r) = (lane.clone(), fake.clone(), r.clone());
+            thread::spawn(move || {
+                fake.run(1);
+                if fake.released(2) {
+                    lane.settle().expect("the fake reports no device error");
+                    assert_eq!(r.state(), TicketState::Delivered, "released while unknown");
+                    assert_eq!(fake.get(2), vec![4; 8]);
+                }
+            })
+        };
+        sender.join().unwrap();
+        device.join().unwrap();
+    });
+}

@@ -15,15 +15,18 @@ use crate::sync::{Arc, AtomicBool, Mutex, Ordering, lock};
 /// A user stream: a number.
 pub type FakeStream = u32;
 
-/// A copy enqueued and not run yet.
+/// What the copy stream holds, in order.
 #[derive(Debug)]
-struct Pending {
-    dst: u64,
-    src: u64,
-    bytes: usize,
-    slot: usize,
-    value: u32,
-    done: Arc<AtomicBool>,
+enum Pending {
+    /// A copy and its done event.
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        done: Arc<AtomicBool>,
+    },
+    /// A slot write (`CopyApi::release`).
+    Write { slot: usize, value: u32 },
 }
 
 #[derive(Debug)]
@@ -37,6 +40,8 @@ struct Inner {
     fail_copies: Option<bool>,
     /// Calls to `wait` fail from now on.
     fail_waits: bool,
+    /// Calls to `release` fail from now on.
+    fail_releases: bool,
     /// Copies run whose slot write has not landed yet
     /// ([`Fake::run_done_only`]).
     writes: Vec<(usize, u32)>,
@@ -63,6 +68,7 @@ impl Fake {
             queue: VecDeque::new(),
             fail_copies: None,
             fail_waits: false,
+            fail_releases: false,
             writes: Vec::new(),
             copies: 0,
         })))
@@ -108,6 +114,11 @@ impl Fake {
         lock(&self.0).fail_waits = true;
     }
 
+    /// Makes every later `release` call fail.
+    pub fn fail_releases(&self) {
+        lock(&self.0).fail_releases = true;
+    }
+
     /// Runs up to `n` copies as far as their done events: the bytes move
     /// and the copies are done, but their slot writes land only at
     /// [`Fake::land_writes`] (on the device the done event completes just
@@ -147,28 +158,44 @@ fn told_to_fail(call: &str) -> Error {
 }
 
 impl Inner {
-    /// Runs up to `n` copies in order; their slot writes land now, or (not
-    /// `write`) at the next [`Inner::land`]. The copy stream runs in order:
-    /// an earlier copy's write lands before a later copy runs.
+    /// Runs up to `n` copies in order, with the slot writes enqueued after
+    /// them; the writes land now, or (not `write`) at the next
+    /// [`Inner::land`]. The copy stream runs in order: an earlier copy's
+    /// write lands before a later copy runs. A write not enqueued yet
+    /// (`release` not called) waits for a later run.
     fn run(&mut self, n: usize, write: bool) -> usize {
         if n > 0 {
             self.land();
         }
         let mut ran = 0;
-        while ran < n {
-            let Some(p) = self.queue.pop_front() else {
-                break;
-            };
-            let data = self.memory.get(&p.src).cloned().unwrap_or_default();
-            let dst = self.memory.entry(p.dst).or_default();
-            dst.clear();
-            dst.extend_from_slice(&data[..p.bytes.min(data.len())]);
-            p.done.store(true, Ordering::SeqCst);
-            self.writes.push((p.slot, p.value));
-            if write {
-                self.land();
+        loop {
+            match self.queue.front() {
+                None => break,
+                Some(Pending::Copy { .. }) if ran == n => break,
+                _ => {}
             }
-            ran += 1;
+            match self.queue.pop_front() {
+                Some(Pending::Copy {
+                    dst,
+                    src,
+                    bytes,
+                    done,
+                }) => {
+                    let data = self.memory.get(&src).cloned().unwrap_or_default();
+                    let d = self.memory.entry(dst).or_default();
+                    d.clear();
+                    d.extend_from_slice(&data[..bytes.min(data.len())]);
+                    done.store(true, Ordering::SeqCst);
+                    ran += 1;
+                }
+                Some(Pending::Write { slot, value }) => {
+                    self.writes.push((slot, value));
+                    if write {
+                        self.land();
+                    }
+                }
+                None => break,
+            }
         }
         ran
     }
@@ -205,8 +232,6 @@ impl CopyApi for Fake {
         dst: u64,
         src: u64,
         bytes: usize,
-        slot: usize,
-        value: u32,
     ) -> Result<Arc<AtomicBool>, CopyFailed> {
         let mut g = lock(&self.0);
         let fail = g.fail_copies;
@@ -217,23 +242,30 @@ impl CopyApi for Fake {
             });
         }
         let done = Arc::new(AtomicBool::new(false));
-        g.queue.push_back(Pending {
+        g.queue.push_back(Pending::Copy {
             dst,
             src,
             bytes,
-            slot,
-            value,
             done: done.clone(),
         });
         if fail == Some(true) {
             // As if the memcpy was enqueued and a later call failed.
             return Err(CopyFailed {
-                error: told_to_fail("cuStreamWriteValue32"),
+                error: told_to_fail("cuEventRecord"),
                 started: true,
             });
         }
         g.copies += 1;
         Ok(done)
+    }
+
+    fn release(&self, slot: usize, value: u32) -> Result<(), Error> {
+        let mut g = lock(&self.0);
+        if g.fail_releases {
+            return Err(told_to_fail("cuStreamWriteValue32"));
+        }
+        g.queue.push_back(Pending::Write { slot, value });
+        Ok(())
     }
 
     fn done(&self, done: &Arc<AtomicBool>) -> Result<bool, Error> {

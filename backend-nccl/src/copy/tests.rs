@@ -258,6 +258,47 @@ fn a_copy_that_cannot_be_enqueued_fails_both_ops_and_releases_both_streams() {
 }
 
 #[test]
+fn a_release_that_cannot_be_enqueued_aborts_the_lane_and_keeps_the_buffers_until_the_copy_is_done()
+{
+    let (l, fake) = lane();
+    fake.put(1, vec![5; 4]);
+    fake.fail_releases();
+    let (a, b) = matched(&l);
+    // The copy is enqueued, its write is not: the lane is aborted, which
+    // releases both streams and fails both ops.
+    assert_eq!(fake.copies(), 1);
+    assert!(
+        l.aborted().is_some_and(|w| w.contains("release")),
+        "{:?}",
+        l.aborted()
+    );
+    assert!(fake.released(S) && fake.released(R));
+    // The copy may still run: its buffers stay until it is done.
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (2, 2));
+    fake.run(1);
+    l.settle().unwrap();
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (1, 1));
+    assert_eq!(l.copies_in_flight(), 0);
+}
+
+#[test]
+fn an_abort_delivers_the_copies_already_done() {
+    // A copy done on the device but not yet settled moved its bytes: an
+    // abort then must not call it failed.
+    let (l, fake) = lane();
+    fake.put(100, vec![3; 4]);
+    let s = send(&l, 100, 4).unwrap();
+    let r = recv(&l, 200, 4).unwrap();
+    l.pump();
+    fake.run_done_only(1);
+    l.abort("deadline");
+    assert_eq!(s.state(), TicketState::Delivered);
+    assert_eq!(r.state(), TicketState::Delivered);
+    assert_eq!(fake.get(200), vec![3; 4]);
+    assert!(fake.released(S) && fake.released(R));
+}
+
+#[test]
 fn a_late_write_after_the_last_settle_is_undone_by_the_next() {
     // On the device a copy's done event completes just before its slot
     // write lands: a settle can see the copy done, release every slot,
@@ -567,10 +608,11 @@ mod step3 {
             d: u64,
             s: u64,
             n: usize,
-            slot: usize,
-            v: u32,
         ) -> Result<Self::Done, CopyFailed> {
-            self.fake.copy(a, b, d, s, n, slot, v)
+            self.fake.copy(a, b, d, s, n)
+        }
+        fn release(&self, slot: usize, v: u32) -> Result<(), Error> {
+            self.fake.release(slot, v)
         }
         fn done(&self, d: &Self::Done) -> Result<bool, Error> {
             self.fake.done(d)
