@@ -143,15 +143,24 @@ pub(crate) struct Users {
     /// Every op not yet known to be gone.
     pub(crate) ops: Vec<std::sync::Weak<Issued>>,
     /// The last recv launched into the buffer since the host last wrote
-    /// it: a host read checks that it delivered (`NcclRank::read`), since
-    /// the waits that would say so may never have covered it. Weak
-    /// references: a buffer does not keep a communicator or lane alive.
+    /// it and not yet found delivered: a host read checks it
+    /// (`NcclRank::read`), since the waits that would say so may never
+    /// have covered it. A check that succeeds, a read's or a wait's, clears
+    /// it: a communicator aborted later does not unmake bytes that
+    /// arrived. Weak references: a buffer keeps no communicator or lane
+    /// alive.
     pub(crate) last_recv: Option<LastRecv>,
+    /// Why a recv into the buffer may have run untracked (its launch
+    /// failed after NCCL may have queued it): every read fails until the
+    /// host writes the buffer.
+    pub(crate) poisoned: Option<String>,
 }
 
 /// A recv as a host read of its buffer checks it.
 #[derive(Debug)]
 pub(crate) struct LastRecv {
+    /// The op (weak: only to know it again, `Weak::ptr_eq`).
+    pub(crate) op: std::sync::Weak<Issued>,
     /// The rank it receives from.
     pub(crate) peer: Rank,
     /// Its NCCL communicator (unused for a copy-engine op).

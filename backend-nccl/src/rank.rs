@@ -388,6 +388,13 @@ impl NcclRank {
                     for r in reqs.iter().filter(|r| r.meta.copy.is_none()) {
                         std::mem::forget(r.buf.clone());
                     }
+                    poison_recvs(
+                        reqs.iter().filter(|r| r.meta.copy.is_none()),
+                        &match &error {
+                            Some(e) => format!("its launch failed ({e})"),
+                            None => format!("{call} did not return"),
+                        },
+                    );
                     drop(issuing);
                     return Err(match error {
                         Some(e) => {
@@ -454,9 +461,12 @@ impl NcclRank {
                         // waiting: their lanes are aborted (which releases
                         // them).
                         self.abandon(&ends, &e);
+                        let why = format!("its completion could not be tracked ({e})");
+                        poison_recvs([&r], &why);
                         std::mem::forget(r.buf);
                         for (r, _, launched) in reqs {
                             if launched {
+                                poison_recvs([&r], &why);
                                 std::mem::forget(r.buf);
                             }
                         }
@@ -482,6 +492,7 @@ impl NcclRank {
                 users.ops.push(Arc::downgrade(&issued));
                 if issued.meta.dir == Dir::Recv {
                     users.last_recv = Some(LastRecv {
+                        op: Arc::downgrade(&issued),
                         peer: issued.meta.peer,
                         comm: Arc::downgrade(&issued.meta.comm),
                         copy: issued
@@ -654,7 +665,7 @@ impl NcclRank {
             .iter()
             .map(|c| c.enter())
             .collect::<Result<SmallVec<[_; INLINE_OPS]>>>()?;
-        let end = issuing.group(&ctx.lib, &held, || {
+        let grouped_call = issuing.group(&ctx.lib, &held, || {
             for (r, &i) in nccl().zip(&slot) {
                 let m = &r.meta;
                 let _span = tracing::trace_span!(
@@ -683,9 +694,28 @@ impl NcclRank {
                 res.map_err(|e| ctx.watchdog_error(e, &m.text()))?;
             }
             Ok(())
-        })?;
+        });
         let first = || nccl().next().map(|r| r.meta.text()).unwrap_or_default();
-        let launched = end.map_err(|e| ctx.watchdog_error(e, &first()))?;
+        // An op that failed inside the group (its communicator aborted
+        // meanwhile, say) or a failed group end: `ncclGroupEnd` ran, so the
+        // ops queued before may run, untracked. The caller handles it as a
+        // group NCCL may still launch.
+        let launched = match grouped_call {
+            Ok(Ok(launched)) => launched,
+            // An op's error, named already.
+            Err(e) => {
+                return Ok(Some(Unfinished {
+                    call: first(),
+                    error: Some(e),
+                }));
+            }
+            Ok(Err(e)) => {
+                return Ok(Some(Unfinished {
+                    call: first(),
+                    error: Some(ctx.watchdog_error(e, &first())),
+                }));
+            }
+        };
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
             // the background. Wait for it under the deadline.
@@ -822,6 +852,10 @@ impl NcclRank {
             && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
         {
             return Err(self.peer_failed(call, r, &why));
+        }
+        // Their bytes arrived: a later abort does not unmake them.
+        for op in covered.iter().filter(|op| op.meta.dir == Dir::Recv) {
+            clear_last_recv(&op.buf, &Arc::downgrade(op));
         }
         Ok(())
     }
@@ -983,34 +1017,56 @@ impl NcclRank {
     /// copy-engine lane did not deliver, may have left the buffer stale,
     /// and the waits that would have said so need not have covered it. As
     /// a wait does (`verify_complete`), a communicator aborted after the
-    /// recv completed counts too: nothing says which came first.
+    /// recv completed counts too (nothing says which came first), unless a
+    /// read or a wait already found the recv delivered: that clears it. A
+    /// buffer poisoned by a launch that failed where NCCL may still run its
+    /// recv fails every read until the host writes it. Two recvs in flight
+    /// into one buffer at once (a race of the program's own) are not told
+    /// apart: the later one is checked.
     fn check_delivered(&self, buf: &BufState) -> Result<()> {
-        let Some((peer, comm, copy)) = lock(&buf.users)
-            .last_recv
-            .as_ref()
-            .map(|l| (l.peer, l.comm.upgrade(), l.copy.clone()))
-        else {
+        let (last, poisoned) = {
+            let users = lock(&buf.users);
+            let last = users
+                .last_recv
+                .as_ref()
+                .map(|l| (l.op.clone(), l.peer, l.comm.upgrade(), l.copy.clone()));
+            (last, users.poisoned.clone())
+        };
+        if let Some(why) = poisoned {
+            return Err(Error::Aborted(format!(
+                "rank {} thread {}: read of a buffer that a recv may still be writing or may have left half written: {why}; the buffer's contents cannot be trusted (write it to use it again)",
+                self.ctx.rank, self.thread
+            )));
+        }
+        let Some((op, peer, comm, copy)) = last else {
             return Ok(());
         };
         let why = match copy {
-            Some((end, ticket)) => {
+            Some((end, ticket)) => match end.upgrade() {
                 // A lane gone with its run: nothing left to ask.
-                let Some(end) = end.upgrade() else {
-                    return Ok(());
-                };
-                // Its done event completed before its stream went on
-                // (`crate::copy`): settling now sees it.
-                let _ = end.lane.settle();
-                match ticket.state() {
-                    TicketState::Delivered => return Ok(()),
-                    TicketState::Failed(why) => format!("copy-engine lane {}: {why}", end.name),
-                    s => format!("copy-engine lane {}: its copy is {s:?}", end.name),
+                None => None,
+                Some(end) => {
+                    // Its done event completed before its stream went on
+                    // (`crate::copy`): settling now sees it.
+                    let _ = end.lane.settle();
+                    match ticket.state() {
+                        TicketState::Delivered => None,
+                        TicketState::Failed(why) => {
+                            Some(format!("copy-engine lane {}: {why}", end.name))
+                        }
+                        s => Some(format!("copy-engine lane {}: its copy is {s:?}", end.name)),
+                    }
                 }
-            }
-            None => match comm.map(|c| c.check()) {
-                None | Some(Ok(())) => return Ok(()),
-                Some(Err(e)) => e.to_string(),
             },
+            None => match comm.map(|c| c.check()) {
+                None | Some(Ok(())) => None,
+                Some(Err(e)) => Some(e.to_string()),
+            },
+        };
+        let Some(why) = why else {
+            // Delivered: later aborts do not unmake the bytes.
+            clear_last_recv(buf, &op);
+            return Ok(());
         };
         if let Some((r, w)) = self.ctx.peer_cause() {
             return Err(self.peer_failed("read", r, &w));
@@ -1019,6 +1075,29 @@ impl NcclRank {
             "rank {} thread {}: read of a buffer whose last recv (from rank {peer}) did not deliver its bytes: {why}; the buffer's contents cannot be trusted (write it to use it again)",
             self.ctx.rank, self.thread
         )))
+    }
+}
+
+/// Forgets `buf`'s last recv once it is known delivered, if it is still
+/// `op` (a later recv replaces it).
+fn clear_last_recv(buf: &BufState, op: &std::sync::Weak<Issued>) {
+    let mut users = lock(&buf.users);
+    if users
+        .last_recv
+        .as_ref()
+        .is_some_and(|l| std::sync::Weak::ptr_eq(&l.op, op))
+    {
+        users.last_recv = None;
+    }
+}
+
+/// Marks the buffers of `reqs`' recvs: their launch failed where NCCL may
+/// still run them untracked, so no read may return their bytes.
+fn poison_recvs<'a>(reqs: impl IntoIterator<Item = &'a Req>, why: &str) {
+    for r in reqs {
+        if r.meta.dir == Dir::Recv {
+            lock(&r.buf.users).poisoned = Some(format!("{}: {why}", r.meta.text()));
+        }
     }
 }
 
@@ -1113,7 +1192,9 @@ impl Transport for NcclRank {
             m.write(&bytes)?;
         }
         // The bytes are the host's now, whatever a recv did before.
-        lock(&buf.state.users).last_recv = None;
+        let mut users = lock(&buf.state.users);
+        users.last_recv = None;
+        users.poisoned = None;
         Ok(())
     }
 

@@ -151,11 +151,14 @@ pub trait Transport: Sized + Send + 'static {
     /// [`Error::Race`](crate::Error::Race) while a device op uses `buf`.
     fn write<E: Element>(&self, buf: &mut Self::Buffer<E>, data: &[E]) -> Result<()>;
     /// Copies `buf` out. Fails with [`Error::Race`](crate::Error::Race) while a
-    /// device op uses `buf`: synchronize first. Fails with
+    /// device op uses `buf`: synchronize first. Never returns stale bytes as
+    /// if they had arrived: on GPUs (`duplex-nccl`) it fails with
     /// [`Error::Aborted`](crate::Error::Aborted) when the last recv into
-    /// `buf` (since the host last wrote it) finished without delivering its
-    /// bytes (its communicator or lane was aborted): never stale bytes as
-    /// if they had arrived.
+    /// `buf` since the host last wrote it may not have delivered (its
+    /// communicator or lane was aborted, or reports an error, and no read or
+    /// wait since the recv found it delivered; or its launch failed where
+    /// NCCL may still run it). On the simulator a recv never ends without
+    /// its bytes; once a run has failed, every call fails.
     fn read<E: Element>(&self, buf: &Self::Buffer<E>) -> Result<Vec<E>>;
 
     /// A new stream of this rank.
