@@ -29,7 +29,7 @@
 #   run(command="OUT=/tmp/r FAULTS_S=230 SUITE_S=190 CALIBRATE_S=160 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 BENCH_LANE_ENV= scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
-# (the suite has 27 jobs since the copy-engine lane scenarios) and copy the
+# (the suite has 28 jobs since the copy-engine lane scenarios and read-after-abort) and copy the
 # reports back into the repo (docs/gpu/). The bench step's lane-settings
 # sweep (256 MiB, lane memory and creation time, each a `bench --quick
 # --no-copy` of its own, ~20-30 s): BENCH_CTAS lists lane CTA bounds

@@ -85,6 +85,10 @@ fn child(name: &str) {
         }
         return;
     }
+    if name == "read-after-abort" {
+        println!("RESULT {}", read_after_abort());
+        return;
+    }
     let Some(s) = scenarios::<NcclRank>().into_iter().find(|s| s.name == name) else {
         println!("RESULT FAIL no scenario {name}");
         return;
@@ -115,6 +119,51 @@ fn child(name: &str) {
     }
 }
 
+/// A host read never returns stale bytes as delivered, and does not take
+/// back bytes that arrived: rank 1 receives a message and reads it; then
+/// it posts a recv that rank 0 never matches (rank 0 has returned), whose
+/// wait ends in an error and whose communicator is aborted. Reading the
+/// first buffer again must still succeed with its bytes; reading the
+/// second must fail.
+fn read_after_abort() -> String {
+    let verdict = std::sync::Mutex::new(String::from("FAIL rank 1 did not finish"));
+    let n = 1 << 20;
+    let _ = local(2).policy(Policy::PerDirection).run(|t| {
+        let want: Vec<u32> = (0..n as u32).map(|i| i ^ 0x5a5a).collect();
+        if t.rank() == 0 {
+            let mut out = t.alloc::<u32>(n)?;
+            t.write(&mut out, &want)?;
+            t.send(&out, 1)?;
+            return t.synchronize();
+        }
+        let mut got = t.alloc::<u32>(n)?;
+        t.recv(&mut got, 0)?;
+        t.synchronize()?;
+        let first = t.read(&got)?;
+        let mut stale = t.alloc::<u32>(n)?;
+        t.write(&mut stale, &vec![7; n])?;
+        t.recv(&mut stale, 0)?;
+        let waited = t.synchronize();
+        // A second wait lets the aborted recv's stream drain.
+        let _ = t.synchronize();
+        let again = t.read(&got);
+        let lost = t.read(&stale);
+        *verdict.lock().unwrap_or_else(|e| e.into_inner()) =
+            match (first == want, waited, again, lost) {
+                (false, ..) => "FAIL the first message arrived wrong".into(),
+                (_, Ok(()), ..) => "FAIL the unmatched recv's wait succeeded".into(),
+                (_, _, Err(e), _) => {
+                    format!("FAIL a read of bytes that arrived failed after the abort: {e}")
+                }
+                (_, _, Ok(v), _) if v != want => "FAIL the first buffer changed".into(),
+                (_, _, _, Ok(_)) => "FAIL a read of the unmatched recv's buffer returned Ok".into(),
+                (_, _, _, Err(e)) => format!("PASS (the unmatched recv's read: {e})"),
+            };
+        Ok(())
+    });
+    verdict.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The arguments that make this test binary run [`every_scenario_on_nccl`]
 /// alone (in a child process), ignored as it is.
 const ONLY_THE_SUITE: [&str; 5] = [
@@ -143,6 +192,7 @@ fn every_scenario_on_nccl() {
         .map(|s| s.name.to_string())
         .collect();
     names.push("reuse-after-hang".into());
+    names.push("read-after-abort".into());
     names.extend(PROCESS_JOBS.iter().map(|j| format!("process:{j}")));
     let mut failures = Vec::new();
     for name in &names {
@@ -203,7 +253,7 @@ fn the_suite_names_only_scenarios_it_has() {
         "scenario names repeat: {names:?}"
     );
     assert!(
-        !names.contains(&"reuse-after-hang"),
+        !names.contains(&"reuse-after-hang") && !names.contains(&"read-after-abort"),
         "a scenario shadows a job"
     );
     for job in PROCESS_JOBS {
