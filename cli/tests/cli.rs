@@ -964,3 +964,39 @@ fn copy_engine_lanes_need_the_per_direction_policy() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The README shows what `duplex check examples/seed.sched` prints: its
+/// shown lines are the command's own (the README elides some with `...`
+/// and `[...]`), so the sample cannot go stale.
+#[test]
+fn the_readmes_sample_output_is_what_the_checker_prints() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let sample: Vec<&str> = readme
+        .split("## What the checker prints")
+        .nth(1)
+        .and_then(|s| s.split("```").nth(1))
+        .expect("the README's sample block")
+        .lines()
+        .filter(|l| !l.trim().is_empty() && l.trim() != "...")
+        .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .current_dir(&root)
+        .args(["check", "examples/seed.sched"])
+        .output()
+        .expect("the duplex binary runs");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = printed.lines().collect();
+    assert!(sample.len() > 10, "{sample:?}");
+    for shown in sample {
+        // `[...]` stands for the end of a line the README shortens.
+        let found = match shown.split_once("[...]") {
+            Some((head, _)) => lines.iter().any(|l| l.starts_with(head)),
+            None => lines.contains(&shown),
+        };
+        assert!(
+            found,
+            "the README shows a line the checker does not print:\n{shown}\n---\n{printed}"
+        );
+    }
+}
