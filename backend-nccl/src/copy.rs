@@ -459,6 +459,9 @@ impl<A: CopyApi> CopyLane<A> {
     /// blocks, and the issuing thread holds its rank's issue lock).
     fn pump_inline(&self) {
         let Ok(_one) = self.pumping.try_lock() else {
+            // The holder may be about to return without seeing this job:
+            // the service takes it now rather than at its next poll.
+            self.wake();
             return;
         };
         self.pump_held(INLINE_DEPTH);
@@ -623,8 +626,6 @@ impl<A: CopyApi> CopyLane<A> {
         drop(dropped);
     }
 
-    /// Aborts under the lock; what the unmatched ops and the jobs not
-    /// enqueued kept goes to `dropped` (no copy will touch it).
     /// Marks delivered the copies whose done events completed, oldest
     /// first, and lets their buffers go.
     fn deliver_done(&self, st: &mut State<A>, dropped: &mut Vec<Keep>) -> Result<(), Error> {
@@ -642,6 +643,8 @@ impl<A: CopyApi> CopyLane<A> {
         Ok(())
     }
 
+    /// Aborts under the lock; what the unmatched ops and the jobs not
+    /// enqueued kept goes to `dropped` (no copy will touch it).
     fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
         // Copies already done delivered their bytes, aborted or not.
         let _ = self.deliver_done(st, dropped);

@@ -374,22 +374,25 @@ impl NcclRank {
         if reqs.iter().any(|r| r.meta.copy.is_none()) {
             match self.launch_nccl(&reqs, &issuing, grouped) {
                 Ok(None) => {}
-                Ok(Some(Unfinished { call, error })) => {
+                Ok(Some(Unfinished {
+                    call,
+                    error,
+                    queued,
+                })) => {
                     // NCCL's background job may still put this group's
                     // kernels on the streams: its communicators are aborted
                     // (which stops it), and its buffers are never freed,
                     // since nothing tracks those kernels (P6).
-                    let comms: Vec<Comm> = reqs
-                        .iter()
-                        .filter(|r| r.meta.copy.is_none())
-                        .map(|r| r.meta.comm.clone())
-                        .collect();
+                    // Only the NCCL ops that reached NCCL (`queued`, in order)
+                    // can run.
+                    let reached = || reqs.iter().filter(|r| r.meta.copy.is_none()).take(queued);
+                    let comms: Vec<Comm> = reached().map(|r| r.meta.comm.clone()).collect();
                     crate::ctx::abort_together(&comms);
-                    for r in reqs.iter().filter(|r| r.meta.copy.is_none()) {
+                    for r in reached() {
                         std::mem::forget(r.buf.clone());
                     }
                     poison_recvs(
-                        reqs.iter().filter(|r| r.meta.copy.is_none()),
+                        reached(),
                         &match &error {
                             Some(e) => format!("its launch failed ({e})"),
                             None => format!("{call} did not return"),
@@ -665,6 +668,8 @@ impl NcclRank {
             .iter()
             .map(|c| c.enter())
             .collect::<Result<SmallVec<[_; INLINE_OPS]>>>()?;
+        // How many ops reached NCCL, in order: only those can run.
+        let mut queued = 0;
         let grouped_call = issuing.group(&ctx.lib, &held, || {
             for (r, &i) in nccl().zip(&slot) {
                 let m = &r.meta;
@@ -692,6 +697,7 @@ impl NcclRank {
                     }
                 };
                 res.map_err(|e| ctx.watchdog_error(e, &m.text()))?;
+                queued += 1;
             }
             Ok(())
         });
@@ -699,20 +705,26 @@ impl NcclRank {
         // An op that failed inside the group (its communicator aborted
         // meanwhile, say) or a failed group end: `ncclGroupEnd` ran, so the
         // ops queued before may run, untracked. The caller handles it as a
-        // group NCCL may still launch.
+        // group NCCL may still launch, for the ops that reached NCCL. When
+        // none did (the group's start or its first op failed), nothing can
+        // run: a plain error.
         let launched = match grouped_call {
             Ok(Ok(launched)) => launched,
             // An op's error, named already.
+            Err(e) if queued == 0 => return Err(e),
             Err(e) => {
                 return Ok(Some(Unfinished {
                     call: first(),
                     error: Some(e),
+                    queued,
                 }));
             }
+            Ok(Err(e)) if queued == 0 => return Err(ctx.watchdog_error(e, &first())),
             Ok(Err(e)) => {
                 return Ok(Some(Unfinished {
                     call: first(),
                     error: Some(ctx.watchdog_error(e, &first())),
+                    queued,
                 }));
             }
         };
@@ -733,12 +745,14 @@ impl NcclRank {
                     return Ok(Some(Unfinished {
                         call: format!("{} (its connection handshake, R7)", first()),
                         error: None,
+                        queued,
                     }));
                 }
                 Err(e) => {
                     return Ok(Some(Unfinished {
                         call: first(),
                         error: Some(e),
+                        queued,
                     }));
                 }
             }
@@ -1101,12 +1115,17 @@ fn poison_recvs<'a>(reqs: impl IntoIterator<Item = &'a Req>, why: &str) {
     }
 }
 
-/// A non-blocking group that NCCL may still launch: the call to report,
-/// and the error its handshake reported (`None`: it overstayed the
-/// deadline, a hang).
+/// A group NCCL may still launch, whole or in part, untracked: a
+/// non-blocking group whose handshake did not finish, or one in which an op
+/// or the group's end failed after other ops reached NCCL. The call to
+/// report, and the error (`None`: the handshake overstayed the deadline, a
+/// hang).
 struct Unfinished {
     call: String,
     error: Option<Error>,
+    /// How many of the group's NCCL ops reached NCCL, in order (all, when
+    /// the group ended): the ones that may run.
+    queued: usize,
 }
 
 /// Makes each of `streams` (of one device) wait for everything issued so

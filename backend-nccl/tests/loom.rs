@@ -223,3 +223,121 @@ fn a_copy_lane_releases_a_stream_only_once_it_knows_the_copy() {
         device.join().unwrap();
     });
 }
+
+/// A copy-engine lane aborted while a message's copy is being enqueued
+/// (between its copy and its slot write, or before either), with the
+/// device running: both streams end released, and the recv is either
+/// delivered with its bytes or failed.
+#[test]
+fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting() {
+    use duplex::{DType, Dir};
+    use duplex_nccl::copy::fake::Fake;
+    use duplex_nccl::copy::{CopyLane, TicketState};
+    use loom::sync::Arc;
+    use loom::thread;
+
+    model("copy lane: abort vs copy and release", Some(3), || {
+        let fake = Fake::with_slots(1);
+        fake.put(1, vec![4; 8]);
+        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+        let r = lane
+            .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv", Box::new(()))
+            .expect("the recv");
+        let sender = {
+            let lane = lane.clone();
+            thread::spawn(move || {
+                let _ = lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send", Box::new(()));
+            })
+        };
+        let aborter = {
+            let lane = lane.clone();
+            thread::spawn(move || lane.abort("deadline"))
+        };
+        let device = {
+            let fake = fake.clone();
+            thread::spawn(move || {
+                fake.run(1);
+            })
+        };
+        sender.join().unwrap();
+        aborter.join().unwrap();
+        device.join().unwrap();
+        fake.run(usize::MAX);
+        lane.settle().expect("no device error");
+        assert!(
+            fake.released(1) && fake.released(2),
+            "a stream is left waiting"
+        );
+        match r.state() {
+            TicketState::Delivered => assert_eq!(fake.get(2), vec![4; 8]),
+            TicketState::Failed(_) => {}
+            s => panic!("the recv ended {s:?}"),
+        }
+    });
+}
+
+/// Two messages on one flag slot, their copies enqueued by the sending
+/// thread (inline) and the lane's service (`pump`) at once, the device
+/// running meanwhile: copies and slot writes stay in message order (the
+/// fake refuses a slot that goes down), a stream released finds its op
+/// delivered, and both messages arrive.
+#[test]
+fn a_copy_lanes_service_and_an_inline_pump_keep_message_order_on_a_shared_slot() {
+    use duplex::{DType, Dir};
+    use duplex_nccl::copy::fake::Fake;
+    use duplex_nccl::copy::{CopyLane, TicketState};
+    use loom::sync::Arc;
+    use loom::thread;
+
+    model(
+        "copy lane: service vs inline pump, one slot",
+        Some(3),
+        || {
+            let fake = Fake::with_slots(1);
+            fake.put(1, vec![4; 8]);
+            fake.put(3, vec![5; 8]);
+            let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+            let r0 = lane
+                .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv 0", Box::new(()))
+                .expect("recv 0");
+            let r1 = lane
+                .issue(Dir::Recv, &4, 4, 8, DType::U8, "recv 1", Box::new(()))
+                .expect("recv 1");
+            let sender = {
+                let lane = lane.clone();
+                thread::spawn(move || {
+                    lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send 0", Box::new(()))
+                        .expect("send 0");
+                    lane.issue(Dir::Send, &3, 3, 8, DType::U8, "send 1", Box::new(()))
+                        .expect("send 1");
+                })
+            };
+            let service = {
+                let lane = lane.clone();
+                thread::spawn(move || {
+                    lane.pump();
+                })
+            };
+            let device = {
+                let (fake, lane, r0) = (fake.clone(), lane.clone(), r0.clone());
+                thread::spawn(move || {
+                    fake.run(1);
+                    if fake.released(2) {
+                        lane.settle().expect("no device error");
+                        assert_eq!(r0.state(), TicketState::Delivered, "released while unknown");
+                    }
+                })
+            };
+            sender.join().unwrap();
+            service.join().unwrap();
+            device.join().unwrap();
+            lane.pump();
+            fake.run(usize::MAX);
+            lane.settle().expect("no device error");
+            assert_eq!(r0.state(), TicketState::Delivered);
+            assert_eq!(r1.state(), TicketState::Delivered);
+            assert_eq!((fake.get(2), fake.get(4)), (vec![4; 8], vec![5; 8]));
+            assert!(fake.released(1) && fake.released(2) && fake.released(4));
+        },
+    );
+}

@@ -157,7 +157,14 @@ fn read_after_abort() -> String {
                 }
                 (_, _, Ok(v), _) if v != want => "FAIL the first buffer changed".into(),
                 (_, _, _, Ok(_)) => "FAIL a read of the unmatched recv's buffer returned Ok".into(),
-                (_, _, _, Err(e)) => format!("PASS (the unmatched recv's read: {e})"),
+                // The read-time check itself, not a race with a stream
+                // that never drained.
+                (_, _, _, Err(Error::Aborted(m))) if m.contains("did not deliver") => {
+                    format!("PASS (the unmatched recv's read: {m})")
+                }
+                (_, _, _, Err(e)) => format!(
+                    "FAIL the unmatched recv's read failed, but not by the delivery check: {e}"
+                ),
             };
         Ok(())
     });

@@ -200,8 +200,17 @@ impl Inner {
         ran
     }
 
+    /// Lands the pending slot writes. A lane's copies run in message
+    /// order, so a slot's value only grows, except from [`super::RELEASED`]
+    /// (an abort's), which a late write may lower until the next settle:
+    /// anything else is a bug of the lane, which this catches.
     fn land(&mut self) {
         for (slot, value) in std::mem::take(&mut self.writes) {
+            let old = self.slots[slot];
+            assert!(
+                old == super::RELEASED || value >= old,
+                "slot {slot} went from {old} down to {value}: copies out of message order"
+            );
             self.slots[slot] = value;
         }
     }
