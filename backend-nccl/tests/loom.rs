@@ -11,7 +11,41 @@
 
 use std::time::Duration;
 
+use duplex::{DType, Dir};
+use duplex_nccl::copy::fake::Fake;
+use duplex_nccl::copy::{CopyLane, IssueFailure, Ticket, TicketState};
 use duplex_nccl::guard::scenarios::{self, Mode};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Message 0's recv issued (stream 2, into address 2), and a thread that
+/// issues its send (stream 1, from address 1), which matches it and
+/// enqueues the copy; the send may be refused if the lane was aborted.
+fn recv_then_send(
+    lane: &Arc<CopyLane<Fake>>,
+) -> (
+    std::sync::Arc<Ticket>,
+    thread::JoinHandle<Result<std::sync::Arc<Ticket>, IssueFailure>>,
+) {
+    let r = lane
+        .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv", Box::new(()))
+        .expect("the recv");
+    let lane = lane.clone();
+    let sender =
+        thread::spawn(move || lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send", Box::new(())));
+    (r, sender)
+}
+
+/// A copy-engine lane on a fake device with one flag slot (so that
+/// messages share it), holding `memory` (address, bytes).
+fn one_slot_lane(memory: &[(u64, Vec<u8>)]) -> (Fake, Arc<CopyLane<Fake>>) {
+    let fake = Fake::with_slots(1);
+    for (ptr, bytes) in memory {
+        fake.put(*ptr, bytes.clone());
+    }
+    let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+    (fake, lane)
+}
 
 /// Runs `f` under loom, every interleaving (with at most `preemptions`
 /// preemptions, if given), and prints how many executions that was.
@@ -111,16 +145,8 @@ fn a_hang_snapshot_sees_whole_groups() {
 /// late write of message 0's generation would block again).
 #[test]
 fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
-    use duplex::{DType, Dir};
-    use duplex_nccl::copy::fake::Fake;
-    use duplex_nccl::copy::{CopyLane, TicketState};
-    use loom::sync::Arc;
-    use loom::thread;
-
     model("copy lane: send, recv, abort, device", Some(2), || {
-        let fake = Fake::with_slots(1);
-        fake.put(1, vec![9; 8]);
-        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+        let (fake, lane) = one_slot_lane(&[(1, vec![9; 8])]);
         let issue = |dir: Dir, stream: u32, ptr: u64, then: bool| {
             let lane = lane.clone();
             let fake = fake.clone();
@@ -188,26 +214,9 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
 /// bytes lost.
 #[test]
 fn a_copy_lane_releases_a_stream_only_once_it_knows_the_copy() {
-    use duplex::{DType, Dir};
-    use duplex_nccl::copy::fake::Fake;
-    use duplex_nccl::copy::{CopyLane, TicketState};
-    use loom::sync::Arc;
-    use loom::thread;
-
     model("copy lane: release after registration", None, || {
-        let fake = Fake::with_slots(1);
-        fake.put(1, vec![4; 8]);
-        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
-        let r = lane
-            .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv", Box::new(()))
-            .expect("the recv");
-        let sender = {
-            let lane = lane.clone();
-            thread::spawn(move || {
-                lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send", Box::new(()))
-                    .expect("the send")
-            })
-        };
+        let (fake, lane) = one_slot_lane(&[(1, vec![4; 8])]);
+        let (r, sender) = recv_then_send(&lane);
         let device = {
             let (lane, fake, r) = (lane.clone(), fake.clone(), r.clone());
             thread::spawn(move || {
@@ -219,7 +228,7 @@ fn a_copy_lane_releases_a_stream_only_once_it_knows_the_copy() {
                 }
             })
         };
-        sender.join().unwrap();
+        sender.join().unwrap().expect("the send");
         device.join().unwrap();
     });
 }
@@ -230,25 +239,9 @@ fn a_copy_lane_releases_a_stream_only_once_it_knows_the_copy() {
 /// delivered with its bytes or failed.
 #[test]
 fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting() {
-    use duplex::{DType, Dir};
-    use duplex_nccl::copy::fake::Fake;
-    use duplex_nccl::copy::{CopyLane, TicketState};
-    use loom::sync::Arc;
-    use loom::thread;
-
     model("copy lane: abort vs copy and release", Some(3), || {
-        let fake = Fake::with_slots(1);
-        fake.put(1, vec![4; 8]);
-        let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
-        let r = lane
-            .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv", Box::new(()))
-            .expect("the recv");
-        let sender = {
-            let lane = lane.clone();
-            thread::spawn(move || {
-                let _ = lane.issue(Dir::Send, &1, 1, 8, DType::U8, "send", Box::new(()));
-            })
-        };
+        let (fake, lane) = one_slot_lane(&[(1, vec![4; 8])]);
+        let (r, sender) = recv_then_send(&lane);
         let aborter = {
             let lane = lane.clone();
             thread::spawn(move || lane.abort("deadline"))
@@ -259,7 +252,7 @@ fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting
                 fake.run(1);
             })
         };
-        sender.join().unwrap();
+        let _ = sender.join().unwrap();
         aborter.join().unwrap();
         device.join().unwrap();
         fake.run(usize::MAX);
@@ -283,20 +276,11 @@ fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting
 /// delivered, and both messages arrive.
 #[test]
 fn a_copy_lanes_service_and_an_inline_pump_keep_message_order_on_a_shared_slot() {
-    use duplex::{DType, Dir};
-    use duplex_nccl::copy::fake::Fake;
-    use duplex_nccl::copy::{CopyLane, TicketState};
-    use loom::sync::Arc;
-    use loom::thread;
-
     model(
         "copy lane: service vs inline pump, one slot",
         Some(3),
         || {
-            let fake = Fake::with_slots(1);
-            fake.put(1, vec![4; 8]);
-            fake.put(3, vec![5; 8]);
-            let lane = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+            let (fake, lane) = one_slot_lane(&[(1, vec![4; 8]), (3, vec![5; 8])]);
             let r0 = lane
                 .issue(Dir::Recv, &2, 2, 8, DType::U8, "recv 0", Box::new(()))
                 .expect("recv 0");
