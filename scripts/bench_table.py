@@ -6,6 +6,7 @@ value), and a comparison with a committed baseline.
 usage: python3 bench_table.py DUPLEX.json TORCH.json
            [--baseline FILE]... [--tolerance FRACTION] [--slack FRACTION]
            [--strict] [--write-baseline OUT.json] [--setting FILE]...
+       python3 bench_table.py --settings-only REFERENCE.json [FILE.json]...
 
 DUPLEX.json is what backend-nccl/examples/bench.rs writes, TORCH.json what
 scripts/bench_torch.py writes: format 2 (each figure's trials, median, min,
@@ -33,6 +34,11 @@ max) or the old format of one value per figure (read as one trial each).
                   NCCL_* environment it ran with, which bench records. A
                   table at 256 MiB: each setting's lane memory, creation
                   time and bandwidths beside the main run's.
+
+--settings-only   the lane-settings table alone (`scripts/gpu.sh run lanes`):
+                  each file a `bench --quick --no-copy` result, the first
+                  the reference (NCCL's defaults); each row's NCCL
+                  environment is named by what differs from the first's.
 
 Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line.
 A missing or unreadable input is a note in the output (its figures are then
@@ -483,11 +489,11 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
     return "\n".join(out) + "\n"
 
 
-def env_label(env, main_env):
+def env_label(env, main_env, same="as the main run"):
     """The NCCL_* settings of `env` that differ from the main run's."""
     keys = sorted(set(env) | set(main_env))
     diff = [f"{k}={env[k]}" if k in env else f"{k} unset" for k in keys if env.get(k) != main_env.get(k)]
-    return ", ".join(diff) if diff else "as the main run"
+    return ", ".join(diff) if diff else same
 
 
 def ctas_label(c):
@@ -497,7 +503,57 @@ def ctas_label(c):
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
 
+def settings_table(runs):
+    """The lane-settings table of `runs`, [(label, env, figures)], the first
+    the reference: lane memory, creation time, 256 MiB bandwidths, and
+    memory and both-ways bandwidth relative to the reference."""
+    out = ["| lane CTAs | NCCL environment (beyond the first row's) | lane memory, MiB | lane creation, ms "
+           "| one way | both ways (each) | both / one way | memory / first row's | both ways / first row's |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    first_env = runs[0][1] if runs else {}
+    ref = runs[0][2] if runs else {}
+
+    def ratio(figs, name):
+        a, b = figs.get(name), ref.get(name)
+        return f"{a['median'] / b['median']:.3f}×" if a and b and b["median"] else "–"
+    for label, env, figs in runs:
+        one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
+        mem, made = figs.get("lane_bytes/lane:0->1"), figs.get("lane_create_ms/lane:0->1")
+        r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
+        out.append(f"| {label} | {env_label(env, first_env, 'as the first row')} | {spread(mem) if mem else '–'} "
+                   f"| {spread(made) if made else '–'} | {spread(one) if one else '–'} "
+                   f"| {spread(both) if both else '–'} | {r1} | {ratio(figs, 'lane_bytes/lane:0->1')} "
+                   f"| {ratio(figs, 'both_ways/256MiB')} |")
+    return "\n".join(out) + "\n"
+
+
+def settings_main(paths):
+    """`--settings-only FILE...`: the lane-settings table alone."""
+    if not paths:
+        print("bench_table: --settings-only needs at least the reference run's JSON", file=sys.stderr)
+        return 2
+    notes, runs = [], []
+    for path in paths:
+        run = load_run(path, notes)
+        if run is not None:
+            runs.append((ctas_label(run[1].get("ctas")), run[1].get("env") or {}, run[2]))
+    out = ["### Lane settings, 256 MiB (`scripts/gpu.sh run lanes`)", ""]
+    out += [f"Note: {n}" for n in notes] + ([""] if notes else [])
+    if not runs:
+        out.append("No run was read.")
+    else:
+        out.append("A lane's device memory and creation time are rank 1's lane `lane:0->1`, one trial per run; "
+                   "bandwidths are medians [min–max].")
+        out.append("")
+        out.append(settings_table(runs))
+    sys.stdout.write("\n".join(out).rstrip("\n") + "\n")
+    return 0 if runs else 1
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--settings-only":
+        return settings_main(argv[1:])
     ap = argparse.ArgumentParser(description="duplex's and PyTorch's benchmark tables")
     ap.add_argument("duplex")
     ap.add_argument("torch")

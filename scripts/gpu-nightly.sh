@@ -3,7 +3,8 @@
 # and PyTorch: builds the release binaries into .gpu/ where cargo is (else
 # uses the staged .gpu/), runs every step of `scripts/gpu.sh run all` (the
 # conformance suite, the fault matrix, the calibration, the benchmarks with
-# BENCH_TRIALS trials each against docs/gpu/bench-baseline.json), writes
+# BENCH_TRIALS trials each against docs/gpu/bench-baseline.json, and the
+# lane-settings table, lanes.md, reported and not judged), writes
 # every report under $OUT (default ./gpu-out), and judges them with
 # scripts/nightly_verdict.py into $OUT/nightly.md and nightly.json.
 #
@@ -47,7 +48,7 @@ fi
 if [ "$built" = 1 ]; then
   # `run` records each command's exit status in steps.txt and goes on past
   # failures; its own status only says whether it could run at all.
-  scripts/gpu.sh run suite faults calibrate bench 2>&1 | tee -a "$out/nightly.log" || true
+  scripts/gpu.sh run suite faults calibrate bench lanes 2>&1 | tee -a "$out/nightly.log" || true
 fi
 
 exec python3 scripts/nightly_verdict.py "$out" --known scripts/nightly-known.txt

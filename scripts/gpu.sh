@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite faults calibrate bench all
+#                                 ./gpu-out). WHAT: suite faults calibrate bench lanes all
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
 #                                 judge (scripts/gpu-nightly.sh); exits 1 when
@@ -28,15 +28,18 @@
 # runs at most 10 minutes): build here, then two calls,
 #   run(command="OUT=/tmp/r FAULTS_S=230 SUITE_S=190 CALIBRATE_S=160 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
-#   run(command="OUT=/tmp/r BENCH_CTAS=64 BENCH_LANE_ENV= scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
-# (the suite has 28 jobs since the copy-engine lane scenarios and read-after-abort) and copy the
-# reports back into the repo (docs/gpu/). The bench step's lane-settings
-# sweep (256 MiB, lane memory and creation time, each a `bench --quick
-# --no-copy` of its own, ~20-30 s): BENCH_CTAS lists lane CTA bounds
-# (default "16 32 64"), BENCH_LANE_ENV NCCL environments, each a
-# comma-joined KEY=VALUE list (default below); empty for none. A third
-# call can run the environments alone:
-#   run(command="OUT=/tmp/r BENCH_TRIALS=3 BENCH_CTAS= scripts/gpu.sh run bench; ...")
+#   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
+# and, for lane memory (issue 12, item 3), a third,
+#   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
+# (the suite has 28 jobs since the copy-engine lane scenarios and
+# read-after-abort) and copy the reports back into the repo (docs/gpu/).
+# The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
+# for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
+# lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL
+# environments, each a comma-joined KEY=VALUE list; default below), each a
+# `bench --quick --no-copy` process of its own (NCCL reads them when a
+# process makes its first communicator), into lanes.md: each setting's
+# lane memory, creation time and 256 MiB bandwidths beside the defaults'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
@@ -86,7 +89,7 @@ run)
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
   steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-  [ "${steps[0]}" = all ] && steps=(suite faults calibrate bench)
+  [ "${steps[0]}" = all ] && steps=(suite faults calibrate bench lanes)
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
   for s in "${steps[@]}"; do
     case "$s" in
@@ -118,10 +121,8 @@ run)
       set +e
       timeout "${BENCH_S:-240}" .gpu/bench --trials "$trials" --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt"
       record bench "${PIPESTATUS[0]}"
-      # Lane settings, 256 MiB only: what duplex's defaults leave on the
-      # table, and what a lane's device memory comes down to (issue 12,
-      # item 3): CTA bounds, then NCCL environments (NCCL reads them when a
-      # process makes its first communicator, so each runs a process).
+      # Lane CTA bounds, 256 MiB only: what duplex's defaults leave on the
+      # table (the lanes step sweeps NCCL environments).
       ctas=()
       for c in ${BENCH_CTAS-16 32 64}; do
         echo "== lane CTAs $c" | tee -a "$out/bench-log.txt"
@@ -129,16 +130,6 @@ run)
         rc=${PIPESTATUS[0]}
         record "bench-ctas-$c" "$rc"
         [ "$rc" = 0 ] && ctas+=(--setting "$out/bench-ctas-$c.json")
-      done
-      n=0
-      for e in ${BENCH_LANE_ENV-NCCL_BUFFSIZE=1048576 NCCL_MAX_P2P_NCHANNELS=8 NCCL_PROTO=Simple NCCL_BUFFSIZE=1048576,NCCL_MAX_P2P_NCHANNELS=8,NCCL_PROTO=Simple}; do
-        n=$((n + 1))
-        echo "== lane environment $e" | tee -a "$out/bench-log.txt"
-        # shellcheck disable=SC2046
-        timeout 60 env $(echo "$e" | tr , ' ') .gpu/bench --quick --no-copy --json "$out/bench-env-$n.json" 2>&1 | tee -a "$out/bench-log.txt" > /dev/null
-        rc=${PIPESTATUS[0]}
-        record "bench-env-$n" "$rc"
-        [ "$rc" = 0 ] && ctas+=(--setting "$out/bench-env-$n.json")
       done
       # duplex's host time per op against raw NCCL on one GPU, with stack
       # samples' worth of detail in examples/overhead.rs (reported, not
@@ -160,6 +151,25 @@ run)
       record bench-table $?
       set -e
       cat "$out/benchmarks.md" "$out/bench-compare.log" ;;
+    lanes)
+      # What a lane costs under NCCL environments that may shrink it
+      # (issue 12, item 3): bench-env-0 is NCCL's defaults, the reference.
+      set +e
+      envs=()
+      n=0
+      for e in "" ${BENCH_LANE_ENV-NCCL_BUFFSIZE=1048576 NCCL_MAX_P2P_NCHANNELS=8 NCCL_PROTO=Simple NCCL_BUFFSIZE=1048576,NCCL_MAX_P2P_NCHANNELS=8,NCCL_PROTO=Simple}; do
+        echo "== lane environment ${e:-(the defaults)}" | tee -a "$out/lanes-log.txt"
+        # shellcheck disable=SC2046
+        timeout 60 env $(echo "$e" | tr , ' ') .gpu/bench --quick --no-copy --json "$out/bench-env-$n.json" >> "$out/lanes-log.txt" 2>&1
+        rc=$?
+        record "bench-env-$n" "$rc"
+        [ "$rc" = 0 ] && envs+=("$out/bench-env-$n.json")
+        n=$((n + 1))
+      done
+      python3 .gpu/bench_table.py --settings-only ${envs[@]+"${envs[@]}"} > "$out/lanes.md" 2>> "$out/lanes-log.txt"
+      record lanes-table $?
+      set -e
+      cat "$out/lanes.md" ;;
     *) echo "unknown step $s"; exit 2 ;;
     esac
   done

@@ -440,6 +440,27 @@ class CommandLine(unittest.TestCase):
                       "| 357.0 [355.0–359.0] | 352.0 [350.0–354.0] | 0.986× | 1.029× |", out)
         self.assertIn("| 64 | as the main run | – | – | 362.0 [360.0–364.0] | 357.0 [355.0–359.0] | 0.986× | 1.044× |", out)
 
+    def test_settings_only_compares_each_setting_with_the_first(self):
+        ref = new_duplex({"one_way/256MiB": [360] * 3, "both_ways/256MiB": [350] * 3,
+                          "lane_bytes/lane:0->1": [200 * MiB], "lane_create_ms/lane:0->1": [30]})
+        ref["env"] = {"NCCL_NVLS_ENABLE": "0"}
+        small = new_duplex({"one_way/256MiB": [355] * 3, "both_ways/256MiB": [315] * 3,
+                            "lane_bytes/lane:0->1": [50 * MiB], "lane_create_ms/lane:0->1": [20]})
+        small["env"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_BUFFSIZE": "1048576"}
+        rc, out, _ = run_main(["--settings-only", self.files.write("ref.json", ref),
+                               self.files.write("small.json", small), self.files.path("absent.json")])
+        self.assertEqual(rc, 0)
+        self.assertIn("| NCCL's default | as the first row | 200.0 | 30.0 | 360.0 [360.0–360.0] "
+                      "| 350.0 [350.0–350.0] | 0.972× | 1.000× | 1.000× |", out)
+        self.assertIn("| NCCL's default | NCCL_BUFFSIZE=1048576 | 50.0 | 20.0 | 355.0 [355.0–355.0] "
+                      "| 315.0 [315.0–315.0] | 0.887× | 0.250× | 0.900× |", out)
+        self.assertIn("absent.json: not read", out)
+        # Nothing readable is an error; no file at all a usage error.
+        rc, out, _ = run_main(["--settings-only", self.files.path("absent.json")])
+        self.assertEqual(rc, 1)
+        self.assertIn("No run was read.", out)
+        self.assertEqual(run_main(["--settings-only"])[0], 2)
+
     def test_lane_settings_name_their_nccl_environment(self):
         main = new_duplex(GOOD_DUPLEX)
         main["env"] = {"NCCL_NVLS_ENABLE": "0"}

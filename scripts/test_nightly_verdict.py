@@ -368,16 +368,20 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(rc, 0, log)
         self.assertEqual(self.failing(j), [])
         for name in ("steps.txt", "suite.txt", "faults.md", "calibration.md", "bench-duplex.json",
-                     "bench-torch.json", "bench-ctas-64.json", "bench-env-4.json", "benchmarks.md", "nightly.md", "machine.txt"):
+                     "bench-torch.json", "bench-ctas-64.json", "bench-env-4.json", "lanes.md", "benchmarks.md", "nightly.md", "machine.txt"):
             self.assertTrue(os.path.exists(os.path.join(out, name)), name)
         with open(os.path.join(out, "benchmarks.md")) as f:
             md = f.read()
         self.assertIn("within spread", md)
         self.assertIn("| 64 | as the main run | – | – | 357.0 [355.0–359.0] |", md)
-        # Each NCCL environment of the sweep reached its bench process (the
-        # stub answers every --quick run with CTAs 64).
-        self.assertIn("| 64 | NCCL_MAX_P2P_NCHANNELS=8 |", md)
-        self.assertIn("| 64 | NCCL_BUFFSIZE=1048576, NCCL_MAX_P2P_NCHANNELS=8, NCCL_PROTO=Simple |", md)
+        # The lanes step: each NCCL environment of the sweep reached its
+        # bench process (the stub answers every --quick run with CTAs 64),
+        # named against the first run's, NCCL's defaults.
+        with open(os.path.join(out, "lanes.md")) as f:
+            lanes = f.read()
+        self.assertIn("| 64 | as the first row |", lanes)
+        self.assertIn("| 64 | NCCL_MAX_P2P_NCHANNELS=8 |", lanes)
+        self.assertIn("| 64 | NCCL_BUFFSIZE=1048576, NCCL_MAX_P2P_NCHANNELS=8, NCCL_PROTO=Simple |", lanes)
         with open(os.path.join(out, "faults.md")) as f:
             self.assertIn("Produced by: scripts/gpu.sh run faults", f.read())
         with open(os.path.join(out, "bench-log.txt")) as f:
