@@ -521,8 +521,8 @@ fn self_exchange(t: &NcclRank) -> duplex::Result<()> {
 }
 
 /// What one GPU can check of the machinery: a local and a process run of
-/// one rank (NCCL, CUDA, the store, the health monitor, the trace), and a
-/// hang's report through the process path.
+/// one rank (NCCL, CUDA, the store, the health monitor, the trace), R12
+/// ([`self_pairing`]), and a hang's report through the process path.
 fn smoke() {
     let t0 = Instant::now();
     let local = Local::new(1).and_then(|l| l.timeout(DEADLINE).run(self_exchange).map(drop));
@@ -541,6 +541,22 @@ fn smoke() {
         "process, 1 rank, 256 MiB to itself: {r:?} ({:.2} s)",
         t0.elapsed().as_secs_f64()
     );
+    let t0 = Instant::now();
+    let verdict = std::sync::Mutex::new(String::from("FAIL the rank did not finish"));
+    let run = Local::new(1).and_then(|l| {
+        l.timeout(DEADLINE)
+            .run(|t| {
+                let v = self_pairing(t)?;
+                *verdict.lock().unwrap_or_else(|e| e.into_inner()) = v;
+                Ok(())
+            })
+            .map(drop)
+    });
+    println!(
+        "local, 1 rank, messages to itself (R12): {} ({run:?}, {:.2} s)",
+        verdict.into_inner().unwrap_or_else(|e| e.into_inner()),
+        t0.elapsed().as_secs_f64()
+    );
     // A hang through the process path: in a process of its own, since
     // `Process::run` runs once per process.
     let exe = std::env::current_exe().expect("this binary");
@@ -548,6 +564,35 @@ fn smoke() {
         Ok(o) => print!("{}", String::from_utf8_lossy(&o.stdout)),
         Err(e) => println!("process hang: cannot start the child: {e}"),
     }
+}
+
+/// One rank, on one GPU: R12. A recv of the rank from itself issued alone
+/// is refused by duplex before NCCL sees it (NCCL itself refuses it at the
+/// group's end with `ncclInvalidUsage`, "Trying to recv to self without a
+/// matching send", and leaves the communicator in error); in one group
+/// with its send it delivers every byte.
+fn self_pairing(t: &NcclRank) -> duplex::Result<String> {
+    const N: usize = 1 << 20;
+    let me = t.rank();
+    let want: Vec<u32> = (0..N).map(|i| pattern(me, i)).collect();
+    let mut out = t.alloc::<u32>(N)?;
+    t.write(&mut out, &want)?;
+    let mut inb = t.alloc::<u32>(N)?;
+    let alone = t.recv(&mut inb, me);
+    t.group(|| {
+        t.send(&out, me)?;
+        t.recv(&mut inb, me)
+    })?;
+    t.synchronize()?;
+    let got = t.read(&inb)?;
+    Ok(match alone {
+        Ok(()) => "FAIL a recv from itself alone was accepted".into(),
+        Err(Error::Invalid { message, .. }) if message.contains("R12") && got == want => {
+            format!("PASS (refused: {message}; grouped: every byte arrived)")
+        }
+        Err(Error::Invalid { .. }) => "FAIL the grouped message arrived wrong".into(),
+        Err(e) => format!("FAIL a recv from itself alone failed, but not by R12: {e}"),
+    })
 }
 
 /// Configures this process as the only rank of a job, as torchrun would,

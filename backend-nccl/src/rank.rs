@@ -333,6 +333,35 @@ impl NcclRank {
                 ),
             );
         }
+        // R12: a message of this rank to itself needs its partner in the
+        // same launch; NCCL would refuse it only at the group's end.
+        if reqs.iter().any(|r| r.meta.peer == ctx.rank) {
+            let specs: SmallVec<[duplex::machine::OpSpec; INLINE_OPS]> = reqs
+                .iter()
+                .map(|r| {
+                    OpRec {
+                        dir: r.meta.dir,
+                        peer: r.meta.peer,
+                        bytes: (r.meta.count * r.meta.dtype.size()) as u64,
+                        dtype: r.meta.dtype,
+                        comm: r.meta.logical(),
+                        stream: r.stream.0.id,
+                    }
+                    .spec()
+                })
+                .collect();
+            if let Some(i) = duplex::machine::unpaired_self_op(ctx.rank, &specs) {
+                let m = &reqs[i].meta;
+                return check::invalid(
+                    at,
+                    format!(
+                        "{}: {}",
+                        m.text(),
+                        duplex::machine::self_unpaired_message(m.dir, ctx.rank, specs[i].bytes)
+                    ),
+                );
+            }
+        }
         let issuing = ctx.issue.lock();
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;

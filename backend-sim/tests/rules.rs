@@ -449,6 +449,42 @@ rank 1:
     assert!(c.machine().enabled(t, &recv));
 }
 
+// R12 messages to itself ---------------------------------------------------------
+
+/// One rank whose thread runs `body`.
+fn one_rank(body: &str) -> String {
+    format!("ranks 1\nrank 0:\n{body}\n")
+}
+
+#[test]
+fn r12_a_message_to_itself_is_paired_within_its_launch() {
+    // The same send and recv to itself: refused apart (NCCL would refuse
+    // the first at its group's end), fine in one group, in either order.
+    assert_eq!(verdict(&one_rank("send 0 4KiB\nrecv 0 4KiB")), "error");
+    assert_eq!(verdict(&one_rank("recv 0 4KiB\nsend 0 4KiB")), "error");
+    assert_eq!(
+        verdict(&one_rank("group { send 0 4KiB; recv 0 4KiB }")),
+        "ok"
+    );
+    assert_eq!(
+        verdict(&one_rank("group { recv 0 4KiB; send 0 4KiB }")),
+        "ok"
+    );
+    // Counts must match within the launch: a second send has no partner.
+    assert_eq!(
+        verdict(&one_rank("group { send 0 4KiB; send 0 4KiB; recv 0 4KiB }")),
+        "error"
+    );
+    // Whatever the eager capacity: a lone send to itself is never buffered.
+    assert_eq!(
+        verdict("ranks 1\nmodel eager=64MiB\nrank 0:\nsend 0 4KiB\nrecv 0 4KiB\n"),
+        "error"
+    );
+    // A message to another rank in the same group changes nothing.
+    let two = "ranks 2\nmodel one-sided-groups=accept\nrank 0:\ngroup { send 1 4KiB; send 0 4KiB; recv 0 4KiB }\nrank 1:\nrecv 0 4KiB\n";
+    assert_eq!(verdict(two), "ok");
+}
+
 // R9 events ---------------------------------------------------------------------------
 
 #[test]

@@ -1,7 +1,7 @@
 //! duplex: NCCL point-to-point communication that cannot hang silently.
 //!
 //! This crate is the model and the vocabulary every other part of duplex
-//! speaks. It holds the rules of `docs/semantics.md` (R1–R11) as one pure
+//! speaks. It holds the rules of `docs/semantics.md` (R1–R12) as one pure
 //! state machine ([`machine`]): it does no I/O, reads no clock and starts no
 //! thread. The checker and the simulated transport (`duplex-sim`), the
 //! fuzzers and the NCCL backend's hang analysis (`duplex-nccl`) all drive

@@ -297,6 +297,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             wrong_peer::<T>,
         ),
         s(
+            "self-unpaired",
+            "a message to itself outside a group is refused, naming the op (R12); in a group it arrives; the rank goes on",
+            2,
+            PerDirection,
+            Completes,
+            self_unpaired::<T>,
+        ),
+        s(
             "unmatched-send",
             "a send that no rank receives",
             2,
@@ -690,6 +698,35 @@ pub fn wrong_peer<T: Transport>(t: &T) -> Result<()> {
         }
         Ok(()) => return Err(Error::User(format!("a send to rank {bad} was accepted"))),
     }
+    seed(t)
+}
+
+/// Each rank sends a message to itself alone, which is refused (R12: NCCL
+/// pairs a rank's messages to itself within one group); then sends and
+/// receives it in one group, checks every element, and runs the seed.
+pub fn self_unpaired<T: Transport>(t: &T) -> Result<()> {
+    let me = t.rank();
+    let out = filled(t, me, 12)?;
+    let mut inb = t.alloc::<u32>(len())?;
+    match t.send(&out, me) {
+        Err(Error::Invalid { message, .. }) if message.contains("R12") => {}
+        Err(e) => {
+            return Err(Error::User(format!(
+                "a send of rank {me} to itself alone failed with the wrong error: {e}"
+            )));
+        }
+        Ok(()) => {
+            return Err(Error::User(format!(
+                "a send of rank {me} to itself alone was accepted"
+            )));
+        }
+    }
+    t.group(|| {
+        t.send(&out, me)?;
+        t.recv(&mut inb, me)
+    })?;
+    t.synchronize()?;
+    check(t, &inb, me, 12)?;
     seed(t)
 }
 

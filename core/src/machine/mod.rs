@@ -1,4 +1,4 @@
-//! The rules R1–R11 of `docs/semantics.md` as one pure state machine.
+//! The rules R1–R12 of `docs/semantics.md` as one pure state machine.
 //!
 //! A [`Machine`] holds a [`Setup`] (who exists: ranks, host threads, streams,
 //! communicators, events; static for the checker, grown by the simulated
@@ -1203,6 +1203,13 @@ impl Machine {
                 }
             }
         }
+        if let Some(i) = unpaired_self_op(rank, &spec.ops) {
+            let op = &spec.ops[i];
+            return Err(self.invalid(
+                op.origin.unwrap_or(spec.origin),
+                self_unpaired_message(op.dir, rank, op.bytes),
+            ));
+        }
         Ok(())
     }
 
@@ -1470,6 +1477,42 @@ impl Machine {
             );
         }
     }
+}
+
+/// R12: the op of a launch by `rank` to or from `rank` itself that has no
+/// partner in the same launch, if any. NCCL pairs a rank's messages to
+/// itself within one group launch, per communicator, in order
+/// (`src/enqueue.cc`: "Trying to send to self without a matching recv",
+/// `ncclInvalidUsage`); a self send or recv left over is refused there, it
+/// never waits for a later launch. One function for the model
+/// ([`Machine::check_call`]) and the NCCL backend's own check.
+pub fn unpaired_self_op(rank: Rank, ops: &[OpSpec]) -> Option<usize> {
+    let selfs = || ops.iter().enumerate().filter(|(_, o)| o.peer == rank);
+    selfs().find_map(|(i, o)| {
+        let same = |dir: Dir| {
+            selfs()
+                .filter(|(_, p)| p.comm == o.comm && p.dir == dir)
+                .count()
+        };
+        // The op beyond the count of its partners on its communicator.
+        let before = selfs()
+            .take_while(|(j, _)| *j < i)
+            .filter(|(_, p)| p.comm == o.comm && p.dir == o.dir)
+            .count();
+        (before >= same(o.dir.other())).then_some(i)
+    })
+}
+
+/// What a refusal of R12 says.
+pub fn self_unpaired_message(dir: Dir, rank: Rank, bytes: u64) -> String {
+    let (op, partner) = match dir {
+        Dir::Send => ("send", "recv"),
+        Dir::Recv => ("recv", "send"),
+    };
+    format!(
+        "{op} {rank} {} is a message of rank {rank} to itself with no {partner} from itself in the same launch: NCCL pairs a rank's messages to itself within one group and refuses one left over (R12); put both in one group",
+        crate::Size(bytes)
+    )
 }
 
 /// Ops of a launch by `rank` before op `i` that go the same way on the
