@@ -26,13 +26,13 @@
 #
 # With the `device` tool (which brings back at most 8 files, and one call
 # runs at most 10 minutes): build here, then two calls,
-#   run(command="OUT=/tmp/r FAULTS_S=230 SUITE_S=190 CALIBRATE_S=160 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
+#   run(command="OUT=/tmp/r FAULTS_S=220 SUITE_S=200 CALIBRATE_S=170 scripts/gpu.sh run faults suite calibrate; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and, for lane memory (issue 12, item 3), a third,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
-# (the suite has 28 jobs since the copy-engine lane scenarios and
-# read-after-abort) and copy the reports back into the repo (docs/gpu/).
+# (the suite has 29 jobs since the copy-engine lane scenarios,
+# self-unpaired and read-after-abort) and copy the reports back into the repo (docs/gpu/).
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
 # lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL
