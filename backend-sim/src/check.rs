@@ -554,9 +554,15 @@ pub fn describe_step(c: &Compiled, m: &Machine, t: ThreadId) -> String {
                     })
                     .collect();
                 streams.dedup();
-                let handshake = m.check_issue(t, &HostCall::Launch(spec.clone())).is_ok()
-                    && m.would_handshake(t, spec);
-                if handshake {
+                let accepted = m.check_issue(t, &HostCall::Launch(spec.clone())).is_ok();
+                if !accepted {
+                    // The last step of an error path: nothing is enqueued.
+                    return format!(
+                        "{} is refused, and nothing is enqueued (the error above)",
+                        origin_text(spec.origin)
+                    );
+                }
+                if m.would_handshake(t, spec) {
                     format!(
                         "{} is the first use of a cold communicator toward this peer: the host blocks in the connection handshake (R7)",
                         origin_text(spec.origin)
