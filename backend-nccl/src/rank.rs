@@ -333,23 +333,22 @@ impl NcclRank {
                 ),
             );
         }
+        let recs: Vec<OpRec> = reqs
+            .iter()
+            .map(|r| OpRec {
+                dir: r.meta.dir,
+                peer: r.meta.peer,
+                bytes: (r.meta.count * r.meta.dtype.size()) as u64,
+                dtype: r.meta.dtype,
+                comm: r.meta.logical(),
+                stream: r.stream.0.id,
+            })
+            .collect();
         // R12: a message of this rank to itself needs its partner in the
         // same launch; NCCL would refuse it only at the group's end.
         if reqs.iter().any(|r| r.meta.peer == ctx.rank) {
-            let specs: SmallVec<[duplex::machine::OpSpec; INLINE_OPS]> = reqs
-                .iter()
-                .map(|r| {
-                    OpRec {
-                        dir: r.meta.dir,
-                        peer: r.meta.peer,
-                        bytes: (r.meta.count * r.meta.dtype.size()) as u64,
-                        dtype: r.meta.dtype,
-                        comm: r.meta.logical(),
-                        stream: r.stream.0.id,
-                    }
-                    .spec()
-                })
-                .collect();
+            let specs: SmallVec<[duplex::machine::OpSpec; INLINE_OPS]> =
+                recs.iter().map(OpRec::spec).collect();
             if let Some(i) = duplex::machine::unpaired_self_op(ctx.rank, &specs) {
                 let m = &reqs[i].meta;
                 return check::invalid(
@@ -368,17 +367,6 @@ impl NcclRank {
         }
         let metas: SmallVec<[&OpMeta; INLINE_OPS]> = reqs.iter().map(|r| &r.meta).collect();
         let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
-        let recs: Vec<OpRec> = reqs
-            .iter()
-            .map(|r| OpRec {
-                dir: r.meta.dir,
-                peer: r.meta.peer,
-                bytes: (r.meta.count * r.meta.dtype.size()) as u64,
-                dtype: r.meta.dtype,
-                comm: r.meta.logical(),
-                stream: r.stream.0.id,
-            })
-            .collect();
         ctx.registry.launch(LaunchRec {
             thread: self.thread_id,
             ops: recs,
@@ -737,22 +725,18 @@ impl NcclRank {
         // group NCCL may still launch, for the ops that reached NCCL. When
         // none did (the group's start or its first op failed), nothing can
         // run: a plain error.
-        let launched = match grouped_call {
-            Ok(Ok(launched)) => launched,
+        let ended = match grouped_call {
+            Ok(end) => end.map_err(|e| ctx.watchdog_error(e, &first())),
             // An op's error, named already.
+            Err(e) => Err(e),
+        };
+        let launched = match ended {
+            Ok(launched) => launched,
             Err(e) if queued == 0 => return Err(e),
             Err(e) => {
                 return Ok(Some(Unfinished {
                     call: first(),
                     error: Some(e),
-                    queued,
-                }));
-            }
-            Ok(Err(e)) if queued == 0 => return Err(ctx.watchdog_error(e, &first())),
-            Ok(Err(e)) => {
-                return Ok(Some(Unfinished {
-                    call: first(),
-                    error: Some(ctx.watchdog_error(e, &first())),
                     queued,
                 }));
             }
