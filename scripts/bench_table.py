@@ -449,12 +449,9 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
         main_env = d.get("env") or {}
         main_figs = {k[7:]: v for k, v in current.items() if k.startswith("duplex:")}
         for label, env, figs in [(ctas_label(d.get("ctas")), main_env, main_figs)] + list(ctas):
-            one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
-            mem, made = figs.get("lane_bytes/lane:0->1"), figs.get("lane_create_ms/lane:0->1")
-            r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
+            both = figs.get("both_ways/256MiB")
             r2 = f"{both['median'] / best:.3f}×" if both and best else "–"
-            p(f"| {label} | {env_label(env, main_env)} | {spread(mem) if mem else '–'} | {spread(made) if made else '–'} "
-              f"| {spread(one) if one else '–'} | {spread(both) if both else '–'} | {r1} | {r2} |")
+            p(f"| {label} | {env_label(env, main_env)} | {setting_cells(figs)} | {r2} |")
     p("")
     p("### Targets (issue 12; medians)")
     p("")
@@ -503,6 +500,16 @@ def ctas_label(c):
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
 
+def setting_cells(figs):
+    """A lane setting's cells, as both settings tables show them: lane memory,
+    lane creation, 256 MiB one way and both ways, both / one way."""
+    one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
+    mem, made = figs.get("lane_bytes/lane:0->1"), figs.get("lane_create_ms/lane:0->1")
+    r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
+    return " | ".join([spread(mem) if mem else "–", spread(made) if made else "–",
+                       spread(one) if one else "–", spread(both) if both else "–", r1])
+
+
 def settings_table(runs):
     """The lane-settings table of `runs`, [(label, env, figures)], the first
     the reference: lane memory, creation time, 256 MiB bandwidths, and
@@ -517,13 +524,8 @@ def settings_table(runs):
         a, b = figs.get(name), ref.get(name)
         return f"{a['median'] / b['median']:.3f}×" if a and b and b["median"] else "–"
     for label, env, figs in runs:
-        one, both = figs.get("one_way/256MiB"), figs.get("both_ways/256MiB")
-        mem, made = figs.get("lane_bytes/lane:0->1"), figs.get("lane_create_ms/lane:0->1")
-        r1 = f"{both['median'] / one['median']:.3f}×" if one and both else "–"
-        out.append(f"| {label} | {env_label(env, first_env, 'as the first row')} | {spread(mem) if mem else '–'} "
-                   f"| {spread(made) if made else '–'} | {spread(one) if one else '–'} "
-                   f"| {spread(both) if both else '–'} | {r1} | {ratio(figs, 'lane_bytes/lane:0->1')} "
-                   f"| {ratio(figs, 'both_ways/256MiB')} |")
+        out.append(f"| {label} | {env_label(env, first_env, 'as the first row')} | {setting_cells(figs)} "
+                   f"| {ratio(figs, 'lane_bytes/lane:0->1')} | {ratio(figs, 'both_ways/256MiB')} |")
     return "\n".join(out) + "\n"
 
 
