@@ -1,8 +1,9 @@
-//! Host-to-host messages (`notify`/`await_notify`): the [`Board`] they wait
-//! on, and its in-process form for local runs. Runs of one process per rank
-//! use the TCP store of [`crate::store`] instead.
+//! Host-to-host messages (`notify`/`await_notify`, and the inboxes of the
+//! lane services, [`crate::lanes`]): the [`Board`] they wait on, and its
+//! in-process form for local runs. Runs of one process per rank use the TCP
+//! store of [`crate::store`] instead.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use duplex::{Error, Rank};
@@ -16,6 +17,11 @@ pub trait Board: Send + Sync + std::fmt::Debug {
     /// Takes one message from `from` to `to` with `tag`, waiting up to
     /// `timeout`; false when none came.
     fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool, Error>;
+    /// Appends `message` to rank `to`'s inbox.
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<(), Error>;
+    /// The oldest message of rank `me`'s inbox, waiting up to `timeout` for
+    /// one.
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>, Error>;
 }
 
 /// The board of a local run: counters under a mutex. A message is taken
@@ -26,6 +32,8 @@ pub trait Board: Send + Sync + std::fmt::Debug {
 pub struct LocalBoard {
     counts: Mutex<HashMap<(Rank, Rank, String), u64>>,
     arrived: Condvar,
+    mail: Mutex<HashMap<Rank, VecDeque<Vec<u8>>>>,
+    mailed: Condvar,
 }
 
 impl Default for LocalBoard {
@@ -33,6 +41,8 @@ impl Default for LocalBoard {
         LocalBoard {
             counts: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
+            mail: Mutex::new(HashMap::new()),
+            mailed: Condvar::new(),
         }
     }
 }
@@ -77,6 +87,29 @@ impl Board for LocalBoard {
             counts = deadline.wait(&self.arrived, counts);
         }
     }
+
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<(), Error> {
+        lock(&self.mail)
+            .entry(to)
+            .or_default()
+            .push_back(message.to_vec());
+        self.mailed.notify_all();
+        Ok(())
+    }
+
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>, Error> {
+        let deadline = Deadline::after(timeout);
+        let mut boxes = lock(&self.mail);
+        loop {
+            if let Some(m) = boxes.get_mut(&me).and_then(VecDeque::pop_front) {
+                return Ok(Some(m));
+            }
+            if deadline.expired() {
+                return Ok(None);
+            }
+            boxes = deadline.wait(&self.mailed, boxes);
+        }
+    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -98,5 +131,29 @@ mod tests {
             !b.take(1, 0, "meta", Duration::ZERO).unwrap(),
             "direction matters"
         );
+    }
+
+    #[test]
+    fn the_local_inboxes_keep_order_and_wait() {
+        let b = std::sync::Arc::new(LocalBoard::default());
+        b.mail(1, b"a").unwrap();
+        b.mail(1, b"b").unwrap();
+        assert_eq!(
+            b.inbox(1, Duration::ZERO).unwrap().as_deref(),
+            Some(&b"a"[..])
+        );
+        assert_eq!(
+            b.inbox(1, Duration::ZERO).unwrap().as_deref(),
+            Some(&b"b"[..])
+        );
+        assert_eq!(b.inbox(1, Duration::from_millis(20)).unwrap(), None);
+        let b2 = b.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            b2.mail(0, b"late").unwrap();
+        });
+        let got = b.inbox(0, Duration::from_secs(5)).unwrap();
+        assert_eq!(got.as_deref(), Some(&b"late"[..]));
+        t.join().unwrap();
     }
 }

@@ -160,6 +160,76 @@ impl Slot {
     }
 }
 
+/// A communicator whose asynchronous setup (`ncclCommInitRankConfig` on a
+/// non-blocking config) is under way: [`Starting::poll`] it until ready,
+/// then [`Starting::finish`]; or [`Starting::abandon`] it. Only the thread
+/// that started it touches it until it is finished, so its handle needs no
+/// [`CommCell`] yet.
+#[derive(Debug)]
+pub struct Starting {
+    lib: &'static Nccl,
+    slot: Slot,
+    raw: ncclComm_t,
+}
+
+// SAFETY: the handle is only passed to NCCL calls that any thread may make
+// (`ncclCommGetAsyncError`, `ncclCommAbort`), by one owner at a time.
+unsafe impl Send for Starting {}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Slot")
+    }
+}
+
+impl Starting {
+    /// Starts this rank's part of a new communicator of `nranks` ranks
+    /// from `id`, as rank `rank` of it. The caller made the rank's device
+    /// current and holds the rank's issue lock (or is its only thread).
+    pub fn begin(
+        lib: &'static Nccl,
+        id: ncclUniqueId,
+        nranks: u32,
+        rank: u32,
+        ctas: (Option<i32>, Option<i32>),
+    ) -> Result<Starting, Error> {
+        let mut config = lib.config(ctas.0, ctas.1, false);
+        let slot = Slot::new();
+        // SAFETY: the device is current (the caller's duty); the slot lives
+        // until the setup finishes, or is leaked by `abandon`.
+        unsafe { lib.init_rank(nranks as i32, id, rank as i32, &mut config, slot.ptr()) }?;
+        let raw = slot.get();
+        if raw.is_null() {
+            return Err(Error::Aborted(
+                "ncclCommInitRankConfig returned no communicator".into(),
+            ));
+        }
+        Ok(Starting { lib, slot, raw })
+    }
+
+    /// True once the setup has finished; an error if it failed.
+    pub fn poll(&self) -> Result<bool, Error> {
+        // SAFETY: `raw` is the communicator NCCL is setting up, not freed.
+        unsafe { self.lib.async_error(self.raw) }
+    }
+
+    /// The communicator, once [`Starting::poll`] said ready.
+    pub fn finish(self, logical: u32, name: &str, members: Vec<Rank>) -> Comm {
+        Arc::new(CommInner::new(
+            self.lib, self.raw, logical, name, members, false,
+        ))
+    }
+
+    /// Gives the setup up: aborts it (allowed while in progress) and
+    /// leaves NCCL its slot.
+    pub fn abandon(self) {
+        self.slot.abandon();
+        // SAFETY: abort is allowed while setup is in progress; nothing else
+        // holds the handle.
+        let _ = unsafe { self.lib.abort(self.raw) };
+    }
+}
+
 /// Creates this rank's handle on a new communicator of `nranks` ranks.
 /// The setup waits for every rank, under `timeout`, and ends early when
 /// `failed` names another rank of the job that failed (it cannot come).
@@ -172,17 +242,7 @@ pub fn init(
     ctas: (Option<i32>, Option<i32>),
     failed: &dyn Fn() -> Option<(Rank, String)>,
 ) -> Result<Comm, Error> {
-    let mut config = lib.config(ctas.0, ctas.1, false);
-    let slot = Slot::new();
-    // SAFETY: the caller made the rank's device current; the slot lives
-    // until the setup finishes (or is leaked below).
-    unsafe { lib.init_rank(nranks as i32, id, rank as i32, &mut config, slot.ptr()) }?;
-    let raw = slot.get();
-    if raw.is_null() {
-        return Err(Error::Aborted(
-            "ncclCommInitRankConfig returned no communicator".into(),
-        ));
-    }
+    let starting = Starting::begin(lib, id, nranks, rank, ctas)?;
     let mut checks = 0u32;
     let mut peer = None;
     let ready = poll(timeout, || {
@@ -193,13 +253,10 @@ pub fn init(
             peer = Some(f);
             return Ok(true);
         }
-        // SAFETY: `raw` is the communicator NCCL is setting up.
-        unsafe { lib.async_error(raw) }
+        starting.poll()
     });
     if let Some((r, why)) = peer {
-        slot.abandon();
-        // SAFETY: abort is allowed while setup is in progress.
-        let _ = unsafe { lib.abort(raw) };
+        starting.abandon();
         return Err(Error::Aborted(format!(
             "creating the world communicator of rank {rank}: rank {r} failed: {why}"
         )));
@@ -207,22 +264,13 @@ pub fn init(
     match ready {
         Ok(true) => {}
         other => {
-            slot.abandon();
-            // SAFETY: abort is allowed while setup is in progress.
-            let _ = unsafe { lib.abort(raw) };
+            starting.abandon();
             return Err(other.err().unwrap_or_else(|| Error::Aborted(format!(
                 "ncclCommInitRankConfig did not finish within {timeout:?}: is every rank starting?"
             ))));
         }
     }
-    Ok(Arc::new(CommInner::new(
-        lib,
-        raw,
-        0,
-        "world",
-        (0..nranks).collect(),
-        false,
-    )))
+    Ok(starting.finish(0, "world", (0..nranks).collect()))
 }
 
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get

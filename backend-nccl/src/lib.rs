@@ -36,6 +36,7 @@ pub mod ctx;
 pub mod cuda;
 pub mod guard;
 pub mod health;
+pub mod lanes;
 pub mod nccl;
 pub mod rank;
 pub mod reaper;

@@ -116,6 +116,59 @@ pub fn lane_pairs(policy: Policy, ranks: u32) -> impl Iterator<Item = (Rank, Ran
         })
 }
 
+/// How many lanes [`lane_pairs`] lists among `ranks` ranks.
+pub fn lane_count(policy: Policy, ranks: u32) -> u64 {
+    let n = u64::from(ranks);
+    match policy {
+        Policy::PerDirection => n * n.saturating_sub(1),
+        Policy::Shared => n * n.saturating_sub(1) / 2,
+    }
+}
+
+/// The position in [`lane_pairs`] of the lane that carries traffic from `a`
+/// to `b` (`None` for `a == b` or a rank outside `0..ranks`): the lane's
+/// number, the same on every rank, computed without listing the pairs (a
+/// job of 1,024 ranks has a million of them).
+pub fn lane_index(policy: Policy, ranks: u32, a: Rank, b: Rank) -> Option<u64> {
+    if a == b || a >= ranks || b >= ranks {
+        return None;
+    }
+    let n = u64::from(ranks);
+    let (a, b) = (u64::from(a), u64::from(b));
+    Some(match policy {
+        Policy::PerDirection => a * (n - 1) + if b < a { b } else { b - 1 },
+        Policy::Shared => {
+            let (a, b) = (a.min(b), a.max(b));
+            // Pairs (i, j), i < j, before row a: (n-1) + (n-2) + ... + (n-a).
+            a * (n - 1) - a * a.saturating_sub(1) / 2 + (b - a - 1)
+        }
+    })
+}
+
+/// The pair of [`lane_pairs`] at position `index`, the inverse of
+/// [`lane_index`]; `None` past the last lane.
+pub fn lane_at(policy: Policy, ranks: u32, index: u64) -> Option<(Rank, Rank)> {
+    if index >= lane_count(policy, ranks) {
+        return None;
+    }
+    let n = u64::from(ranks);
+    let (a, b) = match policy {
+        Policy::PerDirection => {
+            let (a, k) = (index / (n - 1), index % (n - 1));
+            (a, if k < a { k } else { k + 1 })
+        }
+        Policy::Shared => {
+            let (mut a, mut left) = (0, index);
+            while left >= n - 1 - a {
+                left -= n - 1 - a;
+                a += 1;
+            }
+            (a, a + 1 + left)
+        }
+    };
+    Some((Rank::try_from(a).ok()?, Rank::try_from(b).ok()?))
+}
+
 struct Builder<'p> {
     program: &'p Program,
     /// The model compiled under (the program's own, or an override).
@@ -489,5 +542,30 @@ impl waitfor::Threads for Remaining<'_> {
                     _ => true,
                 }
             })
+    }
+}
+
+#[cfg(test)]
+mod lane_numbering {
+    use super::*;
+
+    #[test]
+    fn lane_index_and_lane_at_agree_with_lane_pairs() {
+        for policy in [Policy::PerDirection, Policy::Shared] {
+            for ranks in 0..9 {
+                let pairs: Vec<_> = lane_pairs(policy, ranks).collect();
+                assert_eq!(pairs.len() as u64, lane_count(policy, ranks));
+                for (i, &(a, b)) in pairs.iter().enumerate() {
+                    assert_eq!(lane_index(policy, ranks, a, b), Some(i as u64));
+                    assert_eq!(lane_at(policy, ranks, i as u64), Some((a, b)));
+                    if policy == Policy::Shared {
+                        assert_eq!(lane_index(policy, ranks, b, a), Some(i as u64));
+                    }
+                }
+                assert_eq!(lane_at(policy, ranks, pairs.len() as u64), None);
+                assert_eq!(lane_index(policy, ranks, 0, 0), None);
+                assert_eq!(lane_index(policy, ranks, 0, ranks), None);
+            }
+        }
     }
 }

@@ -156,6 +156,8 @@ struct Limits {
     max_keys: usize,
     /// Bytes all values together may hold; more are refused.
     max_stored: usize,
+    /// Messages all inboxes together may hold; more are refused.
+    max_mail: usize,
 }
 
 const LIMITS: Limits = Limits {
@@ -164,6 +166,7 @@ const LIMITS: Limits = Limits {
     max_pending: 1 << 16,
     max_keys: 4096,
     max_stored: 256 << 20,
+    max_mail: 1 << 16,
 };
 
 /// What the store knows of the ranks' health.
@@ -194,6 +197,17 @@ struct Shared {
     health: Mutex<Health>,
     values: Mutex<Values>,
     stored: Condvar,
+    /// Each rank's inbox (`MAIL`/`INBOX`), oldest first.
+    mail: Mutex<Inboxes>,
+    mailed: Condvar,
+}
+
+/// The inboxes of `MAIL`.
+#[derive(Debug, Default)]
+struct Inboxes {
+    boxes: HashMap<Rank, std::collections::VecDeque<Vec<u8>>>,
+    /// Messages held, all inboxes together.
+    held: usize,
 }
 
 impl Shared {
@@ -309,6 +323,46 @@ impl Shared {
         }
     }
 
+    fn inboxes(&self) -> std::sync::MutexGuard<'_, Inboxes> {
+        self.mail.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mail(&self, to: Rank, message: Vec<u8>) -> Result<Response, End> {
+        let mut m = self.inboxes();
+        if m.held >= self.limits.max_mail {
+            return Err(End::Refuse("too many messages in the inboxes".into()));
+        }
+        m.held += 1;
+        m.boxes.entry(to).or_default().push_back(message);
+        self.mailed.notify_all();
+        Ok(Response::Ok)
+    }
+
+    fn inbox(&self, me: Rank, wait_ms: u64) -> Option<Vec<u8>> {
+        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
+        let mut m = self.inboxes();
+        loop {
+            if let Some(q) = m.boxes.get_mut(&me)
+                && let Some(message) = q.pop_front()
+            {
+                if q.is_empty() {
+                    m.boxes.remove(&me);
+                }
+                m.held -= 1;
+                return Some(message);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            m = self
+                .mailed
+                .wait_timeout(m, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
     fn take(&self, key: (Rank, Rank, String), wait_ms: u64) -> Response {
         let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
         let mut counts = self.lock();
@@ -408,6 +462,28 @@ fn send(conn: &TcpStream, response: &Response) -> Result<(), End> {
     conn.write_all(&line).map_err(|_| End::Gone)
 }
 
+/// The `len` bytes that follow a `PUT` or `MAIL` line: exactly that many,
+/// under a fresh deadline, never more.
+fn read_body(
+    reader: &mut BufReader<DeadlineReader<'_>>,
+    len: usize,
+    timeout: Duration,
+) -> Result<Vec<u8>, End> {
+    reader.get_mut().deadline = Instant::now() + timeout;
+    let mut value = Vec::with_capacity(len.min(1 << 20));
+    let got = reader
+        .by_ref()
+        .take(len as u64)
+        .read_to_end(&mut value)
+        .map_err(|_| End::Refuse("timed out reading a value".into()))?;
+    if got != len {
+        return Err(End::Refuse(format!(
+            "truncated value: {got} of {len} bytes"
+        )));
+    }
+    Ok(value)
+}
+
 /// One connection: `AUTH`, then one request.
 fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
     let timeout = shared.limits.io_timeout;
@@ -444,22 +520,21 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
         Request::Beat { rank } => shared.beat(rank)?,
         Request::Health { me, silence_ms } => shared.check(me, silence_ms),
         Request::Put { key, len } => {
-            // The value follows the line: exactly `len` bytes, under the
-            // same deadline, never more.
-            reader.get_mut().deadline = Instant::now() + timeout;
-            let mut value = Vec::with_capacity(len.min(1 << 20));
-            let got = reader
-                .by_ref()
-                .take(len as u64)
-                .read_to_end(&mut value)
-                .map_err(|_| End::Refuse("timed out reading a value".into()))?;
-            if got != len {
-                return Err(End::Refuse(format!(
-                    "truncated value: {got} of {len} bytes"
-                )));
-            }
+            let value = read_body(&mut reader, len, timeout)?;
             shared.put(key, value)?
         }
+        Request::Mail { to, len } => {
+            let message = read_body(&mut reader, len, timeout)?;
+            shared.mail(to, message)?
+        }
+        Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms) {
+            Some(message) => {
+                send(conn, &Response::Value(message.len()))?;
+                let mut c = conn;
+                return c.write_all(&message).map_err(|_| End::Gone);
+            }
+            None => Response::Timeout,
+        },
         Request::Get { key, wait_ms } => match shared.get(&key, wait_ms) {
             Some(value) => {
                 send(conn, &Response::Value(value.len()))?;
@@ -527,6 +602,8 @@ fn serve_on(
         health: Mutex::new(Health::default()),
         values: Mutex::new(Values::default()),
         stored: Condvar::new(),
+        mail: Mutex::new(Inboxes::default()),
+        mailed: Condvar::new(),
     });
     std::thread::Builder::new()
         .name("duplex-store".into())
@@ -781,6 +858,34 @@ impl Store {
         }
     }
 
+    /// Appends `message` (at most [`proto::MAX_MAIL`] bytes) to rank `to`'s
+    /// inbox.
+    pub fn mail(&self, to: Rank, message: &[u8], timeout: Duration) -> Result<(), Error> {
+        let request = Request::Mail {
+            to,
+            len: message.len(),
+        };
+        match self.request_with(&request, message, timeout)? {
+            (Response::Ok, _) => Ok(()),
+            (other, _) => Err(self.unexpected("a message", &other)),
+        }
+    }
+
+    /// The oldest message of rank `me`'s inbox, waiting up to `wait` for
+    /// one.
+    pub fn inbox(&self, me: Rank, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
+        let wait = wait.min(MAX_WAIT);
+        let request = Request::Inbox {
+            me,
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        };
+        match self.request_with(&request, &[], wait + Duration::from_secs(5))? {
+            (Response::Value(_), message) => Ok(Some(message)),
+            (Response::Timeout, _) => Ok(None),
+            (other, _) => Err(self.unexpected("an inbox read", &other)),
+        }
+    }
+
     /// The NCCL unique id rank 0 generated.
     pub fn unique_id(&self, timeout: Duration) -> Result<Vec<u8>, Error> {
         match self.request(&Request::UniqueId, timeout)? {
@@ -816,6 +921,14 @@ impl Board for Store {
             Response::Timeout => Ok(false),
             other => Err(self.unexpected("an await", &other)),
         }
+    }
+
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<(), Error> {
+        Store::mail(self, to, message, Duration::from_secs(30))
+    }
+
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>, Error> {
+        Store::inbox(self, me, timeout)
     }
 }
 

@@ -11,7 +11,13 @@
 //!          / "ID"                                  ; the NCCL unique id
 //!          / "POST" SP from SP to SP tag           ; a notify message
 //!          / "TAKE" SP from SP to SP tag SP millis ; take one, waiting up to millis
+//!          / "FAIL" SP rank SP why-hex / "BEAT" SP rank / "HEALTH" SP rank SP millis
+//!          / "PUT" SP key-hex SP len               ; len bytes follow the line
+//!          / "GET" SP key-hex SP millis
+//!          / "MAIL" SP to SP len                   ; a message to a rank's inbox; len bytes follow
+//!          / "INBOX" SP rank SP millis             ; the oldest message of a rank's inbox
 //! response = "OK" / "TIMEOUT" / "ID" SP id-hex / "ERROR" SP text
+//!          / "HEALTHY" / "FAILED" SP rank SP why-hex / "VALUE" SP len
 //! ```
 //!
 //! The grammar is strict, so every line that parses is the encoding of what
@@ -40,6 +46,8 @@ pub const MAX_KEY: usize = 256;
 pub const MAX_WHY: usize = 512;
 /// The largest value a `PUT` carries, in bytes (a rank's trace).
 pub const MAX_VALUE: usize = 16 << 20;
+/// The largest message of a rank's inbox (`MAIL`), in bytes.
+pub const MAX_MAIL: usize = 4096;
 
 /// Why a line is not a message.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -220,6 +228,22 @@ pub enum Request {
     Get {
         /// The key.
         key: String,
+        /// How long to wait, in milliseconds.
+        wait_ms: u64,
+    },
+    /// Appends a message of `len` bytes (which follow the line) to the
+    /// inbox of rank `to`.
+    Mail {
+        /// The receiver.
+        to: Rank,
+        /// The number of bytes after the line.
+        len: usize,
+    },
+    /// Takes the oldest message of rank `me`'s inbox, waiting up to
+    /// `wait_ms` for one.
+    Inbox {
+        /// The rank whose inbox.
+        me: Rank,
         /// How long to wait, in milliseconds.
         wait_ms: u64,
     },
@@ -503,6 +527,20 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 wait_ms: number("millis", args[1])?,
             })
         }
+        "MAIL" => {
+            arity("MAIL", args, 2)?;
+            Ok(Request::Mail {
+                to: number("to", args[0])?,
+                len: length("mail length", args[1], MAX_MAIL)?,
+            })
+        }
+        "INBOX" => {
+            arity("INBOX", args, 2)?;
+            Ok(Request::Inbox {
+                me: number("rank", args[0])?,
+                wait_ms: number("millis", args[1])?,
+            })
+        }
         _ => Err(ProtoError::Unknown { kind: "request" }),
     }
 }
@@ -541,6 +579,17 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, ProtoError> {
         Request::Get { key, wait_ms } => {
             format!("GET {} {wait_ms}\n", encode_text("key", key, MAX_KEY)?)
         }
+        Request::Mail { to, len } => {
+            if *len > MAX_MAIL {
+                return Err(ProtoError::Length {
+                    field: "mail length",
+                    len: *len,
+                    max: MAX_MAIL,
+                });
+            }
+            format!("MAIL {to} {len}\n")
+        }
+        Request::Inbox { me, wait_ms } => format!("INBOX {me} {wait_ms}\n"),
     };
     Ok(line.into_bytes())
 }

@@ -527,3 +527,48 @@ fn a_truncated_or_oversized_value_is_refused_and_the_store_keeps_serving() {
         .unwrap_err();
     assert!(e.to_string().contains("full"), "{e}");
 }
+
+#[test]
+fn inboxes_deliver_in_order_wait_and_are_bounded() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    assert_eq!(store.inbox(1, Duration::from_millis(30)).unwrap(), None);
+    store.mail(1, b"first", t).unwrap();
+    store.mail(1, b"", t).unwrap();
+    store.mail(2, b"other", t).unwrap();
+    assert_eq!(store.inbox(1, t).unwrap().as_deref(), Some(&b"first"[..]));
+    assert_eq!(store.inbox(1, t).unwrap(), Some(Vec::new()));
+    assert_eq!(store.inbox(1, Duration::ZERO).unwrap(), None);
+    assert_eq!(store.inbox(2, t).unwrap().as_deref(), Some(&b"other"[..]));
+    // A read waits for a message mailed later by another client.
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        client(addr).mail(3, b"late", t).unwrap();
+    });
+    let start = Instant::now();
+    assert_eq!(store.inbox(3, t).unwrap().as_deref(), Some(&b"late"[..]));
+    assert!(start.elapsed() >= Duration::from_millis(90));
+    later.join().unwrap();
+    // Oversized or truncated messages are refused; the store goes on.
+    let mut session = auth();
+    session.extend_from_slice(format!("MAIL 0 {}\n", proto::MAX_MAIL + 1).as_bytes());
+    let reply = raw(addr, &session, true);
+    assert!(reply.contains("ERROR mail length"), "{reply}");
+    let mut session = auth();
+    session.extend_from_slice(b"MAIL 0 10\nabc");
+    let reply = raw(addr, &session, true);
+    assert!(reply.contains("ERROR truncated value"), "{reply}");
+    // The inboxes together are bounded.
+    let small = server(Limits {
+        max_mail: 2,
+        ..super::LIMITS
+    });
+    let small = client(small);
+    small.mail(0, b"a", t).unwrap();
+    small.mail(1, b"b", t).unwrap();
+    let e = small.mail(0, b"c", t).unwrap_err();
+    assert!(e.to_string().contains("too many messages"), "{e}");
+    assert_eq!(small.inbox(0, t).unwrap().as_deref(), Some(&b"a"[..]));
+    small.mail(0, b"c", t).unwrap();
+}

@@ -1,0 +1,334 @@
+//! The lane services' protocol on a fake NCCL: lanes made by the services
+//! of real threads over the in-process board.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duplex::{Dir, Policy, Rank, Result};
+
+use super::{LaneKit, LaneMaker, LaneMsg, LaneSpec};
+use crate::board::{Board, LocalBoard};
+
+/// What the fake NCCL knows: which ranks started a part from each id.
+#[derive(Default)]
+struct Fabric {
+    parts: Mutex<HashMap<Vec<u8>, Vec<(Rank, u32)>>>,
+    next: AtomicU64,
+    failed: Mutex<Option<(Rank, String)>>,
+    made: Mutex<Vec<(Rank, u64)>>,
+    abandoned: Mutex<Vec<(Rank, u64)>>,
+}
+
+struct FakeKit {
+    me: Rank,
+    fabric: Arc<Fabric>,
+}
+
+impl LaneKit for FakeKit {
+    type Part = (Vec<u8>, u32);
+
+    fn new_id(&self) -> Result<Vec<u8>> {
+        Ok(self
+            .fabric
+            .next
+            .fetch_add(1, Ordering::Relaxed)
+            .to_le_bytes()
+            .to_vec())
+    }
+
+    fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<Self::Part> {
+        let mut parts = self.fabric.parts.lock().unwrap();
+        parts
+            .entry(id.to_vec())
+            .or_default()
+            .push((self.me, lane.rank_of(self.me)));
+        Ok((id.to_vec(), 0))
+    }
+
+    fn advance(&self, lane: &LaneSpec, part: &mut Self::Part) -> Result<bool> {
+        let joined = self.fabric.parts.lock().unwrap()[&part.0].len();
+        if joined < 2 {
+            return Ok(false);
+        }
+        // A few polls more, as a real setup and connection take.
+        part.1 += 1;
+        if part.1 < 3 {
+            return Ok(false);
+        }
+        self.fabric.made.lock().unwrap().push((self.me, lane.index));
+        Ok(true)
+    }
+
+    fn abandon(&self, lane: &LaneSpec, _: Self::Part) {
+        self.fabric
+            .abandoned
+            .lock()
+            .unwrap()
+            .push((self.me, lane.index));
+    }
+
+    fn failed(&self) -> Option<(Rank, String)> {
+        self.fabric
+            .failed
+            .lock()
+            .unwrap()
+            .clone()
+            .filter(|(r, _)| *r != self.me)
+    }
+}
+
+struct Job {
+    makers: Vec<Arc<LaneMaker<FakeKit>>>,
+    services: Vec<std::thread::JoinHandle<()>>,
+    fabric: Arc<Fabric>,
+    board: Arc<LocalBoard>,
+}
+
+/// A job of `ranks` ranks whose services run for the ranks in `serving`.
+fn job(ranks: u32, policy: Policy, timeout: Duration, serving: &[Rank]) -> Job {
+    let fabric = Arc::new(Fabric::default());
+    let board = Arc::new(LocalBoard::default());
+    let makers: Vec<_> = (0..ranks)
+        .map(|me| {
+            Arc::new(LaneMaker::new(
+                me,
+                ranks,
+                policy,
+                timeout,
+                board.clone() as Arc<dyn Board>,
+                FakeKit {
+                    me,
+                    fabric: fabric.clone(),
+                },
+            ))
+        })
+        .collect();
+    let services = serving
+        .iter()
+        .map(|&r| {
+            let m = makers[r as usize].clone();
+            std::thread::spawn(move || m.serve())
+        })
+        .collect();
+    Job {
+        makers,
+        services,
+        fabric,
+        board,
+    }
+}
+
+impl Job {
+    fn need(&self, rank: Rank, dir: Dir, peer: Rank) -> Result<()> {
+        let m = &self.makers[rank as usize];
+        m.need(&m.spec(peer, dir).unwrap())
+    }
+
+    fn stop(self) -> Arc<Fabric> {
+        for m in &self.makers {
+            m.stop();
+        }
+        for s in self.services {
+            s.join().unwrap();
+        }
+        self.fabric
+    }
+}
+
+const T: Duration = Duration::from_secs(10);
+
+#[test]
+fn both_ranks_needing_one_lane_at_once_make_it_once_from_one_id() {
+    for _ in 0..20 {
+        let job = Arc::new(job(2, Policy::PerDirection, T, &[0, 1]));
+        let (a, b) = (job.clone(), job.clone());
+        let send = std::thread::spawn(move || a.need(0, Dir::Send, 1));
+        let recv = std::thread::spawn(move || b.need(1, Dir::Recv, 0));
+        send.join().unwrap().unwrap();
+        recv.join().unwrap().unwrap();
+        let job = Arc::try_unwrap(job).ok().unwrap();
+        let fabric = job.stop();
+        let parts = fabric.parts.lock().unwrap();
+        assert_eq!(parts.len(), 1, "one unique id for the lane");
+        let mut joined = parts.values().next().unwrap().clone();
+        joined.sort();
+        assert_eq!(joined, vec![(0, 0), (1, 1)]);
+        let mut made = fabric.made.lock().unwrap().clone();
+        made.sort();
+        assert_eq!(made, vec![(0, 0), (1, 0)], "lane:0->1 is lane 0");
+    }
+}
+
+#[test]
+fn the_other_rank_makes_its_part_without_being_asked_by_its_own_code() {
+    let job = job(2, Policy::PerDirection, T, &[0, 1]);
+    // Rank 1 (not the owner) needs lane 1->0; rank 0's code never does.
+    job.need(1, Dir::Send, 0).unwrap();
+    let spec = job.makers[0].spec(1, Dir::Recv).unwrap();
+    assert_eq!(spec.name, "lane:1->0");
+    let start = Instant::now();
+    while !job.makers[0].made(&spec) {
+        assert!(
+            start.elapsed() < T,
+            "rank 0's service did not finish its part"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Rank 0's later need returns at once.
+    job.need(0, Dir::Recv, 1).unwrap();
+    let fabric = job.stop();
+    assert_eq!(fabric.parts.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn services_of_a_ring_that_all_need_lanes_at_once_do_not_wait_in_a_cycle() {
+    // Every rank needs its lane to the next rank and from the previous one,
+    // at once: each service is the owner of one lane and the joiner of
+    // another. A service that waited for one lane before the next would
+    // wait in a cycle.
+    let n = 5;
+    let job = Arc::new(job(n, Policy::PerDirection, T, &(0..n).collect::<Vec<_>>()));
+    let threads: Vec<_> = (0..n)
+        .flat_map(|r| {
+            let (a, b) = (job.clone(), job.clone());
+            [
+                std::thread::spawn(move || a.need(r, Dir::Send, (r + 1) % n)),
+                std::thread::spawn(move || b.need(r, Dir::Recv, (r + n - 1) % n)),
+            ]
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+    let job = Arc::try_unwrap(job).ok().unwrap();
+    let fabric = job.stop();
+    assert_eq!(
+        fabric.parts.lock().unwrap().len(),
+        n as usize,
+        "one id per lane"
+    );
+    assert_eq!(fabric.made.lock().unwrap().len(), 2 * n as usize);
+    assert!(fabric.abandoned.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_shared_lane_serves_both_directions() {
+    let job = job(3, Policy::Shared, T, &[0, 1, 2]);
+    job.need(2, Dir::Recv, 0).unwrap();
+    let spec = job.makers[2].spec(0, Dir::Send).unwrap();
+    assert_eq!(spec.name, "pair:0-2");
+    assert!(job.makers[2].made(&spec), "one lane for both directions");
+    assert_eq!(spec.slots(2), vec![(0, Dir::Send), (0, Dir::Recv)]);
+    job.stop();
+}
+
+#[test]
+fn a_failed_peer_fails_the_lane_at_once_naming_it() {
+    let job = job(2, Policy::PerDirection, T, &[0]);
+    *job.fabric.failed.lock().unwrap() = Some((1, "killed by SIGKILL".into()));
+    let start = Instant::now();
+    let e = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert!(start.elapsed() < T / 2, "did not wait for the deadline");
+    assert!(
+        e.contains("lane:0->1") && e.contains("rank 1 failed (killed by SIGKILL)"),
+        "{e}"
+    );
+    // The failure is kept: the next op on the lane fails at once too.
+    let e2 = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert_eq!(e, e2);
+    let fabric = job.stop();
+    assert_eq!(
+        *fabric.abandoned.lock().unwrap(),
+        vec![(0, 0)],
+        "its part was aborted"
+    );
+}
+
+#[test]
+fn a_peer_without_a_service_is_an_error_at_the_deadline_not_a_hang() {
+    let t = Duration::from_millis(300);
+    // The owner waits for the joiner; the joiner waits for the owner.
+    let job = job(2, Policy::PerDirection, t, &[0]);
+    let e = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert!(e.contains("rank 1 did not join it within"), "{e}");
+    let job2 = self::job(2, Policy::PerDirection, t, &[1]);
+    let e = job2.need(1, Dir::Recv, 0).unwrap_err().to_string();
+    assert!(e.contains("rank 0 did not answer within"), "{e}");
+    job.stop();
+    job2.stop();
+}
+
+#[test]
+fn malformed_or_foreign_messages_are_dropped_and_the_service_goes_on() {
+    let job = job(3, Policy::PerDirection, T, &[0, 1]);
+    for junk in [
+        &b""[..],
+        b"want",
+        b"want 01",
+        b"want -1",
+        b"want 1 2",
+        b"join 0 zz",
+        b"join 0 ",
+        b"make 99999999999999999999",
+        b"\xff\xfe",
+        b"hello world",
+    ] {
+        job.board.mail(0, junk).unwrap();
+    }
+    // Lane 4 is lane:2->0, which rank 1 is not in.
+    job.board.mail(1, &LaneMsg::Make(4).encode()).unwrap();
+    job.need(0, Dir::Send, 1).unwrap();
+    job.stop();
+}
+
+#[test]
+fn stopping_fails_the_waits_for_lanes_not_made() {
+    let job = Arc::new(job(2, Policy::PerDirection, T, &[0]));
+    let j = job.clone();
+    let waiter = std::thread::spawn(move || j.need(0, Dir::Send, 1));
+    std::thread::sleep(Duration::from_millis(50));
+    job.makers[0].stop();
+    let e = waiter.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("shutting down"), "{e}");
+    let job = Arc::try_unwrap(job).ok().unwrap();
+    job.stop();
+}
+
+#[test]
+fn lane_messages_round_trip_and_nothing_else_parses() {
+    for m in [
+        LaneMsg::Want(0),
+        LaneMsg::Make(1 << 40),
+        LaneMsg::Join(7, (0..128).collect()),
+    ] {
+        assert_eq!(LaneMsg::parse(&m.encode()), Some(m));
+    }
+    let id = format!("join 1 {}", "ab".repeat(513));
+    assert_eq!(LaneMsg::parse(id.as_bytes()), None, "ids are bounded");
+    assert_eq!(LaneMsg::parse(b"join 1 AB"), None, "lowercase hex only");
+    assert_eq!(LaneMsg::parse(b"want  1"), None);
+    assert!(
+        !format!("{:?}", LaneMsg::Join(1, vec![0xab; 4])).contains("ab"),
+        "the id is never printed"
+    );
+}
+
+#[test]
+fn lane_specs_number_lanes_as_eager_creation_does() {
+    for policy in [Policy::PerDirection, Policy::Shared] {
+        let n = 4;
+        for (i, (a, b)) in duplex::compile::lane_pairs(policy, n).enumerate() {
+            let s = LaneSpec::at(policy, n, i as u64).unwrap();
+            assert_eq!(s.logical, i as u32 + 1);
+            assert_eq!(s.members, [a.min(b), a.max(b)]);
+            assert_eq!(s.name, duplex::compile::lane(policy, a, Dir::Send, b).0);
+            assert_eq!(
+                LaneSpec::between(policy, n, a, Dir::Send, b),
+                Some(s.clone())
+            );
+            assert_eq!(LaneSpec::between(policy, n, b, Dir::Recv, a), Some(s));
+        }
+    }
+}
