@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite faults calibrate bench lanes all
+#                                 ./gpu-out). WHAT: suite suite-lazy faults calibrate bench lanes all
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
 #                                 judge (scripts/gpu-nightly.sh); exits 1 when
@@ -31,8 +31,11 @@
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and, for lane memory (issue 12, item 3), a third,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
-# (the suite has 29 jobs since the copy-engine lane scenarios,
-# self-unpaired and read-after-abort) and copy the reports back into the repo (docs/gpu/).
+# (the suite has 30 jobs since the copy-engine lane scenarios,
+# self-unpaired, read-after-abort and reply-after-wait), and for lanes made
+# on first use (issue 12, item 3) a fourth,
+#   run(command="OUT=/tmp/r SUITE_S=280 scripts/gpu.sh run suite-lazy; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt", ...)
+# and copy the reports back into the repo (docs/gpu/).
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
 # lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL
@@ -89,7 +92,7 @@ run)
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
   steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-  [ "${steps[0]}" = all ] && steps=(suite faults calibrate bench lanes)
+  [ "${steps[0]}" = all ] && steps=(suite suite-lazy faults calibrate bench lanes)
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
   for s in "${steps[@]}"; do
     case "$s" in
@@ -99,6 +102,15 @@ run)
       set +e
       DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite.txt"
       record suite "${PIPESTATUS[0]}"
+      set -e ;;
+    suite-lazy)
+      # The same suite with every lane made on first use (DUPLEX_LANES=lazy,
+      # read by Local::new and Process::from_env in each child): lanes made
+      # by the ranks' lane services, L1 of docs/semantics.md included
+      # (scenario reply-after-wait).
+      set +e
+      DUPLEX_LANES=lazy DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite-lazy.txt"
+      record suite-lazy "${PIPESTATUS[0]}"
       set -e ;;
     faults)
       # The fault matrix (backend-nccl/examples/faults.rs): every case's

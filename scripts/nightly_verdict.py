@@ -11,6 +11,8 @@ the last line of a name counts) and the reports of each step:
   suite      the libtest binary (tests/tests/nccl.rs) exits 0, prints
              "ran N scenarios", N scenario lines all PASS, and "test result:
              ok." with at least one test passed (OUT/suite.txt)
+  suite-lazy the same suite with lanes made on first use
+             (DUPLEX_LANES=lazy), judged the same way (OUT/suite-lazy.txt)
   faults     `faults drive` exits 0, and its table (OUT/faults.md) has a row
              per case, none FAIL, and "K of K cases passed"
   calibrate  `duplex calibrate --format markdown` exits 0 (1: some example
@@ -34,7 +36,7 @@ import os
 import re
 import sys
 
-STEPS = ("build", "suite", "faults", "calibrate", "bench")
+STEPS = ("build", "suite", "suite-lazy", "faults", "calibrate", "bench")
 TIMED_OUT = {124: "timed out", 137: "killed (timed out or out of memory)"}
 
 
@@ -272,6 +274,8 @@ def verdict(out, known):
     ok, why = judge_build(steps.get("build"))
     results.append(("build", ok, why, {}))
     results.append(("suite", *judge_suite(read(os.path.join(out, "suite.txt")), steps.get("suite"))))
+    results.append(("suite-lazy", *judge_suite(read(os.path.join(out, "suite-lazy.txt")),
+                                               steps.get("suite-lazy"))))
     results.append(("faults", *judge_faults(read(os.path.join(out, "faults.md")), steps.get("faults"))))
     results.append(("calibrate", *judge_calibration(read(os.path.join(out, "calibration.md")),
                                                     steps.get("calibrate"), known)))
@@ -286,7 +290,7 @@ def render(results):
     for step, ok, why, _ in results:
         text = "; ".join(why).replace("|", "/")
         lines.append(f"| {step} | {'pass' if ok else '**FAIL**'} | {text} |")
-    lines += ["", "Reports: suite.txt, faults.md (faults.log), calibration.md (calibration.log), "
+    lines += ["", "Reports: suite.txt, suite-lazy.txt, faults.md (faults.log), calibration.md (calibration.log), "
               "benchmarks.md (bench-log.txt, bench-compare.log, bench-*.json), machine.txt."]
     return passed, "\n".join(lines) + "\n"
 

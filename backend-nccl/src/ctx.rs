@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use duplex::report::OpInfo;
@@ -19,6 +19,8 @@ use crate::copy::{CopyLane, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::guard::{Done, IssueLock, Ledger};
 use crate::health::Health;
+use crate::lanes::nccl::NcclKit;
+use crate::lanes::{LaneEnd, LaneMaker, Lanes};
 use crate::nccl::Nccl;
 use crate::registry::Registry;
 use duplex::compile;
@@ -42,6 +44,34 @@ pub struct Options {
     /// ([`crate::copy`]; C1–C6 of `docs/semantics.md`). One process only
     /// ([`crate::Local`]).
     pub copy_from: Option<u64>,
+    /// When lanes are made: all at creation, or each when first needed.
+    pub lanes: LaneMode,
+}
+
+/// When a run makes its lanes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LaneMode {
+    /// Every lane at creation, by `ncclCommSplit` of the world, connected
+    /// in one group: 2(n−1) lane ends per rank under per-direction.
+    #[default]
+    Eager,
+    /// A lane when one of its ranks first needs it, by its two ranks' lane
+    /// services ([`crate::lanes`]): only the pairs that talk pay for one.
+    /// A host call that needs a lane not yet made waits for it (a
+    /// communicator's setup, tens of milliseconds).
+    Lazy,
+}
+
+impl std::str::FromStr for LaneMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<LaneMode, String> {
+        match s {
+            "eager" => Ok(LaneMode::Eager),
+            "lazy" => Ok(LaneMode::Lazy),
+            other => Err(format!("lanes `{other}`: expected `eager` or `lazy`")),
+        }
+    }
 }
 
 impl Default for Options {
@@ -56,6 +86,7 @@ impl Default for Options {
             model: Model::default(),
             ctas: (None, None),
             copy_from: None,
+            lanes: LaneMode::Eager,
         }
     }
 }
@@ -483,7 +514,19 @@ pub(crate) struct RankCtx {
     pub(crate) policy: Policy,
     pub(crate) opts: Options,
     pub(crate) lib: &'static Nccl,
-    pub(crate) lanes: HashMap<(Rank, Dir), (String, Comm, NcclStream)>,
+    /// The rank's lane ends, made at creation or on first need.
+    pub(crate) lanes: Lanes,
+    /// Under [`LaneMode::Lazy`], the rank's lane service.
+    pub(crate) maker: OnceLock<Arc<LaneMaker<NcclKit>>>,
+    /// The lane service's thread, joined at teardown.
+    pub(crate) service: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Two device bytes that lazily made lanes exchange to connect: made
+    /// at creation, freed with the context, never while kernels may run
+    /// (a free synchronizes the device, P8 of [`crate::guard`]).
+    pub(crate) warmup: Memory,
+    /// Set by [`RankCtx::abort_all`] before it collects the communicators:
+    /// a lane made after that is aborted, not added.
+    pub(crate) closed: AtomicBool,
     /// Copy-engine lanes toward (send) and from (recv) each peer.
     pub(crate) copy: HashMap<(Rank, Dir), Arc<CopyEnd>>,
     pub(crate) world: Comm,
@@ -515,7 +558,7 @@ pub(crate) struct RankCtx {
     /// failed (not for this rank's own deadline): errors then name that
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
-    pub(crate) costs: Vec<LaneCost>,
+    pub(crate) costs: Mutex<Vec<LaneCost>>,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
 }
@@ -571,13 +614,31 @@ impl RankCtx {
         };
         registry.comm(0, "world", &world.members, opts.warm);
         let default_stream = new_stream("default", &mut streams)?;
-        let mut lanes = HashMap::new();
+        let lanes = Lanes::new(n);
         let mut costs = Vec::new();
+        let lazy = opts.lanes == LaneMode::Lazy;
+        if lazy && let Ok(v) = std::env::var("NCCL_COMM_ID") {
+            return Err(Error::Invalid {
+                at: "NCCL_COMM_ID".into(),
+                message: format!(
+                    "NCCL_COMM_ID={v} gives every communicator the same unique id, so lanes cannot be made on first use; unset it, or use eager lanes"
+                ),
+            });
+        }
         let mut comms = vec![world.clone()];
         let mut logical = 1u32;
         // Every rank walks the same pairs in the same order: each split is
         // collective over the world communicator.
-        for (a, b) in compile::lane_pairs(policy, n) {
+        // Lazily made lanes keep the numbers eager ones have.
+        if lazy {
+            logical +=
+                u32::try_from(compile::lane_count(policy, n)).map_err(|_| Error::Invalid {
+                    at: "world size".into(),
+                    message: format!("{n} ranks have more lanes than duplex numbers"),
+                })?;
+        }
+        let eager_pairs = compile::lane_pairs(policy, n).filter(|_| !lazy);
+        for (a, b) in eager_pairs {
             let (name, members, _) = compile::lane(policy, a, Dir::Send, b);
             let before = device.memory().map(|m| m.0).unwrap_or(0);
             let start = Instant::now();
@@ -600,17 +661,19 @@ impl RankCtx {
             let Some(comm) = comm else { continue };
             let stream = new_stream(&name, &mut streams)?;
             let peer = if a == rank { b } else { a };
+            let end = LaneEnd {
+                name: name.clone(),
+                comm: comm.clone(),
+                stream,
+            };
             match policy {
                 Policy::PerDirection => {
                     let dir = if a == rank { Dir::Send } else { Dir::Recv };
-                    lanes.insert((peer, dir), (name.clone(), comm.clone(), stream));
+                    lanes.set(peer, dir, end);
                 }
                 Policy::Shared => {
-                    lanes.insert(
-                        (peer, Dir::Send),
-                        (name.clone(), comm.clone(), stream.clone()),
-                    );
-                    lanes.insert((peer, Dir::Recv), (name.clone(), comm.clone(), stream));
+                    lanes.set(peer, Dir::Send, end.clone());
+                    lanes.set(peer, Dir::Recv, end);
                 }
             }
             comms.push(comm.clone());
@@ -661,12 +724,18 @@ impl RankCtx {
                 logical += 1;
             }
         }
+        device.bind()?;
+        let warmup = Memory::zeroed(2)?;
         let ctx = Arc::new(RankCtx {
             rank,
             world_size: n,
             policy,
             lib,
             lanes,
+            maker: OnceLock::new(),
+            service: Mutex::new(None),
+            warmup,
+            closed: AtomicBool::new(false),
             copy,
             world,
             default_stream,
@@ -683,17 +752,35 @@ impl RankCtx {
             lost: Mutex::new(Vec::new()),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
-            costs,
+            costs: Mutex::new(costs),
             device,
             opts,
         });
         watchdog(&ctx);
+        if lazy {
+            let maker = Arc::new(LaneMaker::new(
+                rank,
+                n,
+                policy,
+                ctx.opts.timeout,
+                ctx.board.clone(),
+                NcclKit {
+                    ctx: Arc::downgrade(&ctx),
+                },
+            ));
+            let _ = ctx.maker.set(maker.clone());
+            let service = std::thread::Builder::new()
+                .name(format!("duplex lanes {rank}"))
+                .spawn(move || maker.serve())
+                .map_err(|e| Error::Aborted(format!("starting rank {rank}'s lane service: {e}")))?;
+            *lock(&ctx.service) = Some(service);
+        }
         // Per-direction lanes are connected now (R6, R7); with `warm`, the
         // world communicator and shared lanes too. One group per rank holding
         // every connection: a group's ops cannot block each other (R8).
         let mut warm: Vec<Comm> = Vec::new();
         if ctx.policy == Policy::PerDirection || ctx.opts.warm {
-            warm.extend(ctx.lanes.values().map(|(_, c, _)| c.clone()));
+            warm.extend(ctx.lanes.ends().map(|e| e.comm.clone()));
         }
         if ctx.opts.warm {
             warm.push(ctx.world.clone());
@@ -706,6 +793,24 @@ impl RankCtx {
             return Err(e);
         }
         Ok(ctx)
+    }
+
+    /// The lane toward (`Send`) or from (`Recv`) `peer`: made at creation,
+    /// or under [`LaneMode::Lazy`] made now if it is not yet (waiting, up
+    /// to the deadline, for the two ranks' lane services). `None` for no
+    /// lane (this rank itself, a rank outside the job).
+    pub(crate) fn lane_end(&self, peer: Rank, dir: Dir) -> Result<Option<&LaneEnd>> {
+        if let Some(end) = self.lanes.get(peer, dir) {
+            return Ok(Some(end));
+        }
+        let Some(maker) = self.maker.get() else {
+            return Ok(None);
+        };
+        let Some(spec) = maker.spec(peer, dir) else {
+            return Ok(None);
+        };
+        maker.need(&spec)?;
+        Ok(self.lanes.get(peer, dir))
     }
 
     /// Connects `comms` by a one-byte exchange between every pair of their
@@ -825,7 +930,7 @@ impl RankCtx {
     /// `comms` too, but a lane's entry is kept for certainty).
     fn all_comms(&self) -> Vec<Comm> {
         let mut all = lock(&self.comms).clone();
-        all.extend(self.lanes.values().map(|(_, c, _)| c.clone()));
+        all.extend(self.lanes.ends().map(|e| e.comm.clone()));
         all.push(self.world.clone());
         all
     }
@@ -834,6 +939,9 @@ impl RankCtx {
     /// [`crate::guard`]): each is freed now, or when the last thread that
     /// holds it leaves (P4).
     pub(crate) fn abort_all(&self) {
+        // Before the communicators are collected (under their lock): a lane
+        // service that adds one later sees the flag and aborts it itself.
+        self.closed.store(true, Ordering::Release);
         // Copy-engine lanes first: aborting them releases the streams that
         // wait on them, and never blocks; freeing a communicator waits for
         // every stream of the device (P8 of [`crate::guard`]).
@@ -872,6 +980,24 @@ impl RankCtx {
     /// free memory a kernel may use. Never blocks past the deadline.
     pub(crate) fn teardown(&self) {
         let _ = self.device.bind();
+        // No lane is made from now on; lanes in progress are abandoned.
+        if let Some(m) = self.maker.get() {
+            m.stop();
+        }
+        let service = lock(&self.service).take();
+        if let Some(s) = service {
+            // The service stops within a poll; an abandon that waits on the
+            // device (P8) is what could keep it: never wait past the deadline.
+            let stopped = poll(self.opts.timeout, || Ok(s.is_finished()));
+            if matches!(stopped, Ok(true)) {
+                let _ = s.join();
+            } else {
+                tracing::warn!(
+                    rank = self.rank,
+                    "the lane service did not stop: leaving it"
+                );
+            }
+        }
         if matches!(
             poll(self.opts.timeout, || Ok(self.pending().is_empty())),
             Ok(true)

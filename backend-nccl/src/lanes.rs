@@ -342,8 +342,8 @@ impl<K: LaneKit> LaneMaker<K> {
     pub fn need(&self, lane: &LaneSpec) -> Result<()> {
         let deadline = Deadline::after(self.timeout + GRACE);
         let mut states = lock(&self.states);
-        if !states.contains_key(&lane.index) {
-            states.insert(lane.index, State::Wanted);
+        if let std::collections::hash_map::Entry::Vacant(v) = states.entry(lane.index) {
+            v.insert(State::Wanted);
             drop(states);
             let posted = self
                 .board
@@ -645,6 +645,8 @@ impl<K: LaneKit> LaneMaker<K> {
         }
     }
 }
+
+pub(crate) mod nccl;
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -21,6 +21,7 @@ use crate::ctx::{
     OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
+use crate::lanes::LaneEnd;
 use crate::nccl::Nccl;
 use crate::registry::{Blocked, LaunchRec, OpRec};
 
@@ -94,8 +95,8 @@ impl NcclRank {
     }
 
     /// What each lane of this rank cost to make.
-    pub fn lane_costs(&self) -> &[LaneCost] {
-        &self.ctx.costs
+    pub fn lane_costs(&self) -> Vec<LaneCost> {
+        lock(&self.ctx.costs).clone()
     }
 
     /// The NCCL library in use.
@@ -133,7 +134,12 @@ impl NcclRank {
         bytes: usize,
         stream: Option<&NcclStream>,
     ) -> Result<()> {
-        let Some((_, comm, lane_stream)) = self.ctx.lanes.get(&(peer, dir)) else {
+        let Some(LaneEnd {
+            comm,
+            stream: lane_stream,
+            ..
+        }) = self.ctx.lane_end(peer, dir)?
+        else {
             return Err(Error::Invalid {
                 at: "raw_p2p".into(),
                 message: format!("no lane toward rank {peer}"),
@@ -231,7 +237,9 @@ impl NcclRank {
         let lane = if peer == self.ctx.rank {
             None
         } else {
-            self.ctx.lanes.get(&(peer, dir))
+            // Under lazy lanes, a lane not made yet is made now (this
+            // waits for the two ranks' lane services, not for user code).
+            self.ctx.lane_end(peer, dir)?
         };
         if let Some(s) = &place_.stream
             && s.0.rank != self.ctx.rank
@@ -248,7 +256,7 @@ impl NcclRank {
                 place_.comm.as_ref().map(|c| &c.0),
                 place_.stream.as_ref(),
                 scoped.last(),
-                lane.map(|(_, c, s)| (c, s)),
+                lane.map(|e| (&e.comm, &e.stream)),
                 || &self.ctx.world,
                 || &self.ctx.default_stream,
             );
@@ -1302,8 +1310,8 @@ impl Transport for NcclRank {
 
     #[track_caller]
     fn lane(&self, peer: Rank, dir: Dir) -> Result<Lane<Self>> {
-        match self.ctx.lanes.get(&(peer, dir)) {
-            Some((name, comm, stream)) => Ok(Lane {
+        match self.ctx.lane_end(peer, dir)? {
+            Some(LaneEnd { name, comm, stream }) => Ok(Lane {
                 name: name.clone(),
                 comm: NcclComm(comm.clone()),
                 stream: stream.clone(),

@@ -29,6 +29,19 @@ pub struct RankReport {
     pub lanes: Vec<LaneCost>,
 }
 
+/// The default settings, with `DUPLEX_LANES` (`eager` or `lazy`) read
+/// from the environment.
+fn options_from_env() -> Result<Options> {
+    let mut opts = Options::default();
+    if let Ok(v) = std::env::var("DUPLEX_LANES") {
+        opts.lanes = v.parse().map_err(|e: String| Error::Invalid {
+            at: "DUPLEX_LANES".into(),
+            message: e,
+        })?;
+    }
+    Ok(opts)
+}
+
 /// Settings shared by both runners.
 #[derive(Clone, Debug)]
 struct Settings {
@@ -54,6 +67,15 @@ macro_rules! builder {
         /// communicators at creation (`lazy-connect=off`).
         pub fn warm(mut self, warm: bool) -> Self {
             self.settings.opts.warm = warm;
+            self
+        }
+
+        /// When lanes are made: all at creation ([`crate::LaneMode::Eager`],
+        /// the default, or `DUPLEX_LANES=eager`), or each by its two ranks'
+        /// lane services when first needed ([`crate::LaneMode::Lazy`],
+        /// `DUPLEX_LANES=lazy`; [`crate::lanes`]).
+        pub fn lanes(mut self, mode: crate::LaneMode) -> Self {
+            self.settings.opts.lanes = mode;
             self
         }
 
@@ -92,6 +114,7 @@ impl Local {
     /// A run over GPUs `0..ranks`. Fails, saying what is missing and how to
     /// point duplex at it, without NCCL, a CUDA driver or enough GPUs.
     pub fn new(ranks: u32) -> Result<Local> {
+        let opts = options_from_env()?;
         let lib = nccl()?;
         let n = cuda::init()?;
         if (n as u32) < ranks || ranks == 0 {
@@ -107,7 +130,7 @@ impl Local {
             lib,
             settings: Settings {
                 policy: Policy::PerDirection,
-                opts: Options::default(),
+                opts,
             },
         })
     }
@@ -309,7 +332,7 @@ impl Process {
             lib,
             settings: Settings {
                 policy: Policy::PerDirection,
-                opts: Options::default(),
+                opts: options_from_env()?,
             },
         })
     }
@@ -540,7 +563,7 @@ where
     })
     .map_err(failed)?;
     let setup_ms = start.elapsed().as_secs_f64() * 1e3;
-    let lanes = ctx.costs.clone();
+    let lanes = crate::ctx::lock(&ctx.costs).clone();
     let handle = NcclRank::new(ctx, "main");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&handle)))
         .unwrap_or_else(|p| {

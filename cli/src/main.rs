@@ -89,6 +89,11 @@ struct RunArgs {
     /// Deadline of every wait on GPUs, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// With `--backend nccl`: make every lane at start (`eager`), or each
+    /// lane when its pair first talks (`lazy`, by the two ranks' lane
+    /// services). Default: `DUPLEX_LANES`, else eager.
+    #[arg(long, value_name = "eager|lazy")]
+    lanes: Option<duplex_nccl::LaneMode>,
     /// The simulator's random schedule.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -378,7 +383,11 @@ fn run_run(args: &RunArgs) -> ExitCode {
     let mut ran = match args.backend {
         Backend::Sim => run::on_sim(&program, args.seed),
         Backend::Nccl => {
-            match run::on_nccl(&program, std::time::Duration::from_millis(args.timeout_ms)) {
+            match run::on_nccl(
+                &program,
+                std::time::Duration::from_millis(args.timeout_ms),
+                args.lanes,
+            ) {
                 Ok(r) => r,
                 Err(e) => {
                     // Nothing ran: NCCL, the CUDA driver or the GPUs could

@@ -99,8 +99,16 @@ fn classify(start: Instant, r: Result<(), Error>) -> Ran {
 /// Runs `program` on GPUs: a thread per rank, GPUs `0..ranks`. The
 /// program's `lazy-connect` decides whether communicators are connected
 /// before it starts; its policy places the ops.
-pub(crate) fn on_nccl(program: &Program, timeout: Duration) -> Result<Ran, Error> {
-    let local = Local::new(program.ranks)?
+pub(crate) fn on_nccl(
+    program: &Program,
+    timeout: Duration,
+    lanes: Option<duplex_nccl::LaneMode>,
+) -> Result<Ran, Error> {
+    let mut local = Local::new(program.ranks)?;
+    if let Some(mode) = lanes {
+        local = local.lanes(mode);
+    }
+    let local = local
         .policy(program.policy)
         .copy_from(program.copy_from)
         .warm(!program.model.lazy_connect)

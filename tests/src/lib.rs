@@ -265,6 +265,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             events_across_streams::<T>,
         ),
         s(
+            "reply-after-wait",
+            "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",
+            2,
+            PerDirection,
+            Completes,
+            reply_after_wait::<T>,
+        ),
+        s(
             "scoped-stream",
             "with_stream places the ops inside it on the user's stream",
             2,
@@ -471,6 +479,29 @@ pub fn seed_rpc<T: Transport>(t: &T) -> Result<()> {
     })?;
     t.join(tx)?;
     t.join(rx)
+}
+
+/// Rank 0 receives first and sends second; rank 1 waits on the host for
+/// rank 0's message before it replies. Rank 0's send goes out while its
+/// recv waits on the device: with lanes made on first use, the lane it
+/// goes on is made then (L1 of `docs/semantics.md`).
+pub fn reply_after_wait<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let mut inb = t.alloc::<u32>(len())?;
+    if t.rank() == 0 {
+        t.recv(&mut inb, peer)?;
+        let out = filled(t, peer, 5)?;
+        t.send(&out, peer)?;
+        t.synchronize()?;
+        check(t, &inb, peer, 6)
+    } else {
+        t.recv(&mut inb, peer)?;
+        t.synchronize()?;
+        check(t, &inb, peer, 5)?;
+        let out = filled(t, peer, 6)?;
+        t.send(&out, peer)?;
+        t.synchronize()
+    }
 }
 
 /// A ring: send to the next rank, receive from the previous.

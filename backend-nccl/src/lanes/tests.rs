@@ -11,10 +11,13 @@ use duplex::{Dir, Policy, Rank, Result};
 use super::{LaneKit, LaneMaker, LaneMsg, LaneSpec};
 use crate::board::{Board, LocalBoard};
 
+/// Who started a part from each unique id: (rank, rank in the lane).
+type Joined = HashMap<Vec<u8>, Vec<(Rank, u32)>>;
+
 /// What the fake NCCL knows: which ranks started a part from each id.
 #[derive(Default)]
 struct Fabric {
-    parts: Mutex<HashMap<Vec<u8>, Vec<(Rank, u32)>>>,
+    parts: Mutex<Joined>,
     next: AtomicU64,
     failed: Mutex<Option<(Rank, String)>>,
     made: Mutex<Vec<(Rank, u64)>>,
@@ -39,7 +42,7 @@ impl LaneKit for FakeKit {
     }
 
     fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<Self::Part> {
-        let mut parts = self.fabric.parts.lock().unwrap();
+        let mut parts = self.fabric.parts.lock().expect("not poisoned");
         parts
             .entry(id.to_vec())
             .or_default()
@@ -48,7 +51,7 @@ impl LaneKit for FakeKit {
     }
 
     fn advance(&self, lane: &LaneSpec, part: &mut Self::Part) -> Result<bool> {
-        let joined = self.fabric.parts.lock().unwrap()[&part.0].len();
+        let joined = self.fabric.parts.lock().expect("not poisoned")[&part.0].len();
         if joined < 2 {
             return Ok(false);
         }
@@ -57,7 +60,11 @@ impl LaneKit for FakeKit {
         if part.1 < 3 {
             return Ok(false);
         }
-        self.fabric.made.lock().unwrap().push((self.me, lane.index));
+        self.fabric
+            .made
+            .lock()
+            .expect("not poisoned")
+            .push((self.me, lane.index));
         Ok(true)
     }
 
@@ -65,7 +72,7 @@ impl LaneKit for FakeKit {
         self.fabric
             .abandoned
             .lock()
-            .unwrap()
+            .expect("not poisoned")
             .push((self.me, lane.index));
     }
 
@@ -73,7 +80,7 @@ impl LaneKit for FakeKit {
         self.fabric
             .failed
             .lock()
-            .unwrap()
+            .expect("not poisoned")
             .clone()
             .filter(|(r, _)| *r != self.me)
     }
@@ -123,7 +130,7 @@ fn job(ranks: u32, policy: Policy, timeout: Duration, serving: &[Rank]) -> Job {
 impl Job {
     fn need(&self, rank: Rank, dir: Dir, peer: Rank) -> Result<()> {
         let m = &self.makers[rank as usize];
-        m.need(&m.spec(peer, dir).unwrap())
+        m.need(&m.spec(peer, dir).expect("a lane"))
     }
 
     fn stop(self) -> Arc<Fabric> {
@@ -131,7 +138,7 @@ impl Job {
             m.stop();
         }
         for s in self.services {
-            s.join().unwrap();
+            s.join().expect("the service ends");
         }
         self.fabric
     }
@@ -150,12 +157,12 @@ fn both_ranks_needing_one_lane_at_once_make_it_once_from_one_id() {
         recv.join().unwrap().unwrap();
         let job = Arc::try_unwrap(job).ok().unwrap();
         let fabric = job.stop();
-        let parts = fabric.parts.lock().unwrap();
+        let parts = fabric.parts.lock().expect("not poisoned");
         assert_eq!(parts.len(), 1, "one unique id for the lane");
         let mut joined = parts.values().next().unwrap().clone();
         joined.sort();
         assert_eq!(joined, vec![(0, 0), (1, 1)]);
-        let mut made = fabric.made.lock().unwrap().clone();
+        let mut made = fabric.made.lock().expect("not poisoned").clone();
         made.sort();
         assert_eq!(made, vec![(0, 0), (1, 0)], "lane:0->1 is lane 0");
     }
@@ -179,7 +186,7 @@ fn the_other_rank_makes_its_part_without_being_asked_by_its_own_code() {
     // Rank 0's later need returns at once.
     job.need(0, Dir::Recv, 1).unwrap();
     let fabric = job.stop();
-    assert_eq!(fabric.parts.lock().unwrap().len(), 1);
+    assert_eq!(fabric.parts.lock().expect("not poisoned").len(), 1);
 }
 
 #[test]
@@ -205,12 +212,15 @@ fn services_of_a_ring_that_all_need_lanes_at_once_do_not_wait_in_a_cycle() {
     let job = Arc::try_unwrap(job).ok().unwrap();
     let fabric = job.stop();
     assert_eq!(
-        fabric.parts.lock().unwrap().len(),
+        fabric.parts.lock().expect("not poisoned").len(),
         n as usize,
         "one id per lane"
     );
-    assert_eq!(fabric.made.lock().unwrap().len(), 2 * n as usize);
-    assert!(fabric.abandoned.lock().unwrap().is_empty());
+    assert_eq!(
+        fabric.made.lock().expect("not poisoned").len(),
+        2 * n as usize
+    );
+    assert!(fabric.abandoned.lock().expect("not poisoned").is_empty());
 }
 
 #[test]
@@ -227,7 +237,7 @@ fn a_shared_lane_serves_both_directions() {
 #[test]
 fn a_failed_peer_fails_the_lane_at_once_naming_it() {
     let job = job(2, Policy::PerDirection, T, &[0]);
-    *job.fabric.failed.lock().unwrap() = Some((1, "killed by SIGKILL".into()));
+    *job.fabric.failed.lock().expect("not poisoned") = Some((1, "killed by SIGKILL".into()));
     let start = Instant::now();
     let e = job.need(0, Dir::Send, 1).unwrap_err().to_string();
     assert!(start.elapsed() < T / 2, "did not wait for the deadline");
@@ -240,7 +250,7 @@ fn a_failed_peer_fails_the_lane_at_once_naming_it() {
     assert_eq!(e, e2);
     let fabric = job.stop();
     assert_eq!(
-        *fabric.abandoned.lock().unwrap(),
+        *fabric.abandoned.lock().expect("not poisoned"),
         vec![(0, 0)],
         "its part was aborted"
     );
