@@ -103,8 +103,27 @@ impl CommInner {
 
     /// Waits until no operation is in progress on it.
     pub fn ready(&self, timeout: Duration, what: &str) -> Result<(), Error> {
+        self.ready_with(timeout, what, &mut || {})
+    }
+
+    /// [`CommInner::ready`], calling `between` while it waits: a caller
+    /// that holds the rank's issue lock passes the lane service's NCCL
+    /// calls (`RankCtx::assist`), which must not wait for
+    /// the lock while the holder waits for another rank.
+    pub fn ready_with(
+        &self,
+        timeout: Duration,
+        what: &str,
+        between: &mut dyn FnMut(),
+    ) -> Result<(), Error> {
         let held = self.enter()?;
-        let ok = poll(timeout, || held.async_error())?;
+        let ok = poll(timeout, || {
+            if held.async_error()? {
+                return Ok(true);
+            }
+            between();
+            Ok(false)
+        })?;
         if ok {
             Ok(())
         } else {
@@ -162,13 +181,17 @@ impl Slot {
 
 /// A communicator whose asynchronous setup (`ncclCommInitRankConfig` on a
 /// non-blocking config) is under way: [`Starting::poll`] it until ready,
-/// then [`Starting::finish`]; or [`Starting::abandon`] it. Only the thread
-/// that started it touches it until it is finished, so its handle needs no
+/// then [`Starting::finish`]. Dropped unfinished, it is aborted (allowed
+/// while the setup is in progress) and its slot is left to NCCL; the abort
+/// frees the communicator, which waits for the device (P8 of
+/// [`crate::guard`]), so drop it where that may wait ([`crate::reaper`]).
+/// Only its owner touches it until it is finished, so its handle needs no
 /// [`CommCell`] yet.
 #[derive(Debug)]
 pub struct Starting {
     lib: &'static Nccl,
-    slot: Slot,
+    /// `None` once finished.
+    slot: Option<Slot>,
     raw: ncclComm_t,
 }
 
@@ -196,7 +219,7 @@ impl Starting {
         let mut config = lib.config(ctas.0, ctas.1, false);
         let slot = Slot::new();
         // SAFETY: the device is current (the caller's duty); the slot lives
-        // until the setup finishes, or is leaked by `abandon`.
+        // until the setup finishes, or is left to NCCL by the drop.
         unsafe { lib.init_rank(nranks as i32, id, rank as i32, &mut config, slot.ptr()) }?;
         let raw = slot.get();
         if raw.is_null() {
@@ -204,7 +227,11 @@ impl Starting {
                 "ncclCommInitRankConfig returned no communicator".into(),
             ));
         }
-        Ok(Starting { lib, slot, raw })
+        Ok(Starting {
+            lib,
+            slot: Some(slot),
+            raw,
+        })
     }
 
     /// True once the setup has finished; an error if it failed.
@@ -214,19 +241,22 @@ impl Starting {
     }
 
     /// The communicator, once [`Starting::poll`] said ready.
-    pub fn finish(self, logical: u32, name: &str, members: Vec<Rank>) -> Comm {
+    pub fn finish(mut self, logical: u32, name: &str, members: Vec<Rank>) -> Comm {
+        self.slot = None;
         Arc::new(CommInner::new(
             self.lib, self.raw, logical, name, members, false,
         ))
     }
+}
 
-    /// Gives the setup up: aborts it (allowed while in progress) and
-    /// leaves NCCL its slot.
-    pub fn abandon(self) {
-        self.slot.abandon();
-        // SAFETY: abort is allowed while setup is in progress; nothing else
-        // holds the handle.
-        let _ = unsafe { self.lib.abort(self.raw) };
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            slot.abandon();
+            // SAFETY: abort is allowed while setup is in progress; nothing
+            // else holds the handle.
+            let _ = unsafe { self.lib.abort(self.raw) };
+        }
     }
 }
 
@@ -256,7 +286,7 @@ pub fn init(
         starting.poll()
     });
     if let Some((r, why)) = peer {
-        starting.abandon();
+        drop(starting);
         return Err(Error::Aborted(format!(
             "creating the world communicator of rank {rank}: rank {r} failed: {why}"
         )));
@@ -264,7 +294,7 @@ pub fn init(
     match ready {
         Ok(true) => {}
         other => {
-            starting.abandon();
+            drop(starting);
             return Err(other.err().unwrap_or_else(|| Error::Aborted(format!(
                 "ncclCommInitRankConfig did not finish within {timeout:?}: is every rank starting?"
             ))));
@@ -276,7 +306,8 @@ pub fn init(
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
 /// the new communicator, the others `None`. The split itself follows the
 /// parent's mode (non-blocking, under the deadline); the new communicator
-/// is `blocking` or not.
+/// is `blocking` or not. `between` runs while it waits for the other ranks
+/// ([`CommInner::ready_with`]).
 #[allow(clippy::too_many_arguments)]
 pub fn split(
     lib: &'static Nccl,
@@ -288,6 +319,7 @@ pub fn split(
     timeout: Duration,
     ctas: (Option<i32>, Option<i32>),
     blocking: bool,
+    between: &mut dyn FnMut(),
 ) -> Result<Option<Comm>, Error> {
     let mut sorted = members.to_vec();
     sorted.sort_unstable();
@@ -302,7 +334,7 @@ pub fn split(
     unsafe { held.call(|lib, raw| lib.split(raw.0, color, rank as i32, &mut config, slot.ptr())) }?;
     drop(held);
     // The split is collective over the parent, and its job reports there.
-    if let Err(e) = parent.ready(timeout, "ncclCommSplit") {
+    if let Err(e) = parent.ready_with(timeout, "ncclCommSplit", between) {
         slot.abandon();
         return Err(e);
     }
@@ -311,6 +343,6 @@ pub fn split(
         return Ok(None);
     }
     let comm = Arc::new(CommInner::new(lib, raw, logical, name, sorted, blocking));
-    comm.ready(timeout, "ncclCommSplit")?;
+    comm.ready_with(timeout, "ncclCommSplit", between)?;
     Ok(Some(comm))
 }

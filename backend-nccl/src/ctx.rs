@@ -17,7 +17,7 @@ use crate::board::Board;
 use crate::comm::{self, Comm, poll};
 use crate::copy::{CopyLane, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream};
-use crate::guard::{Done, IssueLock, Ledger};
+use crate::guard::{Done, IssueLock, Issuing, Ledger};
 use crate::health::Health;
 use crate::lanes::nccl::NcclKit;
 use crate::lanes::{LaneEnd, LaneMaker, Lanes};
@@ -520,10 +520,13 @@ pub(crate) struct RankCtx {
     pub(crate) maker: OnceLock<Arc<LaneMaker<NcclKit>>>,
     /// The lane service's thread, joined at teardown.
     pub(crate) service: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Two device bytes that lazily made lanes exchange to connect: made
-    /// at creation, freed with the context, never while kernels may run
-    /// (a free synchronizes the device, P8 of [`crate::guard`]).
-    pub(crate) warmup: Memory,
+
+    /// NCCL calls of the lane service waiting for the issue lock: the lane
+    /// service runs them when it gets the lock, and a host thread that
+    /// holds the lock while it waits for another rank (an R7 handshake, a
+    /// split) runs them as it waits ([`RankCtx::assist`]), so that making
+    /// a lane never waits for any rank's user code.
+    pub(crate) assists: Assists,
     /// Set by [`RankCtx::abort_all`] before it collects the communicators:
     /// a lane made after that is aborted, not added.
     pub(crate) closed: AtomicBool,
@@ -559,8 +562,25 @@ pub(crate) struct RankCtx {
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
+    /// Two device bytes that lanes made on first use exchange to connect:
+    /// made at creation, freed with the context after every communicator
+    /// (a free synchronizes the device, P8 of [`crate::guard`]).
+    pub(crate) warmup: Memory,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
+}
+
+/// An NCCL call of the lane service, run by whoever holds the issue lock.
+pub(crate) type Assist = Box<dyn FnOnce(&Issuing<'_>) + Send>;
+
+/// The queue of [`Assist`]s.
+#[derive(Default)]
+pub(crate) struct Assists(Mutex<Vec<Assist>>);
+
+impl std::fmt::Debug for Assists {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Assists({})", lock(&self.0).len())
+    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -655,6 +675,7 @@ impl RankCtx {
                 opts.timeout,
                 opts.ctas,
                 connected,
+                &mut || {},
             )?;
             registry.comm(logical, &name, &members, connected);
             logical += 1;
@@ -735,6 +756,7 @@ impl RankCtx {
             maker: OnceLock::new(),
             service: Mutex::new(None),
             warmup,
+            assists: Assists::default(),
             closed: AtomicBool::new(false),
             copy,
             world,
@@ -757,24 +779,6 @@ impl RankCtx {
             opts,
         });
         watchdog(&ctx);
-        if lazy {
-            let maker = Arc::new(LaneMaker::new(
-                rank,
-                n,
-                policy,
-                ctx.opts.timeout,
-                ctx.board.clone(),
-                NcclKit {
-                    ctx: Arc::downgrade(&ctx),
-                },
-            ));
-            let _ = ctx.maker.set(maker.clone());
-            let service = std::thread::Builder::new()
-                .name(format!("duplex lanes {rank}"))
-                .spawn(move || maker.serve())
-                .map_err(|e| Error::Aborted(format!("starting rank {rank}'s lane service: {e}")))?;
-            *lock(&ctx.service) = Some(service);
-        }
         // Per-direction lanes are connected now (R6, R7); with `warm`, the
         // world communicator and shared lanes too. One group per rank holding
         // every connection: a group's ops cannot block each other (R8).
@@ -792,7 +796,54 @@ impl RankCtx {
             ctx.abort_all();
             return Err(e);
         }
+        // Last, so that no error path leaves the service running.
+        if lazy {
+            if let Err(e) = ctx.prime() {
+                ctx.abort_all();
+                return Err(e);
+            }
+            let maker = Arc::new(LaneMaker::new(
+                rank,
+                n,
+                policy,
+                ctx.opts.timeout,
+                ctx.board.clone(),
+                NcclKit {
+                    ctx: Arc::downgrade(&ctx),
+                },
+            ));
+            let _ = ctx.maker.set(maker.clone());
+            let service = std::thread::Builder::new()
+                .name(format!("duplex lanes {rank}"))
+                .spawn(move || maker.serve())
+                .map_err(|e| Error::Aborted(format!("starting rank {rank}'s lane service: {e}")))?;
+            *lock(&ctx.service) = Some(service);
+        }
         Ok(ctx)
+    }
+
+    /// Runs the lane service's NCCL calls that wait for the issue lock,
+    /// which the caller holds.
+    pub(crate) fn assist(&self, issuing: &Issuing<'_>) {
+        let jobs = {
+            let mut q = lock(&self.assists.0);
+            if q.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *q)
+        };
+        for job in jobs {
+            job(issuing);
+        }
+    }
+
+    /// Queues an NCCL call of the lane service, and runs the queue now if
+    /// the issue lock is free.
+    pub(crate) fn assist_later(&self, job: Assist) {
+        lock(&self.assists.0).push(job);
+        if let Some(issuing) = self.issue.try_lock() {
+            self.assist(&issuing);
+        }
     }
 
     /// The lane toward (`Send`) or from (`Recv`) `peer`: made at creation,
@@ -811,6 +862,45 @@ impl RankCtx {
         };
         maker.need(&spec)?;
         Ok(self.lanes.get(peer, dir))
+    }
+
+    /// Launches NCCL work once before any user code runs: a message of the
+    /// rank to itself on the world communicator, in one group (R12; it
+    /// needs no connection, R7). NCCL's first communicator and first launch
+    /// of a process wait for every kernel running on the device (L1 of
+    /// `docs/semantics.md`, measured on one H200); with lanes made on first
+    /// use, neither may be a lane made while the rank's kernels wait for
+    /// their peers. The world communicator is the first; this is the launch.
+    fn prime(&self) -> Result<()> {
+        self.device.bind()?;
+        let stream = Stream::new()?;
+        let me = self.world.rank_of(self.rank).unwrap_or(0);
+        let bytes = self.warmup.ptr();
+        let issuing = self.issue.lock();
+        let held = [self.world.enter()?];
+        let end = issuing.group(&self.lib, &held, || {
+            // SAFETY: the warm-up bytes live as long as the context; the
+            // stream is live; the issue lock is held.
+            unsafe {
+                held[0].send(bytes, 1, DType::U8.nccl(), me, stream.raw())?;
+                held[0].recv(bytes + 1, 1, DType::U8.nccl(), me, stream.raw())?;
+            }
+            Ok(())
+        })?;
+        drop(held);
+        if !end? {
+            self.world.ready(self.opts.timeout, "priming NCCL")?;
+        }
+        drop(issuing);
+        let ev = Event::new(false)?;
+        ev.record(&stream)?;
+        if !poll(self.opts.timeout, || ev.done())? {
+            return Err(Error::Aborted(format!(
+                "rank {}'s first NCCL launch (a message to itself) did not finish within {:?}",
+                self.rank, self.opts.timeout
+            )));
+        }
+        Ok(())
     }
 
     /// Connects `comms` by a one-byte exchange between every pair of their
@@ -869,7 +959,9 @@ impl RankCtx {
             // Under the issue lock still: no other NCCL call of the rank
             // until the group's communicators are ready.
             for c in &group {
-                c.ready(self.opts.timeout, "connecting")?;
+                c.ready_with(self.opts.timeout, "connecting", &mut || {
+                    self.assist(&issuing)
+                })?;
             }
             drop(issuing);
         }

@@ -14,7 +14,10 @@
 //!   (`ncclGroupStart`/`End`, `ncclSend`/`Recv`, `ncclCommSplit`) is made
 //!   by the thread that holds the rank's [`IssueLock`] (an [`Issuing`]).
 //!   All communicators of a rank live on its device, so this covers both
-//!   of NCCL's rules. Two calls are made without it: the state query
+//!   of NCCL's rules. The lane service of lazy lanes ([`crate::lanes`])
+//!   never waits for the lock: its calls (a communicator's setup, its
+//!   connecting group) are queued, and run by whoever holds the lock next,
+//!   including a thread that holds it while it waits for another rank. Two calls are made without it: the state query
 //!   `ncclCommGetAsyncError` (it reads the communicator's state, as
 //!   PyTorch's watchdog does from its own thread), and the abort path
 //!   (P4, P5), which exists to interrupt the caller.
@@ -696,6 +699,16 @@ impl IssueLock {
             owner: self,
             _g: lock(&self.lock),
         }
+    }
+
+    /// The lock, if no other thread holds it now.
+    pub fn try_lock(&self) -> Option<Issuing<'_>> {
+        let g = match self.lock.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Issuing { owner: self, _g: g })
     }
 
     /// How long the NCCL call in progress has lasted, if one is.

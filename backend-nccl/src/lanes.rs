@@ -1,6 +1,6 @@
 //! A rank's lanes, and lanes made on first use (issue 12 item 3).
 //!
-//! [`Lanes`] holds the lane ends a rank has, one slot per peer and
+//! `Lanes` holds the lane ends a rank has, one slot per peer and
 //! direction, read without a lock on the issue path. Eager runs fill every
 //! slot at creation (`ncclCommSplit` of the world, [`crate::ctx`]). Lazy
 //! runs ([`crate::LaneMode::Lazy`]) fill a slot when the rank first needs
@@ -32,11 +32,22 @@
 //! service fills the rank's slots and the waiting host threads go on.
 //!
 //! No step waits for any rank's user code: a lane is made by the two
-//! ranks' services alone, and only then does an op use it. So a lane made
+//! ranks' services alone, and only then does an op use it. Two steps are
+//! NCCL calls that need the rank's issue lock (P1 of [`crate::guard`]),
+//! which a host thread may hold while it waits for another rank (an R7
+//! handshake on a cold communicator, a collective split): the service
+//! never waits for that lock; it queues the call, and whoever holds the
+//! lock runs the queue, the service itself when the lock is free, the
+//! waiting host thread as it waits (`RankCtx::assist`). Nothing the
+//! service gives up is freed on its thread (a free waits for the device,
+//! P8): it goes to [`crate::reaper`]. So a lane made
 //! on first use is, to the model, a lane connected at creation (R6 and R7
 //! never apply to it), under one assumption of its own, L1 of
 //! `docs/semantics.md`: that NCCL can set up and connect a communicator
-//! while kernels of the device's other communicators wait for peers.
+//! while kernels of the device's other communicators wait for peers. On
+//! one H200 that holds except for a process's first communicator and first
+//! NCCL launch, so a rank with lazy lanes makes both before its user code
+//! runs (`RankCtx::prime`).
 //!
 //! A lane that is not made within the deadline, or whose other rank
 //! failed, fails for good on this rank: every op that needs it returns an
@@ -189,6 +200,9 @@ pub enum LaneMsg {
     Make(u64),
     /// From the owner: start your part of lane L from this unique id.
     Join(u64, Vec<u8>),
+    /// From [`LaneMaker::stop`] to its own service: look at the stop flag
+    /// now rather than at the end of its wait.
+    Wake,
 }
 
 impl std::fmt::Debug for LaneMsg {
@@ -198,6 +212,7 @@ impl std::fmt::Debug for LaneMsg {
             LaneMsg::Make(l) => write!(f, "Make({l})"),
             // The id lets anyone join the communicator: never print it.
             LaneMsg::Join(l, id) => write!(f, "Join({l}, <{} bytes>)", id.len()),
+            LaneMsg::Wake => f.write_str("Wake"),
         }
     }
 }
@@ -212,6 +227,7 @@ impl LaneMsg {
             LaneMsg::Want(l) => format!("want {l}"),
             LaneMsg::Make(l) => format!("make {l}"),
             LaneMsg::Join(l, id) => format!("join {l} {}", hex(id)),
+            LaneMsg::Wake => "wake".into(),
         }
         .into_bytes()
     }
@@ -220,6 +236,9 @@ impl LaneMsg {
     /// for anything else (it comes from the network). Never panics.
     pub fn parse(bytes: &[u8]) -> Option<LaneMsg> {
         let text = std::str::from_utf8(bytes).ok()?;
+        if text == "wake" {
+            return Some(LaneMsg::Wake);
+        }
         let mut words = text.split(' ');
         let (kind, lane) = (words.next()?, words.next()?);
         let lane: u64 = lane.parse().ok().filter(|n: &u64| n.to_string() == lane)?;
@@ -255,16 +274,22 @@ pub trait LaneKit: Send + Sync {
     fn abandon(&self, lane: &LaneSpec, part: Self::Part);
     /// A failed rank of the job other than this one, and why.
     fn failed(&self) -> Option<(Rank, String)>;
+    /// True once the rank this kit serves has ended: the service stops.
+    fn gone(&self) -> bool {
+        false
+    }
 }
 
 /// Where a lane stands on this rank.
 #[derive(Clone, Debug)]
 enum State {
-    /// A host thread needs it; its `want` is on the way to the service.
-    Wanted,
-    /// The service asked the owner (`make`) at this time.
+    /// A host thread needs it (since then); its `want` is on the way to the
+    /// service.
+    Wanted(Instant),
+    /// The service asked the owner (`make`); the time is the first need's.
     Asked(Instant),
-    /// The service is making its part, since this time.
+    /// The service is making its part; the time is the first need's, or
+    /// when the service started unasked.
     Making(Instant),
     /// In the rank's slots.
     Made,
@@ -273,8 +298,17 @@ enum State {
 }
 
 /// How long an idle service waits for a message before it looks again at
-/// its stop flag and at the job's health.
-const IDLE: Duration = Duration::from_millis(20);
+/// its stop flag and at the job's health (across processes, each wait is a
+/// request to the store).
+const IDLE: Duration = Duration::from_millis(200);
+
+/// How long a service that waits for the other rank's answer waits for a
+/// message.
+const ASKED: Duration = Duration::from_millis(20);
+
+/// How long a service making a part waits for a message before it polls
+/// the part again.
+const MAKING: Duration = Duration::from_millis(2);
 
 /// How much longer than the deadline a host thread waits for the service
 /// to make a lane, so that the service's reason for a failure (which
@@ -343,15 +377,21 @@ impl<K: LaneKit> LaneMaker<K> {
         let deadline = Deadline::after(self.timeout + GRACE);
         let mut states = lock(&self.states);
         if let std::collections::hash_map::Entry::Vacant(v) = states.entry(lane.index) {
-            v.insert(State::Wanted);
+            if self.stop.load(Ordering::Acquire) {
+                return Err(Error::Aborted(format!(
+                    "making lane {} of rank {}: rank {} is shutting down",
+                    lane.name, self.me, self.me
+                )));
+            }
+            v.insert(State::Wanted(Instant::now()));
             drop(states);
             let posted = self
                 .board
                 .mail(self.me, &LaneMsg::Want(lane.index).encode());
-            states = lock(&self.states);
             if let Err(e) = posted {
-                self.set(&mut states, lane.index, State::Failed(e.to_string()));
+                self.fail(lane.index, format!("asking its own lane service: {e}"));
             }
+            states = lock(&self.states);
         }
         loop {
             match states.get(&lane.index) {
@@ -365,13 +405,19 @@ impl<K: LaneKit> LaneMaker<K> {
                 _ => {}
             }
             if deadline.expired() {
-                return Err(Error::Aborted(format!(
-                    "lane {} of rank {} was not made within {:?}: rank {}'s lane service did not answer",
-                    lane.name,
-                    self.me,
-                    self.timeout + GRACE,
-                    lane.other(self.me)
-                )));
+                drop(states);
+                // For good, as the service's own deadline would: a later op
+                // must not find the lane made after this one gave up.
+                self.fail(
+                    lane.index,
+                    format!(
+                        "it was not made within {:?} (rank {}'s lane service, or this rank's, did not finish it)",
+                        self.timeout + GRACE,
+                        lane.other(self.me)
+                    ),
+                );
+                states = lock(&self.states);
+                continue;
             }
             states = deadline.wait(&self.changed, states);
         }
@@ -386,8 +432,11 @@ impl<K: LaneKit> LaneMaker<K> {
     /// waits for lanes not made fail.
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        let _g = lock(&self.states);
-        self.changed.notify_all();
+        {
+            let _g = lock(&self.states);
+            self.changed.notify_all();
+        }
+        let _ = self.board.mail(self.me, &LaneMsg::Wake.encode());
     }
 
     fn set(&self, states: &mut HashMap<u64, State>, lane: u64, state: State) {
@@ -397,7 +446,7 @@ impl<K: LaneKit> LaneMaker<K> {
 
     fn fail(&self, lane: u64, why: String) {
         let mut states = lock(&self.states);
-        if !matches!(states.get(&lane), Some(State::Made)) {
+        if !matches!(states.get(&lane), Some(State::Made | State::Failed(_))) {
             tracing::warn!(rank = self.me, lane, why = %why, "a lane was not made");
             self.set(&mut states, lane, State::Failed(why));
         }
@@ -407,7 +456,7 @@ impl<K: LaneKit> LaneMaker<K> {
     pub fn serve(&self) {
         let mut parts: HashMap<u64, (LaneSpec, K::Part)> = HashMap::new();
         loop {
-            if self.stop.load(Ordering::Acquire) {
+            if self.stop.load(Ordering::Acquire) || self.kit.gone() {
                 for (_, (spec, part)) in parts.drain() {
                     self.kit.abandon(&spec, part);
                 }
@@ -426,12 +475,17 @@ impl<K: LaneKit> LaneMaker<K> {
                 }
                 return;
             }
-            let busy = !parts.is_empty()
-                || lock(&self.states)
-                    .values()
-                    .any(|s| matches!(s, State::Wanted | State::Asked(_)));
+            let waiting = lock(&self.states)
+                .values()
+                .any(|s| matches!(s, State::Wanted(_) | State::Asked(_)));
             // Messages: the first read waits a little, the rest only drain.
-            let mut wait = if busy { Duration::from_millis(1) } else { IDLE };
+            let mut wait = if !parts.is_empty() {
+                MAKING
+            } else if waiting {
+                ASKED
+            } else {
+                IDLE
+            };
             for _ in 0..64 {
                 match self.board.inbox(self.me, wait) {
                     Ok(Some(m)) => self.handle(&m, &mut parts),
@@ -441,12 +495,11 @@ impl<K: LaneKit> LaneMaker<K> {
                             rank = self.me,
                             "the lane service cannot read its inbox: {e}"
                         );
-                        self.fail_open(
-                            &mut parts,
-                            |_| true,
-                            &format!("the inbox is unreachable: {e}"),
-                        );
-                        std::thread::sleep(IDLE);
+                        // Perhaps for a moment (a busy store): lanes in
+                        // progress go on, and fail at their deadlines if it
+                        // lasts; a dead store is a failed rank 0, which the
+                        // job's health reports.
+                        std::thread::sleep(ASKED);
                         break;
                     }
                 }
@@ -552,6 +605,7 @@ impl<K: LaneKit> LaneMaker<K> {
         };
         let l = match &msg {
             LaneMsg::Want(l) | LaneMsg::Make(l) | LaneMsg::Join(l, _) => *l,
+            LaneMsg::Wake => return,
         };
         let Some(spec) =
             LaneSpec::at(self.policy, self.ranks, l).filter(|s| s.members.contains(&self.me))
@@ -566,16 +620,16 @@ impl<K: LaneKit> LaneMaker<K> {
         let state = lock(&self.states).get(&l).cloned();
         match msg {
             LaneMsg::Want(_) => {
-                if !matches!(state, Some(State::Wanted)) {
+                let Some(State::Wanted(since)) = state else {
                     return;
-                }
+                };
                 if spec.owner() == self.me {
-                    self.begin(&spec, parts);
+                    self.begin(&spec, since, parts);
                 } else {
                     let asked = self.board.mail(spec.owner(), &LaneMsg::Make(l).encode());
                     let mut states = lock(&self.states);
                     match asked {
-                        Ok(()) => self.set(&mut states, l, State::Asked(Instant::now())),
+                        Ok(()) => self.set(&mut states, l, State::Asked(since)),
                         Err(e) => self.set(
                             &mut states,
                             l,
@@ -585,15 +639,24 @@ impl<K: LaneKit> LaneMaker<K> {
                 }
             }
             LaneMsg::Make(_) => {
-                if spec.owner() == self.me && matches!(state, None | Some(State::Wanted)) {
-                    self.begin(&spec, parts);
+                if spec.owner() == self.me {
+                    match state {
+                        None => self.begin(&spec, Instant::now(), parts),
+                        Some(State::Wanted(since)) => self.begin(&spec, since, parts),
+                        _ => {}
+                    }
                 }
             }
+            LaneMsg::Wake => {}
             LaneMsg::Join(_, id) => {
-                if spec.owner() != self.me
-                    && matches!(state, None | Some(State::Wanted | State::Asked(_)))
-                {
-                    self.start(&spec, &id, parts);
+                if spec.owner() != self.me {
+                    match state {
+                        None => self.start(&spec, &id, Instant::now(), parts),
+                        Some(State::Wanted(since) | State::Asked(since)) => {
+                            self.start(&spec, &id, since, parts)
+                        }
+                        _ => false,
+                    };
                 }
             }
         }
@@ -601,12 +664,17 @@ impl<K: LaneKit> LaneMaker<K> {
 
     /// The owner's beginning: a unique id, mailed to the other rank, and
     /// this rank's part.
-    fn begin(&self, spec: &LaneSpec, parts: &mut HashMap<u64, (LaneSpec, K::Part)>) {
+    fn begin(
+        &self,
+        spec: &LaneSpec,
+        since: Instant,
+        parts: &mut HashMap<u64, (LaneSpec, K::Part)>,
+    ) {
         let id = match self.kit.new_id() {
             Ok(id) => id,
             Err(e) => return self.fail(spec.index, format!("making its unique id: {e}")),
         };
-        if !self.start(spec, &id, parts) {
+        if !self.start(spec, &id, since, parts) {
             return;
         }
         let other = spec.other(self.me);
@@ -629,13 +697,20 @@ impl<K: LaneKit> LaneMaker<K> {
         &self,
         spec: &LaneSpec,
         id: &[u8],
+        since: Instant,
         parts: &mut HashMap<u64, (LaneSpec, K::Part)>,
     ) -> bool {
         match self.kit.start(spec, id) {
             Ok(part) => {
-                parts.insert(spec.index, (spec.clone(), part));
                 let mut states = lock(&self.states);
-                self.set(&mut states, spec.index, State::Making(Instant::now()));
+                if matches!(states.get(&spec.index), Some(State::Failed(_))) {
+                    // A host thread gave up on it meanwhile.
+                    drop(states);
+                    self.kit.abandon(spec, part);
+                    return false;
+                }
+                parts.insert(spec.index, (spec.clone(), part));
+                self.set(&mut states, spec.index, State::Making(since));
                 true
             }
             Err(e) => {

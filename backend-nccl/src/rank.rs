@@ -160,7 +160,9 @@ impl NcclRank {
         }?;
         drop((busy, held));
         if !launched {
-            comm.ready(self.ctx.opts.timeout, "ncclSend/ncclRecv")?;
+            comm.ready_with(self.ctx.opts.timeout, "ncclSend/ncclRecv", &mut || {
+                self.ctx.assist(&issuing)
+            })?;
         }
         Ok(())
     }
@@ -195,7 +197,9 @@ impl NcclRank {
         })?;
         drop(held);
         if !end? {
-            comm.ready(self.ctx.opts.timeout, "ncclGroupEnd")?;
+            comm.ready_with(self.ctx.opts.timeout, "ncclGroupEnd", &mut || {
+                self.ctx.assist(&issuing)
+            })?;
         }
         Ok(())
     }
@@ -234,13 +238,6 @@ impl NcclRank {
                 format!("{}: the buffer belongs to rank {}", what(), buf.state.rank),
             );
         }
-        let lane = if peer == self.ctx.rank {
-            None
-        } else {
-            // Under lazy lanes, a lane not made yet is made now (this
-            // waits for the two ranks' lane services, not for user code).
-            self.ctx.lane_end(peer, dir)?
-        };
         if let Some(s) = &place_.stream
             && s.0.rank != self.ctx.rank
         {
@@ -249,6 +246,14 @@ impl NcclRank {
                 format!("{}: the stream belongs to rank {}", what(), s.0.rank),
             );
         }
+        // An op on an explicit communicator uses no lane (`check::resolve`).
+        let lane = if peer == self.ctx.rank || place_.comm.is_some() {
+            None
+        } else {
+            // Under lazy lanes, a lane not made yet is made now (this
+            // waits for the two ranks' lane services, not for user code).
+            self.ctx.lane_end(peer, dir)?
+        };
         // Resolved by reference; only the chosen pair is cloned.
         let (comm, stream) = {
             let scoped = self.scoped.borrow();
@@ -755,6 +760,9 @@ impl NcclRank {
             let polled = poll(ctx.opts.timeout, || {
                 for h in &held {
                     if !h.async_error()? {
+                        // The lane service's NCCL calls, meanwhile: the
+                        // handshake waits for another rank's code.
+                        ctx.assist(issuing);
                         return Ok(false);
                     }
                 }
@@ -1279,7 +1287,7 @@ impl Transport for NcclRank {
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
         self.ctx.device.bind()?;
         let comm = {
-            let _issuing = self.ctx.issue.lock();
+            let issuing = self.ctx.issue.lock();
             comm::split(
                 self.ctx.lib,
                 &self.ctx.world,
@@ -1290,6 +1298,7 @@ impl Transport for NcclRank {
                 self.ctx.opts.timeout,
                 (None, None),
                 self.ctx.opts.warm,
+                &mut || self.ctx.assist(&issuing),
             )?
         };
         self.ctx

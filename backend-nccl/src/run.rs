@@ -42,6 +42,14 @@ fn options_from_env() -> Result<Options> {
     Ok(opts)
 }
 
+/// How a lane mode is written in the store (`job/lanes`).
+fn lanes_word(mode: crate::LaneMode) -> &'static str {
+    match mode {
+        crate::LaneMode::Eager => "eager",
+        crate::LaneMode::Lazy => "lazy",
+    }
+}
+
 /// Settings shared by both runners.
 #[derive(Clone, Debug)]
 struct Settings {
@@ -395,6 +403,14 @@ impl Process {
             Store::serve(&self.bind, self.port, served, self.secret.clone())?;
             // The job's size, which every other rank checks its own against.
             client.put("job/world-size", self.world.to_string().as_bytes(), timeout)?;
+            // And when lanes are made, which every rank must agree on: a
+            // rank that splits every lane at start waits for ranks that
+            // never split.
+            client.put(
+                "job/lanes",
+                lanes_word(self.settings.opts.lanes).as_bytes(),
+                timeout,
+            )?;
             if let Err(e) = &lib {
                 return Err(self.cannot_start(&client, e.clone()));
             }
@@ -410,6 +426,19 @@ impl Process {
                     message: format!(
                         "rank {} has WORLD_SIZE={}, rank 0 has WORLD_SIZE={theirs}: every rank of a job must be given the same",
                         self.rank, self.world
+                    ),
+                };
+                return Err(self.cannot_start(&client, e));
+            }
+            let theirs = client.get("job/lanes", timeout)?.unwrap_or_default();
+            let theirs = String::from_utf8_lossy(&theirs).into_owned();
+            let mine = lanes_word(self.settings.opts.lanes);
+            if theirs != mine {
+                let e = Error::Invalid {
+                    at: "DUPLEX_LANES".into(),
+                    message: format!(
+                        "rank {} makes its lanes {mine}, rank 0 makes them {theirs}: every rank of a job must be given the same lanes (DUPLEX_LANES, or Process::lanes)",
+                        self.rank
                     ),
                 };
                 return Err(self.cannot_start(&client, e));
@@ -563,7 +592,6 @@ where
     })
     .map_err(failed)?;
     let setup_ms = start.elapsed().as_secs_f64() * 1e3;
-    let lanes = crate::ctx::lock(&ctx.costs).clone();
     let handle = NcclRank::new(ctx, "main");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&handle)))
         .unwrap_or_else(|p| {
@@ -595,6 +623,8 @@ where
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();
+    // Lanes made on first use are in it too.
+    let lanes = handle.lane_costs();
     drop(handle);
     result.map(|()| RankReport {
         rank,

@@ -1,8 +1,17 @@
 //! The lane service's kit on real NCCL: a lane is a 2-rank communicator
 //! from `ncclCommInitRankConfig` (non-blocking), connected by a one-byte
 //! exchange each way in one group, advanced by polling only.
+//!
+//! Two of its steps are NCCL calls that need the rank's issue lock (P1 of
+//! [`crate::guard`]): the setup call and the connecting group. The service
+//! never waits for that lock: it queues the call ([`RankCtx::assist_later`])
+//! and runs the queue when the lock is free; a host thread that holds the
+//! lock while it waits for another rank (an R7 handshake, a split) runs the
+//! queue as it waits ([`RankCtx::assist`]). Nothing it abandons is freed on
+//! its thread: an abort frees a communicator, which waits for the device
+//! (P8), so abandoned parts go to [`crate::reaper`].
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use duplex::{DType, Error, Result};
@@ -11,6 +20,7 @@ use super::{LaneEnd, LaneKit, LaneSpec};
 use crate::comm::{Comm, Starting};
 use crate::ctx::{LaneCost, NcclStream, RankCtx, StreamInner, abort_together, lock};
 use crate::cuda::{Event, Stream};
+use crate::guard::Issuing;
 use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
 use crate::sync::Ordering;
 
@@ -18,6 +28,31 @@ use crate::sync::Ordering;
 #[derive(Debug)]
 pub(crate) struct NcclKit {
     pub(crate) ctx: Weak<RankCtx>,
+}
+
+/// A call queued for the issue lock, and what it returned.
+#[derive(Debug)]
+enum Call<T> {
+    Queued,
+    /// Given up before it ran: it will not run.
+    Cancelled,
+    Ran(Result<T>),
+    /// Its result was taken.
+    Taken,
+}
+
+type Slot<T> = Arc<Mutex<Call<T>>>;
+
+/// Takes a queued call's result, if it ran.
+fn take<T>(slot: &Slot<T>) -> Option<Result<T>> {
+    let mut call = lock(slot);
+    match std::mem::replace(&mut *call, Call::Taken) {
+        Call::Ran(r) => Some(r),
+        other => {
+            *call = other;
+            None
+        }
+    }
 }
 
 /// This rank's part of a lane in progress.
@@ -29,18 +64,37 @@ pub(crate) struct NcclPart {
 }
 
 enum Phase {
+    /// The setup call waits for the issue lock.
+    Queued(Slot<Starting>),
     /// `ncclCommInitRankConfig` under way.
     Setup(Starting),
+    /// The connecting group waits for the issue lock. The communicator is
+    /// among the rank's (aborted with them, P8) from here on.
+    Joining {
+        comm: Comm,
+        stream: Arc<Stream>,
+        call: Slot<()>,
+    },
     /// The connecting exchange is queued; NCCL may still be connecting.
-    Connecting { comm: Comm, stream: Stream },
+    Connecting { comm: Comm, stream: Arc<Stream> },
     /// The exchange is launched; its event tells when it is done.
     Draining {
         comm: Comm,
-        stream: Stream,
+        stream: Arc<Stream>,
         event: Event,
     },
-    /// Nothing left (moved out while advancing).
-    Gone,
+    /// Made, or failed with nothing left to abandon.
+    Over,
+}
+
+/// Aborts a communicator when dropped: what [`crate::reaper`] is given
+/// for a lane given up after its setup.
+struct AbortOnDrop(Comm);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        abort_together(std::slice::from_ref(&self.0));
+    }
 }
 
 impl NcclKit {
@@ -56,6 +110,31 @@ impl NcclKit {
             )));
         }
         Ok(ctx)
+    }
+}
+
+/// Queues `f` for the issue lock; its result comes back in the slot.
+fn queue<T: Send + 'static>(
+    ctx: &RankCtx,
+    f: impl FnOnce(&Issuing<'_>) -> Result<T> + Send + 'static,
+) -> Slot<T> {
+    let slot: Slot<T> = Arc::new(Mutex::new(Call::Queued));
+    let back = slot.clone();
+    ctx.assist_later(Box::new(move |issuing| {
+        let mut call = lock(&back);
+        if matches!(*call, Call::Queued) {
+            *call = Call::Ran(f(issuing));
+        }
+    }));
+    slot
+}
+
+/// Cancels a queued call; its result if it ran already.
+fn cancel<T>(slot: &Slot<T>) -> Option<T> {
+    let mut call = lock(slot);
+    match std::mem::replace(&mut *call, Call::Cancelled) {
+        Call::Ran(Ok(t)) => Some(t),
+        _ => None,
     }
 }
 
@@ -81,26 +160,48 @@ impl LaneKit for NcclKit {
         raw.internal.copy_from_slice(id);
         ctx.device.bind()?;
         let before = ctx.device.memory().map_or(0, |m| m.0 as u64);
-        // P1: an NCCL call that builds work, under the issue lock. It
-        // returns at once: the setup goes on in NCCL's own thread.
-        let issuing = ctx.issue.lock();
-        let starting = Starting::begin(ctx.lib, raw, 2, lane.rank_of(ctx.rank), ctx.opts.ctas)?;
-        drop(issuing);
+        let (lib, device, ctas) = (ctx.lib, ctx.device.clone(), ctx.opts.ctas);
+        let me = lane.rank_of(ctx.rank);
+        // P1: a call that builds work, under the issue lock. It returns at
+        // once: the setup goes on in NCCL's own thread.
+        let call = queue(&ctx, move |_| {
+            device.bind()?;
+            Starting::begin(lib, raw, 2, me, ctas)
+        });
         Ok(NcclPart {
             started: Instant::now(),
             before,
-            phase: Phase::Setup(starting),
+            phase: Phase::Queued(call),
         })
     }
 
     fn advance(&self, lane: &LaneSpec, part: &mut NcclPart) -> Result<bool> {
         let ctx = self.ctx()?;
-        match std::mem::replace(&mut part.phase, Phase::Gone) {
+        match &mut part.phase {
+            Phase::Queued(call) => match take(call) {
+                None => {
+                    if let Some(issuing) = ctx.issue.try_lock() {
+                        ctx.assist(&issuing);
+                    }
+                    Ok(false)
+                }
+                Some(Err(e)) => {
+                    part.phase = Phase::Over;
+                    Err(e)
+                }
+                Some(Ok(starting)) => {
+                    part.phase = Phase::Setup(starting);
+                    Ok(false)
+                }
+            },
+            // An error leaves the phase as it is, for `abandon`.
             Phase::Setup(starting) => {
                 if !starting.poll()? {
-                    part.phase = Phase::Setup(starting);
                     return Ok(false);
                 }
+                let Phase::Setup(starting) = std::mem::replace(&mut part.phase, Phase::Over) else {
+                    unreachable!("matched above")
+                };
                 let comm = starting.finish(lane.logical, &lane.name, lane.members.to_vec());
                 // From now on an abort of the rank's communicators covers
                 // this one (P8): its connecting kernels may wait for the
@@ -109,7 +210,7 @@ impl LaneKit for NcclKit {
                     let mut comms = lock(&ctx.comms);
                     if ctx.closed.load(Ordering::Acquire) {
                         drop(comms);
-                        abort_together(&[comm]);
+                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
                         return Err(Error::Aborted(format!(
                             "rank {}'s communicators were aborted",
                             ctx.rank
@@ -117,38 +218,65 @@ impl LaneKit for NcclKit {
                     }
                     comms.push(comm.clone());
                 }
-                ctx.device.bind()?;
-                let stream = Stream::new()?;
+                let stream = match ctx.device.bind().and_then(|()| Stream::new()) {
+                    Ok(s) => Arc::new(s),
+                    Err(e) => {
+                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                        return Err(e);
+                    }
+                };
                 let peer = comm.rank_of(lane.other(ctx.rank)).unwrap_or(0);
                 let warm = ctx.warmup.ptr();
-                let issuing = ctx.issue.lock();
-                let held = [comm.enter()?];
-                let end = issuing.group(&ctx.lib, &held, || {
-                    // SAFETY: the rank's warm-up bytes live as long as its
-                    // context, which outlives its communicators' kernels
-                    // (they are aborted or done before it drops); the
-                    // stream is live; the issue lock is held.
-                    unsafe {
-                        held[0].send(warm, 1, DType::U8.nccl(), peer, stream.raw())?;
-                        held[0].recv(warm + 1, 1, DType::U8.nccl(), peer, stream.raw())?;
-                    }
-                    Ok(())
-                })?;
-                drop(held);
-                drop(issuing);
-                end?;
-                part.phase = Phase::Connecting { comm, stream };
+                let (c, s, lib) = (comm.clone(), stream.clone(), ctx.lib);
+                let call = queue(&ctx, move |issuing| {
+                    let held = [c.enter()?];
+                    let end = issuing.group(&lib, &held, || {
+                        // SAFETY: the rank's warm-up bytes live as long as
+                        // its context, which outlives its communicators'
+                        // kernels (aborted or done before it drops); the
+                        // stream is live; the issue lock is held.
+                        unsafe {
+                            held[0].send(warm, 1, DType::U8.nccl(), peer, s.raw())?;
+                            held[0].recv(warm + 1, 1, DType::U8.nccl(), peer, s.raw())?;
+                        }
+                        Ok(())
+                    })?;
+                    end.map(drop)
+                });
+                part.phase = Phase::Joining { comm, stream, call };
                 Ok(false)
             }
+            Phase::Joining { call, .. } => match take(call) {
+                None => {
+                    if let Some(issuing) = ctx.issue.try_lock() {
+                        ctx.assist(&issuing);
+                    }
+                    Ok(false)
+                }
+                Some(Err(e)) => Err(e),
+                Some(Ok(())) => {
+                    let Phase::Joining { comm, stream, .. } =
+                        std::mem::replace(&mut part.phase, Phase::Over)
+                    else {
+                        unreachable!("matched above")
+                    };
+                    part.phase = Phase::Connecting { comm, stream };
+                    Ok(false)
+                }
+            },
             Phase::Connecting { comm, stream } => {
                 // `ncclCommGetAsyncError` needs no issue lock (P1).
                 if !comm.enter()?.async_error()? {
-                    part.phase = Phase::Connecting { comm, stream };
                     return Ok(false);
                 }
                 ctx.device.bind()?;
                 let event = Event::new(false)?;
-                event.record(&stream)?;
+                event.record(stream)?;
+                let Phase::Connecting { comm, stream } =
+                    std::mem::replace(&mut part.phase, Phase::Over)
+                else {
+                    unreachable!("matched above")
+                };
                 part.phase = Phase::Draining {
                     comm,
                     stream,
@@ -156,24 +284,34 @@ impl LaneKit for NcclKit {
                 };
                 Ok(false)
             }
-            Phase::Draining {
-                comm,
-                stream,
-                event,
-            } => {
+            Phase::Draining { comm, event, .. } => {
                 comm.check()?;
                 if !event.done()? {
-                    part.phase = Phase::Draining {
-                        comm,
-                        stream,
-                        event,
-                    };
                     return Ok(false);
                 }
-                publish(&ctx, lane, part, comm, stream)?;
-                Ok(true)
+                let Phase::Draining { comm, stream, .. } =
+                    std::mem::replace(&mut part.phase, Phase::Over)
+                else {
+                    unreachable!("matched above")
+                };
+                // The only holder left: the queued call that shared it ran
+                // and was dropped.
+                match Arc::try_unwrap(stream) {
+                    Ok(stream) => {
+                        publish(&ctx, lane, part, comm, stream);
+                        Ok(true)
+                    }
+                    Err(shared) => {
+                        std::mem::forget(shared);
+                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                        Err(Error::Aborted(format!(
+                            "lane {}'s stream is still shared after its connection",
+                            lane.name
+                        )))
+                    }
+                }
             }
-            Phase::Gone => Err(Error::Aborted(format!(
+            Phase::Over => Err(Error::Aborted(format!(
                 "lane {} was advanced after it ended",
                 lane.name
             ))),
@@ -182,13 +320,23 @@ impl LaneKit for NcclKit {
 
     fn abandon(&self, _: &LaneSpec, part: NcclPart) {
         match part.phase {
-            Phase::Setup(starting) => starting.abandon(),
-            Phase::Connecting { comm, stream } | Phase::Draining { comm, stream, .. } => {
-                abort_together(&[comm]);
+            Phase::Queued(call) => {
+                if let Some(starting) = cancel(&call) {
+                    crate::reaper::reap(vec![starting]);
+                }
+            }
+            Phase::Setup(starting) => crate::reaper::reap(vec![starting]),
+            Phase::Joining { comm, stream, call } => {
+                cancel(&call);
+                crate::reaper::reap(vec![AbortOnDrop(comm)]);
                 // Its kernels may still be stopping: keep the stream.
                 std::mem::forget(stream);
             }
-            Phase::Gone => {}
+            Phase::Connecting { comm, stream } | Phase::Draining { comm, stream, .. } => {
+                crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                std::mem::forget(stream);
+            }
+            Phase::Over => {}
         }
     }
 
@@ -196,16 +344,14 @@ impl LaneKit for NcclKit {
         let ctx = self.ctx.upgrade()?;
         ctx.health.failed(ctx.rank)
     }
+
+    fn gone(&self) -> bool {
+        self.ctx.strong_count() == 0
+    }
 }
 
 /// Puts a made lane in the rank's slots, registry and costs.
-fn publish(
-    ctx: &RankCtx,
-    lane: &LaneSpec,
-    part: &NcclPart,
-    comm: Comm,
-    stream: Stream,
-) -> Result<()> {
+fn publish(ctx: &RankCtx, lane: &LaneSpec, part: &NcclPart, comm: Comm, stream: Stream) {
     let id = ctx.registry.stream(ctx.rank, &lane.name);
     let stream = NcclStream(Arc::new(StreamInner::new(stream, &lane.name, ctx.rank, id)));
     lock(&ctx.streams).push(stream.clone());
@@ -219,8 +365,13 @@ fn publish(
     for (peer, dir) in lane.slots(ctx.rank) {
         ctx.lanes.set(peer, dir, end.clone());
     }
-    // SAFETY: held; `ncclCommMemStats` only reads the communicator.
-    let stats = unsafe { comm.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?;
+    // `ncclCommMemStats` builds nothing, but P1 keeps every other call
+    // under the lock: ask only if it is free.
+    let stats = ctx.issue.try_lock().and_then(|_issuing| {
+        let held = comm.enter().ok()?;
+        // SAFETY: held, under the issue lock; it only reads the communicator.
+        unsafe { held.call(|lib, raw| Ok(lib.memory(raw.0))) }.ok()?
+    });
     let (bytes, measured_by) = match stats {
         Some(b) => (b, "ncclCommMemStats"),
         None => (
@@ -235,5 +386,4 @@ fn publish(
         bytes,
         measured_by,
     });
-    Ok(())
 }

@@ -312,6 +312,7 @@ fn lane_messages_round_trip_and_nothing_else_parses() {
         LaneMsg::Want(0),
         LaneMsg::Make(1 << 40),
         LaneMsg::Join(7, (0..128).collect()),
+        LaneMsg::Wake,
     ] {
         assert_eq!(LaneMsg::parse(&m.encode()), Some(m));
     }
@@ -341,4 +342,27 @@ fn lane_specs_number_lanes_as_eager_creation_does() {
             assert_eq!(LaneSpec::between(policy, n, b, Dir::Recv, a), Some(s));
         }
     }
+}
+
+#[test]
+fn a_need_after_the_service_stopped_fails_at_once() {
+    let job = job(2, Policy::PerDirection, T, &[0, 1]);
+    job.makers[0].stop();
+    let start = Instant::now();
+    let e = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert!(e.contains("shutting down"), "{e}");
+    assert!(start.elapsed() < T / 2, "did not wait for the deadline");
+    job.stop();
+}
+
+#[test]
+fn a_wait_that_gives_up_fails_the_lane_for_good() {
+    // Rank 1's service never runs; rank 0's host gives up at its deadline
+    // and the lane stays failed, even if rank 1 joins later.
+    let t = Duration::from_millis(200);
+    let job = job(2, Policy::PerDirection, t, &[0]);
+    let first = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    let again = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert_eq!(first, again);
+    job.stop();
 }
