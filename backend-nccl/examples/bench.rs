@@ -123,7 +123,8 @@ struct Results {
     nccl: String,
     ctas: (Option<i32>, Option<i32>),
     /// The `NCCL_*` environment variables of the run (lane settings such
-    /// as `NCCL_BUFFSIZE`, `NCCL_MAX_P2P_NCHANNELS`, `NCCL_PROTO`).
+    /// as `NCCL_BUFFSIZE`, `NCCL_MAX_P2P_NCHANNELS`, `NCCL_PROTO`), and
+    /// `DUPLEX_LANES` (lanes made at start or on first use).
     env: BTreeMap<String, String>,
     trials: u32,
     quick: bool,
@@ -695,7 +696,7 @@ fn main() {
         bench: "duplex",
         ctas,
         env: std::env::vars()
-            .filter(|(k, _)| k.starts_with("NCCL_"))
+            .filter(|(k, _)| k.starts_with("NCCL_") || k == "DUPLEX_LANES")
             .collect(),
         trials,
         quick,
@@ -719,7 +720,7 @@ fn main() {
         let mut r = results.lock().unwrap_or_else(|e| e.into_inner());
         if t.rank() == 1 {
             r.nccl = t.nccl().version_string();
-            r.lanes = t.lane_costs().to_vec();
+            r.lanes = t.lane_costs();
             lane_samples(t, &mut lanes.lock().unwrap_or_else(|e| e.into_inner()));
         }
         r.add(s);
