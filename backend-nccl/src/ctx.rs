@@ -573,9 +573,10 @@ pub(crate) struct RankCtx {
 /// An NCCL call of the lane service, run by whoever holds the issue lock.
 pub(crate) type Assist = Box<dyn FnOnce(&Issuing<'_>) + Send>;
 
-/// The queue of [`Assist`]s.
+/// The queue of [`Assist`]s, and its length (read without the lock by
+/// every poll of a wait that holds the issue lock).
 #[derive(Default)]
-pub(crate) struct Assists(Mutex<Vec<Assist>>);
+pub(crate) struct Assists(Mutex<Vec<Assist>>, AtomicUsize);
 
 impl std::fmt::Debug for Assists {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -813,11 +814,18 @@ impl RankCtx {
                 },
             ));
             let _ = ctx.maker.set(maker.clone());
-            let service = std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name(format!("duplex lanes {rank}"))
-                .spawn(move || maker.serve())
-                .map_err(|e| Error::Aborted(format!("starting rank {rank}'s lane service: {e}")))?;
-            *lock(&ctx.service) = Some(service);
+                .spawn(move || maker.serve());
+            match spawned {
+                Ok(service) => *lock(&ctx.service) = Some(service),
+                Err(e) => {
+                    ctx.abort_all();
+                    return Err(Error::Aborted(format!(
+                        "starting rank {rank}'s lane service: {e}"
+                    )));
+                }
+            }
         }
         Ok(ctx)
     }
@@ -825,11 +833,12 @@ impl RankCtx {
     /// Runs the lane service's NCCL calls that wait for the issue lock,
     /// which the caller holds.
     pub(crate) fn assist(&self, issuing: &Issuing<'_>) {
+        if self.assists.1.load(Ordering::Acquire) == 0 {
+            return;
+        }
         let jobs = {
             let mut q = lock(&self.assists.0);
-            if q.is_empty() {
-                return;
-            }
+            self.assists.1.store(0, Ordering::Release);
             std::mem::take(&mut *q)
         };
         for job in jobs {
@@ -840,7 +849,11 @@ impl RankCtx {
     /// Queues an NCCL call of the lane service, and runs the queue now if
     /// the issue lock is free.
     pub(crate) fn assist_later(&self, job: Assist) {
-        lock(&self.assists.0).push(job);
+        {
+            let mut q = lock(&self.assists.0);
+            q.push(job);
+            self.assists.1.store(q.len(), Ordering::Release);
+        }
         if let Some(issuing) = self.issue.try_lock() {
             self.assist(&issuing);
         }

@@ -268,8 +268,12 @@ pub trait LaneKit: Send + Sync {
     /// other rank.
     fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<Self::Part>;
     /// Advances a part without waiting for the other rank: true once the
-    /// lane is made, connected and in the rank's slots.
+    /// lane is made and connected, ready for [`LaneKit::publish`].
     fn advance(&self, lane: &LaneSpec, part: &mut Self::Part) -> Result<bool>;
+    /// Puts a made lane in the rank's slots, from where ops use it. Called
+    /// once, under the service's state lock, only while the lane's state
+    /// is still "making" (no host thread gave up on it).
+    fn publish(&self, lane: &LaneSpec, part: Self::Part);
     /// Gives a part up (aborts what it started).
     fn abandon(&self, lane: &LaneSpec, part: Self::Part);
     /// A failed rank of the job other than this one, and why.
@@ -505,6 +509,20 @@ impl<K: LaneKit> LaneMaker<K> {
                 }
                 wait = Duration::ZERO;
             }
+            // Parts of lanes a host thread gave up on are given up too.
+            let given_up: Vec<u64> = {
+                let states = lock(&self.states);
+                parts
+                    .keys()
+                    .filter(|l| matches!(states.get(l), Some(State::Failed(_))))
+                    .copied()
+                    .collect()
+            };
+            for l in given_up {
+                if let Some((spec, part)) = parts.remove(&l) {
+                    self.kit.abandon(&spec, part);
+                }
+            }
             // Parts in progress.
             let mut done = Vec::new();
             for (l, (spec, part)) in parts.iter_mut() {
@@ -520,9 +538,14 @@ impl<K: LaneKit> LaneMaker<K> {
                 };
                 match err {
                     None => {
-                        drop(part);
                         let mut states = lock(&self.states);
-                        self.set(&mut states, l, State::Made);
+                        if matches!(states.get(&l), Some(State::Making(_))) {
+                            self.kit.publish(&spec, part);
+                            self.set(&mut states, l, State::Made);
+                        } else {
+                            drop(states);
+                            self.kit.abandon(&spec, part);
+                        }
                     }
                     Some(why) => {
                         self.kit.abandon(&spec, part);

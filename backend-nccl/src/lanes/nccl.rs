@@ -4,12 +4,14 @@
 //!
 //! Two of its steps are NCCL calls that need the rank's issue lock (P1 of
 //! [`crate::guard`]): the setup call and the connecting group. The service
-//! never waits for that lock: it queues the call ([`RankCtx::assist_later`])
+//! never waits for that lock: it queues the call (`RankCtx::assist_later`)
 //! and runs the queue when the lock is free; a host thread that holds the
 //! lock while it waits for another rank (an R7 handshake, a split) runs the
-//! queue as it waits ([`RankCtx::assist`]). Nothing it abandons is freed on
+//! queue as it waits (`RankCtx::assist`). Nothing it abandons is freed on
 //! its thread: an abort frees a communicator, which waits for the device
-//! (P8), so abandoned parts go to [`crate::reaper`].
+//! (P8), so each abandoned communicator is aborted on a thread of its own
+//! ([`abort_aside`]); not on [`crate::reaper`], whose queue of frees could
+//! wait behind the very kernel the abort stops.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
@@ -83,17 +85,34 @@ enum Phase {
         stream: Arc<Stream>,
         event: Event,
     },
+    /// Connected: ready for `publish`.
+    Connected { comm: Comm, stream: Stream },
     /// Made, or failed with nothing left to abandon.
     Over,
 }
 
-/// Aborts a communicator when dropped: what [`crate::reaper`] is given
-/// for a lane given up after its setup.
-struct AbortOnDrop(Comm);
+/// What a given-up part leaves to abort.
+enum Leftover {
+    Setup(Starting),
+    Comm(Comm),
+}
 
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        abort_together(std::slice::from_ref(&self.0));
+/// Aborts what a given-up part left, on a thread of its own: the abort
+/// frees, and a free waits for every kernel of the device (P8), which
+/// nothing here may wait for; the abort raises its communicator's flag
+/// before it frees, so its own kernels stop first. If no thread can be
+/// started, it is leaked (never freed under a kernel, P6).
+fn abort_aside(what: Leftover) {
+    let spawned = std::thread::Builder::new()
+        .name("duplex lane abort".into())
+        .spawn(move || match what {
+            Leftover::Setup(starting) => drop(starting),
+            Leftover::Comm(comm) => {
+                abort_together(std::slice::from_ref(&comm));
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start a thread to abort a lane ({e}): leaking it");
     }
 }
 
@@ -123,7 +142,16 @@ fn queue<T: Send + 'static>(
     ctx.assist_later(Box::new(move |issuing| {
         let mut call = lock(&back);
         if matches!(*call, Call::Queued) {
-            *call = Call::Ran(f(issuing));
+            // The caller is a host thread in a wait, or the service: a
+            // panic here must not unwind into it.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(issuing)))
+                .unwrap_or_else(|p| {
+                    Err(Error::Aborted(format!(
+                        "a lane's NCCL call panicked: {}",
+                        crate::ctx::panic_text(&p)
+                    )))
+                });
+            *call = Call::Ran(ran);
         }
     }));
     slot
@@ -164,8 +192,9 @@ impl LaneKit for NcclKit {
         let me = lane.rank_of(ctx.rank);
         // P1: a call that builds work, under the issue lock. It returns at
         // once: the setup goes on in NCCL's own thread.
-        let call = queue(&ctx, move |_| {
+        let call = queue(&ctx, move |issuing| {
             device.bind()?;
+            let _busy = issuing.busy();
             Starting::begin(lib, raw, 2, me, ctas)
         });
         Ok(NcclPart {
@@ -210,7 +239,7 @@ impl LaneKit for NcclKit {
                     let mut comms = lock(&ctx.comms);
                     if ctx.closed.load(Ordering::Acquire) {
                         drop(comms);
-                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                        abort_aside(Leftover::Comm(comm));
                         return Err(Error::Aborted(format!(
                             "rank {}'s communicators were aborted",
                             ctx.rank
@@ -221,7 +250,7 @@ impl LaneKit for NcclKit {
                 let stream = match ctx.device.bind().and_then(|()| Stream::new()) {
                     Ok(s) => Arc::new(s),
                     Err(e) => {
-                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                        abort_aside(Leftover::Comm(comm));
                         return Err(e);
                     }
                 };
@@ -298,12 +327,11 @@ impl LaneKit for NcclKit {
                 // and was dropped.
                 match Arc::try_unwrap(stream) {
                     Ok(stream) => {
-                        publish(&ctx, lane, part, comm, stream);
+                        part.phase = Phase::Connected { comm, stream };
                         Ok(true)
                     }
-                    Err(shared) => {
-                        std::mem::forget(shared);
-                        crate::reaper::reap(vec![AbortOnDrop(comm)]);
+                    Err(_) => {
+                        abort_aside(Leftover::Comm(comm));
                         Err(Error::Aborted(format!(
                             "lane {}'s stream is still shared after its connection",
                             lane.name
@@ -311,6 +339,7 @@ impl LaneKit for NcclKit {
                     }
                 }
             }
+            Phase::Connected { .. } => Ok(true),
             Phase::Over => Err(Error::Aborted(format!(
                 "lane {} was advanced after it ended",
                 lane.name
@@ -318,24 +347,46 @@ impl LaneKit for NcclKit {
         }
     }
 
+    fn publish(&self, lane: &LaneSpec, part: NcclPart) {
+        let NcclPart {
+            started,
+            before,
+            phase,
+        } = part;
+        let Phase::Connected { comm, stream } = phase else {
+            tracing::warn!(lane = %lane.name, "a lane was published before it was connected");
+            return self.abandon(
+                lane,
+                NcclPart {
+                    started,
+                    before,
+                    phase,
+                },
+            );
+        };
+        match self.ctx.upgrade() {
+            Some(ctx) => publish(&ctx, lane, started, before, comm, stream),
+            None => abort_aside(Leftover::Comm(comm)),
+        }
+    }
+
     fn abandon(&self, _: &LaneSpec, part: NcclPart) {
+        // A stream may be destroyed with work in it (CUDA releases it once
+        // the work is done), so streams are simply dropped.
         match part.phase {
             Phase::Queued(call) => {
                 if let Some(starting) = cancel(&call) {
-                    crate::reaper::reap(vec![starting]);
+                    abort_aside(Leftover::Setup(starting));
                 }
             }
-            Phase::Setup(starting) => crate::reaper::reap(vec![starting]),
-            Phase::Joining { comm, stream, call } => {
+            Phase::Setup(starting) => abort_aside(Leftover::Setup(starting)),
+            Phase::Joining { comm, call, .. } => {
                 cancel(&call);
-                crate::reaper::reap(vec![AbortOnDrop(comm)]);
-                // Its kernels may still be stopping: keep the stream.
-                std::mem::forget(stream);
+                abort_aside(Leftover::Comm(comm));
             }
-            Phase::Connecting { comm, stream } | Phase::Draining { comm, stream, .. } => {
-                crate::reaper::reap(vec![AbortOnDrop(comm)]);
-                std::mem::forget(stream);
-            }
+            Phase::Connecting { comm, .. }
+            | Phase::Draining { comm, .. }
+            | Phase::Connected { comm, .. } => abort_aside(Leftover::Comm(comm)),
             Phase::Over => {}
         }
     }
@@ -351,7 +402,14 @@ impl LaneKit for NcclKit {
 }
 
 /// Puts a made lane in the rank's slots, registry and costs.
-fn publish(ctx: &RankCtx, lane: &LaneSpec, part: &NcclPart, comm: Comm, stream: Stream) {
+fn publish(
+    ctx: &RankCtx,
+    lane: &LaneSpec,
+    started: Instant,
+    before: u64,
+    comm: Comm,
+    stream: Stream,
+) {
     let id = ctx.registry.stream(ctx.rank, &lane.name);
     let stream = NcclStream(Arc::new(StreamInner::new(stream, &lane.name, ctx.rank, id)));
     lock(&ctx.streams).push(stream.clone());
@@ -375,14 +433,13 @@ fn publish(ctx: &RankCtx, lane: &LaneSpec, part: &NcclPart, comm: Comm, stream: 
     let (bytes, measured_by) = match stats {
         Some(b) => (b, "ncclCommMemStats"),
         None => (
-            part.before
-                .saturating_sub(ctx.device.memory().map_or(0, |m| m.0 as u64)),
+            before.saturating_sub(ctx.device.memory().map_or(0, |m| m.0 as u64)),
             "free device memory before and after (lanes made at once skew it)",
         ),
     };
     lock(&ctx.costs).push(LaneCost {
         name: lane.name.clone(),
-        create_ms: part.started.elapsed().as_secs_f64() * 1e3,
+        create_ms: started.elapsed().as_secs_f64() * 1e3,
         bytes,
         measured_by,
     });

@@ -22,6 +22,8 @@ struct Fabric {
     failed: Mutex<Option<(Rank, String)>>,
     made: Mutex<Vec<(Rank, u64)>>,
     abandoned: Mutex<Vec<(Rank, u64)>>,
+    /// While set, no part gets past its setup.
+    hold: std::sync::atomic::AtomicBool,
 }
 
 struct FakeKit {
@@ -50,22 +52,25 @@ impl LaneKit for FakeKit {
         Ok((id.to_vec(), 0))
     }
 
-    fn advance(&self, lane: &LaneSpec, part: &mut Self::Part) -> Result<bool> {
+    fn advance(&self, _: &LaneSpec, part: &mut Self::Part) -> Result<bool> {
+        if self.fabric.hold.load(Ordering::Acquire) {
+            return Ok(false);
+        }
         let joined = self.fabric.parts.lock().expect("not poisoned")[&part.0].len();
         if joined < 2 {
             return Ok(false);
         }
         // A few polls more, as a real setup and connection take.
         part.1 += 1;
-        if part.1 < 3 {
-            return Ok(false);
-        }
+        Ok(part.1 >= 3)
+    }
+
+    fn publish(&self, lane: &LaneSpec, _: Self::Part) {
         self.fabric
             .made
             .lock()
             .expect("not poisoned")
             .push((self.me, lane.index));
-        Ok(true)
     }
 
     fn abandon(&self, lane: &LaneSpec, _: Self::Part) {
@@ -364,5 +369,55 @@ fn a_wait_that_gives_up_fails_the_lane_for_good() {
     let first = job.need(0, Dir::Send, 1).unwrap_err().to_string();
     let again = job.need(0, Dir::Send, 1).unwrap_err().to_string();
     assert_eq!(first, again);
+    job.stop();
+}
+
+#[test]
+fn a_lane_given_up_by_its_host_is_never_published_later() {
+    let job = Arc::new(job(2, Policy::PerDirection, T, &[0, 1]));
+    job.fabric.hold.store(true, Ordering::Release);
+    let j = job.clone();
+    let waiter = std::thread::spawn(move || j.need(0, Dir::Send, 1));
+    // Both parts started, neither can finish.
+    let start = Instant::now();
+    while job
+        .fabric
+        .parts
+        .lock()
+        .expect("not poisoned")
+        .values()
+        .all(|p| p.len() < 2)
+    {
+        assert!(start.elapsed() < T, "the parts did not start");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Rank 0's host gives up (as at its deadline); then the parts could
+    // finish.
+    job.makers[0].fail(0, "given up by its host".into());
+    job.fabric.hold.store(false, Ordering::Release);
+    let e = waiter.join().expect("no panic").unwrap_err().to_string();
+    assert!(e.contains("given up by its host"), "{e}");
+    // Rank 0's service abandons its part instead of publishing it.
+    while !job
+        .fabric
+        .abandoned
+        .lock()
+        .expect("not poisoned")
+        .contains(&(0, 0))
+    {
+        assert!(start.elapsed() < T, "rank 0's part was not abandoned");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        !job.fabric
+            .made
+            .lock()
+            .expect("not poisoned")
+            .contains(&(0, 0)),
+        "published after its host gave up"
+    );
+    let again = job.need(0, Dir::Send, 1).unwrap_err().to_string();
+    assert_eq!(e, again);
+    let job = Arc::try_unwrap(job).ok().expect("one holder");
     job.stop();
 }
