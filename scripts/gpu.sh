@@ -39,8 +39,9 @@
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
 # lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL
-# environments, each a comma-joined KEY=VALUE list; default below, the last
-# of which, DUPLEX_LANES=lazy, makes each lane on first use), each a
+# environments, each a comma-joined KEY=VALUE list; default below, whose
+# last two are duplex's: DUPLEX_LANES=lazy makes each lane on first use,
+# DUPLEX_LANE_CONNECT=one-way connects each lane in its own direction only), each a
 # `bench --quick --no-copy` process of its own (NCCL reads them when a
 # process makes its first communicator), into lanes.md: each setting's
 # lane memory, creation time and 256 MiB bandwidths beside the defaults'.
@@ -170,7 +171,7 @@ run)
       set +e
       envs=()
       n=0
-      for e in "" ${BENCH_LANE_ENV-NCCL_BUFFSIZE=1048576 NCCL_MAX_P2P_NCHANNELS=8 NCCL_PROTO=Simple NCCL_BUFFSIZE=1048576,NCCL_MAX_P2P_NCHANNELS=8,NCCL_PROTO=Simple DUPLEX_LANES=lazy}; do
+      for e in "" ${BENCH_LANE_ENV-NCCL_BUFFSIZE=1048576 NCCL_MAX_P2P_NCHANNELS=8 NCCL_PROTO=Simple NCCL_BUFFSIZE=1048576,NCCL_MAX_P2P_NCHANNELS=8,NCCL_PROTO=Simple DUPLEX_LANES=lazy DUPLEX_LANE_CONNECT=one-way}; do
         echo "== lane environment ${e:-(the defaults)}" | tee -a "$out/lanes-log.txt"
         # shellcheck disable=SC2046
         timeout 60 env $(echo "$e" | tr , ' ') .gpu/bench --quick --no-copy --json "$out/bench-env-$n.json" >> "$out/lanes-log.txt" 2>&1

@@ -124,7 +124,8 @@ struct Results {
     ctas: (Option<i32>, Option<i32>),
     /// The `NCCL_*` environment variables of the run (lane settings such
     /// as `NCCL_BUFFSIZE`, `NCCL_MAX_P2P_NCHANNELS`, `NCCL_PROTO`), and
-    /// `DUPLEX_LANES` (lanes made at start or on first use).
+    /// `DUPLEX_LANES` and `DUPLEX_LANE_CONNECT` (lanes made at start or on
+    /// first use, connected both ways or one).
     env: BTreeMap<String, String>,
     trials: u32,
     quick: bool,
@@ -696,7 +697,7 @@ fn main() {
         bench: "duplex",
         ctas,
         env: std::env::vars()
-            .filter(|(k, _)| k.starts_with("NCCL_") || k == "DUPLEX_LANES")
+            .filter(|(k, _)| k.starts_with("NCCL_") || k.starts_with("DUPLEX_LANE"))
             .collect(),
         trials,
         quick,

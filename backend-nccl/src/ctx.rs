@@ -46,6 +46,36 @@ pub struct Options {
     pub copy_from: Option<u64>,
     /// When lanes are made: all at creation, or each when first needed.
     pub lanes: LaneMode,
+    /// Which directions of a per-direction lane are connected.
+    pub lane_connect: LaneConnect,
+}
+
+/// Which directions of a per-direction lane `lane:a->b` duplex connects
+/// before any op uses it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LaneConnect {
+    /// Both (a one-byte exchange each way), as measured so far.
+    #[default]
+    Both,
+    /// Only a→b, the one its policy-placed ops use: NCCL then sets up the
+    /// buffers of one direction, not two (a lane's memory, issue 12). An op
+    /// placed explicitly on the lane's communicator against its direction
+    /// is refused (it would need a connection the model does not know of).
+    OneWay,
+}
+
+impl std::str::FromStr for LaneConnect {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<LaneConnect, String> {
+        match s {
+            "both" => Ok(LaneConnect::Both),
+            "one-way" => Ok(LaneConnect::OneWay),
+            other => Err(format!(
+                "lane connection `{other}`: expected `both` or `one-way`"
+            )),
+        }
+    }
 }
 
 /// When a run makes its lanes.
@@ -87,6 +117,7 @@ impl Default for Options {
             ctas: (None, None),
             copy_from: None,
             lanes: LaneMode::Eager,
+            lane_connect: LaneConnect::Both,
         }
     }
 }
@@ -783,12 +814,16 @@ impl RankCtx {
         // Per-direction lanes are connected now (R6, R7); with `warm`, the
         // world communicator and shared lanes too. One group per rank holding
         // every connection: a group's ops cannot block each other (R8).
-        let mut warm: Vec<Comm> = Vec::new();
+        let mut warm: Vec<(Comm, Option<Dir>)> = Vec::new();
         if ctx.policy == Policy::PerDirection || ctx.opts.warm {
-            warm.extend(ctx.lanes.ends().map(|e| e.comm.clone()));
+            warm.extend(
+                ctx.lanes
+                    .iter()
+                    .map(|(_, dir, e)| (e.comm.clone(), ctx.lane_direction(dir))),
+            );
         }
         if ctx.opts.warm {
-            warm.push(ctx.world.clone());
+            warm.push((ctx.world.clone(), None));
         }
         if let Err(e) = ctx.connect(&warm) {
             // Its kernels may wait for a peer for ever: stop them all before
@@ -916,13 +951,21 @@ impl RankCtx {
         Ok(())
     }
 
+    /// The one direction this rank connects on its lane of direction `dir`
+    /// (`None`: both), by [`Options::lane_connect`].
+    pub(crate) fn lane_direction(&self, dir: Dir) -> Option<Dir> {
+        (self.policy == Policy::PerDirection && self.opts.lane_connect == LaneConnect::OneWay)
+            .then_some(dir)
+    }
+
     /// Connects `comms` by a one-byte exchange between every pair of their
-    /// members, in one group.
-    pub(crate) fn connect(&self, comms: &[Comm]) -> Result<()> {
+    /// members, in one group: each way, or only the way a comm's `Dir`
+    /// says (this rank's send side, or its receive side).
+    pub(crate) fn connect(&self, comms: &[(Comm, Option<Dir>)]) -> Result<()> {
         let mut seen = Vec::new();
-        let comms: Vec<&Comm> = comms
+        let comms: Vec<&(Comm, Option<Dir>)> = comms
             .iter()
-            .filter(|c| {
+            .filter(|(c, _)| {
                 let new = !seen.contains(&c.logical);
                 seen.push(c.logical);
                 new
@@ -939,17 +982,20 @@ impl RankCtx {
         let stream = Stream::new()?;
         // NCCL refuses blocking and non-blocking communicators in one group.
         for blocking in [true, false] {
-            let group: Vec<&&Comm> = comms.iter().filter(|c| c.blocking == blocking).collect();
+            let group: Vec<&&(Comm, Option<Dir>)> = comms
+                .iter()
+                .filter(|(c, _)| c.blocking == blocking)
+                .collect();
             if group.is_empty() {
                 continue;
             }
             let issuing = self.issue.lock();
             let held = group
                 .iter()
-                .map(|c| c.enter())
+                .map(|(c, _)| c.enter())
                 .collect::<Result<Vec<_>>>()?;
             let end = issuing.group(&self.lib, &held, || {
-                for (c, h) in group.iter().zip(&held) {
+                for ((c, only), h) in group.iter().zip(&held) {
                     for peer in &c.members {
                         if *peer == self.rank {
                             continue;
@@ -958,8 +1004,12 @@ impl RankCtx {
                         // SAFETY: the 2-byte buffer lives until the stream
                         // is synchronized below; the issue lock is held.
                         unsafe {
-                            h.send(mem.ptr(), 1, DType::U8.nccl(), p, stream.raw())?;
-                            h.recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, stream.raw())?;
+                            if *only != Some(Dir::Recv) {
+                                h.send(mem.ptr(), 1, DType::U8.nccl(), p, stream.raw())?;
+                            }
+                            if *only != Some(Dir::Send) {
+                                h.recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, stream.raw())?;
+                            }
                         }
                     }
                 }
@@ -972,7 +1022,7 @@ impl RankCtx {
             // Under the issue lock still: no other NCCL call of the rank
             // until the group's communicators are ready.
             for c in &group {
-                c.ready_with(self.opts.timeout, "connecting", &mut || {
+                c.0.ready_with(self.opts.timeout, "connecting", &mut || {
                     self.assist(&issuing)
                 })?;
             }

@@ -109,6 +109,16 @@ impl Lanes {
         }
     }
 
+    /// Every lane end made, with its peer and direction (a shared lane
+    /// appears under both directions).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (Rank, Dir, &LaneEnd)> {
+        self.slots.iter().enumerate().flat_map(|(peer, s)| {
+            [Dir::Send, Dir::Recv]
+                .into_iter()
+                .filter_map(move |dir| Some((peer as Rank, dir, s[slot(dir)].get()?)))
+        })
+    }
+
     /// Every lane end made (a shared lane appears under both directions).
     pub(crate) fn ends(&self) -> impl Iterator<Item = &LaneEnd> {
         self.slots.iter().flatten().filter_map(OnceLock::get)

@@ -46,6 +46,6 @@ pub mod store;
 pub mod sync;
 pub mod threshold;
 
-pub use ctx::{LaneCost, LaneMode, NcclComm, NcclEvent, NcclStream, Options};
+pub use ctx::{LaneConnect, LaneCost, LaneMode, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};
 pub use run::{Local, Process, RankReport};

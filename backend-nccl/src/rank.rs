@@ -246,6 +246,27 @@ impl NcclRank {
                 format!("{}: the stream belongs to rank {}", what(), s.0.rank),
             );
         }
+        // A lane connected one way only carries that way: an op against
+        // it would need a connection (R7) that the model does not know of.
+        if let Some(c) = &place_.comm
+            && self.ctx.lane_direction(dir).is_some()
+            && let Some(reverse) = self.ctx.lanes.get(peer, dir.other())
+            && Arc::ptr_eq(&reverse.comm, &c.0)
+        {
+            return check::invalid(
+                at,
+                format!(
+                    "{}: communicator {} carries messages one way only (lanes connected one way, DUPLEX_LANE_CONNECT=one-way); use the lane of this direction (`lane({peer}, {})`)",
+                    what(),
+                    reverse.name,
+                    if dir == Dir::Send {
+                        "Dir::Send"
+                    } else {
+                        "Dir::Recv"
+                    }
+                ),
+            );
+        }
         // An op on an explicit communicator uses no lane (`check::resolve`).
         let lane = if peer == self.ctx.rank || place_.comm.is_some() {
             None
@@ -1307,7 +1328,7 @@ impl Transport for NcclRank {
         if let Some(c) = &comm {
             lock(&self.ctx.comms).push(c.clone());
             if self.ctx.opts.warm {
-                self.ctx.connect(std::slice::from_ref(c))?;
+                self.ctx.connect(&[(c.clone(), None)])?;
             }
         }
         Ok(comm.map(NcclComm))

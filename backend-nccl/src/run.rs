@@ -29,8 +29,8 @@ pub struct RankReport {
     pub lanes: Vec<LaneCost>,
 }
 
-/// The default settings, with `DUPLEX_LANES` (`eager` or `lazy`) read
-/// from the environment.
+/// The default settings, with `DUPLEX_LANES` (`eager` or `lazy`) and
+/// `DUPLEX_LANE_CONNECT` (`both` or `one-way`) read from the environment.
 fn options_from_env() -> Result<Options> {
     let mut opts = Options::default();
     if let Ok(v) = std::env::var("DUPLEX_LANES") {
@@ -39,15 +39,26 @@ fn options_from_env() -> Result<Options> {
             message: e,
         })?;
     }
+    if let Ok(v) = std::env::var("DUPLEX_LANE_CONNECT") {
+        opts.lane_connect = v.parse().map_err(|e: String| Error::Invalid {
+            at: "DUPLEX_LANE_CONNECT".into(),
+            message: e,
+        })?;
+    }
     Ok(opts)
 }
 
-/// How a lane mode is written in the store (`job/lanes`).
-fn lanes_word(mode: crate::LaneMode) -> &'static str {
-    match mode {
+/// How a run's lane settings are written in the store (`job/lanes`).
+fn lanes_word(opts: &Options) -> String {
+    let mode = match opts.lanes {
         crate::LaneMode::Eager => "eager",
         crate::LaneMode::Lazy => "lazy",
-    }
+    };
+    let connect = match opts.lane_connect {
+        crate::LaneConnect::Both => "connected both ways",
+        crate::LaneConnect::OneWay => "connected one way",
+    };
+    format!("{mode}, {connect}")
 }
 
 /// Settings shared by both runners.
@@ -84,6 +95,15 @@ macro_rules! builder {
         /// `DUPLEX_LANES=lazy`; [`crate::lanes`]).
         pub fn lanes(mut self, mode: crate::LaneMode) -> Self {
             self.settings.opts.lanes = mode;
+            self
+        }
+
+        /// Which directions of a per-direction lane are connected before
+        /// its first op: both ([`crate::LaneConnect::Both`], the default,
+        /// or `DUPLEX_LANE_CONNECT=both`), or only its own
+        /// ([`crate::LaneConnect::OneWay`], `DUPLEX_LANE_CONNECT=one-way`).
+        pub fn lane_connect(mut self, connect: crate::LaneConnect) -> Self {
+            self.settings.opts.lane_connect = connect;
             self
         }
 
@@ -408,7 +428,7 @@ impl Process {
             // never split.
             client.put(
                 "job/lanes",
-                lanes_word(self.settings.opts.lanes).as_bytes(),
+                lanes_word(&self.settings.opts).as_bytes(),
                 timeout,
             )?;
             if let Err(e) = &lib {
@@ -432,12 +452,12 @@ impl Process {
             }
             let theirs = client.get("job/lanes", timeout)?.unwrap_or_default();
             let theirs = String::from_utf8_lossy(&theirs).into_owned();
-            let mine = lanes_word(self.settings.opts.lanes);
+            let mine = lanes_word(&self.settings.opts);
             if theirs != mine {
                 let e = Error::Invalid {
                     at: "DUPLEX_LANES".into(),
                     message: format!(
-                        "rank {} makes its lanes {mine}, rank 0 makes them {theirs}: every rank of a job must be given the same lanes (DUPLEX_LANES, or Process::lanes)",
+                        "rank {}'s lanes are {mine}, rank 0's are {theirs}: every rank of a job must be given the same lane settings (DUPLEX_LANES and DUPLEX_LANE_CONNECT, or Process::lanes and Process::lane_connect)",
                         self.rank
                     ),
                 };

@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use duplex::{DType, Error, Result};
+use duplex::{DType, Dir, Error, Result};
 
 use super::{LaneEnd, LaneKit, LaneSpec};
 use crate::comm::{Comm, Starting};
@@ -257,6 +257,12 @@ impl LaneKit for NcclKit {
                 let peer = comm.rank_of(lane.other(ctx.rank)).unwrap_or(0);
                 let warm = ctx.warmup.ptr();
                 let (c, s, lib) = (comm.clone(), stream.clone(), ctx.lib);
+                // Both ways, or only this rank's side of the lane's one
+                // direction (`LaneConnect::OneWay`).
+                let only = lane
+                    .slots(ctx.rank)
+                    .first()
+                    .and_then(|(_, dir)| ctx.lane_direction(*dir));
                 let call = queue(&ctx, move |issuing| {
                     let held = [c.enter()?];
                     let end = issuing.group(&lib, &held, || {
@@ -265,8 +271,12 @@ impl LaneKit for NcclKit {
                         // kernels (aborted or done before it drops); the
                         // stream is live; the issue lock is held.
                         unsafe {
-                            held[0].send(warm, 1, DType::U8.nccl(), peer, s.raw())?;
-                            held[0].recv(warm + 1, 1, DType::U8.nccl(), peer, s.raw())?;
+                            if only != Some(Dir::Recv) {
+                                held[0].send(warm, 1, DType::U8.nccl(), peer, s.raw())?;
+                            }
+                            if only != Some(Dir::Send) {
+                                held[0].recv(warm + 1, 1, DType::U8.nccl(), peer, s.raw())?;
+                            }
                         }
                         Ok(())
                     })?;
