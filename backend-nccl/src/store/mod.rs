@@ -305,22 +305,9 @@ impl Shared {
     }
 
     fn get(&self, key: &str, wait_ms: u64) -> Option<Arc<Vec<u8>>> {
-        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
-        let mut v = self.values();
-        loop {
-            if let Some(value) = v.map.get(key) {
-                return Some(value.clone());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            v = self
-                .stored
-                .wait_timeout(v, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        wait_for(&self.values, &self.stored, wait_ms, |v| {
+            v.map.get(key).cloned()
+        })
     }
 
     fn inboxes(&self) -> std::sync::MutexGuard<'_, Inboxes> {
@@ -339,53 +326,55 @@ impl Shared {
     }
 
     fn inbox(&self, me: Rank, wait_ms: u64) -> Option<Vec<u8>> {
-        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
-        let mut m = self.inboxes();
-        loop {
-            if let Some(q) = m.boxes.get_mut(&me)
-                && let Some(message) = q.pop_front()
-            {
-                if q.is_empty() {
-                    m.boxes.remove(&me);
-                }
-                m.held -= 1;
-                return Some(message);
+        wait_for(&self.mail, &self.mailed, wait_ms, |m| {
+            let q = m.boxes.get_mut(&me)?;
+            let message = q.pop_front()?;
+            if q.is_empty() {
+                m.boxes.remove(&me);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            m = self
-                .mailed
-                .wait_timeout(m, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+            m.held -= 1;
+            Some(message)
+        })
     }
 
     fn take(&self, key: (Rank, Rank, String), wait_ms: u64) -> Response {
-        let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
-        let mut counts = self.lock();
-        loop {
-            if let Some(n) = counts.get_mut(&key)
-                && *n > 0
-            {
-                *n -= 1;
-                if *n == 0 {
-                    counts.remove(&key);
-                }
-                return Response::Ok;
+        let taken = wait_for(&self.counts, &self.arrived, wait_ms, |counts| {
+            let n = counts.get_mut(&key).filter(|n| **n > 0)?;
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&key);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Response::Timeout;
-            }
-            counts = self
-                .arrived
-                .wait_timeout(counts, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            Some(())
+        });
+        match taken {
+            Some(()) => Response::Ok,
+            None => Response::Timeout,
         }
+    }
+}
+
+/// Waits on `cv` until `take` finds what it looks for in the state under
+/// `m`, or `wait_ms` (at most [`MAX_WAIT`]) has passed.
+fn wait_for<S, T>(
+    m: &Mutex<S>,
+    cv: &Condvar,
+    wait_ms: u64,
+    mut take: impl FnMut(&mut S) -> Option<T>,
+) -> Option<T> {
+    let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
+    let mut state = m.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if let Some(t) = take(&mut state) {
+            return Some(t);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        state = cv
+            .wait_timeout(state, deadline - now)
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0);
     }
 }
 
