@@ -73,6 +73,7 @@ pub trait Health: Send + Sync + std::fmt::Debug {
 #[derive(Debug, Default)]
 pub struct LocalHealth {
     failures: Mutex<Vec<(Rank, String)>>,
+    finished: Mutex<Vec<Rank>>,
 }
 
 impl Health for LocalHealth {
@@ -98,9 +99,29 @@ impl Health for LocalHealth {
         Vec::new()
     }
 
-    fn finished(&self, _: Rank) {}
+    fn finished(&self, rank: Rank) {
+        self.finished
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(rank);
+    }
 
-    fn linger(&self, _: u32, _: Rank, _: Duration) {}
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < wait {
+            let done = {
+                let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+                let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+                (0..ranks)
+                    .filter(|r| *r != me)
+                    .all(|r| finished.contains(&r) || failures.iter().any(|(f, _)| *f == r))
+            };
+            if done {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// The health of a process-per-rank run, through the store, with a monitor
@@ -222,7 +243,10 @@ impl Health for StoreHealth {
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration) {
-        let deadline = Instant::now() + wait;
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(wait)
+            .unwrap_or(now + Duration::from_secs(1 << 30));
         let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
         while !left.is_empty() && Instant::now() < deadline {
             let failed = self.failed(me).map(|(r, _)| r);
@@ -274,6 +298,32 @@ mod tests {
         h.fail(1, "later");
         assert_eq!(h.failed(0), Some((1, "panicked".into())));
         assert_eq!(h.failed(1), None);
+    }
+
+    #[test]
+    fn a_local_rank_lingers_until_every_other_finished_or_failed() {
+        let h = std::sync::Arc::new(LocalHealth::default());
+        let t0 = Instant::now();
+        h.linger(3, 0, Duration::from_millis(50));
+        assert!(
+            t0.elapsed() >= Duration::from_millis(50),
+            "nobody finished yet"
+        );
+        let h2 = h.clone();
+        let others = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            h2.finished(1);
+            std::thread::sleep(Duration::from_millis(50));
+            h2.fail(2, "hang");
+        });
+        let t0 = Instant::now();
+        h.linger(3, 0, Duration::from_secs(30));
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_millis(90) && waited < Duration::from_secs(10),
+            "{waited:?}"
+        );
+        others.join().unwrap();
     }
 
     fn store() -> (u16, Secret) {

@@ -546,6 +546,11 @@ impl Process {
     }
 }
 
+/// How long a rank with lanes made on first use that finished keeps its
+/// lane service for the others at most: as long as they run (a failed
+/// rank ends it sooner: the job's health reports it).
+const LINGER_LAZY: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The most calls a rank that finished cleanly publishes for the others'
 /// hang analyses (a longer trace is not sent: its encoding would slow
 /// every clean exit).
@@ -640,6 +645,15 @@ where
         if health.remote() {
             health.publish(rank, &registry.trace());
         }
+    }
+    // With lanes made on first use, a rank that finished keeps its lane
+    // service for the others: a peer may still first talk to it (its send
+    // to this rank, unmatched, is then the hang it would be with lanes made
+    // at start, not a lane that cannot be made). Until every other rank
+    // has finished or failed; a dead or frozen one is failed by the job's
+    // health.
+    if result.is_ok() && settings.opts.lanes == crate::LaneMode::Lazy {
+        health.linger(world, rank, LINGER_LAZY);
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();
