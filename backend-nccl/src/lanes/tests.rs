@@ -22,6 +22,7 @@ struct Fabric {
     failed: Mutex<Option<(Rank, String)>>,
     made: Mutex<Vec<(Rank, u64)>>,
     abandoned: Mutex<Vec<(Rank, u64)>>,
+    starts: Mutex<Vec<(Rank, u64)>>,
     /// While set, no part gets past its setup.
     hold: std::sync::atomic::AtomicBool,
 }
@@ -44,6 +45,11 @@ impl LaneKit for FakeKit {
     }
 
     fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<Self::Part> {
+        self.fabric
+            .starts
+            .lock()
+            .expect("not poisoned")
+            .push((self.me, lane.index));
         let mut parts = self.fabric.parts.lock().expect("not poisoned");
         parts
             .entry(id.to_vec())
@@ -420,4 +426,71 @@ fn a_lane_given_up_by_its_host_is_never_published_later() {
     assert_eq!(e, again);
     let job = Arc::try_unwrap(job).ok().expect("one holder");
     job.stop();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 24,
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Any ranks needing any lanes in any order, at once: every need is
+    /// met; each lane is made once on each of its two ranks, from one id;
+    /// no part is started twice or abandoned.
+    #[test]
+    fn any_needs_in_any_order_make_each_lane_once(
+        ranks in 2u32..6,
+        shared in proptest::bool::ANY,
+        needs in proptest::collection::vec((0u32..6, 1u32..6, proptest::bool::ANY, 0u64..3), 1..16),
+    ) {
+        let policy = if shared { Policy::Shared } else { Policy::PerDirection };
+        let job = Arc::new(job(ranks, policy, T, &(0..ranks).collect::<Vec<_>>()));
+        let threads: Vec<_> = needs
+            .iter()
+            .map(|&(r, off, send, delay)| {
+                let (r, peer) = (r % ranks, (r % ranks + off % (ranks - 1) + 1) % ranks);
+                let dir = if send { Dir::Send } else { Dir::Recv };
+                let j = job.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(delay));
+                    j.need(r, dir, peer).map(|()| (r, dir, peer))
+                })
+            })
+            .collect();
+        let mut lanes = std::collections::BTreeSet::new();
+        for t in threads {
+            let (r, dir, peer) = t.join().expect("no panic").expect("every need is met");
+            lanes.insert(job.makers[r as usize].spec(peer, dir).expect("a lane").index);
+        }
+        // Each needed lane gets made on both its ranks (the other by its
+        // service, unasked), so wait for those before counting.
+        let want: Vec<(Rank, u64)> = lanes
+            .iter()
+            .flat_map(|&l| {
+                let s = LaneSpec::at(policy, ranks, l).expect("a lane");
+                [(s.members[0], l), (s.members[1], l)]
+            })
+            .collect();
+        let start = Instant::now();
+        loop {
+            let made = job.fabric.made.lock().expect("not poisoned").clone();
+            if want.iter().all(|w| made.contains(w)) {
+                break;
+            }
+            proptest::prop_assert!(start.elapsed() < T, "not every lane made on both ranks");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let job = Arc::try_unwrap(job).ok().expect("one holder");
+        let fabric = job.stop();
+        let mut made = fabric.made.lock().expect("not poisoned").clone();
+        made.sort();
+        let mut starts = fabric.starts.lock().expect("not poisoned").clone();
+        starts.sort();
+        let mut expected = want.clone();
+        expected.sort();
+        proptest::prop_assert_eq!(&made, &expected, "each lane made once per rank");
+        proptest::prop_assert_eq!(&starts, &expected, "each part started once");
+        proptest::prop_assert_eq!(fabric.parts.lock().expect("not poisoned").len(), lanes.len(), "one id per lane");
+        proptest::prop_assert!(fabric.abandoned.lock().expect("not poisoned").is_empty());
+    }
 }
