@@ -49,6 +49,11 @@
 //! NCCL launch, so a rank with lazy lanes makes both before its user code
 //! runs (`RankCtx::prime`).
 //!
+//! The store hands a message out once, so a reader that dies with it
+//! loses it: a service sends `make` again while it waits for the owner,
+//! and the owner sends `join` again while the lane is being made; both
+//! are ignored where they are not needed.
+//!
 //! A lane that is not made within the deadline, or whose other rank
 //! failed, fails for good on this rank: every op that needs it returns an
 //! error that names the lane and the cause.
@@ -324,6 +329,22 @@ const ASKED: Duration = Duration::from_millis(20);
 /// the part again.
 const MAKING: Duration = Duration::from_millis(2);
 
+/// How often a service sends again a message that may have been lost (the
+/// store hands a message out once, and a reader that dies with it loses
+/// it): `make` while it waits for the owner, `join` while the other rank
+/// has not connected.
+const RESEND: Duration = Duration::from_millis(250);
+
+/// A message a service sends again until its lane leaves `state`.
+#[derive(Debug)]
+struct Resend {
+    to: Rank,
+    msg: LaneMsg,
+    at: Instant,
+    /// Sent while the lane is asked for (`make`), or being made (`join`).
+    while_asked: bool,
+}
+
 /// How much longer than the deadline a host thread waits for the service
 /// to make a lane, so that the service's reason for a failure (which
 /// comes at the deadline) is what the thread reports.
@@ -340,6 +361,8 @@ pub struct LaneMaker<K: LaneKit> {
     states: Mutex<HashMap<u64, State>>,
     changed: Condvar,
     stop: AtomicBool,
+    /// The service's messages to send again (only its thread uses it).
+    resend: Mutex<HashMap<u64, Resend>>,
 }
 
 impl<K: LaneKit> std::fmt::Debug for LaneMaker<K> {
@@ -371,6 +394,7 @@ impl<K: LaneKit> LaneMaker<K> {
             states: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            resend: Mutex::new(HashMap::new()),
         }
     }
 
@@ -563,6 +587,7 @@ impl<K: LaneKit> LaneMaker<K> {
                     }
                 }
             }
+            self.resend_lost();
             // Deadlines, and the other ranks' failures.
             let now = Instant::now();
             let late: Vec<(u64, String)> = lock(&self.states)
@@ -604,6 +629,28 @@ impl<K: LaneKit> LaneMaker<K> {
                     |l| LaneSpec::at(policy, ranks, l).is_some_and(|s| s.other(me) == r),
                     &format!("rank {r} failed ({why})"),
                 );
+            }
+        }
+    }
+
+    /// Sends again what may have been lost, for lanes still waiting on it;
+    /// forgets the rest. Duplicates are harmless: a `make` for a lane being
+    /// made or made, and a `join` for a lane already joined, are ignored.
+    fn resend_lost(&self) {
+        let states = lock(&self.states);
+        let mut resend = lock(&self.resend);
+        resend.retain(|l, r| match states.get(l) {
+            Some(State::Asked(_)) => r.while_asked,
+            Some(State::Making(_)) => !r.while_asked,
+            _ => false,
+        });
+        drop(states);
+        for r in resend.values_mut() {
+            if r.at.elapsed() >= RESEND {
+                r.at = Instant::now();
+                if let Err(e) = self.board.mail(r.to, &r.msg.encode()) {
+                    tracing::debug!(rank = self.me, to = r.to, "sending again failed: {e}");
+                }
             }
         }
     }
@@ -662,7 +709,18 @@ impl<K: LaneKit> LaneMaker<K> {
                     let asked = self.board.mail(spec.owner(), &LaneMsg::Make(l).encode());
                     let mut states = lock(&self.states);
                     match asked {
-                        Ok(()) => self.set(&mut states, l, State::Asked(since)),
+                        Ok(()) => {
+                            self.set(&mut states, l, State::Asked(since));
+                            lock(&self.resend).insert(
+                                l,
+                                Resend {
+                                    to: spec.owner(),
+                                    msg: LaneMsg::Make(l),
+                                    at: Instant::now(),
+                                    while_asked: true,
+                                },
+                            );
+                        }
                         Err(e) => self.set(
                             &mut states,
                             l,
@@ -711,10 +769,8 @@ impl<K: LaneKit> LaneMaker<K> {
             return;
         }
         let other = spec.other(self.me);
-        if let Err(e) = self
-            .board
-            .mail(other, &LaneMsg::Join(spec.index, id).encode())
-        {
+        let join = LaneMsg::Join(spec.index, id);
+        if let Err(e) = self.board.mail(other, &join.encode()) {
             if let Some((spec, part)) = parts.remove(&spec.index) {
                 self.kit.abandon(&spec, part);
             }
@@ -722,7 +778,17 @@ impl<K: LaneKit> LaneMaker<K> {
                 spec.index,
                 format!("sending its unique id to rank {other}: {e}"),
             );
+            return;
         }
+        lock(&self.resend).insert(
+            spec.index,
+            Resend {
+                to: other,
+                msg: join,
+                at: Instant::now(),
+                while_asked: false,
+            },
+        );
     }
 
     /// Starts this rank's part; false (and the lane failed) if it cannot.

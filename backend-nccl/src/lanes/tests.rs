@@ -494,3 +494,87 @@ proptest::proptest! {
         proptest::prop_assert!(fabric.abandoned.lock().expect("not poisoned").is_empty());
     }
 }
+
+/// A board that loses the first message of each kind in `lose` (`join`,
+/// `make`), as a store whose reader died with it would.
+#[derive(Debug)]
+struct Lossy {
+    inner: LocalBoard,
+    lose: Mutex<Vec<&'static str>>,
+}
+
+impl Board for Lossy {
+    fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<()> {
+        self.inner.post(from, to, tag)
+    }
+
+    fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool> {
+        self.inner.take(from, to, tag, timeout)
+    }
+
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<()> {
+        let mut lose = self.lose.lock().expect("not poisoned");
+        if let Some(i) = lose.iter().position(|k| message.starts_with(k.as_bytes())) {
+            lose.remove(i);
+            return Ok(());
+        }
+        self.inner.mail(to, message)
+    }
+
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        self.inner.inbox(me, timeout)
+    }
+}
+
+#[test]
+fn a_lost_make_or_join_is_sent_again() {
+    for lose in [vec!["join"], vec!["make"], vec!["make", "join"]] {
+        let fabric = Arc::new(Fabric::default());
+        let board = Arc::new(Lossy {
+            inner: LocalBoard::default(),
+            lose: Mutex::new(lose.clone()),
+        });
+        let makers: Vec<_> = (0..2)
+            .map(|me| {
+                Arc::new(LaneMaker::new(
+                    me,
+                    2,
+                    Policy::PerDirection,
+                    T,
+                    board.clone() as Arc<dyn Board>,
+                    FakeKit {
+                        me,
+                        fabric: fabric.clone(),
+                    },
+                ))
+            })
+            .collect();
+        let services: Vec<_> = makers
+            .iter()
+            .map(|m| {
+                let m = m.clone();
+                std::thread::spawn(move || m.serve())
+            })
+            .collect();
+        // Rank 1 (not the owner) needs lane 1->0: it asks with `make`, the
+        // owner answers with `join`.
+        let spec = makers[1].spec(0, Dir::Send).expect("a lane");
+        let start = Instant::now();
+        makers[1].need(&spec).expect("made despite the loss");
+        assert!(
+            start.elapsed() < T / 2,
+            "{lose:?}: took {:?}",
+            start.elapsed()
+        );
+        assert!(
+            board.lose.lock().expect("not poisoned").is_empty(),
+            "{lose:?}: nothing was lost"
+        );
+        for m in &makers {
+            m.stop();
+        }
+        for s in services {
+            s.join().expect("the service ends");
+        }
+    }
+}
