@@ -15,6 +15,8 @@ the last line of a name counts) and the reports of each step:
              (DUPLEX_LANES=lazy), judged the same way (OUT/suite-lazy.txt)
   faults     `faults drive` exits 0, and its table (OUT/faults.md) has a row
              per case, none FAIL, and "K of K cases passed"
+  faults-lazy the same matrix with lanes made on first use
+             (OUT/faults-lazy.md)
   calibrate  `duplex calibrate --format markdown` exits 0 (1: some example
              disagrees), and its table (OUT/calibration.md) has every example
              agreeing ("yes" or "consistent: ..."), except the disagreements
@@ -36,7 +38,7 @@ import os
 import re
 import sys
 
-STEPS = ("build", "suite", "suite-lazy", "faults", "calibrate", "bench")
+STEPS = ("build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench")
 TIMED_OUT = {124: "timed out", 137: "killed (timed out or out of memory)"}
 
 
@@ -277,6 +279,8 @@ def verdict(out, known):
     results.append(("suite-lazy", *judge_suite(read(os.path.join(out, "suite-lazy.txt")),
                                                steps.get("suite-lazy"))))
     results.append(("faults", *judge_faults(read(os.path.join(out, "faults.md")), steps.get("faults"))))
+    results.append(("faults-lazy", *judge_faults(read(os.path.join(out, "faults-lazy.md")),
+                                                 steps.get("faults-lazy"))))
     results.append(("calibrate", *judge_calibration(read(os.path.join(out, "calibration.md")),
                                                     steps.get("calibrate"), known)))
     results.append(("bench", *judge_bench(steps, out)))
@@ -290,7 +294,7 @@ def render(results):
     for step, ok, why, _ in results:
         text = "; ".join(why).replace("|", "/")
         lines.append(f"| {step} | {'pass' if ok else '**FAIL**'} | {text} |")
-    lines += ["", "Reports: suite.txt, suite-lazy.txt, faults.md (faults.log), calibration.md (calibration.log), "
+    lines += ["", "Reports: suite.txt, suite-lazy.txt, faults.md (faults.log), faults-lazy.md, calibration.md (calibration.log), "
               "benchmarks.md (bench-log.txt, bench-compare.log, bench-*.json), machine.txt."]
     return passed, "\n".join(lines) + "\n"
 

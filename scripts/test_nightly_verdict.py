@@ -191,11 +191,12 @@ class Whole(unittest.TestCase):
             f.write(text)
 
     def good_run(self):
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\ncalibrate 1\nbench 0\n"
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\n"
                    "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\n")
         self.write("suite.txt", SUITE_OK)
         self.write("suite-lazy.txt", SUITE_OK)
         self.write("faults.md", FAULTS_OK)
+        self.write("faults-lazy.md", FAULTS_OK)
         self.write("calibration.md", committed("calibration.md"))
         fig = {"unit": "GB/s", "better": "higher", "trials": [1.0], "median": 1.0, "min": 1.0, "max": 1.0}
         self.write("bench-duplex.json", json.dumps({"format": 2, "figures": {"one_way/1MiB": fig}}))
@@ -218,7 +219,7 @@ class Whole(unittest.TestCase):
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\n")
         self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
                                         "measured: duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
@@ -228,13 +229,13 @@ class Whole(unittest.TestCase):
 
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\n")
         self.write("copylane.txt", "PASS data: ok\nFAIL abort: the abort did not release the stream in 2 s\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
         self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
         self.assertIn("copylane: exit status 1: FAIL abort", md)
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 0\n")
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)
         self.assertIn("copy-engine lane checks (copylane) did not run", md)
@@ -242,7 +243,7 @@ class Whole(unittest.TestCase):
     def test_a_missing_torch_result_fails_it(self):
         self.good_run()
         os.remove(os.path.join(self.out, "bench-torch.json"))
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 1\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 1\nbench-table 1\n")
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)
         self.assertIn("bench_torch.py: exit status 1", md)
@@ -251,7 +252,7 @@ class Whole(unittest.TestCase):
         self.write("steps.txt", "build 101\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
-        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 6)
+        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 7)
         self.assertIn("did not run", md)
 
     def test_old_format_bench_json_is_not_a_nightly_result(self):
@@ -398,7 +399,8 @@ class EndToEnd(unittest.TestCase):
     def test_a_failing_fault_case_fails_the_nightly(self):
         self.stub({"faults.md": FAULTS_OK.replace("| killed | PASS |", "| killed | FAIL: hung |", 1), "faults.rc": "1"})
         rc, _, j, _ = self.nightly()
-        self.assertEqual((rc, self.failing(j)), (1, ["faults"]))
+        # The stub matrix fails with eager and with lazy lanes alike.
+        self.assertEqual((rc, self.failing(j)), (1, ["faults", "faults-lazy"]))
 
     def test_a_calibration_disagreement_fails_the_nightly(self):
         self.stub({"calibration.md": committed("calibration.md").replace(
@@ -424,4 +426,4 @@ class EndToEnd(unittest.TestCase):
         os.remove(os.path.join(self.root, ".gpu/bench"))
         rc, _, j, _ = self.nightly()
         self.assertEqual(rc, 1)
-        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "faults", "calibrate", "bench"])
+        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench"])
