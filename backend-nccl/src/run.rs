@@ -485,17 +485,13 @@ impl Process {
             Ok(lib) => lib,
             Err(e) => return Err(self.cannot_start(&client, e)),
         };
-        if bytes.len() != NCCL_UNIQUE_ID_BYTES {
-            // Never print the id: it lets anyone join the communicator.
-            return Err(Error::Aborted(format!(
+        // Never print the id: it lets anyone join the communicator.
+        let id = ncclUniqueId::from_bytes(&bytes).ok_or_else(|| {
+            Error::Aborted(format!(
                 "the store sent a unique id of {} bytes, not {NCCL_UNIQUE_ID_BYTES}",
                 bytes.len()
-            )));
-        }
-        let mut id = ncclUniqueId {
-            internal: [0; NCCL_UNIQUE_ID_BYTES],
-        };
-        id.internal.copy_from_slice(&bytes);
+            ))
+        })?;
         let board: Arc<dyn Board> = Arc::new(client);
         // This process records only its own rank's calls; on a hang the
         // ranks exchange their traces through the store (crate::health).

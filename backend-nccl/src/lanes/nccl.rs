@@ -176,16 +176,12 @@ impl LaneKit for NcclKit {
 
     fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<NcclPart> {
         let ctx = self.ctx()?;
-        if id.len() != NCCL_UNIQUE_ID_BYTES {
-            return Err(Error::Aborted(format!(
+        let raw = ncclUniqueId::from_bytes(id).ok_or_else(|| {
+            Error::Aborted(format!(
                 "a unique id of {} bytes, not {NCCL_UNIQUE_ID_BYTES}",
                 id.len()
-            )));
-        }
-        let mut raw = ncclUniqueId {
-            internal: [0; NCCL_UNIQUE_ID_BYTES],
-        };
-        raw.internal.copy_from_slice(id);
+            ))
+        })?;
         ctx.device.bind()?;
         let before = ctx.device.memory().map_or(0, |m| m.0 as u64);
         let (lib, device, ctas) = (ctx.lib, ctx.device.clone(), ctx.opts.ctas);

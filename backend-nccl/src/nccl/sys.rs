@@ -24,12 +24,29 @@ pub type ncclDataType_t = c_int;
 
 /// `NCCL_UNIQUE_ID_BYTES`
 pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
-/// `ncclUniqueId`
+/// `ncclUniqueId`. Its `Debug` does not show its bytes: they let anyone
+/// join the communicator.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct ncclUniqueId {
     /// Opaque bytes.
     pub internal: [u8; NCCL_UNIQUE_ID_BYTES],
+}
+
+impl std::fmt::Debug for ncclUniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ncclUniqueId(<{NCCL_UNIQUE_ID_BYTES} bytes>)")
+    }
+}
+
+impl ncclUniqueId {
+    /// The id whose bytes another rank sent; `None` unless there are
+    /// exactly [`NCCL_UNIQUE_ID_BYTES`].
+    pub fn from_bytes(bytes: &[u8]) -> Option<ncclUniqueId> {
+        Some(ncclUniqueId {
+            internal: bytes.try_into().ok()?,
+        })
+    }
 }
 
 /// `NCCL_CONFIG_UNDEF_INT`
