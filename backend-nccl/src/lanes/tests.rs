@@ -578,3 +578,16 @@ fn a_lost_make_or_join_is_sent_again() {
         }
     }
 }
+
+#[test]
+fn lane_settings_parse_what_the_environment_may_say_and_name_the_rest() {
+    use crate::{LaneConnect, LaneMode};
+    assert_eq!("eager".parse::<LaneMode>(), Ok(LaneMode::Eager));
+    assert_eq!("lazy".parse::<LaneMode>(), Ok(LaneMode::Lazy));
+    let e = "Lazy".parse::<LaneMode>().unwrap_err();
+    assert!(e.contains("`Lazy`") && e.contains("`eager` or `lazy`"), "{e}");
+    assert_eq!("both".parse::<LaneConnect>(), Ok(LaneConnect::Both));
+    assert_eq!("one-way".parse::<LaneConnect>(), Ok(LaneConnect::OneWay));
+    let e = "oneway".parse::<LaneConnect>().unwrap_err();
+    assert!(e.contains("`oneway`") && e.contains("`both` or `one-way`"), "{e}");
+}
