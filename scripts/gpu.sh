@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes all
+#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc all
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
 #                                 judge (scripts/gpu-nightly.sh); exits 1 when
@@ -34,7 +34,7 @@
 # (the suite has 30 jobs since the copy-engine lane scenarios,
 # self-unpaired, read-after-abort and reply-after-wait), and for lanes made
 # on first use (issue 12, item 3) a fourth,
-#   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt", ...)
+#   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md", ...)
 # and copy the reports back into the repo (docs/gpu/).
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
@@ -94,7 +94,7 @@ run)
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
   steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-  [ "${steps[0]}" = all ] && steps=(suite suite-lazy faults faults-lazy calibrate bench lanes)
+  [ "${steps[0]}" = all ] && steps=(suite suite-lazy faults faults-lazy calibrate bench lanes ipc)
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
   for s in "${steps[@]}"; do
     case "$s" in
@@ -133,6 +133,15 @@ run)
       record faults-lazy "${PIPESTATUS[0]}"
       set -e
       [ -e "$out/faults-lazy.md" ] && { echo; echo "Produced by: scripts/gpu.sh run faults-lazy"; } >> "$out/faults-lazy.md" ;;
+    ipc)
+      # What copy-engine lanes across processes would cost (issue 12 item
+      # 4): CUDA IPC handle opens and copies between two processes, on two
+      # GPUs and on one (scripts/ipc_probe.py).
+      set +e
+      { timeout 300 python3 scripts/ipc_probe.py; echo; timeout 300 python3 scripts/ipc_probe.py --one-gpu; } > "$out/ipc.md" 2> "$out/ipc.log"
+      record ipc $?
+      set -e
+      cat "$out/ipc.md" ;;
     calibrate)
       # Exit status 0: every example agrees; 1: some disagree; 4: no backend.
       set +e
