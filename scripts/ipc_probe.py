@@ -107,6 +107,16 @@ def worker(role, device, conn, barrier, trials):
     out["both-ways GB/s (" + role + ")"] = both
     barrier.wait(60)
     rt.ipcCloseMemHandle(theirs)
+    # Neither side frees (or exits) while the other still has its memory
+    # open.
+    barrier.wait(60)
+    rt.free(src)
+    rt.free(dst)
+    if role == "A":
+        for p in allocs:
+            rt.free(p)
+        for e in events:
+            rt.eventDestroy(e)
     conn.send(out)
 
 
@@ -125,23 +135,28 @@ def main():
         p.start()
     deadline = time.time() + 240
 
-    def recv(end):
+    def recv(end, proc):
+        """The next message from `proc`; exits (killing both) if it died
+        without sending one, or past the deadline."""
         while not end.poll(0.1):
-            if time.time() > deadline or not all(p.is_alive() for p in procs):
+            if time.time() > deadline or not proc.is_alive():
+                if end.poll(0):
+                    break
                 for p in procs:
                     p.kill()
                 sys.exit("ipc_probe: a process died or the probe passed its deadline")
         return end.recv()
 
+    pa, pb = procs
     # A's handles go to B; then each side's 256 MiB handle to the other.
-    b_end.send(recv(a_end))
-    b_end.send(recv(a_end))
-    ha, hb = recv(a_end), recv(b_end)
+    b_end.send(recv(a_end, pa))
+    b_end.send(recv(a_end, pa))
+    ha, hb = recv(a_end, pa), recv(b_end, pb)
     a_end.send(hb)
     b_end.send(ha)
     results = {}
-    results.update(recv(a_end))
-    results.update(recv(b_end))
+    results.update(recv(a_end, pa))
+    results.update(recv(b_end, pb))
     for p in procs:
         p.join(10)
     where = "one GPU, two processes" if a.one_gpu else "GPU 0 and GPU 1, a process each"

@@ -64,9 +64,12 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Says that `rank` finished cleanly: its silence from now on is no
     /// failure.
     fn finished(&self, rank: Rank);
-    /// For the rank that hosts the store: waits (up to `wait`) until every
-    /// other rank has finished or failed, so that the store outlives them.
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration);
+    /// Waits (up to `wait`) until every other rank has finished or failed:
+    /// for the rank that hosts the store, so that the store outlives them;
+    /// and for a rank with lanes made on first use, whose lane service
+    /// serves the others meanwhile, which stops waiting as soon as any
+    /// rank is known to have failed (`until_failure`: the job is ending).
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool);
 }
 
 /// The health of a local run: one list for all its ranks.
@@ -106,9 +109,12 @@ impl Health for LocalHealth {
             .push(rank);
     }
 
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration) {
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
         let start = Instant::now();
         while start.elapsed() < wait {
+            if until_failure && self.failed(me).is_some() {
+                return;
+            }
             let done = {
                 let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
                 let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
@@ -242,7 +248,7 @@ impl Health for StoreHealth {
         }
     }
 
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration) {
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
         let now = Instant::now();
         let deadline = now
             .checked_add(wait)
@@ -250,6 +256,9 @@ impl Health for StoreHealth {
         let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
         while !left.is_empty() && Instant::now() < deadline {
             let failed = self.failed(me).map(|(r, _)| r);
+            if until_failure && failed.is_some() {
+                return;
+            }
             let mut still = Vec::new();
             for r in left {
                 let done = matches!(
@@ -304,7 +313,7 @@ mod tests {
     fn a_local_rank_lingers_until_every_other_finished_or_failed() {
         let h = std::sync::Arc::new(LocalHealth::default());
         let t0 = Instant::now();
-        h.linger(3, 0, Duration::from_millis(50));
+        h.linger(3, 0, Duration::from_millis(50), false);
         assert!(
             t0.elapsed() >= Duration::from_millis(50),
             "nobody finished yet"
@@ -317,13 +326,19 @@ mod tests {
             h2.fail(2, "hang");
         });
         let t0 = Instant::now();
-        h.linger(3, 0, Duration::from_secs(30));
+        h.linger(3, 0, Duration::from_secs(30), false);
         let waited = t0.elapsed();
         assert!(
             waited >= Duration::from_millis(90) && waited < Duration::from_secs(10),
             "{waited:?}"
         );
         others.join().unwrap();
+        // Waiting for the lanes' sake ends at the first failure known.
+        let h = LocalHealth::default();
+        h.fail(2, "hang");
+        let t0 = Instant::now();
+        h.linger(3, 0, Duration::from_secs(30), true);
+        assert!(t0.elapsed() < Duration::from_secs(5));
     }
 
     fn store() -> (u16, Secret) {
@@ -401,7 +416,7 @@ mod tests {
         assert_eq!(a.failed(0), None);
         // And rank 0, hosting the store, does not wait for it.
         let start = Instant::now();
-        a.linger(2, 0, Duration::from_secs(5));
+        a.linger(2, 0, Duration::from_secs(5), false);
         assert!(
             start.elapsed() < Duration::from_secs(2),
             "{:?}",

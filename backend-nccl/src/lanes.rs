@@ -329,11 +329,16 @@ const ASKED: Duration = Duration::from_millis(20);
 /// the part again.
 const MAKING: Duration = Duration::from_millis(2);
 
-/// How often a service sends again a message that may have been lost (the
-/// store hands a message out once, and a reader that dies with it loses
-/// it): `make` while it waits for the owner, `join` while the other rank
-/// has not connected.
+/// How soon a service first sends again a message that may have been lost
+/// (the store hands a message out once, and a reader that dies with it
+/// loses it): `make` while it waits for the owner, `join` while the lane
+/// is being made. Each later resend waits twice as long, up to
+/// [`RESEND_MAX`], so that a job making many lanes at once does not flood
+/// the store.
 const RESEND: Duration = Duration::from_millis(250);
+
+/// The longest wait between two sends of one message.
+const RESEND_MAX: Duration = Duration::from_secs(2);
 
 /// A message a service sends again until its lane leaves `state`.
 #[derive(Debug)]
@@ -341,6 +346,8 @@ struct Resend {
     to: Rank,
     msg: LaneMsg,
     at: Instant,
+    /// How long after `at` it is sent again.
+    every: Duration,
     /// Sent while the lane is asked for (`make`), or being made (`join`).
     while_asked: bool,
 }
@@ -543,6 +550,16 @@ impl<K: LaneKit> LaneMaker<K> {
                 }
                 wait = Duration::ZERO;
             }
+            // A `want` of this rank's own that never arrived (lost): as if
+            // it had.
+            let lost: Vec<u64> = lock(&self.states)
+                .iter()
+                .filter(|(_, s)| matches!(s, State::Wanted(t) if t.elapsed() > RESEND))
+                .map(|(l, _)| *l)
+                .collect();
+            for l in lost {
+                self.handle(&LaneMsg::Want(l).encode(), &mut parts);
+            }
             // Parts of lanes a host thread gave up on are given up too.
             let given_up: Vec<u64> = {
                 let states = lock(&self.states);
@@ -646,8 +663,9 @@ impl<K: LaneKit> LaneMaker<K> {
         });
         drop(states);
         for r in resend.values_mut() {
-            if r.at.elapsed() >= RESEND {
+            if r.at.elapsed() >= r.every {
                 r.at = Instant::now();
+                r.every = (r.every * 2).min(RESEND_MAX);
                 if let Err(e) = self.board.mail(r.to, &r.msg.encode()) {
                     tracing::debug!(rank = self.me, to = r.to, "sending again failed: {e}");
                 }
@@ -717,6 +735,7 @@ impl<K: LaneKit> LaneMaker<K> {
                                     to: spec.owner(),
                                     msg: LaneMsg::Make(l),
                                     at: Instant::now(),
+                                    every: RESEND,
                                     while_asked: true,
                                 },
                             );
@@ -786,6 +805,7 @@ impl<K: LaneKit> LaneMaker<K> {
                 to: other,
                 msg: join,
                 at: Instant::now(),
+                every: RESEND,
                 while_asked: false,
             },
         );

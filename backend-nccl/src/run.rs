@@ -375,6 +375,13 @@ impl Process {
     /// Runs `f` as this rank. Rank 0 must be started for the others to
     /// connect; every wait, the rendezvous included, has the deadline.
     ///
+    /// With lanes made on first use ([`crate::LaneMode::Lazy`]), a rank
+    /// whose `f` has returned keeps its lane service for the others before
+    /// this returns: until every other rank has finished, any rank has
+    /// failed, or the deadline and the silence that counts as death
+    /// ([`crate::health`]) have passed. Code after `run` that waits for a
+    /// rank still inside its `run` waits that long at most.
+    ///
     /// Once per process: rank 0's store keeps serving the job's unique id
     /// and messages for as long as the process lives (the others may still
     /// be reading them), so a second run would find its port taken on rank
@@ -455,7 +462,7 @@ impl Process {
             let mine = lanes_word(&self.settings.opts);
             if theirs != mine {
                 let e = Error::Invalid {
-                    at: "DUPLEX_LANES".into(),
+                    at: "DUPLEX_LANES / DUPLEX_LANE_CONNECT".into(),
                     message: format!(
                         "rank {}'s lanes are {mine}, rank 0's are {theirs}: every rank of a job must be given the same lane settings (DUPLEX_LANES and DUPLEX_LANE_CONNECT, or Process::lanes and Process::lane_connect)",
                         self.rank
@@ -519,7 +526,7 @@ impl Process {
             // The store lives in this process: it stays up until every other
             // rank has finished or failed (bounded), so that their waits
             // never read its end as rank 0's death.
-            health.linger(self.world, 0, self.settings.opts.timeout + SILENCE);
+            health.linger(self.world, 0, self.settings.opts.timeout + SILENCE, false);
         }
         result
     }
@@ -536,16 +543,11 @@ impl Process {
                 Store::client(self.host.clone(), self.port, self.secret.clone()),
                 0,
             );
-            health.linger(self.world, 0, timeout + SILENCE);
+            health.linger(self.world, 0, timeout + SILENCE, false);
         }
         e
     }
 }
-
-/// How long a rank with lanes made on first use that finished keeps its
-/// lane service for the others at most: as long as they run (a failed
-/// rank ends it sooner: the job's health reports it).
-const LINGER_LAZY: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// The most calls a rank that finished cleanly publishes for the others'
 /// hang analyses (a longer trace is not sent: its encoding would slow
@@ -586,6 +588,14 @@ where
         health,
         copy,
     } = links;
+    // A panic outside the rank's code (its setup, its final synchronize)
+    // ends the thread without a word: say the rank failed, so that the
+    // others' waits (and lingers) end too.
+    let outcome = Posted {
+        health: health.as_ref(),
+        rank,
+        posted: std::cell::Cell::new(false),
+    };
     let start = Instant::now();
     let failed = |e: Error| {
         // A rank that fails says so, so that the others' waits end too.
@@ -635,6 +645,7 @@ where
         }
         health.finished(rank);
     }
+    outcome.posted.set(true);
     if let Err(e) = &result {
         health.fail(rank, &e.to_string());
         // The others' hang analyses need what this rank issued.
@@ -643,13 +654,14 @@ where
         }
     }
     // With lanes made on first use, a rank that finished keeps its lane
-    // service for the others: a peer may still first talk to it (its send
-    // to this rank, unmatched, is then the hang it would be with lanes made
-    // at start, not a lane that cannot be made). Until every other rank
-    // has finished or failed; a dead or frozen one is failed by the job's
-    // health.
+    // service for the others a while: a peer's late first message to it
+    // (a send it never receives, say) then meets a lane and hangs as it
+    // would on a lane made at start, with a hang report, rather than
+    // failing to make the lane. Until every other rank has finished, any
+    // rank is known to have failed (the job is ending), or the deadline
+    // and the silence that counts as death have passed.
     if result.is_ok() && settings.opts.lanes == crate::LaneMode::Lazy {
-        health.linger(world, rank, LINGER_LAZY);
+        health.linger(world, rank, settings.opts.timeout + SILENCE, true);
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();
@@ -661,6 +673,23 @@ where
         setup_ms,
         lanes,
     })
+}
+
+/// Posts a rank's failure when dropped unless its outcome was posted: what
+/// a panic outside the rank's code leaves.
+struct Posted<'a> {
+    health: &'a dyn Health,
+    rank: Rank,
+    posted: std::cell::Cell<bool>,
+}
+
+impl Drop for Posted<'_> {
+    fn drop(&mut self) {
+        if !self.posted.get() && std::thread::panicking() {
+            self.health
+                .fail(self.rank, "the rank's thread panicked outside its code");
+        }
+    }
 }
 
 /// The most telling of several ranks' errors: a hang or a program error

@@ -527,8 +527,13 @@ impl Board for Lossy {
 }
 
 #[test]
-fn a_lost_make_or_join_is_sent_again() {
-    for lose in [vec!["join"], vec!["make"], vec!["make", "join"]] {
+fn a_lost_want_make_or_join_is_sent_again() {
+    for lose in [
+        vec!["join"],
+        vec!["make"],
+        vec!["make", "join"],
+        vec!["want"],
+    ] {
         let fabric = Arc::new(Fabric::default());
         let board = Arc::new(Lossy {
             inner: LocalBoard::default(),
@@ -585,9 +590,15 @@ fn lane_settings_parse_what_the_environment_may_say_and_name_the_rest() {
     assert_eq!("eager".parse::<LaneMode>(), Ok(LaneMode::Eager));
     assert_eq!("lazy".parse::<LaneMode>(), Ok(LaneMode::Lazy));
     let e = "Lazy".parse::<LaneMode>().unwrap_err();
-    assert!(e.contains("`Lazy`") && e.contains("`eager` or `lazy`"), "{e}");
+    assert!(
+        e.contains("`Lazy`") && e.contains("`eager` or `lazy`"),
+        "{e}"
+    );
     assert_eq!("both".parse::<LaneConnect>(), Ok(LaneConnect::Both));
     assert_eq!("one-way".parse::<LaneConnect>(), Ok(LaneConnect::OneWay));
     let e = "oneway".parse::<LaneConnect>().unwrap_err();
-    assert!(e.contains("`oneway`") && e.contains("`both` or `one-way`"), "{e}");
+    assert!(
+        e.contains("`oneway`") && e.contains("`both` or `one-way`"),
+        "{e}"
+    );
 }
