@@ -259,18 +259,20 @@ impl Health for StoreHealth {
             if until_failure && failed.is_some() {
                 return;
             }
-            let mut still = Vec::new();
-            for r in left {
-                let done = matches!(
-                    self.store
-                        .get(&format!("done/{r}"), Duration::from_millis(100)),
-                    Ok(Some(_))
-                );
-                if !done && failed != Some(r) {
-                    still.push(r);
+            // One request for every rank that finished, not one per rank.
+            match self.store.finished(REQUEST) {
+                Ok(done) => left.retain(|r| !done.contains(r) && failed != Some(*r)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot ask the store which ranks finished");
+                    if until_failure {
+                        return;
+                    }
                 }
             }
-            left = still;
+            if left.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 

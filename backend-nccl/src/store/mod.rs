@@ -254,13 +254,17 @@ impl Shared {
     /// The first failure of another rank than `me`, else the rank silent
     /// longest past `silence_ms` (a rank that stored `done/RANK` finished
     /// cleanly: its silence is no failure).
-    fn check(&self, me: Rank, silence_ms: u64) -> Response {
-        let finished: Vec<Rank> = self
-            .values()
+    /// The ranks that stored `done/RANK`: they finished cleanly.
+    fn finished(&self) -> Vec<Rank> {
+        self.values()
             .map
             .keys()
             .filter_map(|k| k.strip_prefix("done/")?.parse().ok())
-            .collect();
+            .collect()
+    }
+
+    fn check(&self, me: Rank, silence_ms: u64) -> Response {
+        let finished = self.finished();
         let h = self.health();
         if let Some((rank, why)) = h.failures.iter().find(|(r, _)| *r != me) {
             return Response::Failed {
@@ -515,6 +519,15 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
         Request::Mail { to, len } => {
             let message = read_body(&mut reader, len, timeout)?;
             shared.mail(to, message)?
+        }
+        Request::Finished => {
+            let mut ranks = shared.finished();
+            ranks.sort_unstable();
+            let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
+            let body = text.join(",").into_bytes();
+            send(conn, &Response::Value(body.len()))?;
+            let mut c = conn;
+            return c.write_all(&body).map_err(|_| End::Gone);
         }
         Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms) {
             Some(message) => {
@@ -872,6 +885,32 @@ impl Store {
             (Response::Value(_), message) => Ok(Some(message)),
             (Response::Timeout, _) => Ok(None),
             (other, _) => Err(self.unexpected("an inbox read", &other)),
+        }
+    }
+
+    /// The ranks that finished cleanly (stored `done/RANK`).
+    pub fn finished(&self, timeout: Duration) -> Result<Vec<Rank>, Error> {
+        match self.request_with(&Request::Finished, &[], timeout)? {
+            (Response::Value(_), body) => {
+                let text = String::from_utf8(body).map_err(|_| {
+                    Error::Aborted(format!(
+                        "the duplex store at {} sent finished ranks that are not text",
+                        self.addr()
+                    ))
+                })?;
+                text.split(',')
+                    .filter(|w| !w.is_empty())
+                    .map(|w| {
+                        w.parse().map_err(|_| {
+                            Error::Aborted(format!(
+                                "the duplex store at {} sent `{w}` as a finished rank",
+                                self.addr()
+                            ))
+                        })
+                    })
+                    .collect()
+            }
+            (other, _) => Err(self.unexpected("a finished-ranks request", &other)),
         }
     }
 

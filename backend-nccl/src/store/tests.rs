@@ -572,3 +572,15 @@ fn inboxes_deliver_in_order_wait_and_are_bounded() {
     assert_eq!(small.inbox(0, t).unwrap().as_deref(), Some(&b"a"[..]));
     small.mail(0, b"c", t).unwrap();
 }
+
+#[test]
+fn the_store_says_which_ranks_finished_in_one_request() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    assert_eq!(store.finished(t).unwrap(), Vec::<duplex::Rank>::new());
+    store.put("done/3", b"ok", t).unwrap();
+    store.put("done/0", b"ok", t).unwrap();
+    store.put("trace/1", b"{}", t).unwrap();
+    assert_eq!(store.finished(t).unwrap(), vec![0, 3]);
+}
