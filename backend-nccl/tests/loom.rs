@@ -1,7 +1,9 @@
 //! The concurrency protocol of `duplex_nccl::guard`, model-checked: loom
 //! runs each scenario of `guard::scenarios` under every interleaving of
 //! its threads, on the fake NCCL (one scenario, whose space is the largest,
-//! up to a bound on preemptions). The whole file runs in seconds.
+//! up to a bound on preemptions); and the copy-engine lanes and the lane
+//! services of lanes made on first use, on fakes of their own. The whole
+//! file runs in about a minute.
 //!
 //! ```console
 //! RUSTFLAGS="--cfg loom" cargo test -p duplex-nccl --release --test loom
@@ -324,4 +326,139 @@ fn a_copy_lanes_service_and_an_inline_pump_keep_message_order_on_a_shared_slot()
             assert!(fake.released(1) && fake.released(2) && fake.released(4));
         },
     );
+}
+
+/// The lane services of two ranks (`duplex_nccl::lanes`) on a fake NCCL
+/// that wakes a service when its part can go on: both ranks need lane
+/// 0->1 at once (rank 0 to send, rank 1 to receive), under every
+/// interleaving of the two host threads and the two services (up to a
+/// bound on preemptions). Both needs are met, from one unique id, each
+/// rank publishes the lane once, and nothing is abandoned.
+mod lane_service {
+    use super::*;
+    use duplex::{Policy, Rank, Result};
+    use duplex_nccl::board::{Board, LocalBoard};
+    use duplex_nccl::lanes::{LaneKit, LaneMaker, LaneMsg, LaneSpec};
+    use loom::sync::Mutex;
+
+    #[derive(Default)]
+    pub(super) struct Fabric {
+        started: Mutex<Vec<(Rank, Vec<u8>)>>,
+        published: Mutex<Vec<Rank>>,
+        abandoned: Mutex<Vec<Rank>>,
+        ids: Mutex<u8>,
+    }
+
+    pub(super) struct Kit {
+        pub(super) me: Rank,
+        pub(super) board: std::sync::Arc<LocalBoard>,
+        pub(super) fabric: Arc<Fabric>,
+    }
+
+    impl LaneKit for Kit {
+        type Part = Vec<u8>;
+
+        fn new_id(&self) -> Result<Vec<u8>> {
+            let mut n = self.fabric.ids.lock().expect("not poisoned");
+            *n += 1;
+            Ok(vec![*n])
+        }
+
+        fn start(&self, lane: &LaneSpec, id: &[u8]) -> Result<Vec<u8>> {
+            self.fabric
+                .started
+                .lock()
+                .expect("not poisoned")
+                .push((self.me, id.to_vec()));
+            // The other rank's part may now go on: wake its service.
+            self.board
+                .mail(lane.other(self.me), &LaneMsg::Wake.encode())?;
+            Ok(id.to_vec())
+        }
+
+        fn advance(&self, lane: &LaneSpec, part: &mut Vec<u8>) -> Result<bool> {
+            let started = self.fabric.started.lock().expect("not poisoned");
+            let other = lane.other(self.me);
+            Ok(started.iter().any(|(r, id)| *r == other && id == part))
+        }
+
+        fn publish(&self, _: &LaneSpec, _: Vec<u8>) {
+            self.fabric
+                .published
+                .lock()
+                .expect("not poisoned")
+                .push(self.me);
+        }
+
+        fn abandon(&self, _: &LaneSpec, _: Vec<u8>) {
+            self.fabric
+                .abandoned
+                .lock()
+                .expect("not poisoned")
+                .push(self.me);
+        }
+
+        fn failed(&self) -> Option<(Rank, String)> {
+            None
+        }
+    }
+
+    pub(super) fn both_ranks_need_one_lane() {
+        let board = std::sync::Arc::new(LocalBoard::default());
+        let fabric = Arc::new(Fabric::default());
+        let makers: Vec<std::sync::Arc<LaneMaker<Kit>>> = (0..2)
+            .map(|me| {
+                std::sync::Arc::new(LaneMaker::new(
+                    me,
+                    2,
+                    Policy::PerDirection,
+                    Duration::from_secs(3600),
+                    board.clone() as std::sync::Arc<dyn Board>,
+                    Kit {
+                        me,
+                        board: board.clone(),
+                        fabric: fabric.clone(),
+                    },
+                ))
+            })
+            .collect();
+        let services: Vec<_> = makers
+            .iter()
+            .map(|m| {
+                let m = m.clone();
+                thread::spawn(move || m.serve())
+            })
+            .collect();
+        let m1 = makers[1].clone();
+        let host1 = thread::spawn(move || {
+            let lane = m1.spec(0, Dir::Recv).expect("a lane");
+            m1.need(&lane)
+        });
+        let lane = makers[0].spec(1, Dir::Send).expect("a lane");
+        makers[0].need(&lane).expect("rank 0's need is met");
+        host1
+            .join()
+            .expect("no panic")
+            .expect("rank 1's need is met");
+        for m in &makers {
+            m.stop();
+        }
+        for s in services {
+            s.join().expect("the service ends");
+        }
+        let started = fabric.started.lock().expect("not poisoned").clone();
+        assert_eq!(started.len(), 2, "one part per rank: {started:?}");
+        assert_eq!(started[0].1, started[1].1, "one unique id");
+        let mut published = fabric.published.lock().expect("not poisoned").clone();
+        published.sort_unstable();
+        assert_eq!(published, vec![0, 1]);
+        assert!(fabric.abandoned.lock().expect("not poisoned").is_empty());
+    }
+}
+
+#[test]
+fn two_lane_services_make_a_lane_both_ranks_need_at_once() {
+    model("two lane services, both needing one lane", Some(2), || {
+        lane_service::both_ranks_need_one_lane()
+    });
 }
