@@ -259,11 +259,12 @@ impl Health for StoreHealth {
             if until_failure && failed.is_some() {
                 return;
             }
-            // One request for every rank that finished, not one per rank.
-            match self.store.finished(REQUEST) {
+            // One request for every rank that finished or failed (all of
+            // them, where `failed` knows the first), not one per rank.
+            match self.store.ended(REQUEST) {
                 Ok(done) => left.retain(|r| !done.contains(r) && failed != Some(*r)),
                 Err(e) => {
-                    tracing::debug!(error = %e, "cannot ask the store which ranks finished");
+                    tracing::debug!(error = %e, "cannot ask the store which ranks ended");
                     if until_failure {
                         return;
                     }
@@ -424,6 +425,22 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    #[test]
+    fn the_store_host_lingers_no_longer_than_every_other_rank_has_ended() {
+        // Rank 1 finished, ranks 2 and 3 failed (the monitor knows only
+        // the first failure): rank 0 stops waiting at once, not at its
+        // bound.
+        let (port, secret) = store();
+        let c = Store::client("127.0.0.1", port, secret.clone());
+        c.put("done/1", b"ok", REQUEST).expect("stores");
+        c.fail(3, "hang", REQUEST).expect("posts");
+        c.fail(2, "its echo", REQUEST).expect("posts");
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
+        let t0 = Instant::now();
+        a.linger(4, 0, Duration::from_secs(30), false);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     }
 
     #[test]

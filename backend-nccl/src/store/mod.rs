@@ -520,9 +520,11 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
             let message = read_body(&mut reader, len, timeout)?;
             shared.mail(to, message)?
         }
-        Request::Finished => {
+        Request::Ended => {
             let mut ranks = shared.finished();
+            ranks.extend(shared.health().failures.iter().map(|(r, _)| *r));
             ranks.sort_unstable();
+            ranks.dedup();
             let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
             let body = text.join(",").into_bytes();
             send(conn, &Response::Value(body.len()))?;
@@ -888,13 +890,14 @@ impl Store {
         }
     }
 
-    /// The ranks that finished cleanly (stored `done/RANK`).
-    pub fn finished(&self, timeout: Duration) -> Result<Vec<Rank>, Error> {
-        match self.request_with(&Request::Finished, &[], timeout)? {
+    /// The ranks that have ended: finished cleanly (stored `done/RANK`)
+    /// or posted a failure.
+    pub fn ended(&self, timeout: Duration) -> Result<Vec<Rank>, Error> {
+        match self.request_with(&Request::Ended, &[], timeout)? {
             (Response::Value(_), body) => {
                 let text = String::from_utf8(body).map_err(|_| {
                     Error::Aborted(format!(
-                        "the duplex store at {} sent finished ranks that are not text",
+                        "the duplex store at {} sent ended ranks that are not text",
                         self.addr()
                     ))
                 })?;
@@ -903,14 +906,14 @@ impl Store {
                     .map(|w| {
                         w.parse().map_err(|_| {
                             Error::Aborted(format!(
-                                "the duplex store at {} sent `{w}` as a finished rank",
+                                "the duplex store at {} sent `{w}` as an ended rank",
                                 self.addr()
                             ))
                         })
                     })
                     .collect()
             }
-            (other, _) => Err(self.unexpected("a finished-ranks request", &other)),
+            (other, _) => Err(self.unexpected("an ended-ranks request", &other)),
         }
     }
 

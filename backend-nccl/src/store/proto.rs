@@ -16,7 +16,7 @@
 //!          / "GET" SP key-hex SP millis
 //!          / "MAIL" SP to SP len                   ; a message to a rank's inbox; len bytes follow
 //!          / "INBOX" SP rank SP millis             ; the oldest message of a rank's inbox
-//!          / "FINISHED"                            ; the ranks that stored done/RANK
+//!          / "ENDED"                               ; the ranks that finished or posted a failure
 //! response = "OK" / "TIMEOUT" / "ID" SP id-hex / "ERROR" SP text
 //!          / "HEALTHY" / "FAILED" SP rank SP why-hex / "VALUE" SP len
 //! ```
@@ -248,9 +248,10 @@ pub enum Request {
         /// How long to wait, in milliseconds.
         wait_ms: u64,
     },
-    /// Asks which ranks finished cleanly (stored `done/RANK`); the reply
-    /// is a `VALUE` of their numbers in decimal, separated by commas.
-    Finished,
+    /// Asks which ranks have ended: finished cleanly (stored `done/RANK`)
+    /// or posted a failure. The reply is a `VALUE` of their numbers in
+    /// decimal, ascending, separated by commas.
+    Ended,
 }
 
 /// What the store replies.
@@ -538,9 +539,9 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 len: length("mail length", args[1], MAX_MAIL)?,
             })
         }
-        "FINISHED" => {
-            arity("FINISHED", args, 0)?;
-            Ok(Request::Finished)
+        "ENDED" => {
+            arity("ENDED", args, 0)?;
+            Ok(Request::Ended)
         }
         "INBOX" => {
             arity("INBOX", args, 2)?;
@@ -598,7 +599,7 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, ProtoError> {
             format!("MAIL {to} {len}\n")
         }
         Request::Inbox { me, wait_ms } => format!("INBOX {me} {wait_ms}\n"),
-        Request::Finished => "FINISHED\n".into(),
+        Request::Ended => "ENDED\n".into(),
     };
     Ok(line.into_bytes())
 }

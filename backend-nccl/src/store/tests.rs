@@ -574,13 +574,18 @@ fn inboxes_deliver_in_order_wait_and_are_bounded() {
 }
 
 #[test]
-fn the_store_says_which_ranks_finished_in_one_request() {
+fn the_store_says_which_ranks_ended_in_one_request() {
     let addr = server(super::LIMITS);
     let store = client(addr);
     let t = Duration::from_secs(5);
-    assert_eq!(store.finished(t).unwrap(), Vec::<duplex::Rank>::new());
+    assert_eq!(store.ended(t).unwrap(), Vec::<duplex::Rank>::new());
     store.put("done/3", b"ok", t).unwrap();
     store.put("done/0", b"ok", t).unwrap();
     store.put("trace/1", b"{}", t).unwrap();
-    assert_eq!(store.finished(t).unwrap(), vec![0, 3]);
+    assert_eq!(store.ended(t).unwrap(), vec![0, 3]);
+    // Failed ranks have ended too, each once.
+    store.fail(5, "panicked", t).unwrap();
+    store.fail(2, "hang", t).unwrap();
+    store.fail(3, "later", t).unwrap();
+    assert_eq!(store.ended(t).unwrap(), vec![0, 2, 3, 5]);
 }
