@@ -477,6 +477,13 @@ fn read_body(
     Ok(value)
 }
 
+/// A `VALUE` reply: the line, then the bytes.
+fn send_value(conn: &TcpStream, bytes: &[u8]) -> Result<(), End> {
+    send(conn, &Response::Value(bytes.len()))?;
+    let mut c = conn;
+    c.write_all(bytes).map_err(|_| End::Gone)
+}
+
 /// One connection: `AUTH`, then one request.
 fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
     let timeout = shared.limits.io_timeout;
@@ -527,23 +534,17 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
             ranks.dedup();
             let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
             let body = text.join(",").into_bytes();
-            send(conn, &Response::Value(body.len()))?;
-            let mut c = conn;
-            return c.write_all(&body).map_err(|_| End::Gone);
+            return send_value(conn, &body);
         }
         Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms) {
             Some(message) => {
-                send(conn, &Response::Value(message.len()))?;
-                let mut c = conn;
-                return c.write_all(&message).map_err(|_| End::Gone);
+                return send_value(conn, &message);
             }
             None => Response::Timeout,
         },
         Request::Get { key, wait_ms } => match shared.get(&key, wait_ms) {
             Some(value) => {
-                send(conn, &Response::Value(value.len()))?;
-                let mut c = conn;
-                return c.write_all(&value).map_err(|_| End::Gone);
+                return send_value(conn, &value);
             }
             None => Response::Timeout,
         },
@@ -850,15 +851,27 @@ impl Store {
 
     /// The value under `key`, waiting up to `wait` for it to be stored.
     pub fn get(&self, key: &str, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
-        let wait = wait.min(MAX_WAIT);
-        let request = Request::Get {
+        self.value_within(wait, "a get", |wait_ms| Request::Get {
             key: key.into(),
-            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
-        };
+            wait_ms,
+        })
+    }
+
+    /// The bytes of a `VALUE` reply to the request `request` makes of a
+    /// wait of up to `wait` (at most [`MAX_WAIT`]); `None` when the store
+    /// answered `TIMEOUT`.
+    fn value_within(
+        &self,
+        wait: Duration,
+        what: &str,
+        request: impl FnOnce(u64) -> Request,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        let wait = wait.min(MAX_WAIT);
+        let request = request(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
         match self.request_with(&request, &[], wait + Duration::from_secs(5))? {
             (Response::Value(_), value) => Ok(Some(value)),
             (Response::Timeout, _) => Ok(None),
-            (other, _) => Err(self.unexpected("a get", &other)),
+            (other, _) => Err(self.unexpected(what, &other)),
         }
     }
 
@@ -878,16 +891,10 @@ impl Store {
     /// The oldest message of rank `me`'s inbox, waiting up to `wait` for
     /// one.
     pub fn inbox(&self, me: Rank, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
-        let wait = wait.min(MAX_WAIT);
-        let request = Request::Inbox {
+        self.value_within(wait, "an inbox read", |wait_ms| Request::Inbox {
             me,
-            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
-        };
-        match self.request_with(&request, &[], wait + Duration::from_secs(5))? {
-            (Response::Value(_), message) => Ok(Some(message)),
-            (Response::Timeout, _) => Ok(None),
-            (other, _) => Err(self.unexpected("an inbox read", &other)),
-        }
+            wait_ms,
+        })
     }
 
     /// The ranks that have ended: finished cleanly (stored `done/RANK`)
