@@ -101,13 +101,29 @@ struct Job {
     makers: Vec<Arc<LaneMaker<FakeKit>>>,
     services: Vec<std::thread::JoinHandle<()>>,
     fabric: Arc<Fabric>,
-    board: Arc<LocalBoard>,
+    board: Arc<dyn Board>,
 }
 
 /// A job of `ranks` ranks whose services run for the ranks in `serving`.
 fn job(ranks: u32, policy: Policy, timeout: Duration, serving: &[Rank]) -> Job {
+    job_on(
+        Arc::new(LocalBoard::default()),
+        ranks,
+        policy,
+        timeout,
+        serving,
+    )
+}
+
+/// [`job`], its messages on `board`.
+fn job_on(
+    board: Arc<dyn Board>,
+    ranks: u32,
+    policy: Policy,
+    timeout: Duration,
+    serving: &[Rank],
+) -> Job {
     let fabric = Arc::new(Fabric::default());
-    let board = Arc::new(LocalBoard::default());
     let makers: Vec<_> = (0..ranks)
         .map(|me| {
             Arc::new(LaneMaker::new(
@@ -115,7 +131,7 @@ fn job(ranks: u32, policy: Policy, timeout: Duration, serving: &[Rank]) -> Job {
                 ranks,
                 policy,
                 timeout,
-                board.clone() as Arc<dyn Board>,
+                board.clone(),
                 FakeKit {
                     me,
                     fabric: fabric.clone(),
@@ -534,38 +550,15 @@ fn a_lost_want_make_or_join_is_sent_again() {
         vec!["make", "join"],
         vec!["want"],
     ] {
-        let fabric = Arc::new(Fabric::default());
         let board = Arc::new(Lossy {
             inner: LocalBoard::default(),
             lose: Mutex::new(lose.clone()),
         });
-        let makers: Vec<_> = (0..2)
-            .map(|me| {
-                Arc::new(LaneMaker::new(
-                    me,
-                    2,
-                    Policy::PerDirection,
-                    T,
-                    board.clone() as Arc<dyn Board>,
-                    FakeKit {
-                        me,
-                        fabric: fabric.clone(),
-                    },
-                ))
-            })
-            .collect();
-        let services: Vec<_> = makers
-            .iter()
-            .map(|m| {
-                let m = m.clone();
-                std::thread::spawn(move || m.serve())
-            })
-            .collect();
+        let job = job_on(board.clone(), 2, Policy::PerDirection, T, &[0, 1]);
         // Rank 1 (not the owner) needs lane 1->0: it asks with `make`, the
         // owner answers with `join`.
-        let spec = makers[1].spec(0, Dir::Send).expect("a lane");
         let start = Instant::now();
-        makers[1].need(&spec).expect("made despite the loss");
+        job.need(1, Dir::Send, 0).expect("made despite the loss");
         assert!(
             start.elapsed() < T / 2,
             "{lose:?}: took {:?}",
@@ -575,12 +568,7 @@ fn a_lost_want_make_or_join_is_sent_again() {
             board.lose.lock().expect("not poisoned").is_empty(),
             "{lose:?}: nothing was lost"
         );
-        for m in &makers {
-            m.stop();
-        }
-        for s in services {
-            s.join().expect("the service ends");
-        }
+        job.stop();
     }
 }
 
