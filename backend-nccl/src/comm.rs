@@ -184,7 +184,8 @@ impl Slot {
 /// then [`Starting::finish`]. Dropped unfinished, it is aborted (allowed
 /// while the setup is in progress) and its slot is left to NCCL; the abort
 /// frees the communicator, which waits for the device (P8 of
-/// [`crate::guard`]), so drop it where that may wait ([`crate::reaper`]).
+/// [`crate::guard`]), so drop it where that may wait (the lane service
+/// drops one on a thread of its own).
 /// Only its owner touches it until it is finished, so its handle needs no
 /// [`CommCell`] yet.
 #[derive(Debug)]

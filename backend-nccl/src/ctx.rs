@@ -137,6 +137,30 @@ pub struct LaneCost {
     pub measured_by: &'static str,
 }
 
+impl LaneCost {
+    /// The cost of lane `name`, begun at `started`: `stats` from
+    /// `ncclCommMemStats` where the library has it, else the drop in free
+    /// device memory from `before` to `after`, measured as `how` says.
+    pub(crate) fn measured(
+        name: String,
+        started: Instant,
+        stats: Option<u64>,
+        (before, after): (u64, u64),
+        how: &'static str,
+    ) -> LaneCost {
+        let (bytes, measured_by) = match stats {
+            Some(b) => (b, "ncclCommMemStats"),
+            None => (before.saturating_sub(after), how),
+        };
+        LaneCost {
+            name,
+            create_ms: started.elapsed().as_secs_f64() * 1e3,
+            bytes,
+            measured_by,
+        }
+    }
+}
+
 /// A stream of a rank.
 #[derive(Clone, Debug)]
 pub struct NcclStream(pub(crate) Arc<StreamInner>);
@@ -593,9 +617,10 @@ pub(crate) struct RankCtx {
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
-    /// Two device bytes that lanes made on first use exchange to connect:
-    /// made at creation, freed with the context after every communicator
-    /// (a free synchronizes the device, P8 of [`crate::guard`]).
+    /// Two device bytes that every connecting exchange uses
+    /// ([`exchange_byte`]): made at creation, freed with the context after
+    /// every communicator (a free synchronizes the device, P8 of
+    /// [`crate::guard`]), never while an exchange may run.
     pub(crate) warmup: Memory,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
@@ -617,6 +642,41 @@ impl std::fmt::Debug for Assists {
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Queues, on `held`'s communicator and `stream`, a one-byte send to
+/// `peer` from the rank's warm-up bytes and a one-byte recv from it into
+/// them: both, or only the one `only` names. How duplex connects a
+/// communicator before its first op (R7), and primes NCCL (to itself).
+///
+/// # Safety
+/// `warmup` is [`RankCtx::warmup`] (it outlives the communicators'
+/// kernels), `stream` is live, and the caller builds a group under the
+/// rank's issue lock (P1, P2 of [`crate::guard`]).
+pub(crate) unsafe fn exchange_byte(
+    held: &comm::NcclUse<'_>,
+    warmup: u64,
+    peer: i32,
+    only: Option<Dir>,
+    stream: *mut std::ffi::c_void,
+) -> Result<()> {
+    // SAFETY: as the caller promised.
+    unsafe {
+        if only != Some(Dir::Recv) {
+            held.send(warmup, 1, DType::U8.nccl(), peer, stream)?;
+        }
+        if only != Some(Dir::Send) {
+            held.recv(warmup + 1, 1, DType::U8.nccl(), peer, stream)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether the work queued on `stream` so far finishes within `timeout`.
+pub(crate) fn drained(stream: &Stream, timeout: Duration) -> Result<bool> {
+    let ev = Event::new(false)?;
+    ev.record(stream)?;
+    poll(timeout, || ev.done())
 }
 
 /// Everything a rank needs to create its context.
@@ -733,19 +793,13 @@ impl RankCtx {
             let after = device.memory().map(|m| m.0).unwrap_or(0);
             // SAFETY: held, and this is the rank's only thread so far.
             let stats = unsafe { comm.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?;
-            let (bytes, measured_by) = match stats {
-                Some(b) => (b, "ncclCommMemStats"),
-                None => (
-                    before.saturating_sub(after) as u64,
-                    "free device memory before and after",
-                ),
-            };
-            costs.push(LaneCost {
+            costs.push(LaneCost::measured(
                 name,
-                create_ms: start.elapsed().as_secs_f64() * 1e3,
-                bytes,
-                measured_by,
-            });
+                start,
+                stats,
+                (before as u64, after as u64),
+                "free device memory before and after",
+            ));
         }
         // Copy-engine lanes: numbered after the NCCL lanes, in the same order
         // on every rank, each declared by every rank (as the lanes are).
@@ -889,6 +943,12 @@ impl RankCtx {
             q.push(job);
             self.assists.1.store(q.len(), Ordering::Release);
         }
+        self.assist_if_free();
+    }
+
+    /// Runs the queued NCCL calls of the lane service if the issue lock is
+    /// free; else whoever holds it will.
+    pub(crate) fn assist_if_free(&self) {
         if let Some(issuing) = self.issue.try_lock() {
             self.assist(&issuing);
         }
@@ -923,26 +983,19 @@ impl RankCtx {
         self.device.bind()?;
         let stream = Stream::new()?;
         let me = self.world.rank_of(self.rank).unwrap_or(0);
-        let bytes = self.warmup.ptr();
         let issuing = self.issue.lock();
         let held = [self.world.enter()?];
-        let end = issuing.group(&self.lib, &held, || {
-            // SAFETY: the warm-up bytes live as long as the context; the
-            // stream is live; the issue lock is held.
-            unsafe {
-                held[0].send(bytes, 1, DType::U8.nccl(), me, stream.raw())?;
-                held[0].recv(bytes + 1, 1, DType::U8.nccl(), me, stream.raw())?;
-            }
-            Ok(())
+        // SAFETY: the warm-up bytes; the stream is live; a group under
+        // the issue lock.
+        let end = issuing.group(&self.lib, &held, || unsafe {
+            exchange_byte(&held[0], self.warmup.ptr(), me, None, stream.raw())
         })?;
         drop(held);
         if !end? {
             self.world.ready(self.opts.timeout, "priming NCCL")?;
         }
         drop(issuing);
-        let ev = Event::new(false)?;
-        ev.record(&stream)?;
-        if !poll(self.opts.timeout, || ev.done())? {
+        if !drained(&stream, self.opts.timeout)? {
             return Err(Error::Aborted(format!(
                 "rank {}'s first NCCL launch (a message to itself) did not finish within {:?}",
                 self.rank, self.opts.timeout
@@ -975,10 +1028,6 @@ impl RankCtx {
             return Ok(());
         }
         self.device.bind()?;
-        // Freed only once the exchange is known to be over: on an error its
-        // kernels may still run (a peer that never comes), and a free would
-        // wait for them (cudaFree synchronizes the device). Two bytes leak.
-        let mem = std::mem::ManuallyDrop::new(Memory::zeroed(2)?);
         let stream = Stream::new()?;
         // NCCL refuses blocking and non-blocking communicators in one group.
         for blocking in [true, false] {
@@ -1001,16 +1050,9 @@ impl RankCtx {
                             continue;
                         }
                         let p = c.rank_of(*peer).unwrap_or(0);
-                        // SAFETY: the 2-byte buffer lives until the stream
-                        // is synchronized below; the issue lock is held.
-                        unsafe {
-                            if *only != Some(Dir::Recv) {
-                                h.send(mem.ptr(), 1, DType::U8.nccl(), p, stream.raw())?;
-                            }
-                            if *only != Some(Dir::Send) {
-                                h.recv(mem.ptr() + 1, 1, DType::U8.nccl(), p, stream.raw())?;
-                            }
-                        }
+                        // SAFETY: the warm-up bytes; the stream is live; a
+                        // group under the issue lock.
+                        unsafe { exchange_byte(h, self.warmup.ptr(), p, *only, stream.raw())? };
                     }
                 }
                 Ok(())
@@ -1028,15 +1070,13 @@ impl RankCtx {
             }
             drop(issuing);
         }
-        let ev = Event::new(false)?;
-        ev.record(&stream)?;
-        if !poll(self.opts.timeout, || ev.done())? {
+        if !drained(&stream, self.opts.timeout)? {
             return Err(Error::Aborted(format!(
                 "connecting the lanes of rank {} did not finish within {:?}",
                 self.rank, self.opts.timeout
             )));
         }
-        std::mem::ManuallyDrop::into_inner(mem).free()
+        Ok(())
     }
 
     /// The ops not completed: whole launches (P7 of [`crate::guard`]).

@@ -126,7 +126,7 @@ impl Lanes {
 
     /// Every lane end made (a shared lane appears under both directions).
     pub(crate) fn ends(&self) -> impl Iterator<Item = &LaneEnd> {
-        self.slots.iter().flatten().filter_map(OnceLock::get)
+        self.iter().map(|(_, _, end)| end)
     }
 }
 
@@ -614,24 +614,21 @@ impl<K: LaneKit> LaneMaker<K> {
             let late: Vec<(u64, String)> = lock(&self.states)
                 .iter()
                 .filter_map(|(l, s)| match s {
-                    State::Asked(t) if now.duration_since(*t) > self.timeout => Some((*l, "asked")),
-                    State::Making(t) if now.duration_since(*t) > self.timeout => Some((*l, "making")),
+                    State::Asked(t) if now.duration_since(*t) > self.timeout => {
+                        Some((*l, "answer"))
+                    }
+                    State::Making(t) if now.duration_since(*t) > self.timeout => {
+                        Some((*l, "join it"))
+                    }
                     _ => None,
                 })
-                .map(|(l, what)| {
+                .map(|(l, did)| {
                     let other = LaneSpec::at(self.policy, self.ranks, l)
                         .map_or(0, |s| s.other(self.me));
-                    let why = if what == "asked" {
-                        format!(
-                            "rank {other} did not answer within {:?} (is its process running duplex with lazy lanes?)",
-                            self.timeout
-                        )
-                    } else {
-                        format!(
-                            "rank {other} did not join it within {:?} (is its process running duplex with lazy lanes?)",
-                            self.timeout
-                        )
-                    };
+                    let why = format!(
+                        "rank {other} did not {did} within {:?} (is its process running duplex with lazy lanes?)",
+                        self.timeout
+                    );
                     (l, why)
                 })
                 .collect();

@@ -109,9 +109,7 @@ impl NcclRank {
     /// that measure, not for programs.
     pub fn try_sync(&self, stream: &NcclStream, timeout: Duration) -> Result<bool> {
         self.ctx.device.bind()?;
-        let ev = Event::new(false)?;
-        ev.record(&stream.0.raw)?;
-        poll(timeout, || ev.done())
+        crate::ctx::drained(&stream.0.raw, timeout)
     }
 
     /// The device address of a buffer, for benchmarks that compare duplex
@@ -256,14 +254,9 @@ impl NcclRank {
             return check::invalid(
                 at,
                 format!(
-                    "{}: communicator {} carries messages one way only (lanes connected one way, DUPLEX_LANE_CONNECT=one-way); use the lane of this direction (`lane({peer}, {})`)",
+                    "{}: communicator {} carries messages one way only (lanes connected one way, DUPLEX_LANE_CONNECT=one-way); use the lane of this direction (`lane({peer}, Dir::{dir:?})`)",
                     what(),
                     reverse.name,
-                    if dir == Dir::Send {
-                        "Dir::Send"
-                    } else {
-                        "Dir::Recv"
-                    }
                 ),
             );
         }

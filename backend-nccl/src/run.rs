@@ -32,18 +32,25 @@ pub struct RankReport {
 /// The default settings, with `DUPLEX_LANES` (`eager` or `lazy`) and
 /// `DUPLEX_LANE_CONNECT` (`both` or `one-way`) read from the environment.
 fn options_from_env() -> Result<Options> {
-    let mut opts = Options::default();
-    if let Ok(v) = std::env::var("DUPLEX_LANES") {
-        opts.lanes = v.parse().map_err(|e: String| Error::Invalid {
-            at: "DUPLEX_LANES".into(),
-            message: e,
-        })?;
+    /// The setting in variable `name`, if set; an error naming it if it
+    /// does not parse.
+    fn setting<T: std::str::FromStr<Err = String>>(name: &str) -> Result<Option<T>> {
+        std::env::var(name)
+            .ok()
+            .map(|v| {
+                v.parse().map_err(|message| Error::Invalid {
+                    at: name.into(),
+                    message,
+                })
+            })
+            .transpose()
     }
-    if let Ok(v) = std::env::var("DUPLEX_LANE_CONNECT") {
-        opts.lane_connect = v.parse().map_err(|e: String| Error::Invalid {
-            at: "DUPLEX_LANE_CONNECT".into(),
-            message: e,
-        })?;
+    let mut opts = Options::default();
+    if let Some(mode) = setting("DUPLEX_LANES")? {
+        opts.lanes = mode;
+    }
+    if let Some(connect) = setting("DUPLEX_LANE_CONNECT")? {
+        opts.lane_connect = connect;
     }
     Ok(opts)
 }

@@ -16,11 +16,11 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use duplex::{DType, Dir, Error, Result};
+use duplex::{Error, Result};
 
 use super::{LaneEnd, LaneKit, LaneSpec};
 use crate::comm::{Comm, Starting};
-use crate::ctx::{LaneCost, NcclStream, RankCtx, StreamInner, abort_together, lock};
+use crate::ctx::{LaneCost, NcclStream, RankCtx, StreamInner, abort_together, exchange_byte, lock};
 use crate::cuda::{Event, Stream};
 use crate::guard::Issuing;
 use crate::nccl::sys::{NCCL_UNIQUE_ID_BYTES, ncclUniqueId};
@@ -205,9 +205,7 @@ impl LaneKit for NcclKit {
         match &mut part.phase {
             Phase::Queued(call) => match take(call) {
                 None => {
-                    if let Some(issuing) = ctx.issue.try_lock() {
-                        ctx.assist(&issuing);
-                    }
+                    ctx.assist_if_free();
                     Ok(false)
                 }
                 Some(Err(e)) => {
@@ -261,20 +259,12 @@ impl LaneKit for NcclKit {
                     .and_then(|(_, dir)| ctx.lane_direction(*dir));
                 let call = queue(&ctx, move |issuing| {
                     let held = [c.enter()?];
-                    let end = issuing.group(&lib, &held, || {
-                        // SAFETY: the rank's warm-up bytes live as long as
-                        // its context, which outlives its communicators'
-                        // kernels (aborted or done before it drops); the
-                        // stream is live; the issue lock is held.
-                        unsafe {
-                            if only != Some(Dir::Recv) {
-                                held[0].send(warm, 1, DType::U8.nccl(), peer, s.raw())?;
-                            }
-                            if only != Some(Dir::Send) {
-                                held[0].recv(warm + 1, 1, DType::U8.nccl(), peer, s.raw())?;
-                            }
-                        }
-                        Ok(())
+                    // SAFETY: the rank's warm-up bytes live as long as its
+                    // context, which outlives its communicators' kernels
+                    // (aborted or done before it drops); the stream is
+                    // live; a group under the issue lock.
+                    let end = issuing.group(&lib, &held, || unsafe {
+                        exchange_byte(&held[0], warm, peer, only, s.raw())
                     })?;
                     end.map(drop)
                 });
@@ -283,9 +273,7 @@ impl LaneKit for NcclKit {
             }
             Phase::Joining { call, .. } => match take(call) {
                 None => {
-                    if let Some(issuing) = ctx.issue.try_lock() {
-                        ctx.assist(&issuing);
-                    }
+                    ctx.assist_if_free();
                     Ok(false)
                 }
                 Some(Err(e)) => Err(e),
@@ -436,17 +424,12 @@ fn publish(
         // SAFETY: held, under the issue lock; it only reads the communicator.
         unsafe { held.call(|lib, raw| Ok(lib.memory(raw.0))) }.ok()?
     });
-    let (bytes, measured_by) = match stats {
-        Some(b) => (b, "ncclCommMemStats"),
-        None => (
-            before.saturating_sub(ctx.device.memory().map_or(0, |m| m.0 as u64)),
-            "free device memory before and after (lanes made at once skew it)",
-        ),
-    };
-    lock(&ctx.costs).push(LaneCost {
-        name: lane.name.clone(),
-        create_ms: started.elapsed().as_secs_f64() * 1e3,
-        bytes,
-        measured_by,
-    });
+    let after = ctx.device.memory().map_or(0, |m| m.0 as u64);
+    lock(&ctx.costs).push(LaneCost::measured(
+        lane.name.clone(),
+        started,
+        stats,
+        (before, after),
+        "free device memory before and after (lanes made at once skew it)",
+    ));
 }
