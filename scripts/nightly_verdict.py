@@ -28,6 +28,9 @@ the last line of a name counts) and the reports of each step:
              unmeasured; and the copy-engine lane checks (`copylane`,
              OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
              bench-env-N) is reported, not judged.
+  ipc        `ipc_probe.py` exits 0 on two GPUs and on one (steps ipc,
+             ipc-one-gpu), and OUT/ipc.md has both tables, each with every
+             figure measured (a number as its median)
 
 Writes OUT/nightly.md and OUT/nightly.json, prints the former, and exits 1
 when any step failed (0 when all passed; 2 for a wrong command line).
@@ -38,7 +41,11 @@ import os
 import re
 import sys
 
-STEPS = ("build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench")
+STEPS = ("build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench", "ipc")
+# The figures of each table of scripts/ipc_probe.py, and the tables.
+IPC_FIGURES = ("4KiB copy us", "both-ways GB/s (A)", "both-ways GB/s (B)", "event-open us",
+               "mem-close us", "mem-open us", "one-way GB/s")
+IPC_TABLES = (("two GPUs", "(GPU 0 and GPU 1, a process each)"), ("one GPU", "(one GPU, two processes)"))
 TIMED_OUT = {124: "timed out", 137: "killed (timed out or out of memory)"}
 
 
@@ -262,6 +269,38 @@ def judge_bench(steps, out):
     return ok, reasons + notes, {}
 
 
+def judge_ipc(text, steps):
+    reasons = []
+    for name in ("ipc", "ipc-one-gpu"):
+        rc = steps.get(name)
+        if rc != 0:
+            reasons.append(f"{name}: {status_text(rc)}")
+    if text is None:
+        reasons.append("no ipc.md")
+    else:
+        for label, title in IPC_TABLES:
+            start = text.find("### CUDA IPC between two processes " + title)
+            if start < 0:
+                reasons.append(f"ipc.md has no table for {label}")
+                continue
+            end = text.find("###", start + 3)
+            rows = {}
+            for line in text[start:end if end >= 0 else len(text)].splitlines():
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) == 2:
+                    rows[cells[0]] = cells[1]
+            for fig in IPC_FIGURES:
+                median = rows.get(fig, "").split(" ")[0]
+                try:
+                    float(median)
+                except ValueError:
+                    reasons.append(f"{label}: `{fig}` not measured")
+    ok = not reasons
+    if ok:
+        reasons.append("CUDA IPC measured on two GPUs and on one (ipc.md)")
+    return ok, reasons, {}
+
+
 def read(path):
     try:
         with open(path, errors="replace") as f:
@@ -284,6 +323,7 @@ def verdict(out, known):
     results.append(("calibrate", *judge_calibration(read(os.path.join(out, "calibration.md")),
                                                     steps.get("calibrate"), known)))
     results.append(("bench", *judge_bench(steps, out)))
+    results.append(("ipc", *judge_ipc(read(os.path.join(out, "ipc.md")), steps)))
     return results
 
 
@@ -295,7 +335,7 @@ def render(results):
         text = "; ".join(why).replace("|", "/")
         lines.append(f"| {step} | {'pass' if ok else '**FAIL**'} | {text} |")
     lines += ["", "Reports: suite.txt, suite-lazy.txt, faults.md (faults.log), faults-lazy.md, calibration.md (calibration.log), "
-              "benchmarks.md (bench-log.txt, bench-compare.log, bench-*.json), machine.txt."]
+              "benchmarks.md (bench-log.txt, bench-compare.log, bench-*.json), ipc.md (ipc.log), machine.txt."]
     return passed, "\n".join(lines) + "\n"
 
 

@@ -56,6 +56,43 @@ Produced by: scripts/gpu.sh run faults
 """
 
 
+def ipc_table(where, trials=7):
+    rows = "".join(f"| {fig} | 12.1 [10.8-18.7] |\n" for fig in nv.IPC_FIGURES)
+    return f"### CUDA IPC between two processes ({where}), {trials} trials\n\n| figure | median [min-max] |\n|---|---|\n{rows}"
+
+
+IPC_OK = ipc_table("GPU 0 and GPU 1, a process each") + "\n" + ipc_table("one GPU, two processes")
+
+
+class Ipc(unittest.TestCase):
+    STEPS = {"ipc": 0, "ipc-one-gpu": 0}
+
+    def test_both_tables_with_every_figure_pass(self):
+        ok, why, _ = nv.judge_ipc(IPC_OK, self.STEPS)
+        self.assertTrue(ok, why)
+
+    def test_the_committed_one_gpu_run_has_every_figure(self):
+        with open(os.path.join(HERE, "..", "docs", "gpu", "ipc-1gpu.txt")) as f:
+            one = f.read()
+        ok, why, _ = nv.judge_ipc(ipc_table("GPU 0 and GPU 1, a process each") + one, self.STEPS)
+        self.assertTrue(ok, why)
+
+    def test_a_failed_probe_fails_it(self):
+        ok, why, _ = nv.judge_ipc(IPC_OK, {"ipc": 1, "ipc-one-gpu": 0})
+        self.assertFalse(ok)
+        self.assertIn("ipc: exit status 1", why)
+        ok, why, _ = nv.judge_ipc(IPC_OK, {"ipc": 0})
+        self.assertEqual(why, ["ipc-one-gpu: did not run"])
+
+    def test_a_missing_table_or_figure_fails_it(self):
+        ok, why, _ = nv.judge_ipc(ipc_table("one GPU, two processes"), self.STEPS)
+        self.assertEqual(why, ["ipc.md has no table for two GPUs"])
+        ok, why, _ = nv.judge_ipc(IPC_OK.replace("| mem-open us | 12.1", "| mem-open us | -", 1), self.STEPS)
+        self.assertEqual(why, ["two GPUs: `mem-open us` not measured"])
+        ok, why, _ = nv.judge_ipc(None, self.STEPS)
+        self.assertEqual(why, ["no ipc.md"])
+
+
 class Steps(unittest.TestCase):
     def test_last_line_of_a_name_wins(self):
         self.assertEqual(nv.read_steps("suite 1\nbench 0\nsuite 0\nbuild staged\n"),
@@ -192,7 +229,8 @@ class Whole(unittest.TestCase):
 
     def good_run(self):
         self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\n"
-                   "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\n")
+                   "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\n")
+        self.write("ipc.md", IPC_OK)
         self.write("suite.txt", SUITE_OK)
         self.write("suite-lazy.txt", SUITE_OK)
         self.write("faults.md", FAULTS_OK)
@@ -219,7 +257,7 @@ class Whole(unittest.TestCase):
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\n")
         self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
                                         "measured: duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
@@ -229,7 +267,7 @@ class Whole(unittest.TestCase):
 
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\n")
         self.write("copylane.txt", "PASS data: ok\nFAIL abort: the abort did not release the stream in 2 s\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
@@ -252,7 +290,7 @@ class Whole(unittest.TestCase):
         self.write("steps.txt", "build 101\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
-        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 7)
+        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 8)
         self.assertIn("did not run", md)
 
     def test_old_format_bench_json_is_not_a_nightly_result(self):
@@ -296,6 +334,10 @@ STUB_COPYLANE = """#!/bin/sh
 d=$(dirname "$0")/stub
 cat "$d/copylane.txt"; exit "$(cat "$d/copylane.rc")"
 """
+STUB_IPC = """import os, sys
+print(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".gpu", "stub",
+                        "ipc-one.md" if "--one-gpu" in sys.argv else "ipc-two.md")).read())
+"""
 STUB_TORCH = """import os, shutil, sys
 d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
 rc = int(open(os.path.join(d, "torch.rc")).read())
@@ -325,6 +367,8 @@ class EndToEnd(unittest.TestCase):
         for f in ("gpu.sh", "gpu-nightly.sh", "nightly_verdict.py", "nightly-known.txt", "bench_table.py"):
             shutil.copy(os.path.join(HERE, f), os.path.join(root, "scripts", f))
         shutil.copy(os.path.join(HERE, "bench_table.py"), os.path.join(root, ".gpu"))
+        with open(os.path.join(root, "scripts", "ipc_probe.py"), "w") as f:
+            f.write(STUB_IPC)
         for name, text in (("nccl-suite", STUB_SUITE), ("faults", STUB_FAULTS), ("duplex", STUB_DUPLEX),
                            ("bench", STUB_BENCH), ("bench_torch.py", STUB_TORCH),
                            ("copylane", STUB_COPYLANE)):
@@ -339,7 +383,9 @@ class EndToEnd(unittest.TestCase):
                    "duplex.json": json.dumps(tbt.new_duplex(tbt.GOOD_DUPLEX)), "bench.rc": "0",
                    "quick.json": json.dumps(quick),
                    "torch.json": json.dumps(tbt.new_torch(tbt.GOOD_TORCH)), "torch.rc": "0",
-                   "copylane.txt": "PASS data: stub\n", "copylane.rc": "0"})
+                   "copylane.txt": "PASS data: stub\n", "copylane.rc": "0",
+                   "ipc-two.md": ipc_table("GPU 0 and GPU 1, a process each"),
+                   "ipc-one.md": ipc_table("one GPU, two processes")})
         # The committed baseline of this fake checkout: the stubs' own figures.
         subprocess.run([sys.executable, os.path.join(root, "scripts/bench_table.py"),
                         os.path.join(root, ".gpu/stub/duplex.json"), os.path.join(root, ".gpu/stub/torch.json"),
@@ -426,4 +472,5 @@ class EndToEnd(unittest.TestCase):
         os.remove(os.path.join(self.root, ".gpu/bench"))
         rc, _, j, _ = self.nightly()
         self.assertEqual(rc, 1)
-        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench"])
+        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench",
+                                           "ipc"])

@@ -30,6 +30,12 @@
 //! that the analysis replays what every rank issued, as in a local run. A
 //! rank that finishes cleanly publishes its trace too (up to 100,000
 //! calls), so that a partner it returned without matching is named.
+//!
+//! A waiting rank names the first failure it learned of. Lingering ranks
+//! (the store's host, and ranks whose lane service serves the others) ask
+//! the store instead for every rank that has ended (`ENDED`: finished,
+//! posted a failure, or silent past [`SILENCE`]), so that two ranks killed
+//! at once cost one silence, not the linger's bound.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -259,9 +265,10 @@ impl Health for StoreHealth {
             if until_failure && failed.is_some() {
                 return;
             }
-            // One request for every rank that finished or failed (all of
-            // them, where `failed` knows the first), not one per rank.
-            match self.store.ended(REQUEST) {
+            // One request for every rank that finished, failed or fell
+            // silent (all of them, where `failed` knows the first), not
+            // one per rank.
+            match self.store.ended(SILENCE, REQUEST) {
                 Ok(done) => left.retain(|r| !done.contains(r) && failed != Some(*r)),
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot ask the store which ranks ended");
@@ -441,6 +448,23 @@ mod tests {
         let t0 = Instant::now();
         a.linger(4, 0, Duration::from_secs(30), false);
         assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn the_store_host_stops_lingering_once_two_killed_ranks_fall_silent() {
+        // Ranks 1 and 2 beat once, then are killed: the monitor names only
+        // the first, but the store counts both silent ranks as ended, so
+        // rank 0 waits about one silence, not its whole bound.
+        let (port, secret) = store();
+        let c = Store::client("127.0.0.1", port, secret.clone());
+        c.beat(1, REQUEST).expect("beats");
+        c.beat(2, REQUEST).expect("beats");
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
+        let t0 = Instant::now();
+        a.linger(3, 0, Duration::from_secs(60), false);
+        let took = t0.elapsed();
+        assert!(took >= SILENCE, "{took:?}");
+        assert!(took < SILENCE * 4, "{took:?}");
     }
 
     #[test]

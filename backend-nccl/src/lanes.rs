@@ -477,6 +477,33 @@ impl<K: LaneKit> LaneMaker<K> {
         matches!(lock(&self.states).get(&lane.index), Some(State::Made))
     }
 
+    /// The lanes of this rank that are asked for or being made and not
+    /// made yet, each in words with how long (`lane:0->1: this rank's lane
+    /// service is making its part, for 2.1 s`): for hang reports, where a
+    /// host thread waiting in [`LaneMaker::need`] has no call in the model.
+    pub fn unmade(&self) -> Vec<String> {
+        let states = lock(&self.states);
+        let mut out: Vec<(u64, String)> = states
+            .iter()
+            .filter_map(|(lane, state)| {
+                let (since, what) = match state {
+                    State::Wanted(t) => (t, "asked of this rank's lane service"),
+                    State::Asked(t) => (t, "waiting for the other rank's lane service"),
+                    State::Making(t) => (t, "this rank's lane service is making its part"),
+                    State::Made | State::Failed(_) => return None,
+                };
+                let name = LaneSpec::at(self.policy, self.ranks, *lane)
+                    .map_or_else(|| format!("lane #{lane}"), |l| l.name);
+                Some((
+                    *lane,
+                    format!("{name}: {what}, for {:.1} s", since.elapsed().as_secs_f64()),
+                ))
+            })
+            .collect();
+        out.sort();
+        out.into_iter().map(|(_, s)| s).collect()
+    }
+
     /// Asks the service to stop: lanes in progress are abandoned, and
     /// waits for lanes not made fail.
     pub fn stop(&self) {

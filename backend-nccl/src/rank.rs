@@ -1033,9 +1033,21 @@ impl NcclRank {
         aborted.extend(crate::ctx::abort_together(&comms));
         aborted.sort();
         aborted.dedup();
+        // A host thread waiting for a lane made on first use has not issued
+        // its op yet, so the model sees it as running: say so.
+        let unmade = ctx.maker.get().map(|m| m.unmade()).unwrap_or_default();
+        let lanes = if unmade.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; lanes of rank {} not made yet (an op waiting for one is not in the analysis): {}",
+                ctx.rank,
+                unmade.join("; ")
+            )
+        };
         Error::Hang(Box::new(Hang {
             context: format!(
-                "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}",
+                "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{lanes}",
                 ctx.rank,
                 self.thread,
                 ctx.opts.timeout,

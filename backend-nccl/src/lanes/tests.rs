@@ -217,6 +217,36 @@ fn the_other_rank_makes_its_part_without_being_asked_by_its_own_code() {
 }
 
 #[test]
+fn a_lane_waiting_for_a_silent_service_is_listed_as_not_made_until_it_fails() {
+    // Rank 1's service never runs: rank 0's lane to it (rank 0 owns it, so
+    // its service makes its part at once) stays unmade, and says so, until
+    // the need gives up.
+    let job = job(2, Policy::PerDirection, Duration::from_millis(300), &[0]);
+    assert!(job.makers[0].unmade().is_empty());
+    let m = job.makers[0].clone();
+    let waiter = std::thread::spawn(move || m.need(&m.spec(1, Dir::Send).expect("a lane")));
+    let start = Instant::now();
+    let listed = loop {
+        let unmade = job.makers[0].unmade();
+        if !unmade.is_empty() {
+            break unmade;
+        }
+        assert!(start.elapsed() < T, "never listed: {unmade:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert!(
+        listed[0].starts_with("lane:0->1: this rank's lane service is making its part, for "),
+        "{listed:?}"
+    );
+    let e = waiter.join().expect("no panic").unwrap_err();
+    assert!(e.to_string().contains("lane:0->1"), "{e}");
+    // Given up: no longer pending.
+    assert!(job.makers[0].unmade().is_empty());
+    job.stop();
+}
+
+#[test]
 fn services_of_a_ring_that_all_need_lanes_at_once_do_not_wait_in_a_cycle() {
     // Every rank needs its lane to the next rank and from the previous one,
     // at once: each service is the owner of one lane and the joiner of

@@ -251,9 +251,6 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    /// The first failure of another rank than `me`, else the rank silent
-    /// longest past `silence_ms` (a rank that stored `done/RANK` finished
-    /// cleanly: its silence is no failure).
     /// The ranks that stored `done/RANK`: they finished cleanly.
     fn finished(&self) -> Vec<Rank> {
         self.values()
@@ -263,6 +260,27 @@ impl Shared {
             .collect()
     }
 
+    /// The ranks that sent a heartbeat once and none for longer than
+    /// `silence`, each with how long, except `me` and those that finished
+    /// cleanly (their silence is no failure).
+    fn silent(
+        h: &Health,
+        me: Option<Rank>,
+        finished: &[Rank],
+        silence: Duration,
+    ) -> Vec<(Rank, Duration)> {
+        let now = Instant::now();
+        h.beats
+            .iter()
+            .filter(|(r, _)| Some(**r) != me && !finished.contains(r))
+            .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
+            .filter(|(_, quiet)| *quiet > silence)
+            .collect()
+    }
+
+    /// The first failure of another rank than `me`, else the rank silent
+    /// longest past `silence_ms` (a rank that stored `done/RANK` finished
+    /// cleanly: its silence is no failure).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
         let finished = self.finished();
         let h = self.health();
@@ -272,14 +290,8 @@ impl Shared {
                 why: why.clone(),
             };
         }
-        let silence = Duration::from_millis(silence_ms);
-        let now = Instant::now();
-        let silent = h
-            .beats
-            .iter()
-            .filter(|(r, _)| **r != me && !finished.contains(r))
-            .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
-            .filter(|(_, quiet)| *quiet > silence)
+        let silent = Shared::silent(&h, Some(me), &finished, Duration::from_millis(silence_ms))
+            .into_iter()
             .max_by_key(|(r, quiet)| (*quiet, std::cmp::Reverse(*r)));
         match silent {
             Some((rank, quiet)) => Response::Failed {
@@ -527,9 +539,14 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
             let message = read_body(&mut reader, len, timeout)?;
             shared.mail(to, message)?
         }
-        Request::Ended => {
+        Request::Ended { silence_ms } => {
             let mut ranks = shared.finished();
-            ranks.extend(shared.health().failures.iter().map(|(r, _)| *r));
+            let h = shared.health();
+            let silence = Duration::from_millis(silence_ms);
+            let silent = Shared::silent(&h, None, &ranks, silence);
+            ranks.extend(silent.iter().map(|(r, _)| *r));
+            ranks.extend(h.failures.iter().map(|(r, _)| *r));
+            drop(h);
             ranks.sort_unstable();
             ranks.dedup();
             let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
@@ -897,10 +914,12 @@ impl Store {
         })
     }
 
-    /// The ranks that have ended: finished cleanly (stored `done/RANK`)
-    /// or posted a failure.
-    pub fn ended(&self, timeout: Duration) -> Result<Vec<Rank>, Error> {
-        match self.request_with(&Request::Ended, &[], timeout)? {
+    /// The ranks that have ended: finished cleanly (stored `done/RANK`),
+    /// posted a failure, or sent no heartbeat for longer than `silence`
+    /// (killed or frozen).
+    pub fn ended(&self, silence: Duration, timeout: Duration) -> Result<Vec<Rank>, Error> {
+        let silence_ms = u64::try_from(silence.as_millis()).unwrap_or(u64::MAX);
+        match self.request_with(&Request::Ended { silence_ms }, &[], timeout)? {
             (Response::Value(_), body) => {
                 let text = String::from_utf8(body).map_err(|_| {
                     Error::Aborted(format!(

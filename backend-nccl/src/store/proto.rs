@@ -16,7 +16,7 @@
 //!          / "GET" SP key-hex SP millis
 //!          / "MAIL" SP to SP len                   ; a message to a rank's inbox; len bytes follow
 //!          / "INBOX" SP rank SP millis             ; the oldest message of a rank's inbox
-//!          / "ENDED"                               ; the ranks that finished or posted a failure
+//!          / "ENDED" SP millis                     ; the ranks that finished, posted a failure or fell silent
 //! response = "OK" / "TIMEOUT" / "ID" SP id-hex / "ERROR" SP text
 //!          / "HEALTHY" / "FAILED" SP rank SP why-hex / "VALUE" SP len
 //! ```
@@ -30,7 +30,7 @@ use std::io::{BufRead, Read};
 use duplex::Rank;
 
 /// The protocol version a client presents in `AUTH`.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The longest line, its newline included, in bytes.
 pub const MAX_LINE: usize = 4096;
 /// The longest token, in bytes (its hex is twice as long).
@@ -248,10 +248,14 @@ pub enum Request {
         /// How long to wait, in milliseconds.
         wait_ms: u64,
     },
-    /// Asks which ranks have ended: finished cleanly (stored `done/RANK`)
-    /// or posted a failure. The reply is a `VALUE` of their numbers in
+    /// Asks which ranks have ended: finished cleanly (stored `done/RANK`),
+    /// posted a failure, or sent no heartbeat for longer than `silence_ms`
+    /// (killed or frozen). The reply is a `VALUE` of their numbers in
     /// decimal, ascending, separated by commas.
-    Ended,
+    Ended {
+        /// The silence, in milliseconds, after which a rank counts as dead.
+        silence_ms: u64,
+    },
 }
 
 /// What the store replies.
@@ -540,8 +544,10 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
             })
         }
         "ENDED" => {
-            arity("ENDED", args, 0)?;
-            Ok(Request::Ended)
+            arity("ENDED", args, 1)?;
+            Ok(Request::Ended {
+                silence_ms: number("millis", args[0])?,
+            })
         }
         "INBOX" => {
             arity("INBOX", args, 2)?;
@@ -599,7 +605,7 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, ProtoError> {
             format!("MAIL {to} {len}\n")
         }
         Request::Inbox { me, wait_ms } => format!("INBOX {me} {wait_ms}\n"),
-        Request::Ended => "ENDED\n".into(),
+        Request::Ended { silence_ms } => format!("ENDED {silence_ms}\n"),
     };
     Ok(line.into_bytes())
 }
@@ -797,6 +803,16 @@ mod tests {
             Request::Get {
                 key: "trace/0".into(),
                 wait_ms: 500,
+            },
+            Request::Mail { to: 1, len: 0 },
+            Request::Mail {
+                to: u32::MAX,
+                len: MAX_MAIL,
+            },
+            Request::Inbox { me: 0, wait_ms: 0 },
+            Request::Ended { silence_ms: 3000 },
+            Request::Ended {
+                silence_ms: u64::MAX,
             },
         ]
     }

@@ -578,14 +578,29 @@ fn the_store_says_which_ranks_ended_in_one_request() {
     let addr = server(super::LIMITS);
     let store = client(addr);
     let t = Duration::from_secs(5);
-    assert_eq!(store.ended(t).unwrap(), Vec::<duplex::Rank>::new());
+    let silence = Duration::from_millis(300);
+    assert_eq!(store.ended(silence, t).unwrap(), Vec::<duplex::Rank>::new());
     store.put("done/3", b"ok", t).unwrap();
     store.put("done/0", b"ok", t).unwrap();
     store.put("trace/1", b"{}", t).unwrap();
-    assert_eq!(store.ended(t).unwrap(), vec![0, 3]);
+    assert_eq!(store.ended(silence, t).unwrap(), vec![0, 3]);
     // Failed ranks have ended too, each once.
     store.fail(5, "panicked", t).unwrap();
     store.fail(2, "hang", t).unwrap();
     store.fail(3, "later", t).unwrap();
-    assert_eq!(store.ended(t).unwrap(), vec![0, 2, 3, 5]);
+    assert_eq!(store.ended(silence, t).unwrap(), vec![0, 2, 3, 5]);
+    // So have ranks silent past the silence asked for (killed, frozen),
+    // every one of them; a rank that finished is not silent, one that
+    // beats is alive.
+    store.beat(7, t).unwrap();
+    store.beat(8, t).unwrap();
+    store.beat(3, t).unwrap();
+    assert_eq!(store.ended(silence, t).unwrap(), vec![0, 2, 3, 5]);
+    std::thread::sleep(silence + Duration::from_millis(100));
+    store.beat(8, t).unwrap();
+    assert_eq!(store.ended(silence, t).unwrap(), vec![0, 2, 3, 5, 7]);
+    assert_eq!(
+        store.ended(Duration::from_secs(60), t).unwrap(),
+        vec![0, 2, 3, 5]
+    );
 }
