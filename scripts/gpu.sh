@@ -34,7 +34,7 @@
 # (the suite has 30 jobs since the copy-engine lane scenarios,
 # self-unpaired, read-after-abort and reply-after-wait), and for lanes made
 # on first use (issue 12, item 3) a fourth,
-#   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md", ...)
+#   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md /tmp/r/ipc-flags.md", ...)
 # and copy the reports back into the repo (docs/gpu/).
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
@@ -136,15 +136,23 @@ run)
     ipc)
       # What copy-engine lanes across processes would cost (issue 12 item
       # 4): CUDA IPC handle opens and copies between two processes, on two
-      # GPUs and on one (scripts/ipc_probe.py).
+      # GPUs and on one (scripts/ipc_probe.py), and whether the mechanisms
+      # they would use work (scripts/ipc_flags_probe.py).
       set +e
       timeout 300 python3 scripts/ipc_probe.py > "$out/ipc.md" 2> "$out/ipc.log"
       record ipc $?
       echo >> "$out/ipc.md"
       timeout 300 python3 scripts/ipc_probe.py --one-gpu >> "$out/ipc.md" 2>> "$out/ipc.log"
       record ipc-one-gpu $?
+      # The mechanisms a copy-engine lane across processes would use:
+      # flags in shared memory, interprocess events, whole messages.
+      timeout 200 python3 scripts/ipc_flags_probe.py > "$out/ipc-flags.md" 2>> "$out/ipc.log"
+      record ipc-flags $?
+      echo >> "$out/ipc-flags.md"
+      timeout 200 python3 scripts/ipc_flags_probe.py --one-gpu >> "$out/ipc-flags.md" 2>> "$out/ipc.log"
+      record ipc-flags-one-gpu $?
       set -e
-      cat "$out/ipc.md" ;;
+      cat "$out/ipc.md" "$out/ipc-flags.md" ;;
     calibrate)
       # Exit status 0: every example agrees; 1: some disagree; 4: no backend.
       set +e

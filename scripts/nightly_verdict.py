@@ -30,7 +30,9 @@ the last line of a name counts) and the reports of each step:
              bench-env-N) is reported, not judged.
   ipc        `ipc_probe.py` exits 0 on two GPUs and on one (steps ipc,
              ipc-one-gpu), and OUT/ipc.md has both tables, each with every
-             figure measured (a number as its median)
+             figure measured (a number as its median); and
+             `ipc_flags_probe.py` exits 0 on both (ipc-flags,
+             ipc-flags-one-gpu: every check passed)
 
 Writes OUT/nightly.md and OUT/nightly.json, prints the former, and exits 1
 when any step failed (0 when all passed; 2 for a wrong command line).
@@ -271,7 +273,7 @@ def judge_bench(steps, out):
 
 def judge_ipc(text, steps):
     reasons = []
-    for name in ("ipc", "ipc-one-gpu"):
+    for name in ("ipc", "ipc-one-gpu", "ipc-flags", "ipc-flags-one-gpu"):
         rc = steps.get(name)
         if rc != 0:
             reasons.append(f"{name}: {status_text(rc)}")

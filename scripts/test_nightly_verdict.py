@@ -65,7 +65,7 @@ IPC_OK = ipc_table("GPU 0 and GPU 1, a process each") + "\n" + ipc_table("one GP
 
 
 class Ipc(unittest.TestCase):
-    STEPS = {"ipc": 0, "ipc-one-gpu": 0}
+    STEPS = {"ipc": 0, "ipc-one-gpu": 0, "ipc-flags": 0, "ipc-flags-one-gpu": 0}
 
     def test_both_tables_with_every_figure_pass(self):
         ok, why, _ = nv.judge_ipc(IPC_OK, self.STEPS)
@@ -78,10 +78,12 @@ class Ipc(unittest.TestCase):
         self.assertTrue(ok, why)
 
     def test_a_failed_probe_fails_it(self):
-        ok, why, _ = nv.judge_ipc(IPC_OK, {"ipc": 1, "ipc-one-gpu": 0})
+        ok, why, _ = nv.judge_ipc(IPC_OK, dict(self.STEPS, ipc=1))
         self.assertFalse(ok)
-        self.assertIn("ipc: exit status 1", why)
-        ok, why, _ = nv.judge_ipc(IPC_OK, {"ipc": 0})
+        self.assertEqual(why, ["ipc: exit status 1"])
+        ok, why, _ = nv.judge_ipc(IPC_OK, dict(self.STEPS, **{"ipc-flags-one-gpu": 1}))
+        self.assertEqual(why, ["ipc-flags-one-gpu: exit status 1"])
+        ok, why, _ = nv.judge_ipc(IPC_OK, {"ipc": 0, "ipc-flags": 0, "ipc-flags-one-gpu": 0})
         self.assertEqual(why, ["ipc-one-gpu: did not run"])
 
     def test_a_missing_table_or_figure_fails_it(self):
@@ -229,7 +231,7 @@ class Whole(unittest.TestCase):
 
     def good_run(self):
         self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\n"
-                   "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\n")
+                   "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("ipc.md", IPC_OK)
         self.write("suite.txt", SUITE_OK)
         self.write("suite-lazy.txt", SUITE_OK)
@@ -257,7 +259,7 @@ class Whole(unittest.TestCase):
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
                                         "measured: duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
@@ -267,7 +269,7 @@ class Whole(unittest.TestCase):
 
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("copylane.txt", "PASS data: ok\nFAIL abort: the abort did not release the stream in 2 s\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
@@ -369,6 +371,8 @@ class EndToEnd(unittest.TestCase):
         shutil.copy(os.path.join(HERE, "bench_table.py"), os.path.join(root, ".gpu"))
         with open(os.path.join(root, "scripts", "ipc_probe.py"), "w") as f:
             f.write(STUB_IPC)
+        with open(os.path.join(root, "scripts", "ipc_flags_probe.py"), "w") as f:
+            f.write("print('PASS X1 flag-release: stub')\n")
         for name, text in (("nccl-suite", STUB_SUITE), ("faults", STUB_FAULTS), ("duplex", STUB_DUPLEX),
                            ("bench", STUB_BENCH), ("bench_torch.py", STUB_TORCH),
                            ("copylane", STUB_COPYLANE)):
