@@ -146,10 +146,10 @@ run)
       record ipc-one-gpu $?
       # The mechanisms a copy-engine lane across processes would use:
       # flags in shared memory, interprocess events, whole messages.
-      timeout 200 python3 scripts/ipc_flags_probe.py > "$out/ipc-flags.md" 2>> "$out/ipc.log"
+      timeout -k 10 200 python3 scripts/ipc_flags_probe.py > "$out/ipc-flags.md" 2>> "$out/ipc.log"
       record ipc-flags $?
       echo >> "$out/ipc-flags.md"
-      timeout 200 python3 scripts/ipc_flags_probe.py --one-gpu >> "$out/ipc-flags.md" 2>> "$out/ipc.log"
+      timeout -k 10 200 python3 scripts/ipc_flags_probe.py --one-gpu >> "$out/ipc-flags.md" 2>> "$out/ipc.log"
       record ipc-flags-one-gpu $?
       set -e
       cat "$out/ipc.md" "$out/ipc-flags.md" ;;

@@ -457,10 +457,10 @@ mod tests {
         // rank 0 waits about one silence, not its whole bound.
         let (port, secret) = store();
         let c = Store::client("127.0.0.1", port, secret.clone());
+        let t0 = Instant::now();
         c.beat(1, REQUEST).expect("beats");
         c.beat(2, REQUEST).expect("beats");
         let a = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
-        let t0 = Instant::now();
         a.linger(3, 0, Duration::from_secs(60), false);
         let took = t0.elapsed();
         assert!(took >= SILENCE, "{took:?}");

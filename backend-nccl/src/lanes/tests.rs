@@ -227,8 +227,10 @@ fn a_lane_waiting_for_a_silent_service_is_listed_as_not_made_until_it_fails() {
     let waiter = std::thread::spawn(move || m.need(&m.spec(1, Dir::Send).expect("a lane")));
     let start = Instant::now();
     let listed = loop {
+        // First `asked of this rank's lane service` (the want on its way),
+        // then the service's state.
         let unmade = job.makers[0].unmade();
-        if !unmade.is_empty() {
+        if unmade.iter().any(|u| u.contains("making its part")) {
             break unmade;
         }
         assert!(start.elapsed() < T, "never listed: {unmade:?}");

@@ -590,8 +590,7 @@ fn the_store_says_which_ranks_ended_in_one_request() {
     store.fail(3, "later", t).unwrap();
     assert_eq!(store.ended(silence, t).unwrap(), vec![0, 2, 3, 5]);
     // So have ranks silent past the silence asked for (killed, frozen),
-    // every one of them; a rank that finished is not silent, one that
-    // beats is alive.
+    // every one of them; a rank that beats is alive.
     store.beat(7, t).unwrap();
     store.beat(8, t).unwrap();
     store.beat(3, t).unwrap();
