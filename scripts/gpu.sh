@@ -7,7 +7,8 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc all
+#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc all,
+#                                 or one-gpu (on a machine with one GPU only)
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
 #                                 judge (scripts/gpu-nightly.sh); exits 1 when
@@ -35,7 +36,10 @@
 # self-unpaired, read-after-abort and reply-after-wait), and for lanes made
 # on first use (issue 12, item 3) a fourth,
 #   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md /tmp/r/ipc-flags.md", ...)
-# and copy the reports back into the repo (docs/gpu/).
+# and copy the reports back into the repo (docs/gpu/). When only the
+# one-GPU kind is lent, the process-per-rank behaviour still runs (~4 min):
+#   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
+#       carry=[".gpu"], kind="nvidia-h200", timeout_s=600)
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
 # lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL
@@ -124,6 +128,22 @@ run)
       record faults "${PIPESTATUS[0]}"
       set -e
       [ -e "$out/faults.md" ] && { echo; echo "Produced by: scripts/gpu.sh run faults"; } >> "$out/faults.md" ;;
+    one-gpu)
+      # On a machine with ONE GPU (not part of `all`): the suite's process
+      # jobs and the fault matrix's process cases, each with lanes made at
+      # start and on first use, both ranks on GPU 0 talking over loopback
+      # sockets (DUPLEX_ONE_GPU=1, duplex_nccl::shared_gpu_env): behaviour,
+      # not speed (docs/gpu/suite-1gpu.txt, docs/gpu/faults-1gpu.md).
+      set +e
+      for lanes in eager lazy; do
+        DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-$lanes.txt" 2>&1
+        record "suite-1gpu-$lanes" $?
+        DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes timeout "${FAULTS_S:-200}" .gpu/faults drive --out "$out/faults-1gpu-$lanes.md" > "$out/faults-1gpu-$lanes.log" 2>&1
+        record "faults-1gpu-$lanes" $?
+      done
+      set -e
+      grep -hE "^(PASS|FAIL)|^ran " "$out"/suite-1gpu-*.txt
+      cat "$out"/faults-1gpu-*.md ;;
     faults-lazy)
       # The same matrix with lanes made on first use: a rank killed, frozen
       # or failing while its peers' lane services make lanes with it.

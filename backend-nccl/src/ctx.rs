@@ -18,7 +18,7 @@ use crate::comm::{self, Comm, poll};
 use crate::copy::{CopyLane, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::guard::{Done, IssueLock, Issuing, Ledger};
-use crate::health::Health;
+use crate::health::{BEAT_EVERY, Health, PeerCause, SILENCE};
 use crate::lanes::nccl::NcclKit;
 use crate::lanes::{LaneEnd, LaneMaker, Lanes};
 use crate::nccl::Nccl;
@@ -301,6 +301,14 @@ impl Drop for Freeing {
             }
         }
     }
+}
+
+/// How long a wait that failed with an error another rank may have caused
+/// waits for the health monitor to name that rank ([`RankCtx::cause`]): it
+/// notices a death by [`SILENCE`], polls every [`BEAT_EVERY`], and a poll
+/// of a store that stopped answering takes up to a second.
+pub(crate) fn patience() -> Duration {
+    SILENCE + BEAT_EVERY * 2 + Duration::from_secs(1)
 }
 
 /// An event recorded after the ops of one launch on one stream, shared by
@@ -968,7 +976,11 @@ impl RankCtx {
         let Some(spec) = maker.spec(peer, dir) else {
             return Ok(None);
         };
-        maker.need(&spec)?;
+        // A lane abandoned because the watchdog aborted this rank's
+        // communicators for another rank's failure names that rank.
+        maker
+            .need(&spec)
+            .map_err(|e| self.watchdog_error(e, &format!("making lane {}", spec.name)))?;
         Ok(self.lanes.get(peer, dir))
     }
 
@@ -1085,7 +1097,8 @@ impl RankCtx {
     }
 
     /// The error of an NCCL call that failed: after the watchdog aborted the
-    /// communicators, a hang.
+    /// communicators, a hang; an error another rank caused names it
+    /// ([`RankCtx::cause`]).
     pub(crate) fn watchdog_error(&self, e: Error, what: &str) -> Error {
         if let Some((r, why)) = self.peer_cause() {
             return Error::Aborted(format!(
@@ -1094,13 +1107,50 @@ impl RankCtx {
             ));
         }
         if self.fired.load(Ordering::Acquire) {
-            Error::Aborted(format!(
+            return Error::Aborted(format!(
                 "{what}: an NCCL call of rank {} did not return within {:?}; the watchdog aborted the rank's communicators ({e})",
                 self.rank, self.opts.timeout
-            ))
-        } else {
-            e
+            ));
         }
+        // No waiting here: callers may hold the issue lock and communicators.
+        let everyone: Vec<Rank> = (0..self.world_size).collect();
+        match self.cause(&everyone, &e, Duration::ZERO) {
+            Some((r, PeerCause::Failed(why))) => Error::Aborted(format!(
+                "{what}: rank {r} failed ({why}); on rank {}: {e}",
+                self.rank
+            )),
+            Some((r, PeerCause::Finished)) => Error::Aborted(format!(
+                "{what}: rank {r} finished while rank {}'s work with it was pending, so what would match it was never issued ({e})",
+                self.rank
+            )),
+            None => e,
+        }
+    }
+
+    /// Which other rank of `members` caused `e`, when `e` is an error
+    /// another rank can cause (NCCL's remote and system errors, say a
+    /// peer's process that exited or its socket that closed, or an abort):
+    /// a rank known to have failed, or one that finished while work of
+    /// this rank with it was pending (on NVLink this rank would hang
+    /// instead, and its report would name what was never issued). Waits up
+    /// to `patience` for one: NCCL's network transport sees a peer's socket
+    /// close before duplex's health monitor sees the peer's silence
+    /// ([`patience`] is that wait).
+    pub(crate) fn cause(
+        &self,
+        members: &[Rank],
+        e: &Error,
+        patience: Duration,
+    ) -> Option<(Rank, PeerCause)> {
+        let remote = match e {
+            Error::Library { library, code, .. } => *library == "NCCL" && matches!(code, 2 | 6),
+            Error::Aborted(_) => true,
+            _ => false,
+        };
+        if !remote {
+            return None;
+        }
+        crate::health::culprit(&*self.health, self.rank, members, patience)
     }
 
     /// The failed rank (and why) for which the watchdog aborted this rank's

@@ -31,6 +31,14 @@
 //! rank that finishes cleanly publishes its trace too (up to 100,000
 //! calls), so that a partner it returned without matching is named.
 //!
+//! NCCL may see a death first: its network transport reports a peer's
+//! closed socket as an error of this rank's communicator. Such an error
+//! (and an abort) waits, a bounded time, for the monitor to name the rank
+//! that caused it ([`culprit`]), or names a rank that finished cleanly
+//! with work of this rank pending; a store client whose store stops
+//! accepting connections fails each request at once, so the monitor
+//! learns rank 0's death in [`SILENCE`], not in a request timeout more.
+//!
 //! A waiting rank names the first failure it learned of. Lingering ranks
 //! (the store's host, and ranks whose lane service serves the others) ask
 //! the store instead for every rank that has ended (`ENDED`: finished,
@@ -70,12 +78,54 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Says that `rank` finished cleanly: its silence from now on is no
     /// failure.
     fn finished(&self, rank: Rank);
+    /// The first of `ranks` that said it finished cleanly
+    /// ([`Health::finished`]), if any.
+    fn finished_among(&self, ranks: &[Rank]) -> Option<Rank>;
     /// Waits (up to `wait`) until every other rank has finished or failed:
     /// for the rank that hosts the store, so that the store outlives them;
     /// and for a rank with lanes made on first use, whose lane service
     /// serves the others meanwhile, which stops waiting as soon as any
     /// rank is known to have failed (`until_failure`: the job is ending).
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool);
+}
+
+/// How another rank caused an error of this rank ([`culprit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerCause {
+    /// It failed, for this reason.
+    Failed(String),
+    /// It finished cleanly while work of this rank with it was pending.
+    Finished,
+}
+
+/// The rank of `members` other than `me` that caused an error of `me`: one
+/// known to have failed (any rank of the job: a failure anywhere explains
+/// an abort), else one of `members` that finished cleanly; waiting up to
+/// `patience` for either, since a death is noticed by its silence.
+pub fn culprit(
+    health: &dyn Health,
+    me: Rank,
+    members: &[Rank],
+    patience: Duration,
+) -> Option<(Rank, PeerCause)> {
+    let others: Vec<Rank> = members.iter().copied().filter(|r| *r != me).collect();
+    if others.is_empty() {
+        return None;
+    }
+    let now = Instant::now();
+    let deadline = now.checked_add(patience).unwrap_or(now);
+    loop {
+        if let Some((r, why)) = health.failed(me) {
+            return Some((r, PeerCause::Failed(why)));
+        }
+        if let Some(r) = health.finished_among(&others) {
+            return Some((r, PeerCause::Finished));
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// The health of a local run: one list for all its ranks.
@@ -113,6 +163,11 @@ impl Health for LocalHealth {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(rank);
+    }
+
+    fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
+        let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        ranks.iter().copied().find(|r| finished.contains(r))
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
@@ -169,6 +224,7 @@ impl StoreHealth {
                     if h.stop.load(Ordering::Acquire) {
                         return;
                     }
+                    let asked = Instant::now();
                     match h.poll_once() {
                         Ok(found) => {
                             unreachable_since = None;
@@ -177,7 +233,9 @@ impl StoreHealth {
                             }
                         }
                         Err(e) if h.me != 0 => {
-                            let since = *unreachable_since.get_or_insert_with(Instant::now);
+                            // Unreachable since the first request that failed
+                            // was made, not since it gave up.
+                            let since = *unreachable_since.get_or_insert(asked);
                             if since.elapsed() >= SILENCE {
                                 h.learn((
                                     0,
@@ -252,6 +310,19 @@ impl Health for StoreHealth {
         if let Err(e) = self.store.put(&format!("done/{rank}"), b"ok", REQUEST) {
             tracing::debug!(rank, error = %e, "could not tell the store this rank finished");
         }
+    }
+
+    fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
+        // One request for the ranks that ended (finished, failed or
+        // silent), then one per rank of those that is asked about.
+        let ended = self.store.ended(SILENCE, REQUEST).ok()?;
+        ranks.iter().copied().find(|r| {
+            ended.contains(r)
+                && matches!(
+                    self.store.get(&format!("done/{r}"), Duration::ZERO),
+                    Ok(Some(_))
+                )
+        })
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
@@ -349,6 +420,40 @@ mod tests {
         let t0 = Instant::now();
         h.linger(3, 0, Duration::from_secs(30), true);
         assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn the_culprit_is_a_failed_rank_or_a_finished_member_waited_for() {
+        let h = LocalHealth::default();
+        let quick = Duration::from_millis(50);
+        // Nobody: none, after the patience.
+        let t0 = Instant::now();
+        assert_eq!(culprit(&h, 0, &[0, 1], quick), None);
+        assert!(t0.elapsed() >= quick);
+        // Alone in the communicator: none at once.
+        assert_eq!(culprit(&h, 0, &[0], Duration::from_secs(30)), None);
+        // A member that finished.
+        h.finished(1);
+        assert_eq!(
+            culprit(&h, 0, &[0, 1], quick),
+            Some((1, PeerCause::Finished))
+        );
+        // Not a member: no.
+        assert_eq!(culprit(&h, 0, &[0, 2], quick), None);
+        // A failure, noticed while waiting, wins, whoever failed.
+        let h = std::sync::Arc::new(LocalHealth::default());
+        let later = h.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            later.fail(2, "killed");
+        });
+        let t0 = Instant::now();
+        assert_eq!(
+            culprit(&*h, 0, &[0, 1], Duration::from_secs(30)),
+            Some((2, PeerCause::Failed("killed".into())))
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        t.join().unwrap();
     }
 
     fn store() -> (u16, Secret) {
@@ -465,6 +570,18 @@ mod tests {
         let took = t0.elapsed();
         assert!(took >= SILENCE, "{took:?}");
         assert!(took < SILENCE * 4, "{took:?}");
+    }
+
+    #[test]
+    fn through_the_store_only_ranks_that_finished_count_as_finished() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let c = Store::client("127.0.0.1", port, secret);
+        assert_eq!(a.finished_among(&[1, 2, 3]), None);
+        c.fail(2, "hang", REQUEST).expect("posts");
+        c.put("done/3", b"ok", REQUEST).expect("stores");
+        assert_eq!(a.finished_among(&[1, 2, 3]), Some(3));
+        assert_eq!(a.finished_among(&[1, 2]), None);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use crate::ctx::{
     OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
+use crate::health::PeerCause;
 use crate::lanes::LaneEnd;
 use crate::nccl::Nccl;
 use crate::registry::{Blocked, LaunchRec, OpRec};
@@ -341,7 +342,8 @@ impl NcclRank {
                     )));
                 }
             } else if r.meta.comm.is_aborted() {
-                return Err(r.meta.comm.cell.aborted_error());
+                // Aborted by the watchdog for another rank's failure: name it.
+                return Err(ctx.watchdog_error(r.meta.comm.cell.aborted_error(), &r.meta.text()));
             }
         }
         let on_nccl = |r: &&Req| r.meta.copy.is_none();
@@ -836,7 +838,11 @@ impl NcclRank {
                             ))),
                             None => Ok(()),
                         },
-                        None => op.meta.comm.check(),
+                        None => op
+                            .meta
+                            .comm
+                            .check()
+                            .map_err(|e| self.blamed(call, &op.meta.comm.members, e)),
                     };
                     checked.inspect_err(|e| {
                         self.ctx.health.fail(self.ctx.rank, &e.to_string());
@@ -852,6 +858,22 @@ impl NcclRank {
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result
+    }
+
+    /// `e`, an error a communicator of `members` reports (an NCCL error,
+    /// or its abort), with its cause named when another rank is the cause
+    /// ([`RankCtx::cause`]); else `e` as it is.
+    fn blamed(&self, call: &str, members: &[Rank], e: Error) -> Error {
+        match self.ctx.cause(members, &e, crate::ctx::patience()) {
+            Some((r, PeerCause::Failed(why))) => {
+                self.peer_failed(call, r, &format!("{why} (on this rank: {e})"))
+            }
+            Some((r, PeerCause::Finished)) => Error::Aborted(format!(
+                "rank {} thread {}: `{call}` ended because rank {r} finished while an op of this rank with it was pending, so the op that would match it was never issued ({e})",
+                self.ctx.rank, self.thread
+            )),
+            None => e,
+        }
     }
 
     /// The error of a wait that ends because rank `r` of the job failed:
@@ -901,6 +923,7 @@ impl NcclRank {
                     "`{call}`: {} finished on the device, but {e}; its bytes cannot be trusted",
                     op.meta.info()
                 ));
+                let err = self.blamed(call, &op.meta.comm.members, err);
                 self.ctx.health.fail(self.ctx.rank, &err.to_string());
                 return Err(err);
             }

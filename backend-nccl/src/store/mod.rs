@@ -44,7 +44,7 @@
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -669,6 +669,11 @@ pub struct Store {
     host: String,
     port: u16,
     secret: Secret,
+    /// Whether a connection to the store ever succeeded (shared by clones):
+    /// from then on a refused connection means the store's process is
+    /// gone, and a request fails at once instead of retrying until its
+    /// deadline.
+    reached: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -691,6 +696,7 @@ impl Store {
             host: host.into(),
             port,
             secret,
+            reached: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -699,6 +705,9 @@ impl Store {
     }
 
     /// A connection, retried until `deadline`: rank 0 may not listen yet.
+    /// Once the store was reached, a refused connection is not retried:
+    /// nothing listens any more, so its host (rank 0) is gone, and every
+    /// waiting request (the health monitor's among them) learns it at once.
     fn connect(&self, deadline: Instant) -> Result<TcpStream, Error> {
         let mut last = None;
         loop {
@@ -707,11 +716,17 @@ impl Store {
                 .map_err(|e| io(&format!("resolving {}", self.addr()), e))?;
             for a in addrs {
                 match TcpStream::connect_timeout(&a, Duration::from_millis(500)) {
-                    Ok(c) => return Ok(c),
+                    Ok(c) => {
+                        self.reached.store(true, Ordering::Relaxed);
+                        return Ok(c);
+                    }
                     Err(e) => last = Some(e),
                 }
             }
-            if Instant::now() >= deadline {
+            let refused = last
+                .as_ref()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+            if Instant::now() >= deadline || (refused && self.reached.load(Ordering::Relaxed)) {
                 return Err(io(
                     &format!("connecting to {}", self.addr()),
                     last.unwrap_or_else(|| std::io::Error::other("no address")),

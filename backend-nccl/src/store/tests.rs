@@ -603,3 +603,35 @@ fn the_store_says_which_ranks_ended_in_one_request() {
         vec![0, 2, 3, 5]
     );
 }
+
+#[test]
+fn once_reached_a_store_that_refuses_connections_fails_at_once() {
+    // Never reached: retried until the deadline (rank 0 may not listen yet).
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = gone.local_addr().unwrap().port();
+    drop(gone);
+    let fresh = Store::client("127.0.0.1", port, Secret::new("0123456789abcdef-x"));
+    let t0 = Instant::now();
+    assert!(
+        fresh
+            .connect(Instant::now() + Duration::from_millis(600))
+            .is_err()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(550),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Reached once, then its process is gone: refused means dead, at once.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let c = Store::client("127.0.0.1", port, Secret::new("0123456789abcdef-x"));
+    c.connect(Instant::now() + Duration::from_secs(5)).unwrap();
+    drop(listener);
+    let t0 = Instant::now();
+    let e = c
+        .connect(Instant::now() + Duration::from_secs(5))
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(e.to_string().contains("connecting to"), "{e}");
+}
