@@ -436,7 +436,16 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
                 t.saturating_sub(start_to_fault).as_secs_f64()
             ));
         }
-        let names = s.verdict.contains(&format!("rank {}", case.victim));
+        // Named as the cause, not merely mentioned (an op "to rank 1" is
+        // no naming).
+        let v = case.victim;
+        let names = [
+            format!("rank {v} failed"),
+            format!("rank {v} finished"),
+            format!("rank {v} panicked"),
+        ]
+        .iter()
+        .any(|n| s.verdict.contains(n.as_str()));
         if !s.verdict.starts_with("ERROR") || !names {
             pass = false;
             notes.push(format!(

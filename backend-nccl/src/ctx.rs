@@ -1112,7 +1112,8 @@ impl RankCtx {
                 self.rank, self.opts.timeout
             ));
         }
-        // No waiting here: callers may hold the issue lock and communicators.
+        // No waiting, and no request (`culprit` reads what the monitor
+        // knows): callers may hold the issue lock and communicators.
         let everyone: Vec<Rank> = (0..self.world_size).collect();
         match self.cause(&everyone, &e, Duration::ZERO) {
             Some((r, PeerCause::Failed(why))) => Error::Aborted(format!(
@@ -1147,7 +1148,11 @@ impl RankCtx {
             Error::Aborted(_) => true,
             _ => false,
         };
-        if !remote {
+        // This rank's own watchdog fired for its own hang: its errors are
+        // its own (`culprit` also stops at a failure this rank posted).
+        let own_hang =
+            self.fired.load(Ordering::Acquire) && !self.fired_for_peer.load(Ordering::Acquire);
+        if !remote || own_hang {
             return None;
         }
         crate::health::culprit(&*self.health, self.rank, members, patience)

@@ -78,9 +78,15 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Says that `rank` finished cleanly: its silence from now on is no
     /// failure.
     fn finished(&self, rank: Rank);
-    /// The first of `ranks` that said it finished cleanly
-    /// ([`Health::finished`]), if any.
+    /// The first of `ranks` known to have finished cleanly
+    /// ([`Health::finished`]), if any. Never waits and makes no request:
+    /// across processes it reads what the monitor learned (asking starts
+    /// the monitor's watch for finished ranks, so a caller that polls sees
+    /// them within a heartbeat or two).
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank>;
+    /// Whether `me` posted a failure of its own ([`Health::fail`]): its
+    /// later errors are its own, not another rank's.
+    fn failed_itself(&self, me: Rank) -> bool;
     /// Waits (up to `wait`) until every other rank has finished or failed:
     /// for the rank that hosts the store, so that the store outlives them;
     /// and for a rank with lanes made on first use, whose lane service
@@ -98,10 +104,13 @@ pub enum PeerCause {
     Finished,
 }
 
-/// The rank of `members` other than `me` that caused an error of `me`: one
-/// known to have failed (any rank of the job: a failure anywhere explains
-/// an abort), else one of `members` that finished cleanly; waiting up to
-/// `patience` for either, since a death is noticed by its silence.
+/// The rank that caused an error of `me`: one known to have failed (any
+/// rank of the job: a failure anywhere explains an abort), waited for up to
+/// `patience` since a death is noticed by its silence; else, at the end, a
+/// rank of `members` other than `me` that finished cleanly (the work of
+/// `me` with it can never complete). None when `me` failed itself first:
+/// its errors are then its own, and another rank's failure may be only its
+/// echo.
 pub fn culprit(
     health: &dyn Health,
     me: Rank,
@@ -115,17 +124,22 @@ pub fn culprit(
     let now = Instant::now();
     let deadline = now.checked_add(patience).unwrap_or(now);
     loop {
+        if health.failed_itself(me) {
+            return None;
+        }
         if let Some((r, why)) = health.failed(me) {
             return Some((r, PeerCause::Failed(why)));
         }
-        if let Some(r) = health.finished_among(&others) {
-            return Some((r, PeerCause::Finished));
-        }
         if Instant::now() >= deadline {
-            return None;
+            break;
         }
+        // Asked early, so that the monitor has looked by the end.
+        let _ = health.finished_among(&others);
         std::thread::sleep(Duration::from_millis(20));
     }
+    health
+        .finished_among(&others)
+        .map(|r| (r, PeerCause::Finished))
 }
 
 /// The health of a local run: one list for all its ranks.
@@ -170,6 +184,11 @@ impl Health for LocalHealth {
         ranks.iter().copied().find(|r| finished.contains(r))
     }
 
+    fn failed_itself(&self, me: Rank) -> bool {
+        let f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        f.iter().any(|(r, _)| *r == me)
+    }
+
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
         let start = Instant::now();
         while start.elapsed() < wait {
@@ -199,6 +218,13 @@ pub struct StoreHealth {
     me: Rank,
     known: Mutex<Option<(Rank, String)>>,
     stop: AtomicBool,
+    /// Whether this rank posted a failure of its own.
+    failed_itself: AtomicBool,
+    /// Whether someone asked which ranks finished: the monitor then looks
+    /// each heartbeat ([`Health::finished_among`]).
+    watch_finished: AtomicBool,
+    /// The ranks the monitor saw finished cleanly.
+    finished: Mutex<Vec<Rank>>,
 }
 
 /// How long one store request of the monitor may take.
@@ -213,6 +239,9 @@ impl StoreHealth {
             me,
             known: Mutex::new(None),
             stop: AtomicBool::new(false),
+            failed_itself: AtomicBool::new(false),
+            watch_finished: AtomicBool::new(false),
+            finished: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&health);
         let _ = std::thread::Builder::new()
@@ -224,15 +253,17 @@ impl StoreHealth {
                     if h.stop.load(Ordering::Acquire) {
                         return;
                     }
-                    let asked = Instant::now();
                     match h.poll_once() {
                         Ok(found) => {
                             unreachable_since = None;
                             if let Some(f) = found {
                                 h.learn(f);
                             }
+                            if h.watch_finished.load(Ordering::Acquire) {
+                                h.look_for_finished();
+                            }
                         }
-                        Err(e) if h.me != 0 => {
+                        Err((asked, e)) if h.me != 0 => {
                             // Unreachable since the first request that failed
                             // was made, not since it gave up.
                             let since = *unreachable_since.get_or_insert(asked);
@@ -255,10 +286,39 @@ impl StoreHealth {
         health
     }
 
-    /// One heartbeat and one check.
-    fn poll_once(&self) -> Result<Option<(Rank, String)>, duplex::Error> {
-        self.store.beat(self.me, REQUEST)?;
-        self.store.health(self.me, SILENCE, REQUEST)
+    /// One heartbeat and one check; a failure comes with when the request
+    /// that failed was made.
+    fn poll_once(&self) -> Result<Option<(Rank, String)>, (Instant, duplex::Error)> {
+        let asked = Instant::now();
+        self.store.beat(self.me, REQUEST).map_err(|e| (asked, e))?;
+        let asked = Instant::now();
+        self.store
+            .health(self.me, SILENCE, REQUEST)
+            .map_err(|e| (asked, e))
+    }
+
+    /// Learns which of the ranks that ended finished cleanly (they stored
+    /// `done/RANK`): one request, and one per rank newly ended.
+    fn look_for_finished(&self) {
+        let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
+            return;
+        };
+        let known: Vec<Rank> = self
+            .finished
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for r in ended
+            .into_iter()
+            .filter(|r| *r != self.me && !known.contains(r))
+        {
+            if let Ok(Some(_)) = self.store.get(&format!("done/{r}"), Duration::ZERO) {
+                self.finished
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(r);
+            }
+        }
     }
 
     fn learn(&self, failure: (Rank, String)) {
@@ -283,6 +343,9 @@ fn trace_key(rank: Rank) -> String {
 
 impl Health for StoreHealth {
     fn fail(&self, rank: Rank, why: &str) {
+        if rank == self.me {
+            self.failed_itself.store(true, Ordering::Release);
+        }
         if let Err(e) = self.store.fail(rank, why, REQUEST) {
             tracing::warn!(rank, error = %e, "could not post this rank's failure to the store");
         }
@@ -313,16 +376,13 @@ impl Health for StoreHealth {
     }
 
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
-        // One request for the ranks that ended (finished, failed or
-        // silent), then one per rank of those that is asked about.
-        let ended = self.store.ended(SILENCE, REQUEST).ok()?;
-        ranks.iter().copied().find(|r| {
-            ended.contains(r)
-                && matches!(
-                    self.store.get(&format!("done/{r}"), Duration::ZERO),
-                    Ok(Some(_))
-                )
-        })
+        self.watch_finished.store(true, Ordering::Release);
+        let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        ranks.iter().copied().find(|r| finished.contains(r))
+    }
+
+    fn failed_itself(&self, me: Rank) -> bool {
+        me == self.me && self.failed_itself.load(Ordering::Acquire)
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
@@ -454,6 +514,10 @@ mod tests {
         );
         assert!(t0.elapsed() < Duration::from_secs(5));
         t.join().unwrap();
+        // A rank that failed itself first: its errors are its own, even
+        // when another rank fails after it (its echo, say).
+        h.fail(0, "hang");
+        assert_eq!(culprit(&*h, 0, &[0, 1], quick), None);
     }
 
     fn store() -> (u16, Secret) {
@@ -580,6 +644,12 @@ mod tests {
         assert_eq!(a.finished_among(&[1, 2, 3]), None);
         c.fail(2, "hang", REQUEST).expect("posts");
         c.put("done/3", b"ok", REQUEST).expect("stores");
+        // The monitor looks once asked; the answer never waits.
+        let start = Instant::now();
+        while a.finished_among(&[1, 2, 3]).is_none() {
+            assert!(start.elapsed() < Duration::from_secs(5), "never seen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert_eq!(a.finished_among(&[1, 2, 3]), Some(3));
         assert_eq!(a.finished_among(&[1, 2]), None);
     }

@@ -862,17 +862,45 @@ impl NcclRank {
 
     /// `e`, an error a communicator of `members` reports (an NCCL error,
     /// or its abort), with its cause named when another rank is the cause
-    /// ([`RankCtx::cause`]); else `e` as it is.
+    /// ([`RankCtx::cause`], which waits for the health monitor up to
+    /// [`crate::ctx::patience`]); else `e` as it is.
     fn blamed(&self, call: &str, members: &[Rank], e: Error) -> Error {
         match self.ctx.cause(members, &e, crate::ctx::patience()) {
-            Some((r, PeerCause::Failed(why))) => {
-                self.peer_failed(call, r, &format!("{why} (on this rank: {e})"))
+            Some((r, cause)) => self.named(call, r, cause, &e.to_string()),
+            None => e,
+        }
+    }
+
+    /// The error of `call` that rank `r` caused, with what this rank saw.
+    fn named(&self, call: &str, r: Rank, cause: PeerCause, seen: &str) -> Error {
+        match cause {
+            PeerCause::Failed(why) => {
+                self.peer_failed(call, r, &format!("{why} (on this rank: {seen})"))
             }
-            Some((r, PeerCause::Finished)) => Error::Aborted(format!(
-                "rank {} thread {}: `{call}` ended because rank {r} finished while an op of this rank with it was pending, so the op that would match it was never issued ({e})",
+            PeerCause::Finished => Error::Aborted(format!(
+                "rank {} thread {}: `{call}` ended because rank {r} finished while an op of this rank with it was pending, so the op that would match it was never issued ({seen})",
                 self.ctx.rank, self.thread
             )),
-            None => e,
+        }
+    }
+
+    /// An error of the job's board (the store, across processes): its host,
+    /// rank 0, may have died; once the health monitor says so (it notices
+    /// within [`crate::ctx::patience`]), the error names it. No lock is
+    /// held here.
+    fn board_error(&self, call: &str, e: Error) -> Error {
+        if !self.ctx.health.remote() {
+            return e;
+        }
+        let all: Vec<Rank> = (0..self.ctx.world_size).collect();
+        match crate::health::culprit(
+            &*self.ctx.health,
+            self.ctx.rank,
+            &all,
+            crate::ctx::patience(),
+        ) {
+            Some((r, cause @ PeerCause::Failed(_))) => self.named(call, r, cause, &e.to_string()),
+            _ => e,
         }
     }
 
@@ -919,11 +947,19 @@ impl NcclRank {
                 if let Some((r, why)) = self.ctx.peer_cause() {
                     return Err(self.peer_failed(call, r, &why));
                 }
-                let err = Error::Aborted(format!(
-                    "`{call}`: {} finished on the device, but {e}; its bytes cannot be trusted",
+                // The cause judged from NCCL's own error, before it is
+                // wrapped.
+                let what = format!(
+                    "{} finished on the device, but {e}; its bytes cannot be trusted",
                     op.meta.info()
-                ));
-                let err = self.blamed(call, &op.meta.comm.members, err);
+                );
+                let cause = self
+                    .ctx
+                    .cause(&op.meta.comm.members, &e, crate::ctx::patience());
+                let err = match cause {
+                    Some((r, cause)) => self.named(call, r, cause, &what),
+                    None => Error::Aborted(format!("`{call}`: {what}")),
+                };
                 self.ctx.health.fail(self.ctx.rank, &err.to_string());
                 return Err(err);
             }
@@ -1565,7 +1601,11 @@ impl Transport for NcclRank {
             peer,
             self.ctx.world_size,
         )?;
-        self.ctx.board.post(self.ctx.rank, peer, tag)
+        let what = format!("notify({peer}, {tag})");
+        self.ctx
+            .board
+            .post(self.ctx.rank, peer, tag)
+            .map_err(|e| self.board_error(&what, e))
     }
 
     #[track_caller]
@@ -1608,7 +1648,7 @@ impl Transport for NcclRank {
                     (what.clone(), check::place(at)),
                 )),
             )),
-            Err(e) => Err(e),
+            Err(e) => Err(self.board_error(&what, e)),
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result

@@ -425,13 +425,15 @@ fn two_processes(job: &str) -> String {
         // traces the ranks published).
         "seed/shared" => said.iter().all(|v| v == "HANG") && cycles.iter().all(|c| *c),
         // The survivor fails (a hang past its deadline, or an error that
-        // names the lost peer) instead of waiting for ever.
+        // names the lost peer as its cause) instead of waiting for ever.
         // Rank 1 printed nothing: it reached its rank code (after the
         // rendezvous and the lanes) and died there.
         "peer-dies" => {
             said[1].starts_with("(none")
                 && (said[0] == "HANG"
-                    || (said[0].starts_with("ERROR") && said[0].contains("rank 1")))
+                    || (said[0].starts_with("ERROR")
+                        && (said[0].contains("rank 1 failed")
+                            || said[0].contains("rank 1 finished"))))
         }
         _ => said.iter().all(|v| v == "OK"),
     };

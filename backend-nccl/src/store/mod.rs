@@ -714,18 +714,22 @@ impl Store {
             let addrs = (self.host.as_str(), self.port)
                 .to_socket_addrs()
                 .map_err(|e| io(&format!("resolving {}", self.addr()), e))?;
+            // Refused by every address (a timeout, or a full backlog that
+            // drops the connection, is no proof).
+            let mut refused = true;
             for a in addrs {
                 match TcpStream::connect_timeout(&a, Duration::from_millis(500)) {
                     Ok(c) => {
                         self.reached.store(true, Ordering::Relaxed);
                         return Ok(c);
                     }
-                    Err(e) => last = Some(e),
+                    Err(e) => {
+                        refused &= e.kind() == std::io::ErrorKind::ConnectionRefused;
+                        last = Some(e);
+                    }
                 }
             }
-            let refused = last
-                .as_ref()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+            let refused = refused && last.is_some();
             if Instant::now() >= deadline || (refused && self.reached.load(Ordering::Relaxed)) {
                 return Err(io(
                     &format!("connecting to {}", self.addr()),
