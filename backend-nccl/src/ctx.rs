@@ -976,11 +976,12 @@ impl RankCtx {
         let Some(spec) = maker.spec(peer, dir) else {
             return Ok(None);
         };
-        // A lane abandoned because the watchdog aborted this rank's
-        // communicators for another rank's failure names that rank.
+        // A lane not made because another rank failed (its communicators
+        // aborted for it, its store gone) names that rank; no lock is held
+        // here, so this may wait for the health monitor.
         maker
             .need(&spec)
-            .map_err(|e| self.watchdog_error(e, &format!("making lane {}", spec.name)))?;
+            .map_err(|e| self.error_within(e, &format!("making lane {}", spec.name), patience()))?;
         Ok(self.lanes.get(peer, dir))
     }
 
@@ -1100,6 +1101,15 @@ impl RankCtx {
     /// communicators, a hang; an error another rank caused names it
     /// ([`RankCtx::cause`]).
     pub(crate) fn watchdog_error(&self, e: Error, what: &str) -> Error {
+        // No waiting, and no request (`culprit` reads what the monitor
+        // knows): callers may hold the issue lock and communicators.
+        self.error_within(e, what, Duration::ZERO)
+    }
+
+    /// [`RankCtx::watchdog_error`], waiting up to `patience` for the health
+    /// monitor to name the rank that caused `e`: for callers that hold no
+    /// lock.
+    pub(crate) fn error_within(&self, e: Error, what: &str, patience: Duration) -> Error {
         if let Some((r, why)) = self.peer_cause() {
             return Error::Aborted(format!(
                 "{what}: rank {r} failed ({why}), so rank {}'s communicators were aborted ({e})",
@@ -1112,10 +1122,8 @@ impl RankCtx {
                 self.rank, self.opts.timeout
             ));
         }
-        // No waiting, and no request (`culprit` reads what the monitor
-        // knows): callers may hold the issue lock and communicators.
         let everyone: Vec<Rank> = (0..self.world_size).collect();
-        match self.cause(&everyone, &e, Duration::ZERO) {
+        match self.cause(&everyone, &e, patience) {
             Some((r, PeerCause::Failed(why))) => Error::Aborted(format!(
                 "{what}: rank {r} failed ({why}); on rank {}: {e}",
                 self.rank
