@@ -436,16 +436,16 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
                 t.saturating_sub(start_to_fault).as_secs_f64()
             ));
         }
-        // Named as the cause, not merely mentioned (an op "to rank 1" is
-        // no naming).
+        // Named as the cause, and the right one, not merely mentioned (an
+        // op "to rank 1" is no naming): a rank that returned early
+        // finished; any other victim failed.
         let v = case.victim;
-        let names = [
-            format!("rank {v} failed"),
-            format!("rank {v} finished"),
-            format!("rank {v} panicked"),
-        ]
-        .iter()
-        .any(|n| s.verdict.contains(n.as_str()));
+        let causes: &[String] = if case.name == "early-return" {
+            &[format!("rank {v} finished")]
+        } else {
+            &[format!("rank {v} failed"), format!("rank {v} panicked")]
+        };
+        let names = causes.iter().any(|n| s.verdict.contains(n.as_str()));
         if !s.verdict.starts_with("ERROR") || !names {
             pass = false;
             notes.push(format!(

@@ -1158,8 +1158,11 @@ impl RankCtx {
         };
         // This rank's own watchdog fired for its own hang: its errors are
         // its own (`culprit` also stops at a failure this rank posted).
-        let own_hang =
-            self.fired.load(Ordering::Acquire) && !self.fired_for_peer.load(Ordering::Acquire);
+        // (The watchdog sets `fired` before `fired_for_peer` when it fires
+        // for a peer: a failure known elsewhere marks that case.)
+        let own_hang = self.fired.load(Ordering::Acquire)
+            && !self.fired_for_peer.load(Ordering::Acquire)
+            && self.health.failed(self.rank).is_none();
         if !remote || own_hang {
             return None;
         }

@@ -110,6 +110,10 @@ pub mod fake;
 #[cfg(any(test, loom))]
 pub mod scenarios;
 
+/// What the error of a call on an aborted communicator says
+/// ([`CommCell::aborted_error`]), so that callers can tell it apart.
+pub const ABORTED: &str = "was aborted after a hang or an error";
+
 /// The NCCL calls the protocol makes, so that it runs without GPUs.
 pub trait CommApi: Send + Sync {
     /// A communicator's raw handle.
@@ -385,7 +389,7 @@ impl<A: CommApi> CommCell<A> {
     /// The error of a call on an aborted communicator.
     pub fn aborted_error(&self) -> Error {
         Error::Aborted(format!(
-            "communicator {} was aborted after a hang or an error; create a new transport to get new lanes",
+            "communicator {} {ABORTED}; create a new transport to get new lanes",
             self.name
         ))
     }

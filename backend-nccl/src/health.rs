@@ -84,8 +84,9 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// the monitor's watch for finished ranks, so a caller that polls sees
     /// them within a heartbeat or two).
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank>;
-    /// Whether `me` posted a failure of its own ([`Health::fail`]): its
-    /// later errors are its own, not another rank's.
+    /// Whether `me` posted a failure of its own ([`Health::fail`]) before
+    /// any other rank's failure was known: its later errors are its own,
+    /// not another rank's.
     fn failed_itself(&self, me: Rank) -> bool;
     /// Waits (up to `wait`) until every other rank has finished or failed:
     /// for the rank that hosts the store, so that the store outlives them;
@@ -185,8 +186,9 @@ impl Health for LocalHealth {
     }
 
     fn failed_itself(&self, me: Rank) -> bool {
+        // Only a failure of its own that came before any other rank's.
         let f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        f.iter().any(|(r, _)| *r == me)
+        f.first().is_some_and(|(r, _)| *r == me)
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
@@ -225,6 +227,9 @@ pub struct StoreHealth {
     watch_finished: AtomicBool,
     /// The ranks the monitor saw finished cleanly.
     finished: Mutex<Vec<Rank>>,
+    /// The ranks the monitor saw end without finishing (failed, silent):
+    /// not asked about again.
+    unfinished: Mutex<Vec<Rank>>,
 }
 
 /// How long one store request of the monitor may take.
@@ -242,6 +247,7 @@ impl StoreHealth {
             failed_itself: AtomicBool::new(false),
             watch_finished: AtomicBool::new(false),
             finished: Mutex::new(Vec::new()),
+            unfinished: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&health);
         let _ = std::thread::Builder::new()
@@ -298,26 +304,24 @@ impl StoreHealth {
     }
 
     /// Learns which of the ranks that ended finished cleanly (they stored
-    /// `done/RANK`): one request, and one per rank newly ended.
+    /// `done/RANK`): one request, and one per rank newly ended, each asked
+    /// about once (a rank that ended without finishing never will).
     fn look_for_finished(&self) {
         let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
             return;
         };
-        let known: Vec<Rank> = self
-            .finished
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        for r in ended
-            .into_iter()
-            .filter(|r| *r != self.me && !known.contains(r))
-        {
-            if let Ok(Some(_)) = self.store.get(&format!("done/{r}"), Duration::ZERO) {
-                self.finished
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(r);
-            }
+        let seen = |r: &Rank| {
+            let lock =
+                |m: &Mutex<Vec<Rank>>| m.lock().unwrap_or_else(|e| e.into_inner()).contains(r);
+            lock(&self.finished) || lock(&self.unfinished)
+        };
+        for r in ended.into_iter().filter(|r| *r != self.me && !seen(r)) {
+            let into = match self.store.get(&format!("done/{r}"), Duration::ZERO) {
+                Ok(Some(_)) => &self.finished,
+                Ok(None) => &self.unfinished,
+                Err(_) => return,
+            };
+            into.lock().unwrap_or_else(|e| e.into_inner()).push(r);
         }
     }
 
@@ -343,7 +347,14 @@ fn trace_key(rank: Rank) -> String {
 
 impl Health for StoreHealth {
     fn fail(&self, rank: Rank, why: &str) {
-        if rank == self.me {
+        // Its own failure first, before it knew of any other rank's.
+        if rank == self.me
+            && self
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+        {
             self.failed_itself.store(true, Ordering::Release);
         }
         if let Err(e) = self.store.fail(rank, why, REQUEST) {
@@ -514,10 +525,18 @@ mod tests {
         );
         assert!(t0.elapsed() < Duration::from_secs(5));
         t.join().unwrap();
+        // Failing after another rank did is an echo: the cause stays named.
+        h.fail(0, "its echo");
+        assert_eq!(
+            culprit(&*h, 0, &[0, 1], quick),
+            Some((2, PeerCause::Failed("killed".into())))
+        );
         // A rank that failed itself first: its errors are its own, even
         // when another rank fails after it (its echo, say).
+        let h = LocalHealth::default();
         h.fail(0, "hang");
-        assert_eq!(culprit(&*h, 0, &[0, 1], quick), None);
+        h.fail(1, "its echo");
+        assert_eq!(culprit(&h, 0, &[0, 1], quick), None);
     }
 
     fn store() -> (u16, Secret) {

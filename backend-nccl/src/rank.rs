@@ -871,6 +871,29 @@ impl NcclRank {
         }
     }
 
+    /// A launch's error, once the issue lock is released: a raw NCCL error
+    /// another rank can cause, or a communicator found aborted, whose cause
+    /// the launch could not name without waiting (it held the lock) is
+    /// named now, waiting for the health monitor as a wait does.
+    fn launch_error(&self, e: Error, call: &str) -> Error {
+        let unnamed = match &e {
+            Error::Library { library, code, .. } => *library == "NCCL" && matches!(code, 2 | 6),
+            // As `aborted_error` made it, not wrapped in a named cause.
+            Error::Aborted(m) => {
+                m.starts_with("communicator ") && m.contains(crate::guard::ABORTED)
+            }
+            _ => false,
+        };
+        if !unnamed {
+            return e;
+        }
+        self.ctx.error_within(
+            e,
+            &format!("rank {} thread {}: `{call}`", self.ctx.rank, self.thread),
+            crate::ctx::patience(),
+        )
+    }
+
     /// The error of `call` that rank `r` caused, with what this rank saw.
     fn named(&self, call: &str, r: Rank, cause: PeerCause, seen: &str) -> Error {
         match cause {
@@ -1010,6 +1033,16 @@ impl NcclRank {
         let ctx = &self.ctx;
         let pending = ctx.pending();
         let mine: Vec<OpInfo> = pending.iter().map(|p| p.meta.info()).collect();
+        // The ranks this rank's pending ops wait on; asked now, so that
+        // across processes the monitor has looked by the end of the report.
+        let mut peers: Vec<Rank> = pending
+            .iter()
+            .flat_map(|p| p.meta.comm.members.iter().copied())
+            .filter(|r| *r != ctx.rank)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let _ = ctx.health.finished_among(&peers);
         if let Some(b) = &blocked {
             ctx.registry.blocked(self.thread_id, Some(b.clone()));
         }
@@ -1092,6 +1125,13 @@ impl NcclRank {
         aborted.extend(crate::ctx::abort_together(&comms));
         aborted.sort();
         aborted.dedup();
+        // A peer that finished cleanly with ops of this rank toward it
+        // pending: the likely reason (the model's report names the op it
+        // never issued).
+        let finished = match ctx.health.finished_among(&peers) {
+            Some(r) => format!("; rank {r} finished while ops of this rank with it were pending"),
+            None => String::new(),
+        };
         // A host thread waiting for a lane made on first use has not issued
         // its op yet, so the model sees it as running: say so.
         let unmade = ctx.maker.get().map(|m| m.unmade()).unwrap_or_default();
@@ -1106,7 +1146,7 @@ impl NcclRank {
         };
         Error::Hang(Box::new(Hang {
             context: format!(
-                "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{lanes}",
+                "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{finished}{lanes}",
                 ctx.rank,
                 self.thread,
                 ctx.opts.timeout,
@@ -1434,6 +1474,7 @@ impl Transport for NcclRank {
             return Ok(());
         }
         self.issue(smallvec![r], false, at)
+            .map_err(|e| self.launch_error(e, "send"))
     }
 
     #[track_caller]
@@ -1450,6 +1491,7 @@ impl Transport for NcclRank {
             return Ok(());
         }
         self.issue(smallvec![r], false, at)
+            .map_err(|e| self.launch_error(e, "recv"))
     }
 
     #[track_caller]
@@ -1473,7 +1515,8 @@ impl Transport for NcclRank {
         let reqs = self.group.borrow_mut().take().unwrap_or_default();
         let value = result?;
         if !reqs.is_empty() {
-            self.issue(reqs, true, at)?;
+            self.issue(reqs, true, at)
+                .map_err(|e| self.launch_error(e, "group"))?;
         }
         Ok(value)
     }
@@ -1632,6 +1675,7 @@ impl Transport for NcclRank {
                 .ctx
                 .board
                 .take(peer, self.ctx.rank, tag, left.min(AWAIT_SLICE))
+                .map_err(|e| self.board_error(&what, e))
             {
                 Ok(false) if !left.is_zero() => continue,
                 other => break other,
@@ -1648,7 +1692,7 @@ impl Transport for NcclRank {
                     (what.clone(), check::place(at)),
                 )),
             )),
-            Err(e) => Err(self.board_error(&what, e)),
+            Err(e) => Err(e),
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result

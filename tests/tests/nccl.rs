@@ -431,9 +431,7 @@ fn two_processes(job: &str) -> String {
         "peer-dies" => {
             said[1].starts_with("(none")
                 && (said[0] == "HANG"
-                    || (said[0].starts_with("ERROR")
-                        && (said[0].contains("rank 1 failed")
-                            || said[0].contains("rank 1 finished"))))
+                    || (said[0].starts_with("ERROR") && said[0].contains("rank 1 failed")))
         }
         _ => said.iter().all(|v| v == "OK"),
     };
