@@ -144,40 +144,37 @@ def worker(role, device, shm_name, conn, barrier, trials):
         if not wait_done(marker(s), 10):
             check("streams drain", False, f"{what}: not done within 10 s")
 
-    # X1: B waits on slot 0; A's stream writes it.
-    barrier.wait(60)
-    if role == "B":
-        drv.wait_value(stream.ptr, slot(0), 1)
-        e = marker(stream)
+    def held_until_released(name, i, release, by):
+        """B's stream waits on slot `i`; A, once B has looked, runs
+        `release`. Checks that B is held before and goes on after."""
         barrier.wait(60)
-        time.sleep(0.2)
-        early = done(e)
-        barrier.wait(60)  # A writes now
-        t0 = time.perf_counter()
-        released = wait_done(e, 5)
-        check("X1 flag-release", released and not early,
-              f"not before the write: {not early}; after it: {released} in {(time.perf_counter() - t0) * 1e6:.0f} us")
-    else:
-        barrier.wait(60)
-        barrier.wait(60)
+        if role == "B":
+            drv.wait_value(stream.ptr, slot(i), 1)
+            e = marker(stream)
+            barrier.wait(60)
+            time.sleep(0.2)
+            early = done(e)
+            barrier.wait(60)  # A releases now
+            t0 = time.perf_counter()
+            released = wait_done(e, 5)
+            check(name, released and not early,
+                  f"not before {by}: {not early}; after it: {released} in {(time.perf_counter() - t0) * 1e6:.0f} us")
+        else:
+            barrier.wait(60)
+            barrier.wait(60)
+            release()
+
+    def write_from_stream():
         drv.write_value(stream.ptr, slot(0), 1)
         settle(stream, "X1's write")
 
-    # X2: the same, released by A's host.
-    barrier.wait(60)
-    if role == "B":
-        drv.wait_value(stream.ptr, slot(1), 1)
-        e = marker(stream)
-        barrier.wait(60)
-        time.sleep(0.2)
-        early = done(e)
-        barrier.wait(60)
-        released = wait_done(e, 5)
-        check("X2 host-release", released and not early, f"not before the store: {not early}; after it: {released}")
-    else:
-        barrier.wait(60)
-        barrier.wait(60)
+    def store_from_host():
         flags[1] = 1
+
+    # X1: B waits on slot 0; A's stream writes it. X2: the same, released
+    # by a store from A's host.
+    held_until_released("X1 flag-release", 0, write_from_stream, "the write")
+    held_until_released("X2 host-release", 1, store_from_host, "the store")
 
     # X3: B waits on A's interprocess event, recorded behind a blocked wait
     # on A's stream; A records it again once B enqueued its wait.
