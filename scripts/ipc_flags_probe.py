@@ -42,9 +42,10 @@ usage: python3 ipc_flags_probe.py [--one-gpu] [--trials N]
 import argparse
 import ctypes
 import multiprocessing as mp
-import statistics
 import sys
 import time
+
+from ipc_probe import spread  # the same median [min-max] as the IPC cost probe
 
 MIB = 1 << 20
 BIG = 256 * MIB
@@ -85,12 +86,6 @@ class Driver:
     def write_value(self, stream, dptr, value):
         self.call("cuStreamWriteValue32_v2", ctypes.c_void_p(stream), ctypes.c_uint64(dptr),
                   ctypes.c_uint32(value), ctypes.c_uint(0))
-
-
-def spread(xs, fmt="{:.1f}"):
-    if not xs:
-        return "-"
-    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
 
 
 def worker(role, device, shm_name, conn, barrier, trials):

@@ -33,12 +33,6 @@ const GRACE: Duration = Duration::from_secs(10);
 /// Elements of the 256 MiB transfers.
 const LEN: usize = 64 << 20;
 
-/// Whether the matrix runs on one GPU (`DUPLEX_ONE_GPU=1`): only the
-/// process cases, both ranks on GPU 0 ([`duplex_nccl::shared_gpu_env`]).
-fn one_gpu() -> bool {
-    std::env::var("DUPLEX_ONE_GPU").is_ok_and(|v| v == "1")
-}
-
 /// One case of the matrix.
 struct Case {
     name: &'static str,
@@ -304,7 +298,7 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
                 .env("MASTER_PORT", port.to_string())
                 .env("DUPLEX_PORT", port.to_string())
                 .env("DUPLEX_STORE_TOKEN", format!("duplex-faults-{port}-token"));
-            if one_gpu() {
+            if duplex_nccl::one_gpu_asked() {
                 cmd.envs(duplex_nccl::shared_gpu_env(rank, &port.to_string()));
             }
             if rank == case.victim {
@@ -464,7 +458,7 @@ fn drive(out: Option<&str>, only: Option<&str>) {
     );
     let (mut failed, mut ran, mut skipped) = (0, 0, 0);
     for case in CASES.iter().filter(|c| only.is_none_or(|o| o == c.name)) {
-        if one_gpu() && !case.processes {
+        if duplex_nccl::one_gpu_asked() && !case.processes {
             // A thread per rank needs a GPU per rank.
             skipped += 1;
             continue;

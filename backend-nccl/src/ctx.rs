@@ -303,6 +303,13 @@ impl Drop for Freeing {
     }
 }
 
+/// Whether `e` is one of NCCL's errors that another rank can cause:
+/// `ncclSystemError` (2) or `ncclRemoteError` (6), say a peer's process
+/// that exited or its socket that closed.
+pub(crate) fn nccl_remote(e: &Error) -> bool {
+    matches!(e, Error::Library { library, code, .. } if *library == "NCCL" && matches!(code, 2 | 6))
+}
+
 /// How long a wait that failed with an error another rank may have caused
 /// waits for the health monitor to name that rank ([`RankCtx::cause`]): it
 /// notices a death by [`SILENCE`], polls every [`BEAT_EVERY`], and a poll
@@ -1151,11 +1158,7 @@ impl RankCtx {
         e: &Error,
         patience: Duration,
     ) -> Option<(Rank, PeerCause)> {
-        let remote = match e {
-            Error::Library { library, code, .. } => *library == "NCCL" && matches!(code, 2 | 6),
-            Error::Aborted(_) => true,
-            _ => false,
-        };
+        let remote = nccl_remote(e) || matches!(e, Error::Aborted(_));
         // This rank's own watchdog fired for its own hang: its errors are
         // its own (`culprit` also stops at a failure this rank posted).
         // (The watchdog sets `fired` before `fired_for_peer` when it fires

@@ -122,6 +122,9 @@ pub fn culprit(
     if others.is_empty() {
         return None;
     }
+    // Asked at once, so that across processes the monitor has looked by
+    // the end.
+    let _ = health.finished_among(&others);
     let now = Instant::now();
     let deadline = now.checked_add(patience).unwrap_or(now);
     loop {
@@ -134,8 +137,6 @@ pub fn culprit(
         if Instant::now() >= deadline {
             break;
         }
-        // Asked early, so that the monitor has looked by the end.
-        let _ = health.finished_among(&others);
         std::thread::sleep(Duration::from_millis(20));
     }
     health

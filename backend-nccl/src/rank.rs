@@ -876,14 +876,10 @@ impl NcclRank {
     /// the launch could not name without waiting (it held the lock) is
     /// named now, waiting for the health monitor as a wait does.
     fn launch_error(&self, e: Error, call: &str) -> Error {
-        let unnamed = match &e {
-            Error::Library { library, code, .. } => *library == "NCCL" && matches!(code, 2 | 6),
+        let unnamed = crate::ctx::nccl_remote(&e)
             // As `aborted_error` made it, not wrapped in a named cause.
-            Error::Aborted(m) => {
-                m.starts_with("communicator ") && m.contains(crate::guard::ABORTED)
-            }
-            _ => false,
-        };
+            || matches!(&e, Error::Aborted(m)
+                if m.starts_with("communicator ") && m.contains(crate::guard::ABORTED));
         if !unnamed {
             return e;
         }

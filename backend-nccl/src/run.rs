@@ -330,6 +330,13 @@ fn store_port(master: u32) -> Result<u16> {
 /// when it is loaded. Measured on one H200 with NCCL 2.28
 /// (`scripts/one_gpu_two_ranks.py`): two such ranks make a communicator
 /// and exchange bytes intact.
+/// Whether a test harness was asked to run a job's process ranks on one
+/// GPU ([`shared_gpu_env`]): `DUPLEX_ONE_GPU=1`, read by the GPU suite and
+/// the fault matrix.
+pub fn one_gpu_asked() -> bool {
+    std::env::var("DUPLEX_ONE_GPU").is_ok_and(|v| v == "1")
+}
+
 pub fn shared_gpu_env(rank: Rank, job: &str) -> [(&'static str, String); 3] {
     [
         ("LOCAL_RANK", "0".to_string()),

@@ -190,7 +190,7 @@ fn every_scenario_on_nccl() {
     }
     // Loads NCCL and counts the GPUs; creates no context, so the children
     // start from a clean device.
-    let one_gpu = one_gpu();
+    let one_gpu = duplex_nccl::one_gpu_asked();
     if let Err(e) = Local::new(if one_gpu { 1 } else { 2 }) {
         panic!("the GPU suite cannot run on this machine: {e}");
     }
@@ -280,12 +280,6 @@ fn the_suite_names_only_scenarios_it_has() {
     }
 }
 
-/// Whether the suite runs on one GPU (`DUPLEX_ONE_GPU=1`): only the process
-/// jobs, each rank's process on GPU 0 ([`duplex_nccl::shared_gpu_env`]).
-fn one_gpu() -> bool {
-    std::env::var("DUPLEX_ONE_GPU").is_ok_and(|v| v == "1")
-}
-
 /// The jobs run with one process per rank (`Process`, configured from the
 /// variables torchrun sets): two scenarios that must complete, one that must
 /// hang, and one whose second rank's process dies.
@@ -355,7 +349,7 @@ fn two_processes(job: &str) -> String {
             .env("DUPLEX_STORE_TOKEN", &token)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if one_gpu() {
+        if duplex_nccl::one_gpu_asked() {
             // After LOCAL_RANK above: GPU 0 for every rank.
             cmd.envs(duplex_nccl::shared_gpu_env(rank, &port.to_string()));
         }
