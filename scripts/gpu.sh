@@ -40,6 +40,10 @@
 # one-GPU kind is lent, the process-per-rank behaviour still runs (~4 min):
 #   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200", timeout_s=600)
+# To see why a fault case ended as it did: `.gpu/faults drive --only CASE
+# --logs DIR` keeps each child's duplex tracing events (DUPLEX_LOG, default
+# debug) in DIR/CASE-MODE-rankN.log, and the log gives each rank's whole
+# verdict with when it came and when the process ended.
 # The bench step's lane-CTA sweep: BENCH_CTAS (default "16 32 64", empty
 # for none), each a `bench --quick --no-copy` of its own (~20-30 s). The
 # lanes step: NCCL's defaults, then each of BENCH_LANE_ENV (NCCL

@@ -235,7 +235,26 @@ fn print_result(r: duplex::Result<()>) {
     }
 }
 
+/// With `DUPLEX_LOG=LEVEL` (error, warn, info, debug, trace), the child
+/// writes duplex's tracing events to stderr, each with the seconds since
+/// its start (the driver's `--logs DIR` keeps them, one file per rank).
+fn log_to_stderr() {
+    let Ok(level) = std::env::var("DUPLEX_LOG") else {
+        return;
+    };
+    let level = level
+        .parse::<tracing::Level>()
+        .unwrap_or(tracing::Level::DEBUG);
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_timer(tracing_subscriber::fmt::time::uptime())
+        .with_thread_names(true)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 fn child_rank(case: &str) {
+    log_to_stderr();
     let r = Process::from_env().and_then(|p| {
         p.timeout(DEADLINE)
             .warm(true)
@@ -247,6 +266,7 @@ fn child_rank(case: &str) {
 }
 
 fn child_local(case: &str) {
+    log_to_stderr();
     let r = Local::new(2).and_then(|l| {
         l.timeout(DEADLINE)
             .warm(true)
@@ -260,6 +280,8 @@ fn child_local(case: &str) {
 /// What one process did.
 struct Seen {
     verdict: String,
+    /// When its `RANK` line came (from the start of the case).
+    verdict_after: Option<Duration>,
     exited_after: Option<Duration>,
     killed_by_driver: bool,
     wrong_data: bool,
@@ -279,7 +301,11 @@ fn signal(pid: u32, sig: &str) {
     let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
 }
 
-fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<Instant>) {
+fn run_case(
+    exe: &std::path::Path,
+    case: &Case,
+    logs: Option<&str>,
+) -> (String, Vec<Seen>, Option<Instant>) {
     let (tx, rx) = mpsc::channel();
     let mut children: Vec<(u32, Child)> = Vec::new();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -309,7 +335,21 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
         } else {
             cmd.args(["local", case.name]);
         }
-        let mut child = match cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn() {
+        let stderr = match logs {
+            Some(dir) => {
+                let mode = if case.processes { "process" } else { "local" };
+                let path = format!("{dir}/{}-{mode}-rank{rank}.log", case.name);
+                if std::env::var_os("DUPLEX_LOG").is_none() {
+                    cmd.env("DUPLEX_LOG", "debug");
+                }
+                match std::fs::create_dir_all(dir).and_then(|()| std::fs::File::create(&path)) {
+                    Ok(f) => Stdio::from(f),
+                    Err(e) => return (format!("cannot write {path}: {e}"), Vec::new(), None),
+                }
+            }
+            None => Stdio::null(),
+        };
+        let mut child = match cmd.stdout(Stdio::piped()).stderr(stderr).spawn() {
             Ok(c) => c,
             Err(e) => return (format!("cannot start: {e}"), Vec::new(), None),
         };
@@ -320,7 +360,7 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
     let start = Instant::now();
     let limit = DEADLINE * 4 + GRACE * 3;
     let mut fault_at: Option<Instant> = None;
-    let mut lines: Vec<(u32, String)> = Vec::new();
+    let mut lines: Vec<(u32, String, Duration)> = Vec::new();
     let mut exited: Vec<Option<Duration>> = vec![None; children.len()];
     let mut stopped = false;
     while start.elapsed() < limit && exited.iter().any(Option::is_none) {
@@ -342,7 +382,7 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
                 }
                 fault_at = Some(Instant::now());
             }
-            lines.push((rank, line));
+            lines.push((rank, line, start.elapsed()));
         }
         for (i, (rank, c)) in children.iter_mut().enumerate() {
             if exited[i].is_none() && matches!(c.try_wait(), Ok(Some(_))) {
@@ -367,8 +407,8 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(100));
-    while let Ok(l) = rx.try_recv() {
-        lines.push(l);
+    while let Ok((rank, line)) = rx.try_recv() {
+        lines.push((rank, line, start.elapsed()));
     }
     let mut seen = Vec::new();
     for (i, (rank, mut c)) in children.into_iter().enumerate() {
@@ -377,16 +417,18 @@ fn run_case(exe: &std::path::Path, case: &Case) -> (String, Vec<Seen>, Option<In
             signal(c.id(), "-KILL");
         }
         let _ = c.wait();
-        let verdict = lines
+        let said = lines
             .iter()
-            .filter(|(r, _)| *r == rank)
-            .find_map(|(_, l)| l.strip_prefix("RANK ").map(str::to_string))
-            .unwrap_or_else(|| "(nothing)".into());
+            .filter(|(r, _, _)| *r == rank)
+            .find_map(|(_, l, t)| l.strip_prefix("RANK ").map(|v| (v.to_string(), *t)));
         let wrong_data = lines
             .iter()
-            .any(|(r, l)| *r == rank && l.starts_with("WRONG-DATA"));
+            .any(|(r, l, _)| *r == rank && l.starts_with("WRONG-DATA"));
         seen.push(Seen {
-            verdict,
+            verdict: said
+                .as_ref()
+                .map_or_else(|| "(nothing)".into(), |(v, _)| v.clone()),
+            verdict_after: said.map(|(_, t)| t),
             exited_after: exited[i],
             killed_by_driver,
             wrong_data,
@@ -451,7 +493,7 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
     (pass, notes.join("; "))
 }
 
-fn drive(out: Option<&str>, only: Option<&str>) {
+fn drive(out: Option<&str>, only: Option<&str>, logs: Option<&str>) {
     let exe = std::env::current_exe().expect("this binary");
     let mut table = String::from(
         "| case | mode | fault after (s) | rank 0 | rank 1 | result |\n|---|---|---|---|---|---|\n",
@@ -471,7 +513,7 @@ fn drive(out: Option<&str>, only: Option<&str>) {
         };
         eprintln!("== {} ({mode})", case.name);
         let started = Instant::now();
-        let (err, seen, fault_at) = run_case(&exe, case);
+        let (err, seen, fault_at) = run_case(&exe, case, logs);
         let to_fault = fault_at.map_or(Duration::ZERO, |f| f.saturating_duration_since(started));
         let (pass, notes) = if err.is_empty() {
             judge(case, &seen, to_fault)
@@ -502,6 +544,18 @@ fn drive(out: Option<&str>, only: Option<&str>) {
             }
         );
         eprint!("{row}");
+        // The whole of each verdict, which the table cuts, and when it
+        // came against when the process ended.
+        for (i, s) in seen.iter().enumerate() {
+            let at =
+                |t: Option<Duration>| t.map_or("-".into(), |t| format!("{:.2} s", t.as_secs_f64()));
+            eprintln!(
+                "   rank {i}: said at {}, ended at {}: {}",
+                at(s.verdict_after),
+                at(s.exited_after),
+                s.verdict
+            );
+        }
         table.push_str(&row);
     }
     let mut summary = format!(
@@ -651,12 +705,12 @@ fn main() {
     match args.first().map(String::as_str) {
         Some("rank") => child_rank(args.get(1).map_or("", String::as_str)),
         Some("local") => child_local(args.get(1).map_or("", String::as_str)),
-        Some("drive") => drive(arg("--out"), arg("--only")),
+        Some("drive") => drive(arg("--out"), arg("--only"), arg("--logs")),
         Some("smoke") => smoke(),
         Some("smoke-hang") => smoke_hang(),
         _ => {
             eprintln!(
-                "usage: faults drive [--out FILE] [--only CASE] | faults rank CASE | faults local CASE"
+                "usage: faults drive [--out FILE] [--only CASE] [--logs DIR] | faults rank CASE | faults local CASE"
             );
             std::process::exit(2);
         }
