@@ -145,6 +145,10 @@ pub trait CopyApi: Send + Sync {
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
+    /// The lane was aborted, the first time, for `why` (after
+    /// [`CopyApi::release_all`]): a lane whose other side is in another
+    /// process tells it here ([`ipc`]).
+    fn aborted(&self, _why: &str) {}
 }
 
 /// Where an op of a lane stands.
@@ -445,6 +449,82 @@ impl<A: CopyApi> CopyLane<A> {
         })
     }
 
+    /// The send side of message `k` issued by the source rank in another
+    /// process ([`ipc`]): its ready event (opened here), its buffer (mapped
+    /// here), and what it keeps mapped until its copy is done. Its ready
+    /// event and its wait are on the sender's stream already; this only
+    /// registers or matches it, as [`CopyLane::issue`]'s last step. Sends
+    /// come in message order (`k` is the next send's number, else the lane
+    /// is aborted). A mismatch with the recv issued at `k` is a program
+    /// error naming both; it aborts the lane, which tells the sender.
+    #[allow(clippy::too_many_arguments)]
+    pub fn issue_remote(
+        &self,
+        k: u64,
+        ready: A::Ready,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        text: String,
+        keep: Keep,
+    ) -> Result<(), Error> {
+        let mut dropped = Vec::new();
+        let result = {
+            let mut st = lock(&self.state);
+            if let Some(why) = &st.aborted {
+                dropped.push(keep);
+                Err(Error::Aborted(format!(
+                    "{text}: {} was aborted: {why}",
+                    self.name
+                )))
+            } else if st.next[0] != k {
+                dropped.push(keep);
+                let e = Error::Aborted(format!(
+                    "{}: the sending process posted message #{k} where #{} was due",
+                    self.name, st.next[0]
+                ));
+                self.abort_locked(&mut st, &e.to_string(), &mut dropped);
+                Err(e)
+            } else if let Some(e) = self.mismatch(&st, k, Dir::Send, bytes, dtype, &text) {
+                dropped.push(keep);
+                self.abort_locked(&mut st, &e.to_string(), &mut dropped);
+                Err(e)
+            } else {
+                st.next[0] = k + 1;
+                let ticket = Arc::new(Ticket {
+                    k,
+                    state: Mutex::new(TicketState::Waiting),
+                });
+                let side = Side {
+                    ready,
+                    ptr,
+                    bytes,
+                    dtype,
+                    text,
+                    ticket,
+                    keep,
+                };
+                if let Some(p) = st.ahead[1].pop_front() {
+                    side.ticket.set(TicketState::Copying);
+                    p.ticket.set(TicketState::Copying);
+                    st.jobs.push_back(Job {
+                        k,
+                        send: side,
+                        recv: p,
+                    });
+                } else {
+                    st.ahead[0].push_back(side);
+                }
+                Ok(())
+            }
+        };
+        drop(dropped);
+        if result.is_ok() {
+            self.pump_inline();
+        }
+        result
+    }
+
     /// Enqueues the copies of the messages matched so far, in message
     /// order, each with no lane lock held. Returns how many it enqueued.
     pub fn pump(&self) -> usize {
@@ -648,6 +728,7 @@ impl<A: CopyApi> CopyLane<A> {
     fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
         // Copies already done delivered their bytes, aborted or not.
         let _ = self.deliver_done(st, dropped);
+        let first = st.aborted.is_none();
         let why: Arc<str> = match &st.aborted {
             Some(w) => w.clone(),
             None => why.into(),
@@ -671,6 +752,9 @@ impl<A: CopyApi> CopyLane<A> {
             }
         }
         self.api.release_all();
+        if first {
+            self.api.aborted(&why);
+        }
     }
 
     /// Why the lane was aborted, if it was.
@@ -707,6 +791,55 @@ impl<A: CopyApi> Drop for CopyLane<A> {
                 std::mem::forget(c.keep);
             }
         }
+    }
+}
+
+/// What a rank's ops see of a copy-engine lane, wherever its other end
+/// is: a [`CopyLane`] shared by two ranks of one process, or one half of a
+/// lane between two processes ([`ipc::IpcSender`] at the source,
+/// a [`CopyLane`] fed by [`ipc::Feeder`] at the destination).
+pub trait CopyPath: Send + Sync + std::fmt::Debug {
+    /// [`CopyLane::issue`].
+    #[allow(clippy::too_many_arguments)]
+    fn issue(
+        &self,
+        dir: Dir,
+        stream: &crate::cuda::Stream,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        text: &str,
+        keep: Keep,
+    ) -> Result<Arc<Ticket>, IssueFailure>;
+    /// [`CopyLane::settle`].
+    fn settle(&self) -> Result<(), Error>;
+    /// [`CopyLane::abort`].
+    fn abort(&self, why: &str);
+    /// [`CopyLane::aborted`].
+    fn aborted(&self) -> Option<Arc<str>>;
+}
+
+impl<A: CopyApi<Stream = crate::cuda::Stream> + 'static> CopyPath for CopyLane<A> {
+    fn issue(
+        &self,
+        dir: Dir,
+        stream: &crate::cuda::Stream,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        text: &str,
+        keep: Keep,
+    ) -> Result<Arc<Ticket>, IssueFailure> {
+        CopyLane::issue(self, dir, stream, ptr, bytes, dtype, text, keep)
+    }
+    fn settle(&self) -> Result<(), Error> {
+        CopyLane::settle(self)
+    }
+    fn abort(&self, why: &str) {
+        CopyLane::abort(self, why)
+    }
+    fn aborted(&self) -> Option<Arc<str>> {
+        CopyLane::aborted(self)
     }
 }
 
@@ -954,6 +1087,8 @@ mod cuda {
         }
     }
 }
+
+pub mod ipc;
 
 #[cfg(any(test, loom))]
 pub mod fake;

@@ -15,7 +15,7 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
-use crate::copy::{CopyLane, Cuda, Ticket, TicketState};
+use crate::copy::{CopyLane, CopyPath, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream};
 use crate::guard::{Done, IssueLock, Issuing, Ledger};
 use crate::health::{BEAT_EVERY, Health, PeerCause, SILENCE};
@@ -406,11 +406,13 @@ pub(crate) struct Issued {
 pub(crate) struct CopyEnd {
     pub(crate) name: String,
     pub(crate) logical: u32,
-    pub(crate) lane: Arc<CopyLane<Cuda>>,
+    pub(crate) lane: Arc<dyn CopyPath>,
 }
 
 /// The copy-engine lanes of a job, by (source, destination) rank.
-pub(crate) type CopyLanes = Vec<((Rank, Rank), Arc<CopyLane<Cuda>>)>;
+/// Between ranks of one process a lane is one [`CopyLane`], shared by both;
+/// across processes each rank holds its half ([`crate::copy::ipc`]).
+pub(crate) type CopyLanes = Vec<((Rank, Rank), Arc<dyn CopyPath>)>;
 
 /// Makes the copy-engine lanes of a job of `ranks` ranks on GPUs
 /// `0..ranks` of this process, one per ordered pair (when `opts` asks for
@@ -428,7 +430,7 @@ pub(crate) fn copy_lanes(ranks: u32, policy: Policy, opts: &Options) -> Result<C
             let api = Cuda::new(devices[a as usize].clone(), devices[b as usize].clone())?;
             let lane = Arc::new(CopyLane::new(name, api));
             CopyLane::start(&lane)?;
-            Ok(((a, b), lane))
+            Ok(((a, b), lane as Arc<dyn CopyPath>))
         })
         .collect()
 }

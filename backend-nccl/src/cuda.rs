@@ -265,6 +265,41 @@ impl Event {
         }
     }
 
+    /// A new interprocess event (no timing) on the current context, and
+    /// the handle by which another process opens it
+    /// ([`Event::open_interprocess`]).
+    pub fn interprocess() -> Result<(Event, [u8; 64]), Error> {
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: creates an event on the current context.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut raw, flags)
+        })?;
+        let event = Event { raw };
+        // SAFETY: an all-zero handle is a plain array of bytes.
+        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: the event is live and interprocess.
+        check("cuIpcGetEventHandle", unsafe {
+            sys::cuIpcGetEventHandle(&mut h, event.raw)
+        })?;
+        Ok((event, h.reserved.map(|c| c as u8)))
+    }
+
+    /// Opens another process's interprocess event on the current context.
+    pub fn open_interprocess(handle: &[u8; 64]) -> Result<Event, Error> {
+        // SAFETY: as above.
+        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+        h.reserved = handle.map(|b| b as std::ffi::c_char);
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: a handle from `cuIpcGetEventHandle` of a live event (a
+        // stale one is refused by the driver).
+        check("cuIpcOpenEventHandle", unsafe {
+            sys::cuIpcOpenEventHandle(&mut raw, h)
+        })?;
+        Ok(Event { raw })
+    }
+
     /// Milliseconds between `start` and this event (both recorded with timing).
     pub fn since(&self, start: &Event) -> Result<f32, Error> {
         // SAFETY: both events are live and have completed.

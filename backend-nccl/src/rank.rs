@@ -588,7 +588,13 @@ impl NcclRank {
         let mut tickets: Vec<Option<Arc<Ticket>>> = vec![None; reqs.len()];
         let mut launched: Vec<bool> = reqs.iter().map(|r| r.meta.copy.is_none()).collect();
         let mut failed: Option<Error> = None;
-        let lane_of = |i: usize| reqs[i].meta.copy.as_ref().map(|c| Arc::as_ptr(&c.lane));
+        let lane_of = |i: usize| {
+            reqs[i]
+                .meta
+                .copy
+                .as_ref()
+                .map(|c| Arc::as_ptr(&c.lane) as *const ())
+        };
         let mut parts: Vec<Vec<usize>> = Vec::new();
         for &i in &copies {
             match parts.iter_mut().find(|p| lane_of(p[0]) == lane_of(i)) {

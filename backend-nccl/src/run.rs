@@ -129,7 +129,9 @@ macro_rules! builder {
         /// Under [`Policy::PerDirection`], puts ops of at least `size`
         /// bytes without an explicit communicator on copy-engine lanes
         /// (C1–C6 of `docs/semantics.md`; [`crate::copy`]). `None`, the
-        /// default: no op. [`crate::Local`] only for now.
+        /// default: no op. Across processes ([`crate::Process`]) the ranks
+        /// must be on one host: the lanes go by CUDA IPC and shared memory
+        /// ([`crate::copy::ipc`]).
         pub fn copy_from(mut self, size: Option<duplex::Size>) -> Self {
             self.settings.opts.copy_from = size.map(duplex::Size::bytes);
             self
@@ -208,6 +210,7 @@ impl Local {
                                 registry,
                                 health,
                                 copy,
+                                across: false,
                             },
                             f,
                         )
@@ -428,17 +431,6 @@ impl Process {
     where
         F: Fn(&NcclRank) -> Result<()>,
     {
-        if self.settings.policy == Policy::PerDirection
-            && let Some(c) = self.settings.opts.copy_from
-        {
-            return Err(Error::Unavailable {
-                what: format!(
-                    "copy-engine lanes across processes (copy_from {})",
-                    duplex::Size(c)
-                ),
-                how: "not built yet: they need CUDA IPC; run the ranks as threads of one process (Local), or leave copy_from unset".into(),
-            });
-        }
         static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if RAN.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return Err(Error::Invalid {
@@ -554,7 +546,10 @@ impl Process {
                 board,
                 registry,
                 health: health.clone(),
+                // Made once the world communicator is (every rank is up):
+                // across processes by CUDA IPC (`crate::copy::ipc`).
                 copy: Vec::new(),
+                across: true,
             },
             &f,
         );
@@ -601,8 +596,10 @@ struct Links {
     board: Arc<dyn Board>,
     registry: Arc<Registry>,
     health: Arc<dyn Health>,
-    /// The job's copy-engine lanes (one process only).
+    /// The job's copy-engine lanes, in one process.
     copy: crate::ctx::CopyLanes,
+    /// One rank per process: the rank makes its copy-engine lanes itself.
+    across: bool,
 }
 
 fn rank_main<F>(
@@ -622,7 +619,8 @@ where
         board,
         registry,
         health,
-        copy,
+        mut copy,
+        across,
     } = links;
     // A panic outside the rank's code (its setup, its final synchronize)
     // ends the thread without a word: say the rank failed, so that the
@@ -644,6 +642,10 @@ where
         health.failed(rank)
     })
     .map_err(failed)?;
+    if across && settings.policy == Policy::PerDirection && settings.opts.copy_from.is_some() {
+        copy = crate::copy::ipc::lanes(rank, world, &device, &id.internal, opts.timeout)
+            .map_err(failed)?;
+    }
     let ctx = RankCtx::create(RankSetup {
         rank,
         world_size: world,

@@ -282,20 +282,33 @@ fn the_suite_names_only_scenarios_it_has() {
 
 /// The jobs run with one process per rank (`Process`, configured from the
 /// variables torchrun sets): two scenarios that must complete, one that must
-/// hang, and one whose second rank's process dies.
-const PROCESS_JOBS: [&str; 4] = [
+/// hang, and one whose second rank's process dies; and the two-rank
+/// scenarios on copy-engine lanes, which across processes go by CUDA IPC
+/// (`duplex_nccl::copy::ipc`).
+const PROCESS_JOBS: [&str; 8] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
+    "seed-rpc/copy",
+    "mixed-sizes/copy",
+    "never-buffered/copy",
+    "size-mismatch/copy",
 ];
 
 /// In a grandchild: this process is one rank (`RANK` and the rest set by
 /// [`two_processes`]); prints `RANK OK`, `RANK HANG`, or `RANK ERROR ...`.
 fn one_process_rank(job: &str) {
-    let run = |policy: Policy, f: fn(&NcclRank) -> duplex::Result<()>| {
-        Process::from_env().and_then(|p| p.timeout(timeout()).warm(true).policy(policy).run(f))
+    let run_copy = |policy: Policy, copy: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
+        Process::from_env().and_then(|p| {
+            p.timeout(timeout())
+                .warm(true)
+                .policy(policy)
+                .copy_from(copy.then(duplex_tests::copy_threshold))
+                .run(f)
+        })
     };
+    let run = |policy: Policy, f| run_copy(policy, false, f);
     let result = match job {
         "peer-dies" => run(Policy::PerDirection, |t| {
             if t.rank() == 1 {
@@ -305,7 +318,7 @@ fn one_process_rank(job: &str) {
             duplex_tests::seed(t)
         }),
         _ => match scenarios::<NcclRank>().into_iter().find(|s| s.name == job) {
-            Some(s) => run(s.policy, s.run),
+            Some(s) => run_copy(s.policy, s.copy, s.run),
             None => {
                 println!("RANK ERROR no scenario {job}");
                 return;
@@ -427,6 +440,16 @@ fn two_processes(job: &str) -> String {
                 && (said[0] == "HANG"
                     || (said[0].starts_with("ERROR") && said[0].contains("rank 1 failed")))
         }
+        // Across processes a copy-engine lane's mismatch is found by the
+        // destination's process, which aborts the lane: each rank's error
+        // names the mismatch (R3), an abort rather than a program error
+        // unless the recv was issued after the send was posted.
+        "size-mismatch/copy" => said
+            .iter()
+            .all(|v| v.starts_with("ERROR") && v.contains("differ in size")),
+        // C3: a copy-engine lane never buffers; both hang, and each report
+        // names the cycle across the processes.
+        "never-buffered/copy" => said.iter().all(|v| v == "HANG") && cycles.iter().all(|c| *c),
         _ => said.iter().all(|v| v == "OK"),
     };
     format!("{} {summary}", if ok { "PASS" } else { "FAIL" })
