@@ -477,10 +477,27 @@ fn an_abort_by_the_destination_fails_the_sources_undelivered_sends() {
     p.step();
     assert!(matches!(s.state(), TicketState::Failed(w) if w.contains("rank 1 failed")));
     assert!(p.world.released(1));
-    // Its buffer may still be mapped there: the source keeps it, and
-    // keeps it for good when dropped.
+    // The destination let go of its unmatched send's mapping: the source
+    // may free the buffer.
+    eventually("the buffer is let go once unmapped there", || {
+        let _ = p.sender.settle();
+        Arc::strong_count(&keep) == 1
+    });
+}
+
+#[test]
+fn a_buffer_the_destination_may_still_map_is_never_freed() {
+    let mut p = pair();
+    let keep = Arc::new(());
+    let s = p.send(SRC, 8, &keep);
+    p.step();
+    // Taken by the feeder (mapped there), then the source aborts; the
+    // destination has not looked yet.
+    p.sender.abort("rank 0 hung");
+    assert!(matches!(s.state(), TicketState::Failed(_)));
     drop(p.sender);
     assert_eq!(Arc::strong_count(&keep), 2, "leaked, never freed");
+    assert_eq!(lock(&p.world.inner).closes, 0);
 }
 
 #[test]
