@@ -393,6 +393,7 @@ impl<A: CopyApi> CopyLane<A> {
                 ticket.set(TicketState::Failed(e.to_string().into()));
                 Err(failure(e, Some(ticket)))
             } else if let Some(p) = st.ahead[other].pop_front() {
+                tracing::debug!(lane = %self.name, k, ?dir, "copy lane: matched at issue");
                 side.ticket.set(TicketState::Copying);
                 p.ticket.set(TicketState::Copying);
                 let (send, recv) = if dir == Dir::Send {
@@ -403,6 +404,7 @@ impl<A: CopyApi> CopyLane<A> {
                 st.jobs.push_back(Job { k, send, recv });
                 Ok(ticket)
             } else {
+                tracing::debug!(lane = %self.name, k, ?dir, "copy lane: issued ahead of its partner");
                 st.ahead[me].push_back(side);
                 Ok(ticket)
             }
@@ -574,6 +576,7 @@ impl<A: CopyApi> CopyLane<A> {
                 slot_of(k, self.api.slots()),
                 generation_of(k, self.api.slots()),
             );
+            tracing::debug!(lane = %self.name, k, bytes = send.bytes, "copy lane: enqueuing a copy");
             let r = self
                 .api
                 .copy(&send.ready, &recv.ready, recv.ptr, send.ptr, send.bytes);
@@ -978,9 +981,10 @@ mod cuda {
                 dst.enable_peer(&src)?;
             }
             src.bind()?;
+            let flags = Flags::new()?;
             let stream = Stream::new()?;
             Ok(Cuda {
-                flags: Flags::new()?,
+                flags,
                 src,
                 dst,
                 stream,
@@ -1017,16 +1021,10 @@ mod cuda {
         }
 
         fn wait(&self, stream: &Stream, slot: usize, value: u32) -> Result<(), Error> {
-            // SAFETY: the stream is live; the address is mapped pinned
-            // memory that lives as long as the lane.
-            check("cuStreamWaitValue32", unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream.raw() as sys::CUstream,
-                    self.flags.device(slot),
-                    value,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            })
+            // A kernel, not a stream-wait (`crate::cuda::wait_flag` says
+            // why); the flags are mapped pinned memory that lives as long
+            // as the lane, or for good.
+            crate::cuda::wait_flag(stream, self.flags.device(slot), value)
         }
 
         fn copy(

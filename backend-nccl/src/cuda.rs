@@ -125,6 +125,88 @@ impl Device {
     }
 }
 
+/// The kernel a copy-engine lane's op waits on its flag with: one thread
+/// polls the flag (volatile loads of host memory mapped into the device,
+/// a short sleep between) until it holds at least `value`, compared
+/// cyclically as `CU_STREAM_WAIT_VALUE_GEQ` does. A kernel, not
+/// `cuStreamWaitValue32`: a stream-wait is done by the front end of the
+/// hardware queue the stream is mapped to (CUDA maps streams onto
+/// `CUDA_DEVICE_MAX_CONNECTIONS` queues, 8 by default), which then stops
+/// every stream that shares the queue, so a rank's recv waiting on its
+/// flag could hold back its own send's ready event, which its peer's copy
+/// waits for. Measured on one H200, two processes
+/// (`process:seed-rpc/copy` with `CUDA_DEVICE_MAX_CONNECTIONS=1`): hung 3
+/// times in 3 with stream-waits, passed 3 in 3 with this kernel. A
+/// launched kernel holds its queue no longer than its launch, as an NCCL
+/// kernel does. What it costs: a 4 KiB message on a lane of one GPU took
+/// 21.7 µs instead of 14.5 (`docs/gpu/copylane-1gpu.txt`), and a waiting op
+/// holds one thread of one SM.
+const WAIT_PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry duplex_wait_flag(.param .u64 flag, .param .u32 value)
+{
+  .reg .u64 %rd<3>;
+  .reg .u32 %r<4>;
+  .reg .pred %p;
+  ld.param.u64 %rd1, [flag];
+  ld.param.u32 %r1, [value];
+LOOP:
+  ld.volatile.u32 %r2, [%rd1];
+  sub.u32 %r3, %r2, %r1;
+  setp.ge.s32 %p, %r3, 0;
+  @%p bra DONE;
+  nanosleep.u32 200;
+  bra LOOP;
+DONE:
+  fence.sc.sys;
+  ret;
+}
+"#;
+
+/// Makes `stream` (of the current context) wait until the 32-bit word at
+/// device address `flag` holds at least `value` (cyclically), with the
+/// flag-wait kernel (`WAIT_PTX`, whose comment says why a kernel), loaded
+/// once per context.
+pub fn wait_flag(stream: &Stream, flag: u64, value: u32) -> Result<(), Error> {
+    static LOADED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+    let ctx = result::ctx::get_current()
+        .map_err(|e| err("cuCtxGetCurrent", e))?
+        .ok_or_else(|| Error::Aborted("no CUDA context is current".into()))?;
+    let f = {
+        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+        match loaded.iter().find(|(c, _)| *c == ctx as usize) {
+            Some((_, f)) => *f as sys::CUfunction,
+            None => {
+                let ptx = std::ffi::CString::new(WAIT_PTX)
+                    .map_err(|_| Error::Aborted("the flag-wait kernel has a NUL".into()))?;
+                // SAFETY: a NUL-terminated PTX image, JIT-compiled for the
+                // current context's device; the module is never unloaded.
+                let module = unsafe { result::module::load_data(ptx.as_ptr() as *const _) }
+                    .map_err(|e| err("cuModuleLoadData", e))?;
+                let name = std::ffi::CString::new("duplex_wait_flag")
+                    .map_err(|_| Error::Aborted("bad kernel name".into()))?;
+                // SAFETY: the module is live.
+                let f = unsafe { result::module::get_function(module, name) }
+                    .map_err(|e| err("cuModuleGetFunction", e))?;
+                loaded.push((ctx as usize, f as usize));
+                f
+            }
+        }
+    };
+    let (mut flag, mut value) = (flag, value);
+    let mut params = [
+        &mut flag as *mut u64 as *mut c_void,
+        &mut value as *mut u32 as *mut c_void,
+    ];
+    // SAFETY: one block of one thread; the parameters are as the kernel
+    // declares them, and the flag is mapped memory that outlives the wait
+    // (a lane's flags are freed only when nothing waits on them, or never).
+    unsafe { result::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, stream.raw, &mut params) }
+        .map_err(|e| err("cuLaunchKernel", e))
+}
+
 /// The context that was current before [`Device::bind_scoped`].
 #[derive(Debug)]
 pub struct Bound {

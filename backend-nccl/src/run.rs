@@ -129,9 +129,10 @@ macro_rules! builder {
         /// Under [`Policy::PerDirection`], puts ops of at least `size`
         /// bytes without an explicit communicator on copy-engine lanes
         /// (C1–C6 of `docs/semantics.md`; [`crate::copy`]). `None`, the
-        /// default: no op. Across processes ([`crate::Process`]) the ranks
-        /// must be on one host: the lanes go by CUDA IPC and shared memory
-        /// ([`crate::copy::ipc`]).
+        /// default: no op. Across processes ([`crate::Process`]) they are
+        /// experimental and refused unless `DUPLEX_IPC_COPY=1`
+        /// ([`crate::ipc_copy_asked`]); the ranks must then be on one host
+        /// (CUDA IPC and shared memory, [`crate::copy::ipc`]).
         pub fn copy_from(mut self, size: Option<duplex::Size>) -> Self {
             self.settings.opts.copy_from = size.map(duplex::Size::bytes);
             self
@@ -431,6 +432,18 @@ impl Process {
     where
         F: Fn(&NcclRank) -> Result<()>,
     {
+        if self.settings.policy == Policy::PerDirection
+            && let Some(c) = self.settings.opts.copy_from
+            && !ipc_copy_asked()
+        {
+            return Err(Error::Unavailable {
+                what: format!(
+                    "copy-engine lanes across processes (copy_from {})",
+                    duplex::Size(c)
+                ),
+                how: "they are experimental: on one H200 shared by two processes a job with a sending and a receiving thread per rank hung in about 1 run in 3 (docs/semantics.md, \"Across processes\"); set DUPLEX_IPC_COPY=1 to use them anyway, run the ranks as threads of one process (Local), or leave copy_from unset".into(),
+            });
+        }
         static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if RAN.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return Err(Error::Invalid {
@@ -578,6 +591,13 @@ impl Process {
         }
         e
     }
+}
+
+/// Whether copy-engine lanes across processes, which are experimental,
+/// were asked for (`DUPLEX_IPC_COPY=1`); otherwise a [`Process`] with
+/// `copy_from` set is refused.
+pub fn ipc_copy_asked() -> bool {
+    std::env::var("DUPLEX_IPC_COPY").is_ok_and(|v| v == "1")
 }
 
 /// The most calls a rank that finished cleanly publishes for the others'

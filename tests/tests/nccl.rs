@@ -210,6 +210,16 @@ fn every_scenario_on_nccl() {
         names.push("read-after-abort".into());
     }
     names.extend(PROCESS_JOBS.iter().map(|j| format!("process:{j}")));
+    // Copy-engine lanes across processes are experimental (refused unless
+    // DUPLEX_IPC_COPY=1): their jobs run only when asked for.
+    if duplex_nccl::ipc_copy_asked() {
+        names.extend(PROCESS_COPY_JOBS.iter().map(|j| format!("process:{j}")));
+    } else {
+        eprintln!(
+            "the {} process jobs on copy-engine lanes did not run: they are experimental (DUPLEX_IPC_COPY=1 runs them)",
+            PROCESS_COPY_JOBS.len()
+        );
+    }
     let mut failures = Vec::new();
     for name in &names {
         let start = Instant::now();
@@ -272,9 +282,9 @@ fn the_suite_names_only_scenarios_it_has() {
         !names.contains(&"reuse-after-hang") && !names.contains(&"read-after-abort"),
         "a scenario shadows a job"
     );
-    for job in PROCESS_JOBS {
+    for job in PROCESS_JOBS.iter().chain(&PROCESS_COPY_JOBS) {
         assert!(
-            job == "peer-dies" || names.contains(&job),
+            *job == "peer-dies" || names.contains(job),
             "process job {job} names no scenario"
         );
     }
@@ -282,14 +292,18 @@ fn the_suite_names_only_scenarios_it_has() {
 
 /// The jobs run with one process per rank (`Process`, configured from the
 /// variables torchrun sets): two scenarios that must complete, one that must
-/// hang, and one whose second rank's process dies; and the two-rank
-/// scenarios on copy-engine lanes, which across processes go by CUDA IPC
-/// (`duplex_nccl::copy::ipc`).
-const PROCESS_JOBS: [&str; 8] = [
+/// hang, and one whose second rank's process dies.
+const PROCESS_JOBS: [&str; 4] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
+];
+
+/// The two-rank scenarios on copy-engine lanes, as two processes: across
+/// processes the lanes go by CUDA IPC (`duplex_nccl::copy::ipc`), which is
+/// experimental; run with `DUPLEX_IPC_COPY=1`.
+const PROCESS_COPY_JOBS: [&str; 4] = [
     "seed-rpc/copy",
     "mixed-sizes/copy",
     "never-buffered/copy",
@@ -299,6 +313,16 @@ const PROCESS_JOBS: [&str; 8] = [
 /// In a grandchild: this process is one rank (`RANK` and the rest set by
 /// [`two_processes`]); prints `RANK OK`, `RANK HANG`, or `RANK ERROR ...`.
 fn one_process_rank(job: &str) {
+    // DUPLEX_LOG=LEVEL: duplex's tracing events on stderr, which the
+    // driver prints (the first lines of each rank's).
+    if let Ok(level) = std::env::var("DUPLEX_LOG") {
+        tracing_subscriber::fmt()
+            .with_max_level(level.parse().unwrap_or(tracing::Level::DEBUG))
+            .with_timer(tracing_subscriber::fmt::time::uptime())
+            .with_thread_names(true)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let run_copy = |policy: Policy, copy: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
         Process::from_env().and_then(|p| {
             p.timeout(timeout())
@@ -399,7 +423,16 @@ fn two_processes(job: &str) -> String {
             .lines()
             .find_map(|l| l.split_once("RANK ").map(|(_, v)| v.to_string()))
             .unwrap_or_else(|| format!("(none; exit {:?})", out.status.code()));
-        for l in stderr.lines().filter(|l| !l.contains("NCCL WARN")).take(20) {
+        let shown = if std::env::var_os("DUPLEX_LOG").is_some() {
+            400
+        } else {
+            20
+        };
+        for l in stderr
+            .lines()
+            .filter(|l| !l.contains("NCCL WARN"))
+            .take(shown)
+        {
             eprintln!("  rank {rank}: {l}");
         }
         let cycle = stderr.find("wait-for cycle").map(|i| &stderr[i..]);

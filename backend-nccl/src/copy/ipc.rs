@@ -769,6 +769,7 @@ impl<A: SendApi> IpcSender<A> {
             ticket.set(TicketState::Failed(why.clone()));
             return Err(failure(aborted(&why), Some(ticket)));
         }
+        tracing::debug!(lane = %self.name, k, event = index, bytes, "ipc: posting a send");
         self.seg.post(&Posted {
             k,
             bytes,
@@ -1049,6 +1050,13 @@ where
             seg: self.seg.clone(),
         }));
         self.seg.consumed(p.k);
+        tracing::debug!(
+            lane = lane.name(),
+            k = p.k,
+            event = p.event,
+            base,
+            "ipc: took a send"
+        );
         lane.issue_remote(
             p.k,
             ready,
@@ -1163,16 +1171,9 @@ pub mod cuda {
         }
 
         fn wait(&self, stream: &Stream, slot: usize, value: u32) -> Result<(), Error> {
-            // SAFETY: the stream is live; the address is registered memory
-            // that lives as long as the lane (or for good).
-            check("cuStreamWaitValue32", unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream.raw() as sys::CUstream,
-                    self.slot(slot),
-                    value,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            })
+            // A kernel, not a stream-wait (`crate::cuda::wait_flag`); the
+            // segment is registered for every context.
+            crate::cuda::wait_flag(stream, self.slot(slot), value)
         }
 
         fn write(&self, stream: &Stream, at: sys::CUdeviceptr, value: u32) -> Result<(), Error> {
@@ -1362,9 +1363,11 @@ pub mod cuda {
             // The copied counter first: a source released by the slot finds
             // its message copied.
             let copied = self.reg.dev + Segment::copied_offset() as u64;
+            let at = self.reg.slot(slot);
             self.reg.write(&self.stream, copied, (k + 1) as u32)?;
-            self.reg.write(&self.stream, self.reg.slot(slot), value)?;
+            self.reg.write(&self.stream, at, value)?;
             self.seg.enqueued_through(k);
+            tracing::debug!(k, slot, value, "ipc: copy and release enqueued");
             Ok(())
         }
 
