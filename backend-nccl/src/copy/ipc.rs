@@ -1020,6 +1020,7 @@ where
     }
 
     fn take(&mut self, lane: &CopyLane<A>, p: Posted) -> Result<(), Error> {
+        let opening = Instant::now();
         let ready = match self.events.get(&p.event) {
             Some(r) => r.clone(),
             None => {
@@ -1055,6 +1056,7 @@ where
             k = p.k,
             event = p.event,
             base,
+            opened_us = opening.elapsed().as_micros() as u64,
             "ipc: took a send"
         );
         lane.issue_remote(
