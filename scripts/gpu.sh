@@ -145,6 +145,13 @@ run)
         DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes timeout "${FAULTS_S:-200}" .gpu/faults drive --out "$out/faults-1gpu-$lanes.md" > "$out/faults-1gpu-$lanes.log" 2>&1
         record "faults-1gpu-$lanes" $?
       done
+      # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
+      # the suite's process jobs with its four copy jobs, three times, since
+      # their known hang was intermittent (docs/gpu/ipc-copy-1gpu.md).
+      for i in 1 2 3; do
+        DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
+        record "suite-1gpu-ipc-copy-$i" $?
+      done
       set -e
       grep -hE "^(PASS|FAIL)|^ran " "$out"/suite-1gpu-*.txt
       cat "$out"/faults-1gpu-*.md ;;

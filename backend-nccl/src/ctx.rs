@@ -604,6 +604,9 @@ pub(crate) struct RankCtx {
     pub(crate) closed: AtomicBool,
     /// Copy-engine lanes toward (send) and from (recv) each peer.
     pub(crate) copy: HashMap<(Rank, Dir), Arc<CopyEnd>>,
+    /// Across processes, the arena that buffers of at least `copy_from`
+    /// bytes are taken from (its peers opened it at setup).
+    pub(crate) arena: Option<Arc<crate::cuda::Arena>>,
     pub(crate) world: Comm,
     pub(crate) default_stream: NcclStream,
     pub(crate) streams: Mutex<Vec<NcclStream>>,
@@ -710,6 +713,9 @@ pub(crate) struct RankSetup {
     pub health: Arc<dyn Health>,
     /// The job's copy-engine lanes ([`copy_lanes`]), or none.
     pub copy: CopyLanes,
+    /// Across processes, the arena its buffers for copy-engine ops come
+    /// from ([`crate::copy::ipc::lanes`]).
+    pub arena: Option<Arc<crate::cuda::Arena>>,
 }
 
 impl RankCtx {
@@ -728,6 +734,7 @@ impl RankCtx {
             registry,
             health,
             copy: copy_lanes,
+            arena,
         } = s;
         let mut streams = Vec::new();
         let reg_stream = |name: &str| registry.stream(rank, name);
@@ -862,6 +869,7 @@ impl RankCtx {
             assists: Assists::default(),
             closed: AtomicBool::new(false),
             copy,
+            arena,
             world,
             default_stream,
             streams: Mutex::new(streams),

@@ -397,11 +397,102 @@ impl Drop for Event {
     }
 }
 
+/// One device allocation exported for CUDA IPC once, from which a rank's
+/// buffers for copy-engine lanes across processes are carved
+/// (`crate::copy::ipc`): its peers open it once, at setup, since an IPC
+/// open while a stream of the process waits on a lane can stall. Never
+/// freed (it lives as long as the process).
+#[derive(Debug)]
+pub struct Arena {
+    base: u64,
+    size: usize,
+    handle: [u8; 64],
+    /// Free ranges (address, bytes), by address.
+    free: std::sync::Mutex<Vec<(u64, usize)>>,
+}
+
+/// Arena ranges start at multiples of this.
+const ARENA_ALIGN: usize = 512;
+
+impl Arena {
+    /// An arena of `bytes` on the current context.
+    pub fn new(bytes: usize) -> Result<Arena, Error> {
+        // SAFETY: allocates on the current context; never freed.
+        let base = unsafe { result::malloc_sync(bytes) }.map_err(|e| err("cuMemAlloc", e))?;
+        // SAFETY: an all-zero handle is a plain array of bytes.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `base` is the start of a `cuMemAlloc` allocation.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut h, base)
+        })?;
+        Ok(Arena::over(base, bytes, h.reserved.map(|c| c as u8)))
+    }
+
+    /// The bookkeeping of an arena at `base` (tests give any address).
+    pub fn over(base: u64, size: usize, handle: [u8; 64]) -> Arena {
+        Arena {
+            base,
+            size,
+            handle,
+            free: std::sync::Mutex::new(vec![(base, size)]),
+        }
+    }
+
+    /// Its IPC handle.
+    pub fn handle(&self) -> [u8; 64] {
+        self.handle
+    }
+
+    /// Where `ptr` is in the arena, if it is.
+    pub fn offset(&self, ptr: u64) -> Option<u64> {
+        (ptr >= self.base && ptr < self.base + self.size as u64).then(|| ptr - self.base)
+    }
+
+    /// A range of `bytes` (first fit), or `None` if none is free.
+    pub fn take(&self, bytes: usize) -> Option<u64> {
+        let n = bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.iter().position(|(_, len)| *len >= n)?;
+        let (at, len) = free[i];
+        if len == n {
+            free.remove(i);
+        } else {
+            free[i] = (at + n as u64, len - n);
+        }
+        Some(at)
+    }
+
+    /// Gives back the range of `bytes` at `ptr` (from [`Arena::take`]).
+    pub fn give(&self, ptr: u64, bytes: usize) {
+        let n = bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.partition_point(|(at, _)| *at < ptr);
+        free.insert(i, (ptr, n));
+        // Merge with the next, then with the previous.
+        if i + 1 < free.len() && free[i].0 + free[i].1 as u64 == free[i + 1].0 {
+            free[i].1 += free[i + 1].1;
+            free.remove(i + 1);
+        }
+        if i > 0 && free[i - 1].0 + free[i - 1].1 as u64 == free[i].0 {
+            free[i - 1].1 += free[i].1;
+            free.remove(i);
+        }
+    }
+
+    /// Bytes free.
+    pub fn free_bytes(&self) -> usize {
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.iter().map(|(_, n)| n).sum()
+    }
+}
+
 /// Device memory on the current context.
 #[derive(Debug)]
 pub struct Memory {
     ptr: sys::CUdeviceptr,
     bytes: usize,
+    /// Part of an arena ([`Arena`]), given back to it instead of freed.
+    arena: Option<std::sync::Arc<Arena>>,
 }
 
 // SAFETY: a device pointer is a plain address, valid in every thread.
@@ -417,7 +508,29 @@ impl Memory {
         let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| err("cuMemAlloc", e))?;
         // SAFETY: `ptr` points to `n` bytes just allocated.
         unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| err("cuMemsetD8", e))?;
-        Ok(Memory { ptr, bytes })
+        Ok(Memory {
+            ptr,
+            bytes,
+            arena: None,
+        })
+    }
+
+    /// `bytes` of zeroed device memory from `arena`, given back to it when
+    /// dropped; an error when it has no room.
+    pub fn zeroed_in(arena: &std::sync::Arc<Arena>, bytes: usize) -> Result<Memory, Error> {
+        let n = bytes.max(1);
+        let ptr = arena.take(n).ok_or_else(|| Error::Unavailable {
+            what: format!("{n} bytes in the copy-lane arena ({} MiB)", arena.size >> 20),
+            how: "buffers for copy-engine lanes across processes come from one arena per rank, opened by its peers at setup; set DUPLEX_IPC_ARENA_MIB larger".into(),
+        })?;
+        let m = Memory {
+            ptr,
+            bytes,
+            arena: Some(arena.clone()),
+        };
+        // SAFETY: `ptr` points to `n` bytes of the arena, ours now.
+        unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| err("cuMemsetD8", e))?;
+        Ok(m)
     }
 
     /// The device address.
@@ -444,6 +557,10 @@ impl Memory {
 
     /// Frees the memory now. Only when no device work uses it any more.
     pub fn free(mut self) -> Result<(), Error> {
+        if self.arena.is_some() {
+            // Given back by the drop.
+            return Ok(());
+        }
         let ptr = std::mem::replace(&mut self.ptr, 0);
         std::mem::forget(self);
         // SAFETY: `ptr` came from `malloc_sync` and is freed once.
@@ -458,6 +575,10 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
+        if let Some(a) = &self.arena {
+            a.give(self.ptr, self.bytes.max(1));
+            return;
+        }
         if self.ptr != 0 {
             // SAFETY: `ptr` came from `malloc_sync` and is freed once.
             let _ = unsafe { result::free_sync(self.ptr) };

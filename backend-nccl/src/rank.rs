@@ -1341,9 +1341,15 @@ impl Transport for NcclRank {
             return check::invalid(at, format!("alloc of {len} x {}: too large", E::DTYPE));
         };
         self.ctx.device.bind()?;
+        // Across processes, a buffer a copy-engine op may use comes from
+        // the rank's arena, which its peers opened at setup.
+        let mem = match (&self.ctx.arena, self.ctx.opts.copy_from) {
+            (Some(a), Some(from)) if bytes as u64 >= from => Memory::zeroed_in(a, bytes)?,
+            _ => Memory::zeroed(bytes)?,
+        };
         Ok(NcclBuffer {
             state: Arc::new(BufState {
-                mem: Some(Memory::zeroed(bytes)?),
+                mem: Some(mem),
                 rank: self.ctx.rank,
                 device: self.ctx.device.clone(),
                 users: Mutex::new(Users::default()),

@@ -441,7 +441,7 @@ impl Process {
                     "copy-engine lanes across processes (copy_from {})",
                     duplex::Size(c)
                 ),
-                how: "they are experimental: on one H200 shared by two processes a job with a sending and a receiving thread per rank hung in about 1 run in 3, an IPC open stalled while the process's streams waited (docs/semantics.md, \"Across processes\"); set DUPLEX_IPC_COPY=1 to use them anyway, run the ranks as threads of one process (Local), or leave copy_from unset".into(),
+                how: "they are experimental: on one H200 shared by two processes a job with a sending and a receiving thread per rank hung in about 1 run in 3, an IPC open stalled while the process's streams waited; everything is now opened at setup, which has not run on a GPU yet (docs/semantics.md, \"Across processes\"); set DUPLEX_IPC_COPY=1 to use them anyway, run the ranks as threads of one process (Local), or leave copy_from unset".into(),
             });
         }
         static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -593,6 +593,21 @@ impl Process {
     }
 }
 
+/// The size of each rank's copy-lane arena across processes:
+/// `DUPLEX_IPC_ARENA_MIB` MiB, 4096 by default.
+fn ipc_arena_bytes() -> Result<usize> {
+    match std::env::var("DUPLEX_IPC_ARENA_MIB") {
+        Err(_) => Ok(4096 << 20),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(m) if m > 0 && m < (1 << 24) => Ok(m << 20),
+            _ => Err(Error::Invalid {
+                at: "DUPLEX_IPC_ARENA_MIB".into(),
+                message: format!("{v:?} is not a number of MiB between 1 and 16777215"),
+            }),
+        },
+    }
+}
+
 /// Whether copy-engine lanes across processes, which are experimental,
 /// were asked for (`DUPLEX_IPC_COPY=1`); otherwise a [`Process`] with
 /// `copy_from` set is refused.
@@ -662,9 +677,15 @@ where
         health.failed(rank)
     })
     .map_err(failed)?;
+    let mut arena = None;
     if across && settings.policy == Policy::PerDirection && settings.opts.copy_from.is_some() {
-        copy = crate::copy::ipc::lanes(rank, world, &device, &id.internal, opts.timeout)
+        let (lanes, own) = ipc_arena_bytes()
+            .and_then(|bytes| {
+                crate::copy::ipc::lanes(rank, world, &device, &id.internal, opts.timeout, bytes)
+            })
             .map_err(failed)?;
+        copy = lanes;
+        arena = Some(own);
     }
     let ctx = RankCtx::create(RankSetup {
         rank,
@@ -678,6 +699,7 @@ where
         registry: registry.clone(),
         health: health.clone(),
         copy,
+        arena,
     })
     .map_err(failed)?;
     let setup_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -30,20 +30,30 @@
 //!
 //! # What keeps it safe
 //!
+//! - **Nothing is opened once an op can wait.** An IPC open in a process
+//!   whose streams wait on a lane stalled, on one H200, until those waits
+//!   ended, and the copy that would end them with it
+//!   (`docs/gpu/ipc-copy-1gpu.md`). So each rank carves the buffers of its
+//!   copy-engine ops out of one **arena** ([`crate::cuda::Arena`], exported
+//!   once), the source makes its [`EVENTS`] interprocess events up front,
+//!   and the destination opens the arena and every event at setup
+//!   ([`Feeder::prepare`], in [`lanes`]), before either rank's code runs.
+//!   A send from a buffer outside the arena is refused, naming the op.
 //! - **Events.** A re-recorded interprocess event does not complete while
 //!   its earlier record is held, and a wait enqueued after a re-record
 //!   waits for the later one (X3): so the source re-records an event of
 //!   its pool only once its last record completed and the destination has
 //!   enqueued its wait on it (the **enqueued** counter, written once each
-//!   copy with its waits is on the copy stream); otherwise it makes one
-//!   more. A source never waits on its destination's code.
-//! - **Buffers.** The destination maps each allocation once while any
-//!   message of it is in flight, and closes it when none is; it then
-//!   raises the **unmapped** counter over every message whose mapping it no
-//!   longer holds, in message order. The source keeps each send's buffer
-//!   until that counter passes it, so no allocation is freed while another
-//!   process maps it. After an abort a buffer the destination may still map
-//!   is never freed (P6 of `crate::guard`).
+//!   copy with its waits is on the copy stream). With all [`EVENTS`] held
+//!   (that many sends unmatched), a send waits for one until its deadline,
+//!   then fails saying so.
+//! - **Buffers.** The destination lets go of each message once its copy is
+//!   done (or will never be enqueued) and raises the **unmapped** counter
+//!   over the messages let go, in message order. The source keeps each
+//!   send's buffer until that counter passes it, so no part of the arena is
+//!   reused while a copy may read it. After an abort a buffer the
+//!   destination may still read is never given back (P6 of
+//!   `crate::guard`).
 //! - **Aborts.** Either side writes why into the segment, then releases
 //!   every slot with host stores (X2); the other side sees it at its next
 //!   settle (the source), or its feeder's next look (the destination). A
@@ -59,7 +69,7 @@
 //! fakes in the tests, where the two halves run in one process over a real
 //! segment.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -87,8 +97,14 @@ const CONTROL_AT: usize = SLOTS * 4;
 const WHY_AT: usize = CONTROL_AT + 512;
 /// Where the ring starts.
 const RING_AT: usize = CONTROL_AT + 4096;
+/// Where the source's table starts: its arena's handle, then its events'.
+const TABLE_AT: usize = RING_AT + RING * DESC;
+/// Interprocess events per lane, all made and opened at setup: at most
+/// this many sends of a lane are in flight unmatched (or not yet waited
+/// for by the destination's copy stream).
+pub const EVENTS: usize = 256;
 /// The segment's size.
-pub const SEGMENT: usize = RING_AT + RING * DESC;
+pub const SEGMENT: usize = TABLE_AT + 64 + EVENTS * 64 + 4032;
 /// What a segment holds once its maker has set it up.
 const MAGIC: u64 = u64::from_le_bytes(*b"duplexC1");
 
@@ -98,6 +114,8 @@ struct Control {
     magic: AtomicU64,
     /// The source opened and registered the segment.
     attached: AtomicU32,
+    /// The source wrote its table (its arena's and events' handles).
+    prepared: AtomicU32,
     /// 0: not aborted; 1: why is being written; 2: why is there.
     aborted: AtomicU32,
     why_len: AtomicU32,
@@ -106,7 +124,6 @@ struct Control {
     /// Written by the destination's copy stream: the last message copied,
     /// plus one (compared cyclically).
     copied: AtomicU32,
-    _pad: u32,
     /// Sends posted.
     posted: AtomicU64,
     /// Sends read by the feeder.
@@ -138,6 +155,7 @@ struct Desc {
 const _: () = assert!(std::mem::size_of::<Control>() <= WHY_AT - CONTROL_AT);
 const _: () = assert!(std::mem::size_of::<Desc>() <= DESC);
 const _: () = assert!(WHY_AT + WHY <= RING_AT);
+const _: () = assert!(SEGMENT.is_multiple_of(4096));
 
 /// The element type a posted send names.
 fn dtype_of(code: i32) -> Option<DType> {
@@ -455,6 +473,55 @@ impl Segment {
         self.leak.store(true, Ordering::Release);
     }
 
+    /// The source writes its table: its arena's handle and its events'.
+    fn write_table(&self, arena: &[u8; 64], events: &[[u8; 64]]) {
+        // SAFETY: the table is within the mapping; only the source writes
+        // it, once, before `prepared`; the destination reads it after.
+        unsafe {
+            std::ptr::copy_nonoverlapping(arena.as_ptr(), self.base.add(TABLE_AT), 64);
+            for (i, h) in events.iter().take(EVENTS).enumerate() {
+                std::ptr::copy_nonoverlapping(
+                    h.as_ptr(),
+                    self.base.add(TABLE_AT + 64 + i * 64),
+                    64,
+                );
+            }
+        }
+        self.control()
+            .prepared
+            .store(events.len().min(EVENTS) as u32 + 1, Ordering::Release);
+    }
+
+    /// The source's table once written: its arena's handle and its
+    /// events', waiting for it until `deadline`.
+    fn read_table(&self, deadline: Instant) -> Result<([u8; 64], Vec<[u8; 64]>), Error> {
+        loop {
+            let n = self.control().prepared.load(Ordering::Acquire);
+            if n > 0 {
+                let read = |at: usize| {
+                    let mut h = [0u8; 64];
+                    // SAFETY: written before `prepared` (acquire above).
+                    unsafe { std::ptr::copy_nonoverlapping(self.base.add(at), h.as_mut_ptr(), 64) };
+                    h
+                };
+                let events = (0..(n as usize - 1).min(EVENTS))
+                    .map(|i| read(TABLE_AT + 64 + i * 64))
+                    .collect();
+                return Ok((read(TABLE_AT), events));
+            }
+            if let Some(why) = self.why() {
+                return Err(Error::Aborted(format!("{}: {why}", self.name)));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Aborted(format!(
+                    "the source of {} did not say what to open within its deadline",
+                    self.name
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn desc(&self, k: u64) -> *mut Desc {
         // SAFETY: entry `k % RING` is within the mapping and aligned.
         unsafe { self.base.add(RING_AT + (k as usize % RING) * DESC) as *mut Desc }
@@ -595,9 +662,11 @@ pub trait SendApi: Send + Sync {
     fn recorded(&self, event: &Self::Event) -> Result<bool, Error>;
     /// Makes `stream` wait until flag `slot` of the segment holds `value`.
     fn wait(&self, stream: &Self::Stream, slot: usize, value: u32) -> Result<(), Error>;
-    /// The allocation handle of the buffer at `ptr`, and `ptr`'s offset in
-    /// the allocation.
-    fn export(&self, ptr: u64) -> Result<([u8; 64], u64), Error>;
+    /// The handle of the rank's arena, the one allocation its buffers for
+    /// copy-engine lanes come from (opened by the destinations at setup).
+    fn arena(&self) -> [u8; 64];
+    /// `ptr`'s offset in the arena, if it is in it.
+    fn offset(&self, ptr: u64) -> Option<u64>;
     /// Never unregisters the segment (a stream may wait on it).
     fn leak(&self) {}
 }
@@ -648,9 +717,30 @@ impl<A: SendApi> std::fmt::Debug for IpcSender<A> {
 impl<A: SendApi> IpcSender<A> {
     /// The source's half of lane `name` over `seg` (opened, and registered
     /// by `api`); a send waits at most `timeout` for room in the ring.
-    pub fn new(name: impl Into<String>, api: A, seg: Arc<Segment>, timeout: Duration) -> Self {
+    /// Makes its [`EVENTS`] interprocess events and writes their handles
+    /// and its arena's into the segment, for the destination to open them
+    /// all before any op can wait ([`Feeder::prepare`]): an IPC open in a
+    /// process whose streams wait on a lane can stall until the waits end
+    /// (`docs/gpu/ipc-copy-1gpu.md`).
+    pub fn new(
+        name: impl Into<String>,
+        api: A,
+        seg: Arc<Segment>,
+        timeout: Duration,
+    ) -> Result<Self, Error> {
         seg.attach();
-        IpcSender {
+        let mut pool = Vec::with_capacity(EVENTS);
+        for _ in 0..EVENTS {
+            let (event, handle) = api.event()?;
+            pool.push(PoolEvent {
+                event,
+                handle,
+                last: None,
+            });
+        }
+        let handles: Vec<[u8; 64]> = pool.iter().map(|e| e.handle).collect();
+        seg.write_table(&api.arena(), &handles);
+        Ok(IpcSender {
             name: name.into(),
             api,
             seg,
@@ -660,8 +750,8 @@ impl<A: SendApi> IpcSender<A> {
                 out: VecDeque::new(),
                 aborted: None,
             }),
-            pool: Mutex::new(Vec::new()),
-        }
+            pool: Mutex::new(pool),
+        })
     }
 
     /// The device side.
@@ -669,9 +759,9 @@ impl<A: SendApi> IpcSender<A> {
         &self.api
     }
 
-    /// Interprocess events made so far.
+    /// Interprocess events of the pool that were ever recorded.
     pub fn events(&self) -> usize {
-        lock(&self.pool).len()
+        lock(&self.pool).iter().filter(|e| e.last.is_some()).count()
     }
 
     /// Sends posted whose buffers are still held.
@@ -724,21 +814,45 @@ impl<A: SendApi> IpcSender<A> {
             std::thread::sleep(Duration::from_micros(100));
         }
         // The buffer first: a failure leaves nothing on the stream.
-        let (mem, offset) = match self.api.export(ptr) {
-            Ok(m) => m,
-            Err(e) => {
-                self.abort(&format!("{text}: {e}"));
-                return Err(failure(e, None));
-            }
+        let Some(offset) = self.api.offset(ptr) else {
+            return Err(failure(
+                Error::Invalid {
+                    at: text.to_string(),
+                    message: format!(
+                        "its buffer is not in this rank's copy-lane arena, so {} cannot carry it (allocate it with this rank's alloc)",
+                        self.name
+                    ),
+                },
+                None,
+            ));
         };
+        let mem = self.api.arena();
         let (slot, value) = (slot_of(k, SLOTS), generation_of(k, SLOTS));
         let mut pool = lock(&self.pool);
-        let (index, handle) = match self.pick(&mut pool) {
-            Ok(i) => i,
-            Err(e) => {
-                self.abort(&format!("{text}: {e}"));
-                return Err(failure(e, None));
+        // A free event of the pool: waits (bounded) while every one is held
+        // by a send not yet waited for by the destination's copy stream.
+        let start = Instant::now();
+        let (index, handle) = loop {
+            match self.pick(&pool) {
+                Ok(Some(i)) => break i,
+                Ok(None) => {}
+                Err(e) => {
+                    self.abort(&format!("{text}: {e}"));
+                    return Err(failure(e, None));
+                }
             }
+            if let Some(why) = self.seg.why() {
+                return Err(failure(aborted(&why), None));
+            }
+            if start.elapsed() > self.timeout {
+                let why = format!(
+                    "all {EVENTS} interprocess events of the lane are held by sends whose copies the destination has not enqueued within {:?} (at most {EVENTS} sends of a lane across processes may be in flight unmatched)",
+                    self.timeout
+                );
+                self.abort(&why);
+                return Err(failure(aborted(&why), None));
+            }
+            std::thread::sleep(Duration::from_micros(100));
         };
         let enqueued = self.api.record(&pool[index].event, stream).and_then(|()| {
             self.api.wait(stream, slot, value)?;
@@ -783,10 +897,10 @@ impl<A: SendApi> IpcSender<A> {
         Ok(ticket)
     }
 
-    /// An event of the pool that may be recorded again (its last record
-    /// completed, and the destination enqueued its wait on it: X3), or a
-    /// new one.
-    fn pick(&self, pool: &mut Vec<PoolEvent<A::Event>>) -> Result<(usize, [u8; 64]), Error> {
+    /// An event of the pool that may be recorded again: never recorded, or
+    /// its last record completed and the destination enqueued its wait on
+    /// it (X3).
+    fn pick(&self, pool: &[PoolEvent<A::Event>]) -> Result<Option<(usize, [u8; 64])>, Error> {
         let enqueued = self.seg.enqueued();
         for (i, e) in pool.iter().enumerate() {
             let free = match e.last {
@@ -794,16 +908,10 @@ impl<A: SendApi> IpcSender<A> {
                 Some(j) => enqueued > j && self.api.recorded(&e.event)?,
             };
             if free {
-                return Ok((i, e.handle));
+                return Ok(Some((i, e.handle)));
             }
         }
-        let (event, handle) = self.api.event()?;
-        pool.push(PoolEvent {
-            event,
-            handle,
-            last: None,
-        });
-        Ok((pool.len() - 1, handle))
+        Ok(None)
     }
 
     /// Marks the sends the destination copied delivered, and those of an
@@ -897,72 +1005,46 @@ impl<A: SendApi<Stream = crate::cuda::Stream> + 'static> CopyPath for IpcSender<
 // ---------------------------------------------------------------------------
 // The destination.
 
-/// What the destination's feeder needs of its device to take a posted
-/// send: open its event and map its buffer.
+/// What the destination needs of its device to take the source's sends:
+/// open its events and map its arena, both at setup ([`Feeder::prepare`]).
 pub trait OpenApi: Send + Sync + 'static {
     /// An opened event: the destination lane's ready event.
     type Ready: Clone + Send;
     /// Opens the source's event.
     fn open_event(&self, handle: &[u8; 64]) -> Result<Self::Ready, Error>;
-    /// Maps the source's allocation; returns its address here.
+    /// Maps the source's arena; returns its address here. It stays mapped
+    /// for the life of the process.
     fn open_mem(&self, handle: &[u8; 64]) -> Result<u64, Error>;
-    /// Unmaps it (no copy uses it any more).
-    fn close_mem(&self, base: u64);
 }
 
-/// The allocations the destination maps, and which messages still hold
-/// them.
+/// Which messages the destination let go of (their copies done, or never
+/// to be enqueued), above the first it still holds.
 #[derive(Default)]
-struct Maps {
-    open: HashMap<[u8; 64], (u64, usize)>,
-    /// Messages let go above `next`.
-    let_go: BTreeSet<u64>,
-    /// Every message below it let go.
+struct LetGo {
+    above: BTreeSet<u64>,
+    /// Every message below it was let go.
     next: u64,
 }
 
-/// A message's hold on its mapping; let go once its copy is done (or it
-/// will never be enqueued), on the reaper (closing may wait for the
-/// device).
-struct MapRef<O: OpenApi>(Option<Hold<O>>);
-
-struct Hold<O: OpenApi> {
+/// A message's hold on the source's buffer: dropped once its copy is done
+/// (or will never be enqueued); then the source may reuse the buffer's
+/// part of its arena once every earlier message was let go too (the
+/// segment's `unmapped` counter, raised in message order).
+struct Hold {
     k: u64,
-    handle: [u8; 64],
-    maps: Arc<Mutex<Maps>>,
-    open: Arc<O>,
+    let_go: Arc<Mutex<LetGo>>,
     seg: Arc<Segment>,
 }
 
-/// [`MapRef`]'s work, done where it is dropped: the reaper.
-struct Unmap<O: OpenApi>(Hold<O>);
-
-impl<O: OpenApi> Drop for MapRef<O> {
+impl Drop for Hold {
     fn drop(&mut self) {
-        if let Some(h) = self.0.take() {
-            crate::reaper::reap(vec![Unmap(h)]);
+        let mut g = lock(&self.let_go);
+        g.above.insert(self.k);
+        while g.above.first() == Some(&g.next) {
+            g.above.pop_first();
+            g.next += 1;
         }
-    }
-}
-
-impl<O: OpenApi> Drop for Unmap<O> {
-    fn drop(&mut self) {
-        let r = &self.0;
-        let mut m = lock(&r.maps);
-        if let Some((base, refs)) = m.open.get_mut(&r.handle) {
-            *refs -= 1;
-            if *refs == 0 {
-                let base = *base;
-                m.open.remove(&r.handle);
-                r.open.close_mem(base);
-            }
-        }
-        m.let_go.insert(r.k);
-        while m.let_go.first() == Some(&m.next) {
-            m.let_go.pop_first();
-            m.next += 1;
-        }
-        r.seg.control().unmapped.store(m.next, Ordering::Release);
+        self.seg.control().unmapped.store(g.next, Ordering::Release);
     }
 }
 
@@ -972,8 +1054,11 @@ pub struct Feeder<A: CopyApi, O: OpenApi<Ready = A::Ready>> {
     lane: std::sync::Weak<CopyLane<A>>,
     seg: Arc<Segment>,
     open: Arc<O>,
-    events: HashMap<u32, O::Ready>,
-    maps: Arc<Mutex<Maps>>,
+    /// The source's events, opened at setup, by their number.
+    events: Vec<O::Ready>,
+    /// The source's arena: its handle, and where it is mapped here.
+    arena: Option<([u8; 64], u64)>,
+    let_go: Arc<Mutex<LetGo>>,
 }
 
 impl<A: CopyApi + 'static, O: OpenApi<Ready = A::Ready>> Feeder<A, O>
@@ -986,9 +1071,24 @@ where
             lane: Arc::downgrade(lane),
             seg,
             open,
-            events: HashMap::new(),
-            maps: Arc::new(Mutex::new(Maps::default())),
+            events: Vec::new(),
+            arena: None,
+            let_go: Arc::new(Mutex::new(LetGo::default())),
         }
+    }
+
+    /// Opens everything the source will name, before any op of either
+    /// rank can wait on a lane: its arena and its events, once the source
+    /// wrote their handles (waiting for that until `deadline`).
+    pub fn prepare(&mut self, deadline: Instant) -> Result<(), Error> {
+        let (arena, events) = self.seg.read_table(deadline)?;
+        let base = self.open.open_mem(&arena)?;
+        self.arena = Some((arena, base));
+        self.events = events
+            .iter()
+            .map(|h| self.open.open_event(h))
+            .collect::<Result<_, _>>()?;
+        Ok(())
     }
 
     /// Takes what was posted; passes an abort either way. False once the
@@ -1020,43 +1120,34 @@ where
     }
 
     fn take(&mut self, lane: &CopyLane<A>, p: Posted) -> Result<(), Error> {
-        let opening = Instant::now();
-        let ready = match self.events.get(&p.event) {
-            Some(r) => r.clone(),
-            None => {
-                let r = self.open.open_event(&p.event_handle)?;
-                self.events.insert(p.event, r.clone());
-                r
+        let Some(ready) = self.events.get(p.event as usize).cloned() else {
+            return Err(Error::Aborted(format!(
+                "{}: send #{} names event {}, which the source did not give at setup",
+                lane.name(),
+                p.k,
+                p.event
+            )));
+        };
+        let base = match self.arena {
+            Some((h, base)) if h == p.mem => base,
+            _ => {
+                return Err(Error::Aborted(format!(
+                    "{}: send #{} is in an allocation other than the source's arena",
+                    lane.name(),
+                    p.k
+                )));
             }
         };
-        let base = {
-            let mut m = lock(&self.maps);
-            match m.open.get_mut(&p.mem) {
-                Some((base, refs)) => {
-                    *refs += 1;
-                    *base
-                }
-                None => {
-                    let base = self.open.open_mem(&p.mem)?;
-                    m.open.insert(p.mem, (base, 1));
-                    base
-                }
-            }
-        };
-        let keep = MapRef(Some(Hold {
+        let keep = Hold {
             k: p.k,
-            handle: p.mem,
-            maps: self.maps.clone(),
-            open: self.open.clone(),
+            let_go: self.let_go.clone(),
             seg: self.seg.clone(),
-        }));
+        };
         self.seg.consumed(p.k);
         tracing::debug!(
             lane = lane.name(),
             k = p.k,
             event = p.event,
-            base,
-            opened_us = opening.elapsed().as_micros() as u64,
             "ipc: took a send"
         );
         lane.issue_remote(
@@ -1122,7 +1213,7 @@ pub mod cuda {
 
     use super::{Feeder, IpcSender, OpenApi, SEGMENT, SLOTS, Segment, SendApi};
     use crate::copy::{CopyApi, CopyFailed, CopyLane, CopyPath};
-    use crate::cuda::{Device, Event, Stream, check};
+    use crate::cuda::{Arena, Device, Event, Stream, check};
 
     /// The segment registered with CUDA: its device address.
     #[derive(Debug)]
@@ -1206,6 +1297,7 @@ pub mod cuda {
     pub struct IpcSend {
         reg: Registered,
         device: Arc<Device>,
+        arena: Arc<Arena>,
     }
 
     impl SendApi for IpcSend {
@@ -1229,20 +1321,12 @@ pub mod cuda {
             self.reg.wait(stream, slot, value)
         }
 
-        fn export(&self, ptr: u64) -> Result<([u8; 64], u64), Error> {
-            let _bound = self.device.bind_scoped()?;
-            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-            // SAFETY: asks about an address of this context.
-            check("cuMemGetAddressRange", unsafe {
-                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-            })?;
-            // SAFETY: an all-zero handle is a plain array of bytes.
-            let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-            // SAFETY: `base` is the start of a `cuMemAlloc` allocation.
-            check("cuIpcGetMemHandle", unsafe {
-                sys::cuIpcGetMemHandle(&mut h, base)
-            })?;
-            Ok((h.reserved.map(|c| c as u8), ptr - base))
+        fn arena(&self) -> [u8; 64] {
+            self.arena.handle()
+        }
+
+        fn offset(&self, ptr: u64) -> Option<u64> {
+            self.arena.offset(ptr)
         }
 
         fn leak(&self) {
@@ -1270,9 +1354,9 @@ pub mod cuda {
             let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
             h.reserved = handle.map(|b| b as std::ffi::c_char);
             let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: a handle the source made of a live allocation (kept
-            // until `unmapped` passes its message); peer access is enabled
-            // as needed.
+            // SAFETY: the handle of the source's arena, which lives as long
+            // as its process; peer access is enabled as needed. Opened once,
+            // at setup, and never closed.
             check("cuIpcOpenMemHandle", unsafe {
                 sys::cuIpcOpenMemHandle_v2(
                     &mut ptr,
@@ -1281,17 +1365,6 @@ pub mod cuda {
                 )
             })?;
             Ok(ptr)
-        }
-
-        fn close_mem(&self, base: u64) {
-            if let Ok(_bound) = self.device.bind_scoped() {
-                // SAFETY: opened by `open_mem`, closed once, with no copy
-                // left that uses it.
-                let r = unsafe { sys::cuIpcCloseMemHandle(base) };
-                if let Err(e) = check("cuIpcCloseMemHandle", r) {
-                    tracing::warn!("{e}");
-                }
-            }
         }
     }
 
@@ -1395,20 +1468,26 @@ pub mod cuda {
     /// The copy-engine lanes of rank `rank` of a job of `world` processes
     /// on one host, each rank on its own `device` (or all on one): for each
     /// other rank, the lane to it (its source half) and the lane from it
-    /// (its destination half, with its feeder). `job` is the same on every
-    /// rank (the world communicator's unique id) and names the segments;
-    /// a source waits up to `timeout` for its destination's segment.
+    /// (its destination half, with its feeder), and the rank's arena of
+    /// `arena` bytes, from which its `alloc` must take the buffers of
+    /// copy-engine ops. `job` is the same on every rank (the world
+    /// communicator's unique id) and names the segments. Everything the
+    /// lanes will open is opened here, before any op can wait; a rank
+    /// waits up to `timeout` for its peers' parts.
     pub fn lanes(
         rank: Rank,
         world: u32,
         device: &Arc<Device>,
         job: &[u8],
         timeout: Duration,
-    ) -> Result<crate::ctx::CopyLanes, Error> {
+        arena: usize,
+    ) -> Result<(crate::ctx::CopyLanes, Arc<Arena>), Error> {
         let mut out: Vec<((Rank, Rank), Arc<dyn CopyPath>)> = Vec::new();
         device.bind()?;
+        let own = Arc::new(Arena::new(arena)?);
         // Destinations first, so that no rank waits for a segment its peer
         // makes only after it waited for one of this rank's.
+        let mut feeders = Vec::new();
         for (a, b) in compile::lane_pairs(Policy::PerDirection, world).filter(|p| p.1 == rank) {
             let (name, _, _) = compile::copy_lane(a, Dir::Send, b);
             let seg = Arc::new(Segment::create(&Segment::name(job, a, b))?);
@@ -1423,7 +1502,7 @@ pub mod cuda {
             let open = Arc::new(IpcOpen {
                 device: device.clone(),
             });
-            Feeder::new(&lane, seg, open).start(&name)?;
+            feeders.push((name, Feeder::new(&lane, seg, open)));
             out.push(((a, b), lane));
         }
         let deadline = Instant::now() + timeout;
@@ -1433,10 +1512,15 @@ pub mod cuda {
             let api = IpcSend {
                 reg: Registered::new(&seg)?,
                 device: device.clone(),
+                arena: own.clone(),
             };
-            out.push(((a, b), Arc::new(IpcSender::new(name, api, seg, timeout))));
+            out.push(((a, b), Arc::new(IpcSender::new(name, api, seg, timeout)?)));
         }
-        Ok(out)
+        for (name, mut f) in feeders {
+            f.prepare(deadline)?;
+            f.start(&name)?;
+        }
+        Ok((out, own))
     }
 }
 

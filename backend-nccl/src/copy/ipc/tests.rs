@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use duplex::{DType, Dir, Error};
 
-use super::{Feeder, IpcSender, OpenApi, RING, SLOTS, Segment, SendApi, TEXT, dtype_of};
+use super::{EVENTS, Feeder, IpcSender, OpenApi, RING, SLOTS, Segment, SendApi, TEXT, dtype_of};
 use crate::copy::{CopyApi, CopyFailed, CopyLane, TicketState, satisfies};
 use crate::sync::{Mutex, lock};
 
@@ -162,17 +162,21 @@ impl SendApi for FakeSend {
         Ok(())
     }
 
-    fn export(&self, ptr: u64) -> Result<([u8; 64], u64), Error> {
-        // Allocations are 1 MiB-aligned in this fake.
-        let base = ptr & !0xf_ffff;
+    fn arena(&self) -> [u8; 64] {
         let mut h = [0u8; 64];
-        h[..8].copy_from_slice(&base.to_le_bytes());
-        Ok((h, ptr - base))
+        h[..8].copy_from_slice(&ARENA.to_le_bytes());
+        h
+    }
+
+    fn offset(&self, ptr: u64) -> Option<u64> {
+        (ARENA..ARENA + ARENA_BYTES)
+            .contains(&ptr)
+            .then(|| ptr - ARENA)
     }
 }
 
-/// The destination's fake opener: maps an allocation at the same address
-/// (one memory map stands for both devices).
+/// The destination's fake opener: maps the arena at the same address (one
+/// memory map stands for both devices).
 struct FakeOpen(World);
 
 fn id_of(h: &[u8; 64]) -> u64 {
@@ -198,17 +202,6 @@ impl OpenApi for FakeOpen {
         g.opens += 1;
         *g.mapped.entry(base).or_default() += 1;
         Ok(base)
-    }
-
-    fn close_mem(&self, base: u64) {
-        let mut g = lock(&self.0.inner);
-        g.closes += 1;
-        if let Some(n) = g.mapped.get_mut(&base) {
-            *n -= 1;
-            if *n == 0 {
-                g.mapped.remove(&base);
-            }
-        }
     }
 }
 
@@ -307,9 +300,14 @@ fn pair_with(timeout: Duration) -> Pair {
         inner: Arc::new(Mutex::new(Inner::default())),
         seg: dst.clone(),
     };
-    let sender = IpcSender::new("copy:0->1", FakeSend(world.clone()), src, timeout);
+    let sender =
+        IpcSender::new("copy:0->1", FakeSend(world.clone()), src, timeout).expect("a source");
     let lane = Arc::new(CopyLane::new("copy:0->1", FakeRecv(world.clone())));
-    let feeder = Feeder::new(&lane, dst, Arc::new(FakeOpen(world.clone())));
+    let mut feeder = Feeder::new(&lane, dst, Arc::new(FakeOpen(world.clone())));
+    feeder
+        .prepare(Instant::now() + Duration::from_secs(5))
+        .expect("everything opened at setup");
+    assert_eq!(lock(&world.inner).opens, 1, "the arena, at setup");
     Pair {
         world,
         sender,
@@ -322,8 +320,12 @@ fn pair() -> Pair {
     pair_with(Duration::from_secs(5))
 }
 
-const SRC: u64 = 0x10_0000;
-const DST: u64 = 0x90_0000;
+/// The source's arena in the fake.
+const ARENA: u64 = 0x10_0000;
+const ARENA_BYTES: u64 = 64 << 20;
+const SRC: u64 = ARENA;
+/// The destination's own buffers, outside the arena.
+const DST: u64 = 0x1_0000_0000;
 
 /// Waits (bounded) until `f` holds; the reaper unmaps on a thread of its
 /// own.
@@ -393,13 +395,15 @@ fn a_message_crosses_with_every_byte_and_the_send_knows_it_was_delivered() {
     assert_eq!(r.state(), TicketState::Delivered);
     assert_eq!(s.state(), TicketState::Delivered);
     assert!(p.world.released(1) && p.world.released(2));
-    // The mapping is closed, then the source lets its buffer go.
-    eventually("the buffer is let go", || {
-        let _ = p.sender.settle();
-        Arc::strong_count(&keep) == 1
-    });
+    // The copy is done there: the source lets its buffer go.
+    let _ = p.sender.settle();
+    assert_eq!(Arc::strong_count(&keep), 1, "let go");
     let g = lock(&p.world.inner);
-    assert_eq!((g.opens, g.closes), (1, 1));
+    assert_eq!(
+        (g.opens, g.closes),
+        (1, 0),
+        "the arena was opened at setup only"
+    );
 }
 
 #[test]
@@ -530,26 +534,89 @@ fn an_event_is_recorded_again_only_once_its_last_record_completed_and_the_destin
 }
 
 #[test]
-fn one_allocation_in_several_messages_is_mapped_once_and_closed_after_the_last() {
+fn buffers_are_let_go_in_message_order_and_nothing_is_opened_after_setup() {
     let mut p = pair();
     p.world.put(SRC, vec![5; 8]);
-    p.world.put(SRC + 8, vec![6; 8]);
-    let keep = Arc::new(());
-    p.send(SRC, 8, &keep);
-    p.send(SRC + 8, 8, &keep);
+    p.world.put(SRC + 4096, vec![6; 8]);
+    let (a, b) = (Arc::new(()), Arc::new(()));
+    p.send(SRC, 8, &a);
+    p.send(SRC + 4096, 8, &b);
     p.step();
-    assert_eq!(lock(&p.world.inner).opens, 1);
     p.recv(DST, 8);
     p.recv(DST + 8, 8);
     p.step();
     assert_eq!(p.world.get(DST + 8), vec![6; 8]);
-    eventually("both let go", || {
-        let _ = p.sender.settle();
-        p.sender.held() == 0
+    let _ = p.sender.settle();
+    assert_eq!((Arc::strong_count(&a), Arc::strong_count(&b)), (1, 1));
+    assert_eq!(p.sender.held(), 0);
+    assert_eq!(lock(&p.world.inner).opens, 1);
+}
+
+#[test]
+fn a_send_from_a_buffer_outside_the_arena_is_refused_naming_the_op() {
+    let p = pair();
+    let e = p
+        .sender
+        .send(&1, DST, 8, DType::U8, "send 8 x u8 to rank 1", Box::new(()))
+        .expect_err("not in the arena");
+    let text = e.to_string();
+    assert!(
+        text.contains("send 8 x u8 to rank 1") && text.contains("arena"),
+        "{text}"
+    );
+    assert!(e.ticket.is_none(), "nothing was enqueued");
+    assert!(p.sender.aborted().is_none(), "the lane goes on");
+    assert!(p.world.released(1));
+}
+
+#[test]
+fn more_unmatched_sends_than_events_fail_within_the_deadline() {
+    let mut p = pair_with(Duration::from_millis(50));
+    let keep = Arc::new(());
+    for _ in 0..EVENTS {
+        p.send(SRC, 8, &keep);
+        p.step();
+    }
+    let e = p
+        .sender
+        .send(&1, SRC, 8, DType::U8, "one send too many", Box::new(()))
+        .expect_err("no free event");
+    assert!(e.to_string().contains("at most 256"), "{e}");
+}
+
+#[test]
+fn a_posted_send_naming_what_was_not_opened_aborts_the_lane() {
+    let mut p = pair();
+    p.world.seg.post(&super::Posted {
+        k: 0,
+        bytes: 8,
+        dtype: DType::U8,
+        mem: [9; 64],
+        offset: 0,
+        event: 0,
+        event_handle: [0; 64],
+        text: "forged".into(),
     });
-    let g = lock(&p.world.inner);
-    assert_eq!((g.opens, g.closes), (1, 1));
-    assert!(g.mapped.is_empty());
+    p.step();
+    let why = p.lane.aborted().expect("aborted");
+    assert!(why.contains("other than the source's arena"), "{why}");
+}
+
+#[test]
+fn the_arena_hands_out_aligned_ranges_first_fit_and_merges_what_comes_back() {
+    let a = crate::cuda::Arena::over(4096, 8192, [0; 64]);
+    let x = a.take(100).expect("room");
+    let y = a.take(1000).expect("room");
+    assert_eq!((x, y), (4096, 4096 + 512));
+    assert_eq!(a.offset(y), Some(512));
+    assert_eq!(a.offset(4096 + 8192), None);
+    assert!(a.take(8192).is_none(), "no room for all of it");
+    a.give(x, 100);
+    assert_eq!(a.take(512), Some(4096), "first fit reuses the hole");
+    a.give(4096, 512);
+    a.give(y, 1000);
+    assert_eq!(a.free_bytes(), 8192);
+    assert_eq!(a.take(8192), Some(4096), "merged back into one range");
 }
 
 #[test]
