@@ -700,6 +700,11 @@ impl<A: CopyApi> CopyLane<A> {
     /// Aborts the lane (see the module docs); idempotent. Releases every
     /// slot before it takes the lane's lock.
     pub fn abort(&self, why: &str) {
+        // Why first, then the release: a stream of another process that
+        // the release lets go finds why (`ipc`).
+        if lock(&self.state).aborted.is_none() {
+            self.api.aborted(why);
+        }
         self.api.release_all();
         let mut dropped = Vec::new();
         {
@@ -781,7 +786,11 @@ impl<A: CopyApi> Drop for CopyLane<A> {
             && st.ahead.iter().all(|a| a.is_empty());
         if !idle {
             // A stream may still wait on the flags: release it, and never
-            // free them.
+            // free them (a source in another process learns why first).
+            if st.aborted.is_none() {
+                self.api
+                    .aborted(&format!("{} was dropped with ops pending", self.name));
+            }
             self.api.release_all();
             self.api.leak();
         }
@@ -980,7 +989,11 @@ mod cuda {
                 src.enable_peer(&dst)?;
                 dst.enable_peer(&src)?;
             }
+            // The flag-wait kernel of both contexts, before any op waits.
+            dst.bind()?;
+            crate::cuda::wait_kernel()?;
             src.bind()?;
+            crate::cuda::wait_kernel()?;
             let flags = Flags::new()?;
             let stream = Stream::new()?;
             Ok(Cuda {

@@ -165,36 +165,40 @@ DONE:
 }
 "#;
 
+/// The flag-wait kernel of the current context, loaded on first use.
+/// Copy-engine lanes load it at setup ([`wait_kernel`] in their makers):
+/// loading a module is one more driver call that had better not run
+/// while a stream of the process waits on a lane.
+pub fn wait_kernel() -> Result<sys::CUfunction, Error> {
+    static LOADED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+    let ctx = result::ctx::get_current()
+        .map_err(|e| err("cuCtxGetCurrent", e))?
+        .ok_or_else(|| Error::Aborted("no CUDA context is current".into()))?;
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, f)) = loaded.iter().find(|(c, _)| *c == ctx as usize) {
+        return Ok(*f as sys::CUfunction);
+    }
+    let ptx = std::ffi::CString::new(WAIT_PTX)
+        .map_err(|_| Error::Aborted("the flag-wait kernel has a NUL".into()))?;
+    // SAFETY: a NUL-terminated PTX image, JIT-compiled for the current
+    // context's device; the module is never unloaded.
+    let module = unsafe { result::module::load_data(ptx.as_ptr() as *const _) }
+        .map_err(|e| err("cuModuleLoadData", e))?;
+    let name = std::ffi::CString::new("duplex_wait_flag")
+        .map_err(|_| Error::Aborted("bad kernel name".into()))?;
+    // SAFETY: the module is live.
+    let f = unsafe { result::module::get_function(module, name) }
+        .map_err(|e| err("cuModuleGetFunction", e))?;
+    loaded.push((ctx as usize, f as usize));
+    Ok(f)
+}
+
 /// Makes `stream` (of the current context) wait until the 32-bit word at
 /// device address `flag` holds at least `value` (cyclically), with the
 /// flag-wait kernel (`WAIT_PTX`, whose comment says why a kernel), loaded
 /// once per context.
 pub fn wait_flag(stream: &Stream, flag: u64, value: u32) -> Result<(), Error> {
-    static LOADED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
-    let ctx = result::ctx::get_current()
-        .map_err(|e| err("cuCtxGetCurrent", e))?
-        .ok_or_else(|| Error::Aborted("no CUDA context is current".into()))?;
-    let f = {
-        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        match loaded.iter().find(|(c, _)| *c == ctx as usize) {
-            Some((_, f)) => *f as sys::CUfunction,
-            None => {
-                let ptx = std::ffi::CString::new(WAIT_PTX)
-                    .map_err(|_| Error::Aborted("the flag-wait kernel has a NUL".into()))?;
-                // SAFETY: a NUL-terminated PTX image, JIT-compiled for the
-                // current context's device; the module is never unloaded.
-                let module = unsafe { result::module::load_data(ptx.as_ptr() as *const _) }
-                    .map_err(|e| err("cuModuleLoadData", e))?;
-                let name = std::ffi::CString::new("duplex_wait_flag")
-                    .map_err(|_| Error::Aborted("bad kernel name".into()))?;
-                // SAFETY: the module is live.
-                let f = unsafe { result::module::get_function(module, name) }
-                    .map_err(|e| err("cuModuleGetFunction", e))?;
-                loaded.push((ctx as usize, f as usize));
-                f
-            }
-        }
-    };
+    let f = wait_kernel()?;
     let (mut flag, mut value) = (flag, value);
     let mut params = [
         &mut flag as *mut u64 as *mut c_void,
@@ -443,6 +447,11 @@ impl Arena {
         self.handle
     }
 
+    /// Its size in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
     /// Where `ptr` is in the arena, if it is.
     pub fn offset(&self, ptr: u64) -> Option<u64> {
         (ptr >= self.base && ptr < self.base + self.size as u64).then(|| ptr - self.base)
@@ -450,7 +459,10 @@ impl Arena {
 
     /// A range of `bytes` (first fit), or `None` if none is free.
     pub fn take(&self, bytes: usize) -> Option<u64> {
-        let n = bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        if bytes > self.size {
+            return None;
+        }
+        let n = bytes.div_ceil(ARENA_ALIGN).checked_mul(ARENA_ALIGN)?;
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let i = free.iter().position(|(_, len)| *len >= n)?;
         let (at, len) = free[i];
@@ -464,9 +476,14 @@ impl Arena {
 
     /// Gives back the range of `bytes` at `ptr` (from [`Arena::take`]).
     pub fn give(&self, ptr: u64, bytes: usize) {
-        let n = bytes.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let n = bytes.div_ceil(ARENA_ALIGN).saturating_mul(ARENA_ALIGN);
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let i = free.partition_point(|(at, _)| *at < ptr);
+        debug_assert!(
+            free.get(i).is_none_or(|(at, _)| ptr + n as u64 <= *at)
+                && (i == 0 || free[i - 1].0 + free[i - 1].1 as u64 <= ptr),
+            "a range given back twice or overlapping a free one"
+        );
         free.insert(i, (ptr, n));
         // Merge with the next, then with the previous.
         if i + 1 < free.len() && free[i].0 + free[i].1 as u64 == free[i + 1].0 {
@@ -484,6 +501,19 @@ impl Arena {
         let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         free.iter().map(|(_, n)| n).sum()
     }
+}
+
+/// Zeroes `n` bytes at `ptr` and waits for it: on a stream of its own,
+/// since `cuMemsetD8` runs on the legacy stream, which duplex's
+/// non-blocking streams do not wait for, so a recv issued at once could
+/// have its bytes zeroed after it.
+fn zero(ptr: sys::CUdeviceptr, n: usize) -> Result<(), Error> {
+    let stream = Stream::new()?;
+    // SAFETY: `ptr` points to `n` bytes of device memory of the current
+    // context, ours; the stream is live.
+    unsafe { result::memset_d8_async(ptr, 0, n, stream.raw) }
+        .map_err(|e| err("cuMemsetD8Async", e))?;
+    stream.synchronize()
 }
 
 /// Device memory on the current context.
@@ -507,12 +537,13 @@ impl Memory {
         // SAFETY: allocates on the current context.
         let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| err("cuMemAlloc", e))?;
         // SAFETY: `ptr` points to `n` bytes just allocated.
-        unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| err("cuMemsetD8", e))?;
-        Ok(Memory {
+        let m = Memory {
             ptr,
             bytes,
             arena: None,
-        })
+        };
+        zero(ptr, n)?;
+        Ok(m)
     }
 
     /// `bytes` of zeroed device memory from `arena`, given back to it when
@@ -528,8 +559,7 @@ impl Memory {
             bytes,
             arena: Some(arena.clone()),
         };
-        // SAFETY: `ptr` points to `n` bytes of the arena, ours now.
-        unsafe { result::memset_d8_sync(ptr, 0, n) }.map_err(|e| err("cuMemsetD8", e))?;
+        zero(ptr, n)?;
         Ok(m)
     }
 

@@ -173,6 +173,10 @@ fn dtype_of(code: i32) -> Option<DType> {
     .find(|d| d.nccl() == code)
 }
 
+/// What the source writes for the destination to open at setup: its
+/// arena's handle and size, and its events' handles.
+type Table = ([u8; 64], u64, Vec<[u8; 64]>);
+
 /// The shared-memory segment of one lane, mapped in this process.
 #[derive(Debug)]
 pub struct Segment {
@@ -395,8 +399,11 @@ impl Segment {
     /// Why the lane was aborted, once that is readable.
     pub fn why(&self) -> Option<Arc<str>> {
         let c = self.control();
-        if c.aborted.load(Ordering::Acquire) != 2 {
-            return None;
+        match c.aborted.load(Ordering::Acquire) {
+            0 => return None,
+            // Being written (or its writer died writing it).
+            1 => return Some("the lane was aborted by its other side".into()),
+            _ => {}
         }
         let n = (c.why_len.load(Ordering::Acquire) as usize).min(WHY);
         // SAFETY: written before `aborted` became 2, never again.
@@ -474,11 +481,15 @@ impl Segment {
     }
 
     /// The source writes its table: its arena's handle and its events'.
-    fn write_table(&self, arena: &[u8; 64], events: &[[u8; 64]]) {
+    fn write_table(&self, arena: &[u8; 64], bytes: u64, events: &[[u8; 64]]) {
         // SAFETY: the table is within the mapping; only the source writes
         // it, once, before `prepared`; the destination reads it after.
         unsafe {
             std::ptr::copy_nonoverlapping(arena.as_ptr(), self.base.add(TABLE_AT), 64);
+            std::ptr::write_volatile(
+                self.base.add(TABLE_AT + 64 + EVENTS * 64) as *mut u64,
+                bytes,
+            );
             for (i, h) in events.iter().take(EVENTS).enumerate() {
                 std::ptr::copy_nonoverlapping(
                     h.as_ptr(),
@@ -492,9 +503,9 @@ impl Segment {
             .store(events.len().min(EVENTS) as u32 + 1, Ordering::Release);
     }
 
-    /// The source's table once written: its arena's handle and its
+    /// The source's table once written: its arena's handle and size, and its
     /// events', waiting for it until `deadline`.
-    fn read_table(&self, deadline: Instant) -> Result<([u8; 64], Vec<[u8; 64]>), Error> {
+    fn read_table(&self, deadline: Instant) -> Result<Table, Error> {
         loop {
             let n = self.control().prepared.load(Ordering::Acquire);
             if n > 0 {
@@ -507,7 +518,11 @@ impl Segment {
                 let events = (0..(n as usize - 1).min(EVENTS))
                     .map(|i| read(TABLE_AT + 64 + i * 64))
                     .collect();
-                return Ok((read(TABLE_AT), events));
+                // SAFETY: as above; 8-aligned (TABLE_AT and 64-byte steps).
+                let bytes = unsafe {
+                    std::ptr::read_volatile(self.base.add(TABLE_AT + 64 + EVENTS * 64) as *const u64)
+                };
+                return Ok((read(TABLE_AT), bytes, events));
             }
             if let Some(why) = self.why() {
                 return Err(Error::Aborted(format!("{}: {why}", self.name)));
@@ -602,7 +617,13 @@ impl Segment {
                 return None;
             }
             let n = ((*d).text_len as usize).min(TEXT);
-            let text = String::from_utf8_lossy(&(&(*d).text)[..n]).into_owned();
+            let mut raw = [0u8; TEXT];
+            std::ptr::copy_nonoverlapping(
+                std::ptr::addr_of!((*d).text) as *const u8,
+                raw.as_mut_ptr(),
+                TEXT,
+            );
+            let text = String::from_utf8_lossy(&raw[..n]).into_owned();
             let Some(dtype) = dtype_of((*d).dtype) else {
                 return Some(Err(Error::Aborted(format!(
                     "{}: posted send #{k} names element type code {}",
@@ -665,6 +686,8 @@ pub trait SendApi: Send + Sync {
     /// The handle of the rank's arena, the one allocation its buffers for
     /// copy-engine lanes come from (opened by the destinations at setup).
     fn arena(&self) -> [u8; 64];
+    /// The arena's size.
+    fn arena_bytes(&self) -> u64;
     /// `ptr`'s offset in the arena, if it is in it.
     fn offset(&self, ptr: u64) -> Option<u64>;
     /// Never unregisters the segment (a stream may wait on it).
@@ -739,7 +762,7 @@ impl<A: SendApi> IpcSender<A> {
             });
         }
         let handles: Vec<[u8; 64]> = pool.iter().map(|e| e.handle).collect();
-        seg.write_table(&api.arena(), &handles);
+        seg.write_table(&api.arena(), api.arena_bytes(), &handles);
         Ok(IpcSender {
             name: name.into(),
             api,
@@ -797,7 +820,8 @@ impl<A: SendApi> IpcSender<A> {
             }
             st.next
         };
-        // Room in the ring: the feeder reads it whatever its rank does.
+        // Room in the ring (the feeder reads it whatever its rank does),
+        // then a free event: one deadline for both.
         let start = Instant::now();
         while self.seg.unread() >= RING as u64 {
             if let Some(why) = self.seg.why() {
@@ -814,7 +838,11 @@ impl<A: SendApi> IpcSender<A> {
             std::thread::sleep(Duration::from_micros(100));
         }
         // The buffer first: a failure leaves nothing on the stream.
-        let Some(offset) = self.api.offset(ptr) else {
+        let inside = |o: &u64| {
+            o.checked_add(bytes as u64)
+                .is_some_and(|end| end <= self.api.arena_bytes())
+        };
+        let Some(offset) = self.api.offset(ptr).filter(inside) else {
             return Err(failure(
                 Error::Invalid {
                     at: text.to_string(),
@@ -831,7 +859,6 @@ impl<A: SendApi> IpcSender<A> {
         let mut pool = lock(&self.pool);
         // A free event of the pool: waits (bounded) while every one is held
         // by a send not yet waited for by the destination's copy stream.
-        let start = Instant::now();
         let (index, handle) = loop {
             match self.pick(&pool) {
                 Ok(Some(i)) => break i,
@@ -924,6 +951,10 @@ impl<A: SendApi> IpcSender<A> {
         {
             let mut st = lock(&self.state);
             let why = self.aborted_now(&mut st);
+            if why.is_some() {
+                // A late copy's own write can land after any release.
+                self.seg.release_all();
+            }
             for o in &st.out {
                 if satisfies(copied, (o.k + 1) as u32) {
                     o.ticket.set(TicketState::Delivered);
@@ -944,7 +975,15 @@ impl<A: SendApi> IpcSender<A> {
     /// Aborts the lane, here and for the destination (see the module
     /// docs); idempotent.
     pub fn abort(&self, why: &str) {
+        // The reason before the release: a stream the release lets go finds
+        // why on either side.
         self.seg.abort(&format!("{} (aborted by its source)", why));
+        {
+            let mut st = lock(&self.state);
+            if st.aborted.is_none() {
+                st.aborted = Some(self.seg.why().unwrap_or_else(|| why.into()));
+            }
+        }
         self.seg.release_all();
         let _ = self.settle();
     }
@@ -966,6 +1005,8 @@ impl<A: SendApi> Drop for IpcSender<A> {
             for o in st.out.drain(..) {
                 std::mem::forget(o.keep);
             }
+            // The destination's copy stream may still wait on them.
+            std::mem::forget(std::mem::take(self.pool.get_mut_or_lock()));
             self.api.leak();
             self.seg.leak();
         }
@@ -1058,6 +1099,8 @@ pub struct Feeder<A: CopyApi, O: OpenApi<Ready = A::Ready>> {
     events: Vec<O::Ready>,
     /// The source's arena: its handle, and where it is mapped here.
     arena: Option<([u8; 64], u64)>,
+    /// The source's arena's size.
+    arena_bytes: u64,
     let_go: Arc<Mutex<LetGo>>,
 }
 
@@ -1073,6 +1116,7 @@ where
             open,
             events: Vec::new(),
             arena: None,
+            arena_bytes: 0,
             let_go: Arc::new(Mutex::new(LetGo::default())),
         }
     }
@@ -1081,9 +1125,10 @@ where
     /// rank can wait on a lane: its arena and its events, once the source
     /// wrote their handles (waiting for that until `deadline`).
     pub fn prepare(&mut self, deadline: Instant) -> Result<(), Error> {
-        let (arena, events) = self.seg.read_table(deadline)?;
+        let (arena, bytes, events) = self.seg.read_table(deadline)?;
         let base = self.open.open_mem(&arena)?;
         self.arena = Some((arena, base));
+        self.arena_bytes = bytes;
         self.events = events
             .iter()
             .map(|h| self.open.open_event(h))
@@ -1129,12 +1174,21 @@ where
             )));
         };
         let base = match self.arena {
-            Some((h, base)) if h == p.mem => base,
+            Some((h, base))
+                if h == p.mem
+                    && p.offset
+                        .checked_add(p.bytes as u64)
+                        .is_some_and(|end| end <= self.arena_bytes) =>
+            {
+                base
+            }
             _ => {
                 return Err(Error::Aborted(format!(
-                    "{}: send #{} is in an allocation other than the source's arena",
+                    "{}: send #{} ({} bytes at offset {}) is not within the source's arena",
                     lane.name(),
-                    p.k
+                    p.k,
+                    p.bytes,
+                    p.offset
                 )));
             }
         };
@@ -1221,6 +1275,8 @@ pub mod cuda {
         host: *mut u8,
         dev: u64,
         leak: AtomicBool,
+        /// Unregistered with its context current.
+        device: Arc<Device>,
     }
 
     // SAFETY: a registration is a plain address range, usable from any
@@ -1230,7 +1286,7 @@ pub mod cuda {
     unsafe impl Sync for Registered {}
 
     impl Registered {
-        fn new(seg: &Segment) -> Result<Registered, Error> {
+        fn new(seg: &Segment, device: &Arc<Device>) -> Result<Registered, Error> {
             let host = seg.base();
             // SAFETY: `SEGMENT` bytes of a live shared mapping, page-aligned;
             // unregistered before it is unmapped (field order of the
@@ -1256,6 +1312,7 @@ pub mod cuda {
                 host,
                 dev,
                 leak: AtomicBool::new(false),
+                device: device.clone(),
             })
         }
 
@@ -1284,7 +1341,9 @@ pub mod cuda {
 
     impl Drop for Registered {
         fn drop(&mut self) {
-            if !self.leak.load(Ordering::Acquire) {
+            if !self.leak.load(Ordering::Acquire)
+                && let Ok(_bound) = self.device.bind_scoped()
+            {
                 // SAFETY: registered by `new`, once.
                 unsafe { sys::cuMemHostUnregister(self.host as *mut std::ffi::c_void) };
             }
@@ -1323,6 +1382,10 @@ pub mod cuda {
 
         fn arena(&self) -> [u8; 64] {
             self.arena.handle()
+        }
+
+        fn arena_bytes(&self) -> u64 {
+            self.arena.size() as u64
         }
 
         fn offset(&self, ptr: u64) -> Option<u64> {
@@ -1484,6 +1547,8 @@ pub mod cuda {
     ) -> Result<(crate::ctx::CopyLanes, Arc<Arena>), Error> {
         let mut out: Vec<((Rank, Rank), Arc<dyn CopyPath>)> = Vec::new();
         device.bind()?;
+        // Everything the lanes will use, before any op can wait.
+        crate::cuda::wait_kernel()?;
         let own = Arc::new(Arena::new(arena)?);
         // Destinations first, so that no rank waits for a segment its peer
         // makes only after it waited for one of this rank's.
@@ -1492,7 +1557,7 @@ pub mod cuda {
             let (name, _, _) = compile::copy_lane(a, Dir::Send, b);
             let seg = Arc::new(Segment::create(&Segment::name(job, a, b))?);
             let api = IpcRecv {
-                reg: Registered::new(&seg)?,
+                reg: Registered::new(&seg, device)?,
                 device: device.clone(),
                 stream: Stream::new()?,
                 seg: seg.clone(),
@@ -1510,7 +1575,7 @@ pub mod cuda {
             let (name, _, _) = compile::copy_lane(a, Dir::Send, b);
             let seg = Arc::new(Segment::open(&Segment::name(job, a, b), deadline)?);
             let api = IpcSend {
-                reg: Registered::new(&seg)?,
+                reg: Registered::new(&seg, device)?,
                 device: device.clone(),
                 arena: own.clone(),
             };

@@ -168,6 +168,10 @@ impl SendApi for FakeSend {
         h
     }
 
+    fn arena_bytes(&self) -> u64 {
+        ARENA_BYTES
+    }
+
     fn offset(&self, ptr: u64) -> Option<u64> {
         (ARENA..ARENA + ARENA_BYTES)
             .contains(&ptr)
@@ -599,7 +603,64 @@ fn a_posted_send_naming_what_was_not_opened_aborts_the_lane() {
     });
     p.step();
     let why = p.lane.aborted().expect("aborted");
-    assert!(why.contains("other than the source's arena"), "{why}");
+    assert!(why.contains("not within the source's arena"), "{why}");
+}
+
+#[test]
+fn a_posted_send_past_the_arenas_end_aborts_the_lane() {
+    let mut p = pair();
+    let mut mem = [0u8; 64];
+    mem[..8].copy_from_slice(&ARENA.to_le_bytes());
+    p.world.seg.post(&super::Posted {
+        k: 0,
+        bytes: 16,
+        dtype: DType::U8,
+        mem,
+        offset: ARENA_BYTES - 8,
+        event: 0,
+        event_handle: [0; 64],
+        text: "past the end".into(),
+    });
+    p.step();
+    let why = p.lane.aborted().expect("aborted, no copy out of bounds");
+    assert!(why.contains("16 bytes at offset"), "{why}");
+    assert!(lock(&p.world.inner).queue.is_empty(), "nothing enqueued");
+}
+
+#[test]
+fn a_send_running_past_the_arenas_end_is_refused() {
+    let p = pair();
+    let e = p
+        .sender
+        .send(
+            &1,
+            ARENA + ARENA_BYTES - 8,
+            16,
+            DType::U8,
+            "send 16",
+            Box::new(()),
+        )
+        .expect_err("past the end");
+    assert!(e.to_string().contains("arena"), "{e}");
+}
+
+#[test]
+fn an_abort_by_either_side_writes_why_before_it_releases() {
+    let mut p = pair();
+    let keep = Arc::new(());
+    let s = p.send(SRC, 8, &keep);
+    p.step();
+    // The destination aborts: by the time the source's stream is released,
+    // the reason is in the segment.
+    p.lane.abort("rank 1 hung");
+    assert!(p.world.released(1));
+    assert!(
+        p.sender
+            .aborted()
+            .is_some_and(|w| w.contains("rank 1 hung"))
+    );
+    let _ = p.sender.settle();
+    assert!(matches!(s.state(), TicketState::Failed(w) if w.contains("rank 1 hung")));
 }
 
 #[test]
