@@ -139,7 +139,8 @@ impl Device {
 /// times in 3 with stream-waits, passed 3 in 3 with this kernel. A
 /// launched kernel holds its queue no longer than its launch, as an NCCL
 /// kernel does. What it costs: a 4 KiB message on a lane of one GPU took
-/// 21.7 µs instead of 14.5 (`docs/gpu/copylane-1gpu.txt`), and a waiting op
+/// 21.7 µs, against 10.8–14.5 in earlier stream-wait runs on other machines
+/// (`docs/gpu/copylane-1gpu.txt`), and a waiting op
 /// holds one thread of one SM.
 const WAIT_PTX: &str = r#"
 .version 7.0
