@@ -326,7 +326,7 @@ impl<A: CopyApi> CopyLane<A> {
         text: &str,
         keep: Keep,
     ) -> Result<Arc<Ticket>, IssueFailure> {
-        let (me, other) = (ix(dir), ix(dir.other()));
+        let me = ix(dir);
         // 1. Under the lock: refuse on an abort or a mismatch with the
         // partner already issued; reserve the message number.
         let k = {
@@ -392,20 +392,8 @@ impl<A: CopyApi> CopyLane<A> {
                 self.abort_locked(&mut st, &e.to_string(), &mut dropped);
                 ticket.set(TicketState::Failed(e.to_string().into()));
                 Err(failure(e, Some(ticket)))
-            } else if let Some(p) = st.ahead[other].pop_front() {
-                tracing::debug!(lane = %self.name, k, ?dir, "copy lane: matched at issue");
-                side.ticket.set(TicketState::Copying);
-                p.ticket.set(TicketState::Copying);
-                let (send, recv) = if dir == Dir::Send {
-                    (side, p)
-                } else {
-                    (p, side)
-                };
-                st.jobs.push_back(Job { k, send, recv });
-                Ok(ticket)
             } else {
-                tracing::debug!(lane = %self.name, k, ?dir, "copy lane: issued ahead of its partner");
-                st.ahead[me].push_back(side);
+                self.place(&mut st, k, dir, side);
                 Ok(ticket)
             }
         };
@@ -414,6 +402,26 @@ impl<A: CopyApi> CopyLane<A> {
             self.pump_inline();
         }
         result
+    }
+
+    /// Matches side `k` of `dir` with its partner issued before it (a job
+    /// for the pump), or queues it ahead of its partner. Under the lock,
+    /// after [`CopyLane::mismatch`] found none.
+    fn place(&self, st: &mut State<A>, k: u64, dir: Dir, side: Side<A::Ready>) {
+        if let Some(p) = st.ahead[ix(dir.other())].pop_front() {
+            tracing::debug!(lane = %self.name, k, ?dir, "copy lane: matched at issue");
+            side.ticket.set(TicketState::Copying);
+            p.ticket.set(TicketState::Copying);
+            let (send, recv) = if dir == Dir::Send {
+                (side, p)
+            } else {
+                (p, side)
+            };
+            st.jobs.push_back(Job { k, send, recv });
+        } else {
+            tracing::debug!(lane = %self.name, k, ?dir, "copy lane: issued ahead of its partner");
+            st.ahead[ix(dir)].push_back(side);
+        }
     }
 
     /// The program error if the partner issued at this side's position `k`
@@ -506,17 +514,7 @@ impl<A: CopyApi> CopyLane<A> {
                     ticket,
                     keep,
                 };
-                if let Some(p) = st.ahead[1].pop_front() {
-                    side.ticket.set(TicketState::Copying);
-                    p.ticket.set(TicketState::Copying);
-                    st.jobs.push_back(Job {
-                        k,
-                        send: side,
-                        recv: p,
-                    });
-                } else {
-                    st.ahead[0].push_back(side);
-                }
+                self.place(&mut st, k, Dir::Send, side);
                 Ok(())
             }
         };

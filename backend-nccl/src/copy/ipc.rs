@@ -821,21 +821,31 @@ impl<A: SendApi> IpcSender<A> {
             st.next
         };
         // Room in the ring (the feeder reads it whatever its rank does),
-        // then a free event: one deadline for both.
+        // then a free event: one deadline for both. While waiting: the
+        // error that ends the wait, if one does (an abort; the deadline,
+        // which aborts the lane for `what`).
         let start = Instant::now();
-        while self.seg.unread() >= RING as u64 {
+        let stop = |what: &dyn Fn() -> String| -> Option<IssueFailure> {
             if let Some(why) = self.seg.why() {
-                return Err(failure(aborted(&why), None));
+                return Some(failure(aborted(&why), None));
             }
             if start.elapsed() > self.timeout {
-                let why = format!(
-                    "the destination's process read none of the last {RING} sends within {:?}: it is stuck or dead",
-                    self.timeout
-                );
+                let why = what();
                 self.abort(&why);
-                return Err(failure(aborted(&why), None));
+                return Some(failure(aborted(&why), None));
             }
             std::thread::sleep(Duration::from_micros(100));
+            None
+        };
+        while self.seg.unread() >= RING as u64 {
+            if let Some(f) = stop(&|| {
+                format!(
+                    "the destination's process read none of the last {RING} sends within {:?}: it is stuck or dead",
+                    self.timeout
+                )
+            }) {
+                return Err(f);
+            }
         }
         // The buffer first: a failure leaves nothing on the stream.
         let inside = |o: &u64| {
@@ -868,18 +878,14 @@ impl<A: SendApi> IpcSender<A> {
                     return Err(failure(e, None));
                 }
             }
-            if let Some(why) = self.seg.why() {
-                return Err(failure(aborted(&why), None));
-            }
-            if start.elapsed() > self.timeout {
-                let why = format!(
+            if let Some(f) = stop(&|| {
+                format!(
                     "all {EVENTS} interprocess events of the lane are held by sends whose copies the destination has not enqueued within {:?} (at most {EVENTS} sends of a lane across processes may be in flight unmatched)",
                     self.timeout
-                );
-                self.abort(&why);
-                return Err(failure(aborted(&why), None));
+                )
+            }) {
+                return Err(f);
             }
-            std::thread::sleep(Duration::from_micros(100));
         };
         let enqueued = self.api.record(&pool[index].event, stream).and_then(|()| {
             self.api.wait(stream, slot, value)?;
