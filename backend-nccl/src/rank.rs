@@ -1073,6 +1073,15 @@ impl NcclRank {
                     "the wait-for cycle is the model's ({}), replayed from what every rank issued",
                     ctx.opts.model
                 );
+                if s.cycle.is_empty() && s.missing.is_empty() {
+                    // The model has every host call blocked but no device
+                    // op waiting on anything it knows: the GPU did not do
+                    // what the model says it can. Reported, never dropped.
+                    s.note = Some(format!(
+                        "the model ({}) finds no wait-for cycle in what every rank issued: it says the pending ops below can complete, and the GPU did not complete them. That is a disagreement between the model and the GPU (please report it); causes seen outside the model: streams sharing a CUDA hardware queue (CUDA_DEVICE_MAX_CONNECTIONS) and IPC opens stalling (HQ and IPC in docs/semantics.md, \"Where the code and the record differ\")",
+                        ctx.opts.model
+                    ));
+                }
                 s.ops = mine.clone();
                 s
             }
