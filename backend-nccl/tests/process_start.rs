@@ -18,8 +18,13 @@ fn child_rank() {
     if std::env::var_os("DUPLEX_TEST_CHILD").is_none() {
         return;
     }
+    // DUPLEX_TEST_COPY: the job asks for copy-engine lanes across
+    // processes.
+    let copy = std::env::var_os("DUPLEX_TEST_COPY").map(|_| duplex::Size(1 << 20));
     let r = duplex_nccl::Process::from_env().and_then(|p| {
         p.timeout(Duration::from_millis(TIMEOUT_MS))
+            .policy(duplex::Policy::PerDirection)
+            .copy_from(copy)
             .run(|_| Ok(()))
             .map(drop)
     });
@@ -49,6 +54,7 @@ fn job(envs: [&[(&str, &str)]; 2]) -> (Vec<String>, Duration) {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("DUPLEX_PORT", port.to_string())
                 .env("DUPLEX_STORE_TOKEN", format!("duplex-start-test-{port}"))
+                .env_remove("DUPLEX_IPC_COPY")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null());
             for (k, v) in envs[rank] {
@@ -114,5 +120,20 @@ fn a_wrong_world_size_is_named_on_the_rank_that_has_it() {
         said[1]
     );
     assert!(said[0].starts_with("ERROR"), "rank 0: {}", said[0]);
+    assert!(took < BOUND, "the job took {took:?}");
+}
+
+/// Copy-engine lanes across processes are experimental: without
+/// `DUPLEX_IPC_COPY=1` every rank refuses them at once, saying why and how
+/// to use them anyway, whether or not NCCL is here.
+#[test]
+fn copy_lanes_across_processes_are_refused_unless_asked_for() {
+    let (said, took) = job([&[("DUPLEX_TEST_COPY", "1")], &[("DUPLEX_TEST_COPY", "1")]]);
+    for (rank, s) in said.iter().enumerate() {
+        assert!(
+            s.starts_with("ERROR") && s.contains("experimental") && s.contains("DUPLEX_IPC_COPY=1"),
+            "rank {rank}: {s}"
+        );
+    }
     assert!(took < BOUND, "the job took {took:?}");
 }
