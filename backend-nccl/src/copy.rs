@@ -172,6 +172,14 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Message `k`'s op, waiting for its partner.
+    fn waiting(k: u64) -> Arc<Ticket> {
+        Arc::new(Ticket {
+            k,
+            state: Mutex::new(TicketState::Waiting),
+        })
+    }
+
     /// The op's message number on its lane.
     pub fn message(&self) -> u64 {
         self.k
@@ -270,6 +278,12 @@ impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
     }
 }
 
+/// The error of op `text` refused, or failed, because lane `lane` was
+/// aborted for `why`.
+fn lane_aborted(text: &str, lane: &str, why: &str) -> Error {
+    Error::Aborted(format!("{text}: {lane} was aborted: {why}"))
+}
+
 /// What failed a side that was reserved: its wait may be on its stream.
 fn failure(error: Error, ticket: Option<Arc<Ticket>>) -> IssueFailure {
     IssueFailure { error, ticket }
@@ -332,7 +346,7 @@ impl<A: CopyApi> CopyLane<A> {
         let k = {
             let st = lock(&self.state);
             if let Some(why) = &st.aborted {
-                let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+                let e = lane_aborted(text, &self.name, why);
                 return Err(failure(e, None));
             }
             let k = st.next[me];
@@ -360,10 +374,7 @@ impl<A: CopyApi> CopyLane<A> {
                 return Err(failure(e, None));
             }
         };
-        let ticket = Arc::new(Ticket {
-            k,
-            state: Mutex::new(TicketState::Waiting),
-        });
+        let ticket = Ticket::waiting(k);
         let side = Side {
             ready,
             ptr,
@@ -383,7 +394,7 @@ impl<A: CopyApi> CopyLane<A> {
                 // wait just enqueued passes; the op failed.
                 ticket.set(TicketState::Failed(why.clone()));
                 dropped.push(side.keep);
-                let e = Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+                let e = lane_aborted(text, &self.name, &why);
                 Err(failure(e, Some(ticket)))
             } else if let Some(e) = self.mismatch(&st, k, dir, bytes, dtype, text) {
                 // The partner came meanwhile, and differs: this op's wait is
@@ -483,10 +494,7 @@ impl<A: CopyApi> CopyLane<A> {
             let mut st = lock(&self.state);
             if let Some(why) = &st.aborted {
                 dropped.push(keep);
-                Err(Error::Aborted(format!(
-                    "{text}: {} was aborted: {why}",
-                    self.name
-                )))
+                Err(lane_aborted(&text, &self.name, why))
             } else if st.next[0] != k {
                 dropped.push(keep);
                 let e = Error::Aborted(format!(
@@ -501,10 +509,7 @@ impl<A: CopyApi> CopyLane<A> {
                 Err(e)
             } else {
                 st.next[0] = k + 1;
-                let ticket = Arc::new(Ticket {
-                    k,
-                    state: Mutex::new(TicketState::Waiting),
-                });
+                let ticket = Ticket::waiting(k);
                 let side = Side {
                     ready,
                     ptr,
@@ -909,6 +914,30 @@ mod cuda {
     use super::{CopyApi, CopyFailed, SLOTS};
     use crate::cuda::{Device, Event, Stream, check, copy_peer};
 
+    /// [`CopyApi::copy`] on `stream` (of the current context), whatever
+    /// moves the bytes: wait for both ready events, `copy` (not called for
+    /// no bytes), record the done event. What can fail without enqueuing
+    /// comes first; a failure once the copy is enqueued says it started.
+    pub(crate) fn enqueue_copy(
+        stream: &Stream,
+        send: &Event,
+        recv: &Event,
+        bytes: usize,
+        copy: impl FnOnce() -> Result<(), Error>,
+    ) -> Result<Event, CopyFailed> {
+        let done = Event::new(false)?;
+        stream.wait(send)?;
+        stream.wait(recv)?;
+        if bytes > 0 {
+            copy()?;
+        }
+        done.record(stream).map_err(|error| CopyFailed {
+            error,
+            started: true,
+        })?;
+        Ok(done)
+    }
+
     /// Pinned host memory mapped into every device: the lane's flag slots.
     #[derive(Debug)]
     struct Flags {
@@ -1047,21 +1076,11 @@ mod cuda {
             bytes: usize,
         ) -> Result<Event, CopyFailed> {
             let _bound = self.src.bind_scoped()?;
-            // Everything that can fail without enqueuing comes first.
-            let done = Event::new(false)?;
-            self.stream.wait(send)?;
-            self.stream.wait(recv)?;
-            if bytes > 0 {
+            enqueue_copy(&self.stream, send, recv, bytes, || {
                 // SAFETY: both buffers hold `bytes` bytes and are kept alive
                 // until the done event completes (the lane's `keep`).
-                unsafe { copy_peer(&self.dst, dst, &self.src, src, bytes, &self.stream) }?;
-            }
-            let started = |error| CopyFailed {
-                error,
-                started: true,
-            };
-            done.record(&self.stream).map_err(started)?;
-            Ok(done)
+                unsafe { copy_peer(&self.dst, dst, &self.src, src, bytes, &self.stream) }
+            })
         }
 
         fn release(&self, slot: usize, value: u32) -> Result<(), Error> {

@@ -310,6 +310,14 @@ pub(crate) fn nccl_remote(e: &Error) -> bool {
     matches!(e, Error::Library { library, code, .. } if *library == "NCCL" && matches!(code, 2 | 6))
 }
 
+/// Why work of rank `me` can never complete when rank `r` finished first:
+/// the one wording of that cause, for every error that names it.
+pub(crate) fn finished_before(r: Rank, me: Rank) -> String {
+    format!(
+        "rank {r} finished while rank {me}'s work with it was pending, so what would match it was never issued"
+    )
+}
+
 /// How long a wait that failed with an error another rank may have caused
 /// waits for the health monitor to name that rank ([`RankCtx::cause`]): it
 /// notices a death by [`SILENCE`], polls every [`BEAT_EVERY`], and a poll
@@ -1145,10 +1153,9 @@ impl RankCtx {
                 "{what}: rank {r} failed ({why}); on rank {}: {e}",
                 self.rank
             )),
-            Some((r, PeerCause::Finished)) => Error::Aborted(format!(
-                "{what}: rank {r} finished while rank {}'s work with it was pending, so what would match it was never issued ({e})",
-                self.rank
-            )),
+            Some((r, PeerCause::Finished)) => {
+                Error::Aborted(format!("{what}: {} ({e})", finished_before(r, self.rank)))
+            }
             None => e,
         }
     }

@@ -903,8 +903,10 @@ impl NcclRank {
                 self.peer_failed(call, r, &format!("{why} (on this rank: {seen})"))
             }
             PeerCause::Finished => Error::Aborted(format!(
-                "rank {} thread {}: `{call}` ended because rank {r} finished while an op of this rank with it was pending, so the op that would match it was never issued ({seen})",
-                self.ctx.rank, self.thread
+                "rank {} thread {}: `{call}` ended because {} ({seen})",
+                self.ctx.rank,
+                self.thread,
+                crate::ctx::finished_before(r, self.ctx.rank)
             )),
         }
     }
@@ -1140,7 +1142,7 @@ impl NcclRank {
         // pending: the likely reason (the model's report names the op it
         // never issued).
         let finished = match ctx.health.finished_among(&peers) {
-            Some(r) => format!("; rank {r} finished while ops of this rank with it were pending"),
+            Some(r) => format!("; {}", crate::ctx::finished_before(r, ctx.rank)),
             None => String::new(),
         };
         // A host thread waiting for a lane made on first use has not issued

@@ -338,7 +338,12 @@ fn store_port(master: u32) -> Result<u16> {
 /// GPU ([`shared_gpu_env`]): `DUPLEX_ONE_GPU=1`, read by the GPU suite and
 /// the fault matrix.
 pub fn one_gpu_asked() -> bool {
-    std::env::var("DUPLEX_ONE_GPU").is_ok_and(|v| v == "1")
+    switched_on("DUPLEX_ONE_GPU")
+}
+
+/// Whether the environment variable `name` is `1`.
+fn switched_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
 }
 
 pub fn shared_gpu_env(rank: Rank, job: &str) -> [(&'static str, String); 3] {
@@ -612,7 +617,7 @@ fn ipc_arena_bytes() -> Result<usize> {
 /// were asked for (`DUPLEX_IPC_COPY=1`); otherwise a [`Process`] with
 /// `copy_from` set is refused.
 pub fn ipc_copy_asked() -> bool {
-    std::env::var("DUPLEX_IPC_COPY").is_ok_and(|v| v == "1")
+    switched_on("DUPLEX_IPC_COPY")
 }
 
 /// The most calls a rank that finished cleanly publishes for the others'

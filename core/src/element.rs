@@ -50,6 +50,22 @@ impl DType {
         }
     }
 
+    /// The type whose `ncclDataType_t` is `code` ([`DType::nccl`]'s
+    /// inverse), if duplex has one.
+    pub fn from_nccl(code: i32) -> Option<DType> {
+        Some(match code {
+            0 => DType::I8,
+            1 => DType::U8,
+            2 => DType::I32,
+            3 => DType::U32,
+            4 => DType::I64,
+            5 => DType::U64,
+            7 => DType::F32,
+            8 => DType::F64,
+            _ => return None,
+        })
+    }
+
     /// The Rust name of the type.
     pub fn name(self) -> &'static str {
         match self {
@@ -102,6 +118,25 @@ element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64, f32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn from_nccl_is_the_inverse_of_nccl() {
+        for d in [
+            DType::I8,
+            DType::U8,
+            DType::I32,
+            DType::U32,
+            DType::I64,
+            DType::U64,
+            DType::F32,
+            DType::F64,
+        ] {
+            assert_eq!(DType::from_nccl(d.nccl()), Some(d));
+        }
+        for code in [-1, 6, 9, 99] {
+            assert_eq!(DType::from_nccl(code), None);
+        }
+    }
 
     #[test]
     fn sizes_match_rust() {

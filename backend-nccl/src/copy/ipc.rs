@@ -78,7 +78,7 @@ use duplex::{DType, Dir, Error};
 
 use super::{
     CopyApi, CopyLane, CopyPath, IssueFailure, Keep, RELEASED, SLOTS, Ticket, TicketState, failure,
-    generation_of, satisfies, slot_of,
+    generation_of, lane_aborted, satisfies, slot_of,
 };
 use crate::guard::GetMut;
 use crate::sync::{Mutex, lock};
@@ -156,22 +156,6 @@ const _: () = assert!(std::mem::size_of::<Control>() <= WHY_AT - CONTROL_AT);
 const _: () = assert!(std::mem::size_of::<Desc>() <= DESC);
 const _: () = assert!(WHY_AT + WHY <= RING_AT);
 const _: () = assert!(SEGMENT.is_multiple_of(4096));
-
-/// The element type a posted send names.
-fn dtype_of(code: i32) -> Option<DType> {
-    [
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-        DType::F32,
-        DType::F64,
-    ]
-    .into_iter()
-    .find(|d| d.nccl() == code)
-}
 
 /// What the source writes for the destination to open at setup: its
 /// arena's handle and size, and its events' handles.
@@ -624,7 +608,7 @@ impl Segment {
                 TEXT,
             );
             let text = String::from_utf8_lossy(&raw[..n]).into_owned();
-            let Some(dtype) = dtype_of((*d).dtype) else {
+            let Some(dtype) = DType::from_nccl((*d).dtype) else {
                 return Some(Err(Error::Aborted(format!(
                     "{}: posted send #{k} names element type code {}",
                     self.name,
@@ -811,8 +795,7 @@ impl<A: SendApi> IpcSender<A> {
         text: &str,
         keep: Keep,
     ) -> Result<Arc<Ticket>, IssueFailure> {
-        let aborted =
-            |why: &str| Error::Aborted(format!("{text}: {} was aborted: {why}", self.name));
+        let aborted = |why: &str| lane_aborted(text, &self.name, why);
         let k = {
             let mut st = lock(&self.state);
             if let Some(why) = self.aborted_now(&mut st) {
@@ -898,10 +881,7 @@ impl<A: SendApi> IpcSender<A> {
         }
         pool[index].last = Some(k);
         drop(pool);
-        let ticket = Arc::new(Ticket {
-            k,
-            state: Mutex::new(TicketState::Waiting),
-        });
+        let ticket = Ticket::waiting(k);
         let mut st = lock(&self.state);
         st.next = k + 1;
         let why = self.aborted_now(&mut st);
@@ -1482,22 +1462,14 @@ pub mod cuda {
             bytes: usize,
         ) -> Result<Event, CopyFailed> {
             let _bound = self.device.bind_scoped()?;
-            let done = Event::new(false)?;
-            self.stream.wait(send)?;
-            self.stream.wait(recv)?;
-            if bytes > 0 {
+            crate::copy::cuda::enqueue_copy(&self.stream, send, recv, bytes, || {
                 // SAFETY: the recv buffer is this process's and the send's
-                // is mapped here; both are kept until the done event
-                // completes (the lane's `keep`).
+                // is in the source's arena, mapped here; both are kept until
+                // the done event completes (the lane's `keep`).
                 check("cuMemcpyDtoDAsync", unsafe {
                     sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream.raw() as sys::CUstream)
-                })?;
-            }
-            done.record(&self.stream).map_err(|error| CopyFailed {
-                error,
-                started: true,
-            })?;
-            Ok(done)
+                })
+            })
         }
 
         fn release(&self, slot: usize, value: u32) -> Result<(), Error> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use duplex::{DType, Dir, Error};
 
-use super::{EVENTS, Feeder, IpcSender, OpenApi, RING, SLOTS, Segment, SendApi, TEXT, dtype_of};
+use super::{EVENTS, Feeder, IpcSender, OpenApi, RING, SLOTS, Segment, SendApi, TEXT};
 use crate::copy::{CopyApi, CopyFailed, CopyLane, TicketState, satisfies};
 use crate::sync::{Mutex, lock};
 
@@ -369,6 +369,28 @@ impl Pair {
             .expect("issued")
     }
 
+    /// A send of `bytes` at `ptr` named `text` that must be refused.
+    fn refused(&self, ptr: u64, bytes: usize, text: &str) -> super::IssueFailure {
+        self.sender
+            .send(&1, ptr, bytes, DType::U8, text, Box::new(()))
+            .expect_err("refused")
+    }
+
+    /// Posts message 0 as another process could, bypassing the source:
+    /// `bytes` at `offset` of allocation `mem`.
+    fn forge(&self, mem: [u8; 64], offset: u64, bytes: usize) {
+        self.world.seg.post(&super::Posted {
+            k: 0,
+            bytes,
+            dtype: DType::U8,
+            mem,
+            offset,
+            event: 0,
+            event_handle: [0; 64],
+            text: "forged".into(),
+        });
+    }
+
     /// What the destination's threads and device do next.
     fn step(&mut self) {
         assert!(self.feeder.poll());
@@ -451,10 +473,7 @@ fn a_size_mismatch_fails_both_sides_naming_both_ops_and_releases_both_streams() 
     assert!(p.world.released(1) && p.world.released(2));
     assert!(p.world.get(DST).is_empty(), "no byte was copied");
     // Later sends are refused at once.
-    let e = p
-        .sender
-        .send(&1, SRC, 64, DType::U8, "send 2", Box::new(()))
-        .expect_err("aborted");
+    let e = p.refused(SRC, 64, "send 2");
     assert!(e.to_string().contains("was aborted"), "{e}");
 }
 
@@ -559,10 +578,7 @@ fn buffers_are_let_go_in_message_order_and_nothing_is_opened_after_setup() {
 #[test]
 fn a_send_from_a_buffer_outside_the_arena_is_refused_naming_the_op() {
     let p = pair();
-    let e = p
-        .sender
-        .send(&1, DST, 8, DType::U8, "send 8 x u8 to rank 1", Box::new(()))
-        .expect_err("not in the arena");
+    let e = p.refused(DST, 8, "send 8 x u8 to rank 1");
     let text = e.to_string();
     assert!(
         text.contains("send 8 x u8 to rank 1") && text.contains("arena"),
@@ -581,26 +597,14 @@ fn more_unmatched_sends_than_events_fail_within_the_deadline() {
         p.send(SRC, 8, &keep);
         p.step();
     }
-    let e = p
-        .sender
-        .send(&1, SRC, 8, DType::U8, "one send too many", Box::new(()))
-        .expect_err("no free event");
+    let e = p.refused(SRC, 8, "one send too many");
     assert!(e.to_string().contains("at most 256"), "{e}");
 }
 
 #[test]
 fn a_posted_send_naming_what_was_not_opened_aborts_the_lane() {
     let mut p = pair();
-    p.world.seg.post(&super::Posted {
-        k: 0,
-        bytes: 8,
-        dtype: DType::U8,
-        mem: [9; 64],
-        offset: 0,
-        event: 0,
-        event_handle: [0; 64],
-        text: "forged".into(),
-    });
+    p.forge([9; 64], 0, 8);
     p.step();
     let why = p.lane.aborted().expect("aborted");
     assert!(why.contains("not within the source's arena"), "{why}");
@@ -611,16 +615,7 @@ fn a_posted_send_past_the_arenas_end_aborts_the_lane() {
     let mut p = pair();
     let mut mem = [0u8; 64];
     mem[..8].copy_from_slice(&ARENA.to_le_bytes());
-    p.world.seg.post(&super::Posted {
-        k: 0,
-        bytes: 16,
-        dtype: DType::U8,
-        mem,
-        offset: ARENA_BYTES - 8,
-        event: 0,
-        event_handle: [0; 64],
-        text: "past the end".into(),
-    });
+    p.forge(mem, ARENA_BYTES - 8, 16);
     p.step();
     let why = p.lane.aborted().expect("aborted, no copy out of bounds");
     assert!(why.contains("16 bytes at offset"), "{why}");
@@ -630,17 +625,7 @@ fn a_posted_send_past_the_arenas_end_aborts_the_lane() {
 #[test]
 fn a_send_running_past_the_arenas_end_is_refused() {
     let p = pair();
-    let e = p
-        .sender
-        .send(
-            &1,
-            ARENA + ARENA_BYTES - 8,
-            16,
-            DType::U8,
-            "send 16",
-            Box::new(()),
-        )
-        .expect_err("past the end");
+    let e = p.refused(ARENA + ARENA_BYTES - 8, 16, "send 16");
     assert!(e.to_string().contains("arena"), "{e}");
 }
 
@@ -688,10 +673,7 @@ fn a_full_ring_that_nobody_reads_fails_the_send_within_its_deadline() {
         p.send(SRC, 8, &keep);
     }
     let t = Instant::now();
-    let e = p
-        .sender
-        .send(&1, SRC, 8, DType::U8, "send 257", Box::new(()))
-        .expect_err("no room");
+    let e = p.refused(SRC, 8, "send 257");
     assert!(t.elapsed() < Duration::from_secs(2));
     assert!(e.to_string().contains("stuck or dead"), "{e}");
     assert!(p.sender.aborted().is_some());
@@ -742,19 +724,6 @@ fn names_are_the_same_for_one_job_and_differ_between_jobs_and_lanes() {
     assert_eq!(Segment::name(b"job", 0, 1), Segment::name(b"job", 0, 1));
     assert_ne!(Segment::name(b"job", 0, 1), Segment::name(b"job", 1, 0));
     assert_ne!(Segment::name(b"job", 0, 1), Segment::name(b"other", 0, 1));
-    for d in [
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-        DType::F32,
-        DType::F64,
-    ] {
-        assert_eq!(dtype_of(d.nccl()), Some(d));
-    }
-    assert_eq!(dtype_of(99), None);
 }
 
 #[test]
