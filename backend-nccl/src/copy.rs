@@ -145,9 +145,10 @@ pub trait CopyApi: Send + Sync {
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
-    /// The lane was aborted, the first time, for `why` (after
-    /// [`CopyApi::release_all`]): a lane whose other side is in another
-    /// process tells it here ([`ipc`]).
+    /// The lane was aborted, the first time, for `why` (before any
+    /// [`CopyApi::release_all`] of the abort): a lane whose other side is in
+    /// another process tells it here ([`ipc`]), so that a stream there that
+    /// the release lets go finds why.
     fn aborted(&self, _why: &str) {}
 }
 
@@ -745,6 +746,12 @@ impl<A: CopyApi> CopyLane<A> {
             None => why.into(),
         };
         st.aborted = Some(why.clone());
+        // Why first, then any release (as in `abort`): a stream of another
+        // process that a release lets go must find why, or its rank sees
+        // its op pass undelivered with no reason (`ipc`; seen on a GPU).
+        if first {
+            self.api.aborted(&why);
+        }
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
                 s.ticket.set(TicketState::Failed(why.clone()));
@@ -763,9 +770,6 @@ impl<A: CopyApi> CopyLane<A> {
             }
         }
         self.api.release_all();
-        if first {
-            self.api.aborted(&why);
-        }
     }
 
     /// Why the lane was aborted, if it was.

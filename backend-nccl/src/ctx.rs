@@ -1358,6 +1358,13 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         "another rank failed: aborting this rank's communicators"
                     );
                     ctx.abort_all();
+                    // Across processes the failed rank's analysis joins
+                    // the others' traces: this rank's goes now, whether or
+                    // not one of its threads was waiting (a thread that
+                    // was issuing, or computing, publishes nothing else).
+                    if ctx.health.remote() {
+                        ctx.health.publish(ctx.rank, &ctx.registry.trace());
+                    }
                     fired_at = Some(Instant::now());
                     continue;
                 }

@@ -60,6 +60,16 @@ pub const BEAT_EVERY: Duration = Duration::from_millis(200);
 /// How long a rank (or the store) may be silent before it counts as dead.
 pub const SILENCE: Duration = Duration::from_secs(3);
 
+/// The other ranks' traces, for a hang's analysis ([`Health::gather`]).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Gathered {
+    /// The traces that came, in rank order.
+    pub traces: Vec<Trace>,
+    /// The ranks whose trace did not come in time (or did not decode): the
+    /// analysis does not know what they issued.
+    pub missing: Vec<Rank>,
+}
+
 /// What a rank knows of the others' failures, and how it reports its own.
 pub trait Health: Send + Sync + std::fmt::Debug {
     /// Records that `rank` failed, and why. Only a rank's first failure
@@ -73,8 +83,8 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Publishes this rank's trace for the others' analyses.
     fn publish(&self, rank: Rank, trace: &Trace);
     /// The traces the other ranks published, waiting up to `wait` for all
-    /// of them to arrive.
-    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace>;
+    /// of them to arrive, and the ranks whose trace did not come.
+    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Gathered;
     /// Says that `rank` finished cleanly: its silence from now on is no
     /// failure.
     fn finished(&self, rank: Rank);
@@ -170,8 +180,8 @@ impl Health for LocalHealth {
 
     fn publish(&self, _: Rank, _: &Trace) {}
 
-    fn gather(&self, _: u32, _: Rank, _: Duration) -> Vec<Trace> {
-        Vec::new()
+    fn gather(&self, _: u32, _: Rank, _: Duration) -> Gathered {
+        Gathered::default()
     }
 
     fn finished(&self, rank: Rank) {
@@ -427,14 +437,17 @@ impl Health for StoreHealth {
         }
     }
 
-    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Vec<Trace> {
+    fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Gathered {
         let deadline = Instant::now() + wait;
-        let mut out = Vec::new();
+        let mut out = Gathered::default();
         for r in (0..ranks).filter(|r| *r != me) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.store.get(&trace_key(r), left) {
                 Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
-                    Ok(t) => out.push(t),
+                    Ok(t) => {
+                        out.traces.push(t);
+                        continue;
+                    }
                     Err(e) => {
                         tracing::warn!(rank = r, error = %e, "a published trace does not decode")
                     }
@@ -442,6 +455,7 @@ impl Health for StoreHealth {
                 Ok(None) => tracing::debug!(rank = r, "no trace published in time"),
                 Err(e) => tracing::debug!(rank = r, error = %e, "cannot read a published trace"),
             }
+            out.missing.push(r);
         }
         out
     }
@@ -687,10 +701,14 @@ mod tests {
         t2.add_thread(2, "main");
         c.publish(2, &t2);
         let got = a.gather(3, 0, Duration::from_secs(2));
-        assert_eq!(got, vec![t1, t2]);
-        // A rank that never publishes costs the wait, no more.
+        assert_eq!(got.traces, vec![t1, t2.clone()]);
+        assert!(got.missing.is_empty());
+        // A rank that never publishes costs the wait, no more, and is
+        // named (ranks 0 and 3 published nothing).
         let start = Instant::now();
-        assert_eq!(b.gather(4, 1, Duration::from_millis(300)).len(), 1);
+        let got = b.gather(4, 1, Duration::from_millis(300));
+        assert_eq!(got.traces, vec![t2]);
+        assert_eq!(got.missing, vec![0, 3]);
         assert!(start.elapsed() < Duration::from_secs(2));
     }
 }

@@ -29,6 +29,31 @@ use crate::registry::{Blocked, LaunchRec, OpRec};
 /// How long a hang's analysis waits for the other processes' traces.
 const GATHER_WAIT: Duration = Duration::from_secs(2);
 
+/// What a hang's analysis replayed, in the report's words: what every
+/// rank issued, or (across processes) what was missing from it, so that
+/// a report never claims another rank will not issue what it only does
+/// not know about.
+fn replayed_from(me: Rank, missing: &[Rank], unjoined: Option<&str>) -> String {
+    if let Some(why) = unjoined {
+        return format!(
+            "replayed from rank {me}'s own calls alone (the ranks' traces did not join: {why}), so what it says another rank will never issue is not known"
+        );
+    }
+    match missing {
+        [] => "replayed from what every rank issued".to_string(),
+        [r] => format!(
+            "replayed from what the ranks published, where rank {r} published nothing within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes nothing), so what it says rank {r} will never issue is not known"
+        ),
+        _ => {
+            let names: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
+            format!(
+                "replayed from what the ranks published, where ranks {} published nothing within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes nothing), so what it says they will never issue is not known",
+                names.join(", ")
+            )
+        }
+    }
+}
+
 /// The longest one slice of an `await_notify`, between checks of the
 /// other ranks' health.
 const AWAIT_SLICE: Duration = Duration::from_millis(250);
@@ -1060,19 +1085,20 @@ impl NcclRank {
             ),
         );
         let r = &ctx.registry;
-        let analysis = if ctx.health.remote() {
+        let (analysis, missing) = if ctx.health.remote() {
             ctx.health.publish(ctx.rank, &r.trace());
             let others = ctx.health.gather(ctx.world_size, ctx.rank, GATHER_WAIT);
-            r.analyze_with(others)
+            (r.analyze_with(others.traces), others.missing)
         } else {
-            r.analyze()
+            (r.analyze(), Vec::new())
         };
         let disagreements = analysis.disagreements;
+        let from = replayed_from(ctx.rank, &missing, analysis.unjoined.as_deref());
         let note;
         let stuck = match analysis.stuck {
             Some(mut s) => {
                 note = format!(
-                    "the wait-for cycle is the model's ({}), replayed from what every rank issued",
+                    "the wait-for cycle is the model's ({}), {from}",
                     ctx.opts.model
                 );
                 if s.cycle.is_empty() && s.missing.is_empty() {
@@ -1080,7 +1106,7 @@ impl NcclRank {
                     // op waiting on anything it knows: the GPU did not do
                     // what the model says it can. Reported, never dropped.
                     s.note = Some(format!(
-                        "the model ({}) finds no wait-for cycle in what every rank issued: it says the pending ops below can complete, and the GPU did not complete them. That is a disagreement between the model and the GPU (please report it); causes seen outside the model: streams sharing a CUDA hardware queue (CUDA_DEVICE_MAX_CONNECTIONS) and IPC opens stalling (HQ and IPC in docs/semantics.md, \"Where the code and the record differ\")",
+                        "the model ({}) finds no wait-for cycle in what it replayed ({from}): it says the pending ops below can complete, and the GPU did not complete them. That is a disagreement between the model and the GPU (please report it); causes seen outside the model: streams sharing a CUDA hardware queue (CUDA_DEVICE_MAX_CONNECTIONS) and IPC opens stalling (HQ and IPC in docs/semantics.md, \"Where the code and the record differ\")",
                         ctx.opts.model
                     ));
                 }
@@ -1779,5 +1805,31 @@ impl Transport for NcclRank {
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replayed_from;
+
+    #[test]
+    fn a_hang_report_says_whose_calls_it_did_not_know() {
+        assert_eq!(
+            replayed_from(0, &[], None),
+            "replayed from what every rank issued"
+        );
+        let one = replayed_from(0, &[1], None);
+        assert!(
+            one.contains("rank 1 published nothing")
+                && one.contains("rank 1 will never issue is not known"),
+            "{one}"
+        );
+        let two = replayed_from(0, &[1, 3], None);
+        assert!(two.contains("ranks 1, 3 published nothing"), "{two}");
+        let alone = replayed_from(2, &[], Some("comm 4 differs"));
+        assert!(
+            alone.contains("rank 2's own calls alone") && alone.contains("comm 4 differs"),
+            "{alone}"
+        );
     }
 }

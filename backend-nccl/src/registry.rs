@@ -321,6 +321,10 @@ pub struct HangAnalysis {
     pub stuck: Option<Stuck>,
     /// Calls the model refused while replaying.
     pub disagreements: Vec<Disagreement>,
+    /// Why the other ranks' traces could not be joined with this one's,
+    /// when they could not: the analysis then replayed this rank's own
+    /// calls alone.
+    pub unjoined: Option<String>,
 }
 
 impl Registry {
@@ -730,8 +734,11 @@ impl Registry {
             return HangAnalysis {
                 stuck,
                 disagreements,
+                unjoined: (!others.is_empty())
+                    .then(|| "this rank's trace was compacted into a snapshot".to_string()),
             };
         }
+        let mut unjoined = None;
         let trace = if others.is_empty() {
             mine
         } else {
@@ -741,6 +748,7 @@ impl Registry {
                 Ok(t) => t,
                 Err(why) => {
                     tracing::warn!("the ranks' traces do not join: {why}");
+                    unjoined = Some(why);
                     parts.swap_remove(0)
                 }
             }
@@ -753,6 +761,7 @@ impl Registry {
         HangAnalysis {
             stuck,
             disagreements,
+            unjoined,
         }
     }
 }

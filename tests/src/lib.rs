@@ -390,6 +390,43 @@ pub fn mixed_sizes<T: Transport>(t: &T) -> Result<()> {
     Ok(())
 }
 
+/// More messages in flight on one lane than a copy-engine lane across
+/// processes has interprocess events (256, `duplex_nccl::copy::ipc::EVENTS`):
+/// rank 0 sends `count` messages of `n` elements to rank 1 at once, while
+/// rank 1 posts its receives in batches of 16 with a pause before each, so
+/// that past the 256th send the sender records events again while the
+/// destination is still behind (X3 of `docs/semantics.md`); then the same
+/// from rank 1 to rank 0. Every byte of every message is checked.
+pub fn many_in_flight<T: Transport>(t: &T, count: usize, n: usize) -> Result<()> {
+    let peer = 1 - t.rank();
+    for src in 0..2 {
+        if t.rank() == src {
+            let outs = (0..count)
+                .map(|k| filled_with(t, peer, k as u32, n))
+                .collect::<Result<Vec<_>>>()?;
+            for o in &outs {
+                t.send(o, peer)?;
+            }
+            t.synchronize()?;
+        } else {
+            let mut ins = (0..count)
+                .map(|_| t.alloc::<u32>(n))
+                .collect::<Result<Vec<_>>>()?;
+            for (k, i) in ins.iter_mut().enumerate() {
+                if k % 16 == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                t.recv(i, peer)?;
+            }
+            t.synchronize()?;
+            for (k, i) in ins.iter().enumerate() {
+                check(t, i, peer, k as u32)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Send, wait for the send, then receive: completes only where a send can
 /// complete before its recv starts (R5); never on copy-engine lanes (C3).
 pub fn send_sync_recv<T: Transport>(t: &T) -> Result<()> {

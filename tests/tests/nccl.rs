@@ -305,7 +305,7 @@ fn the_suite_names_only_scenarios_it_has() {
     );
     for job in PROCESS_JOBS.iter().chain(&PROCESS_COPY_JOBS) {
         assert!(
-            *job == "peer-dies" || names.contains(job),
+            PROCESS_OWN_JOBS.contains(job) || names.contains(job),
             "process job {job} names no scenario"
         );
     }
@@ -321,11 +321,17 @@ const PROCESS_JOBS: [&str; 4] = [
     "peer-dies",
 ];
 
-/// The two-rank scenarios on copy-engine lanes, as two processes: across
-/// processes the lanes go by CUDA IPC (`duplex_nccl::copy::ipc`), which is
-/// experimental; run with `DUPLEX_IPC_COPY=1`.
-const PROCESS_COPY_JOBS: [&str; 4] = [
+/// The process jobs that are no scenario of the suite: their rank code is
+/// in `one_process_rank`.
+const PROCESS_OWN_JOBS: [&str; 2] = ["peer-dies", "many-in-flight/copy"];
+
+/// The two-rank scenarios on copy-engine lanes, and `many-in-flight/copy`,
+/// as two processes: across processes the lanes go by CUDA IPC
+/// (`duplex_nccl::copy::ipc`), which is experimental; run with
+/// `DUPLEX_IPC_COPY=1`.
+const PROCESS_COPY_JOBS: [&str; 5] = [
     "seed-rpc/copy",
+    "many-in-flight/copy",
     "mixed-sizes/copy",
     "never-buffered/copy",
     "size-mismatch/copy",
@@ -361,6 +367,15 @@ fn one_process_rank(job: &str) {
                 std::process::abort();
             }
             duplex_tests::seed(t)
+        }),
+        // 300 messages of 64 KiB on the copy-engine lanes, more than a lane
+        // across processes has interprocess events (`many_in_flight`).
+        "many-in-flight/copy" => Process::from_env().and_then(|p| {
+            p.timeout(timeout())
+                .warm(true)
+                .policy(Policy::PerDirection)
+                .copy_from(Some(duplex::Size(64 << 10)))
+                .run(|t| duplex_tests::many_in_flight(t, 300, 16 << 10))
         }),
         _ => match scenarios::<NcclRank>().into_iter().find(|s| s.name == job) {
             Some(s) => run_copy(s.policy, s.copy, s.run),

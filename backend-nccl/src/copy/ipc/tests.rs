@@ -44,6 +44,9 @@ struct Inner {
     mapped: HashMap<u64, usize>,
     /// Per stream, its waits (slot, value), oldest first.
     waits: HashMap<u32, Vec<(usize, u32)>>,
+    /// The destination released every slot while the segment did not yet
+    /// say why: a source stream let go then finds no reason.
+    released_before_why: bool,
 }
 
 /// The fake devices of both processes, and the segment as the destination
@@ -264,6 +267,9 @@ impl CopyApi for FakeRecv {
     }
 
     fn release_all(&self) {
+        if self.0.seg.why().is_none() {
+            lock(&self.0.inner).released_before_why = true;
+        }
         self.0.seg.release_all();
     }
 
@@ -471,6 +477,10 @@ fn a_size_mismatch_fails_both_sides_naming_both_ops_and_releases_both_streams() 
     assert!(matches!(r.state(), TicketState::Failed(_)));
     assert!(matches!(s.state(), TicketState::Failed(_)));
     assert!(p.world.released(1) && p.world.released(2));
+    assert!(
+        !lock(&p.world.inner).released_before_why,
+        "the streams were released before the segment said why"
+    );
     assert!(p.world.get(DST).is_empty(), "no byte was copied");
     // Later sends are refused at once.
     let e = p.refused(SRC, 64, "send 2");
@@ -639,6 +649,7 @@ fn an_abort_by_either_side_writes_why_before_it_releases() {
     // the reason is in the segment.
     p.lane.abort("rank 1 hung");
     assert!(p.world.released(1));
+    assert!(!lock(&p.world.inner).released_before_why);
     assert!(
         p.sender
             .aborted()
