@@ -1357,14 +1357,23 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         why = %why,
                         "another rank failed: aborting this rank's communicators"
                     );
-                    ctx.abort_all();
                     // Across processes the failed rank's analysis joins
                     // the others' traces: this rank's goes now, whether or
                     // not one of its threads was waiting (a thread that
                     // was issuing, or computing, publishes nothing else).
+                    // On a thread of its own: the abort can wait for the
+                    // device (P8 of `crate::guard`; on one GPU with one
+                    // hardware queue, HQ, it outlasted the failed rank's
+                    // wait for traces), and a store that is gone makes the
+                    // publish wait for its timeout.
                     if ctx.health.remote() {
-                        ctx.health.publish(ctx.rank, &ctx.registry.trace());
+                        let (health, rank) = (ctx.health.clone(), ctx.rank);
+                        let trace = ctx.registry.trace();
+                        let _ = std::thread::Builder::new()
+                            .name(format!("duplex publish {rank}"))
+                            .spawn(move || health.publish(rank, &trace));
                     }
+                    ctx.abort_all();
                     fired_at = Some(Instant::now());
                     continue;
                 }
