@@ -70,12 +70,20 @@ use duplex::{DType, Dir, Error, ProgramErrorKind};
 use std::sync::Arc;
 
 use crate::guard::GetMut;
-use crate::sync::{Mutex, lock};
+use crate::sync::{AtomicBool, Mutex, Ordering, lock};
 
 /// Copies in flight on a lane's copy stream up to which the issuing thread
 /// enqueues a matched copy itself (each takes five entries of the stream's
 /// queue, which holds about a thousand before an enqueue blocks).
 pub const INLINE_DEPTH: usize = 64;
+
+/// How often the lane's service pumps while a matched message is held back
+/// ([`CopyApi::may_copy`]): first every 20 µs, then less often, to every
+/// [`HELD_POLL_MAX`].
+pub const HELD_POLL: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// The longest wait between two pumps while a message is held back.
+pub const HELD_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
 pub const SLOTS: usize = 1024;
@@ -138,6 +146,18 @@ pub trait CopyApi: Send + Sync {
     fn done(&self, done: &Self::Done) -> Result<bool, Error>;
     /// Writes [`RELEASED`] into every slot, from the host.
     fn release_all(&self);
+    /// Whether the copy of a matched message may be enqueued now. By
+    /// default always: the copy stream waits for both ready events. A lane
+    /// whose sending side is another process ([`ipc`]) says no until that
+    /// process's ready event has completed, so that no stream of this
+    /// process ever waits on another process's work: that process may die
+    /// with the work pending, and the wait, with everything here that
+    /// waits for the device (an abort, a free, the process's exit), would
+    /// then never end. A message held back is enqueued by a later pump
+    /// (the lane's service polls every [`HELD_POLL`] while one is).
+    fn may_copy(&self, _send: &Self::Ready, _recv: &Self::Ready) -> Result<bool, Error> {
+        Ok(true)
+    }
     /// The number of flag slots ([`SLOTS`] on GPUs).
     fn slots(&self) -> usize {
         SLOTS
@@ -269,6 +289,9 @@ pub struct CopyLane<A: CopyApi> {
     /// The service thread ([`CopyLane::start`]), woken when a job is
     /// queued.
     service: std::sync::OnceLock<std::thread::Thread>,
+    /// The last pump held a matched message back ([`CopyApi::may_copy`]):
+    /// the service polls every [`HELD_POLL`].
+    held: AtomicBool,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -307,6 +330,7 @@ impl<A: CopyApi> CopyLane<A> {
             }),
             pumping: Mutex::new(()),
             service: std::sync::OnceLock::new(),
+            held: AtomicBool::new(false),
         }
     }
 
@@ -573,8 +597,59 @@ impl<A: CopyApi> CopyLane<A> {
                 st.jobs.pop_front()
             };
             let Some(job) = job else {
+                self.held.store(false, Ordering::Release);
                 return n;
             };
+            // Not yet (another process's ready event): back at the front,
+            // for a later pump; message order holds, since only a pump,
+            // under the pump lock, takes jobs.
+            match self.api.may_copy(&job.send.ready, &job.recv.ready) {
+                Ok(true) => {}
+                Ok(false) => {
+                    let mut dropped = Vec::new();
+                    {
+                        let mut st = lock(&self.state);
+                        match st.aborted.clone() {
+                            // Aborted meanwhile: the abort failed the jobs
+                            // it found; this one is failed here.
+                            Some(why) => {
+                                for s in [job.send, job.recv] {
+                                    s.ticket.set(TicketState::Failed(why.clone()));
+                                    dropped.push(s.keep);
+                                }
+                            }
+                            None => st.jobs.push_front(job),
+                        }
+                    }
+                    drop(dropped);
+                    self.held.store(true, Ordering::Release);
+                    // The service polls for it (waking itself would spin).
+                    if self
+                        .service
+                        .get()
+                        .is_some_and(|t| t.id() != std::thread::current().id())
+                    {
+                        self.wake();
+                    }
+                    return n;
+                }
+                Err(e) => {
+                    let why = format!(
+                        "{}: asking whether message #{} may be copied failed: {e}",
+                        self.name, job.k
+                    );
+                    let mut dropped = vec![job.send.keep, job.recv.keep];
+                    for t in [&job.send.ticket, &job.recv.ticket] {
+                        t.set(TicketState::Failed(why.as_str().into()));
+                    }
+                    {
+                        let mut st = lock(&self.state);
+                        self.abort_locked(&mut st, &why, &mut dropped);
+                    }
+                    drop(dropped);
+                    continue;
+                }
+            }
             let Job { k, send, recv } = job;
             let (slot, value) = (
                 slot_of(k, self.api.slots()),
@@ -657,14 +732,24 @@ impl<A: CopyApi> CopyLane<A> {
     /// the lane only while it pumps, so the lane is dropped (and its device
     /// side freed) by whoever drops it last, not here.
     pub fn serve(lane: std::sync::Weak<CopyLane<A>>) {
+        // While a message is held back: from every HELD_POLL, doubling to
+        // every HELD_POLL_MAX (the source's stream may be busy for long).
+        let mut poll = HELD_POLL;
         loop {
-            match lane.upgrade() {
+            let held = match lane.upgrade() {
                 Some(l) => {
                     l.pump();
+                    l.held.load(Ordering::Acquire)
                 }
                 None => return,
+            };
+            if held {
+                std::thread::park_timeout(poll);
+                poll = (poll * 2).min(HELD_POLL_MAX);
+            } else {
+                poll = HELD_POLL;
+                std::thread::park_timeout(std::time::Duration::from_millis(50));
             }
-            std::thread::park_timeout(std::time::Duration::from_millis(50));
         }
     }
 

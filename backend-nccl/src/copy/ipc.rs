@@ -1472,6 +1472,16 @@ pub mod cuda {
             })
         }
 
+        fn may_copy(&self, send: &Arc<Event>, _recv: &Arc<Event>) -> Result<bool, Error> {
+            // The source's ready event, recorded in the source's process:
+            // the copy stream waits on it only once it has completed
+            // (`CopyApi::may_copy`). X3 keeps the source from recording it
+            // again until the copy is enqueued, so what was seen complete
+            // here is what the copy stream waits for.
+            let _bound = self.device.bind_scoped()?;
+            send.done()
+        }
+
         fn release(&self, slot: usize, value: u32) -> Result<(), Error> {
             let _bound = self.device.bind_scoped()?;
             // Message k of slot `slot`, generation `value` (`generation_of`).

@@ -266,6 +266,10 @@ impl CopyApi for FakeRecv {
         Ok(done.load(Ordering::Acquire))
     }
 
+    fn may_copy(&self, send: &Ready, _recv: &Ready) -> Result<bool, Error> {
+        Ok(send.load(Ordering::Acquire))
+    }
+
     fn release_all(&self) {
         if self.0.seg.why().is_none() {
             lock(&self.0.inner).released_before_why = true;
@@ -564,6 +568,65 @@ fn an_event_is_recorded_again_only_once_its_last_record_completed_and_the_destin
     assert_eq!(p.lane.copies_in_flight(), 0);
     p.send(SRC, 8, &keep);
     assert_eq!(p.sender.events(), 3, "a free one was found");
+}
+
+/// Copies the destination has enqueued on its copy stream and not run.
+fn copies_queued(w: &World) -> usize {
+    lock(&w.inner)
+        .queue
+        .iter()
+        .filter(|p| matches!(p, Pending::Copy { .. }))
+        .count()
+}
+
+#[test]
+fn a_copy_is_enqueued_only_once_the_sources_ready_event_completed() {
+    // The destination's copy stream never waits on the source process's
+    // work: that process may die with it pending, and the wait would then
+    // never end (`CopyApi::may_copy`).
+    let mut p = pair();
+    p.world.put(SRC, vec![5; 8]);
+    let keep = Arc::new(());
+    lock(&p.world.inner).hold_events = true;
+    let s = p.send(SRC, 8, &keep);
+    let r = p.recv(DST, 8);
+    p.step();
+    assert_eq!(copies_queued(&p.world), 0, "held back on the host");
+    assert_eq!(r.state(), TicketState::Copying);
+    p.lane.pump();
+    assert_eq!(copies_queued(&p.world), 0, "still held back");
+    // The source's stream reaches the record: the next pump enqueues it.
+    p.world.complete_events();
+    p.lane.pump();
+    assert_eq!(copies_queued(&p.world), 1);
+    p.world.run();
+    let _ = p.lane.settle();
+    let _ = p.sender.settle();
+    assert_eq!(r.state(), TicketState::Delivered);
+    assert_eq!(s.state(), TicketState::Delivered);
+    assert_eq!(p.world.get(DST), vec![5; 8]);
+}
+
+#[test]
+fn a_message_held_back_for_its_sources_event_fails_on_abort_and_is_never_enqueued() {
+    let mut p = pair();
+    let keep = Arc::new(());
+    lock(&p.world.inner).hold_events = true;
+    let s = p.send(SRC, 8, &keep);
+    let r = p.recv(DST, 8);
+    p.step();
+    p.lane.abort("rank 0 died");
+    p.world.complete_events();
+    p.lane.pump();
+    assert_eq!(
+        copies_queued(&p.world),
+        0,
+        "nothing waits on the dead process"
+    );
+    assert!(matches!(r.state(), TicketState::Failed(w) if w.contains("rank 0 died")));
+    let _ = p.sender.settle();
+    assert!(matches!(s.state(), TicketState::Failed(w) if w.contains("rank 0 died")));
+    assert!(p.world.released(1) && p.world.released(2));
 }
 
 #[test]
