@@ -1340,11 +1340,6 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                 // The live model applies what the ranks issued since the
                 // last tick, off their issue path (`Registry::settle`).
                 ctx.registry.settle_now_and_then();
-                // Copy-engine lanes: copies seen done, and after an abort
-                // the release of every stream again (`crate::copy`).
-                for end in ctx.copy.values() {
-                    let _ = end.lane.settle();
-                }
                 // Another rank of the job failed: this rank's work cannot
                 // complete, so nothing of it may stay blocked inside NCCL.
                 if let Some((r, why)) = ctx.health.failed(ctx.rank)
@@ -1377,38 +1372,53 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                     fired_at = Some(Instant::now());
                     continue;
                 }
-                let Some(busy) = ctx.issue.busy_for() else {
-                    continue;
-                };
-                if busy <= limit {
-                    continue;
-                }
-                if !ctx.fired.swap(true, Ordering::AcqRel) {
-                    tracing::warn!(
-                        rank = ctx.rank,
-                        "an NCCL call overstayed the deadline: aborting the rank's communicators"
-                    );
-                    ctx.health.fail(
-                        ctx.rank,
-                        &format!(
-                            "an NCCL call of rank {} did not return within {:?}; its communicators were aborted",
-                            ctx.rank, ctx.opts.timeout
-                        ),
-                    );
-                    ctx.abort_all();
-                    fired_at = Some(Instant::now());
-                } else if fired_at.is_some_and(|t| t.elapsed() > FORCE_GRACE) {
-                    let n = ctx.force_free_all();
-                    if n > 0 {
-                        tracing::warn!(
-                            rank = ctx.rank,
-                            comms = n,
-                            "an NCCL call is still blocked after the abort: freeing its communicators to interrupt it"
-                        );
-                    }
+                overstay(&ctx, limit, &mut fired_at);
+                // Copy-engine lanes: copies seen done, and after an abort
+                // the release of every stream again (`crate::copy`). Last:
+                // an event query can wait for the driver while another
+                // thread of the process is inside it (an enqueue into a
+                // full queue), and the checks above must not wait for it.
+                for end in ctx.copy.values() {
+                    let _ = end.lane.settle();
                 }
             }
         });
+}
+
+/// The watchdog's check of the rank's NCCL call: one that has lasted past
+/// the deadline `limit` aborts the rank's communicators; one still inside
+/// NCCL `FORCE_GRACE` after that has them freed to interrupt it.
+fn overstay(ctx: &Arc<RankCtx>, limit: Duration, fired_at: &mut Option<Instant>) {
+    let Some(busy) = ctx.issue.busy_for() else {
+        return;
+    };
+    if busy <= limit {
+        return;
+    }
+    if !ctx.fired.swap(true, Ordering::AcqRel) {
+        tracing::warn!(
+            rank = ctx.rank,
+            "an NCCL call overstayed the deadline: aborting the rank's communicators"
+        );
+        ctx.health.fail(
+            ctx.rank,
+            &format!(
+                "an NCCL call of rank {} did not return within {:?}; its communicators were aborted",
+                ctx.rank, ctx.opts.timeout
+            ),
+        );
+        ctx.abort_all();
+        *fired_at = Some(Instant::now());
+    } else if fired_at.is_some_and(|t| t.elapsed() > FORCE_GRACE) {
+        let n = ctx.force_free_all();
+        if n > 0 {
+            tracing::warn!(
+                rank = ctx.rank,
+                comms = n,
+                "an NCCL call is still blocked after the abort: freeing its communicators to interrupt it"
+            );
+        }
+    }
 }
 
 /// The text of a panic payload.

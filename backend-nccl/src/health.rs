@@ -693,7 +693,8 @@ mod tests {
         let (port, secret) = store();
         let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
         let b = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
-        let c = StoreHealth::start(Store::client("127.0.0.1", port, secret), 2);
+        let c = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 2);
+        let secret2 = secret;
         let mut t1 = Trace::new(3);
         t1.add_thread(1, "main");
         b.publish(1, &t1);
@@ -710,5 +711,17 @@ mod tests {
         assert_eq!(got.traces, vec![t2]);
         assert_eq!(got.missing, vec![0, 3]);
         assert!(start.elapsed() < Duration::from_secs(2));
+        // A trace published while the gather waits arrives in it.
+        let late = StoreHealth::start(Store::client("127.0.0.1", port, secret2), 3);
+        let mut t3 = Trace::new(4);
+        t3.add_thread(3, "main");
+        let t3c = t3.clone();
+        let publisher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            late.publish(3, &t3c);
+        });
+        let got = c.gather(4, 2, Duration::from_secs(2));
+        publisher.join().expect("published");
+        assert!(got.traces.contains(&t3), "the late trace came: {got:?}");
     }
 }
