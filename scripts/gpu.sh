@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc all,
+#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc ipc-copy all,
 #                                 or one-gpu (on a machine with one GPU only)
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
@@ -36,6 +36,9 @@
 # self-unpaired, read-after-abort and reply-after-wait), and for lanes made
 # on first use (issue 12, item 3) a fourth,
 #   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md /tmp/r/ipc-flags.md", ...)
+# and for copy-engine lanes across processes (experimental; issue 12 item
+# 4), a fifth,
+#   run(command="OUT=/tmp/r scripts/gpu.sh run ipc-copy; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt", ...)
 # and copy the reports back into the repo (docs/gpu/). When only the
 # one-GPU kind is lent, the process-per-rank behaviour still runs (~4 min):
 #   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
@@ -122,6 +125,27 @@ run)
       DUPLEX_LANES=lazy DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite-lazy.txt"
       record suite-lazy "${PIPESTATUS[0]}"
       set -e ;;
+    ipc-copy)
+      # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1;
+      # not part of `all`): the suite's five process copy jobs, each three
+      # times in a pair of processes on the two GPUs. Lifting the gate waits
+      # for this on two GPUs (docs/gpu/ipc-copy-1gpu.md has the one-GPU
+      # runs). A job's verdict is its RESULT (the test passes either way
+      # when one job is chosen): all 15 must pass.
+      : > "$out/ipc-copy.txt"
+      for i in 1 2 3; do
+        for job in seed-rpc/copy many-in-flight/copy mixed-sizes/copy never-buffered/copy size-mismatch/copy; do
+          DUPLEX_IPC_COPY=1 DUPLEX_SCENARIO="process:$job" DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} \
+            timeout 90 .gpu/nccl-suite --ignored --nocapture --test-threads=1 >> "$out/ipc-copy.txt" 2>&1 || true
+        done
+      done
+      # (libtest may print "test ... " before it on the same line.)
+      if [ "$(grep -o "RESULT PASS" "$out/ipc-copy.txt" | wc -l)" -eq 15 ]; then
+        record ipc-copy 0
+      else
+        record ipc-copy 1
+      fi
+      grep -o "RESULT .*" "$out/ipc-copy.txt" | cut -c1-200 ;;
     faults)
       # The fault matrix (backend-nccl/examples/faults.rs): every case's
       # survivors must end by themselves, with an error naming the failed
