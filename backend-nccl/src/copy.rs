@@ -23,13 +23,16 @@
 //!    before the write is enqueued, so a stream released by it finds the
 //!    copy done and known to the lane ([`CopyLane::settle`] delivers it).
 //!
-//! No lock of the lane's state is held across a device call (an enqueue
-//! blocks while a stream's queue is full, and a lane is shared by two
-//! ranks): a side reserves its message number under the lock, enqueues on
-//! its own stream without it, then registers or matches under it. Matched
-//! copies are enqueued in message order under the pump lock, by the thread
-//! that matched them while the copy stream is shallow ([`INLINE_DEPTH`]),
-//! else by the lane's service thread ([`CopyLane::start`]).
+//! No lock of the lane's state is held across an enqueue (it blocks while
+//! a stream's queue is full, and a lane is shared by two ranks), only
+//! across the settle's non-blocking event queries: a side reserves its
+//! message number under the lock, enqueues on its own stream without it,
+//! then registers or matches under it. Matched copies are enqueued in
+//! message order under the pump lock, by the thread that matched them
+//! while the copy stream is shallow ([`INLINE_DEPTH`]), else by the lane's
+//! service thread ([`CopyLane::start`]). A lane whose sending side is
+//! another process holds a matched copy back until that process's ready
+//! event has completed ([`CopyApi::may_copy`]); the service polls for it.
 //!
 //! Copies of a lane run in message order on its one copy stream, so each
 //! slot's value only grows and a waiter is never released by an older
@@ -51,9 +54,9 @@
 //! lane. A copy already enqueued may still run later (when its ready events
 //! fire) and write its own smaller value into its slot; while aborted,
 //! every [`CopyLane::settle`] writes [`RELEASED`] again, so such a write
-//! can hold a stream back only until the next settle (the rank's watchdog
-//! settles every tick). An abort releases the slots before it takes the
-//! lane's lock. The buffers of an
+//! can hold a stream back only until the next settle (the lane's service
+//! settles at least every 50 ms). An abort says why to the other side and
+//! releases the slots before it takes the lane's lock. The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
 //! event completes, or for good if it never does (P6 of `crate::guard`).
 //! They are dropped with no lane lock held; dropping one must not wait for
@@ -79,11 +82,25 @@ pub const INLINE_DEPTH: usize = 64;
 
 /// How often the lane's service pumps while a matched message is held back
 /// ([`CopyApi::may_copy`]): first every 20 µs, then less often, to every
-/// [`HELD_POLL_MAX`].
+/// [`HELD_POLL_MAX`] ([`held_poll`]).
 pub const HELD_POLL: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// The longest wait between two pumps while a message is held back.
 pub const HELD_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The service's next wait after one of `poll` while a message is held
+/// back: [`HELD_POLL`] again whenever the pump moved a message (a lane
+/// whose source records each message's event only once the one before it
+/// was copied holds every message back for a moment: each must be polled
+/// for quickly), else twice as long, to [`HELD_POLL_MAX`] (the source's
+/// stream may be busy for long); [`HELD_POLL`] once nothing is held.
+pub fn held_poll(poll: std::time::Duration, held: bool, moved: bool) -> std::time::Duration {
+    if !held || moved {
+        HELD_POLL
+    } else {
+        (poll * 2).min(HELD_POLL_MAX)
+    }
+}
 
 /// Flag slots per lane: messages `k` and `k + SLOTS` share a slot.
 pub const SLOTS: usize = 1024;
@@ -153,8 +170,10 @@ pub trait CopyApi: Send + Sync {
     /// process ever waits on another process's work: that process may die
     /// with the work pending, and the wait, with everything here that
     /// waits for the device (an abort, a free, the process's exit), would
-    /// then never end. A message held back is enqueued by a later pump
-    /// (the lane's service polls every [`HELD_POLL`] while one is).
+    /// then never end. A message held back is enqueued by a later pump:
+    /// the lane's service polls while one is ([`held_poll`]), so a lane
+    /// whose `may_copy` can say no must have its service started
+    /// ([`CopyLane::start`]).
     fn may_copy(&self, _send: &Self::Ready, _recv: &Self::Ready) -> Result<bool, Error> {
         Ok(true)
     }
@@ -165,7 +184,7 @@ pub trait CopyApi: Send + Sync {
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
-    /// The lane was aborted, the first time, for `why` (before any
+    /// The lane was aborted for `why` (called once per lane, before any
     /// [`CopyApi::release_all`] of the abort): a lane whose other side is in
     /// another process tells it here ([`ipc`]), so that a stream there that
     /// the release lets go finds why.
@@ -290,8 +309,11 @@ pub struct CopyLane<A: CopyApi> {
     /// queued.
     service: std::sync::OnceLock<std::thread::Thread>,
     /// The last pump held a matched message back ([`CopyApi::may_copy`]):
-    /// the service polls every [`HELD_POLL`].
+    /// the service polls for it ([`held_poll`]).
     held: AtomicBool,
+    /// An abort has told the other side why ([`CopyApi::aborted`]), or is
+    /// about to: set before the lane's lock is taken.
+    aborting: AtomicBool,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -331,6 +353,7 @@ impl<A: CopyApi> CopyLane<A> {
             pumping: Mutex::new(()),
             service: std::sync::OnceLock::new(),
             held: AtomicBool::new(false),
+            aborting: AtomicBool::new(false),
         }
     }
 
@@ -635,8 +658,8 @@ impl<A: CopyApi> CopyLane<A> {
                 }
                 Err(e) => {
                     let why = format!(
-                        "{}: asking whether message #{} may be copied failed: {e}",
-                        self.name, job.k
+                        "{}: querying whether {} is ready to be copied into {} failed: {e}",
+                        self.name, job.send.text, job.recv.text
                     );
                     let mut dropped = vec![job.send.keep, job.recv.keep];
                     for t in [&job.send.ticket, &job.recv.ticket] {
@@ -727,29 +750,30 @@ impl<A: CopyApi> CopyLane<A> {
         Ok(())
     }
 
-    /// The lane's service: pumps whenever woken ([`CopyLane::start`] lets
-    /// matches wake it) or every 50 ms, until the lane is dropped. It holds
-    /// the lane only while it pumps, so the lane is dropped (and its device
-    /// side freed) by whoever drops it last, not here.
+    /// The lane's service: settles and pumps whenever woken
+    /// ([`CopyLane::start`] lets matches wake it), every 50 ms, and while a
+    /// message is held back ([`CopyApi::may_copy`]) every [`held_poll`],
+    /// until the lane is dropped. It holds the lane only while it works, so
+    /// the lane is dropped (and its device side freed) by whoever drops it
+    /// last, not here. The settle is here rather than on the rank's
+    /// watchdog, whose checks must never wait on a device query.
     pub fn serve(lane: std::sync::Weak<CopyLane<A>>) {
-        // While a message is held back: from every HELD_POLL, doubling to
-        // every HELD_POLL_MAX (the source's stream may be busy for long).
         let mut poll = HELD_POLL;
         loop {
-            let held = match lane.upgrade() {
+            let (moved, held) = match lane.upgrade() {
                 Some(l) => {
-                    l.pump();
-                    l.held.load(Ordering::Acquire)
+                    let _ = l.settle();
+                    let moved = l.pump();
+                    (moved > 0, l.held.load(Ordering::Acquire))
                 }
                 None => return,
             };
-            if held {
-                std::thread::park_timeout(poll);
-                poll = (poll * 2).min(HELD_POLL_MAX);
+            poll = held_poll(poll, held, moved);
+            std::thread::park_timeout(if held {
+                poll
             } else {
-                poll = HELD_POLL;
-                std::thread::park_timeout(std::time::Duration::from_millis(50));
-            }
+                std::time::Duration::from_millis(50)
+            });
         }
     }
 
@@ -786,12 +810,13 @@ impl<A: CopyApi> CopyLane<A> {
         Ok(())
     }
 
-    /// Aborts the lane (see the module docs); idempotent. Releases every
-    /// slot before it takes the lane's lock.
+    /// Aborts the lane (see the module docs); idempotent. Says why to the
+    /// other side and releases every slot before it takes the lane's lock
+    /// (a settle holds it across its event queries).
     pub fn abort(&self, why: &str) {
         // Why first, then the release: a stream of another process that
         // the release lets go finds why (`ipc`).
-        if lock(&self.state).aborted.is_none() {
+        if !self.aborting.swap(true, Ordering::AcqRel) {
             self.api.aborted(why);
         }
         self.api.release_all();
@@ -834,7 +859,7 @@ impl<A: CopyApi> CopyLane<A> {
         // Why first, then any release (as in `abort`): a stream of another
         // process that a release lets go must find why, or its rank sees
         // its op pass undelivered with no reason (`ipc`; seen on a GPU).
-        if first {
+        if first && !self.aborting.swap(true, Ordering::AcqRel) {
             self.api.aborted(&why);
         }
         for side in st.ahead.iter_mut() {
@@ -917,6 +942,10 @@ pub trait CopyPath: Send + Sync + std::fmt::Debug {
     ) -> Result<Arc<Ticket>, IssueFailure>;
     /// [`CopyLane::settle`].
     fn settle(&self) -> Result<(), Error>;
+    /// What the rank's watchdog does for the lane each tick; never a device
+    /// call, which could keep the watchdog from its checks. A lane with a
+    /// service settles there ([`CopyLane::serve`]), so this does nothing.
+    fn watch(&self) {}
     /// [`CopyLane::abort`].
     fn abort(&self, why: &str);
     /// [`CopyLane::aborted`].

@@ -1353,9 +1353,11 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         "another rank failed: aborting this rank's communicators"
                     );
                     // Across processes the failed rank's analysis joins
-                    // the others' traces: this rank's goes now, whether or
-                    // not one of its threads was waiting (a thread that
-                    // was issuing, or computing, publishes nothing else).
+                    // the others' traces: a snapshot of this rank's goes
+                    // now, whether or not one of its threads was waiting
+                    // (a thread that was issuing, or computing, publishes
+                    // nothing else), under a key of its own, so that it
+                    // never takes the place of a later publish.
                     // On a thread of its own: the abort can wait for the
                     // device (P8 of `crate::guard`; on one GPU with one
                     // hardware queue, HQ, it outlasted the failed rank's
@@ -1366,20 +1368,22 @@ pub(crate) fn watchdog(ctx: &Arc<RankCtx>) {
                         let trace = ctx.registry.trace();
                         let _ = std::thread::Builder::new()
                             .name(format!("duplex publish {rank}"))
-                            .spawn(move || health.publish(rank, &trace));
+                            .spawn(move || health.publish_early(rank, &trace));
                     }
                     ctx.abort_all();
                     fired_at = Some(Instant::now());
                     continue;
                 }
                 overstay(&ctx, limit, &mut fired_at);
-                // Copy-engine lanes: copies seen done, and after an abort
-                // the release of every stream again (`crate::copy`). Last:
-                // an event query can wait for the driver while another
-                // thread of the process is inside it (an enqueue into a
-                // full queue), and the checks above must not wait for it.
+                // Copy-engine lanes: what needs no device call (a source
+                // across processes learns from the segment what was copied
+                // or aborted). Each lane's service settles its copies and,
+                // after an abort, releases every stream again
+                // (`CopyLane::serve`): an event query can wait on the
+                // driver while another thread is inside it, and the checks
+                // above must never wait for one.
                 for end in ctx.copy.values() {
-                    let _ = end.lane.settle();
+                    end.lane.watch();
                 }
             }
         });

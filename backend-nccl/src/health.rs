@@ -82,6 +82,12 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     fn remote(&self) -> bool;
     /// Publishes this rank's trace for the others' analyses.
     fn publish(&self, rank: Rank, trace: &Trace);
+    /// Publishes a snapshot of this rank's trace taken when it learned of
+    /// another rank's failure, before any [`Health::publish`] of its own
+    /// (a thread of the rank may be issuing, or computing, and publish
+    /// nothing else). It never takes the place of one: an analysis reads
+    /// it only for a rank whose own did not come.
+    fn publish_early(&self, rank: Rank, trace: &Trace);
     /// The traces the other ranks published, waiting up to `wait` for all
     /// of them to arrive, and the ranks whose trace did not come.
     fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> Gathered;
@@ -179,6 +185,8 @@ impl Health for LocalHealth {
     }
 
     fn publish(&self, _: Rank, _: &Trace) {}
+
+    fn publish_early(&self, _: Rank, _: &Trace) {}
 
     fn gather(&self, _: u32, _: Rank, _: Duration) -> Gathered {
         Gathered::default()
@@ -303,6 +311,16 @@ impl StoreHealth {
         health
     }
 
+    /// Puts `trace`, rank `rank`'s, under `key`.
+    fn put_trace(&self, key: &str, rank: Rank, trace: &Trace) {
+        let result = serde_json::to_vec(trace)
+            .map_err(|e| duplex::Error::Aborted(format!("encoding the trace: {e}")))
+            .and_then(|bytes| self.store.put(key, &bytes, REQUEST * 5));
+        if let Err(e) = result {
+            tracing::warn!(rank, error = %e, "could not publish this rank's trace");
+        }
+    }
+
     /// One heartbeat and one check; a failure comes with when the request
     /// that failed was made.
     fn poll_once(&self) -> Result<Option<(Rank, String)>, (Instant, duplex::Error)> {
@@ -356,6 +374,11 @@ fn trace_key(rank: Rank) -> String {
     format!("trace/{rank}")
 }
 
+/// Where a rank's early snapshot goes ([`Health::publish_early`]).
+fn early_trace_key(rank: Rank) -> String {
+    format!("trace/{rank}/early")
+}
+
 impl Health for StoreHealth {
     fn fail(&self, rank: Rank, why: &str) {
         // Its own failure first, before it knew of any other rank's.
@@ -383,12 +406,11 @@ impl Health for StoreHealth {
     }
 
     fn publish(&self, rank: Rank, trace: &Trace) {
-        let result = serde_json::to_vec(trace)
-            .map_err(|e| duplex::Error::Aborted(format!("encoding the trace: {e}")))
-            .and_then(|bytes| self.store.put(&trace_key(rank), &bytes, REQUEST * 5));
-        if let Err(e) = result {
-            tracing::warn!(rank, error = %e, "could not publish this rank's trace");
-        }
+        self.put_trace(&trace_key(rank), rank, trace);
+    }
+
+    fn publish_early(&self, rank: Rank, trace: &Trace) {
+        self.put_trace(&early_trace_key(rank), rank, trace);
     }
 
     fn finished(&self, rank: Rank) {
@@ -442,7 +464,12 @@ impl Health for StoreHealth {
         let mut out = Gathered::default();
         for r in (0..ranks).filter(|r| *r != me) {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.store.get(&trace_key(r), left) {
+            // The rank's own publish; else its early snapshot, if any.
+            let got = match self.store.get(&trace_key(r), left) {
+                Ok(None) => self.store.get(&early_trace_key(r), Duration::ZERO),
+                other => other,
+            };
+            match got {
                 Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
                     Ok(t) => {
                         out.traces.push(t);
@@ -702,7 +729,7 @@ mod tests {
         t2.add_thread(2, "main");
         c.publish(2, &t2);
         let got = a.gather(3, 0, Duration::from_secs(2));
-        assert_eq!(got.traces, vec![t1, t2.clone()]);
+        assert_eq!(got.traces, vec![t1.clone(), t2.clone()]);
         assert!(got.missing.is_empty());
         // A rank that never publishes costs the wait, no more, and is
         // named (ranks 0 and 3 published nothing).
@@ -711,8 +738,12 @@ mod tests {
         assert_eq!(got.traces, vec![t2]);
         assert_eq!(got.missing, vec![0, 3]);
         assert!(start.elapsed() < Duration::from_secs(2));
-        // A trace published while the gather waits arrives in it.
-        let late = StoreHealth::start(Store::client("127.0.0.1", port, secret2), 3);
+        // A trace published while the gather waits arrives in it: ranks 0
+        // and 1 have published, rank 3's comes 300 ms into the wait.
+        let mut t0 = Trace::new(4);
+        t0.add_thread(0, "main");
+        a.publish(0, &t0);
+        let late = StoreHealth::start(Store::client("127.0.0.1", port, secret2.clone()), 3);
         let mut t3 = Trace::new(4);
         t3.add_thread(3, "main");
         let t3c = t3.clone();
@@ -722,6 +753,26 @@ mod tests {
         });
         let got = c.gather(4, 2, Duration::from_secs(2));
         publisher.join().expect("published");
-        assert!(got.traces.contains(&t3), "the late trace came: {got:?}");
+        assert_eq!(got.traces, vec![t0, t1.clone(), t3]);
+        assert!(got.missing.is_empty());
+    }
+
+    #[test]
+    fn an_early_snapshot_stands_in_only_for_a_rank_whose_own_trace_did_not_come() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = StoreHealth::start(Store::client("127.0.0.1", port, secret), 1);
+        let mut early = Trace::new(2);
+        early.add_thread(1, "early");
+        b.publish_early(1, &early);
+        let got = a.gather(2, 0, Duration::from_millis(200));
+        assert_eq!(got.traces, vec![early.clone()]);
+        // Its own publish wins, whatever came first.
+        let mut own = Trace::new(2);
+        own.add_thread(1, "main");
+        b.publish(1, &own);
+        b.publish_early(1, &early);
+        let got = a.gather(2, 0, Duration::from_millis(200));
+        assert_eq!(got.traces, vec![own]);
     }
 }

@@ -42,12 +42,12 @@ fn replayed_from(me: Rank, missing: &[Rank], unjoined: Option<&str>) -> String {
     match missing {
         [] => "replayed from what every rank issued".to_string(),
         [r] => format!(
-            "replayed from what the ranks published, where rank {r} published nothing within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes nothing), so what it says rank {r} will never issue is not known"
+            "replayed from what the ranks published, where rank {r}'s trace did not come within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes none), so what it says rank {r} will never issue is not known"
         ),
         _ => {
             let names: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
             format!(
-                "replayed from what the ranks published, where ranks {} published nothing within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes nothing), so what it says they will never issue is not known",
+                "replayed from what the ranks published, where the traces of ranks {} did not come within {GATHER_WAIT:?} (a rank that died, or is blocked where duplex does not see it, publishes none), so what it says they will never issue is not known",
                 names.join(", ")
             )
         }
@@ -1116,7 +1116,7 @@ impl NcclRank {
             None => {
                 note = if ctx.health.remote() {
                     format!(
-                        "the model ({}) finds no hang in what the ranks published (a rank that died publishes nothing); the pending ops are below",
+                        "the model ({}) finds no hang in what it {from}; the pending ops are below",
                         ctx.opts.model
                     )
                 } else {
@@ -1820,12 +1820,15 @@ mod tests {
         );
         let one = replayed_from(0, &[1], None);
         assert!(
-            one.contains("rank 1 published nothing")
+            one.contains("rank 1's trace did not come")
                 && one.contains("rank 1 will never issue is not known"),
             "{one}"
         );
         let two = replayed_from(0, &[1, 3], None);
-        assert!(two.contains("ranks 1, 3 published nothing"), "{two}");
+        assert!(
+            two.contains("the traces of ranks 1, 3 did not come"),
+            "{two}"
+        );
         let alone = replayed_from(2, &[], Some("comm 4 differs"));
         assert!(
             alone.contains("rank 2's own calls alone") && alone.contains("comm 4 differs"),

@@ -271,6 +271,55 @@ fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting
     });
 }
 
+/// A matched message held back (its sending process's ready event not yet
+/// complete: `CopyApi::may_copy`) while the lane is aborted and another
+/// thread pumps (as the lane's service does) once the event completes:
+/// whatever the interleaving, the message is copied once with its bytes
+/// and delivered, or failed and never copied; no job is left in the lane
+/// and no stream waiting.
+#[test]
+fn a_copy_lane_message_held_back_races_an_abort_and_the_service() {
+    model("copy lane: held back vs abort vs service", Some(3), || {
+        let (fake, lane) = one_slot_lane(&[(1, vec![6; 8])]);
+        fake.hold_copies(true);
+        let (r, sender) = recv_then_send(&lane);
+        let aborter = {
+            let lane = lane.clone();
+            thread::spawn(move || lane.abort("deadline"))
+        };
+        let service = {
+            let (lane, fake) = (lane.clone(), fake.clone());
+            thread::spawn(move || {
+                fake.hold_copies(false);
+                lane.pump();
+            })
+        };
+        let s = sender.join().unwrap();
+        aborter.join().unwrap();
+        service.join().unwrap();
+        lane.pump();
+        fake.run(usize::MAX);
+        lane.settle().expect("no device error");
+        assert_eq!(lane.copies_in_flight(), 0, "a job is left in the lane");
+        assert!(fake.copies() <= 1, "copied twice");
+        assert!(
+            fake.released(1) && fake.released(2),
+            "a stream is left waiting"
+        );
+        match r.state() {
+            TicketState::Delivered => {
+                assert_eq!(fake.get(2), vec![6; 8]);
+                assert_eq!(fake.copies(), 1);
+            }
+            TicketState::Failed(_) => {}
+            s => panic!("the recv ended {s:?}"),
+        }
+        if let Ok(s) = s {
+            assert_eq!(s.state(), r.state());
+        }
+    });
+}
+
 /// Two messages on one flag slot, their copies enqueued by the sending
 /// thread (inline) and the lane's service (`pump`) at once, the device
 /// running meanwhile: copies and slot writes stay in message order (the

@@ -46,6 +46,26 @@ struct Inner {
     /// ([`Fake::run_done_only`]).
     writes: Vec<(usize, u32)>,
     copies: usize,
+    /// `may_copy` says no ([`Fake::hold_copies`]).
+    hold: bool,
+    /// `may_copy` fails.
+    fail_may_copy: bool,
+    /// Run (once) when `may_copy` says no, with no lock of the fake held.
+    on_hold: Hook,
+}
+
+/// Something a test runs from inside a call of the lane ([`Fake::on_hold`]).
+#[derive(Default)]
+struct Hook(Option<Box<dyn FnOnce() + Send>>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Hook(set)"
+        } else {
+            "Hook"
+        })
+    }
 }
 
 /// The fake device.
@@ -71,6 +91,9 @@ impl Fake {
             fail_releases: false,
             writes: Vec::new(),
             copies: 0,
+            hold: false,
+            fail_may_copy: false,
+            on_hold: Hook::default(),
         })))
     }
 
@@ -117,6 +140,22 @@ impl Fake {
     /// Makes every later `release` call fail.
     pub fn fail_releases(&self) {
         lock(&self.0).fail_releases = true;
+    }
+
+    /// Makes `may_copy` say no (`true`) or yes (`false`): as a lane whose
+    /// source process has not yet reached a message's ready event.
+    pub fn hold_copies(&self, hold: bool) {
+        lock(&self.0).hold = hold;
+    }
+
+    /// Makes every later `may_copy` call fail.
+    pub fn fail_may_copy(&self) {
+        lock(&self.0).fail_may_copy = true;
+    }
+
+    /// Runs `f` the next time `may_copy` says no, just before it returns.
+    pub fn on_hold(&self, f: impl FnOnce() + Send + 'static) {
+        lock(&self.0).on_hold = Hook(Some(Box::new(f)));
     }
 
     /// Runs up to `n` copies as far as their done events: the bytes move
@@ -283,6 +322,21 @@ impl CopyApi for Fake {
 
     fn slots(&self) -> usize {
         lock(&self.0).slots.len()
+    }
+
+    fn may_copy(&self, _send: &Self::Ready, _recv: &Self::Ready) -> Result<bool, Error> {
+        let (hold, hook) = {
+            let mut g = lock(&self.0);
+            if g.fail_may_copy {
+                return Err(told_to_fail("cuEventQuery"));
+            }
+            let hook = if g.hold { g.on_hold.0.take() } else { None };
+            (g.hold, hook)
+        };
+        if let Some(f) = hook {
+            f();
+        }
+        Ok(!hold)
     }
 
     fn release_all(&self) {

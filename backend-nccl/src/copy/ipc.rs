@@ -1021,6 +1021,10 @@ impl<A: SendApi<Stream = crate::cuda::Stream> + 'static> CopyPath for IpcSender<
     fn settle(&self) -> Result<(), Error> {
         IpcSender::settle(self)
     }
+    fn watch(&self) {
+        // Host memory only: the segment's counters and why.
+        let _ = self.settle();
+    }
     fn abort(&self, why: &str) {
         IpcSender::abort(self, why)
     }

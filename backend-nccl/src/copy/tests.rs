@@ -694,3 +694,122 @@ fn with_the_service_running_every_message_is_enqueued_without_an_explicit_pump()
         assert_eq!(fake.get(50_000 + k as u64), (k as u64).to_le_bytes());
     }
 }
+
+/// Waits (bounded) until `f` holds: the lane's service works on a thread
+/// of its own.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "never: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_message_held_back_is_enqueued_by_the_service_alone_once_it_may_be() {
+    let fake = Fake::default();
+    let l = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+    CopyLane::start(&l).expect("a service");
+    fake.put(1, vec![7; 4]);
+    fake.hold_copies(true);
+    let s = send(&l, 1, 4).expect("issued");
+    let r = recv(&l, 2, 4).expect("issued");
+    // The issuing thread held it back; the service polls for it.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(fake.copies(), 0, "held back");
+    assert_eq!(l.copies_in_flight(), 1, "the job waits in the lane");
+    fake.hold_copies(false);
+    eventually("the service enqueued it", || fake.copies() == 1);
+    fake.run(usize::MAX);
+    eventually("the service settled it", || {
+        s.state() == TicketState::Delivered && r.state() == TicketState::Delivered
+    });
+    assert_eq!(fake.get(2), vec![7; 4]);
+    assert!(fake.released(S) && fake.released(R));
+}
+
+#[test]
+fn messages_held_back_keep_their_order() {
+    let (l, fake) = lane();
+    fake.hold_copies(true);
+    for k in 0..3u64 {
+        fake.put(10 + k, vec![k as u8; 2]);
+        send(&l, 10 + k, 2).expect("issued");
+        recv(&l, 20 + k, 2).expect("issued");
+    }
+    assert_eq!(l.pump(), 0);
+    fake.hold_copies(false);
+    assert_eq!(l.pump(), 3);
+    fake.run(usize::MAX);
+    for k in 0..3u64 {
+        assert_eq!(fake.get(20 + k), vec![k as u8; 2], "message {k}");
+    }
+}
+
+#[test]
+fn a_message_held_back_while_the_lane_is_aborted_fails_and_is_never_enqueued() {
+    let fake = Fake::default();
+    let l = Arc::new(CopyLane::new("copy:0->1", fake.clone()));
+    fake.hold_copies(true);
+    // The abort lands between the pump taking the job and putting it back.
+    let weak = Arc::downgrade(&l);
+    fake.on_hold(move || {
+        if let Some(l) = weak.upgrade() {
+            l.abort("rank 0 died");
+        }
+    });
+    let s = send(&l, 1, 4).expect("issued");
+    let r = recv(&l, 2, 4).expect("issued");
+    for t in [&s, &r] {
+        assert!(
+            matches!(t.state(), TicketState::Failed(w) if w.contains("rank 0 died")),
+            "{:?}",
+            t.state()
+        );
+    }
+    fake.hold_copies(false);
+    assert_eq!(l.pump(), 0);
+    assert_eq!(fake.copies(), 0, "never enqueued");
+    assert_eq!(l.copies_in_flight(), 0, "not put back");
+    assert!(fake.released(S) && fake.released(R));
+}
+
+#[test]
+fn a_failed_query_of_whether_a_copy_may_go_aborts_the_lane_naming_both_ops() {
+    let (l, fake) = lane();
+    fake.fail_may_copy();
+    let s = send(&l, 1, 4).expect("issued");
+    let r = recv(&l, 2, 4).expect("issued");
+    let why = l.aborted().expect("aborted");
+    assert!(
+        why.contains("send 4") && why.contains("recv 4") && why.contains("cuEventQuery"),
+        "{why}"
+    );
+    for t in [&s, &r] {
+        assert!(matches!(t.state(), TicketState::Failed(_)));
+    }
+    assert_eq!(fake.copies(), 0);
+    assert!(fake.released(S) && fake.released(R));
+}
+
+#[test]
+fn the_service_polls_a_held_message_quickly_again_whenever_one_moved() {
+    use super::{HELD_POLL, HELD_POLL_MAX, held_poll};
+    // Held and nothing moved: twice as long each time, to the cap.
+    let mut p = HELD_POLL;
+    let mut seen = vec![p];
+    for _ in 0..12 {
+        p = held_poll(p, true, false);
+        seen.push(p);
+    }
+    assert!(seen.windows(2).all(|w| w[1] >= w[0]));
+    assert_eq!(*seen.last().expect("some"), HELD_POLL_MAX);
+    // A message moved: back to the quick poll (messages held one after
+    // another, each for a moment, are each polled for quickly).
+    assert_eq!(held_poll(HELD_POLL_MAX, true, true), HELD_POLL);
+    // Nothing held: the quick poll is ready for the next.
+    assert_eq!(held_poll(HELD_POLL_MAX, false, false), HELD_POLL);
+}
