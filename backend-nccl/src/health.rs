@@ -123,9 +123,10 @@ pub enum PeerCause {
 
 /// The rank that caused an error of `me`: one known to have failed (any
 /// rank of the job: a failure anywhere explains an abort), waited for up to
-/// `patience` since a death is noticed by its silence; else, at the end, a
-/// rank of `members` other than `me` that finished cleanly (the work of
-/// `me` with it can never complete). None when `me` failed itself first:
+/// `patience` since a death is noticed by its silence; else a rank of
+/// `members` other than `me` that finished cleanly (the work of `me` with
+/// it can never complete): at once when it is the only other member, else
+/// at the end of the wait. None when `me` failed itself first:
 /// its errors are then its own, and another rank's failure may be only its
 /// echo.
 pub fn culprit(
@@ -149,6 +150,15 @@ pub fn culprit(
         }
         if let Some((r, why)) = health.failed(me) {
             return Some((r, PeerCause::Failed(why)));
+        }
+        // The one other member finished cleanly: this rank's work with it
+        // can never complete, and no failure elsewhere would change that
+        // (a rank that ends because of a failure does not finish cleanly),
+        // so it is named at once.
+        if let [other] = others[..]
+            && health.finished_among(&others) == Some(other)
+        {
+            return Some((other, PeerCause::Finished));
         }
         if Instant::now() >= deadline {
             break;
@@ -545,12 +555,22 @@ mod tests {
         assert!(t0.elapsed() >= quick);
         // Alone in the communicator: none at once.
         assert_eq!(culprit(&h, 0, &[0], Duration::from_secs(30)), None);
-        // A member that finished.
+        // The one other member finished: named at once.
         h.finished(1);
+        let t0 = Instant::now();
         assert_eq!(
-            culprit(&h, 0, &[0, 1], quick),
+            culprit(&h, 0, &[0, 1], Duration::from_secs(30)),
             Some((1, PeerCause::Finished))
         );
+        assert!(t0.elapsed() < Duration::from_secs(5), "waited the patience");
+        // One of several members finished: named after the wait for a
+        // failure elsewhere.
+        let t0 = Instant::now();
+        assert_eq!(
+            culprit(&h, 0, &[0, 1, 2], quick),
+            Some((1, PeerCause::Finished))
+        );
+        assert!(t0.elapsed() >= quick);
         // Not a member: no.
         assert_eq!(culprit(&h, 0, &[0, 2], quick), None);
         // A failure, noticed while waiting, wins, whoever failed.
