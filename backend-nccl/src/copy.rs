@@ -25,7 +25,9 @@
 //!
 //! No lock of the lane's state is held across an enqueue (it blocks while
 //! a stream's queue is full, and a lane is shared by two ranks), only
-//! across the settle's non-blocking event queries: a side reserves its
+//! across the settle's event queries (which do not wait for the device,
+//! though one may wait for the driver while another thread is inside it;
+//! so an abort tells and releases before it takes the lock): a side reserves its
 //! message number under the lock, enqueues on its own stream without it,
 //! then registers or matches under it. Matched copies are enqueued in
 //! message order under the pump lock, by the thread that matched them
@@ -55,8 +57,11 @@
 //! fire) and write its own smaller value into its slot; while aborted,
 //! every [`CopyLane::settle`] writes [`RELEASED`] again, so such a write
 //! can hold a stream back only until the next settle (the lane's service
-//! settles at least every 50 ms). An abort says why to the other side and
-//! releases the slots before it takes the lane's lock. The buffers of an
+//! settles every 50 ms when it is not blocked in an enqueue) or the next
+//! tick of the rank's watchdog, which releases an aborted lane's slots
+//! again with host stores ([`CopyPath::watch`]). An abort says why to the
+//! other side and releases the slots before it takes the lane's lock
+//! ([`CopyLane::let_go`]). The buffers of an
 //! enqueued copy are held ([`CopyLane::issue`]'s `keep`) until its done
 //! event completes, or for good if it never does (P6 of `crate::guard`).
 //! They are dropped with no lane lock held; dropping one must not wait for
@@ -184,10 +189,11 @@ pub trait CopyApi: Send + Sync {
     /// Never frees the flags: a stream may still wait on them after an
     /// abort, and freeing pinned memory waits for the device.
     fn leak(&self) {}
-    /// The lane was aborted for `why` (called once per lane, before any
-    /// [`CopyApi::release_all`] of the abort): a lane whose other side is in
-    /// another process tells it here ([`ipc`]), so that a stream there that
-    /// the release lets go finds why.
+    /// The lane was aborted for `why`, called by every abort before its
+    /// [`CopyApi::release_all`] (so idempotent: the first reason wins): a
+    /// lane whose other side is in another process tells it here
+    /// ([`ipc`]), so that a stream there that the release lets go finds
+    /// why.
     fn aborted(&self, _why: &str) {}
 }
 
@@ -311,9 +317,10 @@ pub struct CopyLane<A: CopyApi> {
     /// The last pump held a matched message back ([`CopyApi::may_copy`]):
     /// the service polls for it ([`held_poll`]).
     held: AtomicBool,
-    /// An abort has told the other side why ([`CopyApi::aborted`]), or is
-    /// about to: set before the lane's lock is taken.
-    aborting: AtomicBool,
+    /// The lane was aborted (set by the first half of every abort,
+    /// [`CopyLane::let_go`], with no lock): the rank's watchdog then
+    /// releases every slot again each tick ([`CopyPath::watch`]).
+    let_go: AtomicBool,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -353,7 +360,7 @@ impl<A: CopyApi> CopyLane<A> {
             pumping: Mutex::new(()),
             service: std::sync::OnceLock::new(),
             held: AtomicBool::new(false),
-            aborting: AtomicBool::new(false),
+            let_go: AtomicBool::new(false),
         }
     }
 
@@ -814,18 +821,26 @@ impl<A: CopyApi> CopyLane<A> {
     /// other side and releases every slot before it takes the lane's lock
     /// (a settle holds it across its event queries).
     pub fn abort(&self, why: &str) {
-        // Why first, then the release: a stream of another process that
-        // the release lets go finds why (`ipc`).
-        if !self.aborting.swap(true, Ordering::AcqRel) {
-            self.api.aborted(why);
-        }
-        self.api.release_all();
+        self.let_go(why);
         let mut dropped = Vec::new();
         {
             let mut st = lock(&self.state);
             self.abort_locked(&mut st, why, &mut dropped);
         }
         drop(dropped);
+    }
+
+    /// The first half of an abort, which takes no lock (a settle holds the
+    /// lane's across its event queries): tells the other side why, then
+    /// releases every slot. The rank aborts all its lanes this way before
+    /// it finishes any abort ([`crate::ctx`]), so that no stream waits on a
+    /// lane because another lane's lock is held.
+    pub fn let_go(&self, why: &str) {
+        // Why first, then the release: a stream of another process that
+        // the release lets go finds why (`ipc`).
+        self.api.aborted(why);
+        self.let_go.store(true, Ordering::Release);
+        self.api.release_all();
     }
 
     /// Marks delivered the copies whose done events completed, oldest
@@ -850,18 +865,18 @@ impl<A: CopyApi> CopyLane<A> {
     fn abort_locked(&self, st: &mut State<A>, why: &str, dropped: &mut Vec<Keep>) {
         // Copies already done delivered their bytes, aborted or not.
         let _ = self.deliver_done(st, dropped);
-        let first = st.aborted.is_none();
         let why: Arc<str> = match &st.aborted {
             Some(w) => w.clone(),
             None => why.into(),
         };
         st.aborted = Some(why.clone());
-        // Why first, then any release (as in `abort`): a stream of another
-        // process that a release lets go must find why, or its rank sees
-        // its op pass undelivered with no reason (`ipc`; seen on a GPU).
-        if first && !self.aborting.swap(true, Ordering::AcqRel) {
-            self.api.aborted(&why);
-        }
+        // Why first, then any release (as in `let_go`): a stream of
+        // another process that a release lets go must find why, or its rank
+        // sees its op pass undelivered with no reason (`ipc`; seen on a
+        // GPU). Told by every abort, not only the first: the first may not
+        // have told yet (the other side keeps the first reason).
+        self.api.aborted(&why);
+        self.let_go.store(true, Ordering::Release);
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
                 s.ticket.set(TicketState::Failed(why.clone()));
@@ -942,10 +957,14 @@ pub trait CopyPath: Send + Sync + std::fmt::Debug {
     ) -> Result<Arc<Ticket>, IssueFailure>;
     /// [`CopyLane::settle`].
     fn settle(&self) -> Result<(), Error>;
-    /// What the rank's watchdog does for the lane each tick; never a device
-    /// call, which could keep the watchdog from its checks. A lane with a
-    /// service settles there ([`CopyLane::serve`]), so this does nothing.
-    fn watch(&self) {}
+    /// What the rank's watchdog does for the lane each tick, with no lock
+    /// and no device call, which could keep the watchdog from its checks:
+    /// once aborted, a lane releases every slot again (a copy enqueued
+    /// before the abort may write its own smaller value later). A lane's
+    /// service settles its copies ([`CopyLane::serve`]).
+    fn watch(&self);
+    /// [`CopyLane::let_go`].
+    fn let_go(&self, why: &str);
     /// [`CopyLane::abort`].
     fn abort(&self, why: &str);
     /// [`CopyLane::aborted`].
@@ -967,6 +986,14 @@ impl<A: CopyApi<Stream = crate::cuda::Stream> + 'static> CopyPath for CopyLane<A
     }
     fn settle(&self) -> Result<(), Error> {
         CopyLane::settle(self)
+    }
+    fn watch(&self) {
+        if self.let_go.load(Ordering::Acquire) {
+            self.api.release_all();
+        }
+    }
+    fn let_go(&self, why: &str) {
+        CopyLane::let_go(self, why)
     }
     fn abort(&self, why: &str) {
         CopyLane::abort(self, why)

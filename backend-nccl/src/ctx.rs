@@ -1226,11 +1226,14 @@ impl RankCtx {
         // Copy-engine lanes first: aborting them releases the streams that
         // wait on them, and never blocks; freeing a communicator waits for
         // every stream of the device (P8 of [`crate::guard`]).
+        let why = format!("rank {}'s communicators and lanes were aborted", self.rank);
+        // Every lane told and released before any lane's lock is taken: a
+        // stream must not wait on one lane because another's is held.
         for end in self.copy.values() {
-            end.lane.abort(&format!(
-                "rank {}'s communicators and lanes were aborted",
-                self.rank
-            ));
+            end.lane.let_go(&why);
+        }
+        for end in self.copy.values() {
+            end.lane.abort(&why);
         }
         abort_together(&self.all_comms());
     }

@@ -153,8 +153,8 @@ pub fn culprit(
         }
         // The one other member finished cleanly: this rank's work with it
         // can never complete, and no failure elsewhere would change that
-        // (a rank that ends because of a failure does not finish cleanly),
-        // so it is named at once.
+        // (a rank that failed has posted its failure, named above, even if
+        // its code went on to finish), so it is named at once.
         if let [other] = others[..]
             && health.finished_among(&others) == Some(other)
         {
@@ -321,6 +321,37 @@ impl StoreHealth {
         health
     }
 
+    /// Rank `r`'s published trace: its own ([`Health::publish`]), waited
+    /// for until `deadline`, but only [`EARLY_GRACE`] more once its early
+    /// snapshot is there (a rank that is computing publishes nothing
+    /// else); else that snapshot.
+    fn trace_of(&self, r: Rank, deadline: Instant) -> Result<Option<Vec<u8>>, duplex::Error> {
+        let mut early_since: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            let mut until = deadline;
+            if let Some(t) = early_since {
+                until = until.min(t + EARLY_GRACE);
+            }
+            let left = until.saturating_duration_since(now);
+            // At the end, one more look (no wait) for its own.
+            if let Some(own) = self.store.get(&trace_key(r), left.min(EARLY_LOOK))? {
+                return Ok(Some(own));
+            }
+            if left.is_zero() {
+                return self.store.get(&early_trace_key(r), Duration::ZERO);
+            }
+            if early_since.is_none()
+                && self
+                    .store
+                    .get(&early_trace_key(r), Duration::ZERO)?
+                    .is_some()
+            {
+                early_since = Some(Instant::now());
+            }
+        }
+    }
+
     /// Puts `trace`, rank `rank`'s, under `key`.
     fn put_trace(&self, key: &str, rank: Rank, trace: &Trace) {
         let result = serde_json::to_vec(trace)
@@ -383,6 +414,14 @@ impl Drop for StoreHealth {
 fn trace_key(rank: Rank) -> String {
     format!("trace/{rank}")
 }
+
+/// How long a gather still waits for a rank's own trace once its early
+/// snapshot is there ([`Health::publish_early`]): a rank whose thread was
+/// waiting publishes its own within a tick of learning of the failure.
+const EARLY_GRACE: Duration = Duration::from_millis(500);
+
+/// How often a gather looks for an early snapshot while it waits.
+const EARLY_LOOK: Duration = Duration::from_millis(100);
 
 /// Where a rank's early snapshot goes ([`Health::publish_early`]).
 fn early_trace_key(rank: Rank) -> String {
@@ -473,13 +512,7 @@ impl Health for StoreHealth {
         let deadline = Instant::now() + wait;
         let mut out = Gathered::default();
         for r in (0..ranks).filter(|r| *r != me) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            // The rank's own publish; else its early snapshot, if any.
-            let got = match self.store.get(&trace_key(r), left) {
-                Ok(None) => self.store.get(&early_trace_key(r), Duration::ZERO),
-                other => other,
-            };
-            match got {
+            match self.trace_of(r, deadline) {
                 Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
                     Ok(t) => {
                         out.traces.push(t);
@@ -785,7 +818,14 @@ mod tests {
         let mut early = Trace::new(2);
         early.add_thread(1, "early");
         b.publish_early(1, &early);
-        let got = a.gather(2, 0, Duration::from_millis(200));
+        // Not the whole wait: the rank's own publish is waited for only a
+        // grace once its snapshot is there.
+        let t0 = Instant::now();
+        let got = a.gather(2, 0, Duration::from_secs(30));
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "waited the whole wait"
+        );
         assert_eq!(got.traces, vec![early.clone()]);
         // Its own publish wins, whatever came first.
         let mut own = Trace::new(2);

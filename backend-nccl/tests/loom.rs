@@ -271,6 +271,37 @@ fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting
     });
 }
 
+/// Two aborts of one lane at once (a deadline, and a settle or mismatch
+/// that aborts it too), with a message matched: whatever the interleaving,
+/// no release comes before the other side was told why (across processes
+/// a stream let go would find no reason), and both streams end released.
+#[test]
+fn a_copy_lane_aborted_twice_at_once_tells_why_before_any_release() {
+    model("copy lane: two aborts", Some(3), || {
+        let (fake, lane) = one_slot_lane(&[(1, vec![2; 8])]);
+        let (_r, sender) = recv_then_send(&lane);
+        let aborts: Vec<_> = ["deadline", "rank 1 failed"]
+            .into_iter()
+            .map(|why| {
+                let lane = lane.clone();
+                thread::spawn(move || lane.abort(why))
+            })
+            .collect();
+        let _ = sender.join().unwrap();
+        for a in aborts {
+            a.join().unwrap();
+        }
+        assert!(!fake.released_untold(), "released before telling why");
+        assert!(fake.told().is_some());
+        fake.run(usize::MAX);
+        lane.settle().expect("no device error");
+        assert!(
+            fake.released(1) && fake.released(2),
+            "a stream is left waiting"
+        );
+    });
+}
+
 /// A matched message held back (its sending process's ready event not yet
 /// complete: `CopyApi::may_copy`) while the lane is aborted and another
 /// thread pumps (as the lane's service does) once the event completes:

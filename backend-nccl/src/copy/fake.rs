@@ -52,6 +52,11 @@ struct Inner {
     fail_may_copy: bool,
     /// Run (once) when `may_copy` says no, with no lock of the fake held.
     on_hold: Hook,
+    /// The first reason the lane gave the other side (`aborted`).
+    told: Option<String>,
+    /// A `release_all` came before any `aborted`: a stream of another
+    /// process let go then would find no reason.
+    released_untold: bool,
 }
 
 /// Something a test runs from inside a call of the lane ([`Fake::on_hold`]).
@@ -94,6 +99,8 @@ impl Fake {
             hold: false,
             fail_may_copy: false,
             on_hold: Hook::default(),
+            told: None,
+            released_untold: false,
         })))
     }
 
@@ -151,6 +158,16 @@ impl Fake {
     /// Makes every later `may_copy` call fail.
     pub fn fail_may_copy(&self) {
         lock(&self.0).fail_may_copy = true;
+    }
+
+    /// The first reason the lane gave the other side ([`CopyApi::aborted`]).
+    pub fn told(&self) -> Option<String> {
+        lock(&self.0).told.clone()
+    }
+
+    /// Whether some `release_all` came before any reason was given.
+    pub fn released_untold(&self) -> bool {
+        lock(&self.0).released_untold
     }
 
     /// Runs `f` the next time `may_copy` says no, just before it returns.
@@ -339,8 +356,18 @@ impl CopyApi for Fake {
         Ok(!hold)
     }
 
+    fn aborted(&self, why: &str) {
+        let mut g = lock(&self.0);
+        if g.told.is_none() {
+            g.told = Some(why.to_string());
+        }
+    }
+
     fn release_all(&self) {
         let mut g = lock(&self.0);
+        if g.told.is_none() {
+            g.released_untold = true;
+        }
         for s in g.slots.iter_mut() {
             *s = super::RELEASED;
         }

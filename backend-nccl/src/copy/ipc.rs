@@ -1022,8 +1022,13 @@ impl<A: SendApi<Stream = crate::cuda::Stream> + 'static> CopyPath for IpcSender<
         IpcSender::settle(self)
     }
     fn watch(&self) {
-        // Host memory only: the segment's counters and why.
+        // Host memory only: the segment's counters and why (and, once
+        // aborted, every slot released again).
         let _ = self.settle();
+    }
+    fn let_go(&self, why: &str) {
+        self.seg.abort(&format!("{} (aborted by its source)", why));
+        self.seg.release_all();
     }
     fn abort(&self, why: &str) {
         IpcSender::abort(self, why)

@@ -813,3 +813,16 @@ fn the_service_polls_a_held_message_quickly_again_whenever_one_moved() {
     // Nothing held: the quick poll is ready for the next.
     assert_eq!(held_poll(HELD_POLL_MAX, false, false), HELD_POLL);
 }
+
+#[test]
+fn every_abort_tells_the_other_side_before_it_releases() {
+    // (Across processes the mismatch found under the lock is checked in
+    // `ipc::tests`; two aborts at once in the loom tests.)
+    let (l, fake) = lane();
+    let _s = send(&l, 1, 4).expect("issued");
+    l.abort("deadline");
+    l.abort("later");
+    assert_eq!(fake.told().as_deref(), Some("deadline"), "the first reason");
+    assert!(!fake.released_untold());
+    assert!(fake.released(S));
+}
