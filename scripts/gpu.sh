@@ -40,7 +40,8 @@
 # 4), a fifth,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run ipc-copy; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt", ...)
 # and copy the reports back into the repo (docs/gpu/). When only the
-# one-GPU kind is lent, the process-per-rank behaviour still runs (~4 min):
+# one-GPU kind is lent, the process-per-rank behaviour still runs (~4.5 min: the suite and the
+# fault matrix eager and lazy, the IPC copy jobs three times, copylane):
 #   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200", timeout_s=600)
 # To see why a fault case ended as it did: `.gpu/faults drive --only CASE
@@ -176,6 +177,10 @@ run)
         DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
         record "suite-1gpu-ipc-copy-$i" $?
       done
+      # The copy-engine lanes' own checks and figures (examples/copylane:
+      # the lane of one process, both ranks on the one GPU).
+      timeout 120 .gpu/copylane --trials 3 > "$out/copylane-1gpu.txt" 2>&1
+      record copylane-1gpu $?
       set -e
       grep -hE "^(PASS|FAIL)|^ran " "$out"/suite-1gpu-*.txt
       cat "$out"/faults-1gpu-*.md ;;
