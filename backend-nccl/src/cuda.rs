@@ -504,17 +504,66 @@ impl Arena {
     }
 }
 
-/// Zeroes `n` bytes at `ptr` and waits for it: on a stream of its own,
-/// since `cuMemsetD8` runs on the legacy stream, which duplex's
+/// How long a buffer's zeroing may take before `alloc` gives up on it:
+/// far longer than zeroing any buffer takes, so only a device that makes
+/// no progress reaches it.
+pub const ZEROING_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Streams for zeroing new buffers, each with its context, made once and
+/// kept: a new stream per allocation cost a create and a destroy each.
+static ZEROING: std::sync::Mutex<Vec<(usize, Stream)>> = std::sync::Mutex::new(Vec::new());
+
+/// Zeroes `n` bytes at `ptr` and waits for it, up to `within`: on a stream
+/// of its own, since `cuMemsetD8` runs on the legacy stream, which duplex's
 /// non-blocking streams do not wait for, so a recv issued at once could
-/// have its bytes zeroed after it.
-fn zero(ptr: sys::CUdeviceptr, n: usize) -> Result<(), Error> {
-    let stream = Stream::new()?;
+/// have its bytes zeroed after it. On an error the zeroing may still run:
+/// the caller must not free the memory (P6 of `crate::guard`).
+fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<(), Error> {
+    let ctx = result::ctx::get_current()
+        .map_err(|e| err("cuCtxGetCurrent", e))?
+        .map_or(0, |c| c as usize);
+    let pooled = {
+        let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
+        pool.iter()
+            .position(|(c, _)| *c == ctx)
+            .map(|i| pool.swap_remove(i).1)
+    };
+    let stream = match pooled {
+        Some(s) => s,
+        None => Stream::new()?,
+    };
     // SAFETY: `ptr` points to `n` bytes of device memory of the current
     // context, ours; the stream is live.
     unsafe { result::memset_d8_async(ptr, 0, n, stream.raw) }
         .map_err(|e| err("cuMemsetD8Async", e))?;
-    stream.synchronize()
+    let start = std::time::Instant::now();
+    let mut polls = 0u32;
+    loop {
+        // SAFETY: the stream is live.
+        match unsafe { sys::cuStreamQuery(stream.raw) } {
+            sys::cudaError_enum::CUDA_SUCCESS => break,
+            sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+            e => return Err(err("cuStreamQuery", result::DriverError(e))),
+        }
+        if start.elapsed() >= within {
+            // Still queued: the stream is never used or destroyed again.
+            std::mem::forget(stream);
+            return Err(Error::Aborted(format!(
+                "zeroing a new buffer of {n} bytes did not finish within {within:?}: the GPU is not making progress (a kernel that never ends, or streams sharing a CUDA hardware queue: HQ in docs/semantics.md); the memory is kept, not freed"
+            )));
+        }
+        polls += 1;
+        if polls < 1000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+    let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.len() < 64 {
+        pool.push((ctx, stream));
+    }
+    Ok(())
 }
 
 /// Device memory on the current context.
@@ -534,6 +583,12 @@ unsafe impl Sync for Memory {}
 impl Memory {
     /// `bytes` of zeroed device memory (at least one byte is allocated).
     pub fn zeroed(bytes: usize) -> Result<Memory, Error> {
+        Memory::zeroed_within(bytes, ZEROING_LIMIT)
+    }
+
+    /// [`Memory::zeroed`], giving up (with an error, the memory kept) if
+    /// the zeroing has not finished within `within`.
+    pub fn zeroed_within(bytes: usize, within: std::time::Duration) -> Result<Memory, Error> {
         let n = bytes.max(1);
         // SAFETY: allocates on the current context.
         let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| err("cuMemAlloc", e))?;
@@ -543,7 +598,11 @@ impl Memory {
             bytes,
             arena: None,
         };
-        zero(ptr, n)?;
+        if let Err(e) = zero(ptr, n, within) {
+            // The zeroing may still write into it: never freed (P6).
+            std::mem::forget(m);
+            return Err(e);
+        }
         Ok(m)
     }
 
@@ -560,7 +619,11 @@ impl Memory {
             bytes,
             arena: Some(arena.clone()),
         };
-        zero(ptr, n)?;
+        if let Err(e) = zero(ptr, n, ZEROING_LIMIT) {
+            // The zeroing may still write into it: never given back (P6).
+            std::mem::forget(m);
+            return Err(e);
+        }
         Ok(m)
     }
 
