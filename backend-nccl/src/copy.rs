@@ -317,10 +317,12 @@ pub struct CopyLane<A: CopyApi> {
     /// The last pump held a matched message back ([`CopyApi::may_copy`]):
     /// the service polls for it ([`held_poll`]).
     held: AtomicBool,
-    /// The lane was aborted (set by the first half of every abort,
-    /// [`CopyLane::let_go`], with no lock): the rank's watchdog then
-    /// releases every slot again each tick ([`CopyPath::watch`]).
-    let_go: AtomicBool,
+    /// Why the lane was aborted, first (set by the first half of every
+    /// abort, [`CopyLane::let_go`], before its release and with no lock):
+    /// a stream let go finds it even before the abort has failed the
+    /// tickets, and the rank's watchdog then releases every slot again
+    /// each tick ([`CopyPath::watch`]).
+    let_go: std::sync::OnceLock<Arc<str>>,
 }
 
 impl<A: CopyApi> std::fmt::Debug for CopyLane<A> {
@@ -360,7 +362,7 @@ impl<A: CopyApi> CopyLane<A> {
             pumping: Mutex::new(()),
             service: std::sync::OnceLock::new(),
             held: AtomicBool::new(false),
-            let_go: AtomicBool::new(false),
+            let_go: std::sync::OnceLock::new(),
         }
     }
 
@@ -838,8 +840,8 @@ impl<A: CopyApi> CopyLane<A> {
     pub fn let_go(&self, why: &str) {
         // Why first, then the release: a stream of another process that
         // the release lets go finds why (`ipc`).
+        let _ = self.let_go.set(why.into());
         self.api.aborted(why);
-        self.let_go.store(true, Ordering::Release);
         self.api.release_all();
     }
 
@@ -875,8 +877,8 @@ impl<A: CopyApi> CopyLane<A> {
         // sees its op pass undelivered with no reason (`ipc`; seen on a
         // GPU). Told by every abort, not only the first: the first may not
         // have told yet (the other side keeps the first reason).
+        let _ = self.let_go.set(why.clone());
         self.api.aborted(&why);
-        self.let_go.store(true, Ordering::Release);
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
                 s.ticket.set(TicketState::Failed(why.clone()));
@@ -899,7 +901,12 @@ impl<A: CopyApi> CopyLane<A> {
 
     /// Why the lane was aborted, if it was.
     pub fn aborted(&self) -> Option<Arc<str>> {
-        lock(&self.state).aborted.clone()
+        // The reason the tickets got; else that of an abort whose first
+        // half (`let_go`) is done and whose second is not yet.
+        lock(&self.state)
+            .aborted
+            .clone()
+            .or_else(|| self.let_go.get().cloned())
     }
 
     /// Copies matched or enqueued and not seen done.
@@ -988,7 +995,7 @@ impl<A: CopyApi<Stream = crate::cuda::Stream> + 'static> CopyPath for CopyLane<A
         CopyLane::settle(self)
     }
     fn watch(&self) {
-        if self.let_go.load(Ordering::Acquire) {
+        if self.let_go.get().is_some() {
             self.api.release_all();
         }
     }

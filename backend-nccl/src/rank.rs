@@ -1036,10 +1036,12 @@ impl NcclRank {
         // The copy's done event completes before the write that let the
         // stream go on (`crate::copy`): settling now sees it.
         c.lane.settle()?;
-        let why = match t.state() {
-            TicketState::Delivered => return Ok(()),
-            TicketState::Failed(why) => why.to_string(),
-            s => format!(
+        let why = match (t.state(), c.lane.aborted()) {
+            (TicketState::Delivered, _) => return Ok(()),
+            (TicketState::Failed(why), _) => why.to_string(),
+            // Let go by an abort that has not failed the tickets yet.
+            (_, Some(why)) => why.to_string(),
+            (s, None) => format!(
                 "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
             ),
         };
@@ -1261,7 +1263,12 @@ impl NcclRank {
                         TicketState::Failed(why) => {
                             Some(format!("copy-engine lane {}: {why}", end.name))
                         }
-                        s => Some(format!("copy-engine lane {}: its copy is {s:?}", end.name)),
+                        s => Some(match end.lane.aborted() {
+                            // Let go by an abort that has not failed the
+                            // tickets yet.
+                            Some(why) => format!("copy-engine lane {}: {why}", end.name),
+                            None => format!("copy-engine lane {}: its copy is {s:?}", end.name),
+                        }),
                     }
                 }
             },

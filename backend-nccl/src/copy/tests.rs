@@ -826,3 +826,19 @@ fn every_abort_tells_the_other_side_before_it_releases() {
     assert!(!fake.released_untold());
     assert!(fake.released(S));
 }
+
+#[test]
+fn a_stream_let_go_before_the_abort_failed_its_ticket_finds_why() {
+    // Between an abort's two halves (tell and release without the lock,
+    // then fail the tickets under it), a rank whose stream went on asks
+    // the lane why: it must not see a lane that was never aborted.
+    let (l, fake) = lane();
+    let s = send(&l, 1, 4).expect("issued");
+    l.let_go("rank 1 failed");
+    assert!(fake.released(S));
+    assert_eq!(s.state(), TicketState::Waiting, "not failed yet");
+    assert_eq!(l.aborted().as_deref(), Some("rank 1 failed"));
+    l.abort("rank 1 failed");
+    assert!(matches!(s.state(), TicketState::Failed(w) if w.contains("rank 1 failed")));
+    assert_eq!(l.aborted().as_deref(), Some("rank 1 failed"));
+}
