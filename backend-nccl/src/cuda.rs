@@ -230,6 +230,18 @@ impl Drop for Bound {
 
 impl Drop for Device {
     fn drop(&mut self) {
+        // The zeroing streams of this context go while it is still
+        // retained: a release may destroy it, and a later retain may give
+        // a context with the same handle, where they would not exist.
+        let kept: Vec<(usize, Stream)> = {
+            let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
+            let (mine, rest) = std::mem::take(&mut *pool)
+                .into_iter()
+                .partition(|(c, _)| *c == self.ctx as usize);
+            *pool = rest;
+            mine
+        };
+        drop(kept);
         if let Ok(dev) = result::device::get(self.ordinal) {
             // SAFETY: releases the retain taken in `new`.
             let _ = unsafe { result::primary_ctx::release(dev) };
@@ -511,6 +523,7 @@ pub const ZEROING_LIMIT: std::time::Duration = std::time::Duration::from_secs(30
 
 /// Streams for zeroing new buffers, each with its context, made once and
 /// kept: a new stream per allocation cost a create and a destroy each.
+/// A [`Device`] dropped destroys those of its context first.
 static ZEROING: std::sync::Mutex<Vec<(usize, Stream)>> = std::sync::Mutex::new(Vec::new());
 
 /// Zeroes `n` bytes at `ptr` and waits for it, up to `within`: on a stream
