@@ -838,6 +838,17 @@ impl<A: CopyApi> CopyLane<A> {
     /// it finishes any abort ([`crate::ctx`]), so that no stream waits on a
     /// lane because another lane's lock is held.
     pub fn let_go(&self, why: &str) {
+        // Copies done by now delivered their bytes before any stream goes
+        // on without them: marked so first, if the lock is free (a copy
+        // seen done only after the release is failed, `deliver_done`).
+        if self.let_go.get().is_none()
+            && let Ok(mut st) = self.state.try_lock()
+        {
+            let mut dropped = Vec::new();
+            let _ = self.deliver_done(&mut st, &mut dropped);
+            drop(st);
+            drop(dropped);
+        }
         // Why first, then the release: a stream of another process that
         // the release lets go finds why (`ipc`).
         let _ = self.let_go.set(why.into());
@@ -846,14 +857,22 @@ impl<A: CopyApi> CopyLane<A> {
     }
 
     /// Marks delivered the copies whose done events completed, oldest
-    /// first, and lets their buffers go.
+    /// first, and lets their buffers go. A copy seen done only after an
+    /// abort let the streams go ([`CopyLane::let_go`]) is failed instead:
+    /// its streams may have gone on before it ran, so what came after it
+    /// there (a send of the received buffer, say) may have used the bytes
+    /// from before.
     fn deliver_done(&self, st: &mut State<A>, dropped: &mut Vec<Keep>) -> Result<(), Error> {
         while let Some(c) = st.copies.front() {
             if !self.api.done(&c.done)? {
                 break;
             }
+            let outcome = match self.let_go.get() {
+                Some(why) => TicketState::Failed(why.clone()),
+                None => TicketState::Delivered,
+            };
             for t in &c.tickets {
-                t.set(TicketState::Delivered);
+                t.set(outcome.clone());
             }
             if let Some(c) = st.copies.pop_front() {
                 dropped.extend(c.keep);

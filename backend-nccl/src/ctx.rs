@@ -470,15 +470,17 @@ impl Issued {
         if t.state() != TicketState::Delivered {
             let _ = c.lane.settle();
         }
-        let why = match (t.state(), c.lane.aborted()) {
-            (TicketState::Delivered, _) => {
+        let why = match t.state() {
+            TicketState::Delivered => {
                 self.checked.store(true, Ordering::Release);
                 return;
             }
-            (TicketState::Failed(why), _) => why.to_string(),
+            TicketState::Failed(why) => why.to_string(),
             // Let go by an abort that has not failed the tickets yet.
-            (_, Some(why)) => why.to_string(),
-            (s, None) => format!("its stream went on while its copy is {s:?}"),
+            s => match c.lane.aborted() {
+                Some(why) => why.to_string(),
+                None => format!("its stream went on while its copy is {s:?}"),
+            },
         };
         if let Some(ctx) = self.event.ctx.upgrade() {
             // Marked checked only with the entry in place, so that a

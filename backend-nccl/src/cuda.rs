@@ -529,11 +529,12 @@ static ZEROING: std::sync::Mutex<Vec<(usize, Stream)>> = std::sync::Mutex::new(V
 /// Zeroes `n` bytes at `ptr` and waits for it, up to `within`: on a stream
 /// of its own, since `cuMemsetD8` runs on the legacy stream, which duplex's
 /// non-blocking streams do not wait for, so a recv issued at once could
-/// have its bytes zeroed after it. On an error the zeroing may still run:
-/// the caller must not free the memory (P6 of `crate::guard`).
-fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<(), Error> {
+/// have its bytes zeroed after it. An error says whether the zeroing may
+/// still run, in which case the caller must not free the memory (P6 of
+/// `crate::guard`).
+fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<(), (Error, bool)> {
     let ctx = result::ctx::get_current()
-        .map_err(|e| err("cuCtxGetCurrent", e))?
+        .map_err(|e| (err("cuCtxGetCurrent", e), false))?
         .map_or(0, |c| c as usize);
     let pooled = {
         let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
@@ -543,12 +544,12 @@ fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<
     };
     let stream = match pooled {
         Some(s) => s,
-        None => Stream::new()?,
+        None => Stream::new().map_err(|e| (e, false))?,
     };
     // SAFETY: `ptr` points to `n` bytes of device memory of the current
     // context, ours; the stream is live.
     unsafe { result::memset_d8_async(ptr, 0, n, stream.raw) }
-        .map_err(|e| err("cuMemsetD8Async", e))?;
+        .map_err(|e| (err("cuMemsetD8Async", e), false))?;
     let start = std::time::Instant::now();
     let mut polls = 0u32;
     loop {
@@ -556,20 +557,26 @@ fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<
         match unsafe { sys::cuStreamQuery(stream.raw) } {
             sys::cudaError_enum::CUDA_SUCCESS => break,
             sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
-            e => return Err(err("cuStreamQuery", result::DriverError(e))),
+            e => return Err((err("cuStreamQuery", result::DriverError(e)), true)),
         }
         if start.elapsed() >= within {
             // Still queued: the stream is never used or destroyed again.
             std::mem::forget(stream);
-            return Err(Error::Aborted(format!(
-                "zeroing a new buffer of {n} bytes did not finish within {within:?}: the GPU is not making progress (a kernel that never ends, or streams sharing a CUDA hardware queue: HQ in docs/semantics.md); the memory is kept, not freed"
-            )));
+            return Err((
+                Error::Aborted(format!(
+                    "zeroing a new buffer of {n} bytes did not finish within {within:?}: the GPU is not making progress (a kernel that never ends, or streams sharing a CUDA hardware queue: HQ in docs/semantics.md); the memory is kept, not freed"
+                )),
+                true,
+            ));
         }
+        // Yield while it is likely a moment away, then sleep, longer and
+        // longer, to 1 ms.
         polls += 1;
         if polls < 1000 {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(std::time::Duration::from_micros(50));
+            let step = 50u64 << (polls - 1000).min(5);
+            std::thread::sleep(std::time::Duration::from_micros(step.min(1000)));
         }
     }
     let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
@@ -611,9 +618,11 @@ impl Memory {
             bytes,
             arena: None,
         };
-        if let Err(e) = zero(ptr, n, within) {
-            // The zeroing may still write into it: never freed (P6).
-            std::mem::forget(m);
+        if let Err((e, running)) = zero(ptr, n, within) {
+            if running {
+                // The zeroing may still write into it: never freed (P6).
+                std::mem::forget(m);
+            }
             return Err(e);
         }
         Ok(m)
@@ -632,9 +641,12 @@ impl Memory {
             bytes,
             arena: Some(arena.clone()),
         };
-        if let Err(e) = zero(ptr, n, ZEROING_LIMIT) {
-            // The zeroing may still write into it: never given back (P6).
-            std::mem::forget(m);
+        if let Err((e, running)) = zero(ptr, n, ZEROING_LIMIT) {
+            if running {
+                // The zeroing may still write into it: never given back
+                // (P6).
+                std::mem::forget(m);
+            }
             return Err(e);
         }
         Ok(m)

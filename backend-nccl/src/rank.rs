@@ -1036,14 +1036,16 @@ impl NcclRank {
         // The copy's done event completes before the write that let the
         // stream go on (`crate::copy`): settling now sees it.
         c.lane.settle()?;
-        let why = match (t.state(), c.lane.aborted()) {
-            (TicketState::Delivered, _) => return Ok(()),
-            (TicketState::Failed(why), _) => why.to_string(),
+        let why = match t.state() {
+            TicketState::Delivered => return Ok(()),
+            TicketState::Failed(why) => why.to_string(),
             // Let go by an abort that has not failed the tickets yet.
-            (_, Some(why)) => why.to_string(),
-            (s, None) => format!(
-                "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
-            ),
+            s => match c.lane.aborted() {
+                Some(why) => why.to_string(),
+                None => format!(
+                    "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
+                ),
+            },
         };
         if let Some((r, w)) = self.ctx.peer_cause() {
             return Err(self.peer_failed(call, r, &w));

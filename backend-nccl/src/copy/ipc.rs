@@ -942,10 +942,16 @@ impl<A: SendApi> IpcSender<A> {
                 self.seg.release_all();
             }
             for o in &st.out {
-                if satisfies(copied, (o.k + 1) as u32) {
-                    o.ticket.set(TicketState::Delivered);
-                } else if let Some(w) = &why {
-                    o.ticket.set(TicketState::Failed(w.clone()));
+                match &why {
+                    // Once aborted, a send not yet seen delivered fails,
+                    // even if its copy ran: the abort may have let its
+                    // stream go on before the copy read the buffer (as the
+                    // destination fails a copy seen done after its abort).
+                    Some(w) => o.ticket.set(TicketState::Failed(w.clone())),
+                    None if satisfies(copied, (o.k + 1) as u32) => {
+                        o.ticket.set(TicketState::Delivered)
+                    }
+                    None => {}
                 }
             }
             while st.out.front().is_some_and(|o| o.k < unmapped) {

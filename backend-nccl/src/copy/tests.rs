@@ -842,3 +842,36 @@ fn a_stream_let_go_before_the_abort_failed_its_ticket_finds_why() {
     assert!(matches!(s.state(), TicketState::Failed(w) if w.contains("rank 1 failed")));
     assert_eq!(l.aborted().as_deref(), Some("rank 1 failed"));
 }
+
+#[test]
+fn a_copy_seen_done_only_after_an_abort_let_the_streams_go_is_failed() {
+    // The release let both streams go on before the copy ran: what came
+    // after the ops there may have used the bytes from before, so the
+    // copy, though it ran, delivers nothing the ranks may count on.
+    let (l, fake) = lane();
+    fake.put(100, vec![7; 16]);
+    let s = send(&l, 100, 16).expect("issued");
+    let r = recv(&l, 200, 16).expect("issued");
+    assert_eq!(fake.copies(), 1, "enqueued");
+    l.let_go("deadline");
+    assert!(fake.released(S) && fake.released(R));
+    fake.run(usize::MAX);
+    l.settle().expect("no device error");
+    for t in [&s, &r] {
+        assert!(
+            matches!(t.state(), TicketState::Failed(w) if w.contains("deadline")),
+            "{:?}",
+            t.state()
+        );
+    }
+    // A copy done before the abort delivered its bytes: it stays so.
+    let (l, fake) = lane();
+    fake.put(100, vec![7; 16]);
+    let s = send(&l, 100, 16).expect("issued");
+    let r = recv(&l, 200, 16).expect("issued");
+    fake.run(usize::MAX);
+    l.abort("deadline");
+    assert_eq!(s.state(), TicketState::Delivered);
+    assert_eq!(r.state(), TicketState::Delivered);
+    assert_eq!(fake.get(200), vec![7; 16]);
+}
