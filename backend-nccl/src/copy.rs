@@ -45,8 +45,10 @@
 //!
 //! Each op gets a [`Ticket`]. It says [`Delivered`](TicketState::Delivered)
 //! only once the lane has seen the copy's done event complete
-//! ([`CopyLane::settle`]); an op whose stream passed its wait for any other
-//! reason (an abort released it) is [`Failed`](TicketState::Failed).
+//! ([`CopyLane::settle`]) before any abort let the streams go; an op whose
+//! stream passed its wait for any other reason (an abort released it) is
+//! [`Failed`](TicketState::Failed), even if its copy runs later: what came
+//! after it on its stream may have used the bytes from before.
 //!
 //! # Abort
 //!
