@@ -228,6 +228,23 @@ impl Ticket {
         })
     }
 
+    /// Why its op, whose stream went past its wait, did not deliver its
+    /// bytes (`None`: it did), for a caller that settled `lane` just
+    /// before: the reason the lane failed it, or that of an abort that let
+    /// the stream go before failing the ticket.
+    pub(crate) fn undelivered(&self, lane: &dyn CopyPath) -> Option<String> {
+        match self.state() {
+            TicketState::Delivered => None,
+            TicketState::Failed(why) => Some(why.to_string()),
+            s => Some(match lane.aborted() {
+                Some(why) => why.to_string(),
+                None => format!(
+                    "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
+                ),
+            }),
+        }
+    }
+
     /// The op's message number on its lane.
     pub fn message(&self) -> u64 {
         self.k
@@ -851,11 +868,20 @@ impl<A: CopyApi> CopyLane<A> {
             drop(st);
             drop(dropped);
         }
-        // Why first, then the release: a stream of another process that
-        // the release lets go finds why (`ipc`).
+        self.tell(why);
+        self.api.release_all();
+    }
+
+    /// Keeps the abort's reason and tells the other side, before any
+    /// release of every abort: a stream let go by the release finds why,
+    /// in this process ([`CopyLane::aborted`]) and another (`ipc`; a
+    /// stream of the source let go first saw its op pass undelivered with
+    /// no reason, on a GPU). Every abort tells, not only the first: the
+    /// first may not have told yet (the other side keeps the first
+    /// reason).
+    fn tell(&self, why: &str) {
         let _ = self.let_go.set(why.into());
         self.api.aborted(why);
-        self.api.release_all();
     }
 
     /// Marks delivered the copies whose done events completed, oldest
@@ -893,13 +919,7 @@ impl<A: CopyApi> CopyLane<A> {
             None => why.into(),
         };
         st.aborted = Some(why.clone());
-        // Why first, then any release (as in `let_go`): a stream of
-        // another process that a release lets go must find why, or its rank
-        // sees its op pass undelivered with no reason (`ipc`; seen on a
-        // GPU). Told by every abort, not only the first: the first may not
-        // have told yet (the other side keeps the first reason).
-        let _ = self.let_go.set(why.clone());
-        self.api.aborted(&why);
+        self.tell(&why);
         for side in st.ahead.iter_mut() {
             for s in side.drain(..) {
                 s.ticket.set(TicketState::Failed(why.clone()));

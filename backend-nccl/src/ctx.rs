@@ -470,17 +470,9 @@ impl Issued {
         if t.state() != TicketState::Delivered {
             let _ = c.lane.settle();
         }
-        let why = match t.state() {
-            TicketState::Delivered => {
-                self.checked.store(true, Ordering::Release);
-                return;
-            }
-            TicketState::Failed(why) => why.to_string(),
-            // Let go by an abort that has not failed the tickets yet.
-            s => match c.lane.aborted() {
-                Some(why) => why.to_string(),
-                None => format!("its stream went on while its copy is {s:?}"),
-            },
+        let Some(why) = t.undelivered(&*c.lane) else {
+            self.checked.store(true, Ordering::Release);
+            return;
         };
         if let Some(ctx) = self.event.ctx.upgrade() {
             // Marked checked only with the entry in place, so that a

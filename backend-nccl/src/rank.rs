@@ -15,7 +15,7 @@ use duplex::{DType, Dir, Element, Error, Hang, Lane, Place, Policy, Rank, Result
 use smallvec::{SmallVec, smallvec};
 
 use crate::comm::{self, Comm, poll};
-use crate::copy::{Ticket, TicketState};
+use crate::copy::Ticket;
 use crate::ctx::{
     BufState, CopyEnd, EventInner, Issued, LaneCost, LastRecv, NcclComm, NcclEvent, NcclStream,
     OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
@@ -1036,16 +1036,8 @@ impl NcclRank {
         // The copy's done event completes before the write that let the
         // stream go on (`crate::copy`): settling now sees it.
         c.lane.settle()?;
-        let why = match t.state() {
-            TicketState::Delivered => return Ok(()),
-            TicketState::Failed(why) => why.to_string(),
-            // Let go by an abort that has not failed the tickets yet.
-            s => match c.lane.aborted() {
-                Some(why) => why.to_string(),
-                None => format!(
-                    "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
-                ),
-            },
+        let Some(why) = t.undelivered(&*c.lane) else {
+            return Ok(());
         };
         if let Some((r, w)) = self.ctx.peer_cause() {
             return Err(self.peer_failed(call, r, &w));
@@ -1260,18 +1252,9 @@ impl NcclRank {
                     // Its done event completed before its stream went on
                     // (`crate::copy`): settling now sees it.
                     let _ = end.lane.settle();
-                    match ticket.state() {
-                        TicketState::Delivered => None,
-                        TicketState::Failed(why) => {
-                            Some(format!("copy-engine lane {}: {why}", end.name))
-                        }
-                        s => Some(match end.lane.aborted() {
-                            // Let go by an abort that has not failed the
-                            // tickets yet.
-                            Some(why) => format!("copy-engine lane {}: {why}", end.name),
-                            None => format!("copy-engine lane {}: its copy is {s:?}", end.name),
-                        }),
-                    }
+                    ticket
+                        .undelivered(&*end.lane)
+                        .map(|why| format!("copy-engine lane {}: {why}", end.name))
                 }
             },
             None => match comm.map(|c| c.check()) {

@@ -446,7 +446,7 @@ impl Process {
                     "copy-engine lanes across processes (copy_from {})",
                     duplex::Size(c)
                 ),
-                how: "they are experimental: on one H200 shared by two processes a job with a sending and a receiving thread per rank hung in about 1 run in 3, an IPC open stalled while the process's streams waited; everything is now opened at setup, which has not run on a GPU yet (docs/semantics.md, \"Across processes\"); set DUPLEX_IPC_COPY=1 to use them anyway, run the ranks as threads of one process (Local), or leave copy_from unset".into(),
+                how: "they are experimental: on one H200 shared by two processes a job with a sending and a receiving thread per rank hung in about 1 run in 3, an IPC open stalled while the process's streams waited; everything is now opened at setup, which passed every run on one GPU but has not run on two yet (docs/semantics.md, \"Across processes\"); set DUPLEX_IPC_COPY=1 to use them anyway, run the ranks as threads of one process (Local), or leave copy_from unset".into(),
             });
         }
         static RAN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

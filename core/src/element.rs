@@ -27,6 +27,18 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every type, in declaration order.
+    pub const ALL: [DType; 8] = [
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+        DType::F32,
+        DType::F64,
+    ];
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -53,17 +65,7 @@ impl DType {
     /// The type whose `ncclDataType_t` is `code` ([`DType::nccl`]'s
     /// inverse), if duplex has one.
     pub fn from_nccl(code: i32) -> Option<DType> {
-        Some(match code {
-            0 => DType::I8,
-            1 => DType::U8,
-            2 => DType::I32,
-            3 => DType::U32,
-            4 => DType::I64,
-            5 => DType::U64,
-            7 => DType::F32,
-            8 => DType::F64,
-            _ => return None,
-        })
+        DType::ALL.into_iter().find(|d| d.nccl() == code)
     }
 
     /// The Rust name of the type.

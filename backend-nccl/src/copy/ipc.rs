@@ -157,6 +157,15 @@ const _: () = assert!(std::mem::size_of::<Desc>() <= DESC);
 const _: () = assert!(WHY_AT + WHY <= RING_AT);
 const _: () = assert!(SEGMENT.is_multiple_of(4096));
 
+/// Whether `bytes` at `offset` lie within an arena of `size` bytes: checked
+/// by the source before it posts a send, and again by the destination of
+/// what another process posted.
+fn within_arena(offset: u64, bytes: usize, size: u64) -> bool {
+    offset
+        .checked_add(bytes as u64)
+        .is_some_and(|end| end <= size)
+}
+
 /// What the source writes for the destination to open at setup: its
 /// arena's handle and size, and its events' handles.
 type Table = ([u8; 64], u64, Vec<[u8; 64]>);
@@ -831,10 +840,7 @@ impl<A: SendApi> IpcSender<A> {
             }
         }
         // The buffer first: a failure leaves nothing on the stream.
-        let inside = |o: &u64| {
-            o.checked_add(bytes as u64)
-                .is_some_and(|end| end <= self.api.arena_bytes())
-        };
+        let inside = |o: &u64| within_arena(*o, bytes, self.api.arena_bytes());
         let Some(offset) = self.api.offset(ptr).filter(inside) else {
             return Err(failure(
                 Error::Invalid {
@@ -969,7 +975,7 @@ impl<A: SendApi> IpcSender<A> {
     pub fn abort(&self, why: &str) {
         // The reason before the release: a stream the release lets go finds
         // why on either side.
-        self.seg.abort(&format!("{} (aborted by its source)", why));
+        self.tell(why);
         {
             let mut st = lock(&self.state);
             if st.aborted.is_none() {
@@ -978,6 +984,11 @@ impl<A: SendApi> IpcSender<A> {
         }
         self.seg.release_all();
         let _ = self.settle();
+    }
+
+    /// Writes the abort's reason into the segment (the first one stays).
+    fn tell(&self, why: &str) {
+        self.seg.abort(&format!("{why} (aborted by its source)"));
     }
 
     /// Why the lane was aborted, on either side.
@@ -1033,7 +1044,7 @@ impl<A: SendApi<Stream = crate::cuda::Stream> + 'static> CopyPath for IpcSender<
         let _ = self.settle();
     }
     fn let_go(&self, why: &str) {
-        self.seg.abort(&format!("{} (aborted by its source)", why));
+        self.tell(why);
         self.seg.release_all();
     }
     fn abort(&self, why: &str) {
@@ -1175,12 +1186,7 @@ where
             )));
         };
         let base = match self.arena {
-            Some((h, base))
-                if h == p.mem
-                    && p.offset
-                        .checked_add(p.bytes as u64)
-                        .is_some_and(|end| end <= self.arena_bytes) =>
-            {
+            Some((h, base)) if h == p.mem && within_arena(p.offset, p.bytes, self.arena_bytes) => {
                 base
             }
             _ => {
