@@ -75,6 +75,12 @@ impl Device {
         // SAFETY: `dev` is a valid device handle.
         let ctx = unsafe { result::primary_ctx::retain(dev) }
             .map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;
+        CONTEXTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(ctx as usize)
+            .or_default()
+            .devices += 1;
         let d = Device { ordinal, ctx };
         d.bind()?;
         Ok(d)
@@ -171,13 +177,13 @@ DONE:
 /// loading a module is one more driver call that had better not run
 /// while a stream of the process waits on a lane.
 pub fn wait_kernel() -> Result<sys::CUfunction, Error> {
-    static LOADED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
     let ctx = result::ctx::get_current()
         .map_err(|e| err("cuCtxGetCurrent", e))?
         .ok_or_else(|| Error::Aborted("no CUDA context is current".into()))?;
-    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, f)) = loaded.iter().find(|(c, _)| *c == ctx as usize) {
-        return Ok(*f as sys::CUfunction);
+    let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = all.get_mut(&(ctx as usize));
+    if let Some(f) = kept.as_ref().and_then(|c| c.kernel) {
+        return Ok(f as sys::CUfunction);
     }
     let ptx = std::ffi::CString::new(WAIT_PTX)
         .map_err(|_| Error::Aborted("the flag-wait kernel has a NUL".into()))?;
@@ -190,7 +196,9 @@ pub fn wait_kernel() -> Result<sys::CUfunction, Error> {
     // SAFETY: the module is live.
     let f = unsafe { result::module::get_function(module, name) }
         .map_err(|e| err("cuModuleGetFunction", e))?;
-    loaded.push((ctx as usize, f as usize));
+    if let Some(c) = kept {
+        c.kernel = Some(f as usize);
+    }
     Ok(f)
 }
 
@@ -230,16 +238,19 @@ impl Drop for Bound {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        // The zeroing streams of this context go while it is still
-        // retained: a release may destroy it, and a later retain may give
-        // a context with the same handle, where they would not exist.
-        let kept: Vec<(usize, Stream)> = {
-            let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
-            let (mine, rest) = std::mem::take(&mut *pool)
-                .into_iter()
-                .partition(|(c, _)| *c == self.ctx as usize);
-            *pool = rest;
-            mine
+        // What duplex kept for the context goes with its last Device,
+        // while the context is still retained (`PerContext`).
+        let kept = {
+            let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+            let last = all.get_mut(&(self.ctx as usize)).is_some_and(|c| {
+                c.devices = c.devices.saturating_sub(1);
+                c.devices == 0
+            });
+            if last {
+                all.remove(&(self.ctx as usize))
+            } else {
+                None
+            }
         };
         drop(kept);
         if let Ok(dev) = result::device::get(self.ordinal) {
@@ -521,10 +532,23 @@ impl Arena {
 /// no progress reaches it.
 pub const ZEROING_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Streams for zeroing new buffers, each with its context, made once and
-/// kept: a new stream per allocation cost a create and a destroy each.
-/// A [`Device`] dropped destroys those of its context first.
-static ZEROING: std::sync::Mutex<Vec<(usize, Stream)>> = std::sync::Mutex::new(Vec::new());
+/// What duplex keeps per CUDA context while a [`Device`] of it lives: the
+/// flag-wait kernel ([`wait_kernel`]), loaded once, and the streams that
+/// zero new buffers ([`zero`]), made once (a stream per allocation cost a
+/// create and a destroy each). The last [`Device`] of a context to go
+/// drops it before it releases the context: a release may destroy the
+/// context, and a later retain may give one with the same handle, where
+/// none of it would exist. A context with no [`Device`] keeps nothing.
+#[derive(Default)]
+struct PerContext {
+    devices: usize,
+    kernel: Option<usize>,
+    zeroing: Vec<Stream>,
+}
+
+/// Each context's [`PerContext`], by its handle.
+static CONTEXTS: std::sync::Mutex<std::collections::BTreeMap<usize, PerContext>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// Zeroes `n` bytes at `ptr` and waits for it, up to `within`: on a stream
 /// of its own, since `cuMemsetD8` runs on the legacy stream, which duplex's
@@ -536,12 +560,11 @@ fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<
     let ctx = result::ctx::get_current()
         .map_err(|e| (err("cuCtxGetCurrent", e), false))?
         .map_or(0, |c| c as usize);
-    let pooled = {
-        let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
-        pool.iter()
-            .position(|(c, _)| *c == ctx)
-            .map(|i| pool.swap_remove(i).1)
-    };
+    let pooled = CONTEXTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_mut(&ctx)
+        .and_then(|c| c.zeroing.pop());
     let stream = match pooled {
         Some(s) => s,
         None => Stream::new().map_err(|e| (e, false))?,
@@ -579,9 +602,11 @@ fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<
             std::thread::sleep(std::time::Duration::from_micros(step.min(1000)));
         }
     }
-    let mut pool = ZEROING.lock().unwrap_or_else(|e| e.into_inner());
-    if pool.len() < 64 {
-        pool.push((ctx, stream));
+    let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = all.get_mut(&ctx)
+        && c.zeroing.len() < 64
+    {
+        c.zeroing.push(stream);
     }
     Ok(())
 }
@@ -613,19 +638,27 @@ impl Memory {
         // SAFETY: allocates on the current context.
         let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| err("cuMemAlloc", e))?;
         // SAFETY: `ptr` points to `n` bytes just allocated.
-        let m = Memory {
+        Memory {
             ptr,
             bytes,
             arena: None,
-        };
-        if let Err((e, running)) = zero(ptr, n, within) {
-            if running {
-                // The zeroing may still write into it: never freed (P6).
-                std::mem::forget(m);
-            }
-            return Err(e);
         }
-        Ok(m)
+        .zeroed_now(within)
+    }
+
+    /// This memory, just allocated, zeroed (waiting up to `within`); on an
+    /// error it is kept rather than freed or given back if the zeroing may
+    /// still write into it (P6).
+    fn zeroed_now(self, within: std::time::Duration) -> Result<Memory, Error> {
+        match zero(self.ptr, self.bytes.max(1), within) {
+            Ok(()) => Ok(self),
+            Err((e, running)) => {
+                if running {
+                    std::mem::forget(self);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// `bytes` of zeroed device memory from `arena`, given back to it when
@@ -636,20 +669,12 @@ impl Memory {
             what: format!("{n} bytes in the copy-lane arena ({} MiB)", arena.size >> 20),
             how: "buffers for copy-engine lanes across processes come from one arena per rank, opened by its peers at setup; set DUPLEX_IPC_ARENA_MIB larger".into(),
         })?;
-        let m = Memory {
+        Memory {
             ptr,
             bytes,
             arena: Some(arena.clone()),
-        };
-        if let Err((e, running)) = zero(ptr, n, ZEROING_LIMIT) {
-            if running {
-                // The zeroing may still write into it: never given back
-                // (P6).
-                std::mem::forget(m);
-            }
-            return Err(e);
         }
-        Ok(m)
+        .zeroed_now(ZEROING_LIMIT)
     }
 
     /// The device address.
