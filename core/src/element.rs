@@ -123,18 +123,12 @@ mod tests {
 
     #[test]
     fn from_nccl_is_the_inverse_of_nccl() {
-        for d in [
-            DType::I8,
-            DType::U8,
-            DType::I32,
-            DType::U32,
-            DType::I64,
-            DType::U64,
-            DType::F32,
-            DType::F64,
-        ] {
+        for d in DType::ALL {
             assert_eq!(DType::from_nccl(d.nccl()), Some(d));
         }
+        // ALL holds the eight types, each once.
+        let named: std::collections::BTreeSet<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+        assert_eq!(named.len(), 8);
         for code in [-1, 6, 9, 99] {
             assert_eq!(DType::from_nccl(code), None);
         }
