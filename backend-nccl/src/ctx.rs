@@ -16,7 +16,8 @@ use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 use crate::board::Board;
 use crate::comm::{self, Comm, poll};
 use crate::copy::{CopyLane, CopyPath, Cuda, Ticket, TicketState};
-use crate::cuda::{Device, Event, Memory, Stream};
+use crate::cuda::{Device, Event, Memory, Stream, StreamMarks};
+use crate::fence::{Fence, Fences};
 use crate::guard::{Done, IssueLock, Issuing, Ledger};
 use crate::health::{BEAT_EVERY, Health, PeerCause, SILENCE};
 use crate::lanes::nccl::NcclKit;
@@ -171,28 +172,53 @@ pub(crate) struct StreamInner {
     pub(crate) name: Arc<str>,
     pub(crate) rank: Rank,
     pub(crate) id: u32,
-    /// Completion events recorded on it for ops so far: the next one's
-    /// position. Taken under the rank's issue lock, right after the
-    /// event's record, so positions follow the stream's order.
-    pub(crate) recorded: std::sync::atomic::AtomicU64,
-    /// A number no other stream of this process has, ever: the ledger's
-    /// name for its queue (an address can be reused, and a registry's
-    /// stream number is only unique within one run).
-    pub(crate) serial: u64,
+    /// Its completion fences ([`crate::fence`]): the ops launched on it
+    /// attach to them. Numbered in the ledger by a number no other stream
+    /// of this process has, ever (an address can be reused, and a
+    /// registry's stream number is only unique within one run).
+    pub(crate) fences: crate::sync::Arc<Fences<StreamMarks>>,
 }
 
+/// Launches of a stream after which the issuing thread records its open
+/// completion fence (else the first thread that asks records it): one
+/// event record per this many launches instead of one per launch.
+pub(crate) const FENCE_EVERY: u32 = 16;
+
 impl StreamInner {
-    /// A stream of `rank`, numbered `id` by the registry.
-    pub(crate) fn new(raw: Stream, name: &str, rank: Rank, id: u32) -> StreamInner {
-        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    /// A stream of `rank` on `device`, numbered `id` by the registry.
+    pub(crate) fn new(
+        raw: Stream,
+        name: &str,
+        rank: Rank,
+        id: u32,
+        device: &Arc<Device>,
+    ) -> StreamInner {
+        static SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let fences = Fences::new(
+            raw.marks(device.clone()),
+            SERIAL.fetch_add(1, Ordering::Relaxed),
+            FENCE_EVERY,
+        );
         StreamInner {
             raw,
             name: name.into(),
             rank,
             id,
-            recorded: std::sync::atomic::AtomicU64::new(0),
-            serial: SERIAL.fetch_add(1, Ordering::Relaxed),
+            fences,
         }
+    }
+
+    /// Its number in the ledger.
+    pub(crate) fn serial(&self) -> usize {
+        self.fences.queue_serial()
+    }
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        // Its open fence is recorded while the stream still exists; no
+        // fence uses the stream after this.
+        self.fences.close();
     }
 }
 
@@ -326,83 +352,25 @@ pub(crate) fn patience() -> Duration {
     SILENCE + BEAT_EVERY * 2 + Duration::from_secs(1)
 }
 
-/// An event recorded after the ops of one launch on one stream, shared by
-/// them: it completes once the last of them did (stream order), so each
-/// op asks it whether it is done (P6). Its completion is remembered, so it
-/// is queried until it completes and never after; once no op holds it, it
-/// goes back to its rank's pool if it completed.
-#[derive(Debug)]
-pub(crate) struct OpEvent {
-    event: Option<Event>,
-    /// The stream it was recorded on (its serial, never reused), and its
-    /// position among the completion events recorded there.
-    pub(crate) stream: (usize, u64),
-    done: std::sync::atomic::AtomicBool,
-    ctx: std::sync::Weak<RankCtx>,
-}
+/// The completion fence an op attached to after its launch
+/// ([`crate::fence`]): the op is done once it completed.
+pub(crate) type OpEvent = Fence<StreamMarks>;
 
-impl OpEvent {
-    /// The event just recorded on `stream`; the issue lock (`_issuing`)
-    /// held since before the record keeps positions in record order.
-    pub(crate) fn new(
-        event: Event,
-        stream: &StreamInner,
-        ctx: &Arc<RankCtx>,
-        _issuing: &crate::guard::Issuing<'_>,
-    ) -> OpEvent {
-        let position = stream.recorded.fetch_add(1, Ordering::Relaxed);
-        OpEvent {
-            event: Some(event),
-            stream: (stream.serial as usize, position),
-            done: std::sync::atomic::AtomicBool::new(false),
-            ctx: Arc::downgrade(ctx),
-        }
-    }
-
-    /// Whether the ops before it on its stream completed. A query that
-    /// fails (a CUDA error, after which nothing about the ops is known)
-    /// answers no: their buffers are then kept for good rather than freed
-    /// or handed back to the host under a kernel that may still run (P6).
-    pub(crate) fn done(&self) -> bool {
-        if self.done.load(Ordering::Acquire) {
-            return true;
-        }
-        let done = self
-            .event
-            .as_ref()
-            .is_none_or(|e| e.done().unwrap_or(false));
-        if done {
-            self.done.store(true, Ordering::Release);
-        }
-        done
-    }
-}
-
-impl Drop for OpEvent {
-    fn drop(&mut self) {
-        // A completed event goes back to its rank's pool.
-        if let (Some(e), Some(ctx)) = (self.event.take(), self.ctx.upgrade())
-            && (self.done.load(Ordering::Acquire) || e.done().unwrap_or(false))
-        {
-            let mut pool = lock(&ctx.events);
-            if pool.len() < 4096 {
-                pool.push(e);
-            }
-        }
-    }
-}
-
-/// An op that was launched: what it is, the event recorded after it (and
-/// after the rest of its launch on its stream), and the buffer it uses
+/// An op that was launched: what it is, the completion fence it attached
+/// to after its launch (with the rest of its launch on its stream), and
+/// the buffer it uses
 /// (kept alive until the op is dropped, after it completed). An op on a
 /// copy-engine lane also has its ticket, which says whether its bytes
 /// arrived.
 #[derive(Debug)]
 pub(crate) struct Issued {
     pub(crate) meta: OpMeta,
-    pub(crate) event: Arc<OpEvent>,
+    pub(crate) event: crate::sync::Arc<OpEvent>,
     pub(crate) buf: Arc<BufState>,
     pub(crate) ticket: Option<Arc<Ticket>>,
+    /// Its rank, where an undelivered copy is remembered
+    /// ([`Issued::check_delivery`]); only for an op with a ticket.
+    pub(crate) ctx: Option<std::sync::Weak<RankCtx>>,
     /// Whether its delivery was checked once its stream passed it
     /// ([`Issued::check_delivery`]).
     pub(crate) checked: AtomicBool,
@@ -445,7 +413,7 @@ pub(crate) fn copy_lanes(ranks: u32, policy: Policy, opts: &Options) -> Result<C
 
 impl Issued {
     /// Whether the device can no longer touch the op's buffers
-    /// ([`OpEvent::done`]). Whether the op succeeded is another question,
+    /// ([`Fence::done`]). Whether the op succeeded is another question,
     /// answered with its error by the waits
     /// (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
@@ -474,7 +442,7 @@ impl Issued {
             self.checked.store(true, Ordering::Release);
             return;
         };
-        if let Some(ctx) = self.event.ctx.upgrade() {
+        if let Some(ctx) = self.ctx.as_ref().and_then(std::sync::Weak::upgrade) {
             // Marked checked only with the entry in place, so that a
             // second caller (another thread's prune) returns only once
             // every later wait sees it.
@@ -495,14 +463,14 @@ impl Done for Issued {
         Issued::done(self)
     }
 
-    /// Its stream and position there: events recorded on one stream
-    /// complete in the order they were recorded.
+    /// Its stream and its fence's position there: the fences of a stream
+    /// are recorded in the order of their positions, so complete in it.
     fn queue(&self) -> Option<(usize, u64)> {
-        Some(self.event.stream)
+        Some(self.event.queue())
     }
 
     fn mark_done(&self) {
-        self.event.done.store(true, Ordering::Release);
+        self.event.mark_done();
         self.check_delivery();
     }
 }
@@ -628,8 +596,6 @@ pub(crate) struct RankCtx {
     pub(crate) health: Arc<dyn Health>,
     pub(crate) user_comms: AtomicUsize,
     pub(crate) next_logical: AtomicU32,
-    /// Events of completed ops, for reuse.
-    pub(crate) events: Mutex<Vec<Event>>,
     /// Ops on copy-engine lanes whose streams went on without their bytes
     /// ([`Issued::check_delivery`]): every later wait of the rank fails
     /// naming the first.
@@ -748,6 +714,7 @@ impl RankCtx {
                 name,
                 rank,
                 reg_stream(name),
+                &device,
             )));
             streams.push(st.clone());
             Ok(st)
@@ -885,7 +852,6 @@ impl RankCtx {
             health,
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
-            events: Mutex::new(Vec::new()),
             lost: Mutex::new(Vec::new()),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
@@ -1192,14 +1158,6 @@ impl RankCtx {
             self.health.failed(self.rank)
         } else {
             None
-        }
-    }
-
-    /// An event for a new op: a completed op's, or a new one.
-    pub(crate) fn event(&self) -> Result<Event> {
-        match lock(&self.events).pop() {
-            Some(e) => Ok(e),
-            None => Event::new(false),
         }
     }
 

@@ -336,6 +336,54 @@ pub unsafe fn copy_peer(
     })
 }
 
+/// The completion events of one stream ([`crate::fence::Marks`]): events
+/// made on its device and recorded on it.
+#[derive(Debug)]
+pub struct StreamMarks {
+    raw: sys::CUstream,
+    device: std::sync::Arc<Device>,
+}
+
+// SAFETY: stream handles are usable from any thread of the process; the
+// handle is used only while its stream lives (`crate::fence::Fences`
+// records nothing after `close`, which the stream's owner calls before the
+// stream is destroyed).
+unsafe impl Send for StreamMarks {}
+// SAFETY: as above.
+unsafe impl Sync for StreamMarks {}
+
+impl Stream {
+    /// What records completion events on this stream, a stream of
+    /// `device`. Its owner must close the fences made of it before the
+    /// stream is destroyed.
+    pub fn marks(&self, device: std::sync::Arc<Device>) -> StreamMarks {
+        StreamMarks {
+            raw: self.raw,
+            device,
+        }
+    }
+}
+
+impl crate::fence::Marks for StreamMarks {
+    type Mark = Event;
+
+    fn make(&self) -> Result<Event, Error> {
+        let _bound = self.device.bind_scoped()?;
+        Event::new(false)
+    }
+
+    fn record(&self, m: &Event) -> Result<(), Error> {
+        // From any thread of the process: the device's context current.
+        let _bound = self.device.bind_scoped()?;
+        // SAFETY: the event is live, and so is the stream (see above).
+        unsafe { result::event::record(m.raw, self.raw) }.map_err(|e| err("cuEventRecord", e))
+    }
+
+    fn query(&self, m: &Event) -> Result<bool, Error> {
+        m.done()
+    }
+}
+
 /// An event without timing.
 #[derive(Debug)]
 pub struct Event {

@@ -57,11 +57,12 @@
 //!   reads of the freed communicator.
 //! - **P6, buffers outlive their ops.** Each launched op holds its buffer;
 //!   the rank's [`Ledger`] drops an op only once the op, or a later op of
-//!   its stream, says it completed ([`Done`]: a CUDA event recorded after
-//!   it; events of one stream complete in the order they were recorded,
-//!   and their positions are taken in that order under the issue lock, on
-//!   a stream serial unique in the process), and never drops one that has
-//!   not: at the end of a run, or when the ledger is dropped, ops that
+//!   its stream, says it completed ([`Done`]: the completion fence it
+//!   attached to after its launch, a CUDA event shared by the launches of
+//!   its stream until it is recorded, [`crate::fence`]; the fences of one
+//!   stream are recorded, so complete, in the order of their positions,
+//!   on a stream serial unique in the process), and never drops one that
+//!   has not: at the end of a run, or when the ledger is dropped, ops that
 //!   never completed are leaked with their buffers rather than freed under
 //!   a kernel.
 //! - **P7, snapshots see whole launches.** The ops of one launch enter the
@@ -790,7 +791,7 @@ impl Issuing<'_> {
 }
 
 /// Whether the device is done with something (for an op: a query of the
-/// CUDA event recorded after it).
+/// completion fence it attached to, [`crate::fence`]).
 pub trait Done {
     /// True once the device can no longer touch it.
     fn done(&self) -> bool;

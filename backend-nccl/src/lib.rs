@@ -34,6 +34,7 @@ pub mod comm;
 pub mod copy;
 pub mod ctx;
 pub mod cuda;
+pub mod fence;
 pub mod guard;
 pub mod health;
 pub mod lanes;

@@ -21,6 +21,7 @@ use crate::ctx::{
     OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, Memory, Stream};
+use crate::fence::Fences;
 use crate::health::PeerCause;
 use crate::lanes::LaneEnd;
 use crate::nccl::Nccl;
@@ -493,9 +494,11 @@ impl NcclRank {
         if let Some(e) = &failed {
             self.abandon(&ends, e);
         }
-        // One event per stream of the launch, recorded after its last op
-        // there, shared by the launch's ops on that stream.
-        let mut events: SmallVec<[(*mut std::ffi::c_void, Arc<OpEvent>); 2]> = SmallVec::new();
+        // One completion fence per stream of the launch, attached to after
+        // its last op there, shared by the launch's ops on that stream
+        // (and by the stream's next launches until it is recorded).
+        let mut events: SmallVec<[(*mut std::ffi::c_void, crate::sync::Arc<OpEvent>); 2]> =
+            SmallVec::new();
         let mut launch: SmallVec<[Arc<Issued>; INLINE_OPS]> = SmallVec::with_capacity(reqs.len());
         let (mut tickets, mut launched) = (tickets.into_iter(), launched.into_iter());
         let mut reqs = reqs.into_iter().map(|r| {
@@ -515,12 +518,8 @@ impl NcclRank {
                 .map(|(_, e)| e.clone());
             let event = match shared {
                 Some(e) => e,
-                None => match ctx
-                    .event()
-                    .and_then(|e| e.record(&r.stream.0.raw).map(|()| e))
-                {
+                None => match Fences::attach(&r.stream.0.fences) {
                     Ok(e) => {
-                        let e = Arc::new(OpEvent::new(e, &r.stream.0, ctx, &issuing));
                         events.push((raw, e.clone()));
                         e
                     }
@@ -552,6 +551,7 @@ impl NcclRank {
                 meta: r.meta,
                 event,
                 buf: r.buf,
+                ctx: ticket.as_ref().map(|_| Arc::downgrade(ctx)),
                 ticket,
                 checked: std::sync::atomic::AtomicBool::new(false),
             });
@@ -1433,6 +1433,7 @@ impl Transport for NcclRank {
             name,
             self.ctx.rank,
             id,
+            &self.ctx.device,
         )));
         lock(&self.ctx.streams).push(s.clone());
         Ok(s)
@@ -1631,8 +1632,11 @@ impl Transport for NcclRank {
             .ctx
             .pending()
             .into_iter()
-            .filter(|op| op.event.stream.0 == stream.0.serial as usize)
+            .filter(|op| op.event.queue().0 == stream.0.serial())
             .collect();
+        // Its open completion fence first, so that the ops it covers are
+        // known done once this returns.
+        stream.0.fences.flush();
         let ev = Event::new(false)?;
         ev.record(&stream.0.raw)?;
         let what = format!("sync_stream({})", stream.0.name);
@@ -1653,6 +1657,8 @@ impl Transport for NcclRank {
         let streams = lock(&self.ctx.streams).clone();
         let mut events = Vec::with_capacity(streams.len());
         for s in &streams {
+            // As in `sync_stream`: the open fence before the wait's event.
+            s.0.fences.flush();
             let ev = Event::new(false)?;
             ev.record(&s.0.raw)?;
             events.push(ev);

@@ -542,3 +542,83 @@ fn two_lane_services_make_a_lane_both_ranks_need_at_once() {
         lane_service::both_ranks_need_one_lane()
     });
 }
+
+/// Completion fences (`duplex_nccl::fence`): an issuing thread launches and
+/// attaches (recording the fence itself every `every` launches) while
+/// another asks whether the first launch's fence is done (recording it if
+/// it is open) and, if `flusher`, a third flushes the stream, as
+/// `synchronize` does (a flush records again what is open, which can hide
+/// a fence that answered too early, so the race is also run without it).
+/// Whatever the order: every fence, once recorded, covers each launch that
+/// attached to it; fences of the stream are recorded in the order of their
+/// positions; and with only launch 1 complete, no fence that launch 2
+/// attached to says done.
+fn fences_race(every: u32, flusher: bool) {
+    use duplex_nccl::fence::Fences;
+    use duplex_nccl::fence::fake::Counter;
+
+    let c = Arc::new(Counter::default());
+    let f = Fences::new(c.clone(), 0, every);
+    c.launch();
+    let first = Fences::attach(&f).expect("attach 1");
+    let asker = {
+        let first = first.clone();
+        thread::spawn(move || first.done())
+    };
+    let flusher = flusher.then(|| {
+        let f = f.clone();
+        thread::spawn(move || f.flush())
+    });
+    let issuer = {
+        let (c, f) = (c.clone(), f.clone());
+        thread::spawn(move || {
+            let n = c.launch();
+            (n, Fences::attach(&f).expect("attach 2"))
+        })
+    };
+    assert!(!asker.join().unwrap(), "nothing completed yet");
+    if let Some(flusher) = flusher {
+        flusher.join().unwrap();
+    }
+    let (n, second) = issuer.join().unwrap();
+    assert_eq!(n, 2);
+    // Before anything else records: an answer given now must hold.
+    c.complete_to(1);
+    assert!(!second.done(), "launch 2 is not complete");
+    f.flush();
+    for (launch, fence) in [(1, &first), (2, &second)] {
+        assert!(fence.sealed());
+        assert!(
+            fence.covers().is_some_and(|c| c >= launch),
+            "a fence recorded before launch {launch} that attached to it"
+        );
+    }
+    let (p1, p2) = (first.queue().1, second.queue().1);
+    assert!(p1 <= p2);
+    if p1 < p2 {
+        assert!(
+            first.covers() <= second.covers(),
+            "recorded out of position order"
+        );
+    }
+    c.complete_to(2);
+    assert!(first.done() && second.done());
+}
+
+#[test]
+fn a_completion_fence_covers_every_launch_attached_to_it() {
+    model("fences: attach vs done, record on demand", None, || {
+        fences_race(100, false)
+    });
+    model(
+        "fences: attach vs done vs flush, record on demand",
+        None,
+        || fences_race(100, true),
+    );
+    model("fences: attach records every launch", None, || {
+        fences_race(1, true)
+    });
+    model("fences: attach records every second launch", None, || {
+        fences_race(2, true)
+    });
+}

@@ -405,7 +405,13 @@ fn publish(
     stream: Stream,
 ) {
     let id = ctx.registry.stream(ctx.rank, &lane.name);
-    let stream = NcclStream(Arc::new(StreamInner::new(stream, &lane.name, ctx.rank, id)));
+    let stream = NcclStream(Arc::new(StreamInner::new(
+        stream,
+        &lane.name,
+        ctx.rank,
+        id,
+        &ctx.device,
+    )));
     lock(&ctx.streams).push(stream.clone());
     ctx.registry
         .comm(lane.logical, &lane.name, &lane.members, true);
