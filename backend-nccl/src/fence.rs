@@ -4,7 +4,7 @@
 //!
 //! Each stream keeps at most one *open* fence. An op attaches to it once
 //! its launch has returned, so the op's work is on the stream before the
-//! fence is recorded, whenever that is: every [`Fences::every`] launches
+//! fence is recorded, whenever that is: every `every` launches ([`Fences::new`])
 //! by the issuing thread, or by the first thread that asks whether an op
 //! of the fence is done ([`Fence::done`]). A recorded fence leaves its
 //! stream's slot; the next launch opens a new one, so the fences of a
