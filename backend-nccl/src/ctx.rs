@@ -247,6 +247,9 @@ pub(crate) struct BufState {
     /// Ops launched on it (weak: an op holds its buffer, not the reverse),
     /// and the last recv into it.
     pub(crate) users: Mutex<Users>,
+    /// A host copy into or out of it did not finish in time and may still
+    /// run: its memory is never freed (P6).
+    pub(crate) kept: AtomicBool,
 }
 
 /// What a buffer knows of the ops launched on it.
@@ -301,6 +304,10 @@ impl Drop for BufState {
         // only the dropping thread would do next (issue an op, answer a
         // peer): the process's reaper frees it (`crate::reaper`).
         if let Some(mem) = self.mem.take() {
+            if self.kept.load(Ordering::Acquire) {
+                mem.leak();
+                return;
+            }
             crate::reaper::reap(vec![Freeing {
                 mem: Some(mem),
                 device: self.device.clone(),

@@ -659,6 +659,86 @@ fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<
     Ok(())
 }
 
+/// How long a copy between the host and a buffer may take before `read`
+/// or `write` gives up on it: as [`ZEROING_LIMIT`], far longer than any
+/// copy takes, so only a device that makes no progress reaches it.
+pub const HOST_COPY_LIMIT: std::time::Duration = ZEROING_LIMIT;
+
+/// At most this many host-copy threads wait idle for the next copy.
+const IDLE_COPIERS: usize = 4;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Idle host-copy threads, each by the sender of its jobs.
+static COPIERS: std::sync::Mutex<Vec<std::sync::mpsc::Sender<Job>>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Runs `copy` (`what`: a synchronous copy between the host and the
+/// device, which the driver may hold up without limit when the device
+/// makes no progress, say a hardware queue stopped behind a stream wait:
+/// HQ in `docs/semantics.md`) on a host-copy thread, and waits for it up to
+/// `within`. A late copy's error says it may still run (`true`): its
+/// thread stays with it, and the caller must keep the device memory for
+/// good (P6). Threads that finish go back to a small pool.
+pub(crate) fn bounded<T: Send + 'static>(
+    within: std::time::Duration,
+    what: &str,
+    copy: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, (Error, bool)> {
+    let (reply, answer) = std::sync::mpsc::sync_channel(1);
+    let mut job: Job = Box::new(move || {
+        let _ = reply.send(copy());
+    });
+    loop {
+        let idle = COPIERS.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let tx = match idle {
+            Some(tx) => tx,
+            None => spawn_copier().map_err(|e| (e, false))?,
+        };
+        match tx.send(job) {
+            Ok(()) => break,
+            // That thread is gone: the job comes back, to another.
+            Err(e) => job = e.0,
+        }
+    }
+    match answer.recv_timeout(within) {
+        Ok(r) => r.map_err(|e| (e, false)),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err((
+            Error::Aborted(format!(
+                "{what} did not finish within {within:?}: the GPU is not making progress (a kernel that never ends, or streams sharing a CUDA hardware queue: HQ in docs/semantics.md); the buffer's memory is kept, not freed"
+            )),
+            true,
+        )),
+        // The thread died in the copy (a panic): nothing says the copy
+        // ended.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err((
+            Error::Aborted(format!("{what} ended without an answer")),
+            true,
+        )),
+    }
+}
+
+/// A new host-copy thread: it runs the jobs it is sent and, after each,
+/// goes back to [`COPIERS`] (or ends, when enough wait there).
+fn spawn_copier() -> Result<std::sync::mpsc::Sender<Job>, Error> {
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let mine = tx.clone();
+    std::thread::Builder::new()
+        .name("duplex host copy".into())
+        .spawn(move || {
+            while let Ok(job) = rx.recv() {
+                job();
+                let mut idle = COPIERS.lock().unwrap_or_else(|e| e.into_inner());
+                if idle.len() >= IDLE_COPIERS {
+                    return;
+                }
+                idle.push(mine.clone());
+            }
+        })
+        .map_err(|e| Error::Aborted(format!("starting a host-copy thread: {e}")))?;
+    Ok(tx)
+}
+
 /// Device memory on the current context.
 #[derive(Debug)]
 pub struct Memory {
@@ -730,6 +810,45 @@ impl Memory {
         self.ptr
     }
 
+    /// [`Memory::write`] on a host-copy thread ([`bounded`]), waiting for
+    /// it up to `within`. On an error that says the copy may still run
+    /// (`true`), the caller must keep the memory for good (P6).
+    pub fn write_within(
+        &self,
+        device: &std::sync::Arc<Device>,
+        data: Vec<u8>,
+        within: std::time::Duration,
+    ) -> Result<(), (Error, bool)> {
+        let (ptr, n) = (self.ptr, data.len().min(self.bytes));
+        let device = device.clone();
+        bounded(within, "a copy from the host to a buffer", move || {
+            device.bind()?;
+            // SAFETY: the destination holds at least `n` bytes, kept by
+            // the caller until this returns, or for good if it is late.
+            unsafe { result::memcpy_htod_sync(ptr, &data[..n]) }.map_err(|e| err("cuMemcpyHtoD", e))
+        })
+    }
+
+    /// [`Memory::read`] on a host-copy thread ([`bounded`]), as
+    /// [`Memory::write_within`].
+    pub fn read_within(
+        &self,
+        device: &std::sync::Arc<Device>,
+        within: std::time::Duration,
+    ) -> Result<Vec<u8>, (Error, bool)> {
+        let (ptr, n) = (self.ptr, self.bytes);
+        let device = device.clone();
+        bounded(within, "a copy from a buffer to the host", move || {
+            device.bind()?;
+            let mut out = vec![0u8; n];
+            // SAFETY: the source holds `n` bytes, kept by the caller until
+            // this returns, or for good if it is late.
+            unsafe { result::memcpy_dtoh_sync(&mut out, ptr) }
+                .map_err(|e| err("cuMemcpyDtoH", e))?;
+            Ok(out)
+        })
+    }
+
     /// Copies `data` (at most the allocation's size) to the device.
     pub fn write(&self, data: &[u8]) -> Result<(), Error> {
         let n = data.len().min(self.bytes);
@@ -775,5 +894,67 @@ impl Drop for Memory {
             // SAFETY: `ptr` came from `malloc_sync` and is freed once.
             let _ = unsafe { result::free_sync(self.ptr) };
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_host_copy_in_time_answers_with_its_result() {
+        assert_eq!(
+            bounded(Duration::from_secs(5), "a copy", || Ok(7)).unwrap(),
+            7
+        );
+        let (e, running) = bounded::<()>(Duration::from_secs(5), "a copy", || {
+            Err(Error::Aborted("refused".into()))
+        })
+        .unwrap_err();
+        assert!(!running, "it ended");
+        assert!(e.to_string().contains("refused"), "{e}");
+    }
+
+    #[test]
+    fn a_late_host_copy_is_an_error_that_says_it_may_still_run() {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let start = Instant::now();
+        let (e, running) = bounded(
+            Duration::from_millis(100),
+            "a copy from a buffer to the host",
+            move || {
+                let _ = held.recv();
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(running, "the copy may still run: its memory must be kept");
+        let text = e.to_string();
+        assert!(
+            text.contains("a copy from a buffer to the host did not finish within 100ms"),
+            "{text}"
+        );
+        assert!(text.contains("kept, not freed"), "{text}");
+        // The stuck copy holds its own thread; others still run.
+        assert_eq!(
+            bounded(Duration::from_secs(5), "a copy", || Ok(1)).unwrap(),
+            1
+        );
+        release.send(()).unwrap();
+    }
+
+    #[test]
+    fn a_host_copy_that_panics_is_an_error_not_a_hang() {
+        let (e, running) =
+            bounded::<()>(Duration::from_secs(5), "a copy", || panic!("on purpose")).unwrap_err();
+        assert!(running, "nothing says the copy ended");
+        assert!(e.to_string().contains("ended without an answer"), "{e}");
+        assert_eq!(
+            bounded(Duration::from_secs(5), "a copy", || Ok(2)).unwrap(),
+            2
+        );
     }
 }

@@ -20,7 +20,7 @@ use crate::ctx::{
     BufState, CopyEnd, EventInner, Issued, LaneCost, LastRecv, NcclComm, NcclEvent, NcclStream,
     OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
-use crate::cuda::{Event, Memory, Stream};
+use crate::cuda::{Event, HOST_COPY_LIMIT, Memory, Stream};
 use crate::fence::Fences;
 use crate::health::PeerCause;
 use crate::lanes::LaneEnd;
@@ -1382,6 +1382,7 @@ impl Transport for NcclRank {
                 rank: self.ctx.rank,
                 device: self.ctx.device.clone(),
                 users: Mutex::new(Users::default()),
+                kept: std::sync::atomic::AtomicBool::new(false),
             }),
             len,
             _e: PhantomData,
@@ -1397,9 +1398,16 @@ impl Transport for NcclRank {
         for x in data {
             x.to_le(&mut bytes);
         }
-        self.ctx.device.bind()?;
-        if let Some(m) = &buf.state.mem {
-            m.write(&bytes)?;
+        if let Some(m) = &buf.state.mem
+            && let Err((e, running)) = m.write_within(&self.ctx.device, bytes, HOST_COPY_LIMIT)
+        {
+            let mut users = lock(&buf.state.users);
+            users.last_recv = None;
+            users.poisoned = Some(format!("a write did not complete ({e})"));
+            if running {
+                buf.state.kept.store(true, Ordering::Release);
+            }
+            return Err(e);
         }
         // The bytes are the host's now, whatever a recv did before.
         let mut users = lock(&buf.state.users);
@@ -1413,9 +1421,16 @@ impl Transport for NcclRank {
         let at = Location::caller();
         self.check_users(at, &buf.state, "read")?;
         self.check_delivered(&buf.state)?;
-        self.ctx.device.bind()?;
         let bytes = match &buf.state.mem {
-            Some(m) => m.read()?,
+            Some(m) => {
+                m.read_within(&self.ctx.device, HOST_COPY_LIMIT)
+                    .map_err(|(e, running)| {
+                        if running {
+                            buf.state.kept.store(true, Ordering::Release);
+                        }
+                        e
+                    })?
+            }
             None => Vec::new(),
         };
         Ok(bytes
