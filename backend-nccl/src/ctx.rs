@@ -1091,6 +1091,21 @@ impl RankCtx {
         self.ops.pending()
     }
 
+    /// Records the open completion fence of each stream of the rank, and
+    /// waits up to `within` for those to complete (a stream that is idle
+    /// completes its fence at once; one behind a stuck op never does). A
+    /// record that fails leaves its ops never known done (P6).
+    pub(crate) fn flush_fences(&self, within: Duration) {
+        let streams = lock(&self.streams).clone();
+        let sealed: Vec<_> = streams
+            .iter()
+            .filter_map(|s| s.0.fences.flush().ok().flatten())
+            .collect();
+        if !sealed.is_empty() && !within.is_zero() {
+            let _ = poll(within, || Ok(sealed.iter().all(|f| f.done())));
+        }
+    }
+
     /// The error of an NCCL call that failed: after the watchdog aborted the
     /// communicators, a hang; an error another rank caused names it
     /// ([`RankCtx::cause`]).
@@ -1225,6 +1240,8 @@ impl RankCtx {
     /// free memory a kernel may use. Never blocks past the deadline.
     pub(crate) fn teardown(&self) {
         let _ = self.device.bind();
+        // What the ops' fences say is all the waits below know.
+        self.flush_fences(Duration::ZERO);
         // No lane is made from now on; lanes in progress are abandoned.
         if let Some(m) = self.maker.get() {
             m.stop();

@@ -810,7 +810,7 @@ impl Memory {
         self.ptr
     }
 
-    /// [`Memory::write`] on a host-copy thread ([`bounded`]), waiting for
+    /// [`Memory::write`] on a host-copy thread (`bounded`), waiting for
     /// it up to `within`. On an error that says the copy may still run
     /// (`true`), the caller must keep the memory for good (P6).
     pub fn write_within(
@@ -829,7 +829,7 @@ impl Memory {
         })
     }
 
-    /// [`Memory::read`] on a host-copy thread ([`bounded`]), as
+    /// [`Memory::read`] on a host-copy thread (`bounded`), as
     /// [`Memory::write_within`].
     pub fn read_within(
         &self,

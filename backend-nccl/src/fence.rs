@@ -4,24 +4,29 @@
 //!
 //! Each stream keeps at most one *open* fence. An op attaches to it once
 //! its launch has returned, so the op's work is on the stream before the
-//! fence is recorded, whenever that is: every `every` launches ([`Fences::new`])
-//! by the issuing thread, or by the first thread that asks whether an op
-//! of the fence is done ([`Fence::done`]). A recorded fence leaves its
-//! stream's slot; the next launch opens a new one, so the fences of a
-//! stream are recorded in the order of their positions, and one that
-//! completed says every earlier one did (the ledger's bisection,
-//! [`crate::guard::Done::queue`]).
+//! fence is recorded, whenever that is: every `every` launches
+//! ([`Fences::new`]) by the issuing thread, and whenever something needs to
+//! know that the ops so far completed ([`Fences::flush`]: `synchronize` and
+//! `sync_stream` before their own events, a hang report, the end of a
+//! run). A recorded fence leaves its stream's slot; the next launch opens a
+//! new one, so the fences of a stream are recorded in the order of their
+//! positions, and one that completed says every earlier one did (the
+//! ledger's bisection, [`crate::guard::Done::queue`]).
 //!
 //! Every order of launch, attach and record is safe: an op that attaches
 //! after its fence was recorded takes the next one, which is only later.
 //! The record takes only the stream's slot lock, never the rank's issue
-//! lock, so a thread that asks never waits for one blocked inside NCCL.
+//! lock. Asking whether a fence is done ([`Fence::done`]) only queries: an
+//! open fence is not done, and no thread that asks (the ledger's pruning
+//! under its lock, a busy-buffer check, the watchdog) enqueues work on a
+//! stream, which the driver may hold up when the device makes no progress.
 //! What the sharing costs: an op is known done only once the fence it
-//! attached to completes, that is once the ops launched on its stream up
-//! to that record did. No wait of the transport waits for one op (waits
-//! cover whole streams, and a host read or write refuses a busy buffer
-//! rather than waiting), so the later ops add no dependency a program
-//! could hang on; they only delay when the ledger lets an op go.
+//! attached to was recorded and completed, that is once the ops launched
+//! on its stream up to that record did. No wait of the transport waits for
+//! one op (waits cover whole streams and flush first, and a host read or
+//! write refuses a busy buffer, as the simulator does, rather than wait),
+//! so the later ops add no dependency a program could hang on; they only
+//! delay when the ledger lets an op go.
 //!
 //! The events are behind [`Marks`], so that the protocol runs without a
 //! GPU: `tests/loom.rs` model-checks it on [`fake::Counter`].
@@ -61,12 +66,14 @@ const SPARES: usize = 64;
 /// ([`Fences::close`]), so drop it before the stream is destroyed.
 #[derive(Debug)]
 pub struct Fences<M: Marks> {
+    /// First, so that its spare events go before `marks` (which may own
+    /// what they need, a device).
+    slot: Mutex<Slot<M>>,
     marks: M,
     /// The stream's number in the ledger ([`crate::guard::Done::queue`]).
     serial: usize,
     /// Launches after which the issuing thread records the open fence.
     every: u32,
-    slot: Mutex<Slot<M>>,
 }
 
 #[derive(Debug)]
@@ -171,15 +178,17 @@ impl<M: Marks> Fences<M> {
         (Some(f), result)
     }
 
-    /// Records the open fence now (`synchronize` and `sync_stream` do,
-    /// before they record their own events, so that what they cover is
-    /// known done once they return).
-    pub fn flush(&self) {
-        let sealed = {
+    /// Records the open fence now, if there is one, and returns it
+    /// (`synchronize` and `sync_stream` do before they record their own
+    /// events, so that what they cover is known done once those complete;
+    /// a hang report and the end of a run too). An error: the record
+    /// failed, and the fence's ops are never known done by it.
+    pub fn flush(&self) -> Result<Option<Arc<Fence<M>>>, Error> {
+        let (sealed, result) = {
             let mut slot = lock(&self.slot);
-            self.seal(&mut slot).0
+            self.seal(&mut slot)
         };
-        drop(sealed);
+        result.map(|()| sealed)
     }
 
     /// The stream is going away: its open fence is recorded, and no fence
@@ -207,29 +216,12 @@ impl<M: Marks> Fences<M> {
 
 impl<M: Marks> Fence<M> {
     /// Whether the device is done with everything queued on its stream
-    /// before it was recorded; an open fence is recorded first (so the
-    /// first answer is usually no). A fence whose record or query failed
-    /// answers no: its ops' buffers are then kept for good rather than
-    /// freed under a kernel that may still run (P6).
+    /// before it was recorded. It only asks: an open fence is not done
+    /// (nothing is recorded here, see the module's text). A fence whose
+    /// record or query failed answers no: its ops' buffers are then kept
+    /// for good rather than freed under a kernel that may still run (P6),
+    /// unless a later fence of its stream completes ([`Fence::mark_done`]).
     pub fn done(&self) -> bool {
-        match self.state.load(Ordering::Acquire) {
-            DONE => return true,
-            LOST => return false,
-            OPEN => {
-                let sealed = {
-                    let mut slot = lock(&self.fences.slot);
-                    // Still open: it is the slot's (an open fence leaves
-                    // the slot only as it is recorded).
-                    if self.state.load(Ordering::Acquire) == OPEN {
-                        self.fences.seal(&mut slot).0
-                    } else {
-                        None
-                    }
-                };
-                drop(sealed);
-            }
-            _ => {}
-        }
         match self.state.load(Ordering::Acquire) {
             DONE => true,
             RECORDED => {
@@ -246,7 +238,8 @@ impl<M: Marks> Fence<M> {
         }
     }
 
-    /// Told that it is done, because a later fence of its stream is. An
+    /// Told that it is done, because a later fence of its stream is, or a
+    /// wait recorded after it on its stream completed. An
     /// open fence is left open: no later fence of its stream exists, so
     /// the call would be a mistake, and marking it would let the ops that
     /// attach next pass for done.
@@ -299,11 +292,13 @@ impl<M: Marks> Drop for Fence<M> {
 
 /// A fake stream for the protocol's tests: it counts the launches queued
 /// on it, and each mark remembers how many were queued when it was
-/// recorded; the test completes the stream up to a count.
+/// recorded; the test completes the stream up to a count. As CUDA's
+/// `cuEventQuery`, a mark never recorded answers done; a switch makes
+/// records fail.
 pub mod fake {
     use duplex::Error;
 
-    use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
+    use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering, lock};
 
     /// A stream: launches queued, launches completed, and every mark made.
     #[derive(Debug, Default)]
@@ -311,6 +306,7 @@ pub mod fake {
         queued: AtomicU64,
         completed: AtomicU64,
         made: Mutex<Vec<Arc<FakeMark>>>,
+        fail_records: AtomicBool,
     }
 
     /// A mark: the launches queued before its record (`None`: not
@@ -348,6 +344,11 @@ pub mod fake {
         pub fn made(&self) -> Vec<Arc<FakeMark>> {
             lock(&self.made).clone()
         }
+
+        /// From now on every record fails (`true`) or succeeds.
+        pub fn fail_records(&self, fail: bool) {
+            self.fail_records.store(fail, Ordering::SeqCst);
+        }
     }
 
     impl super::Marks for Arc<Counter> {
@@ -360,14 +361,18 @@ pub mod fake {
         }
 
         fn record(&self, m: &Arc<FakeMark>) -> Result<(), Error> {
+            if self.fail_records.load(Ordering::SeqCst) {
+                return Err(Error::Aborted("cuEventRecord failed (on purpose)".into()));
+            }
             *lock(&m.covers) = Some(self.queued.load(Ordering::SeqCst));
             m.records.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
 
         fn query(&self, m: &Arc<FakeMark>) -> Result<bool, Error> {
+            // CUDA: an event never recorded has nothing to wait for.
             Ok(m.covers()
-                .is_some_and(|c| c <= self.completed.load(Ordering::SeqCst)))
+                .is_none_or(|c| c <= self.completed.load(Ordering::SeqCst)))
         }
     }
 }
@@ -384,14 +389,16 @@ mod tests {
         (c.clone(), Fences::new(c, 7, every))
     }
 
+    /// One launch on `c`, attached to `f`'s fence.
+    fn launch(c: &Counter, f: &Arc<Fences<Arc<Counter>>>) -> Arc<Fence<Arc<Counter>>> {
+        c.launch();
+        Fences::attach(f).expect("attach")
+    }
+
     #[test]
     fn launches_share_a_fence_until_the_issuer_records_it() {
         let (c, f) = stream(3);
-        let mut fences = Vec::new();
-        for _ in 0..7 {
-            c.launch();
-            fences.push(Fences::attach(&f).unwrap());
-        }
+        let fences: Vec<_> = (0..7).map(|_| launch(&c, &f)).collect();
         // 3 + 3 + 1: two recorded by the issuer, the last still open.
         assert!(Arc::ptr_eq(&fences[0], &fences[2]));
         assert!(!Arc::ptr_eq(&fences[2], &fences[3]));
@@ -401,29 +408,38 @@ mod tests {
             [0, 0, 0, 1, 1, 1, 2].map(|p| (7, p))
         );
         assert!(fences[0].sealed() && fences[3].sealed() && !fences[6].sealed());
-        assert_eq!(fences[0].mark.as_ref().unwrap().covers(), Some(3));
-        assert_eq!(fences[3].mark.as_ref().unwrap().covers(), Some(6));
+        assert_eq!(fences[0].covers(), Some(3));
+        assert_eq!(fences[3].covers(), Some(6));
         assert_eq!(f.opened(), 3);
+    }
+
+    #[test]
+    fn an_open_fence_is_not_done_and_asking_records_nothing() {
+        let (c, f) = stream(100);
+        let a = launch(&c, &f);
+        c.complete_to(1);
+        // Its event, never recorded, would answer done to a query: asking
+        // must not query it, nor record it.
+        assert!(!a.done());
+        assert!(!a.sealed());
+        assert_eq!(c.made()[0].records(), 0);
     }
 
     #[test]
     fn a_fence_is_done_only_once_every_launch_attached_to_it_completed() {
         let (c, f) = stream(100);
-        c.launch();
-        let a = Fences::attach(&f).unwrap();
-        c.launch();
-        let b = Fences::attach(&f).unwrap();
+        let a = launch(&c, &f);
+        let b = launch(&c, &f);
         assert!(Arc::ptr_eq(&a, &b));
-        // Launch 1 completed, launch 2 not: the shared fence is not done.
         c.complete_to(1);
-        assert!(!a.done(), "recorded by this first question, after launch 2");
-        assert!(a.sealed());
+        let sealed = f.flush().unwrap().unwrap();
+        assert!(Arc::ptr_eq(&a, &sealed));
+        // Launch 1 completed, launch 2 not: the shared fence is not done.
         assert!(!a.done());
         c.complete_to(2);
         assert!(a.done() && b.done());
         // The next launch opens a new fence.
-        c.launch();
-        let d = Fences::attach(&f).unwrap();
+        let d = launch(&c, &f);
         assert!(!Arc::ptr_eq(&a, &d));
         assert_eq!(d.queue(), (7, 1));
         assert!(!d.done());
@@ -432,13 +448,10 @@ mod tests {
     #[test]
     fn an_op_that_attaches_after_a_record_takes_the_next_fence() {
         let (c, f) = stream(100);
-        c.launch();
-        let a = Fences::attach(&f).unwrap();
-        // Another thread asks: the fence is recorded, covering launch 1.
-        assert!(!a.done());
+        let a = launch(&c, &f);
+        f.flush().unwrap();
         // A launch that returned after that record.
-        c.launch();
-        let b = Fences::attach(&f).unwrap();
+        let b = launch(&c, &f);
         assert!(!Arc::ptr_eq(&a, &b));
         c.complete_to(1);
         assert!(a.done());
@@ -448,14 +461,12 @@ mod tests {
     #[test]
     fn flush_records_the_open_fence_and_close_ends_the_stream() {
         let (c, f) = stream(100);
-        c.launch();
-        let a = Fences::attach(&f).unwrap();
-        f.flush();
+        let a = launch(&c, &f);
+        assert!(f.flush().unwrap().is_some());
         assert!(a.sealed());
-        f.flush(); // nothing open: no record
-        assert_eq!(a.mark.as_ref().unwrap().records(), 1);
-        c.launch();
-        let b = Fences::attach(&f).unwrap();
+        assert!(f.flush().unwrap().is_none(), "nothing open: no record");
+        assert_eq!(c.made()[0].records(), 1);
+        let b = launch(&c, &f);
         f.close();
         assert!(b.sealed(), "closing records the open fence");
         assert!(Fences::attach(&f).is_err());
@@ -466,22 +477,59 @@ mod tests {
     #[test]
     fn mark_done_leaves_an_open_fence_open() {
         let (c, f) = stream(100);
-        c.launch();
-        let a = Fences::attach(&f).unwrap();
+        let a = launch(&c, &f);
         a.mark_done();
         assert!(!a.sealed());
         assert!(!a.done());
-        f.flush();
+        f.flush().unwrap();
         a.mark_done();
         assert!(a.done(), "a recorded fence told it is done");
+    }
+
+    #[test]
+    fn a_fence_whose_record_failed_is_never_done_until_told() {
+        let (c, f) = stream(100);
+        let a = launch(&c, &f);
+        c.fail_records(true);
+        let e = f.flush().unwrap_err();
+        assert!(e.to_string().contains("on purpose"), "{e}");
+        assert!(a.sealed(), "given up on, not left open");
+        // Its event was never recorded (CUDA would answer done): it must
+        // not be asked.
+        c.complete_to(1);
+        assert!(!a.done());
+        // A later fence completes: every earlier op of the stream did.
+        c.fail_records(false);
+        let b = launch(&c, &f);
+        assert!(!Arc::ptr_eq(&a, &b));
+        f.flush().unwrap();
+        c.complete_to(2);
+        assert!(b.done());
+        a.mark_done();
+        assert!(a.done());
+    }
+
+    #[test]
+    fn an_issuers_record_that_fails_fails_its_launch() {
+        let (c, f) = stream(2);
+        let a = launch(&c, &f);
+        c.fail_records(true);
+        c.launch();
+        let e = Fences::attach(&f).unwrap_err();
+        assert!(e.to_string().contains("on purpose"), "{e}");
+        c.complete_to(2);
+        assert!(!a.done(), "the earlier launch's fence was not recorded");
+        c.fail_records(false);
+        // The next launch opens a fence of its own.
+        let b = launch(&c, &f);
+        assert!(!Arc::ptr_eq(&a, &b));
     }
 
     #[test]
     fn completed_events_are_recorded_again() {
         let (c, f) = stream(1);
         for i in 1..=5 {
-            c.launch();
-            let a = Fences::attach(&f).unwrap();
+            let a = launch(&c, &f);
             c.complete_to(i);
             assert!(a.done());
         }
@@ -493,10 +541,8 @@ mod tests {
     #[test]
     fn an_event_not_complete_is_not_recorded_again() {
         let (c, f) = stream(1);
-        c.launch();
-        drop(Fences::attach(&f).unwrap());
-        c.launch();
-        drop(Fences::attach(&f).unwrap());
+        drop(launch(&c, &f));
+        drop(launch(&c, &f));
         assert_eq!(
             c.made().len(),
             2,

@@ -30,6 +30,10 @@ use crate::registry::{Blocked, LaunchRec, OpRec};
 /// How long a hang's analysis waits for the other processes' traces.
 const GATHER_WAIT: Duration = Duration::from_secs(2);
 
+/// How long a hang report waits for the completion fences it records to
+/// complete (`RankCtx::flush_fences`): an idle stream's does at once.
+const HANG_FLUSH: Duration = Duration::from_millis(20);
+
 /// What a hang's analysis replayed, in the report's words: what every
 /// rank issued, or (across processes) what was missing from it, so that
 /// a report never claims another rank will not issue what it only does
@@ -1056,6 +1060,9 @@ impl NcclRank {
     /// involved aborted so that no device work stays stuck.
     fn hang(&self, call: &str, at: &str, blocked: Option<Blocked>) -> Error {
         let ctx = &self.ctx;
+        // The report lists what is not complete: open fences are recorded
+        // first, and given a moment, so that ops that did complete leave.
+        ctx.flush_fences(HANG_FLUSH);
         let pending = ctx.pending();
         let mine: Vec<OpInfo> = pending.iter().map(|p| p.meta.info()).collect();
         // The ranks this rank's pending ops wait on; asked now, so that
@@ -1651,7 +1658,7 @@ impl Transport for NcclRank {
             .collect();
         // Its open completion fence first, so that the ops it covers are
         // known done once this returns.
-        stream.0.fences.flush();
+        stream.0.fences.flush()?;
         let ev = Event::new(false)?;
         ev.record(&stream.0.raw)?;
         let what = format!("sync_stream({})", stream.0.name);
@@ -1661,6 +1668,12 @@ impl Transport for NcclRank {
             Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at))),
             || ev.done(),
         )?;
+        // Every covered op was launched before `ev` was recorded on its
+        // stream, so it completed: told so, its fence need not be asked
+        // (nor answer, if its record failed).
+        for op in &covered {
+            op.event.mark_done();
+        }
         self.verify_complete(&covered, &what)
     }
 
@@ -1673,7 +1686,7 @@ impl Transport for NcclRank {
         let mut events = Vec::with_capacity(streams.len());
         for s in &streams {
             // As in `sync_stream`: the open fence before the wait's event.
-            s.0.fences.flush();
+            s.0.fences.flush()?;
             let ev = Event::new(false)?;
             ev.record(&s.0.raw)?;
             events.push(ev);
@@ -1691,6 +1704,14 @@ impl Transport for NcclRank {
                 Ok(true)
             },
         )?;
+        // As in `sync_stream`: each covered op's stream had a wait's event
+        // recorded after it, and that event completed.
+        let synced: Vec<usize> = streams.iter().map(|s| s.0.serial()).collect();
+        for op in &covered {
+            if synced.contains(&op.event.queue().0) {
+                op.event.mark_done();
+            }
+        }
         self.verify_complete(&covered, "synchronize")
     }
 

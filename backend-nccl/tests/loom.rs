@@ -544,15 +544,14 @@ fn two_lane_services_make_a_lane_both_ranks_need_at_once() {
 }
 
 /// Completion fences (`duplex_nccl::fence`): an issuing thread launches and
-/// attaches (recording the fence itself every `every` launches) while
-/// another asks whether the first launch's fence is done (recording it if
-/// it is open) and, if `flusher`, a third flushes the stream, as
-/// `synchronize` does (a flush records again what is open, which can hide
-/// a fence that answered too early, so the race is also run without it).
-/// Whatever the order: every fence, once recorded, covers each launch that
-/// attached to it; fences of the stream are recorded in the order of their
-/// positions; and with only launch 1 complete, no fence that launch 2
-/// attached to says done.
+/// attaches (recording the fence itself every `every` launches) while the
+/// device completes launch 1, another thread asks whether launch 1's fence
+/// is done, and, if `flusher`, a third flushes the stream as `synchronize`
+/// does (a flush records what is open, which can hide a fence that
+/// answered too early, so the race is also run without it). Whatever the
+/// order: no fence says done before every launch attached to it completed;
+/// every fence, once recorded, covers each launch that attached to it; and
+/// the fences of the stream are recorded in the order of their positions.
 fn fences_race(every: u32, flusher: bool) {
     use duplex_nccl::fence::Fences;
     use duplex_nccl::fence::fake::Counter;
@@ -565,9 +564,13 @@ fn fences_race(every: u32, flusher: bool) {
         let first = first.clone();
         thread::spawn(move || first.done())
     };
+    let device = {
+        let c = c.clone();
+        thread::spawn(move || c.complete_to(1))
+    };
     let flusher = flusher.then(|| {
         let f = f.clone();
-        thread::spawn(move || f.flush())
+        thread::spawn(move || f.flush().expect("flush"))
     });
     let issuer = {
         let (c, f) = (c.clone(), f.clone());
@@ -576,16 +579,23 @@ fn fences_race(every: u32, flusher: bool) {
             (n, Fences::attach(&f).expect("attach 2"))
         })
     };
-    assert!(!asker.join().unwrap(), "nothing completed yet");
+    let asked = asker.join().unwrap();
+    device.join().unwrap();
     if let Some(flusher) = flusher {
         flusher.join().unwrap();
     }
     let (n, second) = issuer.join().unwrap();
     assert_eq!(n, 2);
-    // Before anything else records: an answer given now must hold.
-    c.complete_to(1);
+    if asked {
+        assert_eq!(
+            first.covers(),
+            Some(1),
+            "done while launch 2 was attached to it"
+        );
+    }
+    // Launch 2 is not complete: no answer may say its fence is done.
     assert!(!second.done(), "launch 2 is not complete");
-    f.flush();
+    f.flush().expect("flush");
     for (launch, fence) in [(1, &first), (2, &second)] {
         assert!(fence.sealed());
         assert!(
@@ -601,24 +611,31 @@ fn fences_race(every: u32, flusher: bool) {
             "recorded out of position order"
         );
     }
+    if first.covers() == Some(1) {
+        assert!(
+            first.done(),
+            "recorded after launch 1 only, which completed"
+        );
+    }
     c.complete_to(2);
     assert!(first.done() && second.done());
 }
 
 #[test]
 fn a_completion_fence_covers_every_launch_attached_to_it() {
-    model("fences: attach vs done, record on demand", None, || {
+    model("fences: attach vs done vs device", None, || {
         fences_race(100, false)
     });
-    model(
-        "fences: attach vs done vs flush, record on demand",
-        None,
-        || fences_race(100, true),
-    );
-    model("fences: attach records every launch", None, || {
+    // Four threads: bounded, as the largest scenario above.
+    model("fences: attach vs done vs device vs flush", Some(3), || {
+        fences_race(100, true)
+    });
+    model("fences: attach records every launch", Some(3), || {
         fences_race(1, true)
     });
-    model("fences: attach records every second launch", None, || {
-        fences_race(2, true)
-    });
+    model(
+        "fences: attach records every second launch",
+        Some(2),
+        || fences_race(2, true),
+    );
 }

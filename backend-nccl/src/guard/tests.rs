@@ -352,3 +352,29 @@ fn pruning_never_drops_an_op_that_no_later_op_of_its_queue_vouches_for() {
         assert!(left.iter().all(|o| !o.done));
     }
 }
+
+#[test]
+fn pruning_keeps_every_op_of_a_shared_position_together() {
+    // Ops of one queue sharing positions (the launches attached to one
+    // completion fence, `crate::fence`): positions 1..=5, four ops each,
+    // done for positions up to `done`.
+    for done in 0..=5u64 {
+        let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ops: Vec<Queued> = (1..=5u64)
+            .flat_map(|p| {
+                let asked = asked.clone();
+                (0..4).map(move |_| Queued {
+                    queue: 0,
+                    position: p,
+                    done: p <= done,
+                    asked: asked.clone(),
+                })
+            })
+            .collect();
+        let ledger = Ledger::default();
+        ledger.record(ops);
+        let left = ledger.pending();
+        assert_eq!(left.len() as u64, 4 * (5 - done), "done up to {done}");
+        assert!(left.iter().all(|o| !o.done && o.position > done));
+    }
+}
