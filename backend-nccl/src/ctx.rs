@@ -607,6 +607,11 @@ pub(crate) struct RankCtx {
     /// ([`Issued::check_delivery`]): every later wait of the rank fails
     /// naming the first.
     pub(crate) lost: Mutex<Vec<String>>,
+    /// Set when a wait of this rank ended because another rank failed, and
+    /// published this rank's trace then (`NcclRank::peer_failed`): that
+    /// trace, with the interrupted call still blocked, is what the failed
+    /// rank's analysis needs, and nothing later replaces it.
+    pub(crate) published_for_peer: AtomicBool,
     /// Set when the watchdog aborted this rank's communicators.
     pub(crate) fired: AtomicBool,
     /// The watchdog aborted the rank's communicators because another rank
@@ -860,6 +865,7 @@ impl RankCtx {
             user_comms: AtomicUsize::new(0),
             next_logical: AtomicU32::new(logical),
             lost: Mutex::new(Vec::new()),
+            published_for_peer: AtomicBool::new(false),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
             costs: Mutex::new(costs),

@@ -962,10 +962,14 @@ impl NcclRank {
 
     /// The error of a wait that ends because rank `r` of the job failed:
     /// this rank's trace goes to the others' analyses first (in a
-    /// process-per-rank run), while its blocked call is still recorded.
+    /// process-per-rank run), while its blocked call is still recorded;
+    /// only the first such wait's, which no later publish of this rank
+    /// replaces (the failed rank's analysis may read the trace at any time
+    /// after, and a later one would show this rank past the call, at the
+    /// end of its thread, say).
     fn peer_failed(&self, call: &str, r: Rank, why: &str) -> Error {
         let ctx = &self.ctx;
-        if ctx.health.remote() {
+        if ctx.health.remote() && !ctx.published_for_peer.swap(true, Ordering::AcqRel) {
             ctx.health.publish(ctx.rank, &ctx.registry.trace());
         }
         Error::Aborted(format!(
@@ -1221,6 +1225,12 @@ impl NcclRank {
 }
 
 impl NcclRank {
+    /// Whether a wait of this rank published its trace for another rank's
+    /// analysis ([`RankCtx::published_for_peer`]).
+    pub(crate) fn published_for_peer(&self) -> bool {
+        self.ctx.published_for_peer.load(Ordering::Acquire)
+    }
+
     /// Before a host read returns a buffer's bytes (every op on it is done,
     /// `check_users`): its last recv delivered them. A recv whose
     /// communicator was aborted or reports an asynchronous error, or whose

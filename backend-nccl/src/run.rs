@@ -733,8 +733,11 @@ where
     outcome.posted.set(true);
     if let Err(e) = &result {
         health.fail(rank, &e.to_string());
-        // The others' hang analyses need what this rank issued.
-        if health.remote() {
+        // The others' hang analyses need what this rank issued; unless a
+        // wait already published it as another rank's failure ended that
+        // wait, which shows the call that was blocked (this one would show
+        // the end of the thread instead, and the cycle would be lost).
+        if health.remote() && !handle.published_for_peer() {
             health.publish(rank, &registry.trace());
         }
     }
