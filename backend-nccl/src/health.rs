@@ -336,10 +336,17 @@ impl StoreHealth {
             let left = until.saturating_duration_since(now);
             // At the end, one more look (no wait) for its own.
             if let Some(own) = self.store.get(&trace_key(r), left.min(EARLY_LOOK))? {
+                tracing::debug!(rank = r, bytes = own.len(), "gathered its trace");
                 return Ok(Some(own));
             }
             if left.is_zero() {
-                return self.store.get(&early_trace_key(r), Duration::ZERO);
+                let early = self.store.get(&early_trace_key(r), Duration::ZERO)?;
+                tracing::debug!(
+                    rank = r,
+                    early = early.is_some(),
+                    "its own trace did not come: its early snapshot instead"
+                );
+                return Ok(early);
             }
             if early_since.is_none()
                 && self
@@ -354,6 +361,16 @@ impl StoreHealth {
 
     /// Puts `trace`, rank `rank`'s, under `key`.
     fn put_trace(&self, key: &str, rank: Rank, trace: &Trace) {
+        // What an analysis of another rank will replay for this one: the
+        // log says which publish it was (a later one replaces an earlier).
+        tracing::debug!(
+            rank,
+            key,
+            calls = trace.calls.len(),
+            ended = trace.calls.iter().filter(|c| matches!(c.call, duplex::trace::Call::End)).count(),
+            blocked = ?trace.blocked.iter().map(|c| c.text.to_string()).collect::<Vec<_>>(),
+            "publishing this rank's trace"
+        );
         let result = serde_json::to_vec(trace)
             .map_err(|e| duplex::Error::Aborted(format!("encoding the trace: {e}")))
             .and_then(|bytes| self.store.put(key, &bytes, REQUEST * 5));
