@@ -180,8 +180,9 @@ pub(crate) struct StreamInner {
 }
 
 /// Launches of a stream after which the issuing thread records its open
-/// completion fence (else the first thread that asks records it): one
-/// event record per this many launches instead of one per launch.
+/// completion fence (a sync, a hang report or the end of a run records it
+/// sooner): one event record per this many launches instead of one per
+/// launch.
 pub(crate) const FENCE_EVERY: u32 = 16;
 
 impl StreamInner {
@@ -211,6 +212,16 @@ impl StreamInner {
     /// Its number in the ledger.
     pub(crate) fn serial(&self) -> usize {
         self.fences.queue_serial()
+    }
+
+    /// An event recorded now, for a host wait that covers the work queued
+    /// so far: the open completion fence is recorded first, so that once
+    /// the event completed the ops it covered are known done.
+    pub(crate) fn wait_event(&self) -> Result<Event> {
+        self.fences.flush()?;
+        let ev = Event::new(false)?;
+        ev.record(&self.raw)?;
+        Ok(ev)
     }
 }
 

@@ -105,11 +105,13 @@ impl Device {
     /// Makes this device's context current until the guard is dropped,
     /// which makes the previous one current again.
     pub fn bind_scoped(&self) -> Result<Bound, Error> {
-        let previous = result::ctx::get_current()
-            .map_err(|e| err("cuCtxGetCurrent", e))?
-            .filter(|c| *c != self.ctx);
-        self.bind()?;
-        Ok(Bound { previous })
+        let current = result::ctx::get_current().map_err(|e| err("cuCtxGetCurrent", e))?;
+        if current == Some(self.ctx) {
+            return Ok(Bound { previous: None });
+        }
+        // SAFETY: the context is retained for the life of `self`.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| err("cuCtxSetCurrent", e))?;
+        Ok(Bound { previous: current })
     }
 
     /// Lets this device's context reach `peer`'s memory directly (peer

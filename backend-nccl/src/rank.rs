@@ -501,7 +501,7 @@ impl NcclRank {
         // One completion fence per stream of the launch, attached to after
         // its last op there, shared by the launch's ops on that stream
         // (and by the stream's next launches until it is recorded).
-        let mut events: SmallVec<[(*mut std::ffi::c_void, crate::sync::Arc<OpEvent>); 2]> =
+        let mut fences: SmallVec<[(*mut std::ffi::c_void, crate::sync::Arc<OpEvent>); 2]> =
             SmallVec::new();
         let mut launch: SmallVec<[Arc<Issued>; INLINE_OPS]> = SmallVec::with_capacity(reqs.len());
         let (mut tickets, mut launched) = (tickets.into_iter(), launched.into_iter());
@@ -516,7 +516,7 @@ impl NcclRank {
                 continue;
             }
             let raw = r.stream.0.raw.raw();
-            let shared = events
+            let shared = fences
                 .iter()
                 .find(|(s, _)| *s == raw)
                 .map(|(_, e)| e.clone());
@@ -524,7 +524,7 @@ impl NcclRank {
                 Some(e) => e,
                 None => match Fences::attach(&r.stream.0.fences) {
                     Ok(e) => {
-                        events.push((raw, e.clone()));
+                        fences.push((raw, e.clone()));
                         e
                     }
                     Err(e) => {
@@ -1666,11 +1666,7 @@ impl Transport for NcclRank {
             .into_iter()
             .filter(|op| op.event.queue().0 == stream.0.serial())
             .collect();
-        // Its open completion fence first, so that the ops it covers are
-        // known done once this returns.
-        stream.0.fences.flush()?;
-        let ev = Event::new(false)?;
-        ev.record(&stream.0.raw)?;
+        let ev = stream.0.wait_event()?;
         let what = format!("sync_stream({})", stream.0.name);
         self.wait(
             &what,
@@ -1695,11 +1691,7 @@ impl Transport for NcclRank {
         let streams = lock(&self.ctx.streams).clone();
         let mut events = Vec::with_capacity(streams.len());
         for s in &streams {
-            // As in `sync_stream`: the open fence before the wait's event.
-            s.0.fences.flush()?;
-            let ev = Event::new(false)?;
-            ev.record(&s.0.raw)?;
-            events.push(ev);
+            events.push(s.0.wait_event()?);
         }
         self.wait(
             "synchronize",

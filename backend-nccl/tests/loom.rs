@@ -49,6 +49,12 @@ fn one_slot_lane(memory: &[(u64, Vec<u8>)]) -> (Fake, Arc<CopyLane<Fake>>) {
     (fake, lane)
 }
 
+/// A thread that aborts `lane` for `why` (a deadline, a peer's failure).
+fn abort_on_a_thread(lane: &Arc<CopyLane<Fake>>, why: &'static str) -> thread::JoinHandle<()> {
+    let lane = lane.clone();
+    thread::spawn(move || lane.abort(why))
+}
+
 /// Runs `f` under loom, every interleaving (with at most `preemptions`
 /// preemptions, if given), and prints how many executions that was.
 fn model(name: &str, preemptions: Option<usize>, f: impl Fn() + Sync + Send + 'static) {
@@ -169,10 +175,7 @@ fn a_copy_lane_never_reports_bytes_that_did_not_arrive() {
         };
         let s = issue(Dir::Send, 1, 1, true);
         let r = issue(Dir::Recv, 2, 2, false);
-        let aborter = {
-            let lane = lane.clone();
-            thread::spawn(move || lane.abort("deadline"))
-        };
+        let aborter = abort_on_a_thread(&lane, "deadline");
         let device = {
             let (lane, fake) = (lane.clone(), fake.clone());
             thread::spawn(move || {
@@ -244,10 +247,7 @@ fn a_copy_lane_aborted_between_its_copy_and_its_release_leaves_no_stream_waiting
     model("copy lane: abort vs copy and release", Some(3), || {
         let (fake, lane) = one_slot_lane(&[(1, vec![4; 8])]);
         let (r, sender) = recv_then_send(&lane);
-        let aborter = {
-            let lane = lane.clone();
-            thread::spawn(move || lane.abort("deadline"))
-        };
+        let aborter = abort_on_a_thread(&lane, "deadline");
         let device = {
             let fake = fake.clone();
             thread::spawn(move || {
@@ -282,10 +282,7 @@ fn a_copy_lane_aborted_twice_at_once_tells_why_before_any_release() {
         let (_r, sender) = recv_then_send(&lane);
         let aborts: Vec<_> = ["deadline", "rank 1 failed"]
             .into_iter()
-            .map(|why| {
-                let lane = lane.clone();
-                thread::spawn(move || lane.abort(why))
-            })
+            .map(|why| abort_on_a_thread(&lane, why))
             .collect();
         let _ = sender.join().unwrap();
         for a in aborts {
@@ -314,10 +311,7 @@ fn a_copy_lane_message_held_back_races_an_abort_and_the_service() {
         let (fake, lane) = one_slot_lane(&[(1, vec![6; 8])]);
         fake.hold_copies(true);
         let (r, sender) = recv_then_send(&lane);
-        let aborter = {
-            let lane = lane.clone();
-            thread::spawn(move || lane.abort("deadline"))
-        };
+        let aborter = abort_on_a_thread(&lane, "deadline");
         let service = {
             let (lane, fake) = (lane.clone(), fake.clone());
             thread::spawn(move || {
