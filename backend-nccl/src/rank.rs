@@ -978,6 +978,23 @@ impl NcclRank {
         ))
     }
 
+    /// [`NcclRank::verify_complete`] with the sync still recorded as
+    /// blocked (`blocked`): until its checks pass it has not returned. A
+    /// trace records a sync only while it is blocked, so one published
+    /// from these checks (`peer_failed`, when another rank's failure let
+    /// this rank's copy-lane streams go and the sync's events completed)
+    /// would otherwise show this rank with its ops issued and nothing
+    /// blocked, free to go on, and the failed rank's analysis would find
+    /// no cycle (seen on one H200 in `never-buffered/copy`; the model's
+    /// side: `a_sync_missing_from_a_published_trace_hides_the_cycle` in
+    /// `core/tests/trace.rs`).
+    fn verified(&self, blocked: Blocked, covered: &[Arc<Issued>], call: &str) -> Result<()> {
+        self.ctx.registry.blocked(self.thread_id, Some(blocked));
+        let result = self.verify_complete(covered, call);
+        self.ctx.registry.blocked(self.thread_id, None);
+        result
+    }
+
     /// Checks, after the device finished the ops a `sync` covered, that
     /// they really moved their bytes: none of their communicators was
     /// aborted or reports an asynchronous error (a peer that died or
@@ -1668,19 +1685,15 @@ impl Transport for NcclRank {
             .collect();
         let ev = stream.0.wait_event()?;
         let what = format!("sync_stream({})", stream.0.name);
-        self.wait(
-            &what,
-            &check::place(at),
-            Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at))),
-            || ev.done(),
-        )?;
+        let blocked = Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at)));
+        self.wait(&what, &check::place(at), blocked.clone(), || ev.done())?;
         // Every covered op was launched before `ev` was recorded on its
         // stream, so it completed: told so, its fence need not be asked
         // (nor answer, if its record failed).
         for op in &covered {
             op.event.mark_done();
         }
-        self.verify_complete(&covered, &what)
+        self.verified(blocked, &covered, &what)
     }
 
     #[track_caller]
@@ -1693,19 +1706,15 @@ impl Transport for NcclRank {
         for s in &streams {
             events.push(s.0.wait_event()?);
         }
-        self.wait(
-            "synchronize",
-            &check::place(at),
-            Blocked::Sync(None, ("synchronize".into(), check::place(at))),
-            || {
-                for e in &events {
-                    if !e.done()? {
-                        return Ok(false);
-                    }
+        let blocked = Blocked::Sync(None, ("synchronize".into(), check::place(at)));
+        self.wait("synchronize", &check::place(at), blocked.clone(), || {
+            for e in &events {
+                if !e.done()? {
+                    return Ok(false);
                 }
-                Ok(true)
-            },
-        )?;
+            }
+            Ok(true)
+        })?;
         // As in `sync_stream`: each covered op's stream had a wait's event
         // recorded after it, and that event completed.
         let synced: Vec<usize> = streams.iter().map(|s| s.0.serial()).collect();
@@ -1714,7 +1723,7 @@ impl Transport for NcclRank {
                 op.event.mark_done();
             }
         }
-        self.verify_complete(&covered, "synchronize")
+        self.verified(blocked, &covered, "synchronize")
     }
 
     #[track_caller]

@@ -213,3 +213,48 @@ fn a_trace_naming_what_was_never_declared_is_refused_not_a_panic() {
         a.disagreements
     );
 }
+
+/// Both ranks send to each other on copy-engine lanes, then synchronize:
+/// neither send completes before its recv is posted (C3), a cycle. A
+/// backend's trace holds a sync only while it is blocked, so what one
+/// rank published decides whether an analysis finds the cycle: with its
+/// sync blocked, the cycle stands; published just after its sync stopped
+/// being blocked (its thread neither blocked nor ended), the rank looks
+/// free to go on and issue the recvs, and no cycle is found. So a backend
+/// must publish a rank's trace with the sync still blocked while the sync
+/// has not returned (the NCCL backend's `NcclRank::verified`).
+#[test]
+fn a_sync_missing_from_a_published_trace_hides_the_cycle() {
+    let p = duplex::schedule::parse(
+        "ranks 2\npolicy per-direction copy-from=0\nrank 0:\n  send 1 4KiB\n  sync\nrank 1:\n  send 0 4KiB\n  sync\n",
+    )
+    .expect("valid");
+    let c = compile(&p);
+    let trace = |rank0_blocked: bool| {
+        // Each rank's send; its sync is in the trace only while blocked.
+        let calls: Vec<(ThreadId, HostCall)> = (0..2u32)
+            .map(|r| (ThreadId(r), c.scripts[r as usize][0].clone()))
+            .collect();
+        let mut t = Trace::from_calls(&c.setup, calls.iter().map(|(t, c)| (*t, c)));
+        let syncs: Vec<(ThreadId, HostCall)> = (0..2u32)
+            .map(|r| (ThreadId(r), c.scripts[r as usize][1].clone()))
+            .collect();
+        let blocked = Trace::from_calls(&c.setup, syncs.iter().map(|(t, c)| (*t, c)));
+        for s in blocked.calls {
+            if s.thread == 1 || rank0_blocked {
+                t.block(s.thread, Some(s));
+            }
+        }
+        t
+    };
+    let both = trace(true).analyze(p.model);
+    let stuck = both.stuck.expect("a hang");
+    assert_eq!(stuck.cycle.len(), 4, "{stuck:?}");
+    assert!(both.disagreements.is_empty(), "{:?}", both.disagreements);
+    let unblocked = trace(false).analyze(p.model);
+    let stuck = unblocked.stuck.expect("rank 1 is still blocked");
+    assert!(
+        stuck.cycle.is_empty() && stuck.missing.is_empty(),
+        "rank 0 looks free to issue the recvs: {stuck:?}"
+    );
+}
