@@ -128,20 +128,20 @@ run)
       set -e ;;
     ipc-copy)
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1;
-      # not part of `all`): the suite's five process copy jobs, each three
+      # not part of `all`): the suite's six process copy jobs, each three
       # times in a pair of processes on the two GPUs. Lifting the gate waits
       # for this on two GPUs (docs/gpu/ipc-copy-1gpu.md has the one-GPU
       # runs). A job's verdict is its RESULT (the test passes either way
-      # when one job is chosen): all 15 must pass.
+      # when one job is chosen): all 18 must pass.
       : > "$out/ipc-copy.txt"
       for i in 1 2 3; do
-        for job in seed-rpc/copy many-in-flight/copy mixed-sizes/copy never-buffered/copy size-mismatch/copy; do
+        for job in seed-rpc/copy many-in-flight/copy mixed-sizes/copy never-buffered/copy never-buffered-late/copy size-mismatch/copy; do
           DUPLEX_IPC_COPY=1 DUPLEX_SCENARIO="process:$job" DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} \
             timeout 90 .gpu/nccl-suite --ignored --nocapture --test-threads=1 >> "$out/ipc-copy.txt" 2>&1 || true
         done
       done
       # (libtest may print "test ... " before it on the same line.)
-      if [ "$(grep -o "RESULT PASS" "$out/ipc-copy.txt" | wc -l)" -eq 15 ]; then
+      if [ "$(grep -o "RESULT PASS" "$out/ipc-copy.txt" | wc -l)" -eq 18 ]; then
         record ipc-copy 0
       else
         record ipc-copy 1
@@ -171,7 +171,7 @@ run)
         record "faults-1gpu-$lanes" $?
       done
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
-      # the suite's process jobs with its four copy jobs, three times, since
+      # the suite's process jobs with its six copy jobs, three times, since
       # their known hang was intermittent (docs/gpu/ipc-copy-1gpu.md).
       for i in 1 2 3; do
         DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1

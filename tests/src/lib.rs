@@ -430,10 +430,19 @@ pub fn many_in_flight<T: Transport>(t: &T, count: usize, n: usize) -> Result<()>
 /// Send, wait for the send, then receive: completes only where a send can
 /// complete before its recv starts (R5); never on copy-engine lanes (C3).
 pub fn send_sync_recv<T: Transport>(t: &T) -> Result<()> {
+    send_sync_recv_late(t, std::time::Duration::ZERO)
+}
+
+/// [`send_sync_recv`] with rank 1 pausing `late` between its send and its
+/// first `synchronize`, so that rank 0's wait reaches its deadline first.
+pub fn send_sync_recv_late<T: Transport>(t: &T, late: std::time::Duration) -> Result<()> {
     let peer = 1 - t.rank();
     let out = filled(t, peer, 0)?;
     let mut inb = t.alloc::<u32>(len())?;
     t.send(&out, peer)?;
+    if t.rank() == 1 && !late.is_zero() {
+        std::thread::sleep(late);
+    }
     t.synchronize()?;
     t.recv(&mut inb, peer)?;
     t.synchronize()?;
