@@ -75,7 +75,7 @@ struct Reg {
     /// The text and place of each kind of launch (thread, call site, ops),
     /// so that a launch like an earlier one formats nothing: keyed by
     /// [`launch_key`]'s words; cleared when it grows large.
-    launches: std::collections::HashMap<Vec<u64>, LaunchText>,
+    launches: rustc_hash::FxHashMap<Vec<u64>, LaunchText>,
     /// The key of the launch being recorded (reused).
     key: Vec<u64>,
     user_comms: Vec<(String, Vec<Rank>)>,
@@ -263,7 +263,7 @@ fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], grouped: boo
         // hashes collide would share a place text in reports, nothing else.
         let site = m.site.as_deref().map_or(0, |s| {
             use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
+            let mut h = rustc_hash::FxHasher::default();
             s.hash(&mut h);
             h.finish() | 1
         });
@@ -351,7 +351,7 @@ impl Registry {
             inner: Mutex::new(Reg {
                 trace: Trace::new(ranks),
                 matcher: IssueMatch::new(model.one_sided_groups),
-                launches: std::collections::HashMap::new(),
+                launches: rustc_hash::FxHashMap::default(),
                 key: Vec::new(),
                 user_comms: Vec::new(),
                 base: None,

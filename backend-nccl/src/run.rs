@@ -323,17 +323,6 @@ fn store_port(master: u32) -> Result<u16> {
     }
 }
 
-/// The environment under which rank `rank` of a process-per-rank job runs
-/// on GPU 0 beside the job's other ranks, on a machine with fewer GPUs than
-/// ranks: for testing a job's behaviour (hangs, failures, lanes), never its
-/// speed. NCCL refuses two ranks of one host on one GPU ("Duplicate GPU
-/// detected"), so each rank names a host of its own (`NCCL_HOSTID`, unique
-/// to `job` and `rank`) and the ranks talk over loopback sockets
-/// (`NCCL_SOCKET_IFNAME=lo`), not NVLink. Give each rank's process these
-/// variables (with `RANK` and the rest) before it starts: NCCL reads them
-/// when it is loaded. Measured on one H200 with NCCL 2.28
-/// (`scripts/one_gpu_two_ranks.py`): two such ranks make a communicator
-/// and exchange bytes intact.
 /// Whether a test harness was asked to run a job's process ranks on one
 /// GPU ([`shared_gpu_env`]): `DUPLEX_ONE_GPU=1`, read by the GPU suite and
 /// the fault matrix.
@@ -346,6 +335,17 @@ fn switched_on(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
 }
 
+/// The environment under which rank `rank` of a process-per-rank job runs
+/// on GPU 0 beside the job's other ranks, on a machine with fewer GPUs than
+/// ranks: for testing a job's behaviour (hangs, failures, lanes), never its
+/// speed. NCCL refuses two ranks of one host on one GPU ("Duplicate GPU
+/// detected"), so each rank names a host of its own (`NCCL_HOSTID`, unique
+/// to `job` and `rank`) and the ranks talk over loopback sockets
+/// (`NCCL_SOCKET_IFNAME=lo`), not NVLink. Give each rank's process these
+/// variables (with `RANK` and the rest) before it starts: NCCL reads them
+/// when it is loaded. Measured on one H200 with NCCL 2.28
+/// (`scripts/one_gpu_two_ranks.py`): two such ranks make a communicator
+/// and exchange bytes intact.
 pub fn shared_gpu_env(rank: Rank, job: &str) -> [(&'static str, String); 3] {
     [
         ("LOCAL_RANK", "0".to_string()),
