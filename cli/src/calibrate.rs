@@ -163,6 +163,14 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
         .filter(|p| p.extension().is_some_and(|x| x == "sched"))
         .collect();
     files.sort();
+    if files.is_empty() {
+        // An empty table would read as "every example agrees".
+        return Err(Failure::invalid(
+            "read",
+            format!("{shown} holds no .sched files: nothing to calibrate (give the folder of the examples, e.g. `duplex calibrate examples`)"),
+        )
+        .at(&shown, None));
+    }
     let mut programs = Vec::new();
     for f in files {
         let path = f.display().to_string();

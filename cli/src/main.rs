@@ -32,7 +32,7 @@ Exit status:
   1  a hang or a program error was found (check); the run hung or failed (run);
      some example disagrees (calibrate)
   2  a file or the command line is invalid: nothing was checked or run
-  3  the search reached --max-states before deciding (check)
+  3  the search reached --max-states or --time-limit before deciding (check)
   4  the backend is unavailable: no NCCL, CUDA driver or enough GPUs (run --backend nccl,
      calibrate)
 With several files, `check` exits with the worst status of them: 2, then 1, then 3, then 0.
@@ -160,7 +160,7 @@ struct CheckArgs {
     #[arg(long, value_parser = Size::parse)]
     eager: Option<Size>,
     /// Any model setting, KEY=VALUE (eager, lazy-connect, comm-order,
-    /// kernels); may be repeated; overrides the file.
+    /// kernels, one-sided-groups); may be repeated; overrides the file.
     #[arg(long = "model", value_name = "KEY=VALUE")]
     model: Vec<String>,
     /// Output format: text (one report after another), json (one JSON
@@ -357,6 +357,13 @@ fn run_run(args: &RunArgs) -> ExitCode {
             let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
             return fail(&f, json, "outcome");
         }
+    }
+    if args.lanes.is_some() && !matches!(args.backend, Backend::Nccl) {
+        let f = Failure::invalid(
+            "usage",
+            "--lanes chooses when the NCCL backend makes its lanes; the simulator has no lanes to make: add --backend nccl, or leave --lanes out",
+        );
+        return fail(&f, json, "outcome");
     }
     let mut measured = None;
     let copy_from = match args.copy_from {

@@ -625,6 +625,25 @@ fn an_unavailable_backend_exits_4_and_an_invalid_file_2() {
     let json = json_failure(&out, &args);
     assert_eq!(json["error"]["kind"], "parse", "{json}");
     assert_eq!(json["error"]["line"], 3, "{json}");
+    // A folder without examples is refused, not an empty table that
+    // would read as "every example agrees".
+    let empty = tempdir().join("calibrate-empty");
+    std::fs::create_dir_all(&empty).expect("dir");
+    let args = ["calibrate", empty.to_str().expect("utf-8")];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("holds no .sched files"), "{text}");
+    // `--lanes` is the NCCL backend's: the simulator refuses it.
+    let ok = write(
+        "run-lanes.sched",
+        "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n",
+    );
+    let args = ["run", ok.as_str(), "--lanes", "lazy"];
+    let out = duplex(&args);
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("--backend nccl"), "{text}");
 }
 
 #[test]

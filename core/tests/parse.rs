@@ -258,6 +258,19 @@ const BAD: &[(&str, u32, &str)] = &[
         3,
         "never closed",
     ),
+    // A group left open before the next block: the error is where the
+    // block starts, and names the group's line.
+    (
+        "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\nrank 1:\n  recv 0 4KiB\n",
+        5,
+        "`group {` of line 3 missing its `}`",
+    ),
+    // A name of a megabyte is refused without being echoed.
+    (
+        "ranks 2\ncomm xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx 0 1\n",
+        2,
+        "a word of 273 bytes",
+    ),
     (
         "ranks 2\nrank 0:\n  group { send 1 4KiB } recv 1 4KiB\n",
         3,
@@ -296,6 +309,16 @@ const BAD: &[(&str, u32, &str)] = &[
         "not a valid stream name",
     ),
 ];
+
+#[test]
+fn a_byte_order_mark_is_skipped() {
+    let plain = "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n";
+    let marked = format!("\u{feff}{plain}");
+    assert_eq!(
+        parse(&marked).expect("a file that starts with a BOM parses"),
+        parse(plain).expect("parses")
+    );
+}
 
 #[test]
 fn every_error_names_its_line() {

@@ -329,8 +329,8 @@ const PROCESS_OWN_JOBS: [&str; 3] = [
     "never-buffered-late/copy",
 ];
 
-/// The two-rank scenarios on copy-engine lanes, and `many-in-flight/copy`,
-/// as two processes: across processes the lanes go by CUDA IPC
+/// The two-rank scenarios on copy-engine lanes, `many-in-flight/copy` and
+/// `never-buffered-late/copy`, as two processes: across processes the lanes go by CUDA IPC
 /// (`duplex_nccl::copy::ipc`), which is experimental; run with
 /// `DUPLEX_IPC_COPY=1`.
 const PROCESS_COPY_JOBS: [&str; 6] = [

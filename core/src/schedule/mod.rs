@@ -11,7 +11,7 @@ mod parse;
 mod print;
 
 pub use execute::{execute, payload};
-pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, ParseError, parse, parse_with};
+pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORD, ParseError, parse, parse_with};
 
 use crate::{Model, Policy, Size};
 

@@ -51,6 +51,11 @@ const PARALLEL_FROM: usize = 1 << 20;
 /// The most threads [`parse`] reads one file with.
 const MAX_WORKERS: usize = 8;
 
+/// The longest word a schedule may hold, in bytes. No keyword, number,
+/// size or name needs more; a longer one is refused before any message
+/// echoes it (a megabyte-long name would make a megabyte-long error).
+pub const MAX_WORD: usize = 256;
+
 /// [`parse`] with at most `workers` threads (and at most 8).
 ///
 /// The rank blocks of a file are independent once its head (`ranks`,
@@ -63,6 +68,9 @@ const MAX_WORKERS: usize = 8;
 /// same whatever `workers` is; `parallel_parse_is_serial_parse` in the tests
 /// checks that.
 pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
+    // A byte-order mark some editors put first: invisible in an error
+    // message, so skipped rather than reported as part of `ranks`.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let serial = || Parser::default().run(text);
     let workers = workers.min(MAX_WORKERS);
     if workers < 2 {
@@ -297,6 +305,16 @@ impl Parser {
             tokenize(code, &mut tokens);
             if tokens.is_empty() {
                 continue;
+            }
+            if let Some(long) = tokens.iter().find(|t| t.len() > MAX_WORD) {
+                let start: String = long.chars().take(24).collect();
+                return err(
+                    line,
+                    format!(
+                        "a word of {} bytes (`{start}…`): no keyword, number, size or name is longer than {MAX_WORD}",
+                        long.len()
+                    ),
+                );
             }
             self.line(line, &tokens)?;
         }
@@ -608,9 +626,18 @@ impl Parser {
             let (op, after) = rest.split_at(end);
             if !op.is_empty() {
                 if !matches!(op[0], "send" | "recv") {
+                    let start = self.group.as_ref().map_or(line, |(_, start)| *start);
+                    let hint = if start < line {
+                        format!(": is the `group {{` of line {start} missing its `}}`?")
+                    } else {
+                        String::new()
+                    };
                     return err(
                         line,
-                        format!("a group holds only `send` and `recv`, found `{}`", op[0]),
+                        format!(
+                            "a group holds only `send` and `recv`, found `{}`{hint}",
+                            op[0]
+                        ),
                     );
                 }
                 let p = self.p2p(line, op)?;
