@@ -861,7 +861,10 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                 stopped = Some(Bound::States);
                 break Some(Verdict::Inconclusive);
             }
-            if transitions.is_multiple_of(1024) {
+            // Every 16 steps: a step of a program with thousands of host
+            // threads can take milliseconds (its reduction compares them
+            // pairwise), and the time limit must still hold.
+            if transitions.is_multiple_of(16) {
                 let now = Instant::now();
                 if options
                     .time_limit

@@ -359,6 +359,27 @@ fn r8_grouping_on_one_side_only_is_an_error() {
 }
 
 #[test]
+fn r8_a_large_group_runs_each_channel_in_order() {
+    // 4,000 ops a side, sends and recvs interleaved: each op waits only
+    // for the earlier ops of its own channel. (Each completion used to
+    // look at every op of the group, and this took minutes.)
+    let ops = |peer: u32| {
+        let body: Vec<String> = (0..2000)
+            .map(|i| format!("send {peer} {}B; recv {peer} {}B", 1 + i % 7, 1 + i % 7))
+            .collect();
+        format!("group {{ {} }}", body.join("; "))
+    };
+    assert_eq!(verdict(&two_ranks("", &ops(1), &ops(0))), "ok");
+    // The same with rank 1's sizes in another order: the k-th send meets
+    // the k-th recv of its channel (R3), and the mismatch is found.
+    let shifted: Vec<String> = (0..2000)
+        .map(|i| format!("send 0 {}B; recv 0 {}B", 1 + i % 7, 1 + (i + 1) % 7))
+        .collect();
+    let shifted = format!("group {{ {} }}", shifted.join("; "));
+    assert_eq!(verdict(&two_ranks("", &ops(1), &shifted)), "error");
+}
+
+#[test]
 fn r8_a_group_of_one_op_is_a_plain_call() {
     for (a, b) in [
         ("group { send 1 4KiB }", "recv 0 4KiB"),

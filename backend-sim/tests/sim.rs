@@ -198,6 +198,32 @@ fn a_panic_in_rank_code_is_reported_not_propagated() {
 }
 
 #[test]
+fn a_group_past_the_models_bound_is_refused_not_numbered_wrong() {
+    // The model numbers a launch's ops in 16 bits (`MAX_LAUNCH_OPS`): one
+    // more op is an invalid call naming the bound, not an overflow.
+    Sim::new(2)
+        .run(1, |t| {
+            if t.rank() == 0 {
+                let buf = t.alloc::<u8>(1)?;
+                let n = duplex::machine::MAX_LAUNCH_OPS + 1;
+                let bad = t.group(|| {
+                    for _ in 0..n {
+                        t.send(&buf, 1)?;
+                    }
+                    Ok(())
+                });
+                let text = format!("{bad:?}");
+                assert!(
+                    matches!(bad, Err(Error::Invalid { .. })) && text.contains("at most 65535"),
+                    "{text}"
+                );
+            }
+            Ok(())
+        })
+        .expect("the refused group leaves nothing pending");
+}
+
+#[test]
 fn invalid_calls_are_refused_and_leave_the_rank_usable() {
     Sim::new(2)
         .policy(Policy::PerDirection)

@@ -265,6 +265,9 @@ const BAD: &[(&str, u32, &str)] = &[
         5,
         "`group {` of line 3 missing its `}`",
     ),
+    // Lines ended by CR alone read as one line: the error says so.
+    ("ranks 2\rrank 0:\r  send 1 4KiB\r", 1, "ended by CR alone"),
+    ("ranks 2\nrank 0:\n  send 1\u{0}4KiB\n", 3, "U+0000"),
     // A name of a megabyte is refused without being echoed.
     (
         "ranks 2\ncomm xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx 0 1\n",
@@ -309,6 +312,15 @@ const BAD: &[(&str, u32, &str)] = &[
         "not a valid stream name",
     ),
 ];
+
+#[test]
+fn a_group_past_the_models_bound_names_its_line() {
+    let ops = vec!["send 1 1B"; duplex::machine::MAX_LAUNCH_OPS + 1].join("; ");
+    let text = format!("ranks 2\nrank 0:\n  group {{ {ops} }}\n");
+    let e = parse(&text).expect_err("too many ops in one group");
+    assert_eq!(e.line, 3, "{e}");
+    assert!(e.message.contains("at most 65535"), "{e}");
+}
 
 #[test]
 fn a_byte_order_mark_is_skipped() {

@@ -17,7 +17,14 @@
 //! which a worklist cannot promise; with `kernels=` set, progress sweeps
 //! every rank in issue order instead ([`Machine::progress_sweep`]).
 
+use super::CommId;
 use super::rules::{Front, free};
+use crate::Dir;
+use smallvec::SmallVec;
+
+/// An op's channel as seen from its own rank: communicator, peer,
+/// direction.
+type ChannelOf = (CommId, Rank, Dir);
 use super::{
     ChannelKey, Entry, LaunchRef, Machine, OpRef, OpStatus, Rank, StreamId, Wait, channel_key,
 };
@@ -180,8 +187,7 @@ impl Machine {
                         }
                         self.start(lref);
                     }
-                    let launch = &self.state.launches[&lref];
-                    if !launch.ops.iter().all(|o| o.status == OpStatus::Done) {
+                    if self.state.launches[&lref].left > 0 {
                         return;
                     }
                     self.finish(lref);
@@ -206,38 +212,70 @@ impl Machine {
         self.activate(lref);
     }
 
-    /// In a started launch, an op becomes active once nothing of its own
-    /// launch holds it back ([`Machine::behind_in_group`], R8); its channel
-    /// is looked at again.
+    /// In a launch that starts, an op becomes active once nothing of its
+    /// own launch holds it back ([`Machine::behind_in_group`], R8: the
+    /// first op of each channel of the launch); its channel is looked at
+    /// again. One pass, remembering the channels seen, so that a group of
+    /// n ops costs O(n) and not O(n²).
     fn activate(&mut self, lref: LaunchRef) {
-        let rank = self.state.launches[&lref].rank;
-        for i in 0..self.state.launches[&lref].ops.len() {
+        let n = self.state.launches[&lref].ops.len();
+        // A few channels are compared in place; a large group hashes them.
+        let mut few: SmallVec<[ChannelOf; 4]> = SmallVec::new();
+        let mut many: std::collections::HashSet<ChannelOf> = Default::default();
+        for i in 0..n {
             let op = &self.state.launches[&lref].ops[i];
-            if op.status != OpStatus::Waiting || self.behind_in_group(lref, i) {
+            let channel = (op.spec.comm, op.spec.peer, op.spec.dir);
+            let first = if n <= 16 {
+                !few.contains(&channel) && {
+                    few.push(channel);
+                    true
+                }
+            } else {
+                many.insert(channel)
+            };
+            if op.status != OpStatus::Waiting || !first {
                 continue;
             }
-            let key = channel_key(rank, &op.spec);
-            self.set_status(
-                OpRef {
-                    launch: lref,
-                    index: i as u16,
-                },
-                OpStatus::Active,
-            );
-            self.work.channels.push(key);
+            debug_assert!(!self.behind_in_group(lref, i));
+            self.activate_op(lref, i);
         }
     }
 
-    /// An op completed: later ops of its launch may become active (R8),
-    /// and a launch whose ops have all completed is looked at again.
+    fn activate_op(&mut self, lref: LaunchRef, i: usize) {
+        let rank = self.state.launches[&lref].rank;
+        let key = channel_key(rank, &self.state.launches[&lref].ops[i].spec);
+        self.set_status(
+            OpRef {
+                launch: lref,
+                index: i as u16,
+            },
+            OpStatus::Active,
+        );
+        self.work.channels.push(key);
+    }
+
+    /// An op completed: the next op of its launch on its channel becomes
+    /// active (R8: ops of a launch on one channel run in order, so the op
+    /// that completed was the first not done there), and a launch whose
+    /// ops have all completed is looked at again.
     fn complete_op(&mut self, op: OpRef) {
         self.set_status(op, OpStatus::Done);
         let launch = &self.state.launches[&op.launch];
-        if launch.ops.iter().all(|o| o.status == OpStatus::Done) {
+        if launch.left == 0 {
             let s = launch.streams[0];
             self.work.streams.push(s);
-        } else if launch.ops.iter().any(|o| o.status == OpStatus::Waiting) {
-            self.activate(op.launch);
+            return;
+        }
+        let me = &launch.ops[op.index as usize].spec;
+        let next = launch.ops[op.index as usize + 1..]
+            .iter()
+            .position(|o| o.spec.comm == me.comm && o.spec.peer == me.peer && o.spec.dir == me.dir)
+            .map(|k| op.index as usize + 1 + k);
+        if let Some(i) = next
+            && launch.ops[i].status == OpStatus::Waiting
+        {
+            debug_assert!(!self.behind_in_group(op.launch, i));
+            self.activate_op(op.launch, i);
         }
     }
 
@@ -321,7 +359,13 @@ impl Machine {
 
     fn set_status(&mut self, op: OpRef, status: OpStatus) {
         if let Some(l) = self.state.launches.get_mut(&op.launch) {
-            l.ops[op.index as usize].status = status;
+            let slot = &mut l.ops[op.index as usize].status;
+            match (*slot == OpStatus::Done, status == OpStatus::Done) {
+                (false, true) => l.left -= 1,
+                (true, false) => l.left += 1,
+                _ => {}
+            }
+            *slot = status;
         }
     }
 
@@ -402,7 +446,7 @@ impl Machine {
                 .into_iter()
                 .filter(|r| {
                     let l = &self.state.launches[r];
-                    l.started && l.ops.iter().all(|o| o.status == OpStatus::Done)
+                    l.started && l.left == 0
                 })
                 .collect();
             changed |= !done.is_empty();

@@ -211,6 +211,9 @@ pub struct Setup {
     /// Each rank's threads and streams, kept by [`Setup::add_thread`] and
     /// [`Setup::add_stream`].
     by_rank: Vec<(Vec<ThreadId>, Vec<StreamId>)>,
+    /// Each tag's number ([`Setup::tag`]): a program with many tags would
+    /// otherwise intern them in quadratic time.
+    tag_ids: std::collections::HashMap<String, u32>,
 }
 
 impl Setup {
@@ -226,6 +229,7 @@ impl Setup {
             tags: Vec::new(),
             origins: Vec::new(),
             by_rank: Vec::new(),
+            tag_ids: std::collections::HashMap::new(),
         }
     }
 
@@ -299,13 +303,19 @@ impl Setup {
 
     /// Interns a tag.
     pub fn tag(&mut self, tag: &str) -> TagId {
-        match self.tags.iter().position(|t| t == tag) {
-            Some(i) => TagId(i as u32),
-            None => {
-                self.tags.push(tag.to_string());
-                TagId(self.tags.len() as u32 - 1)
-            }
+        // `tags` is public: rebuild the index if it was changed directly.
+        if self.tag_ids.len() != self.tags.len() {
+            self.tag_ids = (self.tags.iter().enumerate().rev())
+                .map(|(i, t)| (t.clone(), i as u32))
+                .collect();
         }
+        if let Some(&i) = self.tag_ids.get(tag) {
+            return TagId(i);
+        }
+        self.tags.push(tag.to_string());
+        let i = self.tags.len() as u32 - 1;
+        self.tag_ids.insert(tag.to_string(), i);
+        TagId(i)
     }
 
     /// Adds an origin.
@@ -665,6 +675,8 @@ struct Launch {
     streams: SmallVec<[StreamId; 2]>,
     /// At least one; all on one communicator.
     ops: SmallVec<[Op; 2]>,
+    /// How many of `ops` are not done: the launch completes at 0.
+    left: u32,
     started: bool,
     grouped: bool,
     origin: Origin,
@@ -1178,6 +1190,9 @@ impl Machine {
         if spec.ops.is_empty() {
             return Err(self.invalid(spec.origin, "a group must hold at least one op".into()));
         }
+        if let Some(message) = launch_too_large(spec.ops.len()) {
+            return Err(self.invalid(spec.origin, message));
+        }
         for op in &spec.ops {
             let origin = op.origin.unwrap_or(spec.origin);
             self.check_rank(op.peer, origin)?;
@@ -1469,6 +1484,7 @@ impl Machine {
                 Launch {
                     rank,
                     streams,
+                    left: ops.len() as u32,
                     ops,
                     started: false,
                     grouped: spec.grouped,
@@ -1477,6 +1493,23 @@ impl Machine {
             );
         }
     }
+}
+
+/// The most ops one launch (a group, or a plain call) may hold: the model
+/// numbers a launch's ops with 16 bits ([`OpRef::index`]). NCCL itself
+/// states no bound; a group this large is most likely a generated program
+/// gone wrong, and is refused with this reason rather than numbered wrong.
+pub const MAX_LAUNCH_OPS: usize = u16::MAX as usize;
+
+/// Why a launch of `ops` ops is refused, if it is: more than
+/// [`MAX_LAUNCH_OPS`]. Every backend and the parser ask this before the
+/// model numbers the ops.
+pub fn launch_too_large(ops: usize) -> Option<String> {
+    (ops > MAX_LAUNCH_OPS).then(|| {
+        format!(
+            "a group of {ops} ops: at most {MAX_LAUNCH_OPS} ops may be launched together; split it into several groups"
+        )
+    })
 }
 
 /// R12: the op of a launch by `rank` to or from `rank` itself that has no

@@ -102,6 +102,7 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
                     threads: Vec::new(),
                     group: None,
                     seen: HashMap::new(),
+                    comm_lines: head.comm_lines.clone(),
                 };
                 std::thread::Builder::new()
                     .spawn_scoped(scope, move || {
@@ -260,6 +261,8 @@ struct Parser {
     group: Option<(Vec<P2p>, u32)>,
     /// Each thread block's index in `threads`, by rank and name.
     seen: HashMap<(u32, Option<String>), usize>,
+    /// The line of each communicator declared, by name.
+    comm_lines: HashMap<String, u32>,
 }
 
 impl Parser {
@@ -302,6 +305,25 @@ impl Parser {
                 .saturating_add(before);
             last = line;
             let code = raw.split('#').next().unwrap_or("");
+            if let Some((at, c)) = code
+                .char_indices()
+                .find(|(_, c)| c.is_control() && *c != '\t')
+            {
+                let column = code[..at].chars().count() + 1;
+                return err(
+                    line,
+                    if c == '\r' {
+                        format!(
+                            "a carriage return in column {column}: are the file's lines ended by CR alone? end them with LF or CRLF"
+                        )
+                    } else {
+                        format!(
+                            "a control character (U+{:04X}) in column {column}",
+                            c as u32
+                        )
+                    },
+                );
+            }
             tokenize(code, &mut tokens);
             if tokens.is_empty() {
                 continue;
@@ -443,19 +465,19 @@ impl Parser {
         if name == "world" {
             return err(line, "`world` always exists and cannot be declared");
         }
-        if let Some(first) = self.comms.iter().find(|c| c.name == name) {
+        if let Some(&first) = self.comm_lines.get(&name) {
             return err(
                 line,
-                format!(
-                    "communicator `{name}` is already declared at line {}",
-                    first.line.0
-                ),
+                format!("communicator `{name}` is already declared at line {first}"),
             );
         }
         let mut ranks = Vec::new();
+        // Ranks are below `MAX_RANKS`: one flag each, so that a long list
+        // is checked in linear time.
+        let mut listed = vec![false; self.ranks.unwrap_or(0) as usize];
         for t in &tokens[2..] {
             let r = self.rank_number(line, t)?;
-            if ranks.contains(&r) {
+            if std::mem::replace(&mut listed[r as usize], true) {
                 return err(
                     line,
                     format!("rank {r} is listed twice in communicator `{name}`"),
@@ -463,6 +485,7 @@ impl Parser {
             }
             ranks.push(r);
         }
+        self.comm_lines.insert(name.clone(), line);
         self.comms.push(CommDecl {
             name,
             ranks,
@@ -641,7 +664,12 @@ impl Parser {
                     );
                 }
                 let p = self.p2p(line, op)?;
-                if let Some((ops, _)) = self.group.as_mut() {
+                if let Some((ops, start)) = self.group.as_mut() {
+                    // Refused as it grows past the bound, before a
+                    // generated file makes it any larger.
+                    if let Some(why) = crate::machine::launch_too_large(ops.len() + 1) {
+                        return err(*start, why);
+                    }
                     ops.push(p);
                 }
             }
