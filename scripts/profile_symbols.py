@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Names the samples of examples/overhead's --profile (sampler.rs).
 
-    scripts/profile_symbols.py SAMPLES BINARY [--top N]
+    scripts/profile_symbols.py SAMPLES BINARY [--top N] [--lines PREFIX]
 
 SAMPLES: one sample per line (hex return addresses, leaf first), then
 `# maps` and the process's /proc/self/maps. BINARY: the executable that ran,
@@ -10,7 +10,10 @@ functions, through `addr2line`); its samples are those in the process's
 executable (its first mapped file that is neither a device nor a library).
 Prints the functions by self samples (the leaf) and by inclusive samples
 (anywhere in the stack, once per sample), and the most common leaf-to-caller
-paths inside the binary."""
+paths inside the binary. With `--lines PREFIX` (the source root the
+binary was built from, e.g. /work/main/): the samples by source line of the
+project instead, inlined frames resolved, a library's leaf counted for the
+line of the binary that called it."""
 import collections
 import os
 import subprocess
@@ -92,6 +95,79 @@ def report(path, binary, top=25):
     return "\n".join(lines)
 
 
+def parse_chains(lines):
+    """`addr2line -a -i -f` output: {address: [(function, file:line), ...]},
+    innermost inlined frame first."""
+    chains, cur, i = {}, None, 0
+    while i < len(lines):
+        if lines[i].startswith("0x"):
+            cur = int(lines[i], 16)
+            chains[cur] = []
+            i += 1
+            continue
+        if cur is not None and i + 1 < len(lines):
+            chains[cur].append((lines[i], lines[i + 1]))
+        i += 2
+    return chains
+
+
+def attribute(counts, chains, prefix):
+    """Counts by the innermost frame of each address whose file starts with
+    `prefix` (the project's own source), else its innermost frame.
+    `counts`: {(address, tag): n}; the tag (a library's name, or None for a
+    leaf in the binary) is put before the line."""
+    out = collections.Counter()
+    for (a, tag), n in counts.items():
+        chain = chains.get(a, [])
+        own = [loc for _, loc in chain if loc.startswith(prefix)]
+        loc = own[0] if own else (chain[0][1] if chain else "?")
+        if loc.startswith(prefix):
+            loc = loc[len(prefix):]
+        out[("[" + tag + "] from " if tag else "") + loc] += n
+    return out
+
+
+def lines_report(path, binary, prefix, top=40):
+    """Samples by source line: a leaf in the binary counts for the line of
+    the project's source that it is inlined into; a leaf in a library whose
+    caller is in the binary counts for the calling line (allocations,
+    locks, copies that the binary asks libc for)."""
+    samples, maps = load(path)
+    exe = [
+        m[3] for m in maps
+        if m[3].startswith("/") and not m[3].startswith("/dev/") and ".so" not in os.path.basename(m[3])
+    ]
+    name = os.path.basename(exe[0]) if exe else os.path.basename(binary)
+    mine = [x for x in maps if os.path.basename(x[3]) == name]
+    if not mine:
+        return f"{len(samples)} samples, none in {name}"
+    base = min(x[0] - x[2] for x in mine)
+
+    def mapping(a):
+        return next((m for m in maps if m[0] <= a < m[1]), None)
+
+    counts = collections.Counter()
+    for s in samples:
+        m = mapping(s[0])
+        if m is not None and os.path.basename(m[3]) == name:
+            counts[(s[0] - base, None)] += 1
+        elif m is not None and len(s) > 1:
+            c = mapping(s[1] - 1)
+            if c is not None and os.path.basename(c[3]) == name:
+                counts[(s[1] - 1 - base, os.path.basename(m[3]) or "[anon]")] += 1
+    addrs = sorted({a for a, _ in counts})
+    out = subprocess.run(
+        ["addr2line", "-a", "-i", "-f", "-C", "-e", binary] + [hex(a) for a in addrs],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()
+    by_line = attribute(counts, parse_chains(out), prefix)
+    n = max(len(samples), 1)
+    lines = [f"{len(samples)} samples; by line of {prefix}"]
+    for k, c in by_line.most_common(top):
+        lines.append(f"{100 * c / n:6.2f}%  {k}")
+    return "\n".join(lines)
+
+
 def main():
     args = sys.argv[1:]
     top = 25
@@ -99,9 +175,17 @@ def main():
         i = args.index("--top")
         top = int(args[i + 1])
         del args[i : i + 2]
+    prefix = None
+    if "--lines" in args:
+        i = args.index("--lines")
+        prefix = args[i + 1]
+        del args[i : i + 2]
     if len(args) != 2:
         sys.exit(__doc__)
-    print(report(args[0], args[1], top))
+    if prefix is not None:
+        print(lines_report(args[0], args[1], prefix, top))
+    else:
+        print(report(args[0], args[1], top))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,32 @@ class Report(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Lines(unittest.TestCase):
+    def test_addr2line_chains_are_read_innermost_first(self):
+        out = [
+            "0x0000000000001000",
+            "lock",
+            "/src/proj/sync.rs:31",
+            "issue",
+            "/src/proj/rank.rs:400",
+            "0x0000000000002000",
+            "memcpy",
+            "??:0",
+        ]
+        chains = ps.parse_chains(out)
+        self.assertEqual(chains[0x1000][0], ("lock", "/src/proj/sync.rs:31"))
+        self.assertEqual(chains[0x1000][1][1], "/src/proj/rank.rs:400")
+        self.assertEqual(chains[0x2000], [("memcpy", "??:0")])
+
+    def test_samples_go_to_the_innermost_line_of_the_project(self):
+        chains = {
+            0x10: [("f", "/rustc/lib/sync.rs:9"), ("g", "/src/proj/a.rs:3"), ("h", "/src/proj/b.rs:7")],
+            0x20: [("m", "??:0")],
+        }
+        by = ps.attribute({(0x10, None): 3, (0x10, "libc.so.6"): 2, (0x20, None): 1}, chains, "/src/proj/")
+        self.assertEqual(by["a.rs:3"], 3)
+        self.assertEqual(by["[libc.so.6] from a.rs:3"], 2)
+        self.assertEqual(by["??:0"], 1)
+
