@@ -811,10 +811,13 @@ fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(json["verdict"], "inconclusive");
     assert_eq!(json["stats"]["stopped"], "time");
+    // The limit is looked at every 16 host steps: the search got at least
+    // that far, and says so.
     assert!(
         json["stats"]["transitions"]
             .as_u64()
-            .is_some_and(|n| n >= 1024)
+            .is_some_and(|n| n >= 16),
+        "{json}"
     );
     let out = duplex(&["check", f, "--time-limit", "0.001"]);
     let text = String::from_utf8_lossy(&out.stdout);
