@@ -323,6 +323,20 @@ fn a_group_past_the_models_bound_names_its_line() {
 }
 
 #[test]
+fn a_cr_at_a_lines_end_is_whitespace() {
+    let plain = "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n";
+    for text in [
+        "ranks 2\r\nrank 0:\r\n  send 1 4KiB\r\nrank 1:\r\n  recv 0 4KiB\r",
+        "ranks 2\r\r\nrank 0:\r\n  send 1 4KiB\x0b\r\nrank 1:\r\n  recv 0 4KiB\x0c\r\n",
+    ] {
+        assert_eq!(
+            parse(text).unwrap_or_else(|e| panic!("{e}: {text:?}")),
+            parse(plain).expect("parses")
+        );
+    }
+}
+
+#[test]
 fn a_byte_order_mark_is_skipped() {
     let plain = "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n";
     let marked = format!("\u{feff}{plain}");

@@ -304,10 +304,13 @@ impl Parser {
                 .unwrap_or(u32::MAX)
                 .saturating_add(before);
             last = line;
-            let code = raw.split('#').next().unwrap_or("");
+            // A CR left at the end of a line (`\r\r\n`, or a last line
+            // ending in `\r`) is whitespace, as any whitespace control
+            // character is; a CR inside a line means CR-only line endings.
+            let code = raw.split('#').next().unwrap_or("").trim_end_matches('\r');
             if let Some((at, c)) = code
                 .char_indices()
-                .find(|(_, c)| c.is_control() && *c != '\t')
+                .find(|(_, c)| *c == '\r' || (c.is_control() && !c.is_whitespace()))
             {
                 let column = code[..at].chars().count() + 1;
                 return err(
