@@ -38,16 +38,28 @@ def load(path):
     return samples, maps
 
 
-def report(path, binary, top=25):
-    """The report of the samples in `path` (see the module's docs), as text."""
-    samples, maps = load(path)
-    # The executable: the first mapped file that is not a device or a
-    # shared library.
+def mapping(maps, a):
+    """The mapping that holds address `a`, or None."""
+    return next((m for m in maps if m[0] <= a < m[1]), None)
+
+
+def executable(maps, binary):
+    """The executable's file name (the first mapped file that is not a
+    device or a shared library; else BINARY's) and the base that turns its
+    addresses into file addresses (None when it is not mapped)."""
     exe = [
         m[3] for m in maps
         if m[3].startswith("/") and not m[3].startswith("/dev/") and ".so" not in os.path.basename(m[3])
     ]
     name = os.path.basename(exe[0]) if exe else os.path.basename(binary)
+    mine = [x for x in maps if os.path.basename(x[3]) == name]
+    return name, (min(x[0] - x[2] for x in mine) if mine else None)
+
+
+def report(path, binary, top=25):
+    """The report of the samples in `path` (see the module's docs), as text."""
+    samples, maps = load(path)
+    name, base = executable(maps, binary)
     # Each address: ("bin", address in the file) or ("lib", library name).
     where = {}
     for s in samples:
@@ -56,11 +68,10 @@ def report(path, binary, top=25):
             q = a if i == 0 else a - 1
             if q in where:
                 continue
-            m = next((m for m in maps if m[0] <= q < m[1]), None)
+            m = mapping(maps, q)
             if m is None:
                 where[q] = ("lib", "?")
             elif os.path.basename(m[3]) == name:
-                base = min(x[0] - x[2] for x in maps if os.path.basename(x[3]) == name)
                 where[q] = ("bin", q - base)
             else:
                 where[q] = ("lib", os.path.basename(m[3]) or "[anon]")
@@ -133,26 +144,16 @@ def lines_report(path, binary, prefix, top=40):
     caller is in the binary counts for the calling line (allocations,
     locks, copies that the binary asks libc for)."""
     samples, maps = load(path)
-    exe = [
-        m[3] for m in maps
-        if m[3].startswith("/") and not m[3].startswith("/dev/") and ".so" not in os.path.basename(m[3])
-    ]
-    name = os.path.basename(exe[0]) if exe else os.path.basename(binary)
-    mine = [x for x in maps if os.path.basename(x[3]) == name]
-    if not mine:
+    name, base = executable(maps, binary)
+    if base is None:
         return f"{len(samples)} samples, none in {name}"
-    base = min(x[0] - x[2] for x in mine)
-
-    def mapping(a):
-        return next((m for m in maps if m[0] <= a < m[1]), None)
-
     counts = collections.Counter()
     for s in samples:
-        m = mapping(s[0])
+        m = mapping(maps, s[0])
         if m is not None and os.path.basename(m[3]) == name:
             counts[(s[0] - base, None)] += 1
         elif m is not None and len(s) > 1:
-            c = mapping(s[1] - 1)
+            c = mapping(maps, s[1] - 1)
             if c is not None and os.path.basename(c[3]) == name:
                 counts[(s[1] - 1 - base, os.path.basename(m[3]) or "[anon]")] += 1
     addrs = sorted({a for a, _ in counts})

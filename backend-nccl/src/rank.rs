@@ -392,6 +392,11 @@ impl NcclRank {
                 ),
             );
         }
+        // The model numbers a launch's ops in 16 bits: a larger group is
+        // refused here, as by the simulator and the parser.
+        if let Some(why) = duplex::machine::launch_too_large(reqs.len()) {
+            return check::invalid(at, why);
+        }
         let recs: Vec<OpRec> = reqs
             .iter()
             .map(|r| OpRec {
@@ -403,11 +408,6 @@ impl NcclRank {
                 stream: r.stream.0.id,
             })
             .collect();
-        // The model numbers a launch's ops in 16 bits: a larger group is
-        // refused here, as by the simulator and the parser.
-        if let Some(why) = duplex::machine::launch_too_large(reqs.len()) {
-            return check::invalid(at, why);
-        }
         // R12: a message of this rank to itself needs its partner in the
         // same launch; NCCL would refuse it only at the group's end.
         if reqs.iter().any(|r| r.meta.peer == ctx.rank) {

@@ -17,17 +17,14 @@
 //! which a worklist cannot promise; with `kernels=` set, progress sweeps
 //! every rank in issue order instead ([`Machine::progress_sweep`]).
 
-use super::CommId;
-use super::rules::{Front, free};
-use crate::Dir;
 use smallvec::SmallVec;
 
-/// An op's channel as seen from its own rank: communicator, peer,
-/// direction.
-type ChannelOf = (CommId, Rank, Dir);
+use super::rules::{Front, free};
 use super::{
-    ChannelKey, Entry, LaunchRef, Machine, OpRef, OpStatus, Rank, StreamId, Wait, channel_key,
+    ChannelKey, CommId, Entry, LaunchRef, Machine, OpRef, OpStatus, Rank, StreamId, Wait,
+    channel_key, launch_channel,
 };
+use crate::Dir;
 
 /// What device progress still has to look at (empty between steps), the
 /// streams parked behind a rank-wide rule, and the ranks touched since
@@ -220,11 +217,11 @@ impl Machine {
     fn activate(&mut self, lref: LaunchRef) {
         let n = self.state.launches[&lref].ops.len();
         // A few channels are compared in place; a large group hashes them.
-        let mut few: SmallVec<[ChannelOf; 4]> = SmallVec::new();
-        let mut many: std::collections::HashSet<ChannelOf> = Default::default();
+        let mut few: SmallVec<[(CommId, Rank, Dir); 4]> = SmallVec::new();
+        let mut many: std::collections::HashSet<(CommId, Rank, Dir)> = Default::default();
         for i in 0..n {
             let op = &self.state.launches[&lref].ops[i];
-            let channel = (op.spec.comm, op.spec.peer, op.spec.dir);
+            let channel = launch_channel(&op.spec);
             let first = if n <= 16 {
                 !few.contains(&channel) && {
                     few.push(channel);
@@ -266,10 +263,10 @@ impl Machine {
             self.work.streams.push(s);
             return;
         }
-        let me = &launch.ops[op.index as usize].spec;
+        let me = launch_channel(&launch.ops[op.index as usize].spec);
         let next = launch.ops[op.index as usize + 1..]
             .iter()
-            .position(|o| o.spec.comm == me.comm && o.spec.peer == me.peer && o.spec.dir == me.dir)
+            .position(|o| launch_channel(&o.spec) == me)
             .map(|k| op.index as usize + 1 + k);
         if let Some(i) = next
             && launch.ops[i].status == OpStatus::Waiting

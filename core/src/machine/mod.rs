@@ -1560,6 +1560,14 @@ fn earlier_on_channel(rank: Rank, ops: &[OpSpec], i: usize) -> usize {
 }
 
 /// The channel an op of `rank` travels on.
+/// An op's channel within its launch: communicator, peer, direction. Ops
+/// of one launch with the same one run in order (R8). Not
+/// [`channel_key`]: a rank's send to itself and its recv from itself are
+/// one channel there, two here.
+fn launch_channel(op: &OpSpec) -> (CommId, Rank, Dir) {
+    (op.comm, op.peer, op.dir)
+}
+
 fn channel_key(rank: Rank, op: &OpSpec) -> ChannelKey {
     match op.dir {
         Dir::Send => (op.comm, rank, op.peer),

@@ -22,7 +22,7 @@ use crate::schedule::Dir;
 
 use super::{
     ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Slot,
-    StreamId, TagId, ThreadId, Wait,
+    StreamId, TagId, ThreadId, Wait, launch_channel,
 };
 
 /// What holds a step back.
@@ -203,13 +203,10 @@ impl Machine {
     /// holds it; there is no edge of its own.
     pub(super) fn behind_in_group(&self, lref: LaunchRef, i: usize) -> bool {
         let ops = &self.state.launches[&lref].ops;
-        let me = &ops[i].spec;
-        ops[..i].iter().any(|o| {
-            o.status != OpStatus::Done
-                && o.spec.comm == me.comm
-                && o.spec.peer == me.peer
-                && o.spec.dir == me.dir
-        })
+        let me = launch_channel(&ops[i].spec);
+        ops[..i]
+            .iter()
+            .any(|o| o.status != OpStatus::Done && launch_channel(&o.spec) == me)
     }
 
     /// The front pair of channel `key` (R3: the k-th send meets the k-th

@@ -102,7 +102,9 @@ pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
                     threads: Vec::new(),
                     group: None,
                     seen: HashMap::new(),
-                    comm_lines: head.comm_lines.clone(),
+                    // A piece holds rank blocks only, where `comm` is
+                    // refused before names are looked up.
+                    comm_lines: HashMap::new(),
                 };
                 std::thread::Builder::new()
                     .spawn_scoped(scope, move || {
