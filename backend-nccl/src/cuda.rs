@@ -606,6 +606,26 @@ static CONTEXTS: std::sync::Mutex<std::collections::BTreeMap<usize, PerContext>>
 /// have its bytes zeroed after it. An error says whether the zeroing may
 /// still run, in which case the caller must not free the memory (P6 of
 /// `crate::guard`).
+/// A synchronous copy of `data` to device address `ptr`.
+///
+/// # Safety
+/// `ptr` must hold at least `data.len()` bytes.
+unsafe fn copy_to_device(ptr: u64, data: &[u8]) -> Result<(), Error> {
+    // SAFETY: as the caller promised.
+    unsafe { result::memcpy_htod_sync(ptr, data) }.map_err(|e| err("cuMemcpyHtoD", e))
+}
+
+/// A synchronous copy of `n` bytes at device address `ptr` to the host.
+///
+/// # Safety
+/// `ptr` must hold at least `n` bytes.
+unsafe fn copy_to_host(ptr: u64, n: usize) -> Result<Vec<u8>, Error> {
+    let mut out = vec![0u8; n];
+    // SAFETY: as the caller promised.
+    unsafe { result::memcpy_dtoh_sync(&mut out, ptr) }.map_err(|e| err("cuMemcpyDtoH", e))?;
+    Ok(out)
+}
+
 fn zero(ptr: sys::CUdeviceptr, n: usize, within: std::time::Duration) -> Result<(), (Error, bool)> {
     let ctx = result::ctx::get_current()
         .map_err(|e| (err("cuCtxGetCurrent", e), false))?
@@ -827,7 +847,7 @@ impl Memory {
             device.bind()?;
             // SAFETY: the destination holds at least `n` bytes, kept by
             // the caller until this returns, or for good if it is late.
-            unsafe { result::memcpy_htod_sync(ptr, &data[..n]) }.map_err(|e| err("cuMemcpyHtoD", e))
+            unsafe { copy_to_device(ptr, &data[..n]) }
         })
     }
 
@@ -842,12 +862,9 @@ impl Memory {
         let device = device.clone();
         bounded(within, "a copy from a buffer to the host", move || {
             device.bind()?;
-            let mut out = vec![0u8; n];
             // SAFETY: the source holds `n` bytes, kept by the caller until
             // this returns, or for good if it is late.
-            unsafe { result::memcpy_dtoh_sync(&mut out, ptr) }
-                .map_err(|e| err("cuMemcpyDtoH", e))?;
-            Ok(out)
+            unsafe { copy_to_host(ptr, n) }
         })
     }
 
@@ -855,17 +872,13 @@ impl Memory {
     pub fn write(&self, data: &[u8]) -> Result<(), Error> {
         let n = data.len().min(self.bytes);
         // SAFETY: the destination holds at least `n` bytes.
-        unsafe { result::memcpy_htod_sync(self.ptr, &data[..n]) }
-            .map_err(|e| err("cuMemcpyHtoD", e))
+        unsafe { copy_to_device(self.ptr, &data[..n]) }
     }
 
     /// Copies the allocation to the host.
     pub fn read(&self) -> Result<Vec<u8>, Error> {
-        let mut out = vec![0u8; self.bytes];
         // SAFETY: the source holds `self.bytes` bytes.
-        unsafe { result::memcpy_dtoh_sync(&mut out, self.ptr) }
-            .map_err(|e| err("cuMemcpyDtoH", e))?;
-        Ok(out)
+        unsafe { copy_to_host(self.ptr, self.bytes) }
     }
 
     /// Frees the memory now. Only when no device work uses it any more.
