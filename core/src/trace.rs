@@ -165,6 +165,53 @@ pub struct Trace {
     /// The host wait (a `sync`, `await` or `join`) each blocked thread is
     /// inside now, at most one per thread.
     pub blocked: Vec<TraceCall>,
+    /// What each rank's calls before its cut left behind ([`Trace::cut`]),
+    /// at most one per rank: a long run keeps these counts instead of
+    /// those calls. Empty for a trace kept whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuts: Vec<Cut>,
+}
+
+/// What the calls of one rank before its trace's cut left behind
+/// ([`Trace::cut`]): every op they launched had completed and every host
+/// wait among them had returned, so a replay needs only these counts
+/// ([`crate::machine::Settled`]), whatever the other ranks' cuts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cut {
+    /// The rank.
+    pub rank: Rank,
+    /// How many calls were folded into it.
+    pub calls: u64,
+    /// Per (communicator, peer): the sends issued to the peer.
+    pub sent: Vec<(u32, Rank, u32)>,
+    /// Per (communicator, peer): the sizes of the last sends to the peer
+    /// (at most [`Cut::RECENT`], oldest first). A send completed before the
+    /// cut may still sit in the channel's buffer (R5), unreceived, and take
+    /// room there: the replay gives it its size.
+    pub recent: Vec<(u32, Rank, Vec<u64>)>,
+    /// Per (communicator, peer): the recvs issued from the peer.
+    pub received: Vec<(u32, Rank, u32)>,
+    /// R7, per (communicator, peer): the setup rounds entered toward it.
+    pub rounds: Vec<(u32, Rank, u32)>,
+    /// R7: the sides connected, (communicator, peer, direction).
+    pub sides: Vec<(u32, Rank, Dir)>,
+    /// Per (peer, tag): the `notify`s posted to it.
+    pub notified: Vec<(Rank, String, u32)>,
+    /// Per (peer, tag): the `await`s that consumed one of its.
+    pub awaited: Vec<(Rank, String, u32)>,
+}
+
+impl Cut {
+    /// How many send sizes a cut keeps per channel ([`Cut::recent`]).
+    pub const RECENT: usize = 64;
+}
+
+/// Adds one to the count of `(a, b)` in a list kept sorted by it.
+fn bump<A: Ord, B: Ord>(list: &mut Vec<(A, B, u32)>, a: A, b: B) {
+    match list.binary_search_by(|(x, y, _)| (x, y).cmp(&(&a, &b))) {
+        Ok(i) => list[i].2 += 1,
+        Err(i) => list.insert(i, (a, b, 1)),
+    }
 }
 
 /// A call the model refused while replaying a trace: the model and the
@@ -314,6 +361,99 @@ impl Trace {
         }
     }
 
+    /// Folds the first `upto` calls into the cuts of their ranks
+    /// ([`Cut`]), so that a long run's trace keeps only the calls since;
+    /// a thread's end ([`Call::End`]) stays, so that a replay knows it
+    /// ended. The caller must cut only where every op those calls launched
+    /// has completed, and no thread is blocked inside one of them (the
+    /// NCCL backend cuts a rank's trace when its ledger has nothing pending
+    /// and no thread of it waits, under its issue lock): the replay then
+    /// starts from the counts the cuts keep ([`Machine::settle_from`]),
+    /// and a wait for an event recorded before the cut waits for nothing,
+    /// as for an event recorded and completed. Returns how many calls were
+    /// folded.
+    pub fn cut(&mut self, upto: usize) -> usize {
+        let upto = upto.min(self.calls.len());
+        let mut kept = Vec::new();
+        let mut folded = 0;
+        for c in self.calls.drain(..upto) {
+            let Some(rank) = self.threads.get(c.thread as usize).map(|t| t.rank) else {
+                continue;
+            };
+            if matches!(c.call, Call::End) {
+                kept.push(c);
+                continue;
+            }
+            folded += 1;
+            let i = match self.cuts.iter().position(|k| k.rank == rank) {
+                Some(i) => i,
+                None => {
+                    self.cuts.push(Cut {
+                        rank,
+                        ..Cut::default()
+                    });
+                    self.cuts.len() - 1
+                }
+            };
+            let comms = &self.comms;
+            let cut = &mut self.cuts[i];
+            cut.calls += 1;
+            match &c.call {
+                Call::Launch { ops, .. } => {
+                    let specs: Vec<OpSpec> = ops.iter().map(TraceOp::spec).collect();
+                    let warm = |c: CommId| comms.get(c.0 as usize).is_none_or(|k| k.warm);
+                    let mut sides: crate::machine::Sides = cut
+                        .sides
+                        .iter()
+                        .map(|&(c, p, d)| (CommId(c), rank, p, d))
+                        .collect();
+                    let new = crate::machine::new_sides_of(warm, &sides, rank, &specs);
+                    if !new.is_empty() {
+                        for (c, p) in &new {
+                            bump(&mut cut.rounds, c.0, *p);
+                        }
+                        crate::machine::connect_sides_of(warm, &mut sides, rank, &specs);
+                        cut.sides = sides.into_iter().map(|(c, _, p, d)| (c.0, p, d)).collect();
+                    }
+                    for o in ops {
+                        match o.dir {
+                            Dir::Send => {
+                                bump(&mut cut.sent, o.comm, o.peer);
+                                let key = (o.comm, o.peer);
+                                let i = match cut
+                                    .recent
+                                    .binary_search_by(|(c, p, _)| (*c, *p).cmp(&key))
+                                {
+                                    Ok(i) => i,
+                                    Err(i) => {
+                                        cut.recent.insert(i, (o.comm, o.peer, Vec::new()));
+                                        i
+                                    }
+                                };
+                                let sizes = &mut cut.recent[i].2;
+                                if sizes.len() == Cut::RECENT {
+                                    sizes.remove(0);
+                                }
+                                sizes.push(o.bytes);
+                            }
+                            Dir::Recv => bump(&mut cut.received, o.comm, o.peer),
+                        }
+                    }
+                }
+                Call::Notify { to, tag } => bump(&mut cut.notified, *to, tag.clone()),
+                Call::Await { from, tag } => bump(&mut cut.awaited, *from, tag.clone()),
+                Call::Record { .. }
+                | Call::Wait { .. }
+                | Call::Sync { .. }
+                | Call::Join { .. }
+                | Call::End => {}
+            }
+        }
+        kept.append(&mut self.calls);
+        self.calls = kept;
+        folded
+    }
+
     /// Joins the traces of the ranks of one job (one per process): threads,
     /// streams and events are renumbered, the communicators must be the
     /// same in every part. Each part's calls keep their order.
@@ -365,6 +505,15 @@ impl Trace {
             out.calls.extend(part.calls.iter().map(shift));
             out.blocked.extend(part.blocked.iter().map(shift));
             out.ended.extend(part.ended.iter().map(|t| t + t0));
+            for cut in &part.cuts {
+                if out.cuts.iter().any(|c| c.rank == cut.rank) {
+                    return Err(format!(
+                        "trace part {i} has a cut of rank {}, which another part has too: each rank's trace must come from one process",
+                        cut.rank
+                    ));
+                }
+                out.cuts.push(cut.clone());
+            }
         }
         Ok(out)
     }
@@ -531,6 +680,37 @@ fn push(list: &mut Vec<Owned>, rank: Rank, name: &str) -> u32 {
     (list.len() - 1) as u32
 }
 
+/// What the cuts of `trace` left behind, in the machine's terms (tags
+/// interned in `setup`).
+fn settled_of(trace: &Trace, setup: &mut Setup) -> crate::machine::Settled {
+    let mut out = crate::machine::Settled::default();
+    for cut in &trace.cuts {
+        let me = cut.rank;
+        for &(c, peer, n) in &cut.sent {
+            out.channels.entry((CommId(c), me, peer)).or_default().0 += n;
+        }
+        for &(c, peer, n) in &cut.received {
+            out.channels.entry((CommId(c), peer, me)).or_default().1 += n;
+        }
+        for (c, peer, sizes) in &cut.recent {
+            out.recent.insert((CommId(*c), me, *peer), sizes.clone());
+        }
+        for &(c, peer, n) in &cut.rounds {
+            out.rounds.insert((CommId(c), me, peer), n);
+        }
+        for &(c, peer, d) in &cut.sides {
+            out.sides.insert((CommId(c), me, peer, d));
+        }
+        for (to, tag, n) in &cut.notified {
+            out.mail.entry((me, *to, setup.tag(tag))).or_default().0 += n;
+        }
+        for (from, tag, n) in &cut.awaited {
+            out.mail.entry((*from, me, setup.tag(tag))).or_default().1 += n;
+        }
+    }
+    out
+}
+
 /// The replay of one trace.
 struct Replayer<'t> {
     trace: &'t Trace,
@@ -594,6 +774,19 @@ impl<'t> Replayer<'t> {
             .map(|c| (ThreadId(c.thread), c.to_host(setup)))
             .collect();
         m.sync_setup();
+        let mut disagreements = Vec::new();
+        if !trace.cuts.is_empty() {
+            let settled = settled_of(trace, m.setup_mut());
+            if let Err(why) = m.settle_from(&settled) {
+                disagreements.push(Disagreement {
+                    rank: trace.cuts[0].rank,
+                    thread: String::new(),
+                    call: "the calls before the trace's cut".into(),
+                    place: String::new(),
+                    why,
+                });
+            }
+        }
         let mut queues = vec![VecDeque::new(); trace.ranks as usize];
         for (i, c) in trace.calls.iter().enumerate() {
             let rank = trace.threads.get(c.thread as usize).map(|t| t.rank);
@@ -606,7 +799,7 @@ impl<'t> Replayer<'t> {
             m,
             queues,
             calls,
-            disagreements: Vec::new(),
+            disagreements,
             waits,
             timeline: None,
             seen: HashMap::new(),

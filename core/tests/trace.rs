@@ -37,23 +37,7 @@ fn examples() -> Vec<(String, String)> {
 /// runnable thread (an interleaving unlike the checker's first choice),
 /// and records every call made. `None` when a program error stops it.
 fn run(c: &Compiled) -> Option<(Machine, Vec<(ThreadId, HostCall)>)> {
-    let mut m = c.machine();
-    let mut calls = Vec::new();
-    loop {
-        let runnable = m.runnable(&Remaining(c));
-        let Some(&t) = runnable.last() else {
-            return Some((m, calls));
-        };
-        match m.next(t) {
-            Next::Resume => m.resume(t).ok()?,
-            Next::Call => {
-                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
-                calls.push((t, call.clone()));
-                m.apply(t, &call).ok()?;
-            }
-            Next::Blocked | Next::Finished => unreachable!("runnable"),
-        }
-    }
+    run_noting_quiet(c).map(|r| (r.machine, r.calls))
 }
 
 /// The trace, as one process per rank would record it: each part holds
@@ -257,4 +241,213 @@ fn a_sync_missing_from_a_published_trace_hides_the_cycle() {
         stuck.cycle.is_empty() && stuck.missing.is_empty(),
         "rank 0 looks free to issue the recvs: {stuck:?}"
     );
+}
+
+/// A run of a program ([`run`]).
+struct Run {
+    machine: Machine,
+    calls: Vec<(ThreadId, HostCall)>,
+    /// `quiet[r]`: how many calls rank `r` had made at each point where it
+    /// was quiet: none of its ops live and none of its threads waiting (in
+    /// a `sync`, an `await`, a `join` or a handshake), so where its trace
+    /// may be cut.
+    quiet: Vec<Vec<usize>>,
+}
+
+/// [`run`], noting where each rank is quiet ([`Run::quiet`]).
+fn run_noting_quiet(c: &Compiled) -> Option<Run> {
+    let mut m = c.machine();
+    let mut calls = Vec::new();
+    let ranks = c.setup.ranks;
+    let mut made = vec![0usize; ranks as usize];
+    let mut quiet = vec![Vec::new(); ranks as usize];
+    loop {
+        for r in 0..ranks {
+            let live = m
+                .live_ops()
+                .iter()
+                .any(|(op, _)| c.setup.threads[op.launch.thread.0 as usize].rank == r);
+            let waiting = c
+                .setup
+                .threads_of(r)
+                .any(|t| !matches!(m.next(t), Next::Call | Next::Finished));
+            let q = &mut quiet[r as usize];
+            if !live && !waiting && q.last() != Some(&made[r as usize]) {
+                q.push(made[r as usize]);
+            }
+        }
+        let runnable = m.runnable(&Remaining(c));
+        let Some(&t) = runnable.last() else {
+            return Some(Run {
+                machine: m,
+                calls,
+                quiet,
+            });
+        };
+        match m.next(t) {
+            Next::Resume => m.resume(t).ok()?,
+            Next::Call => {
+                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+                calls.push((t, call.clone()));
+                made[c.setup.threads[t.0 as usize].rank as usize] += 1;
+                m.apply(t, &call).ok()?;
+            }
+            Next::Blocked | Next::Finished => unreachable!("runnable"),
+        }
+    }
+}
+
+/// A long run in one process per rank keeps its trace bounded by cutting
+/// it where the rank is quiet (`Trace::cut`): on every example, under both
+/// policies, with each rank's trace cut at its first, middle and last
+/// quiet point (and the ranks cut at different points, so that a channel's
+/// sides are cut at different messages), the merged replay must reach the
+/// same verdict with the same explanation as the whole traces, and refuse
+/// nothing.
+#[test]
+fn traces_cut_where_each_rank_is_quiet_explain_the_same_state() {
+    let (mut compared, mut folded, mut unbalanced) = (0, 0, 0);
+    for (name, text) in examples() {
+        let mut program = duplex::schedule::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for policy in [duplex::Policy::Shared, duplex::Policy::PerDirection] {
+            program.policy = policy;
+            let c = compile(&program);
+            let Some(Run {
+                machine: m,
+                calls,
+                quiet,
+            }) = run_noting_quiet(&c)
+            else {
+                continue;
+            };
+            let status = m.status(&Remaining(&c));
+            let whole = Trace::from_calls(&c.setup, calls.iter().map(|(t, c)| (*t, c)));
+            let parts = split(&whole);
+            let full = Trace::merge(&parts)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+                .analyze(program.model);
+            let choices: [fn(&[usize], usize) -> usize; 4] = [
+                |q, _| q.first().copied().unwrap_or(0),
+                |q, _| q.get(q.len() / 2).copied().unwrap_or(0),
+                |q, _| q.last().copied().unwrap_or(0),
+                // Rank-dependent: even ranks late, odd ranks early.
+                |q, r| {
+                    if r % 2 == 0 { q.last() } else { q.first() }
+                        .copied()
+                        .unwrap_or(0)
+                },
+            ];
+            for (k, choose) in choices.iter().enumerate() {
+                let mut cut_parts = parts.clone();
+                let mut points = Vec::new();
+                for (r, part) in cut_parts.iter_mut().enumerate() {
+                    let at = choose(&quiet[r], r);
+                    folded += part.cut(at);
+                    points.push(at);
+                }
+                let counts: Vec<_> = cut_parts.iter().flat_map(|p| p.cuts.clone()).collect();
+                if counts.iter().any(|a| {
+                    a.sent.iter().any(|&(comm, peer, n)| {
+                        let got = counts
+                            .iter()
+                            .find(|b| b.rank == peer)
+                            .and_then(|b| b.received.iter().find(|x| x.0 == comm && x.1 == a.rank))
+                            .map_or(0, |x| x.2);
+                        got != n
+                    })
+                }) {
+                    unbalanced += 1;
+                }
+                let merged = Trace::merge(&cut_parts).unwrap_or_else(|e| panic!("{name}: {e}"));
+                // The cuts survive the wire format the backend publishes.
+                let json = serde_json::to_string(&merged).expect("a trace encodes");
+                let merged: Trace = serde_json::from_str(&json).expect("and decodes");
+                let a = merged.analyze(program.model);
+                let what = format!("{name} ({policy:?}), cuts #{k} at {points:?}");
+                assert!(
+                    a.disagreements.is_empty(),
+                    "{what}: the cut traces are refused: {:?}",
+                    a.disagreements
+                );
+                match status {
+                    Status::Finished => assert!(
+                        a.finished && full.finished,
+                        "{what}: finished, the cut replay did not: {:?}",
+                        a.stuck.map(|s| s.to_string())
+                    ),
+                    Status::Stuck => {
+                        let sf = full
+                            .stuck
+                            .clone()
+                            .unwrap_or_else(|| panic!("{what}: whole replay not stuck"));
+                        let sc = a
+                            .stuck
+                            .unwrap_or_else(|| panic!("{what}: cut replay not stuck"));
+                        assert_eq!(sf.to_string(), sc.to_string(), "{what}");
+                    }
+                    Status::Running => unreachable!("run() stops only when nothing can step"),
+                }
+                compared += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{compared} cut replays, {folded} calls folded, {unbalanced} with a channel's sides apart"
+    );
+    assert!(compared >= 200, "only {compared} cut replays compared");
+    assert!(folded > 400, "only {folded} calls folded into cuts");
+    assert!(
+        unbalanced > 10,
+        "only {unbalanced} cut replays left a channel's sides apart"
+    );
+}
+
+/// A cut keeps `notify` counts either way round: the receiver may have
+/// consumed (before its cut) a message whose `notify` the sender made
+/// after its own, so the replay owes it one; or the sender posted more
+/// than the receiver took, and they wait in the mailbox.
+#[test]
+fn a_settled_machine_keeps_notify_counts_either_way_round() {
+    use duplex::machine::{OriginInfo, Settled, Setup};
+    use std::sync::Arc;
+    let machine = |posted: u32, consumed: u32| {
+        let mut setup = Setup::new(2, duplex::Model::default());
+        let t0 = setup.add_thread(0, "main");
+        let t1 = setup.add_thread(1, "main");
+        let tag = setup.tag("ready");
+        let origin = setup.add_origin(OriginInfo::at("call", "here"));
+        let mut m = Machine::new(Arc::new(setup));
+        let mut settled = Settled::default();
+        settled.mail.insert((0, 1, tag), (posted, consumed));
+        m.settle_from(&settled).expect("a fresh machine settles");
+        let notify = HostCall::Notify { to: 1, tag, origin };
+        let wait = HostCall::Await {
+            from: 0,
+            tag,
+            origin,
+        };
+        (m, t0, t1, notify, wait)
+    };
+    // Owed one: the first notify after the cut pays it back.
+    let (mut m, t0, t1, notify, wait) = machine(0, 1);
+    assert!(!m.enabled(t1, &wait));
+    m.apply(t0, &notify).expect("notify");
+    assert!(!m.enabled(t1, &wait), "the notify paid the debt");
+    m.apply(t0, &notify).expect("notify");
+    assert!(m.enabled(t1, &wait));
+    // Two posted, one taken: one waits in the mailbox.
+    let (mut m, _, t1, _, wait) = machine(2, 1);
+    assert!(m.enabled(t1, &wait));
+    m.apply(t1, &wait).expect("await");
+    assert!(!m.enabled(t1, &wait));
+    // Only a fresh machine settles, and a channel of what does not exist
+    // is refused, not a panic (cuts come from other processes).
+    let (mut m, t0, _, notify, _) = machine(0, 0);
+    m.apply(t0, &notify).expect("notify");
+    assert!(m.settle_from(&Settled::default()).is_err());
+    let mut bad = Settled::default();
+    bad.channels
+        .insert((duplex::machine::CommId(7), 0, 9), (3, 1));
+    let mut fresh = Machine::new(Arc::new(Setup::new(2, duplex::Model::default())));
+    assert!(fresh.settle_from(&bad).is_err());
 }

@@ -296,9 +296,17 @@ impl Machine {
                 ch.sends.pop_front();
                 ch.recvs.pop_front();
                 ch.delivered += 1;
-                self.complete_op(recv.op);
+                // A ghost (`Machine::settle_from`) has no op to complete
+                // and moves no bytes a driver could take.
+                if !recv.ghost {
+                    self.complete_op(recv.op);
+                }
                 if !send.buffered {
                     self.complete_op(send.op);
+                }
+                if send.ghost || recv.ghost {
+                    changed = true;
+                    continue;
                 }
                 if let Some(d) = self.deliveries.as_mut() {
                     d.push(super::Delivery::Delivered {
@@ -318,8 +326,12 @@ impl Machine {
                 debug_assert!(ch.delivered > 0);
                 return;
             }
-            // R6: the first message of a cold channel is a rendezvous.
-            if eager > 0 && (warm || ch.delivered > 0) {
+            // R6: the first message of a cold channel is a rendezvous; a
+            // channel with ghosts (`Machine::settle_from`) has carried one.
+            let used = ch.delivered > 0
+                || ch.sends.front().is_some_and(|g| g.ghost)
+                || ch.recvs.front().is_some_and(|g| g.ghost);
+            if eager > 0 && (warm || used) {
                 let mut inflight: u64 = 0;
                 let mut i = 0;
                 // Sends leave in FIFO order: the buffer takes active ones

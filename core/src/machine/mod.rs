@@ -711,6 +711,12 @@ struct Slot {
     stream: StreamId,
     /// For sends: completed into the channel's buffer (R5).
     buffered: bool,
+    /// A message whose side this is was completed before the calls the
+    /// machine has seen ([`Machine::settle_from`]): a ghost send is
+    /// buffered, a ghost recv is started; neither has a launch, and
+    /// neither is compared with its partner (R3, R8), since what it
+    /// carried is gone.
+    ghost: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -749,8 +755,11 @@ pub struct State {
     channels: table::Table<ChannelKey, Channel>,
     /// Latest `record` of each event: (stream, entry index).
     events: Vec<Option<(StreamId, u32)>>,
-    /// Messages posted and not consumed: (from, to, tag) → count.
-    mail: BTreeMap<(Rank, Rank, TagId), u32>,
+    /// Messages posted and not consumed: (from, to, tag) → count;
+    /// negative when a machine settled from a cut ([`Machine::settle_from`])
+    /// knows of `await`s that consumed messages whose `notify` it has not
+    /// seen yet.
+    mail: BTreeMap<(Rank, Rank, TagId), i64>,
     /// R7: (comm, a, b) means rank a has issued an op toward b on comm.
     /// R7: connection setup rounds rank a has entered toward b on comm c.
     rounds: BTreeMap<(CommId, Rank, Rank), u32>,
@@ -930,9 +939,12 @@ impl Machine {
             .sorted()
             .into_iter()
             .find_map(|(key, ch)| {
-                ch.sends.front().map(|slot| ProgramError::NeverReceived {
-                    send: Box::new(self.slot_view(*key, Dir::Send, slot, ch.delivered)),
-                })
+                ch.sends
+                    .iter()
+                    .find(|s| !s.ghost)
+                    .map(|slot| ProgramError::NeverReceived {
+                        send: Box::new(self.slot_view(*key, Dir::Send, slot, ch.delivered)),
+                    })
             })
     }
 
@@ -1074,7 +1086,12 @@ impl Machine {
                 self.forget_satisfied_waits(rank);
             }
             HostCall::Notify { to, tag, .. } => {
-                *self.state.mail.entry((rank, to, tag)).or_insert(0) += 1;
+                let key = (rank, to, tag);
+                let n = self.state.mail.entry(key).or_insert(0);
+                *n += 1;
+                if *n == 0 {
+                    self.state.mail.remove(&key);
+                }
                 self.touch(to);
             }
             HostCall::Await { from, tag, .. } => {
@@ -1259,19 +1276,12 @@ impl Machine {
     /// The (communicator, peer) pairs with which a launch of `rank` needs a
     /// side it has not connected (R7).
     fn new_sides(&self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank)> {
-        let mut peers: Vec<(CommId, Rank)> = Vec::new();
-        for op in &spec.ops {
-            if self.setup.comms[op.comm.ix()].warm || op.peer == rank {
-                continue;
-            }
-            let pair = (op.comm, op.peer);
-            if !self.state.sides.contains(&(op.comm, rank, op.peer, op.dir))
-                && !peers.contains(&pair)
-            {
-                peers.push(pair);
-            }
-        }
-        peers
+        new_sides_of(
+            |c| self.setup.comms[c.ix()].warm,
+            &self.state.sides,
+            rank,
+            &spec.ops,
+        )
     }
 
     /// Whether thread `t` making launch `spec` now would block in a
@@ -1282,11 +1292,13 @@ impl Machine {
 
     /// The sides a launch's handshake connected (on [`Machine::resume`]).
     fn connect_sides(&mut self, rank: Rank, spec: &LaunchSpec) {
-        for op in &spec.ops {
-            if !self.setup.comms[op.comm.ix()].warm {
-                self.state.sides.insert((op.comm, rank, op.peer, op.dir));
-            }
-        }
+        let comms = &self.setup.comms;
+        connect_sides_of(
+            |c| comms[c.ix()].warm,
+            &mut self.state.sides,
+            rank,
+            &spec.ops,
+        );
     }
 
     /// The [`OpRef`] each op of a call gets, in the call's order: a group's
@@ -1343,6 +1355,9 @@ impl Machine {
             let Some(partner) = theirs.get(position) else {
                 continue;
             };
+            if partner.ghost {
+                continue;
+            }
             let copy = self.setup.comms[o.comm.ix()].copy;
             let sig = |bytes, dtype, grouped| issue::Sig {
                 bytes,
@@ -1411,10 +1426,11 @@ impl Machine {
     pub fn unmatched(&self) -> Vec<OpInfo> {
         let mut out = Vec::new();
         for (key, ch) in self.state.channels.sorted() {
-            for s in ch.sends.iter().skip(ch.recvs.len()) {
+            // A ghost has no launch to describe.
+            for s in ch.sends.iter().skip(ch.recvs.len()).filter(|s| !s.ghost) {
                 out.push(self.slot_view(*key, Dir::Send, s, ch.delivered));
             }
-            for r in ch.recvs.iter().skip(ch.sends.len()) {
+            for r in ch.recvs.iter().skip(ch.sends.len()).filter(|r| !r.ghost) {
                 out.push(self.slot_view(*key, Dir::Recv, r, ch.delivered));
             }
         }
@@ -1439,6 +1455,7 @@ impl Machine {
                 origin: o.origin.unwrap_or(spec.origin),
                 stream: o.stream,
                 buffered: false,
+                ghost: false,
             };
             let mine = match o.dir {
                 Dir::Send => &mut ch.sends,
@@ -1492,6 +1509,159 @@ impl Machine {
                 },
             );
         }
+    }
+}
+
+/// R7's connected sides: (comm, a, b, Send) is a's send side toward b,
+/// (comm, a, b, Recv) a's receive side from b.
+pub type Sides = BTreeSet<(CommId, Rank, Rank, Dir)>;
+
+/// R7: the (communicator, peer) pairs with which launch `ops` of `rank`
+/// needs a side it has not connected (`sides`); each enters one setup
+/// round. `warm` says which communicators were connected at creation.
+pub fn new_sides_of(
+    warm: impl Fn(CommId) -> bool,
+    sides: &Sides,
+    rank: Rank,
+    ops: &[OpSpec],
+) -> Vec<(CommId, Rank)> {
+    let mut peers: Vec<(CommId, Rank)> = Vec::new();
+    for op in ops {
+        if warm(op.comm) || op.peer == rank {
+            continue;
+        }
+        let pair = (op.comm, op.peer);
+        if !sides.contains(&(op.comm, rank, op.peer, op.dir)) && !peers.contains(&pair) {
+            peers.push(pair);
+        }
+    }
+    peers
+}
+
+/// R7: the sides launch `ops` of `rank` connected, once its handshake
+/// rounds (if [`new_sides_of`] found any) have completed.
+pub fn connect_sides_of(
+    warm: impl Fn(CommId) -> bool,
+    sides: &mut Sides,
+    rank: Rank,
+    ops: &[OpSpec],
+) {
+    for op in ops {
+        if !warm(op.comm) {
+            sides.insert((op.comm, rank, op.peer, op.dir));
+        }
+    }
+}
+
+/// What calls made before the ones a machine will see left behind, when
+/// every op they launched had completed and every host wait among them had
+/// returned (a rank's trace cut at such a point, `crate::trace::Cut`): only
+/// counts remain, and [`Machine::settle_from`] starts a machine from them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Per channel (communicator, source, destination): the sends its
+    /// source and the recvs its destination issued before, all completed.
+    /// Either side may have issued more than the other (the ranks' cuts
+    /// are taken at different times).
+    pub channels: BTreeMap<(CommId, Rank, Rank), (u32, u32)>,
+    /// Per channel: the sizes of its source's last sends, oldest first,
+    /// for the ones still in the channel's buffer (R5); a send older than
+    /// these counts as empty.
+    pub recent: BTreeMap<(CommId, Rank, Rank), Vec<u64>>,
+    /// R7: connection setup rounds rank a entered toward b on comm c.
+    pub rounds: BTreeMap<(CommId, Rank, Rank), u32>,
+    /// R7: the sides connected.
+    pub sides: Sides,
+    /// Per (from, to, tag): the `notify`s posted and the `await`s that
+    /// consumed one.
+    pub mail: BTreeMap<(Rank, Rank, TagId), (u32, u32)>,
+}
+
+impl Machine {
+    /// Starts this machine, which must not have run a call yet, from
+    /// `settled`: each channel has delivered the messages both its sides
+    /// issued; a message only one side issued stays as a ghost of that
+    /// side (a buffered send, a started recv) for the other side's next op
+    /// to meet, without the comparison of sizes a live partner gets
+    /// (R3, R8), and taking no room in the buffer (R5), since what it
+    /// carried is not known. The sides and rounds of R7 and the `notify`
+    /// counts are as the calls before left them.
+    pub fn settle_from(&mut self, settled: &Settled) -> Result<(), String> {
+        let fresh = self.state.launches.is_empty()
+            && self.state.channels.is_empty()
+            && self.state.mail.is_empty()
+            && self.state.rounds.is_empty()
+            && self.state.sides.is_empty()
+            && self.state.threads.iter().all(|t| t.calls == 0);
+        if !fresh {
+            return Err("a machine can be settled only before its first call".into());
+        }
+        for (&(comm, src, dst), &(sends, recvs)) in &settled.channels {
+            if comm.ix() >= self.setup.comms.len()
+                || src >= self.setup.ranks
+                || dst >= self.setup.ranks
+            {
+                return Err(format!(
+                    "a settled channel names communicator #{} and ranks {src} and {dst}, which do not exist",
+                    comm.0
+                ));
+            }
+            let delivered = sends.min(recvs);
+            if sends == 0 && recvs == 0 {
+                continue;
+            }
+            let mut ch = Channel {
+                delivered,
+                ..Channel::default()
+            };
+            let recent = settled
+                .recent
+                .get(&(comm, src, dst))
+                .map_or(&[][..], Vec::as_slice);
+            for fifo in delivered..sends.max(recvs) {
+                // Send `fifo` is the (sends - fifo)-th last.
+                let back = sends.saturating_sub(fifo) as usize;
+                let bytes = if sends > recvs && back <= recent.len() {
+                    recent[recent.len() - back]
+                } else {
+                    0
+                };
+                let ghost = Slot {
+                    op: OpRef {
+                        launch: LaunchRef {
+                            thread: ThreadId(u32::MAX),
+                            seq: fifo,
+                            part: 0,
+                        },
+                        index: 0,
+                    },
+                    bytes,
+                    dtype: DType::U8,
+                    grouped: false,
+                    origin: Origin(u32::MAX),
+                    stream: StreamId(u32::MAX),
+                    buffered: sends > recvs,
+                    ghost: true,
+                };
+                if sends > recvs {
+                    ch.sends.push_back(ghost);
+                } else {
+                    ch.recvs.push_back(ghost);
+                }
+            }
+            // Nothing moves until an op of the channel starts, which
+            // looks at it again.
+            self.state.channels.insert((comm, src, dst), ch);
+        }
+        self.state.rounds = settled.rounds.clone();
+        self.state.sides = settled.sides.clone();
+        for (&key, &(posted, consumed)) in &settled.mail {
+            let n = i64::from(posted) - i64::from(consumed);
+            if n != 0 {
+                self.state.mail.insert(key, n);
+            }
+        }
+        Ok(())
     }
 }
 

@@ -214,7 +214,14 @@ impl Machine {
     /// R5 counts as started).
     pub(super) fn front(&self, key: ChannelKey) -> Option<Front> {
         let ch = self.state.channels.get(&key)?;
-        let status = |s: &Slot| self.state.launches[&s.op.launch].ops[s.op.index as usize].status;
+        // A ghost recv (`Machine::settle_from`) started long ago.
+        let status = |s: &Slot| {
+            if s.ghost {
+                OpStatus::Active
+            } else {
+                self.state.launches[&s.op.launch].ops[s.op.index as usize].status
+            }
+        };
         let send = ch.sends.front().copied();
         let recv = ch.recvs.front().copied();
         match (send, recv) {
