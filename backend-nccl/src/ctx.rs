@@ -1108,6 +1108,32 @@ impl RankCtx {
         self.ops.pending()
     }
 
+    /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is
+    /// long and this rank is quiet: no launch under way (the issue lock,
+    /// taken only if it is free) and nothing in flight (the ledger holds
+    /// no op). Called when a `synchronize` or `sync_stream` returns, where
+    /// a rank is most often quiet; a rank that is never quiet keeps its
+    /// whole trace, as before.
+    pub(crate) fn cut_if_quiet(&self) {
+        if !self.registry.long() {
+            return;
+        }
+        let Some(_issuing) = self.issue.try_lock() else {
+            return;
+        };
+        if !self.ops.quiet() {
+            return;
+        }
+        let folded = self.registry.cut_if_long();
+        if folded > 0 {
+            tracing::debug!(
+                rank = self.rank,
+                folded,
+                "cut this rank's trace where it is quiet"
+            );
+        }
+    }
+
     /// Records the open completion fence of each stream of the rank, and
     /// waits up to `within` for those to complete (a stream that is idle
     /// completes its fence at once; one behind a stuck op never does). A

@@ -920,6 +920,14 @@ impl<T: Done + Clone> Ledger<T> {
         ops.clone()
     }
 
+    /// Whether every op recorded has completed (those that have are let
+    /// go): nothing of the rank is in flight.
+    pub fn quiet(&self) -> bool {
+        let mut ops = lock(&self.ops);
+        prune(&mut ops);
+        ops.is_empty()
+    }
+
     /// Gives up the ops not completed without dropping them: their buffers
     /// are leaked, never freed under a kernel (P6). Returns how many.
     pub fn leak_pending(&self) -> usize {

@@ -1698,7 +1698,9 @@ impl Transport for NcclRank {
         for op in &covered {
             op.event.mark_done();
         }
-        self.verified(blocked, &covered, &what)
+        self.verified(blocked, &covered, &what)?;
+        self.ctx.cut_if_quiet();
+        Ok(())
     }
 
     #[track_caller]
@@ -1728,7 +1730,9 @@ impl Transport for NcclRank {
                 op.event.mark_done();
             }
         }
-        self.verified(blocked, &covered, "synchronize")
+        self.verified(blocked, &covered, "synchronize")?;
+        self.ctx.cut_if_quiet();
+        Ok(())
     }
 
     #[track_caller]

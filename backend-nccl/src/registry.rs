@@ -308,11 +308,21 @@ pub struct Registry {
     /// Compact the trace once it holds this many applied calls
     /// ([`Registry::local`]); `usize::MAX` keeps it whole.
     compact_at: usize,
+    /// Cut the trace where the rank is quiet once it holds this many
+    /// calls ([`Registry::for_rank`], [`Registry::cut_if_long`]);
+    /// `usize::MAX` never.
+    cut_at: usize,
 }
 
 /// How many calls a local run's trace holds before it is folded into a
 /// snapshot of the live machine (about 10 MiB of calls).
 const COMPACT_AT: usize = 1 << 16;
+
+/// How many calls a process's trace holds before it is cut where its rank
+/// is quiet ([`Registry::cut_if_long`]): a trace of this many grouped
+/// exchanges encodes to about 2 MiB, well under what the store takes in
+/// one value (`store::proto::MAX_VALUE`), so a rank can always publish it.
+pub const CUT_AT: usize = 1 << 12;
 
 /// A hang's analysis: the model's explanation, and the calls it refused.
 #[derive(Clone, Debug)]
@@ -333,6 +343,17 @@ impl Registry {
         Registry::with_compaction(ranks, model, usize::MAX)
     }
 
+    /// The registry of one process of a process-per-rank run, which
+    /// records its rank `rank`'s calls alone: its trace is joined with the
+    /// other ranks' for a hang's analysis, so it is not folded into a
+    /// snapshot of a machine; it is cut instead, where the rank is quiet
+    /// ([`Registry::cut_if_long`], [`Trace::cut`]), so that a long run's
+    /// memory, and what it publishes, stay bounded; and the issue check
+    /// keeps no op whose partner another process issues.
+    pub fn for_rank(ranks: u32, model: Model, rank: Rank) -> Arc<Registry> {
+        Registry::build(ranks, model, usize::MAX, CUT_AT, Some(rank))
+    }
+
     /// A registry for a run whose ranks all record here (`Local`): its
     /// trace is folded into a snapshot of the live machine every
     /// 65,536 calls, so that a long run's memory does not grow with
@@ -346,11 +367,24 @@ impl Registry {
     }
 
     fn with_compaction(ranks: u32, model: Model, compact_at: usize) -> Arc<Registry> {
+        Registry::build(ranks, model, compact_at, usize::MAX, None)
+    }
+
+    fn build(
+        ranks: u32,
+        model: Model,
+        compact_at: usize,
+        cut_at: usize,
+        only: Option<Rank>,
+    ) -> Arc<Registry> {
         Arc::new(Registry {
             model,
             inner: Mutex::new(Reg {
                 trace: Trace::new(ranks),
-                matcher: IssueMatch::new(model.one_sided_groups),
+                matcher: match only {
+                    Some(rank) => IssueMatch::one_rank(model.one_sided_groups, rank),
+                    None => IssueMatch::new(model.one_sided_groups),
+                },
                 launches: rustc_hash::FxHashMap::default(),
                 key: Vec::new(),
                 user_comms: Vec::new(),
@@ -363,7 +397,39 @@ impl Registry {
                 origins: std::collections::HashMap::new(),
             }),
             compact_at,
+            cut_at,
         })
+    }
+
+    /// Whether the trace holds enough calls to be cut
+    /// ([`Registry::cut_if_long`]): a cheap look, for the caller to decide
+    /// whether to find out if its rank is quiet.
+    pub(crate) fn long(&self) -> bool {
+        self.cut_at != usize::MAX && self.lock().trace.calls.len() >= self.cut_at
+    }
+
+    /// Cuts the trace ([`Trace::cut`]) when it is long and no thread is
+    /// blocked in a wait: every call recorded so far is folded into the
+    /// counts a replay starts from. The caller must know that every op
+    /// recorded so far has completed and that no launch is under way
+    /// (`RankCtx::cut_if_quiet` holds the issue lock and finds the ledger
+    /// empty). Returns how many calls were folded.
+    pub(crate) fn cut_if_long(&self) -> usize {
+        if self.cut_at == usize::MAX {
+            return 0;
+        }
+        let mut live = self.lock_live();
+        let mut r = self.lock();
+        if r.trace.calls.len() < self.cut_at || !r.trace.blocked.is_empty() {
+            return 0;
+        }
+        // The live machine applies every call before it goes: the calls
+        // left (the threads' ends) are applied ones.
+        self.settle_held(&mut live, &mut r);
+        let n = r.trace.calls.len();
+        let folded = r.trace.cut(n);
+        r.folded = r.applied - r.trace.calls.len();
+        folded
     }
 
     /// Calls folded into the snapshot of a compacted trace so far.
@@ -1011,6 +1077,100 @@ mod tests {
         let (a, b) = (a.stuck.expect("a hang"), b.stuck.expect("a hang"));
         assert_eq!(a.cycle.len(), 4, "{a}");
         assert_eq!(a, b);
+    }
+
+    /// One process per rank: each process's trace is cut where its rank is
+    /// quiet, at other points on each rank (so that a channel's sides are
+    /// cut at other messages), and stays bounded however long the run; the
+    /// hang that ends the run is explained by the joined traces exactly as
+    /// by traces kept whole.
+    #[test]
+    fn traces_cut_where_quiet_stay_bounded_and_explain_the_same_hang_across_processes() {
+        let run = |cut_at: [usize; 2]| {
+            let regs: Vec<Arc<Registry>> = (0..2)
+                .map(|r| {
+                    Registry::build(2, Model::default(), usize::MAX, cut_at[r], Some(r as Rank))
+                })
+                .collect();
+            for (r, reg) in regs.iter().enumerate() {
+                reg.comm(0, "world", &[0, 1], true);
+                reg.comm(1, "pair:0-1", &[0, 1], false);
+                reg.thread(r as Rank, "main");
+                reg.stream(r as Rank, "pair:0-1");
+            }
+            // Each process numbers its own thread and stream from 0.
+            let (t, s) = (0, 0);
+            let group = |peer: Rank, first: Dir| {
+                let op = |dir| TraceOp {
+                    dir,
+                    peer,
+                    bytes: 4096,
+                    dtype: DType::U8,
+                    comm: 1,
+                    stream: s,
+                };
+                TraceCall {
+                    thread: t as u32,
+                    call: Call::Launch {
+                        ops: vec![op(first), op(first.other())],
+                        grouped: true,
+                    },
+                    text: "group { send; recv }".into(),
+                    place: "x.rs:1:1".into(),
+                }
+            };
+            for i in 0..1000 {
+                regs[0]
+                    .issue(group(1, Dir::Send), &mut [0, 0])
+                    .expect("valid");
+                regs[1]
+                    .issue(group(0, Dir::Recv), &mut [0, 0])
+                    .expect("valid");
+                // Rank 0 is quiet after every exchange, rank 1 after every
+                // seventh (the others' cuts find it busy).
+                regs[0].cut_if_long();
+                if i % 7 == 0 {
+                    regs[1].cut_if_long();
+                }
+            }
+            // The seed: both ranks send 256 MiB first.
+            for (r, reg) in regs.iter().enumerate() {
+                let peer = 1 - r as Rank;
+                reg.issue(one_op(t, Dir::Send, peer, 256 << 20, 1, s), &mut [0])
+                    .expect("valid");
+                reg.issue(one_op(t, Dir::Recv, peer, 256 << 20, 1, s), &mut [0])
+                    .expect("valid");
+                reg.blocked(
+                    t,
+                    Some(Blocked::Sync(
+                        None,
+                        ("synchronize".into(), "x.rs:2:1".into()),
+                    )),
+                );
+            }
+            let published = regs[1].trace();
+            let bytes = serde_json::to_vec(&published).expect("encodes").len();
+            (
+                regs[0].analyze_with(vec![published]),
+                regs[0].trace(),
+                bytes,
+            )
+        };
+        let (whole, whole_trace, whole_bytes) = run([usize::MAX; 2]);
+        let (cut, cut_trace, cut_bytes) = run([64, 100]);
+        assert!(whole_trace.cuts.is_empty() && whole_trace.calls.len() == 1002);
+        assert!(cut_trace.calls.len() < 70, "{}", cut_trace.calls.len());
+        assert_eq!(cut_trace.cuts.len(), 1);
+        assert!(
+            cut_bytes * 5 < whole_bytes,
+            "rank 1 publishes {cut_bytes} bytes cut, {whole_bytes} whole"
+        );
+        assert!(whole.disagreements.is_empty(), "{:?}", whole.disagreements);
+        assert!(cut.disagreements.is_empty(), "{:?}", cut.disagreements);
+        assert!(whole.unjoined.is_none() && cut.unjoined.is_none());
+        let (a, b) = (whole.stuck.expect("a hang"), cut.stuck.expect("a hang"));
+        assert_eq!(a.cycle.len(), 4, "{a}");
+        assert_eq!(a.to_string(), b.to_string());
     }
 
     /// A call that the model says could not have been made (here: an

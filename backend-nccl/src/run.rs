@@ -548,7 +548,7 @@ impl Process {
         let board: Arc<dyn Board> = Arc::new(client);
         // This process records only its own rank's calls; on a hang the
         // ranks exchange their traces through the store (crate::health).
-        let registry = Registry::new(self.world, self.settings.opts.model);
+        let registry = Registry::for_rank(self.world, self.settings.opts.model, self.rank);
         let health: Arc<dyn Health> = StoreHealth::start(
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,

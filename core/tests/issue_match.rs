@@ -131,3 +131,34 @@ fn compare(warm: bool) {
         "{refused} refused, {accepted} accepted"
     );
 }
+
+/// One process per rank: the check sees one rank's launches, so a channel
+/// to another rank only counts its messages (their positions stay right)
+/// while a message to itself is still compared with its partner.
+#[test]
+fn a_check_of_one_rank_counts_other_ranks_channels_and_compares_its_own() {
+    let op = |dir, peer, bytes| OpSpec {
+        dir,
+        peer,
+        bytes,
+        dtype: DType::U8,
+        comm: duplex::machine::CommId(0),
+        stream: duplex::machine::StreamId(0),
+        origin: None,
+    };
+    let mut whole = IssueMatch::new(false);
+    let mut mine = IssueMatch::one_rank(false, 0);
+    for i in 0..10_000u64 {
+        let ops = [op(Dir::Send, 1, i % 7), op(Dir::Recv, 1, 8)];
+        assert_eq!(whole.check(0, &ops, true), mine.check(0, &ops, true));
+        whole.issue(0, &ops, true);
+        mine.issue(0, &ops, true);
+    }
+    let next = [op(Dir::Send, 1, 4)];
+    let (bad, fifos) = mine.check(0, &next, false);
+    assert_eq!((bad, fifos.as_slice()), (None, &[10_000][..]));
+    // To itself: a send of 4 bytes, then a recv of 5, is a size mismatch.
+    mine.issue(0, &[op(Dir::Send, 0, 4)], false);
+    let (bad, _) = mine.check(0, &[op(Dir::Recv, 0, 5)], false);
+    assert_eq!(bad, Some(0));
+}

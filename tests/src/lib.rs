@@ -449,6 +449,28 @@ pub fn send_sync_recv_late<T: Transport>(t: &T, late: std::time::Duration) -> Re
     check(t, &inb, peer, 0)
 }
 
+/// `n` exchanges of 4 KiB, each grouped and synchronized, every one's
+/// bytes checked, then the seed: a run long enough that one process per
+/// rank cuts its trace where its rank is quiet (`Registry::for_rank` cuts
+/// past 4,096 calls), before the hang whose analysis must still name the
+/// cycle across the processes from the cut traces.
+pub fn long_then_seed<T: Transport>(t: &T, n: u32) -> Result<()> {
+    let peer = 1 - t.rank();
+    let mut inb = t.alloc::<u32>(1024)?;
+    for i in 0..n {
+        // The tag numbers the exchange (16 bits of the pattern).
+        let tag = i & 0xfff;
+        let out = filled_with(t, peer, tag, 1024)?;
+        t.group(|| {
+            t.send(&out, peer)?;
+            t.recv(&mut inb, peer)
+        })?;
+        t.synchronize()?;
+        check(t, &inb, peer, tag)?;
+    }
+    seed(t)
+}
+
 /// A size mismatch where both sides are on the copy-engine lane.
 pub fn size_mismatch_copy<T: Transport>(t: &T) -> Result<()> {
     if t.rank() == 0 {

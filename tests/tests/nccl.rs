@@ -312,19 +312,22 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): two scenarios that must complete, one that must
-/// hang, and one whose second rank's process dies.
-const PROCESS_JOBS: [&str; 4] = [
+/// variables torchrun sets): two scenarios that must complete, two that must
+/// hang (one after 5,000 exchanges, whose traces are cut where each rank is
+/// quiet), and one whose second rank's process dies.
+const PROCESS_JOBS: [&str; 5] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
+    "long-then-seed/shared",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
 /// in `one_process_rank`.
-const PROCESS_OWN_JOBS: [&str; 3] = [
+const PROCESS_OWN_JOBS: [&str; 4] = [
     "peer-dies",
+    "long-then-seed/shared",
     "many-in-flight/copy",
     "never-buffered-late/copy",
 ];
@@ -373,6 +376,9 @@ fn one_process_rank(job: &str) {
             }
             duplex_tests::seed(t)
         }),
+        // 5,000 checked exchanges, then the seed: each process's trace is
+        // cut where its rank is quiet before the hang.
+        "long-then-seed/shared" => run(Policy::Shared, |t| duplex_tests::long_then_seed(t, 5000)),
         // 300 messages of 64 KiB on the copy-engine lanes, more than a lane
         // across processes has interprocess events (`many_in_flight`).
         "many-in-flight/copy" => Process::from_env().and_then(|p| {
@@ -533,6 +539,9 @@ fn two_processes(job: &str) -> String {
         // processes (issue 9: the analysis runs on the union of the
         // traces the ranks published); see `both_hang`.
         "seed/shared" => both_hang(&said, &cycles),
+        // The same from traces cut where each rank was quiet: the cycle
+        // is named from what the cuts kept and the calls since.
+        "long-then-seed/shared" => both_hang(&said, &cycles),
         // The survivor fails (a hang past its deadline, or an error that
         // names the lost peer as its cause) instead of waiting for ever.
         // Rank 1 printed nothing: it reached its rank code (after the

@@ -106,3 +106,20 @@ fn many_in_flight_completes_on_the_simulator() {
         .count();
     assert_eq!(sends, 600, "600 sends in the trace");
 }
+
+/// The rank code of the GPU suite's `long-then-seed/shared` process job
+/// (which runs it with 5,000 exchanges), here with a few: every exchange
+/// completes with its bytes, then the seed hangs under the shared policy,
+/// with the cycle between the two ranks' sends.
+#[test]
+fn long_then_seed_hangs_after_its_exchanges_on_the_simulator() {
+    let result = Sim::new(2)
+        .policy(duplex::Policy::Shared)
+        .run(3, |t| duplex_tests::long_then_seed(t, 4));
+    match result {
+        Err(duplex_sim::Failure::Hang(h)) => {
+            assert!(!h.stuck.cycle.is_empty(), "a cycle: {h}");
+        }
+        other => panic!("long_then_seed should hang under the shared policy: {other:?}"),
+    }
+}

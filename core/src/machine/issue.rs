@@ -61,6 +61,8 @@ pub struct IssueMatch {
     one_sided_groups: bool,
     /// Copy-engine lanes, which ignore grouping (C6), sorted.
     copy: Vec<CommId>,
+    /// The one rank whose launches this sees ([`IssueMatch::one_rank`]).
+    only: Option<Rank>,
 }
 
 /// Where an op of a launch stands on its channel.
@@ -77,6 +79,18 @@ impl IssueMatch {
     pub fn new(one_sided_groups: bool) -> IssueMatch {
         IssueMatch {
             one_sided_groups,
+            ..IssueMatch::default()
+        }
+    }
+
+    /// The check of a backend that sees one rank's launches alone (one
+    /// process per rank): a channel to another rank never meets its
+    /// partner here, so its ops are only counted, for their positions,
+    /// and not kept (a long run would keep every one of them).
+    pub fn one_rank(one_sided_groups: bool, rank: Rank) -> IssueMatch {
+        IssueMatch {
+            one_sided_groups,
+            only: Some(rank),
             ..IssueMatch::default()
         }
     }
@@ -158,8 +172,12 @@ impl IssueMatch {
     pub fn issue(&mut self, rank: Rank, ops: &[OpSpec], grouped: bool) {
         for o in ops {
             let grouped = self.grouped(o.comm, grouped);
+            let unseen = self.only.is_some_and(|me| me != o.peer);
             let q = self.channels.entry(channel_key(rank, o)).or_default();
-            if q.ahead == Some(o.dir.other()) {
+            if unseen {
+                // Its partner is issued elsewhere: only its number counts.
+                q.matched += 1;
+            } else if q.ahead == Some(o.dir.other()) {
                 q.ops.pop_front();
                 q.matched += 1;
                 if q.ops.is_empty() {
