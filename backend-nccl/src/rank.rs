@@ -1233,6 +1233,11 @@ impl NcclRank {
     }
 
     fn check_users(&self, at: &Location<'_>, buf: &BufState, what: &str) -> Result<()> {
+        if let Some(reqs) = self.group.borrow().as_ref()
+            && let Some(r) = reqs.iter().find(|r| std::ptr::eq(Arc::as_ptr(&r.buf), buf))
+        {
+            return check::in_open_group(at, what, &r.meta.text());
+        }
         if let Some(op) = buf.busy() {
             return Err(Error::Race {
                 at: check::place(at),

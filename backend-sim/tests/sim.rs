@@ -192,8 +192,59 @@ fn a_panic_in_rank_code_is_reported_not_propagated() {
         Ok(())
     });
     match e {
-        Err(Failure::Thread { error, .. }) => assert!(error.contains("boom")),
+        Err(Failure::Thread { error, thread, .. }) => {
+            assert!(error.contains("boom"));
+            assert_eq!(thread, "rank 1 main");
+        }
         other => panic!("expected a thread failure, got {other:?}"),
+    }
+}
+
+/// Failures name threads as hang reports do (`rank 0 tx`, not a number),
+/// a program error lists the calls that led to it, and an error of `alloc`
+/// points at the caller.
+#[test]
+fn failures_name_threads_and_the_calls_that_led_there() {
+    let e = Sim::new(2).run(1, |t| {
+        if t.rank() == 0 {
+            let out = t.alloc::<u32>(8)?;
+            t.send(&out, 1)?;
+        } else {
+            let mut inb = t.alloc::<u32>(4)?;
+            t.recv(&mut inb, 0)?;
+        }
+        t.synchronize()
+    });
+    match e {
+        Err(e @ Failure::Program { .. }) => {
+            let Failure::Program { thread, steps, .. } = &e else {
+                unreachable!()
+            };
+            assert!(
+                thread.as_deref().is_some_and(|t| t.starts_with("rank ")),
+                "{e}"
+            );
+            // The calls made before the refused one, each by its thread.
+            assert!(!steps.is_empty(), "{e}");
+            assert!(steps.iter().all(|s| s.starts_with("rank ")), "{e}");
+            assert!(e.to_string().contains("host steps"), "{e}");
+        }
+        other => panic!("expected a size mismatch, got {other:?}"),
+    }
+    let e = Sim::new(2).run(1, |t| {
+        let tx = t.spawn("tx", |_: &SimRank| Err(Error::User("tx failed".into())))?;
+        t.join(tx)
+    });
+    match e {
+        Err(Failure::Thread { thread, .. }) => assert!(thread.ends_with(" tx"), "{thread}"),
+        other => panic!("expected a thread failure, got {other:?}"),
+    }
+    let e = Sim::new(1).run(1, |t| t.alloc::<u64>(usize::MAX / 4).map(drop));
+    match e {
+        Err(Failure::Thread { error, .. }) => {
+            assert!(error.contains("backend-sim/tests/sim.rs"), "{error}")
+        }
+        other => panic!("expected an alloc error, got {other:?}"),
     }
 }
 
@@ -303,5 +354,16 @@ fn pct_schedules_find_the_rpc_hang_and_replay() {
     for seed in 0..16 {
         safe.pct(seed, 3, rpc)
             .unwrap_or_else(|f| panic!("seed {seed}: {f}"));
+    }
+}
+
+/// A schedule that does not fit the program is refused naming the
+/// schedule given, not the part of it that was followed.
+#[test]
+fn a_schedule_that_does_not_fit_names_the_one_given() {
+    let given = "v1:3.3.3.3.3.3.3.3.3.9";
+    match Sim::new(2).replay(given, seed) {
+        Err(Failure::Schedule(m)) => assert!(m.contains(given), "{m}"),
+        other => panic!("expected a refused schedule, got {other:?}"),
     }
 }

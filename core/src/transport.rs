@@ -198,7 +198,11 @@ pub trait Transport: Sized + Send + 'static {
     }
     /// Runs `f` and launches the sends and recvs it issues as one group (R8):
     /// they progress independently, so a send and a recv in one group cannot
-    /// deadlock each other. Nothing is launched if `f` fails.
+    /// deadlock each other. Nothing is launched if `f` fails. The ops are
+    /// launched when `f` returns, as NCCL launches a group at
+    /// `ncclGroupEnd`: a `synchronize` inside `f` does not wait for them,
+    /// and a host `read` or `write` inside `f` of a buffer one of them
+    /// uses fails with [`Error::Race`](crate::Error::Race).
     fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R>;
     /// Runs `f` with `stream` as the stream of every policy-placed op that
     /// this thread issues inside it (the communicator stays the lane's).
@@ -301,6 +305,19 @@ pub mod check {
             Some(s) => s.to_string(),
             None => format!("{}:{}:{}", at.file(), at.line(), at.column()),
         }
+    }
+
+    /// The error of a host `read` or `write` (`what`) of a buffer that op
+    /// `op` of the open group uses: the group is launched only when it
+    /// ends, so the bytes are not there yet (a read) or would be sent or
+    /// overwritten later (a write).
+    pub fn in_open_group<T>(at: &Location<'_>, what: &str, op: &str) -> Result<T> {
+        Err(Error::Race {
+            at: place(at),
+            message: format!(
+                "{what} of a buffer that `{op}` of the open group uses: a group's ops are launched when the group ends; read or write it after the group, once a synchronize has waited for them"
+            ),
+        })
     }
 
     /// An invalid-call error at `at`.

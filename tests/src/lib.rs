@@ -257,6 +257,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             grouped::<T>,
         ),
         s(
+            "group/read-inside",
+            "a host read inside a group of a buffer its recv uses fails with a race, even after a synchronize inside the group; after the group, the bytes are there",
+            2,
+            Shared,
+            Completes,
+            read_inside_group::<T>,
+        ),
+        s(
             "events",
             "a recv on one stream, an event, and a send of the received data on another stream",
             2,
@@ -514,6 +522,33 @@ pub fn check<T: Transport>(t: &T, buf: &T::Buffer<u32>, src: Rank, tag: u32) -> 
         }
     }
     Ok(())
+}
+
+/// A host read inside a group of a buffer a recv of that group uses fails
+/// with a race: the group is launched only when it ends, so a
+/// `synchronize` inside it waits for nothing of it. After the group and a
+/// `synchronize`, the bytes are there.
+pub fn read_inside_group<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let out = filled(t, peer, 0)?;
+    let mut inb = t.alloc::<u32>(len())?;
+    let inside = t.group(|| {
+        t.send(&out, peer)?;
+        t.recv(&mut inb, peer)?;
+        t.synchronize()?;
+        Ok(t.read(&inb).map(|v| v.len()))
+    })?;
+    match inside {
+        Err(Error::Race { .. }) => {}
+        other => {
+            return Err(Error::User(format!(
+                "rank {}: a read inside the group of the buffer its recv uses should fail with a race, not {other:?}",
+                t.rank()
+            )));
+        }
+    }
+    t.synchronize()?;
+    check(t, &inb, peer, 0)
 }
 
 /// The seed: send to the peer, then receive from it.

@@ -401,7 +401,7 @@ impl Sim {
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
         let (ending, _, choices, trace) = self.execute(strategy, f);
-        self.conclude(ending, &choices)
+        self.conclude(ending, &choices, &trace)
             .inspect_err(|_| self.write_trace(&trace))?;
         Ok(Run {
             executions: 1,
@@ -436,6 +436,14 @@ impl Sim {
             )));
         }
         self.once(Strategy::Replay(Replay::new(choices)), &f)
+            .map_err(|e| match e {
+                // Name the schedule given, not the part of it that was
+                // followed before the program went another way.
+                Failure::Schedule(m) => Failure::Schedule(format!(
+                    "{m}; the schedule given was `{schedule}`: replay it on the program, policy and model that printed it"
+                )),
+                other => other,
+            })
     }
 
     /// Runs `f` under every interleaving of the host threads that matters,
@@ -453,7 +461,7 @@ impl Sim {
                 unreachable!("the strategy comes back as it went")
             };
             dfs = back;
-            self.conclude(ending, &choices)
+            self.conclude(ending, &choices, &trace)
                 .inspect_err(|_| self.write_trace(&trace))?;
             if dfs.backtrack().is_none() {
                 return Ok(Run {
@@ -501,27 +509,45 @@ impl Sim {
         )
     }
 
-    fn conclude(&self, ending: Option<Ending>, choices: &[ThreadId]) -> Result<(), Failure> {
+    fn conclude(
+        &self,
+        ending: Option<Ending>,
+        choices: &[ThreadId],
+        trace: &Trace,
+    ) -> Result<(), Failure> {
         let schedule = Schedule::v1(choices.to_vec()).to_string();
         let replay = format!("{}.replay(\"{schedule}\", ...)", self.replay_hint());
+        // Threads as hang reports name them: `rank 0 tx`.
+        let name = |t: u32| {
+            trace.threads.get(t as usize).map_or_else(
+                || format!("thread #{t}"),
+                |o| format!("rank {} {}", o.rank, o.name),
+            )
+        };
         match ending {
             None | Some(Ending::Pruned) => Ok(()),
             Some(Ending::Hang(h)) => Err(Failure::Hang(h)),
             Some(Ending::Program { thread, error }) => Err(Failure::Program {
-                thread: thread.map(|t| t.0.to_string()),
+                thread: thread.map(|t| name(t.0)),
                 error: Box::new(error),
                 schedule,
-                steps: Vec::new(),
+                // The calls made, in the order made: the host steps.
+                steps: trace
+                    .calls
+                    .iter()
+                    .map(|c| format!("{}: {} ({})", name(c.thread), c.text, c.place))
+                    .collect(),
                 replay,
             }),
             Some(Ending::Thread { thread, error }) => Err(Failure::Thread {
-                thread: format!("thread #{}", thread.0),
+                thread: name(thread.0),
                 error,
                 schedule,
                 replay,
             }),
             Some(Ending::Mismatch) => Err(Failure::Schedule(format!(
-                "the program took a different path than the schedule `{schedule}` records"
+                "the program left the schedule after its first {} choices (`{schedule}`)",
+                choices.len()
             ))),
         }
     }

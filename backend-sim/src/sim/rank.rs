@@ -259,6 +259,11 @@ impl SimRank {
     }
 
     fn buffer_users(&self, at: &Location<'_>, id: usize, what: &str) -> Result<()> {
+        if let Some(ops) = self.group.borrow().as_ref()
+            && let Some((_, _, text)) = ops.iter().find(|(_, b, _)| *b == id)
+        {
+            return check::in_open_group(at, what, text);
+        }
         let w = self.shared.lock();
         if w.over {
             return Err(w.abort_error());
@@ -307,13 +312,16 @@ impl Transport for SimRank {
         self.lanes.copy_from()
     }
 
+    #[track_caller]
     fn alloc<E: Element>(&self, len: usize) -> Result<SimBuffer<E>> {
+        // Taken here: a closure does not pass on `track_caller`.
+        let at = Location::caller();
         let mut w = self.shared.lock();
         let bytes = len
             .checked_mul(E::DTYPE.size())
             .filter(|b| *b <= 1 << 34)
             .ok_or_else(|| Error::Invalid {
-                at: check::place(Location::caller()),
+                at: check::place(at),
                 message: format!(
                     "alloc of {len} x {}: too large for the simulator (16 GiB at most)",
                     E::DTYPE
