@@ -312,15 +312,17 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): two scenarios that must complete, two that must
-/// hang (one after 5,000 exchanges, whose traces are cut where each rank is
-/// quiet), and one whose second rank's process dies.
-const PROCESS_JOBS: [&str; 5] = [
+/// variables torchrun sets): three scenarios that must complete (one reads
+/// inside a group, which must fail with a race), two that must hang (one
+/// after 5,000 exchanges, whose traces are cut where each rank is quiet),
+/// and one whose second rank's process dies.
+const PROCESS_JOBS: [&str; 6] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
     "long-then-seed/shared",
+    "group/read-inside",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
