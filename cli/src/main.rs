@@ -388,7 +388,20 @@ fn run_run(args: &RunArgs) -> ExitCode {
         program.copy_from = None;
     }
     let mut ran = match args.backend {
-        Backend::Sim => run::on_sim(&program, args.seed),
+        Backend::Sim => {
+            // The same command with its seed follows the same schedule.
+            let mut again = format!("duplex run {} --seed {}", args.file, args.seed);
+            if let Some(p) = args.policy {
+                again.push_str(&format!(" --policy {p}"));
+            }
+            for m in &args.model {
+                again.push_str(&format!(" --model {m}"));
+            }
+            if let Some(CopyFrom::At(size)) = args.copy_from {
+                again.push_str(&format!(" --copy-from {size}"));
+            }
+            run::on_sim(&program, args.seed, &again)
+        }
         Backend::Nccl => {
             match run::on_nccl(
                 &program,

@@ -220,7 +220,10 @@ pub(crate) fn on_nccl_isolated(file: &std::path::Path, timeout: Duration, model:
 }
 
 /// Runs `program` on the simulator, following the random schedule of `seed`.
-pub(crate) fn on_sim(program: &Program, seed: u64) -> Ran {
+/// A failure says how to replay it with this command (`again`: `duplex run
+/// FILE --seed N` and the options given), which follows the same schedule,
+/// rather than with the simulator's Rust API.
+pub(crate) fn on_sim(program: &Program, seed: u64, again: &str) -> Ran {
     let p = Arc::new(program.clone());
     let start = Instant::now();
     let r = Sim::new(program.ranks)
@@ -228,6 +231,38 @@ pub(crate) fn on_sim(program: &Program, seed: u64) -> Ran {
         .copy_from(program.copy_from)
         .model(program.model)
         .run(seed, |t| duplex::schedule::execute(&p, t));
+    let again = again.to_string();
+    let r = r.map_err(|f| match f {
+        Failure::Hang(mut h) => {
+            h.replay = Some(again);
+            Failure::Hang(h)
+        }
+        Failure::Program {
+            thread,
+            error,
+            schedule,
+            steps,
+            ..
+        } => Failure::Program {
+            thread,
+            error,
+            schedule,
+            steps,
+            replay: again,
+        },
+        Failure::Thread {
+            thread,
+            error,
+            schedule,
+            ..
+        } => Failure::Thread {
+            thread,
+            error,
+            schedule,
+            replay: again,
+        },
+        other => other,
+    });
     match r {
         Ok(_) => ran("ok", start, String::new()),
         Err(Failure::Hang(h)) => hung(start, &h),

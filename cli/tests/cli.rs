@@ -1022,3 +1022,23 @@ fn the_readmes_sample_output_is_what_the_checker_prints() {
         );
     }
 }
+
+/// `duplex run` on the simulator says how to replay what it found with the
+/// same command (its seed follows the same schedule), not with the
+/// simulator's Rust API; and following it finds the same.
+#[test]
+fn run_says_how_to_replay_with_the_command_line() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/size-mismatch.sched");
+    let file = file.to_str().expect("a UTF-8 path");
+    let args = ["run", file, "--seed", "5", "--model", "eager=0B"];
+    let out = duplex(&args);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let hint = format!("replay it with: duplex run {file} --seed 5 --model eager=0B");
+    assert!(text.contains(&hint), "{text}");
+    assert!(!text.contains("duplex_sim::"), "{text}");
+    // The same again, but for the time on the first line.
+    let again = String::from_utf8_lossy(&duplex(&args).stdout).into_owned();
+    let body = |t: &str| t.split_once('\n').map(|(_, b)| b.to_string());
+    assert_eq!(body(&again), body(&text));
+}

@@ -23,15 +23,19 @@
 //! Three ways to run: [`Sim::run`] follows one seeded random schedule;
 //! [`Sim::check`] explores every interleaving that matters (depth-first, by
 //! re-execution, with the checker's reduction and state caching);
-//! [`Sim::replay`] follows a schedule string printed by a failure. A hang never
-//! hangs the test: every blocked call returns [`duplex::Error::Hang`] with
+//! [`Sim::replay`] follows a schedule string printed by a failure. A hang of
+//! the transport never hangs the test: every blocked call returns [`duplex::Error::Hang`] with
 //! the same report as `duplex check`, and the run returns a [`Failure`] that
 //! prints the schedule and the call that replays it.
 //!
 //! User code must be deterministic given what its transport calls return
 //! (as loom and shuttle require): the explorer re-executes it. Host memory
 //! that several host threads share outside the transport is not a scheduling
-//! point and is not explored.
+//! point and is not explored. And a wait outside the transport (a lock, a
+//! channel or a `std::sync::Barrier` that rank threads share) is invisible
+//! to the simulator, which runs one thread at a time: it can neither see
+//! nor end it, and such a test blocks. Synchronize ranks through the
+//! transport (`notify`/`await_notify`) instead.
 
 mod rank;
 mod world;
