@@ -20,7 +20,13 @@
 //! a persistent set: exploring only them reaches every stuck state and every
 //! error that the full search reaches (Godefroid's persistent sets; the state
 //! graph is acyclic, so state caching loses nothing). [`Options::reduce`]
-//! turns this off, and the tests check that both searches agree.
+//! turns this off, and the tests check that both searches agree. Not under
+//! a kernel-slot bound (R10, `kernels=N`): there a step of one rank can make
+//! a launch of another rank ready (a message delivered, a copy completed)
+//! while that rank's own next step issues a launch for the same slot, and
+//! the order decides which gets it; such programs are searched without the
+//! reduction across ranks (an independent exhaustive search,
+//! `tests/oracle.rs`, found the miss).
 //!
 //! **Across host threads of one rank.** A thread whose next step commutes
 //! with every call the other threads of its rank may still make
@@ -404,7 +410,10 @@ fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> 
         run.took(first);
         return Some(Decision::Forced(first));
     }
-    if reduce_steps && let Some(t) = run.take_alone() {
+    if reduce_steps
+        && ranks_commute(m)
+        && let Some(t) = run.take_alone()
+    {
         return Some(Decision::Forced(t));
     }
     let enabled = run.all();
@@ -417,6 +426,17 @@ fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> 
         return Some(Decision::Forced(options[0]));
     }
     Some(Decision::Choose { enabled, options })
+}
+
+/// Whether host steps of different ranks commute in `m`, as the reduction
+/// assumes: not under a kernel-slot bound (R10), where a step of one rank
+/// can make a launch of another rank ready (a message delivered, a copy
+/// completed) while a step of that other rank issues a launch that would
+/// take the same slot, and which one gets it depends on their order.
+/// Those programs are searched without the reduction (a `notify` or a
+/// `join`, which touches no device state, still goes alone).
+fn ranks_commute(m: &Machine) -> bool {
+    m.setup().model.kernels.is_none()
 }
 
 /// The threads to explore from `m`: all runnable ones, or, with `reduce`,
@@ -462,6 +482,9 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
         return vec![t];
     }
     let setup = m.setup();
+    if !ranks_commute(m) {
+        return enabled.to_vec();
+    }
     let mut best: Option<Vec<ThreadId>> = None;
     let mut by_rank: std::collections::BTreeMap<u32, Vec<ThreadId>> = Default::default();
     for t in enabled {

@@ -438,7 +438,14 @@ impl Machine {
     /// is checked against in debug builds.
     pub(super) fn progress_sweep(&mut self) {
         loop {
-            let mut changed = self.sweep_markers();
+            // Markers retire to their fixpoint before any slot is handed
+            // out: a `wait` on a stream numbered below its `record`'s
+            // stream would otherwise retire a pass late, after a launch
+            // issued later took the slot its launch is owed (R10).
+            let mut changed = false;
+            while self.sweep_markers() {
+                changed = true;
+            }
             changed |= self.sweep_starts();
             let keys: Vec<ChannelKey> = self
                 .state

@@ -1012,7 +1012,10 @@ impl Machine {
     pub fn check_issue(&self, t: ThreadId, call: &HostCall) -> Result<(), ProgramError> {
         self.check_call(t, call)?;
         match call {
-            HostCall::Launch(spec) => self.match_check(t, spec),
+            // A launch that enters a connection handshake (R7) is enqueued,
+            // and compared with its partners (R3), only once the handshake
+            // is over ([`Machine::resume`]); if it never is, it never is.
+            HostCall::Launch(spec) if !self.would_handshake(t, spec) => self.match_check(t, spec),
             _ => Ok(()),
         }
     }
