@@ -367,3 +367,59 @@ fn a_schedule_that_does_not_fit_names_the_one_given() {
         other => panic!("expected a refused schedule, got {other:?}"),
     }
 }
+
+/// A communicator is made by `ncclCommSplit`, collective over every rank:
+/// a rank that makes it only after it waits for a peer that is inside the
+/// split hangs (the simulator said OK before), and so does a split that
+/// one rank never makes; made by every rank first, it completes.
+#[test]
+fn making_a_communicator_waits_for_every_rank() {
+    let late = |t: &SimRank| -> duplex::Result<()> {
+        let mut b = t.alloc::<u32>(16)?;
+        if t.rank() == 0 {
+            t.recv(&mut b, 1)?;
+            t.synchronize()?;
+            t.comm("late", &[0, 1])?;
+        } else {
+            t.comm("late", &[0, 1])?;
+            t.send(&b, 0)?;
+            t.synchronize()?;
+        }
+        Ok(())
+    };
+    match Sim::new(2).check(late) {
+        Err(Failure::Hang(h)) => {
+            assert!(!h.stuck.cycle.is_empty(), "{h}");
+            assert!(h.to_string().contains("ncclCommSplit"), "{h}");
+        }
+        other => panic!("a split after a wait for the peer inside it hangs: {other:?}"),
+    }
+    let missing = |t: &SimRank| -> duplex::Result<()> {
+        if t.rank() < 2 {
+            t.comm("pair", &[0, 1])?;
+        }
+        Ok(())
+    };
+    assert!(
+        matches!(Sim::new(3).check(missing), Err(Failure::Hang(_))),
+        "a split rank 2 never makes hangs"
+    );
+    let first = |t: &SimRank| -> duplex::Result<()> {
+        let c = t.comm("pair", &[0, 1])?;
+        if let Some(c) = c {
+            let peer = 1 - t.rank();
+            let out = t.alloc::<u32>(16)?;
+            let mut inb = t.alloc::<u32>(16)?;
+            let s = t.stream("s")?;
+            let on = duplex::Place::on(&c, &s);
+            t.group(|| {
+                t.send_on(&out, peer, &on)?;
+                t.recv_on(&mut inb, peer, &on)
+            })?;
+        }
+        t.synchronize()
+    };
+    Sim::new(3)
+        .check(first)
+        .expect("a split every rank makes first completes");
+}

@@ -165,7 +165,9 @@ pub trait Transport: Sized + Send + 'static {
     fn stream(&self, name: &str) -> Result<Self::Stream>;
     /// A communicator over `members`. Collective: every rank of the world
     /// calls it, in the same order, with the same arguments; ranks outside
-    /// `members` get `None`.
+    /// `members` get `None`. It returns only once every rank has called it
+    /// (`ncclCommSplit` of the world): a rank that waits for a peer still
+    /// inside it, or never calls it, hangs the others.
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<Self::Comm>>;
     /// The communicator of all ranks.
     fn world(&self) -> Self::Comm;

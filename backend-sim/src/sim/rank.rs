@@ -258,6 +258,41 @@ impl SimRank {
         }
     }
 
+    /// A communicator is made by `ncclCommSplit` of the world, which is
+    /// collective over every rank: each rank's `k`-th communicator returns
+    /// only once every rank has called for its `k`-th. Modelled with the
+    /// machine's own `notify` and `await`: the rank tells every other rank
+    /// it has arrived, then waits for each of theirs; so a rank that never
+    /// creates it, or creates it only after it waits for this rank, is a
+    /// hang the explorer reports, with the cycle through the split.
+    fn split_barrier(&self, at: &Location<'_>, k: usize, name: &str) -> Result<()> {
+        let others: Vec<Rank> = (0..self.world_size).filter(|r| *r != self.rank).collect();
+        if others.is_empty() {
+            return Ok(());
+        }
+        let tag = {
+            let mut w = self.shared.lock();
+            w.machine
+                .setup_mut()
+                .tag(&format!("ncclCommSplit #{k} (comm {name})"))
+        };
+        let said = |what: String| {
+            self.origin(
+                at,
+                format!("comm {name} (ncclCommSplit #{k}, collective over every rank): {what}"),
+            )
+        };
+        for &to in &others {
+            let origin = said(format!("tells rank {to} it has arrived"))?;
+            self.call(HostCall::Notify { to, tag, origin }, vec![])?;
+        }
+        for &from in &others {
+            let origin = said(format!("waits for rank {from} to arrive"))?;
+            self.call(HostCall::Await { from, tag, origin }, vec![])?;
+        }
+        Ok(())
+    }
+
     fn buffer_users(&self, at: &Location<'_>, id: usize, what: &str) -> Result<()> {
         if let Some(ops) = self.group.borrow().as_ref()
             && let Some((_, _, text)) = ops.iter().find(|(_, b, _)| *b == id)
@@ -381,29 +416,33 @@ impl Transport for SimRank {
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<SimComm>> {
         let at = Location::caller();
         check::members(at, name, members, self.world_size)?;
-        let mut w = self.shared.lock();
-        if w.over {
-            return Err(w.abort_error());
-        }
-        let k = w.comm_calls[self.rank as usize];
-        w.comm_calls[self.rank as usize] += 1;
-        let id = match w.user_comms.get(k) {
-            Some((n, m, id)) if n == name && m == members => *id,
-            Some((n, m, _)) => {
-                return check::invalid(
-                    at,
-                    format!(
-                        "comm `{name}` over {members:?} is this rank's communicator #{k}, but another rank created `{n}` over {m:?} as #{k}: every rank must create communicators in the same order"
-                    ),
-                );
+        let (k, id) = {
+            let mut w = self.shared.lock();
+            if w.over {
+                return Err(w.abort_error());
             }
-            None => {
-                let warm = !w.machine.setup().model.lazy_connect;
-                let id = w.machine.setup_mut().add_comm(name, members.to_vec(), warm);
-                w.user_comms.push((name.to_string(), members.to_vec(), id));
-                id
-            }
+            let k = w.comm_calls[self.rank as usize];
+            w.comm_calls[self.rank as usize] += 1;
+            let id = match w.user_comms.get(k) {
+                Some((n, m, id)) if n == name && m == members => *id,
+                Some((n, m, _)) => {
+                    return check::invalid(
+                        at,
+                        format!(
+                            "comm `{name}` over {members:?} is this rank's communicator #{k}, but another rank created `{n}` over {m:?} as #{k}: every rank must create communicators in the same order"
+                        ),
+                    );
+                }
+                None => {
+                    let warm = !w.machine.setup().model.lazy_connect;
+                    let id = w.machine.setup_mut().add_comm(name, members.to_vec(), warm);
+                    w.user_comms.push((name.to_string(), members.to_vec(), id));
+                    id
+                }
+            };
+            (k, id)
         };
+        self.split_barrier(at, k, name)?;
         Ok(members.contains(&self.rank).then_some(SimComm { id }))
     }
 
