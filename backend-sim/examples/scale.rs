@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use duplex::compile::compile;
-use duplex_sim::check::{self, Options, Verdict};
+use duplex_sim::check::{self, Options};
 
 /// A family: its name, the program, the target in words, and the bounds
 /// that meet it (seconds, MiB).
@@ -332,12 +332,7 @@ fn child(name: &str, limit: f64) {
             ..Options::default()
         },
     );
-    let verdict = match o.verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    };
+    let verdict = o.verdict.kind();
     let total = start.elapsed().as_secs_f64();
     println!(
         "RESULT {verdict} {total:.3} {:.0} {} {} {} {parsed:.3}/{:.3}/{:.3} {}",

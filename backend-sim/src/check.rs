@@ -127,6 +127,19 @@ pub enum Verdict {
     Inconclusive,
 }
 
+impl Verdict {
+    /// Its kind, as the JSON report and the examples' `# expect:` lines
+    /// spell it: `ok`, `deadlock`, `error` or `inconclusive`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Deadlock { .. } => "deadlock",
+            Verdict::Error { .. } => "error",
+            Verdict::Inconclusive => "inconclusive",
+        }
+    }
+}
+
 /// Search statistics.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct Stats {

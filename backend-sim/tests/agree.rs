@@ -8,7 +8,7 @@ use std::sync::Arc;
 use duplex::Size;
 use duplex::compile::compile;
 use duplex::schedule::{Program, StmtKind, parse};
-use duplex_sim::check::{self, Verdict};
+use duplex_sim::check;
 use duplex_sim::{Failure, Sim};
 
 /// Divides every size (rounding up) and the eager capacity by `2^16`, so
@@ -34,12 +34,9 @@ fn scaled(mut p: Program) -> Program {
 }
 
 fn checker(p: &Program) -> &'static str {
-    match check::check(&compile(p), &check::Options::default()).verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    check::check(&compile(p), &check::Options::default())
+        .verdict
+        .kind()
 }
 
 fn simulator(p: &Program) -> &'static str {

@@ -317,12 +317,7 @@ fn generate(r: &mut Rng) -> String {
 }
 
 fn kind(v: &Verdict) -> &'static str {
-    match v {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    v.kind()
 }
 
 #[test]

@@ -38,12 +38,7 @@ fn examples() -> Vec<(String, Compiled)> {
 }
 
 fn kind(v: &Verdict) -> &'static str {
-    match v {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    v.kind()
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use duplex::{Dir, Error, Model, Policy, Size, Transport};
 use duplex_nccl::{Local, NcclRank};
-use duplex_sim::check::{self, Verdict};
+use duplex_sim::check;
 
 use crate::failure::{FOUND, Failure};
 use crate::run::{Ran, on_nccl_isolated};
@@ -140,12 +140,7 @@ fn verdict(program: &duplex::schedule::Program) -> &'static str {
         &duplex::compile::compile(program),
         &check::Options::default(),
     );
-    match outcome.verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    outcome.verdict.kind()
 }
 
 /// Runs every `.sched` file of `dir` and builds the table. Every file is

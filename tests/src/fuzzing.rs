@@ -293,12 +293,7 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
 }
 
 fn name(v: &Verdict) -> &'static str {
-    match v {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    v.kind()
 }
 
 /// The threads that took a reported interleaving's steps.

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use duplex::compile::compile;
 use duplex::schedule::{CommDecl, Dir, Line, P2p, Program, StmtKind, parse};
 use duplex::{Model, Policy, Size};
-use duplex_sim::check::{self, Options, Verdict};
+use duplex_sim::check::{self, Options};
 use duplex_sim::{Failure, Sim};
 use duplex_tests::strategies::{self, Mutation, Shape};
 use proptest::collection::vec;
@@ -44,12 +44,7 @@ fn verdict(p: &Program) -> &'static str {
         reduce: true,
         ..Options::default()
     };
-    match check::check(&compile(p), &options).verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    check::check(&compile(p), &options).verdict.kind()
 }
 
 /// The ops of a statement, mutably.

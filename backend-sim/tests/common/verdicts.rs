@@ -2,7 +2,7 @@
 //! files share (`rules.rs`, `copy_lanes.rs`).
 
 use duplex::compile::compile;
-use duplex_sim::check::{self, Outcome, Verdict};
+use duplex_sim::check::{self, Outcome};
 
 /// The checker's outcome on `src` (a valid schedule).
 pub(crate) fn run(src: &str) -> Outcome {
@@ -13,10 +13,5 @@ pub(crate) fn run(src: &str) -> Outcome {
 /// The checker's verdict on `src`: `ok`, `deadlock`, `error` or
 /// `inconclusive`.
 pub(crate) fn verdict(src: &str) -> &'static str {
-    match run(src).verdict {
-        Verdict::Ok => "ok",
-        Verdict::Deadlock { .. } => "deadlock",
-        Verdict::Error { .. } => "error",
-        Verdict::Inconclusive => "inconclusive",
-    }
+    run(src).verdict.kind()
 }
