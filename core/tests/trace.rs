@@ -450,4 +450,12 @@ fn a_settled_machine_keeps_notify_counts_either_way_round() {
         .insert((duplex::machine::CommId(7), 0, 9), (3, 1));
     let mut fresh = Machine::new(Arc::new(Setup::new(2, duplex::Model::default())));
     assert!(fresh.settle_from(&bad).is_err());
+    // Nor is a count no run reaches between two cuts.
+    let mut setup = Setup::new(2, duplex::Model::default());
+    setup.add_comm("world", vec![0, 1], true);
+    let mut far = Settled::default();
+    far.channels
+        .insert((duplex::machine::CommId(0), 0, 1), (u32::MAX, 0));
+    let mut fresh = Machine::new(Arc::new(setup));
+    assert!(fresh.settle_from(&far).is_err());
 }

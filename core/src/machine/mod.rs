@@ -1556,6 +1556,10 @@ pub fn connect_sides_of(
     }
 }
 
+/// The most messages the two sides of a settled channel may be apart
+/// ([`Machine::settle_from`]): each is a ghost in the state.
+pub const MAX_GHOSTS: u32 = 1 << 20;
+
 /// What calls made before the ones a machine will see left behind, when
 /// every op they launched had completed and every host wait among them had
 /// returned (a rank's trace cut at such a point, `crate::trace::Cut`): only
@@ -1612,6 +1616,13 @@ impl Machine {
             let delivered = sends.min(recvs);
             if sends == 0 && recvs == 0 {
                 continue;
+            }
+            // Cuts come from other processes: a count no run reaches
+            // between two cuts is refused, not a memory blow-up.
+            if sends.abs_diff(recvs) > MAX_GHOSTS {
+                return Err(format!(
+                    "a settled channel has {sends} sends and {recvs} recvs: more than {MAX_GHOSTS} messages apart"
+                ));
             }
             let mut ch = Channel {
                 delivered,
