@@ -320,8 +320,9 @@ const COMPACT_AT: usize = 1 << 16;
 
 /// How many calls a process's trace holds before it is cut where its rank
 /// is quiet (when a `synchronize` returns with nothing of the rank in
-/// flight): a trace of this many grouped exchanges encodes to about 1 MiB, well under what the store takes in
-/// one value (`store::proto::MAX_VALUE`), so a rank can always publish it.
+/// flight): a trace of this many grouped exchanges encodes to about 1 MiB,
+/// well under what the store takes in one value (`store::proto::MAX_VALUE`),
+/// so a rank can always publish it.
 pub const CUT_AT: usize = 1 << 12;
 
 /// A hang's analysis: the model's explanation, and the calls it refused.
@@ -347,9 +348,9 @@ impl Registry {
     /// records its rank `rank`'s calls alone: its trace is joined with the
     /// other ranks' for a hang's analysis, so it is not folded into a
     /// snapshot of a machine; it is cut instead, where the rank is quiet
-    /// (when a `synchronize` returns with nothing in flight, [`Trace::cut`]), so that a long run's
-    /// memory, and what it publishes, stay bounded; and the issue check
-    /// keeps no op whose partner another process issues.
+    /// (when a `synchronize` returns with nothing in flight, [`Trace::cut`]),
+    /// so that a long run's memory, and what it publishes, stay bounded;
+    /// and the issue check keeps no op whose partner another process issues.
     pub fn for_rank(ranks: u32, model: Model, rank: Rank) -> Arc<Registry> {
         Registry::build(ranks, model, usize::MAX, CUT_AT, Some(rank))
     }

@@ -231,37 +231,15 @@ pub(crate) fn on_sim(program: &Program, seed: u64, again: &str) -> Ran {
         .copy_from(program.copy_from)
         .model(program.model)
         .run(seed, |t| duplex::schedule::execute(&p, t));
-    let again = again.to_string();
-    let r = r.map_err(|f| match f {
-        Failure::Hang(mut h) => {
-            h.replay = Some(again);
-            Failure::Hang(h)
+    let r = r.map_err(|mut f| {
+        match &mut f {
+            Failure::Hang(h) => h.replay = Some(again.to_string()),
+            Failure::Program { replay, .. } | Failure::Thread { replay, .. } => {
+                *replay = again.to_string();
+            }
+            _ => {}
         }
-        Failure::Program {
-            thread,
-            error,
-            schedule,
-            steps,
-            ..
-        } => Failure::Program {
-            thread,
-            error,
-            schedule,
-            steps,
-            replay: again,
-        },
-        Failure::Thread {
-            thread,
-            error,
-            schedule,
-            ..
-        } => Failure::Thread {
-            thread,
-            error,
-            schedule,
-            replay: again,
-        },
-        other => other,
+        f
     });
     match r {
         Ok(_) => ran("ok", start, String::new()),

@@ -206,12 +206,22 @@ impl Cut {
     pub const RECENT: usize = 64;
 }
 
+/// The value of `(a, b)` in a list of `(a, b, value)` kept sorted by
+/// `(a, b)`, inserted as `V::default()` if it is not there.
+fn entry<A: Ord, B: Ord, V: Default>(list: &mut Vec<(A, B, V)>, a: A, b: B) -> &mut V {
+    let i = match list.binary_search_by(|(x, y, _)| (x, y).cmp(&(&a, &b))) {
+        Ok(i) => i,
+        Err(i) => {
+            list.insert(i, (a, b, V::default()));
+            i
+        }
+    };
+    &mut list[i].2
+}
+
 /// Adds one to the count of `(a, b)` in a list kept sorted by it.
 fn bump<A: Ord, B: Ord>(list: &mut Vec<(A, B, u32)>, a: A, b: B) {
-    match list.binary_search_by(|(x, y, _)| (x, y).cmp(&(&a, &b))) {
-        Ok(i) => list[i].2 += 1,
-        Err(i) => list.insert(i, (a, b, 1)),
-    }
+    *entry(list, a, b) += 1;
 }
 
 /// A call the model refused while replaying a trace: the model and the
@@ -419,18 +429,7 @@ impl Trace {
                         match o.dir {
                             Dir::Send => {
                                 bump(&mut cut.sent, o.comm, o.peer);
-                                let key = (o.comm, o.peer);
-                                let i = match cut
-                                    .recent
-                                    .binary_search_by(|(c, p, _)| (*c, *p).cmp(&key))
-                                {
-                                    Ok(i) => i,
-                                    Err(i) => {
-                                        cut.recent.insert(i, (o.comm, o.peer, Vec::new()));
-                                        i
-                                    }
-                                };
-                                let sizes = &mut cut.recent[i].2;
+                                let sizes = entry(&mut cut.recent, o.comm, o.peer);
                                 if sizes.len() == Cut::RECENT {
                                     sizes.remove(0);
                                 }

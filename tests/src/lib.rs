@@ -466,7 +466,7 @@ pub fn long_then_seed<T: Transport>(t: &T, n: u32) -> Result<()> {
     let peer = 1 - t.rank();
     let mut inb = t.alloc::<u32>(1024)?;
     for i in 0..n {
-        // The tag numbers the exchange (16 bits of the pattern).
+        // The tag numbers the exchange, modulo 4,096.
         let tag = i & 0xfff;
         let out = filled_with(t, peer, tag, 1024)?;
         t.group(|| {

@@ -24,9 +24,10 @@
 //! [`Sim::check`] explores every interleaving that matters (depth-first, by
 //! re-execution, with the checker's reduction and state caching);
 //! [`Sim::replay`] follows a schedule string printed by a failure. A hang of
-//! the transport never hangs the test: every blocked call returns [`duplex::Error::Hang`] with
-//! the same report as `duplex check`, and the run returns a [`Failure`] that
-//! prints the schedule and the call that replays it.
+//! the transport never hangs the test: every blocked call returns
+//! [`duplex::Error::Hang`] with the same report as `duplex check`, and the
+//! run returns a [`Failure`] that prints the schedule and the call that
+//! replays it.
 //!
 //! User code must be deterministic given what its transport calls return
 //! (as loom and shuttle require): the explorer re-executes it. Host memory

@@ -304,11 +304,10 @@ impl Machine {
                 if !send.buffered {
                     self.complete_op(send.op);
                 }
-                if send.ghost || recv.ghost {
-                    changed = true;
-                    continue;
-                }
-                if let Some(d) = self.deliveries.as_mut() {
+                if let Some(d) = self.deliveries.as_mut()
+                    && !send.ghost
+                    && !recv.ghost
+                {
                     d.push(super::Delivery::Delivered {
                         send: send.op,
                         recv: recv.op,

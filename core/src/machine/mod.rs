@@ -1633,10 +1633,11 @@ impl Machine {
                 .get(&(comm, src, dst))
                 .map_or(&[][..], Vec::as_slice);
             for fifo in delivered..sends.max(recvs) {
-                // Send `fifo` is the (sends - fifo)-th last.
-                let back = sends.saturating_sub(fifo) as usize;
-                let bytes = if sends > recvs && back <= recent.len() {
-                    recent[recent.len() - back]
+                // A ghost send `fifo` is the (sends - fifo)-th last send,
+                // of its recorded size if it is among the recent ones.
+                let bytes = if sends > recvs {
+                    let back = (sends - fifo) as usize;
+                    recent.len().checked_sub(back).map_or(0, |i| recent[i])
                 } else {
                     0
                 };
@@ -1743,7 +1744,6 @@ fn earlier_on_channel(rank: Rank, ops: &[OpSpec], i: usize) -> usize {
         .count()
 }
 
-/// The channel an op of `rank` travels on.
 /// An op's channel within its launch: communicator, peer, direction. Ops
 /// of one launch with the same one run in order (R8). Not
 /// [`channel_key`]: a rank's send to itself and its recv from itself are
@@ -1752,6 +1752,7 @@ fn launch_channel(op: &OpSpec) -> (CommId, Rank, Dir) {
     (op.comm, op.peer, op.dir)
 }
 
+/// The channel an op of `rank` travels on.
 fn channel_key(rank: Rank, op: &OpSpec) -> ChannelKey {
     match op.dir {
         Dir::Send => (op.comm, rank, op.peer),
