@@ -397,7 +397,7 @@ impl NcclRank {
         if let Some(why) = duplex::machine::launch_too_large(reqs.len()) {
             return check::invalid(at, why);
         }
-        let recs: Vec<OpRec> = reqs
+        let recs: SmallVec<[OpRec; INLINE_OPS]> = reqs
             .iter()
             .map(|r| OpRec {
                 dir: r.meta.dir,
@@ -433,7 +433,7 @@ impl NcclRank {
         let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
         ctx.registry.launch(LaunchRec {
             thread: self.thread_id,
-            ops: recs,
+            ops: &recs,
             metas: &metas,
             fifos: &mut fifos,
             grouped,

@@ -60,8 +60,9 @@ impl Blocked {
     }
 }
 
-/// A kind of launch's text and place.
-type LaunchText = (Arc<str>, Arc<str>);
+/// A kind of launch's text, place and ops, shared by every launch of
+/// that kind.
+type LaunchText = (Arc<str>, Arc<str>, Arc<[OpRec]>);
 
 /// What a rank's issue path touches (the registry's first lock): the
 /// trace, the issue check, and the texts of the kinds of launch seen.
@@ -72,8 +73,9 @@ struct Reg {
     /// (the model's own rule, without the rest of the machine: see
     /// [`IssueMatch`]).
     matcher: IssueMatch,
-    /// The text and place of each kind of launch (thread, call site, ops),
-    /// so that a launch like an earlier one formats nothing: keyed by
+    /// The text, place and ops of each kind of launch (thread, call site,
+    /// ops), so that a launch like an earlier one formats and allocates
+    /// nothing: keyed by
     /// [`launch_key`]'s words; cleared when it grows large.
     launches: rustc_hash::FxHashMap<Vec<u64>, LaunchText>,
     /// The key of the launch being recorded (reused).
@@ -254,7 +256,7 @@ fn issue_error(
 /// The words that tell one kind of launch from another in the registry's
 /// text cache: the thread, whether grouped, the first op's call site, and
 /// each op's direction, type, peer and count (what its text says).
-fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], grouped: bool) {
+fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], ops: &[OpRec], grouped: bool) {
     key.clear();
     key.extend([thread as u64, u64::from(grouped)]);
     if let Some(m) = metas.first() {
@@ -269,11 +271,13 @@ fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], grouped: boo
         });
         key.push(site);
     }
-    for m in metas {
+    // Every field of the ops, since the key also finds them: the
+    // description's count is the ops' bytes over the type's size.
+    for o in ops {
         key.extend([
-            (m.dir as u64) | ((m.dtype as u64) << 8),
-            u64::from(m.peer),
-            m.count as u64,
+            (o.dir as u64) | ((o.dtype as u64) << 8) | (u64::from(o.peer) << 32),
+            u64::from(o.comm) | (u64::from(o.stream) << 32),
+            o.bytes,
         ]);
     }
 }
@@ -284,7 +288,7 @@ pub(crate) struct LaunchRec<'a> {
     /// The registry's number of the issuing thread.
     pub(crate) thread: usize,
     /// Its ops.
-    pub(crate) ops: Vec<OpRec>,
+    pub(crate) ops: &'a [OpRec],
     /// Their descriptions.
     pub(crate) metas: &'a [&'a OpMeta],
     /// Where the registry writes their FIFO positions.
@@ -643,9 +647,9 @@ impl Registry {
         } = l;
         let mut r = self.lock();
         let mut key = std::mem::take(&mut r.key);
-        launch_key(&mut key, thread, metas, grouped);
-        let (text, place) = match r.launches.get(key.as_slice()) {
-            Some((text, place)) => (text.clone(), place.clone()),
+        launch_key(&mut key, thread, metas, ops, grouped);
+        let (text, place, ops) = match r.launches.get(key.as_slice()) {
+            Some((text, place, ops)) => (text.clone(), place.clone(), ops.clone()),
             None => {
                 let texts: Vec<String> = metas.iter().map(|m| m.text()).collect();
                 let text = if grouped {
@@ -657,10 +661,10 @@ impl Registry {
                 if r.launches.len() >= 1 << 12 {
                     r.launches.clear();
                 }
-                let (text, place): (Arc<str>, Arc<str>) = (text.into(), place.into());
+                let (text, place, ops): LaunchText = (text.into(), place.into(), ops.into());
                 r.launches
-                    .insert(key.clone(), (text.clone(), place.clone()));
-                (text, place)
+                    .insert(key.clone(), (text.clone(), place.clone(), ops.clone()));
+                (text, place, ops)
             }
         };
         r.key = key;
@@ -844,14 +848,14 @@ mod tests {
         TraceCall {
             thread: t as u32,
             call: Call::Launch {
-                ops: vec![TraceOp {
+                ops: Arc::new([TraceOp {
                     dir,
                     peer,
                     bytes,
                     dtype: DType::U8,
                     comm,
                     stream,
-                }],
+                }]),
                 grouped: false,
             },
             text: format!("{} {bytes}", dir.name()).into(),
@@ -884,14 +888,14 @@ mod tests {
         reg.lock().trace.push(TraceCall {
             thread: t0 as u32,
             call: Call::Launch {
-                ops: vec![TraceOp {
+                ops: Arc::new([TraceOp {
                     dir: Dir::Send,
                     peer: 1,
                     bytes: 128 << 20,
                     dtype: DType::U32,
                     comm: 1,
                     stream: s0,
-                }],
+                }]),
                 grouped: false,
             },
             text: "send".into(),
@@ -1113,7 +1117,7 @@ mod tests {
                 TraceCall {
                     thread: t as u32,
                     call: Call::Launch {
-                        ops: vec![op(first), op(first.other())],
+                        ops: Arc::new([op(first), op(first.other())]),
                         grouped: true,
                     },
                     text: "group { send; recv }".into(),

@@ -79,8 +79,11 @@ pub struct TraceOp {
 pub enum Call {
     /// `send`/`recv` or a group.
     Launch {
-        /// The ops, in issue order.
-        ops: Vec<TraceOp>,
+        /// The ops, in issue order. An `Arc`, as the texts of
+        /// [`TraceCall`]: the NCCL backend records the same few launches
+        /// millions of times and shares their ops, so that recording one
+        /// allocates nothing.
+        ops: Arc<[TraceOp]>,
         /// Issued between group start and group end.
         grouped: bool,
     },
@@ -425,7 +428,7 @@ impl Trace {
                         crate::machine::connect_sides_of(warm, &mut sides, rank, &specs);
                         cut.sides = sides.into_iter().map(|(c, _, p, d)| (c.0, p, d)).collect();
                     }
-                    for o in ops {
+                    for o in ops.iter() {
                         match o.dir {
                             Dir::Send => {
                                 bump(&mut cut.sent, o.comm, o.peer);
@@ -486,7 +489,15 @@ impl Trace {
                 let mut c = c.clone();
                 c.thread += t0;
                 match &mut c.call {
-                    Call::Launch { ops, .. } => ops.iter_mut().for_each(|o| o.stream += s0),
+                    Call::Launch { ops, .. } => {
+                        *ops = ops
+                            .iter()
+                            .map(|&o| TraceOp {
+                                stream: o.stream + s0,
+                                ..o
+                            })
+                            .collect();
+                    }
                     Call::Record { event, stream } | Call::Wait { event, stream } => {
                         *event += e0;
                         *stream += s0;

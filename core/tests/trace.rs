@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use duplex::compile::{Compiled, Remaining, compile};
 use duplex::machine::{HostCall, Machine, Next, Status, ThreadId};
-use duplex::trace::{Call, Trace, TraceCall};
+use duplex::trace::{Call, Trace, TraceCall, TraceOp};
 
 fn examples() -> Vec<(String, String)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
@@ -68,7 +68,13 @@ fn split(t: &Trace) -> Vec<Trace> {
                 c.thread = thread;
                 match &mut c.call {
                     Call::Launch { ops, .. } => {
-                        ops.iter_mut().for_each(|o| o.stream = streams[&o.stream])
+                        *ops = ops
+                            .iter()
+                            .map(|&o| TraceOp {
+                                stream: streams[&o.stream],
+                                ..o
+                            })
+                            .collect();
                     }
                     Call::Record { event, stream } | Call::Wait { event, stream } => {
                         *event = events[event];

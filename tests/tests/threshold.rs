@@ -38,7 +38,7 @@ fn the_measurement_completes_and_summarizes_on_three_ranks() {
         let mut carried = std::collections::BTreeSet::new();
         for c in &run.trace.calls {
             if let duplex::trace::Call::Launch { ops, .. } = &c.call {
-                for o in ops {
+                for o in ops.iter() {
                     carried.insert((o.bytes, run.trace.comms[o.comm as usize].copy));
                 }
             }
