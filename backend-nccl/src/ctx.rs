@@ -252,6 +252,8 @@ pub struct NcclComm(pub(crate) Comm);
 /// it is freed only once no launched op can touch it.
 #[derive(Debug)]
 pub(crate) struct BufState {
+    /// Its number in the rank's device order (D1), never reused.
+    pub(crate) id: u64,
     pub(crate) mem: Option<Memory>,
     pub(crate) rank: Rank,
     pub(crate) device: Arc<Device>,
@@ -516,6 +518,21 @@ pub(crate) struct OpMeta {
 }
 
 impl OpMeta {
+    /// Its access to its buffer on stream `stream` (the registry's number),
+    /// for the device order (D1).
+    pub(crate) fn access(&self, stream: u32) -> duplex::order::Access {
+        duplex::order::Access {
+            dir: self.dir,
+            peer: self.peer,
+            count: self.count,
+            dtype: self.dtype,
+            stream,
+            stream_name: self.stream.clone(),
+            at: self.at,
+            site: self.site.clone(),
+        }
+    }
+
     /// `send 1024 x f32 to rank 1`.
     pub(crate) fn text(&self) -> String {
         format!(
@@ -603,6 +620,11 @@ pub(crate) struct RankCtx {
     pub(crate) comms: Mutex<Vec<Comm>>,
     /// The lock around every NCCL call of the rank (P1 of [`crate::guard`]).
     pub(crate) issue: IssueLock,
+    /// The device order of the rank's buffer accesses (D1 of
+    /// `docs/semantics.md`): launches, events and syncs in the order the
+    /// rank's threads made them. Taken alone, or before the registry's
+    /// lock, never while a thread waits.
+    pub(crate) order: Mutex<duplex::order::Order>,
     /// The ops that may still run on the device (P6, P7).
     pub(crate) ops: Ledger<Arc<Issued>>,
     pub(crate) board: Arc<dyn Board>,
@@ -869,6 +891,7 @@ impl RankCtx {
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
             issue: IssueLock::default(),
+            order: Mutex::new(duplex::order::Order::new()),
             ops: Ledger::default(),
             board,
             registry,

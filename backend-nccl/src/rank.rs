@@ -429,6 +429,15 @@ impl NcclRank {
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
+        // D1: a launch whose op races with an earlier access to its buffer
+        // (or with another op of the launch) is refused before anything
+        // records it; once the registry has, its accesses are recorded.
+        let uses: SmallVec<[(u64, duplex::order::Access); INLINE_OPS]> = reqs
+            .iter()
+            .map(|r| (r.buf.id, r.meta.access(r.stream.0.id)))
+            .collect();
+        let mut order = lock(&ctx.order);
+        order.check(&uses).map_err(|race| race.error())?;
         let metas: SmallVec<[&OpMeta; INLINE_OPS]> = reqs.iter().map(|r| &r.meta).collect();
         let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
         ctx.registry.launch(LaunchRec {
@@ -438,6 +447,8 @@ impl NcclRank {
             fifos: &mut fifos,
             grouped,
         })?;
+        order.commit(&uses);
+        drop((order, uses));
         drop(metas);
         for (r, fifo) in reqs.iter_mut().zip(fifos) {
             r.meta.fifo = fifo;
@@ -1420,8 +1431,10 @@ impl Transport for NcclRank {
             (Some(a), Some(from)) if bytes as u64 >= from => Memory::zeroed_in(a, bytes)?,
             _ => Memory::zeroed(bytes)?,
         };
+        static BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(NcclBuffer {
             state: Arc::new(BufState {
+                id: BUFFERS.fetch_add(1, Ordering::Relaxed),
                 mem: Some(mem),
                 rank: self.ctx.rank,
                 device: self.ctx.device.clone(),
@@ -1453,10 +1466,12 @@ impl Transport for NcclRank {
             }
             return Err(e);
         }
-        // The bytes are the host's now, whatever a recv did before.
+        // The bytes are the host's now, whatever a recv did before; every
+        // device access before is complete (D1).
         let mut users = lock(&buf.state.users);
         users.last_recv = None;
         users.poisoned = None;
+        lock(&self.ctx.order).host_access(buf.state.id);
         Ok(())
     }
 
@@ -1477,6 +1492,9 @@ impl Transport for NcclRank {
             }
             None => Vec::new(),
         };
+        // No op used it, and the copy is done: every device access before
+        // is complete (D1).
+        lock(&self.ctx.order).host_access(buf.state.id);
         Ok(bytes
             .chunks_exact(E::DTYPE.size())
             .take(buf.len)
@@ -1653,6 +1671,7 @@ impl Transport for NcclRank {
         }
         self.ctx.device.bind()?;
         event.0.raw.record(&stream.0.raw)?;
+        lock(&self.ctx.order).record(event.0.id, stream.0.id);
         self.ctx
             .registry
             .event_call(self.thread_id, true, event.0.id, stream.0.id);
@@ -1670,6 +1689,7 @@ impl Transport for NcclRank {
         }
         self.ctx.device.bind()?;
         stream.0.raw.wait(&event.0.raw)?;
+        lock(&self.ctx.order).wait(event.0.id, stream.0.id);
         self.ctx
             .registry
             .event_call(self.thread_id, false, event.0.id, stream.0.id);
@@ -1693,6 +1713,7 @@ impl Transport for NcclRank {
             .into_iter()
             .filter(|op| op.event.queue().0 == stream.0.serial())
             .collect();
+        let covers = lock(&self.ctx.order).covers(Some(stream.0.id));
         let ev = stream.0.wait_event()?;
         let what = format!("sync_stream({})", stream.0.name);
         let blocked = Blocked::Sync(Some(stream.0.id), (what.clone(), check::place(at)));
@@ -1703,6 +1724,7 @@ impl Transport for NcclRank {
         for op in &covered {
             op.event.mark_done();
         }
+        lock(&self.ctx.order).synced(covers);
         self.verified(blocked, &covered, &what)?;
         self.ctx.cut_if_quiet();
         Ok(())
@@ -1713,6 +1735,7 @@ impl Transport for NcclRank {
         let at = Location::caller();
         self.ctx.device.bind()?;
         let covered = self.ctx.pending();
+        let covers = lock(&self.ctx.order).covers(None);
         let streams = lock(&self.ctx.streams).clone();
         let mut events = Vec::with_capacity(streams.len());
         for s in &streams {
@@ -1735,6 +1758,7 @@ impl Transport for NcclRank {
                 op.event.mark_done();
             }
         }
+        lock(&self.ctx.order).synced(covers);
         self.verified(blocked, &covered, "synchronize")?;
         self.ctx.cut_if_quiet();
         Ok(())

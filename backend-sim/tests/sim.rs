@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use duplex::{Error, Model, Policy, Transport};
+use duplex::{Dir, Error, Model, Place, Policy, Transport};
 use duplex_sim::{Failure, Sim, SimRank};
 
 fn seed(t: &SimRank) -> duplex::Result<()> {
@@ -422,4 +422,64 @@ fn making_a_communicator_waits_for_every_rank() {
     Sim::new(3)
         .check(first)
         .expect("a split every rank makes first completes");
+}
+
+/// Rank 0 receives into a buffer on stream `a`, and a second thread sends
+/// it on stream `b`, while the first thread syncs `a` (or, with
+/// `sync_first`, before it starts the second): D1 of `docs/semantics.md`.
+fn recv_then_send_on_another_thread(sync_first: bool) -> impl Fn(&SimRank) -> duplex::Result<()> {
+    move |t: &SimRank| {
+        if t.rank() == 1 {
+            let out = t.alloc::<u32>(8)?;
+            let mut back = t.alloc::<u32>(8)?;
+            t.send(&out, 0)?;
+            t.recv(&mut back, 0)?;
+            return t.synchronize();
+        }
+        let (a, b) = (t.stream("a")?, t.stream("b")?);
+        let (from, to) = (t.lane(1, Dir::Recv)?, t.lane(1, Dir::Send)?);
+        let mut x = t.alloc::<u32>(8)?;
+        t.recv_on(&mut x, 1, &Place::on(&from.comm, &a))?;
+        if sync_first {
+            t.sync_stream(&a)?;
+        }
+        let tx = t.spawn("tx", move |t: &SimRank| {
+            t.send_on(&x, 1, &Place::on(&to.comm, &b))?;
+            t.synchronize()
+        })?;
+        t.sync_stream(&a)?;
+        t.join(tx)
+    }
+}
+
+#[test]
+fn a_race_between_streams_is_found_in_the_interleavings_that_have_it() {
+    let sim = Sim::new(2).policy(Policy::PerDirection);
+    let failure = sim
+        .check(recv_then_send_on_another_thread(false))
+        .unwrap_err();
+    let text = failure.to_string();
+    assert!(
+        text.contains(
+            "send 8 x u32 to rank 1 on stream `b` reads a buffer that `recv 8 x u32 from rank 1`"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("nothing orders the two on the device"),
+        "{text}"
+    );
+    assert!(text.contains("rank 0 tx"), "the thread is named: {text}");
+    // The interleaving where the sync returns before the send is made has
+    // no race: some random schedules complete.
+    let completed = (0..40)
+        .filter(|s| sim.run(*s, recv_then_send_on_another_thread(false)).is_ok())
+        .count();
+    assert!(
+        completed > 0 && completed < 40,
+        "{completed} of 40 completed"
+    );
+    // Synced before the second thread starts: no interleaving races.
+    let ok = sim.check(recv_then_send_on_another_thread(true));
+    assert!(ok.is_ok(), "{}", ok.unwrap_err());
 }

@@ -24,6 +24,7 @@ mod element;
 mod error;
 pub mod machine;
 mod model;
+pub mod order;
 pub mod report;
 pub mod schedule;
 mod size;

@@ -273,6 +273,22 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             events_across_streams::<T>,
         ),
         s(
+            "events/missing",
+            "the same without the event: the send of the received data on the other stream is refused with a race that names the recv; then made with the event, it completes",
+            2,
+            PerDirection,
+            Completes,
+            events_missing::<T>,
+        ),
+        s(
+            "group/same-buffer",
+            "a group that sends a buffer and receives into it is refused with a race (a group's ops run at once); with two buffers it completes",
+            2,
+            Shared,
+            Completes,
+            group_same_buffer::<T>,
+        ),
+        s(
             "reply-after-wait",
             "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",
             2,
@@ -779,6 +795,72 @@ pub fn events_across_streams<T: Transport>(t: &T) -> Result<()> {
         t.synchronize()?;
         check(t, &buf, 0, 6)
     }
+}
+
+/// Fails unless `r` is a race whose message names `earlier`.
+fn expect_race(t: &impl Transport, r: Result<()>, what: &str, earlier: &str) -> Result<()> {
+    match r {
+        Err(Error::Race { message, .. }) if message.contains(earlier) => Ok(()),
+        other => Err(Error::User(format!(
+            "rank {}: {what} should be refused with a race naming `{earlier}`, not {other:?}",
+            t.rank()
+        ))),
+    }
+}
+
+/// [`events_across_streams`] where rank 1 first sends the received data
+/// on the other stream with no event between: refused with a race (D1),
+/// nothing launched; then with the event, as there.
+pub fn events_missing<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        return events_across_streams(t);
+    }
+    let a = t.stream("a")?;
+    let b = t.stream("b")?;
+    let e = t.event()?;
+    let mut buf = t.alloc::<u32>(len())?;
+    let from0 = t.lane(0, Dir::Recv)?;
+    let to0 = t.lane(0, Dir::Send)?;
+    t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
+    let early = t.send_on(&buf, 0, &Place::on(&to0.comm, &b));
+    expect_race(
+        t,
+        early,
+        "a send on stream b of what a recv on stream a writes, with no event between",
+        &format!("recv {} x u32 from rank 0", len()),
+    )?;
+    t.record(&e, &a)?;
+    t.wait(&e, &b)?;
+    t.send_on(&buf, 0, &Place::on(&to0.comm, &b))?;
+    t.synchronize()?;
+    check(t, &buf, 0, 6)
+}
+
+/// A group that sends a buffer and receives into the same buffer: its ops
+/// run at once, so the recv may overwrite what the send has not read yet;
+/// refused with a race (D1), nothing launched. Then with two buffers.
+pub fn group_same_buffer<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let mut buf = filled(t, peer, 8)?;
+    let inplace = t.group(|| {
+        t.send(&buf, peer)?;
+        // A second handle on the same buffer cannot be had in safe Rust;
+        // the recv takes the buffer mutably after the send's borrow ends.
+        t.recv(&mut buf, peer)
+    });
+    expect_race(
+        t,
+        inplace,
+        "a group that sends a buffer and receives into it",
+        &format!("send {} x u32 to rank {peer}", len()),
+    )?;
+    let mut inb = t.alloc::<u32>(len())?;
+    t.group(|| {
+        t.send(&buf, peer)?;
+        t.recv(&mut inb, peer)
+    })?;
+    t.synchronize()?;
+    check(t, &inb, peer, 8)
 }
 
 /// The feature request's pitch: "with use_stream(s): send(...)".

@@ -312,17 +312,21 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): three scenarios that must complete (one reads
-/// inside a group, which must fail with a race), two that must hang (one
+/// variables torchrun sets): five scenarios that must complete (three
+/// make a call that must fail with a race first: a read inside a group, a
+/// send on another stream than its data's recv with no event between, a
+/// group that sends and receives one buffer), two that must hang (one
 /// after 5,000 exchanges, whose traces are cut where each rank is quiet),
 /// and one whose second rank's process dies.
-const PROCESS_JOBS: [&str; 6] = [
+const PROCESS_JOBS: [&str; 8] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
     "long-then-seed/shared",
     "group/read-inside",
+    "events/missing",
+    "group/same-buffer",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is

@@ -603,6 +603,9 @@ impl Sim {
             op_buffers: HashMap::new(),
             unsynced: HashMap::new(),
             sync_covers: HashMap::new(),
+            orders: (0..self.ranks)
+                .map(|_| duplex::order::Order::new())
+                .collect(),
             snapshots: HashMap::new(),
             origins: HashMap::new(),
             steps: Vec::new(),

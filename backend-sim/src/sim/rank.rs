@@ -9,7 +9,7 @@ use duplex::transport::{DeviceBuffer, check};
 use duplex::{Dir, Element, Error, Lane, Place, Policy, Rank, Result, Transport};
 
 use super::Lanes;
-use super::world::{BufData, Ctl, Shared};
+use super::world::{BufData, Ctl, Shared, Use};
 use duplex::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
 
 /// A buffer of simulated device memory (host memory; real bytes move).
@@ -62,7 +62,7 @@ pub struct SimRank {
     policy: Policy,
     lanes: Arc<Lanes>,
     /// Ops collected by an open `group`, with their buffers and texts.
-    group: RefCell<Option<Vec<(OpSpec, usize, String)>>>,
+    group: RefCell<Option<Vec<(OpSpec, Use, String)>>>,
     /// Streams set by `with_stream`, innermost last.
     scoped: RefCell<Vec<StreamId>>,
 }
@@ -118,7 +118,7 @@ impl SimRank {
     }
 
     /// Makes a host call that goes through the scheduler.
-    fn call(&self, call: HostCall, bufs: Vec<usize>) -> Result<()> {
+    fn call(&self, call: HostCall, bufs: Vec<Use>) -> Result<()> {
         self.shared.call(self.thread, call, bufs)
     }
 
@@ -196,6 +196,22 @@ impl SimRank {
         }
         let bytes = (buf.len * E::DTYPE.size()) as u64;
         let (comm, stream) = self.resolve(at, &what, peer, dir, bytes, place)?;
+        let used = Use {
+            buf: buf.id,
+            access: duplex::order::Access {
+                dir,
+                peer,
+                count: buf.len,
+                dtype: E::DTYPE,
+                stream: stream.0,
+                stream_name: self.shared.lock().machine.setup().streams[stream.0 as usize]
+                    .name
+                    .as_str()
+                    .into(),
+                at,
+                site: check::site(),
+            },
+        };
         let _span = tracing::trace_span!(
             "duplex.op",
             backend = "sim",
@@ -218,7 +234,7 @@ impl SimRank {
             origin: None,
         };
         if let Some(ops) = self.group.borrow_mut().as_mut() {
-            ops.push((spec, buf.id, what));
+            ops.push((spec, used, what));
             return Ok(());
         }
         let origin = self.origin(at, what)?;
@@ -228,7 +244,7 @@ impl SimRank {
                 grouped: false,
                 origin,
             }),
-            vec![buf.id],
+            vec![used],
         )
     }
 
@@ -295,11 +311,11 @@ impl SimRank {
 
     fn buffer_users(&self, at: &Location<'_>, id: usize, what: &str) -> Result<()> {
         if let Some(ops) = self.group.borrow().as_ref()
-            && let Some((_, _, text)) = ops.iter().find(|(_, b, _)| *b == id)
+            && let Some((_, _, text)) = ops.iter().find(|(_, u, _)| u.buf == id)
         {
             return check::in_open_group(at, what, text);
         }
-        let w = self.shared.lock();
+        let mut w = self.shared.lock();
         if w.over {
             return Err(w.abort_error());
         }
@@ -320,6 +336,9 @@ impl SimRank {
                 ),
             });
         }
+        // No op uses it as far as the host knows: the device accesses
+        // before are complete (D1).
+        w.orders[self.rank as usize].host_access(id as u64);
         Ok(())
     }
 }
@@ -521,8 +540,7 @@ impl Transport for SimRank {
         }
         let texts: Vec<&str> = ops.iter().map(|(_, _, t)| t.as_str()).collect();
         let origin = self.origin(at, format!("group {{ {} }}", texts.join("; ")))?;
-        let bufs = ops.iter().map(|(_, b, _)| *b).collect();
-        let specs = ops.into_iter().map(|(s, _, _)| s).collect();
+        let (specs, bufs) = ops.into_iter().map(|(s, u, _)| (s, u)).unzip();
         self.call(
             HostCall::Launch(LaunchSpec {
                 ops: specs,

@@ -28,13 +28,20 @@ pub(crate) enum Ctl {
     /// Running user code (only the thread named by `World::running`).
     Running,
     /// Waiting to make this call; the buffers its ops use.
-    Parked(HostCall, Vec<usize>),
+    Parked(HostCall, Vec<Use>),
     /// The call was made; waits for the machine (a sync, a handshake).
     InCall,
     /// The call has returned this result; the thread runs when scheduled.
     Returned(Result<(), Error>),
     /// Past its end.
     Done,
+}
+
+/// A buffer an op uses, and how (for the device order, D1).
+#[derive(Clone, Debug)]
+pub(crate) struct Use {
+    pub(crate) buf: usize,
+    pub(crate) access: duplex::order::Access,
 }
 
 /// Bytes of a buffer.
@@ -80,8 +87,11 @@ pub(crate) struct World {
     /// Ops whose completion no host synchronize has observed yet: their
     /// buffer, rank and stream. The host may not touch such a buffer.
     pub(crate) unsynced: HashMap<OpRef, (usize, Rank, duplex::machine::StreamId, String)>,
-    /// For a thread in a `sync`: the ops that call covers.
-    pub(crate) sync_covers: HashMap<ThreadId, Vec<OpRef>>,
+    /// For a thread in a `sync`: the ops that call covers, and what it
+    /// orders on the device once it returns (D1).
+    pub(crate) sync_covers: HashMap<ThreadId, (Vec<OpRef>, duplex::order::Covered)>,
+    /// Per rank: the device order of its buffer accesses (D1).
+    pub(crate) orders: Vec<duplex::order::Order>,
     /// Bytes of sends that completed into a channel's buffer (R5).
     pub(crate) snapshots: HashMap<OpRef, Vec<u8>>,
     /// Interned origins.
@@ -145,7 +155,7 @@ impl Shared {
         self: &Arc<Self>,
         t: ThreadId,
         call: HostCall,
-        bufs: Vec<usize>,
+        bufs: Vec<Use>,
     ) -> Result<(), Error> {
         let mut w = self.lock();
         if w.over {
@@ -284,8 +294,12 @@ impl World {
                 if wake {
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
-                        for op in self.sync_covers.remove(&t).unwrap_or_default() {
-                            self.unsynced.remove(&op);
+                        if let Some((ops, covered)) = self.sync_covers.remove(&t) {
+                            for op in ops {
+                                self.unsynced.remove(&op);
+                            }
+                            let rank = self.machine.setup().threads[i].rank;
+                            self.orders[rank as usize].synced(covered);
                         }
                     }
                     self.running = Some(t);
@@ -334,8 +348,7 @@ impl World {
             let choice = if decided {
                 Choice::Take(options[0])
             } else {
-                self.explorer
-                    .choose(&enabled, &options, fingerprint(&self.machine))
+                self.explorer.choose(&enabled, &options, self.fingerprint())
             };
             let t = match choice {
                 Choice::Take(t) => t,
@@ -371,13 +384,31 @@ impl World {
                 .push(format!("{}. {name}: {text}", self.steps.len() + 1));
             let seq = self.machine.calls(t);
             let rank = self.machine.setup().threads[i].rank;
+            let order = &mut self.orders[rank as usize];
             match &call {
                 HostCall::Launch(spec) => {
+                    // D1 before the machine: a launch that races is refused
+                    // to its thread, which goes on (as on a GPU, where the
+                    // backend refuses it before NCCL sees it).
+                    let uses: Vec<(u64, duplex::order::Access)> = bufs
+                        .iter()
+                        .map(|u| (u.buf as u64, u.access.clone()))
+                        .collect();
+                    if let Err(race) = order.launch(&uses) {
+                        let e = race.error();
+                        self.steps.push(format!(
+                            "{}. {name}: {text} is refused: {e}",
+                            self.steps.len() + 1
+                        ));
+                        self.ctl[i] = Ctl::Returned(Err(e));
+                        self.running = Some(t);
+                        return;
+                    }
                     let refs = Machine::op_refs(t, seq, spec);
-                    for ((buf, o), op) in bufs.iter().zip(&spec.ops).zip(refs) {
-                        self.op_buffers.insert(op, *buf);
+                    for ((u, o), op) in bufs.iter().zip(&spec.ops).zip(refs) {
+                        self.op_buffers.insert(op, u.buf);
                         self.unsynced
-                            .insert(op, (*buf, rank, o.stream, text.clone()));
+                            .insert(op, (u.buf, rank, o.stream, text.clone()));
                     }
                 }
                 HostCall::Sync { stream, .. } => {
@@ -387,8 +418,11 @@ impl World {
                         .filter(|(_, (_, r, s, _))| *r == rank && stream.is_none_or(|x| x == *s))
                         .map(|(op, _)| *op)
                         .collect();
-                    self.sync_covers.insert(t, covers);
+                    let covered = order.covers(stream.map(|s| s.0));
+                    self.sync_covers.insert(t, (covers, covered));
                 }
+                HostCall::Record { event, stream, .. } => order.record(event.0, stream.0),
+                HostCall::Wait { event, stream, .. } => order.wait(event.0, stream.0),
                 _ => {}
             }
             let end = matches!(call, HostCall::End);
@@ -453,6 +487,18 @@ impl World {
             .filter(|(_, (buf, ..))| *buf == b)
             .map(|(op, (.., text))| (*op, text.clone()))
             .min_by_key(|(op, _)| *op)
+    }
+
+    /// The explorer's fingerprint of the state: the machine's, and each
+    /// rank's device order, which decides which later launches race.
+    fn fingerprint(&self) -> u128 {
+        use std::hash::Hasher;
+        let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+        h.write_u128(fingerprint(&self.machine));
+        for o in &self.orders {
+            o.digest(&mut h);
+        }
+        h.digest128()
     }
 
     fn hang(&self, stuck: Stuck) -> Hang {

@@ -1,0 +1,578 @@
+//! The device order of one rank's buffer accesses, and the races it finds
+//! (D1 of `docs/semantics.md`).
+//!
+//! A send reads its buffer on the device and a recv writes it, at some time
+//! after the host launched them. Two ops on one stream run in launch order
+//! (R1), but ops on different streams run in any order unless something
+//! orders them: an event recorded after the first and waited for on the
+//! second's stream before the second was launched (R9), or a `sync_stream`
+//! or `synchronize` that returned, after the first, before the second was
+//! launched. Ops of one launch (a group) run at once, whatever their
+//! streams. Two accesses to one buffer of which one writes (a recv), and
+//! that nothing orders, are a *race*: the send may read the buffer before
+//! the recv wrote it, or a recv may overwrite what a send has not read yet.
+//! The bytes that arrive then depend on timing, so both backends refuse
+//! the second op with [`Error::Race`], naming both.
+//!
+//! [`Order`] keeps, per rank, a vector clock per stream (which launches of
+//! every stream the stream's next op runs after), what the host has seen
+//! complete (its syncs), the clock each event recorded, and each buffer's
+//! accesses since the host last knew it idle. It is driven in the order the
+//! rank's calls were made, by every thread of the rank: a sync that
+//! returned before a launch was made orders the launch after what the sync
+//! waited for, whichever thread made them (real time on the GPU; the
+//! explored interleaving on the simulator, which tries them all). Streams,
+//! events and buffers are named by the backend's own numbers.
+//!
+//! Buffers are whole: duplex has no views of part of a buffer, so two ops
+//! on disjoint halves of one buffer cannot be expressed.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::panic::Location;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use crate::{DType, Dir, Error, Rank};
+
+/// One op's access to its buffer, as a race report names it.
+#[derive(Clone, Debug)]
+pub struct Access {
+    /// Send (reads the buffer) or recv (writes it).
+    pub dir: Dir,
+    /// The other rank.
+    pub peer: Rank,
+    /// Elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// The stream, by the backend's number.
+    pub stream: u32,
+    /// The stream's name.
+    pub stream_name: Arc<str>,
+    /// Where the op was made.
+    pub at: &'static Location<'static>,
+    /// The call site set by [`crate::transport::check::at_site`] (a schedule's line),
+    /// named instead of `at`.
+    pub site: Option<Arc<str>>,
+}
+
+impl Access {
+    /// `send 1024 x f32 to rank 1`.
+    pub fn text(&self) -> String {
+        format!(
+            "{} {} x {} {} rank {}",
+            self.dir.name(),
+            self.count,
+            self.dtype,
+            if self.dir == Dir::Send { "to" } else { "from" },
+            self.peer
+        )
+    }
+
+    /// Where it was made.
+    pub fn place(&self) -> String {
+        match &self.site {
+            Some(s) => s.to_string(),
+            None => format!("{}:{}:{}", self.at.file(), self.at.line(), self.at.column()),
+        }
+    }
+
+    fn writes(&self) -> bool {
+        self.dir == Dir::Recv
+    }
+}
+
+/// Two accesses to one buffer, at least one a write, that nothing orders.
+#[derive(Clone, Debug)]
+pub struct Race {
+    /// The op being launched.
+    pub now: Access,
+    /// The earlier op it races with.
+    pub earlier: Access,
+    /// Both are ops of the launch being made (a group).
+    pub same_launch: bool,
+}
+
+impl Race {
+    /// The error both backends return for it, at the launch being made.
+    pub fn error(&self) -> Error {
+        let (now, earlier) = (&self.now, &self.earlier);
+        let effect = match (now.writes(), earlier.writes()) {
+            (false, _) => "the send may read it before the recv has written it",
+            (true, false) => "the recv may overwrite it before the send has read it",
+            (true, true) => "the two recvs may write it in either order",
+        };
+        let fix = if self.same_launch {
+            "a group's ops run at once, whatever their streams: use another buffer, or put them in separate launches on one stream".to_string()
+        } else {
+            format!(
+                "put them on one stream, or record an event on `{}` after `{}` and wait for it on `{}` before this launch, or sync_stream(`{}`) first",
+                earlier.stream_name,
+                earlier.text(),
+                now.stream_name,
+                earlier.stream_name
+            )
+        };
+        Error::Race {
+            at: now.place(),
+            message: format!(
+                "{} on stream `{}` {} a buffer that `{}` ({}, stream `{}`{}) {}, and nothing orders the two on the device: {effect}; {fix}",
+                now.text(),
+                now.stream_name,
+                if now.writes() { "writes" } else { "reads" },
+                earlier.text(),
+                earlier.place(),
+                earlier.stream_name,
+                if self.same_launch {
+                    ", in the same launch"
+                } else {
+                    ""
+                },
+                if earlier.writes() { "writes" } else { "reads" },
+            ),
+        }
+    }
+}
+
+/// An access with the launch it belongs to: the launch's number on its
+/// stream (the stream by its index in [`Order`]).
+#[derive(Clone, Debug)]
+struct Stamped {
+    stream: usize,
+    seq: u64,
+    op: Access,
+}
+
+/// A buffer's accesses since the host last knew it idle: the last write,
+/// and the reads since it (the latest per stream; an earlier one on the
+/// same stream is ordered before it).
+#[derive(Clone, Debug, Default)]
+struct Uses {
+    write: Option<Stamped>,
+    reads: SmallVec<[Stamped; 2]>,
+}
+
+impl Uses {
+    fn is_empty(&self) -> bool {
+        self.write.is_none() && self.reads.is_empty()
+    }
+}
+
+/// A vector clock: per stream index, the launches of that stream known to
+/// come before (missing entries are 0).
+type Clock = Vec<u64>;
+
+fn get(c: &Clock, i: usize) -> u64 {
+    c.get(i).copied().unwrap_or(0)
+}
+
+fn join(into: &mut Clock, from: &Clock) {
+    if into.len() < from.len() {
+        into.resize(from.len(), 0);
+    }
+    for (a, b) in into.iter_mut().zip(from) {
+        *a = (*a).max(*b);
+    }
+}
+
+/// What a host sync waits for ([`Order::covers`]).
+#[derive(Clone, Debug, Default)]
+pub struct Covered(Clock);
+
+/// One rank's device order (module docs). Drive it with every launch,
+/// event `record` and `wait`, completed sync, and host access of a buffer,
+/// in the order the rank made them.
+#[derive(Debug, Default)]
+pub struct Order {
+    /// The backend's stream number → index + 1 (0: not seen).
+    index: Vec<u32>,
+    /// Per stream index: its clock, and the host epoch it last took in.
+    clocks: Vec<(Clock, u64)>,
+    /// What the host has seen complete.
+    host: Clock,
+    /// Bumped whenever `host` grows.
+    epoch: u64,
+    /// The clock each event last recorded, by the backend's number.
+    events: Vec<Option<Clock>>,
+    /// Accesses per buffer, by the backend's number.
+    uses: HashMap<u64, Uses>,
+}
+
+impl Order {
+    /// A rank that has done nothing yet.
+    pub fn new() -> Order {
+        Order::default()
+    }
+
+    fn stream(&mut self, s: u32) -> usize {
+        let s = s as usize;
+        if self.index.len() <= s {
+            self.index.resize(s + 1, 0);
+        }
+        if self.index[s] == 0 {
+            self.clocks.push((Clock::new(), 0));
+            self.index[s] = self.clocks.len() as u32;
+        }
+        let i = self.index[s] as usize - 1;
+        // What the host knows complete precedes everything launched after.
+        let epoch = self.epoch;
+        let (clock, seen) = &mut self.clocks[i];
+        if *seen != epoch {
+            join(clock, &self.host);
+            *seen = epoch;
+        }
+        i
+    }
+
+    /// Whether `e` comes before the next launch on stream index `s`.
+    fn ordered(&self, e: &Stamped, s: usize) -> bool {
+        get(&self.clocks[s].0, e.stream) >= e.seq
+    }
+
+    /// A launch of `ops` (each with its buffer's number), in issue order:
+    /// [`Order::check`], then [`Order::commit`] if it passes.
+    pub fn launch(&mut self, ops: &[(u64, Access)]) -> Result<(), Box<Race>> {
+        self.check(ops)?;
+        self.commit(ops);
+        Ok(())
+    }
+
+    /// Whether a launch of `ops` may be made: the first op that races with
+    /// an earlier access to its buffer, or with another op of the launch,
+    /// is the error. Records no access: a backend that checks before it
+    /// launches commits once the launch is made.
+    pub fn check(&mut self, ops: &[(u64, Access)]) -> Result<(), Box<Race>> {
+        for (i, (buf, now)) in ops.iter().enumerate() {
+            let s = self.stream(now.stream);
+            if let Some(u) = self.uses.get(buf) {
+                let reads = u.reads.iter().filter(|_| now.writes());
+                if let Some(e) = u.write.iter().chain(reads).find(|e| !self.ordered(e, s)) {
+                    return Err(Box::new(Race {
+                        now: now.clone(),
+                        earlier: e.op.clone(),
+                        same_launch: false,
+                    }));
+                }
+            }
+            if let Some((_, earlier)) = ops[..i]
+                .iter()
+                .find(|(b, e)| b == buf && (e.writes() || now.writes()))
+            {
+                return Err(Box::new(Race {
+                    now: now.clone(),
+                    earlier: earlier.clone(),
+                    same_launch: true,
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the accesses of a launch of `ops` that was made.
+    pub fn commit(&mut self, ops: &[(u64, Access)]) {
+        let streams: SmallVec<[usize; 4]> =
+            ops.iter().map(|(_, a)| self.stream(a.stream)).collect();
+        // One number per stream per launch: a launch's ops on one stream
+        // run at once.
+        let mut seqs: SmallVec<[(usize, u64); 4]> = SmallVec::new();
+        for &s in &streams {
+            if !seqs.iter().any(|(x, _)| *x == s) {
+                let clock = &mut self.clocks[s].0;
+                if clock.len() <= s {
+                    clock.resize(s + 1, 0);
+                }
+                clock[s] += 1;
+                seqs.push((s, clock[s]));
+            }
+        }
+        for ((buf, op), s) in ops.iter().zip(streams) {
+            let seq = seqs.iter().find(|(x, _)| *x == s).map_or(0, |(_, q)| *q);
+            let stamped = Stamped {
+                stream: s,
+                seq,
+                op: op.clone(),
+            };
+            let u = self.uses.entry(*buf).or_default();
+            if op.writes() {
+                u.write = Some(stamped);
+                u.reads.clear();
+            } else {
+                u.reads.retain(|r| r.stream != s);
+                u.reads.push(stamped);
+            }
+        }
+    }
+
+    /// An event recorded on a stream: it completes after what the stream
+    /// has been ordered after so far.
+    pub fn record(&mut self, event: u32, stream: u32) {
+        let s = self.stream(stream);
+        let e = event as usize;
+        if self.events.len() <= e {
+            self.events.resize(e + 1, None);
+        }
+        match &mut self.events[e] {
+            Some(c) => c.clone_from(&self.clocks[s].0),
+            slot => *slot = Some(self.clocks[s].0.clone()),
+        }
+    }
+
+    /// A stream waits for an event: its later launches run after what the
+    /// event's record came after. An event never recorded orders nothing.
+    pub fn wait(&mut self, event: u32, stream: u32) {
+        let s = self.stream(stream);
+        if let Some(Some(c)) = self.events.get(event as usize) {
+            join(&mut self.clocks[s].0, c);
+        }
+    }
+
+    /// What a host sync of `stream` (or of every stream) made now waits
+    /// for: what the stream (each stream) has been ordered after so far.
+    /// Launches made while the sync waits are not covered.
+    pub fn covers(&mut self, stream: Option<u32>) -> Covered {
+        let mut c = Clock::new();
+        match stream {
+            Some(x) => {
+                let s = self.stream(x);
+                c.clone_from(&self.clocks[s].0);
+            }
+            None => {
+                for (k, _) in &self.clocks {
+                    join(&mut c, k);
+                }
+            }
+        }
+        Covered(c)
+    }
+
+    /// A host sync returned: what it covered ([`Order::covers`], taken when
+    /// it was made) is complete.
+    pub fn synced(&mut self, covered: Covered) {
+        join(&mut self.host, &covered.0);
+        self.epoch += 1;
+        // Accesses the host knows complete order everything after them.
+        let host = &self.host;
+        let done = |e: &Stamped| get(host, e.stream) >= e.seq;
+        self.uses.retain(|_, u| {
+            if u.write.as_ref().is_some_and(done) {
+                u.write = None;
+            }
+            u.reads.retain(|r| !done(r));
+            !u.is_empty()
+        });
+    }
+
+    /// The host read or wrote `buffer` after finding no op using it: every
+    /// earlier access is complete.
+    pub fn host_access(&mut self, buffer: u64) {
+        self.uses.remove(&buffer);
+    }
+
+    /// Feeds what decides later verdicts (not the ops' texts) into `h`:
+    /// two states with the same digest refuse the same launches. For an
+    /// explorer's record of states seen.
+    pub fn digest(&self, h: &mut impl Hasher) {
+        self.index.hash(h);
+        for (c, _) in &self.clocks {
+            c.hash(h);
+        }
+        self.host.hash(h);
+        self.events.hash(h);
+        let mut bufs: Vec<_> = self.uses.iter().collect();
+        bufs.sort_unstable_by_key(|(b, _)| **b);
+        for (b, u) in bufs {
+            b.hash(h);
+            for e in u.write.iter().chain(&u.reads) {
+                (e.stream, e.seq, e.op.dir == Dir::Recv).hash(h);
+            }
+            u.reads.len().hash(h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[track_caller]
+    fn op(dir: Dir, stream: u32) -> Access {
+        Access {
+            dir,
+            peer: 1,
+            count: 16,
+            dtype: DType::U32,
+            stream,
+            stream_name: format!("s{stream}").into(),
+            at: Location::caller(),
+            site: None,
+        }
+    }
+
+    const X: u64 = 7;
+    const Y: u64 = 8;
+
+    fn race(r: Result<(), Box<Race>>) -> String {
+        match r {
+            Err(r) => r.error().to_string(),
+            Ok(()) => panic!("no race found"),
+        }
+    }
+
+    #[test]
+    fn one_stream_orders_its_launches() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.launch(&[(X, op(Dir::Send, 0))]).unwrap();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+    }
+
+    #[test]
+    fn a_send_on_another_stream_after_a_recv_races_and_names_both() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        let e = race(o.launch(&[(X, op(Dir::Send, 1))]));
+        assert!(
+            e.contains("send 16 x u32 to rank 1 on stream `s1` reads a buffer that `recv 16 x u32 from rank 1`"),
+            "{e}"
+        );
+        assert!(
+            e.contains("the send may read it before the recv has written it"),
+            "{e}"
+        );
+        assert!(e.contains("record an event on `s0`"), "{e}");
+        // Refused: nothing was recorded, so the same send still races.
+        assert!(o.launch(&[(X, op(Dir::Send, 1))]).is_err());
+    }
+
+    #[test]
+    fn an_event_orders_the_second_stream_after_the_first() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.record(3, 0);
+        o.wait(3, 1);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+        // The event was recorded before this recv: it does not order it.
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap_err();
+    }
+
+    #[test]
+    fn an_event_recorded_before_the_op_orders_nothing() {
+        let mut o = Order::new();
+        o.record(3, 0);
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.wait(3, 1);
+        assert!(race(o.launch(&[(X, op(Dir::Send, 1))])).contains("reads"));
+        // Recorded again, after the recv: now it does.
+        o.record(3, 0);
+        o.wait(3, 1);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+    }
+
+    #[test]
+    fn a_sync_of_the_first_stream_orders_every_later_launch() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        let c = o.covers(Some(1));
+        o.synced(c);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap_err();
+        let c = o.covers(Some(0));
+        o.synced(c);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+        o.launch(&[(X, op(Dir::Send, 2))]).unwrap();
+        // Two reads on different streams do not race; a write after both
+        // must be ordered after both.
+        let e = race(o.launch(&[(X, op(Dir::Recv, 1))]));
+        assert!(e.contains("stream `s2`"), "{e}");
+        assert!(
+            e.contains("overwrite it before the send has read it"),
+            "{e}"
+        );
+        let c = o.covers(None);
+        o.synced(c);
+        o.launch(&[(X, op(Dir::Recv, 1))]).unwrap();
+    }
+
+    #[test]
+    fn a_launch_made_while_a_sync_waits_is_not_covered_by_it() {
+        let mut o = Order::new();
+        let c = o.covers(Some(0));
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.synced(c);
+        assert!(o.launch(&[(X, op(Dir::Send, 1))]).is_err());
+        let c = o.covers(None);
+        o.synced(c);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+    }
+
+    #[test]
+    fn what_an_event_carries_is_transitive() {
+        // s0 recv; s1 waits for s0; s2 waits for s1's later event.
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.record(0, 0);
+        o.wait(0, 1);
+        o.launch(&[(Y, op(Dir::Send, 1))]).unwrap();
+        o.record(1, 1);
+        o.wait(1, 2);
+        o.launch(&[(X, op(Dir::Send, 2))]).unwrap();
+        assert!(race(o.launch(&[(X, op(Dir::Recv, 5))])).contains("stream `s0`"));
+        // A sync of s2 tells the host that s0's recv is complete too.
+        let c = o.covers(Some(2));
+        o.synced(c);
+        assert!(!o.uses.contains_key(&X));
+        o.launch(&[(X, op(Dir::Recv, 5))]).unwrap();
+    }
+
+    #[test]
+    fn ops_of_one_launch_on_one_buffer_race_whatever_their_streams() {
+        let mut o = Order::new();
+        let e = race(o.launch(&[(X, op(Dir::Send, 0)), (X, op(Dir::Recv, 0))]));
+        assert!(e.contains("in the same launch"), "{e}");
+        assert!(e.contains("a group's ops run at once"), "{e}");
+        o.launch(&[(X, op(Dir::Send, 0)), (X, op(Dir::Send, 1))])
+            .unwrap();
+        o.launch(&[(X, op(Dir::Send, 0)), (Y, op(Dir::Recv, 1))])
+            .unwrap();
+    }
+
+    #[test]
+    fn a_host_access_forgets_the_buffer() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.host_access(X);
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+    }
+
+    #[test]
+    fn syncs_forget_what_they_cover() {
+        let mut o = Order::new();
+        for b in 0..100 {
+            o.launch(&[(b, op(Dir::Recv, (b % 3) as u32))]).unwrap();
+        }
+        let c = o.covers(Some(0));
+        o.synced(c);
+        assert_eq!(o.uses.len(), 66);
+        let c = o.covers(None);
+        o.synced(c);
+        assert!(o.uses.is_empty());
+    }
+
+    #[test]
+    fn the_digest_tells_a_synced_state_from_one_not_synced() {
+        let digest = |o: &Order| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            o.digest(&mut h);
+            h.finish()
+        };
+        let mut a = Order::new();
+        a.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        let mut b = Order::new();
+        b.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        assert_eq!(digest(&a), digest(&b));
+        let c = b.covers(Some(0));
+        b.synced(c);
+        assert_ne!(digest(&a), digest(&b));
+    }
+}
