@@ -520,16 +520,16 @@ pub(crate) struct OpMeta {
 impl OpMeta {
     /// Its access to its buffer on stream `stream` (the registry's number),
     /// for the device order (D1).
-    pub(crate) fn access(&self, stream: u32) -> duplex::order::Access {
+    pub(crate) fn access(&self, stream: u32) -> duplex::order::Access<'_> {
         duplex::order::Access {
             dir: self.dir,
             peer: self.peer,
             count: self.count,
             dtype: self.dtype,
             stream,
-            stream_name: self.stream.clone(),
+            stream_name: &self.stream,
             at: self.at,
-            site: self.site.clone(),
+            site: self.site.as_ref(),
         }
     }
 

@@ -432,7 +432,7 @@ impl NcclRank {
         // D1: a launch whose op races with an earlier access to its buffer
         // (or with another op of the launch) is refused before anything
         // records it; once the registry has, its accesses are recorded.
-        let uses: SmallVec<[(u64, duplex::order::Access); INLINE_OPS]> = reqs
+        let uses: SmallVec<[(u64, duplex::order::Access<'_>); INLINE_OPS]> = reqs
             .iter()
             .map(|r| (r.buf.id, r.meta.access(r.stream.0.id)))
             .collect();

@@ -27,7 +27,6 @@
 //! Buffers are whole: duplex has no views of part of a buffer, so two ops
 //! on disjoint halves of one buffer cannot be expressed.
 
-use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::panic::Location;
 use std::sync::Arc;
@@ -36,9 +35,11 @@ use smallvec::SmallVec;
 
 use crate::{DType, Dir, Error, Rank};
 
-/// One op's access to its buffer, as a race report names it.
-#[derive(Clone, Debug)]
-pub struct Access {
+/// One op's access to its buffer, as the backend describes it at launch
+/// (borrowed: a launch that races with nothing copies only what a later
+/// report needs).
+#[derive(Clone, Copy, Debug)]
+pub struct Access<'a> {
     /// Send (reads the buffer) or recv (writes it).
     pub dir: Dir,
     /// The other rank.
@@ -50,47 +51,88 @@ pub struct Access {
     /// The stream, by the backend's number.
     pub stream: u32,
     /// The stream's name.
-    pub stream_name: Arc<str>,
+    pub stream_name: &'a str,
     /// Where the op was made.
     pub at: &'static Location<'static>,
-    /// The call site set by [`crate::transport::check::at_site`] (a schedule's line),
-    /// named instead of `at`.
-    pub site: Option<Arc<str>>,
+    /// The call site set by [`crate::transport::check::at_site`] (a
+    /// schedule's line), named instead of `at`.
+    pub site: Option<&'a Arc<str>>,
 }
 
-impl Access {
-    /// `send 1024 x f32 to rank 1`.
-    pub fn text(&self) -> String {
-        format!(
-            "{} {} x {} {} rank {}",
-            self.dir.name(),
-            self.count,
-            self.dtype,
-            if self.dir == Dir::Send { "to" } else { "from" },
-            self.peer
-        )
-    }
-
-    /// Where it was made.
-    pub fn place(&self) -> String {
-        match &self.site {
-            Some(s) => s.to_string(),
-            None => format!("{}:{}:{}", self.at.file(), self.at.line(), self.at.column()),
-        }
-    }
-
+impl Access<'_> {
     fn writes(&self) -> bool {
         self.dir == Dir::Recv
     }
+
+    fn past(&self) -> Past {
+        Past {
+            dir: self.dir,
+            peer: self.peer,
+            count: self.count,
+            dtype: self.dtype,
+            at: self.at,
+            site: self.site.cloned(),
+        }
+    }
+
+    fn named(&self) -> Named {
+        self.past().named(self.stream_name)
+    }
+}
+
+/// An access recorded by [`Order`]: what a report names, less its stream
+/// (named once per stream by the order).
+#[derive(Clone, Debug)]
+struct Past {
+    dir: Dir,
+    peer: Rank,
+    count: usize,
+    dtype: DType,
+    at: &'static Location<'static>,
+    site: Option<Arc<str>>,
+}
+
+impl Past {
+    fn named(&self, stream: &str) -> Named {
+        Named {
+            text: format!(
+                "{} {} x {} {} rank {}",
+                self.dir.name(),
+                self.count,
+                self.dtype,
+                if self.dir == Dir::Send { "to" } else { "from" },
+                self.peer
+            ),
+            place: match &self.site {
+                Some(s) => s.to_string(),
+                None => format!("{}:{}:{}", self.at.file(), self.at.line(), self.at.column()),
+            },
+            stream: stream.to_string(),
+            writes: self.dir == Dir::Recv,
+        }
+    }
+}
+
+/// An op of a race, as its report names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Named {
+    /// `send 1024 x f32 to rank 1`.
+    pub text: String,
+    /// Where it was made.
+    pub place: String,
+    /// Its stream's name.
+    pub stream: String,
+    /// A recv (it writes the buffer).
+    pub writes: bool,
 }
 
 /// Two accesses to one buffer, at least one a write, that nothing orders.
 #[derive(Clone, Debug)]
 pub struct Race {
     /// The op being launched.
-    pub now: Access,
+    pub now: Named,
     /// The earlier op it races with.
-    pub earlier: Access,
+    pub earlier: Named,
     /// Both are ops of the launch being made (a group).
     pub same_launch: bool,
 }
@@ -99,7 +141,7 @@ impl Race {
     /// The error both backends return for it, at the launch being made.
     pub fn error(&self) -> Error {
         let (now, earlier) = (&self.now, &self.earlier);
-        let effect = match (now.writes(), earlier.writes()) {
+        let effect = match (now.writes, earlier.writes) {
             (false, _) => "the send may read it before the recv has written it",
             (true, false) => "the recv may overwrite it before the send has read it",
             (true, true) => "the two recvs may write it in either order",
@@ -109,28 +151,25 @@ impl Race {
         } else {
             format!(
                 "put them on one stream, or record an event on `{}` after `{}` and wait for it on `{}` before this launch, or sync_stream(`{}`) first",
-                earlier.stream_name,
-                earlier.text(),
-                now.stream_name,
-                earlier.stream_name
+                earlier.stream, earlier.text, now.stream, earlier.stream
             )
         };
         Error::Race {
-            at: now.place(),
+            at: now.place.clone(),
             message: format!(
                 "{} on stream `{}` {} a buffer that `{}` ({}, stream `{}`{}) {}, and nothing orders the two on the device: {effect}; {fix}",
-                now.text(),
-                now.stream_name,
-                if now.writes() { "writes" } else { "reads" },
-                earlier.text(),
-                earlier.place(),
-                earlier.stream_name,
+                now.text,
+                now.stream,
+                if now.writes { "writes" } else { "reads" },
+                earlier.text,
+                earlier.place,
+                earlier.stream,
                 if self.same_launch {
                     ", in the same launch"
                 } else {
                     ""
                 },
-                if earlier.writes() { "writes" } else { "reads" },
+                if earlier.writes { "writes" } else { "reads" },
             ),
         }
     }
@@ -142,7 +181,7 @@ impl Race {
 struct Stamped {
     stream: usize,
     seq: u64,
-    op: Access,
+    op: Past,
 }
 
 /// A buffer's accesses since the host last knew it idle: the last write,
@@ -188,6 +227,8 @@ pub struct Covered(Clock);
 pub struct Order {
     /// The backend's stream number → index + 1 (0: not seen).
     index: Vec<u32>,
+    /// Per stream index: its name.
+    names: Vec<Box<str>>,
     /// Per stream index: its clock, and the host epoch it last took in.
     clocks: Vec<(Clock, u64)>,
     /// What the host has seen complete.
@@ -197,7 +238,7 @@ pub struct Order {
     /// The clock each event last recorded, by the backend's number.
     events: Vec<Option<Clock>>,
     /// Accesses per buffer, by the backend's number.
-    uses: HashMap<u64, Uses>,
+    uses: rustc_hash::FxHashMap<u64, Uses>,
 }
 
 impl Order {
@@ -213,6 +254,7 @@ impl Order {
         }
         if self.index[s] == 0 {
             self.clocks.push((Clock::new(), 0));
+            self.names.push("".into());
             self.index[s] = self.clocks.len() as u32;
         }
         let i = self.index[s] as usize - 1;
@@ -233,7 +275,7 @@ impl Order {
 
     /// A launch of `ops` (each with its buffer's number), in issue order:
     /// [`Order::check`], then [`Order::commit`] if it passes.
-    pub fn launch(&mut self, ops: &[(u64, Access)]) -> Result<(), Box<Race>> {
+    pub fn launch(&mut self, ops: &[(u64, Access<'_>)]) -> Result<(), Box<Race>> {
         self.check(ops)?;
         self.commit(ops);
         Ok(())
@@ -243,15 +285,15 @@ impl Order {
     /// an earlier access to its buffer, or with another op of the launch,
     /// is the error. Records no access: a backend that checks before it
     /// launches commits once the launch is made.
-    pub fn check(&mut self, ops: &[(u64, Access)]) -> Result<(), Box<Race>> {
+    pub fn check(&mut self, ops: &[(u64, Access<'_>)]) -> Result<(), Box<Race>> {
         for (i, (buf, now)) in ops.iter().enumerate() {
             let s = self.stream(now.stream);
             if let Some(u) = self.uses.get(buf) {
                 let reads = u.reads.iter().filter(|_| now.writes());
                 if let Some(e) = u.write.iter().chain(reads).find(|e| !self.ordered(e, s)) {
                     return Err(Box::new(Race {
-                        now: now.clone(),
-                        earlier: e.op.clone(),
+                        now: now.named(),
+                        earlier: e.op.named(&self.names[e.stream]),
                         same_launch: false,
                     }));
                 }
@@ -261,8 +303,8 @@ impl Order {
                 .find(|(b, e)| b == buf && (e.writes() || now.writes()))
             {
                 return Err(Box::new(Race {
-                    now: now.clone(),
-                    earlier: earlier.clone(),
+                    now: now.named(),
+                    earlier: earlier.named(),
                     same_launch: true,
                 }));
             }
@@ -271,28 +313,31 @@ impl Order {
     }
 
     /// Records the accesses of a launch of `ops` that was made.
-    pub fn commit(&mut self, ops: &[(u64, Access)]) {
-        let streams: SmallVec<[usize; 4]> =
-            ops.iter().map(|(_, a)| self.stream(a.stream)).collect();
-        // One number per stream per launch: a launch's ops on one stream
-        // run at once.
+    pub fn commit(&mut self, ops: &[(u64, Access<'_>)]) {
         let mut seqs: SmallVec<[(usize, u64); 4]> = SmallVec::new();
-        for &s in &streams {
-            if !seqs.iter().any(|(x, _)| *x == s) {
-                let clock = &mut self.clocks[s].0;
-                if clock.len() <= s {
-                    clock.resize(s + 1, 0);
-                }
-                clock[s] += 1;
-                seqs.push((s, clock[s]));
+        for (buf, op) in ops {
+            let s = self.stream(op.stream);
+            if self.names[s].is_empty() {
+                self.names[s] = op.stream_name.into();
             }
-        }
-        for ((buf, op), s) in ops.iter().zip(streams) {
-            let seq = seqs.iter().find(|(x, _)| *x == s).map_or(0, |(_, q)| *q);
+            // One number per stream per launch: a launch's ops on one
+            // stream run at once.
+            let seq = match seqs.iter().find(|(x, _)| *x == s) {
+                Some((_, q)) => *q,
+                None => {
+                    let clock = &mut self.clocks[s].0;
+                    if clock.len() <= s {
+                        clock.resize(s + 1, 0);
+                    }
+                    clock[s] += 1;
+                    seqs.push((s, clock[s]));
+                    clock[s]
+                }
+            };
             let stamped = Stamped {
                 stream: s,
                 seq,
-                op: op.clone(),
+                op: op.past(),
             };
             let u = self.uses.entry(*buf).or_default();
             if op.writes() {
@@ -396,15 +441,17 @@ impl Order {
 mod tests {
     use super::*;
 
+    const NAMES: [&str; 6] = ["s0", "s1", "s2", "s3", "s4", "s5"];
+
     #[track_caller]
-    fn op(dir: Dir, stream: u32) -> Access {
+    fn op(dir: Dir, stream: u32) -> Access<'static> {
         Access {
             dir,
             peer: 1,
             count: 16,
             dtype: DType::U32,
             stream,
-            stream_name: format!("s{stream}").into(),
+            stream_name: NAMES[stream as usize],
             at: Location::caller(),
             site: None,
         }

@@ -198,19 +198,16 @@ impl SimRank {
         let (comm, stream) = self.resolve(at, &what, peer, dir, bytes, place)?;
         let used = Use {
             buf: buf.id,
-            access: duplex::order::Access {
-                dir,
-                peer,
-                count: buf.len,
-                dtype: E::DTYPE,
-                stream: stream.0,
-                stream_name: self.shared.lock().machine.setup().streams[stream.0 as usize]
-                    .name
-                    .as_str()
-                    .into(),
-                at,
-                site: check::site(),
-            },
+            dir,
+            peer,
+            count: buf.len,
+            dtype: E::DTYPE,
+            stream: stream.0,
+            stream_name: self.shared.lock().machine.setup().streams[stream.0 as usize]
+                .name
+                .clone(),
+            at,
+            site: check::site(),
         };
         let _span = tracing::trace_span!(
             "duplex.op",

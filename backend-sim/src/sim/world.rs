@@ -41,7 +41,32 @@ pub(crate) enum Ctl {
 #[derive(Clone, Debug)]
 pub(crate) struct Use {
     pub(crate) buf: usize,
-    pub(crate) access: duplex::order::Access,
+    pub(crate) dir: duplex::Dir,
+    pub(crate) peer: Rank,
+    pub(crate) count: usize,
+    pub(crate) dtype: duplex::DType,
+    pub(crate) stream: u32,
+    pub(crate) stream_name: String,
+    pub(crate) at: &'static std::panic::Location<'static>,
+    pub(crate) site: Option<Arc<str>>,
+}
+
+impl Use {
+    fn access(&self) -> (u64, duplex::order::Access<'_>) {
+        (
+            self.buf as u64,
+            duplex::order::Access {
+                dir: self.dir,
+                peer: self.peer,
+                count: self.count,
+                dtype: self.dtype,
+                stream: self.stream,
+                stream_name: &self.stream_name,
+                at: self.at,
+                site: self.site.as_ref(),
+            },
+        )
+    }
 }
 
 /// Bytes of a buffer.
@@ -390,10 +415,7 @@ impl World {
                     // D1 before the machine: a launch that races is refused
                     // to its thread, which goes on (as on a GPU, where the
                     // backend refuses it before NCCL sees it).
-                    let uses: Vec<(u64, duplex::order::Access)> = bufs
-                        .iter()
-                        .map(|u| (u.buf as u64, u.access.clone()))
-                        .collect();
+                    let uses: Vec<_> = bufs.iter().map(Use::access).collect();
                     if let Err(race) = order.launch(&uses) {
                         let e = race.error();
                         self.steps.push(format!(
