@@ -483,3 +483,23 @@ fn a_race_between_streams_is_found_in_the_interleavings_that_have_it() {
     let ok = sim.check(recv_then_send_on_another_thread(true));
     assert!(ok.is_ok(), "{}", ok.unwrap_err());
 }
+
+#[test]
+fn the_replay_hint_of_a_non_default_model_is_rust_that_compiles() {
+    // The expression the hint prints, written here so that it compiles.
+    let model = duplex::Model {
+        eager: duplex::Size(1024),
+        lazy_connect: true,
+        comm_order: true,
+        kernels: Some(2),
+        one_sided_groups: false,
+    };
+    let failure = Sim::new(2).model(model).check(seed).unwrap_err();
+    let text = failure.to_string();
+    assert!(
+        text.contains(
+            "duplex_sim::Sim::new(2).policy(Policy::Shared).model(duplex::Model { eager: duplex::Size(1024), lazy_connect: true, comm_order: true, kernels: Some(2), one_sided_groups: false }).replay(\"v1:"
+        ),
+        "{text}"
+    );
+}

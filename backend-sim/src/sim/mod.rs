@@ -506,7 +506,12 @@ impl Sim {
         let model = if self.model == Model::default() {
             String::new()
         } else {
-            format!(".model(/* {} */)", self.model)
+            // A literal that compiles where the hint is pasted.
+            let m = &self.model;
+            format!(
+                ".model(duplex::Model {{ eager: duplex::Size({}), lazy_connect: {}, comm_order: {}, kernels: {:?}, one_sided_groups: {} }})",
+                m.eager.0, m.lazy_connect, m.comm_order, m.kernels, m.one_sided_groups
+            )
         };
         format!(
             "duplex_sim::Sim::new({}).policy({policy}{model}",

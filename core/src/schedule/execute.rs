@@ -192,8 +192,12 @@ fn run_thread<T: Transport>(
             Ok(())
         })?;
     }
-    // The thread's end (its implicit synchronize) is reported at its header.
-    at_site(&at(thread.line.0), || t.synchronize())?;
+    // The thread's end (its implicit synchronize) is reported at its
+    // header, saying so: no `synchronize` is written there.
+    at_site(
+        &format!("{}, the end of the thread", at(thread.line.0)),
+        || t.synchronize(),
+    )?;
     for p in &received {
         let got = t.read(&p.buf)?;
         let want = payload(p.src, t.rank(), got.len() as u64);
