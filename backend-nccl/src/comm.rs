@@ -67,6 +67,10 @@ pub fn poll(
     }
 }
 
+/// What [`CommInner::ready_with`]'s error says when the deadline passed
+/// (a caller that reports a hang instead looks for it).
+pub(crate) const PAST_DEADLINE: &str = "did not finish within";
+
 impl CommInner {
     fn new(
         lib: &'static Nccl,
@@ -128,7 +132,7 @@ impl CommInner {
             Ok(())
         } else {
             Err(Error::Aborted(format!(
-                "{what} on communicator {} did not finish within {timeout:?}",
+                "{what} on communicator {} {PAST_DEADLINE} {timeout:?}",
                 self.name
             )))
         }

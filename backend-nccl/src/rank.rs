@@ -1526,7 +1526,30 @@ impl Transport for NcclRank {
         }
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
         self.ctx.device.bind()?;
-        let comm = {
+        // The split is collective over the world: recorded as the simulator
+        // makes it (`check::split_tag`), a notify to every other rank on
+        // arrival, then an await of each, so that a split that never
+        // completes is a hang whose report names the cycle through it.
+        let place = check::place(at);
+        let tag = check::split_tag(k, name);
+        let others: Vec<Rank> = (0..self.ctx.world_size)
+            .filter(|r| *r != self.ctx.rank)
+            .collect();
+        for &to in &others {
+            let text = check::split_step(k, name, &format!("tells rank {to} it has arrived"));
+            self.ctx
+                .registry
+                .notify_call(self.thread_id, to, &tag, &text, &place);
+        }
+        let waits: Vec<Blocked> = others
+            .iter()
+            .map(|&from| {
+                let text = check::split_step(k, name, &format!("waits for rank {from} to arrive"));
+                Blocked::Await(from, tag.clone(), (text, place.clone()))
+            })
+            .collect();
+        self.ctx.registry.blocked_in(self.thread_id, &waits);
+        let split = {
             let issuing = self.ctx.issue.lock();
             comm::split(
                 self.ctx.lib,
@@ -1539,7 +1562,24 @@ impl Transport for NcclRank {
                 (None, None),
                 self.ctx.opts.warm,
                 &mut || self.ctx.assist(&issuing),
-            )?
+            )
+        };
+        let comm = match split {
+            Ok(c) => {
+                self.ctx.registry.blocked(self.thread_id, None);
+                c
+            }
+            // Past the deadline: a hang, reported with the waits above.
+            Err(Error::Aborted(m)) if m.contains(comm::PAST_DEADLINE) => {
+                let what = format!("comm({name})");
+                let e = self.hang(&what, &place, None);
+                self.ctx.registry.blocked(self.thread_id, None);
+                return Err(e);
+            }
+            Err(e) => {
+                self.ctx.registry.blocked(self.thread_id, None);
+                return Err(e);
+            }
         };
         self.ctx
             .registry

@@ -772,6 +772,28 @@ impl Registry {
         self.lock().trace.block(thread as u32, call);
     }
 
+    /// Marks a thread blocked in one call that the model expresses as
+    /// several waits, in order (a split's `await` of each other rank).
+    pub fn blocked_in(&self, thread: usize, waits: &[Blocked]) {
+        let calls = waits.iter().map(|b| b.trace_call(thread)).collect();
+        self.lock().trace.block_in(thread as u32, calls);
+    }
+
+    /// Records a host message sent (a split's arrival,
+    /// `duplex::transport::check::split_tag`):
+    /// `text` and `place` say where.
+    pub fn notify_call(&self, thread: usize, to: Rank, tag: &str, text: &str, place: &str) {
+        self.lock().trace.push(TraceCall {
+            thread: thread as u32,
+            call: Call::Notify {
+                to,
+                tag: tag.to_string(),
+            },
+            text: text.into(),
+            place: place.into(),
+        });
+    }
+
     /// What every rank issued so far.
     pub fn trace(&self) -> Trace {
         self.lock().trace.clone()

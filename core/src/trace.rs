@@ -166,7 +166,8 @@ pub struct Trace {
     /// has a [`Call::End`] where it returned).
     pub ended: Vec<u32>,
     /// The host wait (a `sync`, `await` or `join`) each blocked thread is
-    /// inside now, at most one per thread.
+    /// inside now: one per thread, or, for a call the model expresses as
+    /// several (a split), its waits in order ([`Trace::block_in`]).
     pub blocked: Vec<TraceCall>,
     /// What each rank's calls before its cut left behind ([`Trace::cut`]),
     /// at most one per rank: a long run keeps these counts instead of
@@ -368,10 +369,16 @@ impl Trace {
 
     /// Sets (or, with `None`, clears) the wait `thread` is blocked in.
     pub fn block(&mut self, thread: u32, wait: Option<TraceCall>) {
+        self.block_in(thread, wait.into_iter().collect());
+    }
+
+    /// Sets the waits `thread` is blocked in: one call that the model
+    /// expresses as several (a split: an `await` of each other rank), in
+    /// order. The analysis makes those the model lets through and finds
+    /// the thread blocked at the first it does not.
+    pub fn block_in(&mut self, thread: u32, waits: Vec<TraceCall>) {
         self.blocked.retain(|b| b.thread != thread);
-        if let Some(w) = wait {
-            self.blocked.push(w);
-        }
+        self.blocked.extend(waits);
     }
 
     /// Folds the first `upto` calls into the cuts of their ranks
@@ -730,8 +737,9 @@ struct Replayer<'t> {
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
     disagreements: Vec<Disagreement>,
-    /// The blocked waits, as machine calls.
-    waits: HashMap<ThreadId, HostCall>,
+    /// The blocked waits, as machine calls: per thread, in order (a call
+    /// the model expresses as several, a split, has several).
+    waits: HashMap<ThreadId, Vec<HostCall>>,
     /// When recording: what happened at each step.
     timeline: Option<Timeline>,
     /// When recording: each live op's index in the timeline.
@@ -778,11 +786,13 @@ impl<'t> Replayer<'t> {
             setup.add_event(e.rank, e.name.clone());
         }
         let calls: Vec<HostCall> = trace.calls.iter().map(|c| c.to_host(setup)).collect();
-        let waits: HashMap<ThreadId, HostCall> = trace
-            .blocked
-            .iter()
-            .map(|c| (ThreadId(c.thread), c.to_host(setup)))
-            .collect();
+        let mut waits: HashMap<ThreadId, Vec<HostCall>> = HashMap::new();
+        for c in &trace.blocked {
+            waits
+                .entry(ThreadId(c.thread))
+                .or_default()
+                .push(c.to_host(setup));
+        }
         m.sync_setup();
         let mut disagreements = Vec::new();
         if !trace.cuts.is_empty() {
@@ -1067,13 +1077,19 @@ impl<'t> Replayer<'t> {
             }
         }
         let mut next = HashMap::new();
-        for (t, call) in std::mem::take(&mut self.waits) {
-            match call {
-                HostCall::Sync { .. } if self.m.enabled(t, &call) => {
-                    let _ = self.m.apply(t, &call);
-                }
-                other => {
-                    next.insert(t, other);
+        for (t, calls) in std::mem::take(&mut self.waits) {
+            // A wait the model lets through is made (a sync of what
+            // completed, an await of a split whose rank has arrived); the
+            // thread is blocked at the first it does not.
+            for call in calls {
+                match call {
+                    HostCall::Sync { .. } | HostCall::Await { .. } if self.m.enabled(t, &call) => {
+                        let _ = self.m.apply(t, &call);
+                    }
+                    other => {
+                        next.insert(t, other);
+                        break;
+                    }
                 }
             }
         }

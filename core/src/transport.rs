@@ -309,6 +309,23 @@ pub mod check {
         }
     }
 
+    /// The host messages that express `Transport::comm`'s k-th
+    /// `ncclCommSplit` of the world (`docs/semantics.md`, "Host calls that
+    /// are not NCCL calls"): on arrival the rank `notify`s every other rank
+    /// with this tag, then `await`s each of theirs in rank order. Both
+    /// backends record it so, so that a rank that never makes the split,
+    /// or makes it only after it waits for a rank inside it, is a hang whose
+    /// report names the cycle through the split.
+    pub fn split_tag(k: usize, name: &str) -> String {
+        format!("ncclCommSplit #{k} (comm {name})")
+    }
+
+    /// The text of a step of the k-th split ([`split_tag`]): `what` is
+    /// `tells rank R it has arrived` or `waits for rank R to arrive`.
+    pub fn split_step(k: usize, name: &str, what: &str) -> String {
+        format!("comm {name} (ncclCommSplit #{k}, collective over every rank): {what}")
+    }
+
     /// The error of a host `read` or `write` (`what`) of a buffer that op
     /// `op` of the open group uses: the group is launched only when it
     /// ends, so the bytes are not there yet (a read) or would be sent or

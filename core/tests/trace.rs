@@ -465,3 +465,74 @@ fn a_settled_machine_keeps_notify_counts_either_way_round() {
     let mut fresh = Machine::new(Arc::new(setup));
     assert!(fresh.settle_from(&far).is_err());
 }
+
+/// A split as the NCCL backend records it (`check::split_tag`): a notify
+/// to every other rank on arrival, and the thread blocked in an await of
+/// each, in order. The analysis makes the awaits whose rank has arrived and
+/// finds the thread blocked at the first it does not: with three ranks,
+/// ranks 0 and 2 inside the split and rank 1 waiting for a message rank 0
+/// sends only after it, rank 0 is blocked at its first await (of rank 1)
+/// though its second (of rank 2) could be made, and the cycle runs from
+/// rank 0's wait for rank 1 to rank 1's wait for rank 0.
+#[test]
+fn a_split_blocked_at_its_first_rank_not_arrived_names_the_cycle() {
+    let tag = duplex::transport::check::split_tag(0, "x");
+    let mut t = Trace::new(3);
+    t.add_comm("world", &[0, 1, 2], true);
+    let threads: Vec<u32> = (0..3).map(|r| t.add_thread(r, "main")).collect();
+    let call = |thread: u32, call: Call, text: &str| TraceCall {
+        thread,
+        call,
+        text: text.into(),
+        place: "x.rs:1:1".into(),
+    };
+    for r in [0u32, 2] {
+        let others: Vec<u32> = (0..3).filter(|o| *o != r).collect();
+        for &to in &others {
+            t.push(call(
+                threads[r as usize],
+                Call::Notify {
+                    to,
+                    tag: tag.clone(),
+                },
+                "arrives",
+            ));
+        }
+        let waits = others
+            .iter()
+            .map(|&from| {
+                call(
+                    threads[r as usize],
+                    Call::Await {
+                        from,
+                        tag: tag.clone(),
+                    },
+                    &format!("waits for rank {from} to arrive"),
+                )
+            })
+            .collect();
+        t.block_in(threads[r as usize], waits);
+    }
+    t.block(
+        threads[1],
+        Some(call(
+            threads[1],
+            Call::Await {
+                from: 0,
+                tag: "go".into(),
+            },
+            "await 0 go",
+        )),
+    );
+    let a = t.analyze(duplex::Model::default());
+    assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
+    let stuck = a.stuck.expect("stuck");
+    let text = stuck.to_string();
+    assert!(!stuck.cycle.is_empty(), "{text}");
+    assert!(text.contains("waits for rank 1 to arrive"), "{text}");
+    assert!(text.contains("await 0 go"), "{text}");
+    assert!(
+        !text.contains("waits for rank 2 to arrive"),
+        "rank 2 has arrived: {text}"
+    );
+}

@@ -289,6 +289,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             group_same_buffer::<T>,
         ),
         s(
+            "comm/after-wait",
+            "rank 1 makes a communicator (ncclCommSplit, collective over every rank) and then sends; rank 0 makes it only after it has received that message: a hang whose cycle runs through the split",
+            2,
+            Shared,
+            Hangs,
+            comm_after_wait::<T>,
+        ),
+        s(
             "reply-after-wait",
             "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",
             2,
@@ -861,6 +869,24 @@ pub fn group_same_buffer<T: Transport>(t: &T) -> Result<()> {
     })?;
     t.synchronize()?;
     check(t, &inb, peer, 8)
+}
+
+/// Rank 0 receives from rank 1 and waits for it before it makes a
+/// communicator; rank 1 makes the communicator first, then sends. Making a
+/// communicator is `ncclCommSplit` of the world, collective over every
+/// rank, so each waits for the other: a hang through the split.
+pub fn comm_after_wait<T: Transport>(t: &T) -> Result<()> {
+    let mut b = filled(t, 1 - t.rank(), 9)?;
+    if t.rank() == 0 {
+        t.recv(&mut b, 1)?;
+        t.synchronize()?;
+        t.comm("late", &[0, 1])?;
+    } else {
+        t.comm("late", &[0, 1])?;
+        t.send(&b, 0)?;
+        t.synchronize()?;
+    }
+    Ok(())
 }
 
 /// The feature request's pitch: "with use_stream(s): send(...)".

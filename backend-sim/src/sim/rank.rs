@@ -285,16 +285,9 @@ impl SimRank {
         }
         let tag = {
             let mut w = self.shared.lock();
-            w.machine
-                .setup_mut()
-                .tag(&format!("ncclCommSplit #{k} (comm {name})"))
+            w.machine.setup_mut().tag(&check::split_tag(k, name))
         };
-        let said = |what: String| {
-            self.origin(
-                at,
-                format!("comm {name} (ncclCommSplit #{k}, collective over every rank): {what}"),
-            )
-        };
+        let said = |what: String| self.origin(at, check::split_step(k, name, &what));
         for &to in &others {
             let origin = said(format!("tells rank {to} it has arrived"))?;
             self.call(HostCall::Notify { to, tag, origin }, vec![])?;
