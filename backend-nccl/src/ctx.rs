@@ -528,6 +528,7 @@ impl OpMeta {
             dtype: self.dtype,
             stream,
             stream_name: &self.stream,
+            part: self.logical(),
             at: self.at,
             site: self.site.as_ref(),
         }

@@ -113,6 +113,13 @@ struct Req {
     buf: Arc<BufState>,
 }
 
+/// A launch's accesses of its buffers, for the device order (D1).
+fn accesses(reqs: &[Req]) -> SmallVec<[(u64, duplex::order::Access<'_>); INLINE_OPS]> {
+    reqs.iter()
+        .map(|r| (r.buf.id, r.meta.access(r.stream.0.id)))
+        .collect()
+}
+
 impl NcclRank {
     pub(crate) fn new(ctx: Arc<RankCtx>, thread: &str) -> NcclRank {
         let thread_id = ctx.registry.thread(ctx.rank, thread);
@@ -431,13 +438,12 @@ impl NcclRank {
         }
         // D1: a launch whose op races with an earlier access to its buffer
         // (or with another op of the launch) is refused before anything
-        // records it; once the registry has, its accesses are recorded.
-        let uses: SmallVec<[(u64, duplex::order::Access<'_>); INLINE_OPS]> = reqs
-            .iter()
-            .map(|r| (r.buf.id, r.meta.access(r.stream.0.id)))
-            .collect();
-        let mut order = lock(&ctx.order);
-        order.check(&uses).map_err(|race| race.error())?;
+        // records it. Its accesses are recorded once it is on its streams
+        // (below): a sync or record another thread makes meanwhile then
+        // covers it only if it does on the device.
+        lock(&ctx.order)
+            .check(&accesses(&reqs))
+            .map_err(|race| race.error())?;
         let metas: SmallVec<[&OpMeta; INLINE_OPS]> = reqs.iter().map(|r| &r.meta).collect();
         let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
         ctx.registry.launch(LaunchRec {
@@ -447,8 +453,6 @@ impl NcclRank {
             fifos: &mut fifos,
             grouped,
         })?;
-        order.commit(&uses);
-        drop((order, uses));
         drop(metas);
         for (r, fifo) in reqs.iter_mut().zip(fifos) {
             r.meta.fifo = fifo;
@@ -514,6 +518,10 @@ impl NcclRank {
         if let Some(e) = &failed {
             self.abandon(&ends, e);
         }
+        // On its streams (a copy op that failed is recorded too: its lane
+        // is aborted, and a later op on its buffer is refused until a sync,
+        // which errs on the safe side).
+        lock(&ctx.order).commit(&accesses(&reqs));
         // One completion fence per stream of the launch, attached to after
         // its last op there, shared by the launch's ops on that stream
         // (and by the stream's next launches until it is recorded).
@@ -1710,8 +1718,11 @@ impl Transport for NcclRank {
             );
         }
         self.ctx.device.bind()?;
-        event.0.raw.record(&stream.0.raw)?;
+        // The order first (D1): a launch another thread puts on the stream
+        // in between is then left out of the event's clock, whether or not
+        // the device record covers it, never counted in when it does not.
         lock(&self.ctx.order).record(event.0.id, stream.0.id);
+        event.0.raw.record(&stream.0.raw)?;
         self.ctx
             .registry
             .event_call(self.thread_id, true, event.0.id, stream.0.id);
@@ -1729,6 +1740,8 @@ impl Transport for NcclRank {
         }
         self.ctx.device.bind()?;
         stream.0.raw.wait(&event.0.raw)?;
+        // After the device wait (D1): a launch in between is not counted
+        // as ordered after the event.
         lock(&self.ctx.order).wait(event.0.id, stream.0.id);
         self.ctx
             .registry
@@ -1753,6 +1766,8 @@ impl Transport for NcclRank {
             .into_iter()
             .filter(|op| op.event.queue().0 == stream.0.serial())
             .collect();
+        // What it covers is taken before its event is recorded (D1): a
+        // launch in between is left out, never counted in.
         let covers = lock(&self.ctx.order).covers(Some(stream.0.id));
         let ev = stream.0.wait_event()?;
         let what = format!("sync_stream({})", stream.0.name);

@@ -503,3 +503,37 @@ fn the_replay_hint_of_a_non_default_model_is_rust_that_compiles() {
         "{text}"
     );
 }
+
+/// A group over two streams of one communicator holds both until it has
+/// completed (R8): a send on one of them of what the group received on
+/// the other is ordered after it, and so is anything after a sync of
+/// either (D1 must not refuse these).
+#[test]
+fn a_group_over_two_streams_orders_each_after_all_of_it() {
+    let prog = |t: &SimRank| -> duplex::Result<()> {
+        let peer = 1 - t.rank();
+        let (a, b, c) = (t.stream("a")?, t.stream("b")?, t.stream("c")?);
+        let world = t.world();
+        let out = t.alloc::<u32>(8)?;
+        let mut x = t.alloc::<u32>(8)?;
+        let mut back = t.alloc::<u32>(8)?;
+        t.group(|| {
+            t.recv_on(&mut x, peer, &Place::on(&world, &a))?;
+            t.send_on(&out, peer, &Place::on(&world, &b))
+        })?;
+        t.group(|| {
+            t.send_on(&x, peer, &Place::on(&world, &b))?;
+            t.recv_on(&mut back, peer, &Place::on(&world, &c))
+        })?;
+        t.sync_stream(&b)?;
+        // `back`'s recv was in the second group, on c and b: synced.
+        let mut last = t.alloc::<u32>(8)?;
+        t.group(|| {
+            t.send_on(&back, peer, &Place::on(&world, &a))?;
+            t.recv_on(&mut last, peer, &Place::on(&world, &a))
+        })?;
+        t.synchronize()
+    };
+    let r = Sim::new(2).check(prog);
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}

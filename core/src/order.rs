@@ -52,6 +52,13 @@ pub struct Access<'a> {
     pub stream: u32,
     /// The stream's name.
     pub stream_name: &'a str,
+    /// The part of the launch it belongs to, by the backend's number of
+    /// its communicator (or copy-engine lane): a group's ops of one
+    /// communicator are one launch of the model (R8), which waits for
+    /// what came before on each of its streams and holds them all until it
+    /// has completed; ops of different parts on one stream run in stream
+    /// order.
+    pub part: u32,
     /// Where the op was made.
     pub at: &'static Location<'static>,
     /// The call site set by [`crate::transport::check::at_site`] (a
@@ -286,11 +293,24 @@ impl Order {
     /// is the error. Records no access: a backend that checks before it
     /// launches commits once the launch is made.
     pub fn check(&mut self, ops: &[(u64, Access<'_>)]) -> Result<(), Box<Race>> {
+        let streams: SmallVec<[usize; 4]> =
+            ops.iter().map(|(_, a)| self.stream(a.stream)).collect();
         for (i, (buf, now)) in ops.iter().enumerate() {
-            let s = self.stream(now.stream);
+            // The streams of its part: it runs after what came before on
+            // any of them.
+            let part = ops
+                .iter()
+                .zip(&streams)
+                .filter(|((_, a), _)| a.part == now.part)
+                .map(|(_, s)| *s);
             if let Some(u) = self.uses.get(buf) {
                 let reads = u.reads.iter().filter(|_| now.writes());
-                if let Some(e) = u.write.iter().chain(reads).find(|e| !self.ordered(e, s)) {
+                if let Some(e) = u
+                    .write
+                    .iter()
+                    .chain(reads)
+                    .find(|e| !part.clone().any(|s| self.ordered(e, s)))
+                {
                     return Err(Box::new(Race {
                         now: now.named(),
                         earlier: e.op.named(&self.names[e.stream]),
@@ -298,10 +318,15 @@ impl Order {
                     }));
                 }
             }
-            if let Some((_, earlier)) = ops[..i]
-                .iter()
-                .find(|(b, e)| b == buf && (e.writes() || now.writes()))
-            {
+            // Ops of one part run at once; of two parts, in stream order
+            // on one stream, and unordered on two.
+            if let Some((_, earlier)) = ops[..i].iter().zip(&streams).find_map(|(o, s)| {
+                let (b, e) = o;
+                (b == buf
+                    && (e.writes() || now.writes())
+                    && (e.part == now.part || *s != streams[i]))
+                    .then_some(o)
+            }) {
                 return Err(Box::new(Race {
                     now: now.named(),
                     earlier: earlier.named(),
@@ -315,6 +340,7 @@ impl Order {
     /// Records the accesses of a launch of `ops` that was made.
     pub fn commit(&mut self, ops: &[(u64, Access<'_>)]) {
         let mut seqs: SmallVec<[(usize, u64); 4]> = SmallVec::new();
+        let mut parts: SmallVec<[(u32, usize); 4]> = SmallVec::new();
         for (buf, op) in ops {
             let s = self.stream(op.stream);
             if self.names[s].is_empty() {
@@ -339,6 +365,9 @@ impl Order {
                 seq,
                 op: op.past(),
             };
+            if !parts.iter().any(|(p, x)| *p == op.part && *x == s) {
+                parts.push((op.part, s));
+            }
             let u = self.uses.entry(*buf).or_default();
             if op.writes() {
                 u.write = Some(stamped);
@@ -346,6 +375,30 @@ impl Order {
             } else {
                 u.reads.retain(|r| r.stream != s);
                 u.reads.push(stamped);
+            }
+        }
+        // A part on several streams holds them all until it has completed
+        // (R8): what comes after it on any of them comes after all of it.
+        let mut done: SmallVec<[u32; 4]> = SmallVec::new();
+        for &(p, _) in &parts {
+            if done.contains(&p) {
+                continue;
+            }
+            done.push(p);
+            let mine: SmallVec<[usize; 4]> = parts
+                .iter()
+                .filter(|(q, _)| *q == p)
+                .map(|(_, s)| *s)
+                .collect();
+            if mine.len() < 2 {
+                continue;
+            }
+            let mut all = Clock::new();
+            for &s in &mine {
+                join(&mut all, &self.clocks[s].0);
+            }
+            for &s in &mine {
+                self.clocks[s].0.clone_from(&all);
             }
         }
     }
@@ -419,20 +472,50 @@ impl Order {
     /// two states with the same digest refuse the same launches. For an
     /// explorer's record of states seen.
     pub fn digest(&self, h: &mut impl Hasher) {
-        self.index.hash(h);
-        for (c, _) in &self.clocks {
-            c.hash(h);
+        // Canonical: streams by the backend's number, not by first use,
+        // and every clock with what the host knows taken in (as the next
+        // use of the stream will), so that one state reached in two orders
+        // has one digest.
+        let seen: Vec<(u32, usize)> = self
+            .index
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| **i != 0)
+            .map(|(n, i)| (n as u32, *i as usize - 1))
+            .collect();
+        let clock = |c: &Clock, h: &mut dyn Hasher| {
+            for &(_, l) in &seen {
+                h.write_u64(get(c, l).max(get(&self.host, l)));
+            }
+        };
+        for &(n, l) in &seen {
+            h.write_u32(n);
+            clock(&self.clocks[l].0, h);
         }
-        self.host.hash(h);
-        self.events.hash(h);
+        clock(&Clock::new(), h);
+        for (e, c) in self.events.iter().enumerate() {
+            if let Some(c) = c {
+                h.write_usize(e);
+                clock(c, h);
+            }
+        }
+        let number = |l: usize| {
+            seen.iter()
+                .find(|(_, x)| *x == l)
+                .map_or(u32::MAX, |(n, _)| *n)
+        };
         let mut bufs: Vec<_> = self.uses.iter().collect();
         bufs.sort_unstable_by_key(|(b, _)| **b);
         for (b, u) in bufs {
             b.hash(h);
-            for e in u.write.iter().chain(&u.reads) {
-                (e.stream, e.seq, e.op.dir == Dir::Recv).hash(h);
-            }
-            u.reads.len().hash(h);
+            let mut stamps: Vec<(u32, u64, bool)> = u
+                .write
+                .iter()
+                .chain(&u.reads)
+                .map(|e| (number(e.stream), e.seq, e.op.dir == Dir::Recv))
+                .collect();
+            stamps.sort_unstable();
+            stamps.hash(h);
         }
     }
 }
@@ -452,8 +535,17 @@ mod tests {
             dtype: DType::U32,
             stream,
             stream_name: NAMES[stream as usize],
+            part: 0,
             at: Location::caller(),
             site: None,
+        }
+    }
+
+    #[track_caller]
+    fn on(dir: Dir, stream: u32, part: u32) -> Access<'static> {
+        Access {
+            part,
+            ..op(dir, stream)
         }
     }
 
@@ -582,6 +674,62 @@ mod tests {
             .unwrap();
         o.launch(&[(X, op(Dir::Send, 0)), (Y, op(Dir::Recv, 1))])
             .unwrap();
+    }
+
+    #[test]
+    fn a_launch_over_several_streams_orders_each_after_all_of_it() {
+        // R8: the launch waits for what came before on each of its
+        // streams, and what comes after on any of them waits for all of it.
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0)), (Y, op(Dir::Send, 1))])
+            .unwrap();
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+        o.launch(&[(Y, op(Dir::Recv, 2))]).unwrap_err();
+        // A sync of one of its streams covers all of it.
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0)), (Y, op(Dir::Send, 1))])
+            .unwrap();
+        let c = o.covers(Some(1));
+        o.synced(c);
+        o.launch(&[(X, op(Dir::Send, 2))]).unwrap();
+        // Before: a recv on stream 0, then a launch on streams 1 and 0.
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        o.launch(&[(X, op(Dir::Send, 1)), (Y, op(Dir::Send, 0))])
+            .unwrap();
+        // Parts (communicators) apart are not joined.
+        let mut o = Order::new();
+        o.launch(&[(X, on(Dir::Recv, 0, 1)), (Y, on(Dir::Send, 1, 2))])
+            .unwrap();
+        o.launch(&[(X, op(Dir::Send, 1))]).unwrap_err();
+    }
+
+    #[test]
+    fn parts_of_one_launch_on_one_stream_run_in_stream_order() {
+        let mut o = Order::new();
+        // A copy-engine lane's recv and an NCCL send of the same buffer,
+        // in one group on one stream: the copies go on after NCCL's part.
+        o.launch(&[(X, on(Dir::Send, 0, 1)), (X, on(Dir::Recv, 0, 2))])
+            .unwrap();
+        // On two streams, they race.
+        let e = race(o.launch(&[(Y, on(Dir::Send, 0, 1)), (Y, on(Dir::Recv, 1, 2))]));
+        assert!(e.contains("in the same launch"), "{e}");
+    }
+
+    #[test]
+    fn one_state_reached_in_two_orders_has_one_digest() {
+        let digest = |o: &Order| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            o.digest(&mut h);
+            h.finish()
+        };
+        let mut a = Order::new();
+        a.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        a.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        let mut b = Order::new();
+        b.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        b.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        assert_eq!(digest(&a), digest(&b));
     }
 
     #[test]

@@ -203,6 +203,7 @@ impl SimRank {
             count: buf.len,
             dtype: E::DTYPE,
             stream: stream.0,
+            part: comm.0,
             stream_name: self.shared.lock().machine.setup().streams[stream.0 as usize]
                 .name
                 .clone(),

@@ -47,6 +47,8 @@ pub(crate) struct Use {
     pub(crate) dtype: duplex::DType,
     pub(crate) stream: u32,
     pub(crate) stream_name: String,
+    /// Its communicator (or copy-engine lane): its part of the launch.
+    pub(crate) part: u32,
     pub(crate) at: &'static std::panic::Location<'static>,
     pub(crate) site: Option<Arc<str>>,
 }
@@ -62,6 +64,7 @@ impl Use {
                 dtype: self.dtype,
                 stream: self.stream,
                 stream_name: &self.stream_name,
+                part: self.part,
                 at: self.at,
                 site: self.site.as_ref(),
             },
