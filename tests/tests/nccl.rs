@@ -550,6 +550,10 @@ fn two_processes(job: &str) -> String {
         // The same from traces cut where each rank was quiet: the cycle
         // is named from what the cuts kept and the calls since.
         "long-then-seed/shared" => both_hang(&said, &cycles),
+        // Rank 1 waits in the split for rank 0, which waits on the device
+        // for rank 1's send: both hang, and the cycle runs through the
+        // split's waits that each rank recorded.
+        "comm/after-wait" => both_hang(&said, &cycles),
         // The survivor fails (a hang past its deadline, or an error that
         // names the lost peer as its cause) instead of waiting for ever.
         // Rank 1 printed nothing: it reached its rank code (after the
