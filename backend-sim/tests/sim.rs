@@ -537,3 +537,38 @@ fn a_group_over_two_streams_orders_each_after_all_of_it() {
     let r = Sim::new(2).check(prog);
     assert!(r.is_ok(), "{}", r.unwrap_err());
 }
+
+/// A thread that waits for another outside the transport (here a channel
+/// from its rank's main thread, which is parked in a transport call) would
+/// hang the test: past the limit the execution ends with an error that
+/// names it, and the test goes on.
+#[test]
+fn a_wait_outside_the_transport_is_an_error_not_a_hung_test() {
+    let start = Instant::now();
+    let failure = Sim::new(2)
+        .user_code_limit(Duration::from_millis(300))
+        .run(0, |t| {
+            if t.rank() == 1 {
+                return t.synchronize();
+            }
+            let (tx, rx) = std::sync::mpsc::channel::<u32>();
+            let waiter = t.spawn("waiter", move |t: &SimRank| {
+                let n = rx.recv().map_err(|e| Error::User(e.to_string()))?;
+                let buf = t.alloc::<u32>(n as usize)?;
+                t.send(&buf, 1)
+            })?;
+            t.synchronize()?;
+            tx.send(8).map_err(|e| Error::User(e.to_string()))?;
+            t.join(waiter)
+        })
+        .unwrap_err();
+    let text = failure.to_string();
+    assert!(text.contains("rank 0 waiter failed"), "{text}");
+    assert!(text.contains("without a transport call"), "{text}");
+    assert!(text.contains("Sim::user_code_limit"), "{text}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -35,8 +35,13 @@
 //! point and is not explored. And a wait outside the transport (a lock, a
 //! channel or a `std::sync::Barrier` that rank threads share) is invisible
 //! to the simulator, which runs one thread at a time: it can neither see
-//! nor end it, and such a test blocks. Synchronize ranks through the
-//! transport (`notify`/`await_notify`) instead.
+//! nor end it. Once the waiting thread has gone [`Sim::user_code_limit`]
+//! (30 s by default) without a transport call, the execution ends with an
+//! error that names it and says so (also on stderr at once), and the
+//! threads parked in transport calls return errors; the test then ends if
+//! that frees the wait (a channel whose sender is dropped, a lock
+//! released), and stays blocked if not (a barrier). Synchronize ranks
+//! through the transport (`notify`/`await_notify`, `join`) instead.
 
 mod rank;
 mod world;
@@ -58,6 +63,9 @@ use world::{Ctl, Ending, Shared, World};
 /// `DUPLEX_MAX_EXECUTIONS` says otherwise.
 pub const DEFAULT_MAX_EXECUTIONS: usize = 20_000;
 
+/// The default of [`Sim::user_code_limit`].
+pub const DEFAULT_USER_CODE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A simulated world of ranks. Build it, then [`Sim::run`], [`Sim::check`] or
 /// [`Sim::replay`] a rank closure.
 #[derive(Clone, Debug)]
@@ -69,6 +77,7 @@ pub struct Sim {
     max_executions: usize,
     reduce: bool,
     trace_to: Option<std::path::PathBuf>,
+    user_code_limit: std::time::Duration,
 }
 
 /// What a successful run explored.
@@ -349,6 +358,7 @@ impl Sim {
             max_executions,
             reduce: true,
             trace_to: None,
+            user_code_limit: DEFAULT_USER_CODE_LIMIT,
         }
     }
 
@@ -369,6 +379,20 @@ impl Sim {
     /// Runs under `model` (eager capacity, lazy connection, ...).
     pub fn model(mut self, model: Model) -> Sim {
         self.model = model;
+        self
+    }
+
+    /// How long one host thread may run its own code between two transport
+    /// calls while every other thread waits for it (default
+    /// [`DEFAULT_USER_CODE_LIMIT`]). The simulator runs one host thread at
+    /// a time, so a thread that waits for another outside the transport (a
+    /// lock, a channel or a barrier the rank threads share) waits for ever;
+    /// past the limit the execution ends with an error naming that thread,
+    /// and the threads parked in transport calls return errors, which ends
+    /// such a wait when their code gives up what it holds. Raise it for
+    /// code that computes for long between calls.
+    pub fn user_code_limit(mut self, limit: std::time::Duration) -> Sim {
+        self.user_code_limit = limit;
         self
     }
 
@@ -622,6 +646,8 @@ impl Sim {
             calls: Vec::new(),
             describe: format!("policy {}, model {}", self.policy, self.model),
             replay_hint: self.replay_hint(),
+            progress: 0,
+            user_code_limit: self.user_code_limit,
         };
         let shared = Arc::new(Shared {
             world: Mutex::new(world),

@@ -141,6 +141,12 @@ pub(crate) struct World {
     /// Header of hang reports and the replay hint.
     pub(crate) describe: String,
     pub(crate) replay_hint: String,
+    /// Bumped at every transport call that goes through the scheduler and
+    /// at every thread's end: the waiting threads' sign of progress.
+    pub(crate) progress: u64,
+    /// How long the running thread may go without `progress`
+    /// ([`crate::Sim::user_code_limit`]).
+    pub(crate) user_code_limit: std::time::Duration,
 }
 
 impl std::fmt::Debug for World {
@@ -192,6 +198,7 @@ impl Shared {
         if let Err(e) = w.machine.check_call(t, &call) {
             return Err(e.into());
         }
+        w.progress += 1;
         w.ctl[t.0 as usize] = Ctl::Parked(call, bufs);
         w.running = None;
         w.schedule();
@@ -201,6 +208,7 @@ impl Shared {
 
     /// Waits until `t` may run again; returns the result of its call.
     pub(crate) fn wait_turn(&self, mut w: MutexGuard<'_, World>, t: ThreadId) -> Result<(), Error> {
+        let mut seen = (w.progress, std::time::Instant::now());
         loop {
             if w.running == Some(t) {
                 let ctl = std::mem::replace(&mut w.ctl[t.0 as usize], Ctl::Running);
@@ -217,7 +225,16 @@ impl Shared {
                 };
             }
             let turn = w.turns[t.0 as usize].clone();
-            w = turn.wait(w).unwrap_or_else(|e| e.into_inner());
+            let slice = w.user_code_limit.min(std::time::Duration::from_millis(500));
+            w = match turn.wait_timeout(w, slice) {
+                Ok((w, _)) => w,
+                Err(e) => e.into_inner().0,
+            };
+            if w.progress != seen.0 {
+                seen = (w.progress, std::time::Instant::now());
+            } else if seen.1.elapsed() >= w.user_code_limit {
+                w.user_code_stuck();
+            }
         }
     }
 
@@ -225,6 +242,7 @@ impl Shared {
     /// end call, and pass the turn on.
     pub(crate) fn finish(&self, t: ThreadId, result: Result<(), String>) {
         let mut w = self.lock();
+        w.progress += 1;
         let failed = result.is_err();
         w.results[t.0 as usize] = Some(
             result
@@ -275,6 +293,29 @@ impl World {
             }
             None => Error::Aborted("the execution is over".into()),
         }
+    }
+
+    /// The running thread has gone [`World::user_code_limit`] without a
+    /// transport call while every other thread waited for it: most likely
+    /// it waits for another thread outside the transport, which the
+    /// simulator cannot see or end. The execution ends with that error, so
+    /// that parked threads return and the test does not hang silently.
+    #[allow(clippy::print_stderr)]
+    fn user_code_stuck(&mut self) {
+        if self.over {
+            return;
+        }
+        let Some(r) = self.running else { return };
+        let error = format!(
+            "ran its own code for {:?} without a transport call while every other thread of the simulation waited for it: a wait outside the transport (a lock, a channel or a barrier that rank threads share) never ends on the simulator, which runs one host thread at a time and cannot see it; wait with notify/await_notify, or join, instead, or raise Sim::user_code_limit if the code is only slow",
+            self.user_code_limit
+        );
+        // Said at once as well: if that thread's wait does not end when
+        // the others return, the test itself cannot finish, and this is
+        // the only way its user learns why.
+        eprintln!("duplex-sim: {} {error}", self.thread_name(r));
+        self.end(Ending::Thread { thread: r, error });
+        self.wake();
     }
 
     pub(crate) fn thread_name(&self, t: ThreadId) -> String {
