@@ -536,14 +536,7 @@ impl OpMeta {
 
     /// `send 1024 x f32 to rank 1`.
     pub(crate) fn text(&self) -> String {
-        format!(
-            "{} {} x {} {} rank {}",
-            self.dir.name(),
-            self.count,
-            self.dtype,
-            if self.dir == Dir::Send { "to" } else { "from" },
-            self.peer
-        )
+        check::op_text(self.dir, self.count, self.dtype, self.peer)
     }
 
     /// Its communicator's number in the registry: its copy-engine lane's,

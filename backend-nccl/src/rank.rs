@@ -258,15 +258,7 @@ impl NcclRank {
         peer: Rank,
         place_: &Place<Self>,
     ) -> Result<Req> {
-        let what = || {
-            format!(
-                "{} {} x {} {} rank {peer}",
-                dir.name(),
-                buf.len,
-                E::DTYPE,
-                if dir == Dir::Send { "to" } else { "from" }
-            )
-        };
+        let what = || check::op_text(dir, buf.len, E::DTYPE, peer);
         check::peer(at, what, peer, self.ctx.world_size)?;
         if buf.state.rank != self.ctx.rank {
             return check::invalid(

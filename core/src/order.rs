@@ -102,14 +102,7 @@ struct Past {
 impl Past {
     fn named(&self, stream: &str) -> Named {
         Named {
-            text: format!(
-                "{} {} x {} {} rank {}",
-                self.dir.name(),
-                self.count,
-                self.dtype,
-                if self.dir == Dir::Send { "to" } else { "from" },
-                self.peer
-            ),
+            text: crate::transport::check::op_text(self.dir, self.count, self.dtype, self.peer),
             place: match &self.site {
                 Some(s) => s.to_string(),
                 None => format!("{}:{}:{}", self.at.file(), self.at.line(), self.at.column()),
@@ -716,13 +709,14 @@ mod tests {
         assert!(e.contains("in the same launch"), "{e}");
     }
 
+    fn digest(o: &Order) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        o.digest(&mut h);
+        h.finish()
+    }
+
     #[test]
     fn one_state_reached_in_two_orders_has_one_digest() {
-        let digest = |o: &Order| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            o.digest(&mut h);
-            h.finish()
-        };
         let mut a = Order::new();
         a.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
         a.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
@@ -756,11 +750,6 @@ mod tests {
 
     #[test]
     fn the_digest_tells_a_synced_state_from_one_not_synced() {
-        let digest = |o: &Order| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            o.digest(&mut h);
-            h.finish()
-        };
         let mut a = Order::new();
         a.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
         let mut b = Order::new();

@@ -309,6 +309,20 @@ pub mod check {
         }
     }
 
+    /// How every backend and report names a point-to-point op:
+    /// `send 1024 x f32 to rank 1`, `recv 16 x u8 from rank 0`.
+    pub fn op_text(dir: crate::Dir, count: usize, dtype: crate::DType, peer: Rank) -> String {
+        format!(
+            "{} {count} x {dtype} {} rank {peer}",
+            dir.name(),
+            if dir == crate::Dir::Send {
+                "to"
+            } else {
+                "from"
+            }
+        )
+    }
+
     /// The host messages that express `Transport::comm`'s k-th
     /// `ncclCommSplit` of the world (`docs/semantics.md`, "Host calls that
     /// are not NCCL calls"): on arrival the rank `notify`s every other rank

@@ -759,15 +759,21 @@ pub fn pipeline_1f1b<T: Transport>(t: &T) -> Result<()> {
 
 /// Send and recv in one group, on one shared lane.
 pub fn grouped<T: Transport>(t: &T) -> Result<()> {
+    let out = filled(t, 1 - t.rank(), 5)?;
+    exchange_grouped(t, &out, 5)
+}
+
+/// Sends `out` (the message with `tag`) to the peer and receives the
+/// peer's into a new buffer, in one group; checks every byte.
+fn exchange_grouped<T: Transport>(t: &T, out: &T::Buffer<u32>, tag: u32) -> Result<()> {
     let peer = 1 - t.rank();
-    let out = filled(t, peer, 5)?;
     let mut inb = t.alloc::<u32>(len())?;
     t.group(|| {
-        t.send(&out, peer)?;
+        t.send(out, peer)?;
         t.recv(&mut inb, peer)
     })?;
     t.synchronize()?;
-    check(t, &inb, peer, 5)
+    check(t, &inb, peer, tag)
 }
 
 /// Rank 0 sends a message to rank 1; rank 1 receives it on stream `a`,
@@ -790,19 +796,35 @@ pub fn events_across_streams<T: Transport>(t: &T) -> Result<()> {
         }
         Ok(())
     } else {
-        let a = t.stream("a")?;
-        let b = t.stream("b")?;
-        let e = t.event()?;
-        let mut buf = t.alloc::<u32>(len())?;
-        let from0 = t.lane(0, Dir::Recv)?;
-        let to0 = t.lane(0, Dir::Send)?;
-        t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
-        t.record(&e, &a)?;
-        t.wait(&e, &b)?;
-        t.send_on(&buf, 0, &Place::on(&to0.comm, &b))?;
-        t.synchronize()?;
-        check(t, &buf, 0, 6)
+        relay_across_streams(t, false)
     }
+}
+
+/// Rank 1's part of [`events_across_streams`]; with `early`, it first
+/// sends the received data on stream `b` with no event between, which
+/// must be refused with a race (D1) naming the recv, nothing launched.
+fn relay_across_streams<T: Transport>(t: &T, early: bool) -> Result<()> {
+    let a = t.stream("a")?;
+    let b = t.stream("b")?;
+    let e = t.event()?;
+    let mut buf = t.alloc::<u32>(len())?;
+    let from0 = t.lane(0, Dir::Recv)?;
+    let to0 = t.lane(0, Dir::Send)?;
+    t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
+    if early {
+        let sent = t.send_on(&buf, 0, &Place::on(&to0.comm, &b));
+        expect_race(
+            t,
+            sent,
+            "a send on stream b of what a recv on stream a writes, with no event between",
+            &format!("recv {} x u32 from rank 0", len()),
+        )?;
+    }
+    t.record(&e, &a)?;
+    t.wait(&e, &b)?;
+    t.send_on(&buf, 0, &Place::on(&to0.comm, &b))?;
+    t.synchronize()?;
+    check(t, &buf, 0, 6)
 }
 
 /// Fails unless `r` is a race whose message names `earlier`.
@@ -821,27 +843,10 @@ fn expect_race(t: &impl Transport, r: Result<()>, what: &str, earlier: &str) -> 
 /// nothing launched; then with the event, as there.
 pub fn events_missing<T: Transport>(t: &T) -> Result<()> {
     if t.rank() == 0 {
-        return events_across_streams(t);
+        events_across_streams(t)
+    } else {
+        relay_across_streams(t, true)
     }
-    let a = t.stream("a")?;
-    let b = t.stream("b")?;
-    let e = t.event()?;
-    let mut buf = t.alloc::<u32>(len())?;
-    let from0 = t.lane(0, Dir::Recv)?;
-    let to0 = t.lane(0, Dir::Send)?;
-    t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
-    let early = t.send_on(&buf, 0, &Place::on(&to0.comm, &b));
-    expect_race(
-        t,
-        early,
-        "a send on stream b of what a recv on stream a writes, with no event between",
-        &format!("recv {} x u32 from rank 0", len()),
-    )?;
-    t.record(&e, &a)?;
-    t.wait(&e, &b)?;
-    t.send_on(&buf, 0, &Place::on(&to0.comm, &b))?;
-    t.synchronize()?;
-    check(t, &buf, 0, 6)
 }
 
 /// A group that sends a buffer and receives into the same buffer: its ops
@@ -862,13 +867,7 @@ pub fn group_same_buffer<T: Transport>(t: &T) -> Result<()> {
         "a group that sends a buffer and receives into it",
         &format!("send {} x u32 to rank {peer}", len()),
     )?;
-    let mut inb = t.alloc::<u32>(len())?;
-    t.group(|| {
-        t.send(&buf, peer)?;
-        t.recv(&mut inb, peer)
-    })?;
-    t.synchronize()?;
-    check(t, &inb, peer, 8)
+    exchange_grouped(t, &buf, 8)
 }
 
 /// Rank 0 receives from rank 1 and waits for it before it makes a

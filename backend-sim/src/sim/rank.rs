@@ -178,13 +178,7 @@ impl SimRank {
         peer: Rank,
         place: &Place<Self>,
     ) -> Result<()> {
-        let what = format!(
-            "{} {} x {} {} rank {peer}",
-            dir.name(),
-            buf.len,
-            E::DTYPE,
-            if dir == Dir::Send { "to" } else { "from" }
-        );
+        let what = check::op_text(dir, buf.len, E::DTYPE, peer);
         {
             let w = self.shared.lock();
             if w.over {
