@@ -1549,6 +1549,16 @@ impl Transport for NcclRank {
             })
             .collect();
         self.ctx.registry.blocked_in(self.thread_id, &waits);
+        // However the split ends (a panic in its wait included), the thread
+        // is no longer blocked in it once this returns: a trace left
+        // blocked would never be cut again.
+        struct Unblock<'a>(&'a crate::registry::Registry, usize);
+        impl Drop for Unblock<'_> {
+            fn drop(&mut self) {
+                self.0.blocked(self.1, None);
+            }
+        }
+        let _unblock = Unblock(&self.ctx.registry, self.thread_id);
         let split = {
             let issuing = self.ctx.issue.lock();
             comm::split(
@@ -1565,22 +1575,14 @@ impl Transport for NcclRank {
             )
         };
         let comm = match split {
-            Ok(c) => {
-                self.ctx.registry.blocked(self.thread_id, None);
-                c
-            }
+            Ok(c) => c,
             // Past the deadline: a hang, reported with the waits above.
             Err(Error::Aborted(m)) if m.contains(comm::PAST_DEADLINE) => {
-                let what = format!("comm({name})");
-                let e = self.hang(&what, &place, None);
-                self.ctx.registry.blocked(self.thread_id, None);
-                return Err(e);
+                return Err(self.hang(&format!("comm({name})"), &place, None));
             }
-            Err(e) => {
-                self.ctx.registry.blocked(self.thread_id, None);
-                return Err(e);
-            }
+            Err(e) => return Err(e),
         };
+        drop(_unblock);
         self.ctx
             .registry
             .comm(logical, name, &sorted, self.ctx.opts.warm);
@@ -1819,6 +1821,7 @@ impl Transport for NcclRank {
             peer,
             self.ctx.world_size,
         )?;
+        check::user_tag(Location::caller(), || format!("notify({peer}, {tag})"), tag)?;
         let what = format!("notify({peer}, {tag})");
         self.ctx
             .board
@@ -1831,6 +1834,7 @@ impl Transport for NcclRank {
         let at = Location::caller();
         let what = format!("await_notify({peer}, {tag})");
         check::peer(at, || what.clone(), peer, self.ctx.world_size)?;
+        check::user_tag(at, || what.clone(), tag)?;
         self.ctx.registry.blocked(
             self.thread_id,
             Some(Blocked::Await(

@@ -572,3 +572,37 @@ fn a_wait_outside_the_transport_is_an_error_not_a_hung_test() {
         start.elapsed()
     );
 }
+
+/// Host reads and writes are transport calls too: a thread that makes only
+/// those, for longer than the limit, is not stuck.
+#[test]
+fn host_reads_and_writes_count_as_progress() {
+    let r = Sim::new(1)
+        .user_code_limit(Duration::from_millis(200))
+        .run(0, |t| {
+            let mut b = t.alloc::<u32>(4)?;
+            let helper = t.spawn("helper", |t: &SimRank| t.synchronize())?;
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_millis(700) {
+                t.write(&mut b, &[1, 2, 3, 4])?;
+                t.read(&b)?;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            t.join(helper)
+        });
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}
+
+#[test]
+fn a_user_tag_may_not_pose_as_a_split() {
+    let r = Sim::new(2).run(0, |t| {
+        match t.notify(1 - t.rank(), "ncclCommSplit #0 (comm x)") {
+            Err(Error::Invalid { message, .. }) => {
+                assert!(message.contains("duplex's own"), "{message}");
+                Ok(())
+            }
+            other => panic!("expected an invalid call, got {other:?}"),
+        }
+    });
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}

@@ -1078,18 +1078,25 @@ impl<'t> Replayer<'t> {
         }
         let mut next = HashMap::new();
         for (t, calls) in std::mem::take(&mut self.waits) {
-            // A wait the model lets through is made (a sync of what
-            // completed, an await of a split whose rank has arrived); the
-            // thread is blocked at the first it does not.
-            for call in calls {
-                match call {
-                    HostCall::Sync { .. } | HostCall::Await { .. } if self.m.enabled(t, &call) => {
-                        let _ = self.m.apply(t, &call);
-                    }
-                    other => {
-                        next.insert(t, other);
-                        break;
-                    }
+            // A sync the model lets through is made (what it waits for
+            // completed), and so is each await of a split but its last
+            // whose rank has arrived; the thread is blocked at the first
+            // wait it does not make. A split whose every rank arrived stays
+            // at its last await, so that the report shows the split (and
+            // that the model does not predict this hang), not the end of
+            // the thread.
+            let n = calls.len();
+            for (i, call) in calls.into_iter().enumerate() {
+                let through = match call {
+                    HostCall::Sync { .. } => self.m.enabled(t, &call),
+                    HostCall::Await { .. } => i + 1 < n && self.m.enabled(t, &call),
+                    _ => false,
+                };
+                if through {
+                    let _ = self.m.apply(t, &call);
+                } else {
+                    next.insert(t, call);
+                    break;
                 }
             }
         }

@@ -331,8 +331,29 @@ pub mod check {
     /// or makes it only after it waits for a rank inside it, is a hang whose
     /// report names the cycle through the split.
     pub fn split_tag(k: usize, name: &str) -> String {
-        format!("ncclCommSplit #{k} (comm {name})")
+        format!("{SPLIT_TAG}{k} (comm {name})")
     }
+
+    /// A user's `notify` or `await_notify` tag (`what` names the call):
+    /// the tags of splits ([`split_tag`]) are the backends' own, so that a
+    /// user's message can neither stand in for a rank's arrival at a split
+    /// nor be taken for one.
+    pub fn user_tag(at: &Location<'_>, what: impl FnOnce() -> String, tag: &str) -> Result<()> {
+        if tag.starts_with(SPLIT_TAG) {
+            invalid(
+                at,
+                format!(
+                    "{}: tags that start with `{SPLIT_TAG}` are duplex's own (a communicator's split); choose another",
+                    what()
+                ),
+            )
+        } else {
+            Ok(())
+        }
+    }
+
+    /// How every split's tag starts.
+    const SPLIT_TAG: &str = "ncclCommSplit #";
 
     /// The text of a step of the k-th split ([`split_tag`]): `what` is
     /// `tells rank R it has arrived` or `waits for rank R to arrive`.

@@ -536,3 +536,46 @@ fn a_split_blocked_at_its_first_rank_not_arrived_names_the_cycle() {
         "rank 2 has arrived: {text}"
     );
 }
+
+/// A split every rank reached that still did not return (NCCL's split
+/// overstayed, or its new communicator's setup): the analysis keeps each
+/// thread at its split's last await, which the model could make, so it
+/// predicts no hang there, rather than showing the threads at their end.
+#[test]
+fn a_split_every_rank_reached_stays_at_its_last_await() {
+    let tag = duplex::transport::check::split_tag(0, "x");
+    let mut t = Trace::new(2);
+    t.add_comm("world", &[0, 1], true);
+    let threads: Vec<u32> = (0..2).map(|r| t.add_thread(r, "main")).collect();
+    for r in 0..2u32 {
+        let other = 1 - r;
+        let call = |call: Call| TraceCall {
+            thread: threads[r as usize],
+            call,
+            text: "split".into(),
+            place: "x.rs:1:1".into(),
+        };
+        t.push(call(Call::Notify {
+            to: other,
+            tag: tag.clone(),
+        }));
+        t.block_in(
+            threads[r as usize],
+            vec![call(Call::Await {
+                from: other,
+                tag: tag.clone(),
+            })],
+        );
+    }
+    let a = t.analyze(duplex::Model::default());
+    assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
+    match a.stuck {
+        None => {}
+        Some(s) => {
+            let text = s.to_string();
+            assert!(!text.contains("end of thread"), "{text}");
+            assert!(text.contains("split"), "{text}");
+        }
+    }
+    assert!(!a.finished, "the threads are inside their split");
+}

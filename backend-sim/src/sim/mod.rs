@@ -389,8 +389,10 @@ impl Sim {
     /// lock, a channel or a barrier the rank threads share) waits for ever;
     /// past the limit the execution ends with an error naming that thread,
     /// and the threads parked in transport calls return errors, which ends
-    /// such a wait when their code gives up what it holds. Raise it for
-    /// code that computes for long between calls.
+    /// such a wait when their code gives up what it holds. Any transport
+    /// call counts (`alloc`, `read` and `write` too). Raise it for code
+    /// that computes for long between calls, or under a debugger that
+    /// stops the process; `Duration::MAX` turns the check off.
     pub fn user_code_limit(mut self, limit: std::time::Duration) -> Sim {
         self.user_code_limit = limit;
         self

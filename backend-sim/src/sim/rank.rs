@@ -640,6 +640,7 @@ impl Transport for SimRank {
             peer,
             self.world_size,
         )?;
+        check::user_tag(Location::caller(), || format!("notify({peer}, {tag})"), tag)?;
         let origin = self.origin(at, format!("notify {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);
         self.call(
@@ -660,6 +661,11 @@ impl Transport for SimRank {
             || format!("await_notify({peer}, {tag})"),
             peer,
             self.world_size,
+        )?;
+        check::user_tag(
+            Location::caller(),
+            || format!("await_notify({peer}, {tag})"),
+            tag,
         )?;
         let origin = self.origin(at, format!("await {peer} {tag}"))?;
         let tag = self.shared.lock().machine.setup_mut().tag(tag);

@@ -141,8 +141,9 @@ pub(crate) struct World {
     /// Header of hang reports and the replay hint.
     pub(crate) describe: String,
     pub(crate) replay_hint: String,
-    /// Bumped at every transport call that goes through the scheduler and
-    /// at every thread's end: the waiting threads' sign of progress.
+    /// Bumped whenever a thread takes the world's lock ([`Shared::lock`]):
+    /// at every transport call and every thread's start and end, the
+    /// waiting threads' sign of progress.
     pub(crate) progress: u64,
     /// How long the running thread may go without `progress`
     /// ([`crate::Sim::user_code_limit`]).
@@ -178,10 +179,15 @@ impl Parked<'_> {
 }
 
 impl Shared {
+    /// The world, for a transport call (of any kind: `alloc`, `read` and
+    /// `write` too) or a thread's start or end, each of which counts as
+    /// progress for [`World::user_code_limit`].
     pub(crate) fn lock(&self) -> MutexGuard<'_, World> {
         // A panic while holding the lock is a bug in duplex; keep going with
         // the data as it is rather than poisoning every thread.
-        self.world.lock().unwrap_or_else(|e| e.into_inner())
+        let mut w = self.world.lock().unwrap_or_else(|e| e.into_inner());
+        w.progress += 1;
+        w
     }
 
     /// Parks thread `t` at `call` and waits until its call returns.
@@ -198,7 +204,6 @@ impl Shared {
         if let Err(e) = w.machine.check_call(t, &call) {
             return Err(e.into());
         }
-        w.progress += 1;
         w.ctl[t.0 as usize] = Ctl::Parked(call, bufs);
         w.running = None;
         w.schedule();
@@ -225,7 +230,10 @@ impl Shared {
                 };
             }
             let turn = w.turns[t.0 as usize].clone();
-            let slice = w.user_code_limit.min(std::time::Duration::from_millis(500));
+            let slice = w.user_code_limit.clamp(
+                std::time::Duration::from_millis(1),
+                std::time::Duration::from_millis(500),
+            );
             w = match turn.wait_timeout(w, slice) {
                 Ok((w, _)) => w,
                 Err(e) => e.into_inner().0,
@@ -242,7 +250,6 @@ impl Shared {
     /// end call, and pass the turn on.
     pub(crate) fn finish(&self, t: ThreadId, result: Result<(), String>) {
         let mut w = self.lock();
-        w.progress += 1;
         let failed = result.is_err();
         w.results[t.0 as usize] = Some(
             result
