@@ -424,7 +424,7 @@ fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> 
         return Some(Decision::Forced(first));
     }
     if reduce_steps
-        && ranks_commute(m)
+        && ranks_commute(m, &Remaining(c))
         && let Some(t) = run.take_alone()
     {
         return Some(Decision::Forced(t));
@@ -448,8 +448,23 @@ fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> 
 /// take the same slot, and which one gets it depends on their order.
 /// Those programs are searched without the reduction (a `notify` or a
 /// `join`, which touches no device state, still goes alone).
-fn ranks_commute(m: &Machine) -> bool {
-    m.setup().model.kernels.is_none()
+///
+/// Where the remaining calls are known, a bound no rank can reach changes
+/// nothing: if on every rank the launches in flight and those still to
+/// come take at most the bound's slots, no launch ever waits for one
+/// (R10 never blocks), and the program runs as without a bound.
+fn ranks_commute(m: &Machine, threads: &dyn Threads) -> bool {
+    let Some(k) = m.setup().model.kernels else {
+        return true;
+    };
+    let setup = m.setup();
+    (0..setup.ranks).all(|r| {
+        let to_come = setup
+            .threads_of(r)
+            .map(|t| threads.slots_to_come(m, t))
+            .try_fold(0usize, |sum, n| n.map(|n| sum + n));
+        to_come.is_some_and(|n| m.slots_wanted(r) + n <= k as usize)
+    })
 }
 
 /// The threads to explore from `m`: all runnable ones, or, with `reduce`,
@@ -495,7 +510,7 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
         return vec![t];
     }
     let setup = m.setup();
-    if !ranks_commute(m) {
+    if !ranks_commute(m, threads) {
         return enabled.to_vec();
     }
     let mut best: Option<Vec<ThreadId>> = None;

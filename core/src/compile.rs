@@ -510,6 +510,20 @@ impl waitfor::Threads for Remaining<'_> {
             .any(|c| matches!(c, HostCall::Notify { to: t2, tag: g, .. } if *t2 == to && *g == tag))
     }
 
+    fn slots_to_come(&self, m: &Machine, t: ThreadId) -> Option<usize> {
+        let rest = &self.0.scripts[t.0 as usize];
+        Some(
+            m.call_in_progress(t)
+                .iter()
+                .chain(rest.iter().skip(m.calls(t) as usize))
+                .map(|c| match c {
+                    HostCall::Launch(spec) => m.slots_of(spec),
+                    _ => 0,
+                })
+                .sum(),
+        )
+    }
+
     fn may_conflict(&self, m: &Machine, t: ThreadId, other: ThreadId, call: &HostCall) -> bool {
         if m.ended(t) {
             return false;

@@ -695,6 +695,28 @@ impl Machine {
     fn is_copy(&self, lref: LaunchRef) -> bool {
         self.setup.comms[self.state.launches[&lref].comm().ix()].copy
     }
+
+    /// Under a kernel-slot bound (R10): the NCCL launches of `rank` issued
+    /// and not completed, each of which holds or waits for a slot.
+    pub fn slots_wanted(&self, rank: Rank) -> usize {
+        self.state.ranks.get(rank as usize).map_or(0, |r| {
+            r.pending.iter().filter(|l| !self.is_copy(**l)).count()
+        })
+    }
+
+    /// The kernel slots a launch of `spec` takes (R10): one per
+    /// communicator of its that is not a copy-engine lane.
+    pub fn slots_of(&self, spec: &LaunchSpec) -> usize {
+        let mut comms: smallvec::SmallVec<[CommId; 4]> = spec
+            .ops
+            .iter()
+            .map(|o| o.comm)
+            .filter(|c| !self.setup.comms[c.ix()].copy)
+            .collect();
+        comms.sort_unstable();
+        comms.dedup();
+        comms.len()
+    }
 }
 
 /// A channel: (communicator, source rank, destination rank).

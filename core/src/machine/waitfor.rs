@@ -48,6 +48,13 @@ pub trait Threads {
         let _ = (m, t, other, call);
         true
     }
+    /// The kernel slots (R10, [`Machine::slots_of`]) the launches thread
+    /// `t` may still make take, counting the one it is inside; `None`
+    /// when unknown.
+    fn slots_to_come(&self, m: &Machine, t: ThreadId) -> Option<usize> {
+        let _ = (m, t);
+        None
+    }
 }
 
 /// [`Threads`] that knows only each thread's next call: any thread that has
