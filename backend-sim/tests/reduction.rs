@@ -223,3 +223,30 @@ fn what_the_oracle_found_gets_its_verdicts() {
         }
     }
 }
+
+/// Under a kernel-slot bound no rank can reach (its launches in flight and
+/// to come fit under it), steps of different ranks commute as without a
+/// bound, and the checker reduces across them again; where a rank can
+/// reach it, it does not (the oracle's programs above).
+#[test]
+fn a_kernel_bound_no_rank_can_reach_keeps_the_reduction() {
+    let (_, c) = examples()
+        .into_iter()
+        .find(|(name, _)| name.ends_with("/copy-lanes-no-kernel-slot.sched"))
+        .expect("the example");
+    assert_eq!(c.setup.model.kernels, Some(1));
+    let (reduced, full) = reduced_and_full(&c);
+    assert_eq!(kind(&reduced.verdict), "ok");
+    assert_eq!(kind(&full.verdict), "ok");
+    assert_eq!(reduced.stats.executions, 1, "{:?}", reduced.stats);
+    assert!(full.stats.executions > 1, "{:?}", full.stats);
+    // Two NCCL launches on a rank under kernels=1 can contend: the same
+    // threads with a slot each too few are searched without it.
+    let mut bounded = threads(3, 1, false);
+    let mut setup = (*bounded.setup).clone();
+    setup.model.kernels = Some(1);
+    bounded.setup = std::sync::Arc::new(setup);
+    let (reduced, full) = reduced_and_full(&bounded);
+    assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
+    assert!(reduced.stats.executions > 1, "{:?}", reduced.stats);
+}
