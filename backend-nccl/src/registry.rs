@@ -254,8 +254,9 @@ fn issue_error(
 }
 
 /// The words that tell one kind of launch from another in the registry's
-/// text cache: the thread, whether grouped, the first op's call site, and
-/// each op's direction, type, peer and count (what its text says).
+/// launch cache: the thread, whether grouped, the first op's call site, and
+/// every field of each op (direction, type, peer, communicator, stream,
+/// bytes), since the cache gives the ops as well as the text.
 fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], ops: &[OpRec], grouped: bool) {
     key.clear();
     key.extend([thread as u64, u64::from(grouped)]);
@@ -271,8 +272,7 @@ fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], ops: &[OpRec
         });
         key.push(site);
     }
-    // Every field of the ops, since the key also finds them: the
-    // description's count is the ops' bytes over the type's size.
+    // The description's count is the ops' bytes over the type's size.
     for o in ops {
         key.extend([
             (o.dir as u64) | ((o.dtype as u64) << 8) | (u64::from(o.peer) << 32),

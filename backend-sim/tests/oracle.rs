@@ -316,10 +316,6 @@ fn generate(r: &mut Rng) -> String {
     out
 }
 
-fn kind(v: &Verdict) -> &'static str {
-    v.kind()
-}
-
 #[test]
 fn the_checker_agrees_with_a_naive_exhaustive_search() {
     let (n, seed0) = (env_or("ORACLE_N", 120), env_or("ORACLE_SEED", 1));
@@ -349,9 +345,11 @@ fn the_checker_agrees_with_a_naive_exhaustive_search() {
         let renumbered_kind = if text.contains(" thread ") {
             None
         } else {
-            duplex::schedule::parse(&renumbered)
-                .ok()
-                .map(|p| kind(&check::check(&compile(&p), &Default::default()).verdict))
+            duplex::schedule::parse(&renumbered).ok().map(|p| {
+                check::check(&compile(&p), &Default::default())
+                    .verdict
+                    .kind()
+            })
         };
         let Ok(p) = duplex::schedule::parse(&text) else {
             skipped += 1;
@@ -370,7 +368,7 @@ fn the_checker_agrees_with_a_naive_exhaustive_search() {
                 ..Default::default()
             };
             let v = check::check(&c, &options).verdict;
-            let k = kind(&v);
+            let k = v.kind();
             if reduce {
                 reduced = k;
             }
@@ -397,10 +395,10 @@ fn the_checker_agrees_with_a_naive_exhaustive_search() {
                     other => problems.push(format!("reduce={reduce}: {k} replays to {other:?}")),
                 }
                 match check::judge_schedule(&c, schedule) {
-                    Ok((j, _)) if kind(&j) == k => {}
+                    Ok((j, _)) if j.kind() == k => {}
                     other => problems.push(format!(
                         "reduce={reduce}: {k}'s schedule {schedule} judges {:?}",
-                        other.map(|(j, _)| kind(&j))
+                        other.map(|(j, _)| j.kind())
                     )),
                 }
             }

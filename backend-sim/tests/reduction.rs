@@ -11,7 +11,7 @@ use std::path::Path;
 
 use duplex::compile::{Compiled, compile};
 use duplex::machine::{HostCall, Machine, Next, ThreadId};
-use duplex_sim::check::{self, Verdict, fingerprint, runnable, step};
+use duplex_sim::check::{self, fingerprint, runnable, step};
 
 fn examples() -> Vec<(String, Compiled)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
@@ -35,10 +35,6 @@ fn examples() -> Vec<(String, Compiled)> {
         ));
     }
     out
-}
-
-fn kind(v: &Verdict) -> &'static str {
-    v.kind()
 }
 
 #[test]
@@ -108,7 +104,7 @@ fn steps_of_different_ranks_commute_and_do_not_disable_each_other() {
 fn the_reduced_search_agrees_with_the_full_search() {
     for (name, c) in examples() {
         let (reduced, full) = reduced_and_full(&c);
-        assert_eq!(kind(&full.verdict), kind(&reduced.verdict), "{name}");
+        assert_eq!(full.verdict.kind(), reduced.verdict.kind(), "{name}");
         assert!(reduced.stats.states <= full.stats.states, "{name}");
     }
 }
@@ -158,19 +154,19 @@ fn threads_with_independent_traffic_are_explored_in_one_order() {
     // Mazurkiewicz trace, one execution.
     let c = threads(5, 2, false);
     let reduced = check::check(&c, &check::Options::default());
-    assert_eq!(kind(&reduced.verdict), "ok");
+    assert_eq!(reduced.verdict.kind(), "ok");
     assert_eq!(reduced.stats.executions, 1, "{:?}", reduced.stats);
     // Three, against the full search: the same verdict, from one execution
     // against hundreds.
     let (reduced, full) = reduced_and_full(&threads(3, 1, false));
-    assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
+    assert_eq!(reduced.verdict.kind(), full.verdict.kind());
     assert_eq!(reduced.stats.executions, 1);
     assert!(full.stats.executions > 100, "{:?}", full.stats);
     // On one shared communicator the threads' order matters, and the
     // search still finds the interleavings that hang (R2 serializes the
     // groups of the two ranks in different orders).
     let (reduced, full) = reduced_and_full(&threads(3, 1, true));
-    assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
+    assert_eq!(reduced.verdict.kind(), full.verdict.kind());
     assert!(reduced.stats.executions > 1);
 }
 
@@ -219,7 +215,7 @@ fn what_the_oracle_found_gets_its_verdicts() {
                 },
             )
             .verdict;
-            assert_eq!(kind(&v), want, "{what} (reduce={reduce})");
+            assert_eq!(v.kind(), want, "{what} (reduce={reduce})");
         }
     }
 }
@@ -236,8 +232,8 @@ fn a_kernel_bound_no_rank_can_reach_keeps_the_reduction() {
         .expect("the example");
     assert_eq!(c.setup.model.kernels, Some(1));
     let (reduced, full) = reduced_and_full(&c);
-    assert_eq!(kind(&reduced.verdict), "ok");
-    assert_eq!(kind(&full.verdict), "ok");
+    assert_eq!(reduced.verdict.kind(), "ok");
+    assert_eq!(full.verdict.kind(), "ok");
     assert_eq!(reduced.stats.executions, 1, "{:?}", reduced.stats);
     assert!(full.stats.executions > 1, "{:?}", full.stats);
     // Two NCCL launches on a rank under kernels=1 can contend: the same
@@ -247,6 +243,6 @@ fn a_kernel_bound_no_rank_can_reach_keeps_the_reduction() {
     setup.model.kernels = Some(1);
     bounded.setup = std::sync::Arc::new(setup);
     let (reduced, full) = reduced_and_full(&bounded);
-    assert_eq!(kind(&reduced.verdict), kind(&full.verdict));
+    assert_eq!(reduced.verdict.kind(), full.verdict.kind());
     assert!(reduced.stats.executions > 1, "{:?}", reduced.stats);
 }

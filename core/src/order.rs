@@ -313,12 +313,10 @@ impl Order {
             }
             // Ops of one part run at once; of two parts, in stream order
             // on one stream, and unordered on two.
-            if let Some((_, earlier)) = ops[..i].iter().zip(&streams).find_map(|(o, s)| {
-                let (b, e) = o;
-                (b == buf
+            if let Some(((_, earlier), _)) = ops[..i].iter().zip(&streams).find(|((b, e), s)| {
+                b == buf
                     && (e.writes() || now.writes())
-                    && (e.part == now.part || *s != streams[i]))
-                    .then_some(o)
+                    && (e.part == now.part || **s != streams[i])
             }) {
                 return Err(Box::new(Race {
                     now: now.named(),
@@ -372,25 +370,13 @@ impl Order {
         }
         // A part on several streams holds them all until it has completed
         // (R8): what comes after it on any of them comes after all of it.
-        let mut done: SmallVec<[u32; 4]> = SmallVec::new();
-        for &(p, _) in &parts {
-            if done.contains(&p) {
-                continue;
-            }
-            done.push(p);
-            let mine: SmallVec<[usize; 4]> = parts
-                .iter()
-                .filter(|(q, _)| *q == p)
-                .map(|(_, s)| *s)
-                .collect();
-            if mine.len() < 2 {
-                continue;
-            }
+        parts.sort_unstable();
+        for mine in parts.chunk_by(|a, b| a.0 == b.0).filter(|m| m.len() > 1) {
             let mut all = Clock::new();
-            for &s in &mine {
+            for &(_, s) in mine {
                 join(&mut all, &self.clocks[s].0);
             }
-            for &s in &mine {
+            for &(_, s) in mine {
                 self.clocks[s].0.clone_from(&all);
             }
         }

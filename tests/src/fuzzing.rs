@@ -285,15 +285,11 @@ pub fn invariants(p: &Program, max_states: usize, conclusive: bool) -> Verdict {
             matches!(reduced, Verdict::Ok),
             matches!(full, Verdict::Ok),
             "the reduced search says {}, the full search {}:\n{p}",
-            name(&reduced),
-            name(&full)
+            reduced.kind(),
+            full.kind()
         );
     }
     reduced
-}
-
-fn name(v: &Verdict) -> &'static str {
-    v.kind()
 }
 
 /// The threads that took a reported interleaving's steps.

@@ -198,9 +198,6 @@ impl SimRank {
             dtype: E::DTYPE,
             stream: stream.0,
             part: comm.0,
-            stream_name: self.shared.lock().machine.setup().streams[stream.0 as usize]
-                .name
-                .clone(),
             at,
             site: check::site(),
         };

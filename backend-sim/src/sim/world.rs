@@ -46,7 +46,6 @@ pub(crate) struct Use {
     pub(crate) count: usize,
     pub(crate) dtype: duplex::DType,
     pub(crate) stream: u32,
-    pub(crate) stream_name: String,
     /// Its communicator (or copy-engine lane): its part of the launch.
     pub(crate) part: u32,
     pub(crate) at: &'static std::panic::Location<'static>,
@@ -54,7 +53,8 @@ pub(crate) struct Use {
 }
 
 impl Use {
-    fn access(&self) -> (u64, duplex::order::Access<'_>) {
+    /// Its access, its stream named from `setup`.
+    fn access<'a>(&'a self, setup: &'a duplex::machine::Setup) -> (u64, duplex::order::Access<'a>) {
         (
             self.buf as u64,
             duplex::order::Access {
@@ -63,7 +63,7 @@ impl Use {
                 count: self.count,
                 dtype: self.dtype,
                 stream: self.stream,
-                stream_name: &self.stream_name,
+                stream_name: &setup.streams[self.stream as usize].name,
                 part: self.part,
                 at: self.at,
                 site: self.site.as_ref(),
@@ -466,7 +466,8 @@ impl World {
                     // D1 before the machine: a launch that races is refused
                     // to its thread, which goes on (as on a GPU, where the
                     // backend refuses it before NCCL sees it).
-                    let uses: Vec<_> = bufs.iter().map(Use::access).collect();
+                    let setup = self.machine.setup();
+                    let uses: Vec<_> = bufs.iter().map(|u| u.access(setup)).collect();
                     if let Err(race) = order.launch(&uses) {
                         let e = race.error();
                         self.steps.push(format!(
