@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use duplex::{Error, Rank};
 
-use crate::guard::{CommCell, Use};
+use crate::guard::{CommCell, IssueLock, Use};
 use crate::nccl::sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclUniqueId};
 use crate::nccl::{Nccl, RawComm};
 
@@ -67,9 +67,25 @@ pub fn poll(
     }
 }
 
-/// What [`CommInner::ready_with`]'s error says when the deadline passed
-/// (a caller that reports a hang instead looks for it).
-pub(crate) const PAST_DEADLINE: &str = "did not finish within";
+/// Why a wait for a communicator's work ([`CommInner::ready_with`]) ended
+/// without it: a caller that reports a hang past the deadline tells the
+/// two apart by type.
+#[derive(Debug)]
+pub enum Unready {
+    /// The deadline passed first; the error says what did not finish.
+    Late(Error),
+    /// NCCL reported an error, the communicator was aborted, or the
+    /// caller's check between polls failed.
+    Failed(Error),
+}
+
+impl From<Unready> for Error {
+    fn from(u: Unready) -> Error {
+        match u {
+            Unready::Late(e) | Unready::Failed(e) => e,
+        }
+    }
+}
 
 impl CommInner {
     fn new(
@@ -107,34 +123,36 @@ impl CommInner {
 
     /// Waits until no operation is in progress on it.
     pub fn ready(&self, timeout: Duration, what: &str) -> Result<(), Error> {
-        self.ready_with(timeout, what, &mut || {})
+        Ok(self.ready_with(timeout, what, &mut || Ok(()))?)
     }
 
-    /// [`CommInner::ready`], calling `between` while it waits: a caller
-    /// that holds the rank's issue lock passes the lane service's NCCL
-    /// calls (`RankCtx::assist`), which must not wait for
-    /// the lock while the holder waits for another rank.
+    /// [`CommInner::ready`], calling `between` while it waits, which ends
+    /// the wait with its error: a caller that holds the rank's issue lock
+    /// passes the lane service's NCCL calls (`RankCtx::assist`), which
+    /// must not wait for the lock while the holder waits for another rank;
+    /// one that waits for other ranks checks that none failed.
     pub fn ready_with(
         &self,
         timeout: Duration,
         what: &str,
-        between: &mut dyn FnMut(),
-    ) -> Result<(), Error> {
-        let held = self.enter()?;
+        between: &mut dyn FnMut() -> Result<(), Error>,
+    ) -> Result<(), Unready> {
+        let held = self.enter().map_err(Unready::Failed)?;
         let ok = poll(timeout, || {
             if held.async_error()? {
                 return Ok(true);
             }
-            between();
+            between()?;
             Ok(false)
-        })?;
+        })
+        .map_err(Unready::Failed)?;
         if ok {
             Ok(())
         } else {
-            Err(Error::Aborted(format!(
-                "{what} on communicator {} {PAST_DEADLINE} {timeout:?}",
+            Err(Unready::Late(Error::Aborted(format!(
+                "{what} on communicator {} did not finish within {timeout:?}",
                 self.name
-            )))
+            ))))
         }
     }
 
@@ -311,7 +329,11 @@ pub fn init(
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
 /// the new communicator, the others `None`. The split itself follows the
 /// parent's mode (non-blocking, under the deadline); the new communicator
-/// is `blocking` or not. `between` runs while it waits for the other ranks
+/// is `blocking` or not. `issue` is the rank's issue lock, taken for the
+/// `ncclCommSplit` call only (P1 of [`crate::guard`]): the wait for the
+/// other ranks holds no lock, so the rank's other threads go on issuing.
+/// `None` when the caller holds it already or is the rank's only thread.
+/// `between` runs while it waits, and ends the wait with its error
 /// ([`CommInner::ready_with`]).
 #[allow(clippy::too_many_arguments)]
 pub fn split(
@@ -324,19 +346,26 @@ pub fn split(
     timeout: Duration,
     ctas: (Option<i32>, Option<i32>),
     blocking: bool,
-    between: &mut dyn FnMut(),
-) -> Result<Option<Comm>, Error> {
+    issue: Option<&IssueLock>,
+    between: &mut dyn FnMut() -> Result<(), Error>,
+) -> Result<Option<Comm>, Unready> {
     let mut sorted = members.to_vec();
     sorted.sort_unstable();
     let mine = sorted.contains(&rank);
     let color = if mine { 0 } else { NCCL_SPLIT_NOCOLOR };
     let mut config = lib.config(ctas.0, ctas.1, blocking);
-    let held = parent.enter()?;
+    let held = parent.enter().map_err(Unready::Failed)?;
     let slot = Slot::new();
-    // SAFETY: the parent is held and ready, the caller holds the issue lock
-    // (or is the rank's only thread); the slot lives until the split is
-    // over (or is leaked below).
-    unsafe { held.call(|lib, raw| lib.split(raw.0, color, rank as i32, &mut config, slot.ptr())) }?;
+    {
+        let _issuing = issue.map(IssueLock::lock);
+        // SAFETY: the parent is held and ready, the issue lock is held (or
+        // this is the rank's only thread); the slot lives until the split
+        // is over (or is leaked below).
+        unsafe {
+            held.call(|lib, raw| lib.split(raw.0, color, rank as i32, &mut config, slot.ptr()))
+        }
+        .map_err(Unready::Failed)?;
+    }
     drop(held);
     // The split is collective over the parent, and its job reports there.
     if let Err(e) = parent.ready_with(timeout, "ncclCommSplit", between) {

@@ -596,8 +596,8 @@ pub(crate) struct RankCtx {
 
     /// NCCL calls of the lane service waiting for the issue lock: the lane
     /// service runs them when it gets the lock, and a host thread that
-    /// holds the lock while it waits for another rank (an R7 handshake, a
-    /// split) runs them as it waits ([`RankCtx::assist`]), so that making
+    /// holds the lock while it waits for another rank (an R7 handshake)
+    /// runs them as it waits ([`RankCtx::assist`]), so that making
     /// a lane never waits for any rank's user code.
     pub(crate) assists: Assists,
     /// Set by [`RankCtx::abort_all`] before it collects the communicators:
@@ -609,6 +609,13 @@ pub(crate) struct RankCtx {
     /// bytes are taken from (its peers opened it at setup).
     pub(crate) arena: Option<Arc<crate::cuda::Arena>>,
     pub(crate) world: Comm,
+    /// The parent of the user's communicators ([`SPLITS`]): never used
+    /// for ops, so a split waiting on it holds back nothing else.
+    pub(crate) splits: Comm,
+    /// The order in which this rank's `Transport::comm` calls split
+    /// [`RankCtx::splits`]: the order they were numbered in, which every
+    /// rank follows.
+    pub(crate) split_turns: Mutex<SplitTurns>,
     pub(crate) default_stream: NcclStream,
     pub(crate) streams: Mutex<Vec<NcclStream>>,
     pub(crate) comms: Mutex<Vec<Comm>>,
@@ -653,6 +660,45 @@ pub(crate) struct RankCtx {
     pub(crate) warmup: Memory,
     // Last, so that it is released after every stream and communicator.
     pub(crate) device: Arc<Device>,
+}
+
+/// The name of the communicator that user communicators are split from
+/// ([`RankCtx::splits`]), as lane costs report it.
+pub(crate) const SPLITS: &str = "splits (the parent of user communicators)";
+
+/// Its logical number: it has no ops, so it appears in no trace.
+const SPLITS_LOGICAL: u32 = u32::MAX;
+
+/// Whose turn it is to split [`RankCtx::splits`]: the `k`-th call of
+/// `Transport::comm` on every rank pairs with every other rank's `k`-th,
+/// so a rank's splits reach NCCL in the order of their numbers, one at a
+/// time (the parent is busy until a split is over).
+#[derive(Debug, Default)]
+pub(crate) struct SplitTurns {
+    /// The number whose turn it is.
+    next: usize,
+    /// Numbers above `next` whose calls ended before their turn came (a
+    /// refused call, a wait past the deadline): skipped when it comes.
+    ended: std::collections::BTreeSet<usize>,
+}
+
+impl SplitTurns {
+    /// Whether call `k` may split now.
+    pub(crate) fn is_turn(&self, k: usize) -> bool {
+        self.next == k
+    }
+
+    /// Call `k` is over, split or not.
+    pub(crate) fn end(&mut self, k: usize) {
+        if k != self.next {
+            self.ended.insert(k);
+            return;
+        }
+        self.next += 1;
+        while self.ended.remove(&self.next) {
+            self.next += 1;
+        }
+    }
 }
 
 /// An NCCL call of the lane service, run by whoever holds the issue lock.
@@ -801,7 +847,8 @@ impl RankCtx {
                 opts.timeout,
                 opts.ctas,
                 connected,
-                &mut || {},
+                None,
+                &mut || Ok(()),
             )?;
             registry.comm(logical, &name, &members, connected);
             logical += 1;
@@ -835,6 +882,43 @@ impl RankCtx {
                 "free device memory before and after",
             ));
         }
+        // The parent of user communicators (`Transport::comm`), split off
+        // the world by every rank here, where no user code runs yet: a
+        // user's split waits for the other ranks on it, non-blocking and
+        // without the issue lock, and leaves the world communicator free
+        // for the rank's other threads (R11: a call on one communicator
+        // holds back calls on that one only).
+        let splits = {
+            let before = device.memory().map(|m| m.0).unwrap_or(0);
+            let start = Instant::now();
+            let all: Vec<Rank> = (0..n).collect();
+            let splits = comm::split(
+                lib,
+                &world,
+                rank,
+                &all,
+                SPLITS_LOGICAL,
+                SPLITS,
+                opts.timeout,
+                (None, None),
+                false,
+                None,
+                &mut || Ok(()),
+            )?
+            .ok_or_else(|| Error::Aborted(format!("{SPLITS} was not made on rank {rank}")))?;
+            let after = device.memory().map(|m| m.0).unwrap_or(0);
+            // SAFETY: held, and this is the rank's only thread so far.
+            let stats = unsafe { splits.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?;
+            costs.push(LaneCost::measured(
+                SPLITS.to_string(),
+                start,
+                stats,
+                (before as u64, after as u64),
+                "free device memory before and after",
+            ));
+            comms.push(splits.clone());
+            splits
+        };
         // Copy-engine lanes: numbered after the NCCL lanes, in the same order
         // on every rank, each declared by every rank (as the lanes are).
         let mut copy = HashMap::new();
@@ -881,6 +965,8 @@ impl RankCtx {
             copy,
             arena,
             world,
+            splits,
+            split_turns: Mutex::new(SplitTurns::default()),
             default_stream,
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
@@ -1106,7 +1192,8 @@ impl RankCtx {
             // until the group's communicators are ready.
             for c in &group {
                 c.0.ready_with(self.opts.timeout, "connecting", &mut || {
-                    self.assist(&issuing)
+                    self.assist(&issuing);
+                    Ok(())
                 })?;
             }
             drop(issuing);
@@ -1472,4 +1559,28 @@ pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SplitTurns;
+
+    /// Splits go in the order of their numbers; a call that ended before
+    /// its turn (refused, or past its deadline) is skipped when it comes,
+    /// and one that ends at its turn passes it on.
+    #[test]
+    fn split_turns_follow_the_numbers_and_skip_calls_that_ended() {
+        let mut t = SplitTurns::default();
+        assert!(t.is_turn(0) && !t.is_turn(1));
+        // 2 and 3 end before their turn; 1 is still waiting.
+        t.end(2);
+        t.end(3);
+        assert!(t.is_turn(0) && !t.is_turn(1));
+        t.end(0);
+        assert!(t.is_turn(1) && !t.is_turn(2));
+        t.end(1);
+        assert!(t.is_turn(4), "2 and 3 are skipped: {t:?}");
+        t.end(4);
+        assert!(t.is_turn(5) && t.ended.is_empty());
+    }
 }

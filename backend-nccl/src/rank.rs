@@ -132,7 +132,9 @@ impl NcclRank {
         }
     }
 
-    /// What each lane of this rank cost to make.
+    /// What each lane of this rank cost to make, and the communicator that
+    /// user communicators are split from (named `splits (the parent of
+    /// user communicators)`).
     pub fn lane_costs(&self) -> Vec<LaneCost> {
         lock(&self.ctx.costs).clone()
     }
@@ -197,7 +199,8 @@ impl NcclRank {
         drop((busy, held));
         if !launched {
             comm.ready_with(self.ctx.opts.timeout, "ncclSend/ncclRecv", &mut || {
-                self.ctx.assist(&issuing)
+                self.ctx.assist(&issuing);
+                Ok(())
             })?;
         }
         Ok(())
@@ -234,7 +237,8 @@ impl NcclRank {
         drop(held);
         if !end? {
             comm.ready_with(self.ctx.opts.timeout, "ncclGroupEnd", &mut || {
-                self.ctx.assist(&issuing)
+                self.ctx.assist(&issuing);
+                Ok(())
             })?;
         }
         Ok(())
@@ -1521,6 +1525,14 @@ impl Transport for NcclRank {
         let at = Location::caller();
         let sorted = check::members(at, name, members, self.ctx.world_size)?;
         let k = self.ctx.user_comms.fetch_add(1, Ordering::AcqRel);
+        // However this call ends, its turn to split is over then.
+        struct TurnEnd<'a>(&'a std::sync::Mutex<crate::ctx::SplitTurns>, usize);
+        impl Drop for TurnEnd<'_> {
+            fn drop(&mut self) {
+                lock(self.0).end(self.1);
+            }
+        }
+        let turn = TurnEnd(&self.ctx.split_turns, k);
         if let Err(m) = self.ctx.registry.user_comm(k, name, members) {
             return check::invalid(at, m);
         }
@@ -1559,28 +1571,57 @@ impl Transport for NcclRank {
             }
         }
         let _unblock = Unblock(&self.ctx.registry, self.thread_id);
-        let split = {
-            let issuing = self.ctx.issue.lock();
+        let call = format!("comm({name})");
+        // A wait for the other ranks ends early when one of them failed.
+        let mut checks = 0u32;
+        let mut peers = || {
+            checks = checks.wrapping_add(1);
+            if checks.is_multiple_of(64)
+                && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
+            {
+                return Err(self.peer_failed(&call, r, &why));
+            }
+            Ok(())
+        };
+        // The parent splits one call at a time, in the order of the calls'
+        // numbers (`SplitTurns`); the wait for the other ranks holds no
+        // lock, so the rank's other threads go on issuing (R11).
+        let turns = &self.ctx.split_turns;
+        let start = std::time::Instant::now();
+        let split = poll(self.ctx.opts.timeout, || {
+            peers()?;
+            Ok(lock(turns).is_turn(k))
+        })
+        .map_err(comm::Unready::Failed)
+        .and_then(|turn| {
+            if !turn {
+                return Err(comm::Unready::Late(Error::Aborted(format!(
+                    "{call}: an earlier split of this rank did not finish"
+                ))));
+            }
             comm::split(
                 self.ctx.lib,
-                &self.ctx.world,
+                &self.ctx.splits,
                 self.ctx.rank,
                 members,
                 logical,
                 name,
-                self.ctx.opts.timeout,
+                // One deadline for the whole call.
+                self.ctx.opts.timeout.saturating_sub(start.elapsed()),
                 (None, None),
                 self.ctx.opts.warm,
-                &mut || self.ctx.assist(&issuing),
+                Some(&self.ctx.issue),
+                &mut peers,
             )
-        };
+        });
+        drop(turn);
         let comm = match split {
             Ok(c) => c,
             // Past the deadline: a hang, reported with the waits above.
-            Err(Error::Aborted(m)) if m.contains(comm::PAST_DEADLINE) => {
-                return Err(self.hang(&format!("comm({name})"), &place, None));
+            Err(comm::Unready::Late(_)) => {
+                return Err(self.hang(&call, &place, None));
             }
-            Err(e) => return Err(e),
+            Err(comm::Unready::Failed(e)) => return Err(e),
         };
         drop(_unblock);
         self.ctx

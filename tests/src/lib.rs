@@ -297,6 +297,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             comm_after_wait::<T>,
         ),
         s(
+            "comm/beside-send",
+            "rank 0 makes a communicator on one thread while another thread of it sends to rank 1, which makes the communicator only after it has received that message: the split holds back no other communicator's calls (R11), so it completes",
+            2,
+            PerDirection,
+            Completes,
+            comm_beside_send::<T>,
+        ),
+        s(
             "reply-after-wait",
             "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",
             2,
@@ -886,6 +894,29 @@ pub fn comm_after_wait<T: Transport>(t: &T) -> Result<()> {
         t.synchronize()?;
     }
     Ok(())
+}
+
+/// Rank 0 splits on a thread of its own while its main thread sends to
+/// rank 1; rank 1 makes the communicator only once that message is in.
+/// The sender starts a little later, so that on a real backend the split
+/// is under way when the send is issued: the split must not hold back the
+/// rank's calls on other communicators (R11 serializes calls per
+/// communicator).
+pub fn comm_beside_send<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let split = t.spawn("split", |t: &T| t.comm("side", &[0, 1]).map(drop))?;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let out = filled(t, 1, 10)?;
+        t.send(&out, 1)?;
+        t.synchronize()?;
+        t.join(split)
+    } else {
+        let mut inb = t.alloc::<u32>(len())?;
+        t.recv(&mut inb, 0)?;
+        t.synchronize()?;
+        check(t, &inb, 0, 10)?;
+        t.comm("side", &[0, 1]).map(drop)
+    }
 }
 
 /// The feature request's pitch: "with use_stream(s): send(...)".

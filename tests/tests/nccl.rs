@@ -312,14 +312,14 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): five scenarios that must complete (three
+/// variables torchrun sets): six scenarios that must complete (three
 /// make a call that must fail with a race first: a read inside a group, a
 /// send on another stream than its data's recv with no event between, a
-/// group that sends and receives one buffer), three that must hang (one
-/// after 5,000 exchanges, whose traces are cut where each rank is quiet,
-/// one through a communicator's split), and one whose second rank's
-/// process dies.
-const PROCESS_JOBS: [&str; 9] = [
+/// group that sends and receives one buffer; one sends on one thread
+/// while another splits), three that must hang (one after 5,000
+/// exchanges, whose traces are cut where each rank is quiet, one through
+/// a communicator's split), and one whose second rank's process dies.
+const PROCESS_JOBS: [&str; 10] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -329,6 +329,7 @@ const PROCESS_JOBS: [&str; 9] = [
     "events/missing",
     "group/same-buffer",
     "comm/after-wait",
+    "comm/beside-send",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is

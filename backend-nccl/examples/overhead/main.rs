@@ -226,6 +226,7 @@ fn main() {
         }
         return;
     }
+    let costs = std::sync::Mutex::new(Vec::new());
     let r = local.run(|t| {
         let on = own_comm(t)?;
         let stream = Stream::new()?;
@@ -259,11 +260,22 @@ fn main() {
                 f[k].1.push(v);
             }
         }
+        *costs.lock().unwrap_or_else(|e| e.into_inner()) = t.lane_costs();
         Ok(())
     });
     if let Err(e) = r {
         eprintln!("overhead failed: {e}");
         std::process::exit(1);
+    }
+    println!("communicators duplex made besides the world's (one rank):");
+    for c in costs.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        println!(
+            "  {:<50} {:7.1} ms, {:.1} MiB ({})",
+            c.name,
+            c.create_ms,
+            c.bytes as f64 / (1 << 20) as f64,
+            c.measured_by
+        );
     }
     println!("host time, microseconds (median [min-max] of {trials} trials, {N} groups each)");
     let mut figures = figures.into_inner().unwrap_or_else(|e| e.into_inner());
