@@ -132,9 +132,10 @@ impl NcclRank {
         }
     }
 
-    /// What each lane of this rank cost to make, and the communicator that
-    /// user communicators are split from (named `splits (the parent of
-    /// user communicators)`).
+    /// What each communicator duplex made for this rank cost to make: its
+    /// lanes, the communicator that user communicators are split from
+    /// (`splits (the parent of user communicators)`), and the user's
+    /// communicators (`comm NAME`, the wait for the other ranks included).
     pub fn lane_costs(&self) -> Vec<LaneCost> {
         lock(&self.ctx.costs).clone()
     }
@@ -1538,6 +1539,8 @@ impl Transport for NcclRank {
         }
         let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
         self.ctx.device.bind()?;
+        let made = std::time::Instant::now();
+        let before = self.ctx.device.memory().map(|m| m.0).unwrap_or(0);
         // The split is collective over the world: recorded as the simulator
         // makes it (`check::split_tag`), a notify to every other rank on
         // arrival, then an await of each, so that a split that never
@@ -1632,6 +1635,19 @@ impl Transport for NcclRank {
             if self.ctx.opts.warm {
                 self.ctx.connect(&[(c.clone(), None)])?;
             }
+            let after = self.ctx.device.memory().map(|m| m.0).unwrap_or(0);
+            let stats = {
+                let _issuing = self.ctx.issue.lock();
+                // SAFETY: held, under the issue lock.
+                unsafe { c.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?
+            };
+            lock(&self.ctx.costs).push(LaneCost::measured(
+                format!("comm {name}"),
+                made,
+                stats,
+                (before as u64, after as u64),
+                "free device memory before and after (the rank's other threads' allocations meanwhile count too)",
+            ));
         }
         Ok(comm.map(NcclComm))
     }

@@ -24,7 +24,12 @@
 //! callers: `scripts/gpu.sh build` stages one as `.gpu/overhead-fp`, and
 //! BINARY is then `target/fp/release/examples/overhead`).
 //!
-//! `overhead [--trials N] [--spin SECONDS [--profile FILE]]`; with the
+//! It also prints what each communicator duplex made for the rank cost
+//! (`NcclRank::lane_costs`: the parent of user communicators, the one of
+//! the exchanges); `--comms N` makes N more first, one after another, to
+//! show what each costs.
+//!
+//! `overhead [--trials N] [--comms N] [--spin SECONDS [--profile FILE]]`; with the
 //! `device` tool on one H200:
 //! `run(command=".gpu/overhead", carry=[".gpu"], kind="nvidia-h200")`.
 
@@ -227,7 +232,18 @@ fn main() {
         return;
     }
     let costs = std::sync::Mutex::new(Vec::new());
+    // --comms N: N more communicators of this one rank, made before the
+    // figures are taken, to show what each costs (printed with the rest).
+    let comms: usize = args
+        .iter()
+        .position(|a| a == "--comms")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let r = local.run(|t| {
+        for i in 0..comms {
+            t.comm(&format!("probe-{i}"), &[t.rank()])?;
+        }
         let on = own_comm(t)?;
         let stream = Stream::new()?;
         let event = Event::new(false)?;
@@ -267,7 +283,7 @@ fn main() {
         eprintln!("overhead failed: {e}");
         std::process::exit(1);
     }
-    println!("communicators duplex made besides the world's (one rank):");
+    println!("communicators duplex made besides the world's (one rank), in order:");
     for c in costs.into_inner().unwrap_or_else(|e| e.into_inner()) {
         println!(
             "  {:<50} {:7.1} ms, {:.1} MiB ({})",
