@@ -328,7 +328,8 @@ pub fn init(
 
 /// Splits `parent`: every rank of `parent` calls it; ranks in `members` get
 /// the new communicator, the others `None`. The split itself follows the
-/// parent's mode (non-blocking, under the deadline); the new communicator
+/// parent's mode (non-blocking, under the deadline `timeout`, which counts
+/// from the call); the new communicator
 /// is `blocking` or not. `issue` is the rank's issue lock, taken for the
 /// `ncclCommSplit` call only (P1 of [`crate::guard`]): the wait for the
 /// other ranks holds no lock, so the rank's other threads go on issuing.
@@ -354,10 +355,21 @@ pub fn split(
     let mine = sorted.contains(&rank);
     let color = if mine { 0 } else { NCCL_SPLIT_NOCOLOR };
     let mut config = lib.config(ctas.0, ctas.1, blocking);
-    let held = parent.enter().map_err(Unready::Failed)?;
+    let until = Instant::now() + timeout;
+    let left = || until.saturating_duration_since(Instant::now());
     let slot = Slot::new();
     {
+        // The issue lock before the hold, as everywhere (lock order of
+        // `crate::guard`): a hold kept while waiting for the lock would
+        // keep an aborted batch from being freed (P8).
         let _issuing = issue.map(IssueLock::lock);
+        if left().is_zero() {
+            return Err(Unready::Late(Error::Aborted(format!(
+                "ncclCommSplit of communicator {}: its deadline of {timeout:?} passed before it was called",
+                parent.name
+            ))));
+        }
+        let held = parent.enter().map_err(Unready::Failed)?;
         // SAFETY: the parent is held and ready, the issue lock is held (or
         // this is the rank's only thread); the slot lives until the split
         // is over (or is leaked below).
@@ -366,9 +378,8 @@ pub fn split(
         }
         .map_err(Unready::Failed)?;
     }
-    drop(held);
     // The split is collective over the parent, and its job reports there.
-    if let Err(e) = parent.ready_with(timeout, "ncclCommSplit", between) {
+    if let Err(e) = parent.ready_with(left(), "ncclCommSplit", between) {
         slot.abandon();
         return Err(e);
     }
@@ -377,6 +388,6 @@ pub fn split(
         return Ok(None);
     }
     let comm = Arc::new(CommInner::new(lib, raw, logical, name, sorted, blocking));
-    comm.ready_with(timeout, "ncclCommSplit", between)?;
+    comm.ready_with(left(), "ncclCommSplit", between)?;
     Ok(Some(comm))
 }

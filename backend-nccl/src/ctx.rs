@@ -817,6 +817,20 @@ impl RankCtx {
                 ),
             });
         }
+        // NCCL's variable overrides every communicator's config: children
+        // would share the world's resources, and NCCL forbids calls on a
+        // parent and its child in parallel, which duplex makes (a split
+        // waits while the rank's other threads issue on lanes).
+        if let Ok(v) = std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES")
+            && v.trim() != "0"
+        {
+            return Err(Error::Invalid {
+                at: "NCCL_COMM_SPLIT_SHARE_RESOURCES".into(),
+                message: format!(
+                    "NCCL_COMM_SPLIT_SHARE_RESOURCES={v} makes every communicator duplex splits share the world communicator's resources, and NCCL then forbids calls on a parent and its children in parallel, which duplex makes (a split waits for the other ranks while the rank's other threads issue on its lanes): unset it, or set it to 0"
+                ),
+            });
+        }
         let mut comms = vec![world.clone()];
         let mut logical = 1u32;
         // Every rank walks the same pairs in the same order: each split is
@@ -900,7 +914,8 @@ impl RankCtx {
                 SPLITS_LOGICAL,
                 SPLITS,
                 opts.timeout,
-                (None, None),
+                // It launches nothing: one channel.
+                (Some(1), Some(1)),
                 false,
                 None,
                 &mut || Ok(()),

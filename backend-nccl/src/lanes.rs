@@ -35,7 +35,7 @@
 //! ranks' services alone, and only then does an op use it. Two steps are
 //! NCCL calls that need the rank's issue lock (P1 of [`crate::guard`]),
 //! which a host thread may hold while it waits for another rank (an R7
-//! handshake on a cold communicator, a collective split): the service
+//! handshake on a cold communicator): the service
 //! never waits for that lock; it queues the call, and whoever holds the
 //! lock runs the queue, the service itself when the lock is free, the
 //! waiting host thread as it waits (`RankCtx::assist`). Nothing the

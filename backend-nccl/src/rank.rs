@@ -1575,14 +1575,18 @@ impl Transport for NcclRank {
         }
         let _unblock = Unblock(&self.ctx.registry, self.thread_id);
         let call = format!("comm({name})");
-        // A wait for the other ranks ends early when one of them failed.
+        // A wait for the other ranks ends early when one of them failed;
+        // its error is made (and this rank's trace published) once the
+        // wait has let go of the parent (P8 of `crate::guard`).
         let mut checks = 0u32;
+        let failed = std::cell::Cell::new(None);
         let mut peers = || {
             checks = checks.wrapping_add(1);
             if checks.is_multiple_of(64)
-                && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
+                && let Some(f) = self.ctx.health.failed(self.ctx.rank)
             {
-                return Err(self.peer_failed(&call, r, &why));
+                failed.set(Some(f));
+                return Err(Error::Aborted("another rank failed".into()));
             }
             Ok(())
         };
@@ -1618,13 +1622,17 @@ impl Transport for NcclRank {
             )
         });
         drop(turn);
+        if let Some((r, why)) = failed.take() {
+            return Err(self.peer_failed(&call, r, &why));
+        }
         let comm = match split {
             Ok(c) => c,
             // Past the deadline: a hang, reported with the waits above.
             Err(comm::Unready::Late(_)) => {
                 return Err(self.hang(&call, &place, None));
             }
-            Err(comm::Unready::Failed(e)) => return Err(e),
+            // An abort for another rank's failure names that rank.
+            Err(comm::Unready::Failed(e)) => return Err(self.launch_error(e, &call)),
         };
         drop(_unblock);
         self.ctx
@@ -1636,11 +1644,15 @@ impl Transport for NcclRank {
                 self.ctx.connect(&[(c.clone(), None)])?;
             }
             let after = self.ctx.device.memory().map(|m| m.0).unwrap_or(0);
-            let stats = {
-                let _issuing = self.ctx.issue.lock();
+            // From NCCL where it has the query and the lock is free now
+            // (no wait for it: this is only a report).
+            let stats = self.ctx.issue.try_lock().and_then(|_issuing| {
+                let held = c.enter().ok()?;
                 // SAFETY: held, under the issue lock.
-                unsafe { c.enter()?.call(|lib, raw| Ok(lib.memory(raw.0))) }?
-            };
+                unsafe { held.call(|lib, raw| Ok(lib.memory(raw.0))) }
+                    .ok()
+                    .flatten()
+            });
             lock(&self.ctx.costs).push(LaneCost::measured(
                 format!("comm {name}"),
                 made,

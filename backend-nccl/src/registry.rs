@@ -80,7 +80,9 @@ struct Reg {
     launches: rustc_hash::FxHashMap<Vec<u64>, LaunchText>,
     /// The key of the launch being recorded (reused).
     key: Vec<u64>,
-    user_comms: Vec<(String, Vec<Rank>)>,
+    /// The user communicators by number (`None`: a number whose call
+    /// has not reached here yet, on any rank).
+    user_comms: Vec<Option<(String, Vec<Rank>)>>,
     /// The live machine as it was when the trace was last compacted: it
     /// stands for every call made before the trace's (see
     /// [`Registry::local`]).
@@ -574,13 +576,18 @@ impl Registry {
     /// Checks that the `k`-th user communicator is the same on every rank.
     pub fn user_comm(&self, k: usize, name: &str, members: &[Rank]) -> Result<(), String> {
         let mut r = self.lock();
-        match r.user_comms.get(k) {
+        // Two threads of a rank may get their numbers in one order and
+        // arrive here in the other: each is kept at its number.
+        if r.user_comms.len() <= k {
+            r.user_comms.resize(k + 1, None);
+        }
+        match &r.user_comms[k] {
             Some((n, m)) if n == name && m == members => Ok(()),
             Some((n, m)) => Err(format!(
                 "communicator #{k} is `{name}` over {members:?} here but `{n}` over {m:?} on another rank: every rank must create communicators in the same order"
             )),
             None => {
-                r.user_comms.push((name.to_string(), members.to_vec()));
+                r.user_comms[k] = Some((name.to_string(), members.to_vec()));
                 Ok(())
             }
         }
