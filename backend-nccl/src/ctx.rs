@@ -596,8 +596,8 @@ pub(crate) struct RankCtx {
 
     /// NCCL calls of the lane service waiting for the issue lock: the lane
     /// service runs them when it gets the lock, and a host thread that
-    /// holds the lock while it waits for another rank (an R7 handshake)
-    /// runs them as it waits ([`RankCtx::assist`]), so that making
+    /// holds the lock while it waits for another rank (the connection of
+    /// a user communicator at creation) runs them as it waits ([`RankCtx::assist`]), so that making
     /// a lane never waits for any rank's user code.
     pub(crate) assists: Assists,
     /// Set by [`RankCtx::abort_all`] before it collects the communicators:
@@ -621,6 +621,10 @@ pub(crate) struct RankCtx {
     pub(crate) comms: Mutex<Vec<Comm>>,
     /// The lock around every NCCL call of the rank (P1 of [`crate::guard`]).
     pub(crate) issue: IssueLock,
+    /// The launches that wait in their connection handshake (R7) without
+    /// the issue lock: their communicators and copy-engine lanes hold back
+    /// the rank's other launches on them, and only those (R11).
+    pub(crate) handshakes: Handshakes,
     /// The device order of the rank's buffer accesses (D1 of
     /// `docs/semantics.md`): launches, events and syncs in the order the
     /// rank's threads made them. Taken alone, or before the registry's
@@ -698,6 +702,57 @@ impl SplitTurns {
         while self.ended.remove(&self.next) {
             self.next += 1;
         }
+    }
+}
+
+/// The parts (communicators and copy-engine lanes, by logical number) of
+/// the launches that wait in their connection handshake, each with its
+/// thread. A launch marks its parts under the issue lock before it lets
+/// the lock go to wait (`NcclRank::launch_nccl`), and keeps them marked
+/// until it is over; another thread's launch on one of them waits, without
+/// the lock, until none is marked (R11: a call on a communicator waits
+/// while another thread is inside a call on it). So the launch's copy ops
+/// still reach their lanes in the order the registry numbered them.
+#[derive(Debug, Default)]
+pub(crate) struct Handshakes {
+    /// How many parts are marked: read without the lock, since marks are
+    /// made and checked under the issue lock, so that a launch pays
+    /// nothing while none is.
+    marked: AtomicUsize,
+    parts: Mutex<Vec<(usize, u32)>>,
+}
+
+impl Handshakes {
+    /// Whether a thread other than `me` has a launch on one of `parts` in
+    /// its handshake.
+    pub(crate) fn holds(&self, parts: &[u32], me: usize) -> bool {
+        self.marked.load(Ordering::Acquire) != 0
+            && lock(&self.parts)
+                .iter()
+                .any(|(t, p)| *t != me && parts.contains(p))
+    }
+
+    /// Marks thread `me`'s launch on `parts` until the mark drops.
+    pub(crate) fn mark(&self, me: usize, parts: &[u32]) -> HandshakeMark<'_> {
+        let mut v = lock(&self.parts);
+        v.extend(parts.iter().map(|p| (me, *p)));
+        self.marked.store(v.len(), Ordering::Release);
+        HandshakeMark { of: self, me }
+    }
+}
+
+/// A launch's parts marked in [`Handshakes`], until dropped.
+#[derive(Debug)]
+pub(crate) struct HandshakeMark<'a> {
+    of: &'a Handshakes,
+    me: usize,
+}
+
+impl Drop for HandshakeMark<'_> {
+    fn drop(&mut self) {
+        let mut v = lock(&self.of.parts);
+        v.retain(|(t, _)| *t != self.me);
+        self.of.marked.store(v.len(), Ordering::Release);
     }
 }
 
@@ -986,6 +1041,7 @@ impl RankCtx {
             streams: Mutex::new(streams),
             comms: Mutex::new(comms),
             issue: IssueLock::default(),
+            handshakes: Handshakes::default(),
             order: Mutex::new(duplex::order::Order::new()),
             ops: Ledger::default(),
             board,
@@ -1579,6 +1635,26 @@ pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::SplitTurns;
+
+    /// A launch in its handshake holds back other threads' launches on
+    /// its parts, not its own thread's, nor launches on other parts, and
+    /// only until its mark drops.
+    #[test]
+    fn a_handshake_holds_back_other_threads_on_its_parts_only() {
+        let h = super::Handshakes::default();
+        assert!(!h.holds(&[1, 2], 7));
+        let mark = h.mark(3, &[2, 5]);
+        assert!(h.holds(&[1, 2], 7));
+        assert!(h.holds(&[5], 7));
+        assert!(!h.holds(&[1, 4], 7), "other parts go on");
+        assert!(!h.holds(&[2], 3), "its own thread is not held back");
+        let other = h.mark(4, &[1]);
+        drop(mark);
+        assert!(!h.holds(&[2, 5], 7));
+        assert!(h.holds(&[1], 7));
+        drop(other);
+        assert!(!h.holds(&[1, 2, 5], 7));
+    }
 
     /// Splits go in the order of their numbers; a call that ended before
     /// its turn (refused, or past its deadline) is skipped when it comes,

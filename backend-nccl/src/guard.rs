@@ -16,8 +16,10 @@
 //!   All communicators of a rank live on its device, so this covers both
 //!   of NCCL's rules. A call on a non-blocking communicator that NCCL
 //!   finishes in the background (a split of the parent of user
-//!   communicators) holds the lock for the call only; the wait for its
-//!   end holds the communicator (P3), not the lock, which is taken first. The lane service of lazy lanes ([`crate::lanes`])
+//!   communicators, a group whose connection handshake is under way)
+//!   holds the lock for the call only; the wait for its end holds the
+//!   communicator (P3), not the lock, and lets the communicator go before
+//!   it takes the lock again (the lock order below). The lane service of lazy lanes ([`crate::lanes`])
 //!   never waits for the lock: its calls (a communicator's setup, its
 //!   connecting group) are queued, and run by whoever holds the lock next,
 //!   including a thread that holds it while it waits for another rank. Two calls are made without it: the state query

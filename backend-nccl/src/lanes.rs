@@ -34,8 +34,8 @@
 //! No step waits for any rank's user code: a lane is made by the two
 //! ranks' services alone, and only then does an op use it. Two steps are
 //! NCCL calls that need the rank's issue lock (P1 of [`crate::guard`]),
-//! which a host thread may hold while it waits for another rank (an R7
-//! handshake on a cold communicator): the service
+//! which a host thread may hold while it waits for another rank (the
+//! connection of a user communicator at creation): the service
 //! never waits for that lock; it queues the call, and whoever holds the
 //! lock runs the queue, the service itself when the lock is free, the
 //! waiting host thread as it waits (`RankCtx::assist`). Nothing the

@@ -429,7 +429,18 @@ impl NcclRank {
                 );
             }
         }
-        let issuing = ctx.issue.lock();
+        // R11: a launch of another thread that waits in its connection
+        // handshake holds back this one if they share a communicator (or
+        // a copy-engine lane), and only then; the wait is outside the lock.
+        let parts: SmallVec<[u32; INLINE_OPS]> = recs.iter().map(|r| r.comm).collect();
+        let mut issuing = Some(ctx.issue.lock());
+        if ctx.handshakes.holds(&parts, self.thread_id) {
+            drop(issuing.take());
+            issuing = Some(self.after_handshakes(&parts, &reqs[0].meta.text(), at)?);
+        }
+        // Marked once this launch lets the lock go for its handshake: until
+        // it is over (its copy ops on their lanes too).
+        let mut mark = None;
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
@@ -465,7 +476,7 @@ impl NcclRank {
             return Err(e);
         }
         if reqs.iter().any(|r| r.meta.copy.is_none()) {
-            match self.launch_nccl(&reqs, &issuing, grouped) {
+            match self.launch_nccl(&reqs, &mut issuing, &mut mark, &parts, grouped) {
                 Ok(None) => {}
                 Ok(Some(Unfinished {
                     call,
@@ -744,13 +755,28 @@ impl NcclRank {
     /// launched; [`Unfinished`] means NCCL's background job may still
     /// launch the group (a non-blocking group whose connection handshake,
     /// R7, did not finish within the deadline, or reported an error).
-    fn launch_nccl(
-        &self,
+    ///
+    /// A group that NCCL leaves in progress (a handshake) is waited for
+    /// without the issue lock: its parts are marked first (`mark`, kept by
+    /// the caller until the launch is over), so that only the rank's
+    /// launches on them wait (R11); the lock is taken again, after the
+    /// group's holds are let go (the lock order of [`crate::guard`]), for
+    /// the rest of the launch. `issuing` is `None` when it returns an
+    /// [`Unfinished`].
+    fn launch_nccl<'c>(
+        &'c self,
         reqs: &[Req],
-        issuing: &crate::guard::Issuing<'_>,
+        issuing: &mut Option<crate::guard::Issuing<'c>>,
+        mark: &mut Option<crate::ctx::HandshakeMark<'c>>,
+        parts: &[u32],
         grouped: bool,
     ) -> Result<Option<Unfinished>> {
         let ctx = &self.ctx;
+        let Some(lock) = issuing.as_ref() else {
+            return Err(Error::Aborted(
+                "a launch without the issue lock (a bug in duplex)".into(),
+            ));
+        };
         let nccl = || reqs.iter().filter(|r| r.meta.copy.is_none());
         // Hold every communicator the group names until its launch is over
         // (P3 of `crate::guard`); `slot[i]` is the hold of the i-th NCCL op.
@@ -772,7 +798,7 @@ impl NcclRank {
             .collect::<Result<SmallVec<[_; INLINE_OPS]>>>()?;
         // How many ops reached NCCL, in order: only those can run.
         let mut queued = 0;
-        let grouped_call = issuing.group(&ctx.lib, &held, || {
+        let grouped_call = lock.group(&ctx.lib, &held, || {
             for (r, &i) in nccl().zip(&slot) {
                 let m = &r.meta;
                 let _span = tracing::trace_span!(
@@ -828,20 +854,23 @@ impl NcclRank {
         };
         if !launched {
             // Non-blocking: the group (a connection handshake, R7) finishes in
-            // the background. Wait for it under the deadline.
+            // the background. Wait for it under the deadline, without the
+            // issue lock (the state query needs none, P1): the rank's
+            // launches on other communicators go on, and the lane service
+            // makes its calls itself.
+            *mark = Some(ctx.handshakes.mark(self.thread_id, parts));
+            *issuing = None;
             let polled = poll(ctx.opts.timeout, || {
                 for h in &held {
                     if !h.async_error()? {
-                        // The lane service's NCCL calls, meanwhile: the
-                        // handshake waits for another rank's code.
-                        ctx.assist(issuing);
                         return Ok(false);
                     }
                 }
                 Ok(true)
             });
+            drop(held);
             match polled {
-                Ok(true) => {}
+                Ok(true) => *issuing = Some(ctx.issue.lock()),
                 Ok(false) => {
                     return Ok(Some(Unfinished {
                         call: format!("{} (its connection handshake, R7)", first()),
@@ -859,6 +888,45 @@ impl NcclRank {
             }
         }
         Ok(None)
+    }
+
+    /// The issue lock, once no other thread's launch on one of `parts`
+    /// waits in its handshake ([`crate::ctx::Handshakes`]): waited for
+    /// without the lock, under the deadline; past it, a hang of `call`.
+    fn after_handshakes(
+        &self,
+        parts: &[u32],
+        call: &str,
+        at: &'static Location<'static>,
+    ) -> Result<crate::guard::Issuing<'_>> {
+        let ctx = &self.ctx;
+        let start = std::time::Instant::now();
+        loop {
+            let left = ctx.opts.timeout.saturating_sub(start.elapsed());
+            let mut checks = 0u32;
+            let mut failed = None;
+            let free = poll(left, || {
+                checks = checks.wrapping_add(1);
+                if checks.is_multiple_of(64)
+                    && let Some(f) = ctx.health.failed(ctx.rank)
+                {
+                    failed = Some(f);
+                    return Ok(true);
+                }
+                Ok(!ctx.handshakes.holds(parts, self.thread_id))
+            })?;
+            if let Some((r, why)) = failed {
+                return Err(self.peer_failed(call, r, &why));
+            }
+            if !free {
+                return Err(self.hang(call, &check::place(at), None));
+            }
+            let issuing = ctx.issue.lock();
+            // Another launch may have begun its handshake meanwhile.
+            if !ctx.handshakes.holds(parts, self.thread_id) {
+                return Ok(issuing);
+            }
+        }
     }
 
     /// Waits until `done`, under the deadline; a timeout is a hang.

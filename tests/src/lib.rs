@@ -305,6 +305,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             comm_beside_send::<T>,
         ),
         s(
+            "connect/beside-send",
+            "rank 0's first send on its shared lane toward rank 1 waits in its connection handshake (R7) while another thread of rank 0 sends on the world communicator what rank 1 waits for before its first op on that lane: a call on one communicator holds back calls on that one only (R11), so it completes",
+            2,
+            Shared,
+            Completes,
+            connect_beside_send::<T>,
+        ),
+        s(
             "reply-after-wait",
             "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",
             2,
@@ -916,6 +924,39 @@ pub fn comm_beside_send<T: Transport>(t: &T) -> Result<()> {
         t.synchronize()?;
         check(t, &inb, 0, 10)?;
         t.comm("side", &[0, 1]).map(drop)
+    }
+}
+
+/// Rank 0 sends on its shared lane toward rank 1, on a thread of its own,
+/// while its main thread sends on the world communicator; rank 1 receives
+/// the world's message, waits for it, and only then makes its first op
+/// on the lane, which ends rank 0's handshake there (R7: on a lane not
+/// connected at creation). The main thread starts a little later, so that
+/// on a real backend the handshake is under way when it sends: it must
+/// hold back only calls on the lane (R11).
+pub fn connect_beside_send<T: Transport>(t: &T) -> Result<()> {
+    let world = t.world();
+    let s = t.stream("world")?;
+    if t.rank() == 0 {
+        let first = t.spawn("first", |t: &T| {
+            let out = filled(t, 1, 11)?;
+            t.send(&out, 1)?;
+            t.synchronize()
+        })?;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let out = filled(t, 1, 12)?;
+        t.send_on(&out, 1, &Place::on(&world, &s))?;
+        t.synchronize()?;
+        t.join(first)
+    } else {
+        let mut on_world = t.alloc::<u32>(len())?;
+        t.recv_on(&mut on_world, 0, &Place::on(&world, &s))?;
+        t.synchronize()?;
+        check(t, &on_world, 0, 12)?;
+        let mut on_lane = t.alloc::<u32>(len())?;
+        t.recv(&mut on_lane, 0)?;
+        t.synchronize()?;
+        check(t, &on_lane, 0, 11)
     }
 }
 

@@ -312,14 +312,15 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): six scenarios that must complete (three
+/// variables torchrun sets): seven scenarios that must complete (three
 /// make a call that must fail with a race first: a read inside a group, a
 /// send on another stream than its data's recv with no event between, a
 /// group that sends and receives one buffer; one sends on one thread
-/// while another splits), three that must hang (one after 5,000
+/// while another splits; one while another waits in a handshake), three
+/// that must hang (one after 5,000
 /// exchanges, whose traces are cut where each rank is quiet, one through
 /// a communicator's split), and one whose second rank's process dies.
-const PROCESS_JOBS: [&str; 10] = [
+const PROCESS_JOBS: [&str; 11] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -330,6 +331,7 @@ const PROCESS_JOBS: [&str; 10] = [
     "group/same-buffer",
     "comm/after-wait",
     "comm/beside-send",
+    "connect/beside-send",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is

@@ -123,3 +123,51 @@ fn long_then_seed_hangs_after_its_exchanges_on_the_simulator() {
         other => panic!("long_then_seed should hang under the shared policy: {other:?}"),
     }
 }
+
+/// `connect/beside-send` with communicators connected on first use
+/// (`lazy-connect=on`, the NCCL backend's default for shared lanes and the
+/// world): rank 0's first send on its lane waits in its handshake (R7)
+/// until rank 1's first op there, which comes only after rank 1 has
+/// rank 0's message on the world communicator. The model lets rank 0's
+/// other thread send it meanwhile (R11 holds back calls on the lane
+/// only), so it completes; made to wait for the handshake first, the same
+/// program hangs, and only because of the handshake (connected at
+/// creation it completes), so the handshake is there to hold back.
+#[test]
+fn a_handshake_holds_back_only_its_communicator() {
+    use duplex::Transport;
+    let lazy = duplex::Model {
+        lazy_connect: true,
+        ..duplex::Model::default()
+    };
+    let sim = || Sim::new(2).policy(duplex::Policy::Shared);
+    if let Err(e) = sim().model(lazy).check(duplex_tests::connect_beside_send) {
+        panic!("the world's send must not wait for the lane's handshake: {e}");
+    }
+    // The world's send after the handshake has returned.
+    let after = |t: &SimRank| -> duplex::Result<()> {
+        if t.rank() == 0 {
+            let out = t.alloc::<u32>(16)?;
+            t.send(&out, 1)?;
+            let world = t.world();
+            let s = t.stream("world")?;
+            t.send_on(&out, 1, &duplex::Place::on(&world, &s))?;
+            t.synchronize()
+        } else {
+            let world = t.world();
+            let s = t.stream("world")?;
+            let mut inb = t.alloc::<u32>(16)?;
+            t.recv_on(&mut inb, 0, &duplex::Place::on(&world, &s))?;
+            t.synchronize()?;
+            t.recv(&mut inb, 0)?;
+            t.synchronize()
+        }
+    };
+    match sim().model(lazy).check(after) {
+        Err(Failure::Hang(h)) => assert!(h.to_string().contains("R7"), "{h}"),
+        other => panic!("waiting for the handshake first hangs: {other:?}"),
+    }
+    if let Err(e) = sim().check(after) {
+        panic!("connected at creation, nothing waits for a handshake: {e}");
+    }
+}

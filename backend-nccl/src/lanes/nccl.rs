@@ -6,8 +6,8 @@
 //! [`crate::guard`]): the setup call and the connecting group. The service
 //! never waits for that lock: it queues the call (`RankCtx::assist_later`)
 //! and runs the queue when the lock is free; a host thread that holds the
-//! lock while it waits for another rank (an R7 handshake) runs the queue as
-//! it waits (`RankCtx::assist`). Nothing it abandons is freed on
+//! lock while it waits for another rank (the connection of a user
+//! communicator at creation) runs the queue as it waits (`RankCtx::assist`). Nothing it abandons is freed on
 //! its thread: an abort frees a communicator, which waits for the device
 //! (P8), so each abandoned communicator is aborted on a thread of its own
 //! ([`abort_aside`]); not on [`crate::reaper`], whose queue of frees could
