@@ -705,39 +705,85 @@ impl SplitTurns {
     }
 }
 
-/// The parts (communicators and copy-engine lanes, by logical number) of
-/// the launches that wait in their connection handshake, each with its
-/// thread. A launch marks its parts under the issue lock before it lets
-/// the lock go to wait (`NcclRank::launch_nccl`), and keeps them marked
-/// until it is over; another thread's launch on one of them waits, without
-/// the lock, until none is marked (R11: a call on a communicator waits
-/// while another thread is inside a call on it). So the launch's copy ops
-/// still reach their lanes in the order the registry numbered them.
+/// A part of a launch that [`Handshakes`] marks: a communicator or a
+/// copy-engine lane, by logical number ([`part_comm`]), or a stream, by
+/// the backend's number ([`part_stream`]).
+pub(crate) type Part = u64;
+
+/// The [`Part`] of the communicator or copy-engine lane `logical`.
+pub(crate) fn part_comm(logical: u32) -> Part {
+    Part::from(logical)
+}
+
+/// The [`Part`] of stream `id` (the backend's number).
+pub(crate) fn part_stream(id: u32) -> Part {
+    (1 << 32) | Part::from(id)
+}
+
+/// The parts (communicators, copy-engine lanes and streams) of the
+/// launches that wait in their connection handshake, each with its
+/// thread, and the sides (R7) the rank's non-blocking communicators have
+/// connected.
+///
+/// A launch on a non-blocking communicator that opens a side not yet
+/// connected marks its parts under the issue lock before it lets the lock
+/// go to wait (`NcclRank::launch_nccl`), and keeps them marked until it is
+/// over; another thread's launch on one of them waits, without the lock,
+/// until none is marked (R11: a call on a communicator waits while another
+/// thread is inside a call on it). Its streams are parts too: NCCL's
+/// background job puts the group's kernels on them only when it finishes
+/// (nothing else may go on them before, NCCL's rule for non-blocking
+/// communicators), so the order of each stream stays the order of the
+/// launches. The launch's copy ops still reach their lanes in the order
+/// the registry numbered them. A launch whose sides are all connected
+/// waits for its group's end under the lock, as every launch did before
+/// (`connected`): NCCL ends every group of a non-blocking communicator in
+/// the background (from 2.23), handshake or not.
 #[derive(Debug, Default)]
 pub(crate) struct Handshakes {
     /// How many parts are marked: read without the lock, since marks are
     /// made and checked under the issue lock, so that a launch pays
     /// nothing while none is.
     marked: AtomicUsize,
-    parts: Mutex<Vec<(usize, u32)>>,
+    parts: Mutex<Vec<(usize, Part)>>,
+    /// (communicator, peer, direction): the sides of this rank that a
+    /// launch on a non-blocking communicator has connected (R7).
+    connected: Mutex<rustc_hash::FxHashSet<(u32, Rank, Dir)>>,
 }
 
 impl Handshakes {
     /// Whether a thread other than `me` has a launch on one of `parts` in
     /// its handshake.
-    pub(crate) fn holds(&self, parts: &[u32], me: usize) -> bool {
+    pub(crate) fn holds(&self, parts: &[Part], me: usize) -> bool {
         self.marked.load(Ordering::Acquire) != 0
             && lock(&self.parts)
                 .iter()
                 .any(|(t, p)| *t != me && parts.contains(p))
     }
 
+    /// Whether any launch is in its handshake.
+    pub(crate) fn any(&self) -> bool {
+        self.marked.load(Ordering::Acquire) != 0
+    }
+
     /// Marks thread `me`'s launch on `parts` until the mark drops.
-    pub(crate) fn mark(&self, me: usize, parts: &[u32]) -> HandshakeMark<'_> {
+    pub(crate) fn mark(&self, me: usize, parts: &[Part]) -> HandshakeMark<'_> {
         let mut v = lock(&self.parts);
         v.extend(parts.iter().map(|p| (me, *p)));
         self.marked.store(v.len(), Ordering::Release);
         HandshakeMark { of: self, me }
+    }
+
+    /// Whether every side of `sides` (communicator, peer, direction) is
+    /// connected.
+    pub(crate) fn all_connected(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) -> bool {
+        let c = lock(&self.connected);
+        sides.into_iter().all(|s| c.contains(&s))
+    }
+
+    /// `sides` are connected: a group that opened them has ended.
+    pub(crate) fn connect(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) {
+        lock(&self.connected).extend(sides);
     }
 }
 
@@ -1285,7 +1331,8 @@ impl RankCtx {
 
     /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is
     /// long and this rank is quiet: no launch under way (the issue lock,
-    /// taken only if it is free) and nothing in flight (the ledger holds
+    /// taken only if it is free, and no launch in its handshake, which
+    /// waits without the lock) and nothing in flight (the ledger holds
     /// no op). Called when a `synchronize` or `sync_stream` returns, where
     /// a rank is most often quiet; a rank that is never quiet keeps its
     /// whole trace, as before.
@@ -1296,7 +1343,9 @@ impl RankCtx {
         let Some(_issuing) = self.issue.try_lock() else {
             return;
         };
-        if !self.ops.quiet() {
+        // A launch in its handshake is under way without the lock: its ops
+        // are in the registry, not yet in the ledger.
+        if self.handshakes.any() || !self.ops.quiet() {
             return;
         }
         let folded = self.registry.cut_if_long();
@@ -1654,6 +1703,27 @@ mod tests {
         assert!(h.holds(&[1], 7));
         drop(other);
         assert!(!h.holds(&[1, 2, 5], 7));
+        assert!(!h.any());
+    }
+
+    /// A communicator and a stream of one number are different parts; a
+    /// side is connected only once a group that opened it ended.
+    #[test]
+    fn streams_are_parts_of_their_own_and_sides_connect_one_by_one() {
+        use super::{part_comm, part_stream};
+        use duplex::Dir;
+        let h = super::Handshakes::default();
+        let mark = h.mark(3, &[part_comm(1), part_stream(4)]);
+        assert!(h.any());
+        assert!(h.holds(&[part_stream(4)], 7), "its stream");
+        assert!(!h.holds(&[part_stream(1), part_comm(4)], 7));
+        drop(mark);
+        assert!(h.all_connected([]), "a launch to itself opens no side");
+        assert!(!h.all_connected([(0, 1, Dir::Send)]));
+        h.connect([(0, 1, Dir::Send)]);
+        assert!(h.all_connected([(0, 1, Dir::Send)]));
+        assert!(!h.all_connected([(0, 1, Dir::Send), (0, 1, Dir::Recv)]));
+        assert!(!h.all_connected([(2, 1, Dir::Send)]), "per communicator");
     }
 
     /// Splits go in the order of their numbers; a call that ended before

@@ -14,18 +14,31 @@
 //!   (`ncclGroupStart`/`End`, `ncclSend`/`Recv`, `ncclCommSplit`) is made
 //!   by the thread that holds the rank's [`IssueLock`] (an [`Issuing`]).
 //!   All communicators of a rank live on its device, so this covers both
-//!   of NCCL's rules. A call on a non-blocking communicator that NCCL
-//!   finishes in the background (a split of the parent of user
-//!   communicators, a group whose connection handshake is under way)
-//!   holds the lock for the call only; the wait for its end holds the
-//!   communicator (P3), not the lock, and lets the communicator go before
-//!   it takes the lock again (the lock order below). The lane service of lazy lanes ([`crate::lanes`])
-//!   never waits for the lock: its calls (a communicator's setup, its
-//!   connecting group) are queued, and run by whoever holds the lock next,
-//!   including a thread that holds it while it waits for another rank. Two calls are made without it: the state query
-//!   `ncclCommGetAsyncError` (it reads the communicator's state, as
-//!   PyTorch's watchdog does from its own thread), and the abort path
-//!   (P4, P5), which exists to interrupt the caller.
+//!   of NCCL's rules, with one exception. A call on a non-blocking
+//!   communicator that NCCL finishes in the background holds the lock
+//!   for the call only when its wait is for another rank's code: a split
+//!   of the parent of user communicators, and a group that opens a side
+//!   (its connection handshake, R7; `crate::ctx::Handshakes`), whose
+//!   communicators, copy-engine lanes and streams are marked first, so
+//!   that no other thread of the rank calls NCCL on them, nor puts work
+//!   on those streams, until it is over (NCCL's rule for a non-blocking
+//!   communicator). The rule against parallel calls on independent
+//!   communicators of one device is not kept during that wait: NCCL's
+//!   group state is per thread, and its background job works on the
+//!   marked communicators only (`docs/semantics.md`, D1 and R11).
+//!   The wait holds the communicator (P3), not the lock, and lets the
+//!   communicator go before it takes the lock again (the lock order
+//!   below). A group of a non-blocking communicator whose sides are all
+//!   connected waits for its end under the lock. The lane service of lazy
+//!   lanes ([`crate::lanes`]) never waits for the lock: its calls (a
+//!   communicator's setup, its connecting group) are queued, and run by
+//!   whoever holds the lock next, including a thread that holds it while
+//!   it waits for another rank. Two calls are made without it: the state
+//!   query `ncclCommGetAsyncError` (it reads the communicator's state, as
+//!   PyTorch's watchdog does from its own thread; one thread at a time per
+//!   communicator, since it also reaps the communicator's background
+//!   job), and the abort path (P4, P5), which exists to interrupt the
+//!   caller.
 //! - **P2, a group is one thread's.** A group is built inside
 //!   [`Issuing::group`]: start, the ops, end, on the thread that holds the
 //!   lock ([`Issuing`] and [`Use`] cannot move to another thread). The end
@@ -345,6 +358,11 @@ pub struct CommCell<A: CommApi> {
     raw: A::Comm,
     name: String,
     state: Mutex<CellState<A>>,
+    /// Serializes the state queries ([`Use::async_error`]): NCCL's
+    /// `ncclCommGetAsyncError` joins and unlinks the communicator's
+    /// background group job without atomics (NCCL 2.28, `init.cc`), so two
+    /// threads querying one communicator at once could free the job twice.
+    query: Mutex<()>,
 }
 
 impl<A: CommApi> fmt::Debug for CommCell<A> {
@@ -374,6 +392,7 @@ impl<A: CommApi> CommCell<A> {
                 inside: 0,
                 batch: None,
             }),
+            query: Mutex::new(()),
         }
     }
 
@@ -673,8 +692,10 @@ impl<A: CommApi> Use<'_, A> {
         unsafe { self.call(|api, c| api.recv(c, buf, count, dtype, peer, stream)) }
     }
 
-    /// `ncclCommGetAsyncError` (allowed without the issue lock, P1).
+    /// `ncclCommGetAsyncError` (allowed without the issue lock, P1; one
+    /// thread at a time per communicator).
     pub fn async_error(&self) -> Result<bool, Error> {
+        let _one = lock(&self.cell.query);
         // SAFETY: the handle is live inside `call`, and not kept.
         unsafe { self.call(|api, c| api.async_error(c)) }
     }

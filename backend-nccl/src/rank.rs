@@ -164,7 +164,10 @@ impl NcclRank {
     /// bookkeeping: the baseline that benchmarks compare duplex with. It
     /// takes the rank's issue lock and, on a non-blocking communicator,
     /// waits out an operation NCCL reports in progress, as any correct
-    /// caller must.
+    /// caller must. It does not wait for another thread's launch in its
+    /// handshake ([`crate::ctx::Handshakes`]): make it from a thread of
+    /// its own, with no duplex launch under way on the rank (the
+    /// benchmarks do).
     pub fn raw_p2p(
         &self,
         dir: Dir,
@@ -212,7 +215,8 @@ impl NcclRank {
     /// bypassing duplex's bookkeeping: the one-GPU baseline of
     /// `examples/overhead.rs`. It takes the rank's issue lock and waits out
     /// a group NCCL reports in progress. The caller keeps the memory alive
-    /// until the stream is synchronized.
+    /// until the stream is synchronized. As [`NcclRank::raw_p2p`], it does
+    /// not wait for another thread's launch in its handshake.
     pub fn raw_self_exchange(
         &self,
         comm: &NcclComm,
@@ -430,17 +434,23 @@ impl NcclRank {
             }
         }
         // R11: a launch of another thread that waits in its connection
-        // handshake holds back this one if they share a communicator (or
-        // a copy-engine lane), and only then; the wait is outside the lock.
-        let parts: SmallVec<[u32; INLINE_OPS]> = recs.iter().map(|r| r.comm).collect();
+        // handshake holds back this one if they share a communicator, a
+        // copy-engine lane or a stream, and only then; the wait is outside
+        // the lock.
+        let parts: SmallVec<[crate::ctx::Part; INLINE_OPS]> = recs
+            .iter()
+            .map(|r| crate::ctx::part_comm(r.comm))
+            .chain(recs.iter().map(|r| crate::ctx::part_stream(r.stream)))
+            .collect();
         let mut issuing = Some(ctx.issue.lock());
         if ctx.handshakes.holds(&parts, self.thread_id) {
             drop(issuing.take());
             issuing = Some(self.after_handshakes(&parts, &reqs[0].meta.text(), at)?);
         }
-        // Marked once this launch lets the lock go for its handshake: until
-        // it is over (its copy ops on their lanes too).
-        let mut mark = None;
+        // Set once this launch lets the lock go for its handshake: its
+        // parts stay marked until it is over (its copy ops on their lanes
+        // too), and its accesses are in the order, not yet on the streams.
+        let mut shaking = None;
         for r in reqs.iter_mut() {
             r.meta.grouped = grouped;
         }
@@ -476,7 +486,7 @@ impl NcclRank {
             return Err(e);
         }
         if reqs.iter().any(|r| r.meta.copy.is_none()) {
-            match self.launch_nccl(&reqs, &mut issuing, &mut mark, &parts, grouped) {
+            match self.launch_nccl(&reqs, &mut issuing, &mut shaking, &parts, grouped) {
                 Ok(None) => {}
                 Ok(Some(Unfinished {
                     call,
@@ -492,6 +502,11 @@ impl NcclRank {
                     let reached = || reqs.iter().filter(|r| r.meta.copy.is_none()).take(queued);
                     let comms: Vec<Comm> = reached().map(|r| r.meta.comm.clone()).collect();
                     crate::ctx::abort_together(&comms);
+                    // Other threads held back by it now find its
+                    // communicators aborted, rather than wait through the
+                    // report. Its accesses stay in the order, never on
+                    // their streams (so never covered: the safe side).
+                    drop(shaking);
                     for r in reached() {
                         std::mem::forget(r.buf.clone());
                     }
@@ -529,7 +544,10 @@ impl NcclRank {
         // On its streams (a copy op that failed is recorded too: its lane
         // is aborted, and a later op on its buffer is refused until a sync,
         // which errs on the safe side).
-        lock(&ctx.order).commit(&accesses(&reqs));
+        match &shaking {
+            None => lock(&ctx.order).commit(&accesses(&reqs)),
+            Some(h) => lock(&ctx.order).landed(h.key),
+        }
         // One completion fence per stream of the launch, attached to after
         // its last op there, shared by the launch's ops on that stream
         // (and by the stream's next launches until it is recorded).
@@ -756,19 +774,20 @@ impl NcclRank {
     /// launch the group (a non-blocking group whose connection handshake,
     /// R7, did not finish within the deadline, or reported an error).
     ///
-    /// A group that NCCL leaves in progress (a handshake) is waited for
-    /// without the issue lock: its parts are marked first (`mark`, kept by
-    /// the caller until the launch is over), so that only the rank's
-    /// launches on them wait (R11); the lock is taken again, after the
-    /// group's holds are let go (the lock order of [`crate::guard`]), for
-    /// the rest of the launch. `issuing` is `None` when it returns an
-    /// [`Unfinished`].
+    /// A group that NCCL leaves in progress is waited for under the lock
+    /// when its sides are connected; when it opens a side (its connection
+    /// handshake, R7), without the lock: its parts are marked first and
+    /// its accesses committed to the order as not yet on their streams
+    /// (`shaking`, kept by the caller until the launch is over), so that
+    /// only the rank's launches on them wait (R11); the lock is taken
+    /// again, after the group's holds are let go (the lock order of
+    /// [`crate::guard`]), for the rest of the launch.
     fn launch_nccl<'c>(
         &'c self,
         reqs: &[Req],
         issuing: &mut Option<crate::guard::Issuing<'c>>,
-        mark: &mut Option<crate::ctx::HandshakeMark<'c>>,
-        parts: &[u32],
+        shaking: &mut Option<Shaking<'c>>,
+        parts: &[crate::ctx::Part],
         grouped: bool,
     ) -> Result<Option<Unfinished>> {
         let ctx = &self.ctx;
@@ -853,12 +872,50 @@ impl NcclRank {
             }
         };
         if !launched {
-            // Non-blocking: the group (a connection handshake, R7) finishes in
-            // the background. Wait for it under the deadline, without the
-            // issue lock (the state query needs none, P1): the rank's
-            // launches on other communicators go on, and the lane service
+            // Non-blocking: NCCL ends the group in the background (every
+            // group of a non-blocking communicator, from NCCL 2.23).
+            let me = ctx.rank;
+            let sides = || {
+                nccl()
+                    .filter(|r| r.meta.peer != me)
+                    .map(|r| (r.meta.logical(), r.meta.peer, r.meta.dir))
+            };
+            if ctx.handshakes.all_connected(sides()) {
+                // No handshake: the wait is short, under the lock, as for
+                // a blocking communicator.
+                let polled = poll(ctx.opts.timeout, || {
+                    for h in &held {
+                        if !h.async_error()? {
+                            ctx.assist(lock);
+                            return Ok(false);
+                        }
+                    }
+                    Ok(true)
+                });
+                return Ok(match polled {
+                    Ok(true) => None,
+                    Ok(false) => Some(Unfinished {
+                        call: format!("{} (its group's end)", first()),
+                        error: None,
+                        queued,
+                    }),
+                    Err(e) => Some(Unfinished {
+                        call: first(),
+                        error: Some(e),
+                        queued,
+                    }),
+                });
+            }
+            // It opens a side (R7): the handshake waits for the peer's
+            // code. Wait for it under the deadline, without the issue lock
+            // (the state query needs none, P1): the rank's launches on
+            // other communicators and streams go on, and the lane service
             // makes its calls itself.
-            *mark = Some(ctx.handshakes.mark(self.thread_id, parts));
+            let key = crate::ctx::lock(&ctx.order).commit_pending(&accesses(reqs));
+            *shaking = Some(Shaking {
+                _mark: ctx.handshakes.mark(self.thread_id, parts),
+                key,
+            });
             *issuing = None;
             let polled = poll(ctx.opts.timeout, || {
                 for h in &held {
@@ -870,7 +927,10 @@ impl NcclRank {
             });
             drop(held);
             match polled {
-                Ok(true) => *issuing = Some(ctx.issue.lock()),
+                Ok(true) => {
+                    ctx.handshakes.connect(sides());
+                    *issuing = Some(ctx.issue.lock());
+                }
                 Ok(false) => {
                     return Ok(Some(Unfinished {
                         call: format!("{} (its connection handshake, R7)", first()),
@@ -895,7 +955,7 @@ impl NcclRank {
     /// without the lock, under the deadline; past it, a hang of `call`.
     fn after_handshakes(
         &self,
-        parts: &[u32],
+        parts: &[crate::ctx::Part],
         call: &str,
         at: &'static Location<'static>,
     ) -> Result<crate::guard::Issuing<'_>> {
@@ -1426,6 +1486,14 @@ fn poison_recvs<'a>(reqs: impl IntoIterator<Item = &'a Req>, why: &str) {
             lock(&r.buf.users).poisoned = Some(format!("{}: {why}", r.meta.text()));
         }
     }
+}
+
+/// A launch in its connection handshake, waiting without the issue lock
+/// (`NcclRank::launch_nccl`): its parts marked until this drops, and its
+/// accesses in the order under `key` until they are on their streams.
+struct Shaking<'a> {
+    _mark: crate::ctx::HandshakeMark<'a>,
+    key: u64,
 }
 
 /// A group NCCL may still launch, whole or in part, untracked: a

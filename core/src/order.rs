@@ -239,6 +239,12 @@ pub struct Order {
     events: Vec<Option<Clock>>,
     /// Accesses per buffer, by the backend's number.
     uses: rustc_hash::FxHashMap<u64, Uses>,
+    /// Launches committed before they are on their streams
+    /// ([`Order::commit_pending`]): (key, stream index, the launch's number
+    /// there).
+    pending: SmallVec<[(u64, usize, u64); 2]>,
+    /// The next key of [`Order::commit_pending`].
+    next_key: u64,
 }
 
 impl Order {
@@ -330,6 +336,47 @@ impl Order {
 
     /// Records the accesses of a launch of `ops` that was made.
     pub fn commit(&mut self, ops: &[(u64, Access<'_>)]) {
+        self.commit_seqs(ops);
+    }
+
+    /// Records the accesses of a launch of `ops` that is under way but not
+    /// yet on its streams (a backend whose launch waits, without its lock,
+    /// for a library to put its work on the streams later): a later launch
+    /// that touches its buffers unordered is a race, as after
+    /// [`Order::commit`], but no event recorded or sync made meanwhile
+    /// covers it, since its work may not be on the streams yet. Returns the
+    /// key for [`Order::landed`]; until then, it stays uncovered (a launch
+    /// that never lands errs on the safe side).
+    pub fn commit_pending(&mut self, ops: &[(u64, Access<'_>)]) -> u64 {
+        let key = self.next_key;
+        self.next_key += 1;
+        for (s, seq) in self.commit_seqs(ops) {
+            self.pending.push((key, s, seq));
+        }
+        key
+    }
+
+    /// The launch of [`Order::commit_pending`]'s `key` is on its streams:
+    /// events and syncs made from now on cover it.
+    pub fn landed(&mut self, key: u64) {
+        self.pending.retain(|(k, _, _)| *k != key);
+    }
+
+    /// `c` without the launches not yet on their streams (and what came
+    /// after them there).
+    fn without_pending(&self, c: &mut Clock) {
+        for &(_, s, seq) in &self.pending {
+            if let Some(x) = c.get_mut(s)
+                && *x >= seq
+            {
+                *x = seq - 1;
+            }
+        }
+    }
+
+    /// [`Order::commit`], returning each stream's (index, number) of the
+    /// launch.
+    fn commit_seqs(&mut self, ops: &[(u64, Access<'_>)]) -> SmallVec<[(usize, u64); 4]> {
         let mut seqs: SmallVec<[(usize, u64); 4]> = SmallVec::new();
         let mut parts: SmallVec<[(u32, usize); 4]> = SmallVec::new();
         for (buf, op) in ops {
@@ -380,6 +427,7 @@ impl Order {
                 self.clocks[s].0.clone_from(&all);
             }
         }
+        seqs
     }
 
     /// An event recorded on a stream: it completes after what the stream
@@ -393,6 +441,13 @@ impl Order {
         match &mut self.events[e] {
             Some(c) => c.clone_from(&self.clocks[s].0),
             slot => *slot = Some(self.clocks[s].0.clone()),
+        }
+        if !self.pending.is_empty()
+            && let Some(Some(c)) = self.events.get_mut(e)
+        {
+            let mut c = std::mem::take(c);
+            self.without_pending(&mut c);
+            self.events[e] = Some(c);
         }
     }
 
@@ -421,6 +476,7 @@ impl Order {
                 }
             }
         }
+        self.without_pending(&mut c);
         Covered(c)
     }
 
@@ -496,6 +552,13 @@ impl Order {
             stamps.sort_unstable();
             stamps.hash(h);
         }
+        let mut pending: Vec<(u32, u64)> = self
+            .pending
+            .iter()
+            .map(|&(_, s, seq)| (number(s), seq))
+            .collect();
+        pending.sort_unstable();
+        pending.hash(h);
     }
 }
 
@@ -536,6 +599,37 @@ mod tests {
             Err(r) => r.error().to_string(),
             Ok(()) => panic!("no race found"),
         }
+    }
+
+    /// A launch committed before it is on its streams: a later unordered
+    /// access races with it at once, but an event recorded or a sync made
+    /// before it lands does not cover it; one made after it landed does.
+    #[test]
+    fn a_launch_not_yet_on_its_streams_is_covered_only_once_it_lands() {
+        let mut o = Order::new();
+        let key = o.commit_pending(&[(X, op(Dir::Recv, 0))]);
+        assert!(o.check(&[(X, op(Dir::Send, 1))]).is_err(), "races at once");
+        // An event recorded on its stream, waited for on another: orders
+        // nothing yet.
+        o.record(0, 0);
+        o.wait(0, 1);
+        assert!(o.check(&[(X, op(Dir::Send, 1))]).is_err());
+        // A sync of every stream made now does not cover it either.
+        let early = o.covers(None);
+        o.synced(early);
+        assert!(o.check(&[(X, op(Dir::Send, 1))]).is_err());
+        o.landed(key);
+        o.record(1, 0);
+        o.wait(1, 1);
+        o.check(&[(X, op(Dir::Send, 1))])
+            .expect("ordered by an event recorded after it landed");
+        let mut o2 = Order::new();
+        let key = o2.commit_pending(&[(X, op(Dir::Recv, 0))]);
+        o2.landed(key);
+        let now = o2.covers(None);
+        o2.synced(now);
+        o2.check(&[(X, op(Dir::Send, 1))])
+            .expect("covered by a sync made after it landed");
     }
 
     #[test]
