@@ -120,7 +120,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
-use duplex::Error;
+use duplex::{Dir, Error, Rank};
 
 use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, lock};
 
@@ -128,6 +128,103 @@ use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, lock
 pub mod fake;
 #[cfg(any(test, loom))]
 pub mod scenarios;
+
+/// A part of a launch that [`Handshakes`] marks: a communicator or a
+/// copy-engine lane, by logical number ([`part_comm`]), or a stream, by
+/// the backend's number ([`part_stream`]).
+pub type Part = u64;
+
+/// The [`Part`] of the communicator or copy-engine lane `logical`.
+pub fn part_comm(logical: u32) -> Part {
+    Part::from(logical)
+}
+
+/// The [`Part`] of stream `id` (the backend's number).
+pub fn part_stream(id: u32) -> Part {
+    (1 << 32) | Part::from(id)
+}
+
+/// The parts (communicators, copy-engine lanes and streams) of the
+/// launches that wait in their connection handshake, each with its
+/// thread, and the sides (R7) the rank's non-blocking communicators have
+/// connected.
+///
+/// A launch on a non-blocking communicator that opens a side not yet
+/// connected marks its parts under the issue lock before it lets the lock
+/// go to wait (`crate::rank`), and keeps them marked until it is
+/// over; another thread's launch on one of them waits, without the lock,
+/// until none is marked (R11: a call on a communicator waits while another
+/// thread is inside a call on it). Its streams are parts too: NCCL's
+/// background job puts the group's kernels on them only when it finishes
+/// (nothing else may go on them before, NCCL's rule for non-blocking
+/// communicators), so the order of each stream stays the order of the
+/// launches. The launch's copy ops still reach their lanes in the order
+/// the registry numbered them. A launch whose sides are all connected
+/// waits for its group's end under the lock, as every launch did before
+/// (`connected`): NCCL ends every group of a non-blocking communicator in
+/// the background (from 2.23), handshake or not.
+#[derive(Debug, Default)]
+pub struct Handshakes {
+    /// How many parts are marked: read without the lock, since marks are
+    /// made and checked under the issue lock, so that a launch pays
+    /// nothing while none is.
+    marked: AtomicUsize,
+    parts: Mutex<Vec<(usize, Part)>>,
+    /// (communicator, peer, direction): the sides of this rank that a
+    /// launch on a non-blocking communicator has connected (R7).
+    connected: Mutex<rustc_hash::FxHashSet<(u32, Rank, Dir)>>,
+}
+
+impl Handshakes {
+    /// Whether a thread other than `me` has a launch on one of `parts` in
+    /// its handshake.
+    pub fn holds(&self, parts: &[Part], me: usize) -> bool {
+        self.marked.load(Ordering::Acquire) != 0
+            && lock(&self.parts)
+                .iter()
+                .any(|(t, p)| *t != me && parts.contains(p))
+    }
+
+    /// Whether any launch is in its handshake.
+    pub fn any(&self) -> bool {
+        self.marked.load(Ordering::Acquire) != 0
+    }
+
+    /// Marks thread `me`'s launch on `parts` until the mark drops.
+    pub fn mark(&self, me: usize, parts: &[Part]) -> HandshakeMark<'_> {
+        let mut v = lock(&self.parts);
+        v.extend(parts.iter().map(|p| (me, *p)));
+        self.marked.store(v.len(), Ordering::Release);
+        HandshakeMark { of: self, me }
+    }
+
+    /// Whether every side of `sides` (communicator, peer, direction) is
+    /// connected.
+    pub fn all_connected(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) -> bool {
+        let c = lock(&self.connected);
+        sides.into_iter().all(|s| c.contains(&s))
+    }
+
+    /// `sides` are connected: a group that opened them has ended.
+    pub fn connect(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) {
+        lock(&self.connected).extend(sides);
+    }
+}
+
+/// A launch's parts marked in [`Handshakes`], until dropped.
+#[derive(Debug)]
+pub struct HandshakeMark<'a> {
+    of: &'a Handshakes,
+    me: usize,
+}
+
+impl Drop for HandshakeMark<'_> {
+    fn drop(&mut self) {
+        let mut v = lock(&self.of.parts);
+        v.retain(|(t, _)| *t != self.me);
+        self.of.marked.store(v.len(), Ordering::Release);
+    }
+}
 
 /// What the error of a call on an aborted communicator says
 /// ([`CommCell::aborted_error`]), so that callers can tell it apart.

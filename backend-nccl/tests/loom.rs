@@ -115,6 +115,15 @@ fn two_issuers_never_overlap_in_nccl() {
 }
 
 #[test]
+fn a_launch_in_its_handshake_holds_back_only_its_parts() {
+    model(
+        "three launches ended in the background",
+        Some(2),
+        scenarios::handshake_beside_launches,
+    );
+}
+
+#[test]
 fn a_buffer_is_freed_only_after_its_op() {
     model("buffer vs op", None, scenarios::buffer_outlives_its_op);
 }

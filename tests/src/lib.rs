@@ -931,20 +931,26 @@ pub fn comm_beside_send<T: Transport>(t: &T) -> Result<()> {
 /// while its main thread sends on the world communicator; rank 1 receives
 /// the world's message, waits for it, and only then makes its first op
 /// on the lane, which ends rank 0's handshake there (R7: on a lane not
-/// connected at creation). The main thread starts a little later, so that
-/// on a real backend the handshake is under way when it sends: it must
-/// hold back only calls on the lane (R11).
+/// connected at creation). The main thread sends 200 ms after it started
+/// the other, so that on a real backend the handshake is under way when
+/// it sends: it must hold back only calls on the lane (R11). On the NCCL
+/// backend only lanes made at start show it: a lane made on first use is
+/// connected by the rank's lane service, which no user code waits for.
 pub fn connect_beside_send<T: Transport>(t: &T) -> Result<()> {
     let world = t.world();
     let s = t.stream("world")?;
     if t.rank() == 0 {
+        // The world's message is ready before the first thread starts, and
+        // the lane's is small, so that on a real backend the first send is
+        // in its handshake well before the world's send (a message of the
+        // suite's length takes a good part of the wait to fill).
+        let out = filled(t, 1, 12)?;
         let first = t.spawn("first", |t: &T| {
-            let out = filled(t, 1, 11)?;
+            let out = filled_with(t, 1, 11, 16)?;
             t.send(&out, 1)?;
             t.synchronize()
         })?;
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        let out = filled(t, 1, 12)?;
+        std::thread::sleep(std::time::Duration::from_millis(200));
         t.send_on(&out, 1, &Place::on(&world, &s))?;
         t.synchronize()?;
         t.join(first)
@@ -953,7 +959,7 @@ pub fn connect_beside_send<T: Transport>(t: &T) -> Result<()> {
         t.recv_on(&mut on_world, 0, &Place::on(&world, &s))?;
         t.synchronize()?;
         check(t, &on_world, 0, 12)?;
-        let mut on_lane = t.alloc::<u32>(len())?;
+        let mut on_lane = t.alloc::<u32>(16)?;
         t.recv(&mut on_lane, 0)?;
         t.synchronize()?;
         check(t, &on_lane, 0, 11)

@@ -35,6 +35,17 @@ struct Comm {
     /// A kernel is in flight on it, waiting for a peer: it ends only when
     /// the communicator is interrupted (its abort flag).
     kernel: AtomicBool,
+    /// Non-blocking, its groups ended in the background
+    /// ([`FakeNccl::in_background`]).
+    background: bool,
+    /// A group of it is in progress in the background: only the state
+    /// query may be called on it until a query has found it done (the
+    /// first query after the group's end says not yet, the next says
+    /// done: the background job finishes at a point the model checker
+    /// chooses among the other threads' steps).
+    in_progress: AtomicUsize,
+    /// A thread is inside `ncclCommGetAsyncError` on it.
+    querying: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -95,6 +106,22 @@ impl FakeNccl {
             group_open: AtomicBool::new(false),
             queued: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Communicators `0..n`, non-blocking, each group of which NCCL ends
+    /// in the background (as NCCL 2.23 and later do): `ncclGroupEnd`
+    /// returns in progress, and the state query says not ready once. It
+    /// checks that no call but the state query
+    /// is made on a communicator while its group is in progress (NCCL's
+    /// rule for non-blocking communicators), and that no two threads query
+    /// one communicator at once (the query reaps the group's job).
+    pub fn in_background(n: usize) -> FakeNccl {
+        let fake = FakeNccl::new(&vec![false; n], false);
+        let mut inner = Arc::try_unwrap(fake.0).expect("just made");
+        for c in &mut inner.comms {
+            c.background = true;
+        }
+        FakeNccl(Arc::new(inner))
     }
 
     fn comm(&self, c: usize) -> &Comm {
@@ -177,6 +204,10 @@ impl FakeNccl {
     fn queue(&self, c: usize, call: &str) -> Result<bool, Error> {
         let _i = Issuing::new(&self.0, call);
         let comm = self.live(c, call);
+        assert!(
+            comm.in_progress.load(Ordering::SeqCst) == 0,
+            "{call} on communicator {c} while its group is in progress (NCCL's rule for non-blocking communicators)"
+        );
         if comm.interrupted.load(Ordering::SeqCst) {
             return Err(Self::interrupted(c, call));
         }
@@ -228,6 +259,11 @@ impl CommApi for FakeNccl {
             }
             if comm.interrupted.load(Ordering::SeqCst) {
                 result = Err(Self::interrupted(c, "ncclGroupEnd"));
+            } else if comm.background {
+                comm.in_progress.store(2, Ordering::SeqCst);
+                if result.is_ok() {
+                    result = Ok(false);
+                }
             }
         }
         self.0.group_open.store(false, Ordering::SeqCst);
@@ -260,11 +296,24 @@ impl CommApi for FakeNccl {
 
     unsafe fn async_error(&self, comm: usize) -> Result<bool, Error> {
         let c = self.live(comm, "ncclCommGetAsyncError");
-        if c.interrupted.load(Ordering::SeqCst) {
+        assert!(
+            !c.querying.swap(true, Ordering::SeqCst),
+            "ncclCommGetAsyncError on communicator {comm} from two threads at once"
+        );
+        let state = if c.interrupted.load(Ordering::SeqCst) {
             Err(Self::interrupted(comm, "ncclCommGetAsyncError"))
         } else {
-            Ok(true)
-        }
+            // 2 → 1: not yet; 1 → 0: done.
+            let left = c.in_progress.load(Ordering::SeqCst);
+            if left == 2 {
+                c.in_progress.store(1, Ordering::SeqCst);
+            } else if left == 1 {
+                c.in_progress.store(0, Ordering::SeqCst);
+            }
+            Ok(left != 2)
+        };
+        c.querying.store(false, Ordering::SeqCst);
+        state
     }
 
     unsafe fn revoke(&self, comm: usize) -> Result<bool, Error> {

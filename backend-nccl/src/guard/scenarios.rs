@@ -14,7 +14,7 @@ use std::time::Duration;
 use duplex::Error;
 
 use super::fake::{FakeBuf, FakeNccl, FakeOp};
-use super::{CommCell, IssueLock, Ledger, Phase};
+use super::{CommCell, Handshakes, IssueLock, Ledger, Part, Phase, part_comm, part_stream};
 use crate::board::{Board, LocalBoard};
 use crate::sync::{Arc, Ordering, thread};
 
@@ -126,6 +126,92 @@ pub fn two_issuers() {
         assert!(t.join().expect("an issuing thread panicked").is_ok());
     }
     assert!(api.calls(0) >= 3 && api.calls(1) >= 3);
+}
+
+/// What one launch on a non-blocking communicator whose group opens a
+/// side does (rank.rs's `issue`, `after_handshakes` and `launch_nccl`,
+/// without CUDA): takes the issue lock once no other thread's launch in
+/// its handshake holds one of `parts` (waited for without the lock), sends
+/// in one group, and, the group in progress in NCCL's background, marks
+/// `parts`, lets the lock go, polls the communicator's state until the
+/// group is done, lets the hold go and takes the lock again for the rest
+/// of the launch.
+pub fn launch_in_background(
+    lock: &IssueLock,
+    marks: &Handshakes,
+    me: usize,
+    cell: &CommCell<FakeNccl>,
+    parts: &[Part],
+) -> Result<(), Error> {
+    let mut issuing = lock.lock();
+    while marks.holds(parts, me) {
+        drop(issuing);
+        while marks.holds(parts, me) {
+            thread::yield_now();
+        }
+        issuing = lock.lock();
+    }
+    let held = [cell.enter()?];
+    let end = issuing.group(cell.api(), &held, || {
+        // SAFETY: the fake's buffers are plain numbers; the issue lock is
+        // held.
+        unsafe { held[0].send(0x1000, 1, 0, 1, ()) }.map(drop)
+    })?;
+    if end? {
+        return Ok(());
+    }
+    let _mark = marks.mark(me, parts);
+    drop(issuing);
+    while !held[0].async_error()? {
+        thread::yield_now();
+    }
+    drop(held);
+    // The rest of the launch (copy ops, fences, the ledger), under the
+    // lock again; the mark drops after it.
+    let _issuing = lock.lock();
+    Ok(())
+}
+
+/// Three launches of one rank whose groups NCCL ends in the background
+/// (each opens a side, R7): two on one communicator (a lane) on two
+/// streams, one on another (the world) on a third. The fake checks that
+/// nothing but the state query is called on a communicator while its
+/// group is in progress (the second launch on the lane waits for the
+/// first's mark), that no two threads query one communicator at once,
+/// and that no two threads are inside calls that build or launch work
+/// (P1; the launch on the world may go while a launch on the lane waits
+/// without the lock). Every launch completes, and no mark is left.
+pub fn handshake_beside_launches() {
+    let api = FakeNccl::in_background(2);
+    let lock = Arc::new(IssueLock::default());
+    let marks = Arc::new(Handshakes::default());
+    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
+    let cells = Arc::new(unsafe {
+        [
+            CommCell::new(api.clone(), 0, "lane"),
+            CommCell::new(api.clone(), 1, "world"),
+        ]
+    });
+    let spawn = |me: usize, c: usize, stream: u32| {
+        let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
+        thread::spawn(move || {
+            let parts = [part_comm(c as u32), part_stream(stream)];
+            launch_in_background(&lock, &marks, me, &cells[c], &parts)
+        })
+    };
+    let lane = spawn(1, 0, 0);
+    let world = spawn(2, 1, 1);
+    let parts = [part_comm(0), part_stream(2)];
+    launch_in_background(&lock, &marks, 0, &cells[0], &parts)
+        .expect("the second launch on the lane");
+    for t in [lane, world] {
+        t.join()
+            .expect("a launching thread panicked")
+            .expect("a launch failed");
+    }
+    assert!(!marks.any(), "a mark outlived its launch");
+    // Each launch: ncclSend, and at least two state queries.
+    assert!(api.calls(0) >= 6 && api.calls(1) >= 3);
 }
 
 /// A launched op holds its buffer; the user drops the buffer while the

@@ -236,6 +236,13 @@ fn two_issuers_on_threads() {
 }
 
 #[test]
+fn handshakes_beside_launches_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::handshake_beside_launches();
+    }
+}
+
+#[test]
 fn buffers_outlive_their_ops_on_threads() {
     for _ in 0..RUNS {
         scenarios::buffer_outlives_its_op();
