@@ -292,6 +292,19 @@ impl LaneKit for NcclKit {
                 if !comm.enter()?.async_error()? {
                     return Ok(false);
                 }
+                // Its sides are connected (R7): a user's first launch on
+                // the lane waits for its group's end under the lock.
+                let only = lane
+                    .slots(ctx.rank)
+                    .first()
+                    .and_then(|(_, dir)| ctx.lane_direction(*dir));
+                let peer = lane.other(ctx.rank);
+                ctx.handshakes.connect(
+                    [duplex::Dir::Send, duplex::Dir::Recv]
+                        .into_iter()
+                        .filter(|d| only.is_none_or(|o| o == *d))
+                        .map(|d| (lane.logical, peer, d)),
+                );
                 ctx.device.bind()?;
                 let event = Event::new(false)?;
                 event.record(stream)?;
