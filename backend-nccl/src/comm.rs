@@ -175,6 +175,21 @@ impl CommInner {
         };
         held.async_error().map(drop)
     }
+
+    /// [`CommInner::check`] for the health polls of a wait: when another
+    /// thread is querying the communicator, or building or ending a group
+    /// on it (a blocking communicator's may wait for a peer), it says
+    /// nothing now rather than wait (the next poll asks again). Never the
+    /// check that lets an op report success: that one waits its turn.
+    pub fn check_now(&self) -> Result<(), Error> {
+        if self.is_aborted() {
+            return self.check();
+        }
+        let Ok(held) = self.enter() else {
+            return self.check();
+        };
+        held.try_async_error().unwrap_or(Ok(true)).map(drop)
+    }
 }
 
 /// Where NCCL stores a new communicator's handle. NCCL writes it from its

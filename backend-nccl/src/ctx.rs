@@ -1218,6 +1218,19 @@ impl RankCtx {
                     Ok(())
                 })?;
             }
+            // Their sides are connected (R7): a launch on them opens none.
+            let me = self.rank;
+            self.handshakes.connect(group.iter().flat_map(|(c, only)| {
+                c.members
+                    .iter()
+                    .filter(move |p| **p != me)
+                    .flat_map(move |p| {
+                        [Dir::Send, Dir::Recv]
+                            .into_iter()
+                            .filter(move |d| only.is_none_or(|o| o == *d))
+                            .map(move |d| (c.logical, *p, d))
+                    })
+            }));
             drop(issuing);
         }
         if !drained(&stream, self.opts.timeout)? {

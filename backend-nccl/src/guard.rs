@@ -18,11 +18,14 @@
 //!   communicator that NCCL finishes in the background holds the lock
 //!   for the call only when its wait is for another rank's code: a split
 //!   of the parent of user communicators, and a group that opens a side
-//!   (its connection handshake, R7; `crate::ctx::Handshakes`), whose
+//!   (its connection handshake, R7; [`Handshakes`]), whose
 //!   communicators, copy-engine lanes and streams are marked first, so
-//!   that no other thread of the rank calls NCCL on them, nor puts work
-//!   on those streams, until it is over (NCCL's rule for a non-blocking
-//!   communicator). The rule against parallel calls on independent
+//!   that no other thread of the rank calls NCCL on them, nor launches on
+//!   those streams, until it is over (NCCL's rule for a non-blocking
+//!   communicator; an event recorded or a sync made on such a stream
+//!   meanwhile is not held back, and the order counts it as covering what
+//!   the stream had before the launch, `duplex::order::Order::commit_pending`;
+//!   loom scenario `handshake_beside_launches`). The rule against parallel calls on independent
 //!   communicators of one device is not kept during that wait: NCCL's
 //!   group state is per thread, and its background job works on the
 //!   marked communicators only (`docs/semantics.md`, D1 and R11).
@@ -36,8 +39,9 @@
 //!   it waits for another rank. Two calls are made without it: the state
 //!   query `ncclCommGetAsyncError` (it reads the communicator's state, as
 //!   PyTorch's watchdog does from its own thread; one thread at a time per
-//!   communicator, since it also reaps the communicator's background
-//!   job), and the abort path (P4, P5), which exists to interrupt the
+//!   communicator, and never while a group on it is built or ended, since
+//!   it also reaps the group's background job: [`Use::async_error`],
+//!   [`Use::try_async_error`]), and the abort path (P4, P5), which exists to interrupt the
 //!   caller.
 //! - **P2, a group is one thread's.** A group is built inside
 //!   [`Issuing::group`]: start, the ops, end, on the thread that holds the
@@ -170,6 +174,9 @@ pub struct Handshakes {
     /// nothing while none is.
     marked: AtomicUsize,
     parts: Mutex<Vec<(usize, Part)>>,
+    /// Launches that failed in their handshake and are making their
+    /// report ([`Handshakes::hold_cuts`]).
+    failing: AtomicUsize,
     /// (communicator, peer, direction): the sides of this rank that a
     /// launch on a non-blocking communicator has connected (R7).
     connected: Mutex<rustc_hash::FxHashSet<(u32, Rank, Dir)>>,
@@ -185,9 +192,19 @@ impl Handshakes {
                 .any(|(t, p)| *t != me && parts.contains(p))
     }
 
-    /// Whether any launch is in its handshake.
+    /// Whether any launch is in its handshake, or making the report of a
+    /// handshake that failed: its ops are in the registry, not in the
+    /// ledger, so the trace must not be cut.
     pub fn any(&self) -> bool {
-        self.marked.load(Ordering::Acquire) != 0
+        self.marked.load(Ordering::Acquire) != 0 || self.failing.load(Ordering::Acquire) != 0
+    }
+
+    /// Keeps [`Handshakes::any`] true until the guard drops: for a launch
+    /// that failed in its handshake, from before it lets its marks go
+    /// until its report is made.
+    pub fn hold_cuts(&self) -> CutHold<'_> {
+        self.failing.fetch_add(1, Ordering::AcqRel);
+        CutHold(self)
     }
 
     /// Marks thread `me`'s launch on `parts` until the mark drops.
@@ -208,6 +225,16 @@ impl Handshakes {
     /// `sides` are connected: a group that opened them has ended.
     pub fn connect(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) {
         lock(&self.connected).extend(sides);
+    }
+}
+
+/// [`Handshakes::hold_cuts`]'s guard.
+#[derive(Debug)]
+pub struct CutHold<'a>(&'a Handshakes);
+
+impl Drop for CutHold<'_> {
+    fn drop(&mut self) {
+        self.0.failing.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -455,10 +482,13 @@ pub struct CommCell<A: CommApi> {
     raw: A::Comm,
     name: String,
     state: Mutex<CellState<A>>,
-    /// Serializes the state queries ([`Use::async_error`]): NCCL's
-    /// `ncclCommGetAsyncError` joins and unlinks the communicator's
-    /// background group job without atomics (NCCL 2.28, `init.cc`), so two
-    /// threads querying one communicator at once could free the job twice.
+    /// Serializes the state queries ([`Use::async_error`]) with each other
+    /// and with the building and end of a group on the communicator
+    /// ([`Issuing::group`]): NCCL's `ncclCommGetAsyncError` joins and
+    /// unlinks the communicator's background group job without atomics
+    /// (NCCL 2.26 and later, `init.cc`), so two threads querying one
+    /// communicator at once could free the job twice, and a query during
+    /// `ncclGroupEnd` could reap a job being linked.
     query: Mutex<()>,
 }
 
@@ -790,11 +820,22 @@ impl<A: CommApi> Use<'_, A> {
     }
 
     /// `ncclCommGetAsyncError` (allowed without the issue lock, P1; one
-    /// thread at a time per communicator).
+    /// thread at a time per communicator, and not while a group on it is
+    /// being built or ended, [`Issuing::group`]).
     pub fn async_error(&self) -> Result<bool, Error> {
         let _one = lock(&self.cell.query);
         // SAFETY: the handle is live inside `call`, and not kept.
         unsafe { self.call(|api, c| api.async_error(c)) }
+    }
+
+    /// [`Use::async_error`], or `None` at once when another thread is
+    /// querying the communicator or building or ending a group on it (a
+    /// blocking communicator's group end may wait for a peer): for the
+    /// health checks of waits, which must not wait on it.
+    pub fn try_async_error(&self) -> Option<Result<bool, Error>> {
+        let _one = self.cell.query.try_lock().ok()?;
+        // SAFETY: the handle is live inside `call`, and not kept.
+        Some(unsafe { self.call(|api, c| api.async_error(c)) })
     }
 }
 
@@ -893,6 +934,19 @@ impl Issuing<'_> {
         ops: impl FnOnce() -> Result<(), Error>,
     ) -> Result<Result<bool, Error>, Error> {
         let _busy = self.busy();
+        // No state query on a communicator of the group until its end has
+        // returned: NCCL links the group's background job to the
+        // communicator there, and the query reaps it (NCCL 2.26 and
+        // later), so a query in between could reap a job not yet started
+        // or join one still in its handshake. Queries that must not wait
+        // ([`Use::try_async_error`]) skip the communicator meanwhile.
+        let mut queries: smallvec::SmallVec<[(&CommCell<A>, MutexGuard<'_, ()>); 4]> =
+            smallvec::SmallVec::new();
+        for u in uses {
+            if !queries.iter().any(|(c, _)| std::ptr::eq(*c, u.cell)) {
+                queries.push((u.cell, lock(&u.cell.query)));
+            }
+        }
         api.group_start()?;
         let result = ops();
         // The end launches what the group queued on every communicator

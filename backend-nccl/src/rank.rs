@@ -502,11 +502,17 @@ impl NcclRank {
                     let reached = || reqs.iter().filter(|r| r.meta.copy.is_none()).take(queued);
                     let comms: Vec<Comm> = reached().map(|r| r.meta.comm.clone()).collect();
                     crate::ctx::abort_together(&comms);
-                    // Other threads held back by it now find its
-                    // communicators aborted, rather than wait through the
-                    // report. Its accesses stay in the order, never on
-                    // their streams (so never covered: the safe side).
-                    drop(shaking);
+                    // Its communicators are aborted: nothing more of it goes
+                    // on its streams, so its accesses count as there (its
+                    // buffers are kept for good below). Other threads held
+                    // back by it now find its communicators aborted, rather
+                    // than wait through the report; the trace is not cut
+                    // until the report is made (its ops are in the
+                    // registry, not in the ledger).
+                    let _no_cut = ctx.handshakes.hold_cuts();
+                    if let Some(h) = shaking.take() {
+                        lock(&ctx.order).landed(h.key);
+                    }
                     for r in reached() {
                         std::mem::forget(r.buf.clone());
                     }
@@ -1025,7 +1031,7 @@ impl NcclRank {
                         None => op
                             .meta
                             .comm
-                            .check()
+                            .check_now()
                             .map_err(|e| self.blamed(call, &op.meta.comm.members, e)),
                     };
                     checked.inspect_err(|e| {

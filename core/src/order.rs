@@ -199,6 +199,20 @@ impl Uses {
     }
 }
 
+/// One stream of a launch not yet on its streams
+/// ([`Order::commit_pending`]).
+#[derive(Clone, Debug)]
+struct Pending {
+    key: u64,
+    /// The stream's index.
+    stream: usize,
+    /// The launch's number on it.
+    seq: u64,
+    /// The stream's clock before the launch: what an event recorded or a
+    /// sync made on the stream now covers on the device.
+    before: Clock,
+}
+
 /// A vector clock: per stream index, the launches of that stream known to
 /// come before (missing entries are 0).
 type Clock = Vec<u64>;
@@ -240,9 +254,8 @@ pub struct Order {
     /// Accesses per buffer, by the backend's number.
     uses: rustc_hash::FxHashMap<u64, Uses>,
     /// Launches committed before they are on their streams
-    /// ([`Order::commit_pending`]): (key, stream index, the launch's number
-    /// there).
-    pending: SmallVec<[(u64, usize, u64); 2]>,
+    /// ([`Order::commit_pending`]), one entry per stream of each.
+    pending: SmallVec<[Pending; 2]>,
     /// The next key of [`Order::commit_pending`].
     next_key: u64,
 }
@@ -345,31 +358,64 @@ impl Order {
     /// that touches its buffers unordered is a race, as after
     /// [`Order::commit`], but no event recorded or sync made meanwhile
     /// covers it, since its work may not be on the streams yet. Returns the
-    /// key for [`Order::landed`]; until then, it stays uncovered (a launch
-    /// that never lands errs on the safe side).
+    /// key for [`Order::landed`]; until then, an event recorded or a sync
+    /// made on one of its streams covers what the stream had before it,
+    /// and a host access of one of its buffers keeps its access. No other
+    /// launch may go on its streams until it lands (the backend holds them
+    /// back), since the device order there would not be the order of the
+    /// calls.
     pub fn commit_pending(&mut self, ops: &[(u64, Access<'_>)]) -> u64 {
         let key = self.next_key;
         self.next_key += 1;
+        let mut before: SmallVec<[(usize, Clock); 2]> = SmallVec::new();
+        for (_, a) in ops {
+            let s = self.stream(a.stream);
+            if !before.iter().any(|(x, _)| *x == s) {
+                before.push((s, self.clocks[s].0.clone()));
+            }
+        }
         for (s, seq) in self.commit_seqs(ops) {
-            self.pending.push((key, s, seq));
+            let before = before
+                .iter()
+                .find(|(x, _)| *x == s)
+                .map(|(_, c)| c.clone())
+                .unwrap_or_default();
+            self.pending.push(Pending {
+                key,
+                stream: s,
+                seq,
+                before,
+            });
         }
         key
     }
 
-    /// The launch of [`Order::commit_pending`]'s `key` is on its streams:
-    /// events and syncs made from now on cover it.
+    /// The launch of [`Order::commit_pending`]'s `key` is on its streams
+    /// (or never will be, and nothing of it runs: its communicators were
+    /// aborted): events and syncs made from now on cover it.
     pub fn landed(&mut self, key: u64) {
-        self.pending.retain(|(k, _, _)| *k != key);
+        self.pending.retain(|p| p.key != key);
+    }
+
+    /// What stream index `s` has been ordered after on the device so far:
+    /// its clock, or, behind a launch not yet on it, the clock it had
+    /// before that launch.
+    fn visible(&self, s: usize) -> &Clock {
+        self.pending
+            .iter()
+            .filter(|p| p.stream == s)
+            .min_by_key(|p| p.seq)
+            .map_or(&self.clocks[s].0, |p| &p.before)
     }
 
     /// `c` without the launches not yet on their streams (and what came
     /// after them there).
     fn without_pending(&self, c: &mut Clock) {
-        for &(_, s, seq) in &self.pending {
-            if let Some(x) = c.get_mut(s)
-                && *x >= seq
+        for p in &self.pending {
+            if let Some(x) = c.get_mut(p.stream)
+                && *x >= p.seq
             {
-                *x = seq - 1;
+                *x = p.seq - 1;
             }
         }
     }
@@ -438,17 +484,12 @@ impl Order {
         if self.events.len() <= e {
             self.events.resize(e + 1, None);
         }
-        match &mut self.events[e] {
-            Some(c) => c.clone_from(&self.clocks[s].0),
-            slot => *slot = Some(self.clocks[s].0.clone()),
-        }
-        if !self.pending.is_empty()
-            && let Some(Some(c)) = self.events.get_mut(e)
-        {
-            let mut c = std::mem::take(c);
+        let mut c = self.events[e].take().unwrap_or_default();
+        c.clone_from(self.visible(s));
+        if !self.pending.is_empty() {
             self.without_pending(&mut c);
-            self.events[e] = Some(c);
         }
+        self.events[e] = Some(c);
     }
 
     /// A stream waits for an event: its later launches run after what the
@@ -468,11 +509,11 @@ impl Order {
         match stream {
             Some(x) => {
                 let s = self.stream(x);
-                c.clone_from(&self.clocks[s].0);
+                c.clone_from(self.visible(s));
             }
             None => {
-                for (k, _) in &self.clocks {
-                    join(&mut c, k);
+                for s in 0..self.clocks.len() {
+                    join(&mut c, self.visible(s));
                 }
             }
         }
@@ -499,8 +540,28 @@ impl Order {
 
     /// The host read or wrote `buffer` after finding no op using it: every
     /// earlier access is complete.
+    /// An access of a launch not yet on its streams stays: the launch may
+    /// not have run.
     pub fn host_access(&mut self, buffer: u64) {
-        self.uses.remove(&buffer);
+        if self.pending.is_empty() {
+            self.uses.remove(&buffer);
+            return;
+        }
+        let pending = &self.pending;
+        let waits = |e: &Stamped| {
+            pending
+                .iter()
+                .any(|p| p.stream == e.stream && e.seq >= p.seq)
+        };
+        if let Some(u) = self.uses.get_mut(&buffer) {
+            if !u.write.as_ref().is_some_and(waits) {
+                u.write = None;
+            }
+            u.reads.retain(|r| waits(r));
+            if u.is_empty() {
+                self.uses.remove(&buffer);
+            }
+        }
     }
 
     /// Feeds what decides later verdicts (not the ops' texts) into `h`:
@@ -555,7 +616,7 @@ impl Order {
         let mut pending: Vec<(u32, u64)> = self
             .pending
             .iter()
-            .map(|&(_, s, seq)| (number(s), seq))
+            .map(|p| (number(p.stream), p.seq))
             .collect();
         pending.sort_unstable();
         pending.hash(h);
@@ -630,6 +691,47 @@ mod tests {
         o2.synced(now);
         o2.check(&[(X, op(Dir::Send, 1))])
             .expect("covered by a sync made after it landed");
+    }
+
+    /// A launch not yet on its streams whose part spans two streams: a
+    /// sync or an event on one of them covers only what that stream had
+    /// before it, not what the launch would have joined into it.
+    #[test]
+    fn a_pending_launch_over_two_streams_lends_neither_its_order() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 1))]).unwrap();
+        let key = o.commit_pending(&[(Y, op(Dir::Send, 0)), (Y, op(Dir::Send, 1))]);
+        let s0 = o.covers(Some(0));
+        o.synced(s0);
+        assert!(
+            o.check(&[(X, op(Dir::Send, 2))]).is_err(),
+            "stream 0's sync did not wait for the recv on stream 1"
+        );
+        o.record(0, 0);
+        o.wait(0, 2);
+        assert!(o.check(&[(X, op(Dir::Send, 2))]).is_err());
+        o.landed(key);
+        o.record(1, 0);
+        o.wait(1, 2);
+        o.check(&[(X, op(Dir::Send, 2))])
+            .expect("once it landed, stream 0 runs after the recv (R8)");
+    }
+
+    /// A host access while a launch on the buffer is not yet on its
+    /// streams keeps that launch's access.
+    #[test]
+    fn a_host_access_keeps_a_pending_launchs_access() {
+        let mut o = Order::new();
+        o.launch(&[(X, op(Dir::Recv, 1))]).unwrap();
+        let s1 = o.covers(Some(1));
+        o.synced(s1);
+        let key = o.commit_pending(&[(X, op(Dir::Send, 0))]);
+        o.host_access(X);
+        assert!(o.check(&[(X, op(Dir::Recv, 1))]).is_err());
+        o.landed(key);
+        o.host_access(X);
+        o.check(&[(X, op(Dir::Recv, 1))])
+            .expect("the host found it idle after it landed");
     }
 
     #[test]

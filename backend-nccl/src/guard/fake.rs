@@ -46,6 +46,10 @@ struct Comm {
     in_progress: AtomicUsize,
     /// A thread is inside `ncclCommGetAsyncError` on it.
     querying: AtomicBool,
+    /// An op of the open group (or of the group being ended) is on it:
+    /// NCCL links the group's job to it at the end, which a state query
+    /// must not overlap.
+    in_group: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -212,6 +216,7 @@ impl FakeNccl {
             return Err(Self::interrupted(c, call));
         }
         if self.0.group_open.load(Ordering::SeqCst) {
+            comm.in_group.store(true, Ordering::SeqCst);
             lock(&self.0.queued).push(c);
         }
         Ok(true)
@@ -266,6 +271,9 @@ impl CommApi for FakeNccl {
                 }
             }
         }
+        for &c in &queued {
+            self.comm(c).in_group.store(false, Ordering::SeqCst);
+        }
         self.0.group_open.store(false, Ordering::SeqCst);
         result
     }
@@ -299,6 +307,10 @@ impl CommApi for FakeNccl {
         assert!(
             !c.querying.swap(true, Ordering::SeqCst),
             "ncclCommGetAsyncError on communicator {comm} from two threads at once"
+        );
+        assert!(
+            !c.in_group.load(Ordering::SeqCst),
+            "ncclCommGetAsyncError on communicator {comm} while a group on it is built or ended"
         );
         let state = if c.interrupted.load(Ordering::SeqCst) {
             Err(Self::interrupted(comm, "ncclCommGetAsyncError"))

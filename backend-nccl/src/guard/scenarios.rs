@@ -177,10 +177,12 @@ pub fn launch_in_background(
 /// streams, one on another (the world) on a third. The fake checks that
 /// nothing but the state query is called on a communicator while its
 /// group is in progress (the second launch on the lane waits for the
-/// first's mark), that no two threads query one communicator at once,
-/// and that no two threads are inside calls that build or launch work
-/// (P1; the launch on the world may go while a launch on the lane waits
-/// without the lock). Every launch completes, and no mark is left.
+/// first's mark), that no two threads query one communicator at once, nor
+/// query one while a group on it is built or ended (a fourth thread polls
+/// the lane's health as a wait does, `CommInner::check_now`), and that no
+/// two threads are inside calls that build or launch work (P1; the launch
+/// on the world may go while a launch on the lane waits without the
+/// lock). Every launch completes, and no mark is left.
 pub fn handshake_beside_launches() {
     let api = FakeNccl::in_background(2);
     let lock = Arc::new(IssueLock::default());
@@ -201,6 +203,17 @@ pub fn handshake_beside_launches() {
     };
     let lane = spawn(1, 0, 0);
     let world = spawn(2, 1, 1);
+    let poller = {
+        let cells = cells.clone();
+        thread::spawn(move || {
+            if let Ok(h) = cells[0].enter() {
+                // Busy or not, never an error: nothing failed.
+                if let Some(state) = h.try_async_error() {
+                    state.expect("healthy");
+                }
+            }
+        })
+    };
     let parts = [part_comm(0), part_stream(2)];
     launch_in_background(&lock, &marks, 0, &cells[0], &parts)
         .expect("the second launch on the lane");
@@ -209,6 +222,7 @@ pub fn handshake_beside_launches() {
             .expect("a launching thread panicked")
             .expect("a launch failed");
     }
+    poller.join().expect("the poller panicked");
     assert!(!marks.any(), "a mark outlived its launch");
     // Each launch: ncclSend, and at least two state queries.
     assert!(api.calls(0) >= 6 && api.calls(1) >= 3);
