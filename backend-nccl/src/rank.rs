@@ -445,7 +445,12 @@ impl NcclRank {
         let mut issuing = Some(ctx.issue.lock());
         if ctx.handshakes.holds(&parts, self.thread_id) {
             drop(issuing.take());
-            issuing = Some(self.after_handshakes(&parts, &reqs[0].meta.text(), at)?);
+            let held_back = Blocked::Launch(
+                recs.iter().cloned().collect(),
+                grouped,
+                (reqs[0].meta.text(), check::place(at)),
+            );
+            issuing = Some(self.after_handshakes(&parts, held_back)?);
         }
         // Set once this launch lets the lock go for its handshake: its
         // parts stay marked until it is over (its copy ops on their lanes
@@ -958,15 +963,25 @@ impl NcclRank {
 
     /// The issue lock, once no other thread's launch on one of `parts`
     /// waits in its handshake ([`crate::ctx::Handshakes`]): waited for
-    /// without the lock, under the deadline; past it, a hang of `call`.
+    /// without the lock, under the deadline; past it, a hang of the
+    /// launch. Meanwhile the launch (a [`Blocked::Launch`]) is the thread's
+    /// blocked call in the registry, so that a hang report (this rank's or
+    /// another's) shows it held back by the other thread's call (R11).
     fn after_handshakes(
         &self,
         parts: &[crate::ctx::Part],
-        call: &str,
-        at: &'static Location<'static>,
+        launch: Blocked,
     ) -> Result<crate::guard::Issuing<'_>> {
         let ctx = &self.ctx;
         let start = std::time::Instant::now();
+        // Held back (R11): the analysis sees the launch as this thread's
+        // next call, which the model holds back too, by the same rule.
+        let Blocked::Launch(_, _, (call, at)) = &launch else {
+            unreachable!("made by the caller as a launch")
+        };
+        let (call, at) = (call.clone(), at.clone());
+        ctx.registry.blocked(self.thread_id, Some(launch.clone()));
+        let _unblock = Unblock(&ctx.registry, self.thread_id);
         loop {
             let left = ctx.opts.timeout.saturating_sub(start.elapsed());
             let mut checks = 0u32;
@@ -982,10 +997,10 @@ impl NcclRank {
                 Ok(!ctx.handshakes.holds(parts, self.thread_id))
             })?;
             if let Some((r, why)) = failed {
-                return Err(self.peer_failed(call, r, &why));
+                return Err(self.peer_failed(&call, r, &why));
             }
             if !free {
-                return Err(self.hang(call, &check::place(at), None));
+                return Err(self.hang(&call, &at, Some(launch)));
             }
             let issuing = ctx.issue.lock();
             // Another launch may have begun its handshake meanwhile.
@@ -1494,6 +1509,17 @@ fn poison_recvs<'a>(reqs: impl IntoIterator<Item = &'a Req>, why: &str) {
     }
 }
 
+/// Clears a thread's blocked call in the registry when dropped, however
+/// the wait ends (a panic included): a trace left blocked would never be
+/// cut again.
+struct Unblock<'a>(&'a crate::registry::Registry, usize);
+
+impl Drop for Unblock<'_> {
+    fn drop(&mut self) {
+        self.0.blocked(self.1, None);
+    }
+}
+
 /// A launch in its connection handshake, waiting without the issue lock
 /// (`NcclRank::launch_nccl`): its parts marked until this drops, and its
 /// accesses in the order under `key` until they are on their streams.
@@ -1709,12 +1735,6 @@ impl Transport for NcclRank {
         // However the split ends (a panic in its wait included), the thread
         // is no longer blocked in it once this returns: a trace left
         // blocked would never be cut again.
-        struct Unblock<'a>(&'a crate::registry::Registry, usize);
-        impl Drop for Unblock<'_> {
-            fn drop(&mut self) {
-                self.0.blocked(self.1, None);
-            }
-        }
         let _unblock = Unblock(&self.ctx.registry, self.thread_id);
         let call = format!("comm({name})");
         // A wait for the other ranks ends early when one of them failed;

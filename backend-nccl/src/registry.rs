@@ -36,6 +36,9 @@ pub enum Blocked {
     Await(Rank, String, (String, String)),
     /// `join` of a thread.
     Join(usize, (String, String)),
+    /// A launch (its ops, and whether grouped) not yet made: held back by
+    /// another thread's launch in its connection handshake (R11).
+    Launch(Arc<[OpRec]>, bool, (String, String)),
 }
 
 impl Blocked {
@@ -50,6 +53,13 @@ impl Blocked {
                 w,
             ),
             Blocked::Join(u, w) => (Call::Join { thread: *u as u32 }, w),
+            Blocked::Launch(ops, grouped, w) => (
+                Call::Launch {
+                    ops: ops.clone(),
+                    grouped: *grouped,
+                },
+                w,
+            ),
         };
         TraceCall {
             thread: thread as u32,
@@ -948,6 +958,54 @@ mod tests {
             stuck.missing[0]
                 .waits_for
                 .contains("no thread of rank 1 will ever issue the matching recv"),
+            "{stuck}"
+        );
+    }
+
+    /// A launch held back by another thread's launch in its handshake
+    /// (R11, `NcclRank::after_handshakes`) is the thread's blocked call:
+    /// the report shows it waiting for that thread, by the model's rule.
+    #[test]
+    fn a_launch_held_back_by_a_handshake_shows_in_the_report() {
+        let reg = Registry::new(2, Model::default());
+        reg.comm(0, "world", &[0, 1], false);
+        reg.comm(1, "pair:0-1", &[0, 1], false);
+        let (a, b) = (reg.stream(0, "pair"), reg.stream(0, "world"));
+        let r1 = reg.stream(1, "world");
+        let (first, main) = (reg.thread(0, "first"), reg.thread(0, "main"));
+        let other = reg.thread(1, "main");
+        // Rank 0's first send on the pair: in its handshake, rank 1 being
+        // blocked elsewhere.
+        record(&reg, one_op(first, Dir::Send, 1, 64, 1, a)).expect("recorded");
+        record(&reg, one_op(other, Dir::Recv, 0, 64, 0, r1)).expect("recorded");
+        reg.blocked(
+            other,
+            Some(Blocked::Sync(
+                None,
+                ("synchronize".into(), "y.rs:2:1".into()),
+            )),
+        );
+        let held = Blocked::Launch(
+            Arc::new([TraceOp {
+                dir: Dir::Send,
+                peer: 1,
+                bytes: 64,
+                dtype: DType::U8,
+                comm: 1,
+                stream: b,
+            }]),
+            false,
+            ("send 64 (held back)".into(), "x.rs:9:1".into()),
+        );
+        let before = reg.analyze().stuck.expect("stuck").to_string();
+        assert!(!before.contains("held back"), "{before}");
+        reg.blocked(main, Some(held));
+        let stuck = reg.analyze().stuck.expect("stuck").to_string();
+        assert!(stuck.contains("send 64 (held back)"), "{stuck}");
+        assert!(
+            stuck.contains(
+                "waits for thread first of rank 0 to return from its call on comm pair:0-1"
+            ),
             "{stuck}"
         );
     }

@@ -466,6 +466,10 @@ rank 1:
             .contains("one caller per communicator at a time")),
         "{stuck}"
     );
+    // The held-back call is named, not taken for the thread's end.
+    let text = stuck.to_string();
+    assert!(!text.contains("end of thread"), "{text}");
+    assert!(text.contains("rank 0 t: host call `recv"), "{text}");
     // Every interleaving hangs: the checker finds it too.
     assert_eq!(verdict(src), "deadlock");
     // R11 holds only while the other call is in progress: on a fresh

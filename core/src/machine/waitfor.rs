@@ -477,6 +477,8 @@ impl Graph<'_> {
             (_, _, Some(HostCall::Await { origin, .. }))
             | (_, _, Some(HostCall::Join { origin, .. })) => Some(origin),
             (Phase::Connecting { spec, .. }, _, _) => Some(spec.origin),
+            // A launch held back before it is made (R11).
+            (_, _, Some(HostCall::Launch(spec))) => Some(spec.origin),
             (_, Wait::Streams { origin, .. }, _) => *origin,
             _ => None,
         };
