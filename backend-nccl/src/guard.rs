@@ -25,7 +25,7 @@
 //!   communicator; an event recorded or a sync made on such a stream
 //!   meanwhile is not held back, and the order counts it as covering what
 //!   the stream had before the launch, `duplex::order::Order::commit_pending`;
-//!   loom scenario `handshake_beside_launches`). The rule against parallel calls on independent
+//!   loom scenarios `handshake_beside_launches`, `handshake_holds_its_stream`). The rule against parallel calls on independent
 //!   communicators of one device is not kept during that wait: NCCL's
 //!   group state is per thread, and its background job works on the
 //!   marked communicators only (`docs/semantics.md`, D1 and R11).

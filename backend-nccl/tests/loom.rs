@@ -124,6 +124,15 @@ fn a_launch_in_its_handshake_holds_back_only_its_parts() {
 }
 
 #[test]
+fn a_launch_in_its_handshake_holds_its_stream() {
+    model(
+        "two launches on one stream, ended in the background",
+        None,
+        scenarios::handshake_holds_its_stream,
+    );
+}
+
+#[test]
 fn a_buffer_is_freed_only_after_its_op() {
     model("buffer vs op", None, scenarios::buffer_outlives_its_op);
 }
@@ -582,12 +591,12 @@ fn fences_race(every: u32, flusher: bool) {
             (n, Fences::attach(&f).expect("attach 2"))
         })
     };
-    let asked = asker.join().unwrap();
-    device.join().unwrap();
+    let asked = asker.join().expect("the asker panicked");
+    device.join().expect("the device panicked");
     if let Some(flusher) = flusher {
-        flusher.join().unwrap();
+        flusher.join().expect("the flusher panicked");
     }
-    let (n, second) = issuer.join().unwrap();
+    let (n, second) = issuer.join().expect("the issuer panicked");
     assert_eq!(n, 2);
     if asked {
         assert_eq!(

@@ -61,6 +61,11 @@ struct Inner {
     group_open: AtomicBool,
     /// Communicators of the open group's ops.
     queued: Mutex<Vec<usize>>,
+    /// Streams of the open group's ops, with their communicators.
+    queued_streams: Mutex<Vec<(usize, usize)>>,
+    /// (communicator, stream): the streams of groups in progress in the
+    /// background, on which nothing may be launched until they end.
+    busy_streams: Mutex<Vec<(usize, usize)>>,
 }
 
 /// A fake NCCL with a fixed set of communicators `0..n` (cheap to clone).
@@ -109,6 +114,8 @@ impl FakeNccl {
             issuing: AtomicUsize::new(0),
             group_open: AtomicBool::new(false),
             queued: Mutex::new(Vec::new()),
+            queued_streams: Mutex::new(Vec::new()),
+            busy_streams: Mutex::new(Vec::new()),
         }))
     }
 
@@ -205,7 +212,7 @@ impl FakeNccl {
         }
     }
 
-    fn queue(&self, c: usize, call: &str) -> Result<bool, Error> {
+    fn queue(&self, c: usize, call: &str, stream: usize) -> Result<bool, Error> {
         let _i = Issuing::new(&self.0, call);
         let comm = self.live(c, call);
         assert!(
@@ -215,9 +222,14 @@ impl FakeNccl {
         if comm.interrupted.load(Ordering::SeqCst) {
             return Err(Self::interrupted(c, call));
         }
+        assert!(
+            !lock(&self.0.busy_streams).iter().any(|(_, s)| *s == stream),
+            "{call} on stream {stream} while a group in progress on it has not put its work there (NCCL's rule for non-blocking communicators)"
+        );
         if self.0.group_open.load(Ordering::SeqCst) {
             comm.in_group.store(true, Ordering::SeqCst);
             lock(&self.0.queued).push(c);
+            lock(&self.0.queued_streams).push((c, stream));
         }
         Ok(true)
     }
@@ -225,7 +237,7 @@ impl FakeNccl {
 
 impl CommApi for FakeNccl {
     type Comm = usize;
-    type Stream = ();
+    type Stream = usize;
 
     fn group_start(&self) -> Result<(), Error> {
         let _i = Issuing::new(&self.0, "ncclGroupStart");
@@ -243,6 +255,7 @@ impl CommApi for FakeNccl {
             "ncclGroupEnd without ncclGroupStart"
         );
         let queued = std::mem::take(&mut *lock(&self.0.queued));
+        let streams = std::mem::take(&mut *lock(&self.0.queued_streams));
         let mut result = Ok(true);
         for &c in &queued {
             self.live(c, "ncclGroupEnd");
@@ -266,6 +279,7 @@ impl CommApi for FakeNccl {
                 result = Err(Self::interrupted(c, "ncclGroupEnd"));
             } else if comm.background {
                 comm.in_progress.store(2, Ordering::SeqCst);
+                lock(&self.0.busy_streams).extend(streams.iter().filter(|(x, _)| *x == c));
                 if result.is_ok() {
                     result = Ok(false);
                 }
@@ -285,9 +299,9 @@ impl CommApi for FakeNccl {
         _count: usize,
         _dtype: i32,
         _peer: i32,
-        _stream: (),
+        stream: usize,
     ) -> Result<bool, Error> {
-        self.queue(comm, "ncclSend")
+        self.queue(comm, "ncclSend", stream)
     }
 
     unsafe fn recv(
@@ -297,9 +311,9 @@ impl CommApi for FakeNccl {
         _count: usize,
         _dtype: i32,
         _peer: i32,
-        _stream: (),
+        stream: usize,
     ) -> Result<bool, Error> {
-        self.queue(comm, "ncclRecv")
+        self.queue(comm, "ncclRecv", stream)
     }
 
     unsafe fn async_error(&self, comm: usize) -> Result<bool, Error> {
@@ -320,6 +334,8 @@ impl CommApi for FakeNccl {
             if left == 2 {
                 c.in_progress.store(1, Ordering::SeqCst);
             } else if left == 1 {
+                // Done: its work is on its streams.
+                lock(&self.0.busy_streams).retain(|(x, _)| *x != comm);
                 c.in_progress.store(0, Ordering::SeqCst);
             }
             Ok(left != 2)

@@ -14,7 +14,7 @@ use std::time::Duration;
 use duplex::Error;
 
 use super::fake::{FakeBuf, FakeNccl, FakeOp};
-use super::{CommCell, Handshakes, IssueLock, Ledger, Part, Phase, part_comm, part_stream};
+use super::{CommCell, Handshakes, IssueLock, Ledger, Phase, part_comm, part_stream};
 use crate::board::{Board, LocalBoard};
 use crate::sync::{Arc, Ordering, thread};
 
@@ -47,7 +47,7 @@ pub fn issue(lock: &IssueLock, comms: &[&CommCell<FakeNccl>]) -> Result<bool, Er
         for h in &held {
             // SAFETY: the fake's buffers are plain numbers; the issue lock
             // is held.
-            unsafe { h.send(0x1000, 1, 0, 1, ()) }?;
+            unsafe { h.send(0x1000, 1, 0, 1, 0) }?;
         }
         Ok(())
     })?;
@@ -130,10 +130,10 @@ pub fn two_issuers() {
 
 /// What one launch on a non-blocking communicator whose group opens a
 /// side does (rank.rs's `issue`, `after_handshakes` and `launch_nccl`,
-/// without CUDA): takes the issue lock once no other thread's launch in
-/// its handshake holds one of `parts` (waited for without the lock), sends
-/// in one group, and, the group in progress in NCCL's background, marks
-/// `parts`, lets the lock go, polls the communicator's state until the
+/// without CUDA), on communicator `comm` (its cell) and `stream`: takes
+/// the issue lock once no other thread's launch in its handshake holds
+/// either (waited for without the lock), sends in one group, and, the
+/// group in progress in NCCL's background, marks both, lets the lock go, polls the communicator's state until the
 /// group is done, lets the hold go and takes the lock again for the rest
 /// of the launch.
 pub fn launch_in_background(
@@ -141,8 +141,11 @@ pub fn launch_in_background(
     marks: &Handshakes,
     me: usize,
     cell: &CommCell<FakeNccl>,
-    parts: &[Part],
+    comm: u32,
+    stream: usize,
 ) -> Result<(), Error> {
+    let parts = [part_comm(comm), part_stream(stream as u32)];
+    let parts = &parts[..];
     let mut issuing = lock.lock();
     while marks.holds(parts, me) {
         drop(issuing);
@@ -155,7 +158,7 @@ pub fn launch_in_background(
     let end = issuing.group(cell.api(), &held, || {
         // SAFETY: the fake's buffers are plain numbers; the issue lock is
         // held.
-        unsafe { held[0].send(0x1000, 1, 0, 1, ()) }.map(drop)
+        unsafe { held[0].send(0x1000, 1, 0, 1, stream) }.map(drop)
     })?;
     if end? {
         return Ok(());
@@ -194,12 +197,9 @@ pub fn handshake_beside_launches() {
             CommCell::new(api.clone(), 1, "world"),
         ]
     });
-    let spawn = |me: usize, c: usize, stream: u32| {
+    let spawn = |me: usize, c: usize, stream: usize| {
         let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
-        thread::spawn(move || {
-            let parts = [part_comm(c as u32), part_stream(stream)];
-            launch_in_background(&lock, &marks, me, &cells[c], &parts)
-        })
+        thread::spawn(move || launch_in_background(&lock, &marks, me, &cells[c], c as u32, stream))
     };
     let lane = spawn(1, 0, 0);
     let world = spawn(2, 1, 1);
@@ -214,9 +214,7 @@ pub fn handshake_beside_launches() {
             }
         })
     };
-    let parts = [part_comm(0), part_stream(2)];
-    launch_in_background(&lock, &marks, 0, &cells[0], &parts)
-        .expect("the second launch on the lane");
+    launch_in_background(&lock, &marks, 0, &cells[0], 0, 2).expect("the second launch on the lane");
     for t in [lane, world] {
         t.join()
             .expect("a launching thread panicked")
@@ -226,6 +224,34 @@ pub fn handshake_beside_launches() {
     assert!(!marks.any(), "a mark outlived its launch");
     // Each launch: ncclSend, and at least two state queries.
     assert!(api.calls(0) >= 6 && api.calls(1) >= 3);
+}
+
+/// Two launches of one rank on two communicators but one stream, whose
+/// groups NCCL ends in the background (each opens a side): the fake
+/// checks that nothing is launched on a stream while a group in progress
+/// has not yet put its work there (NCCL's rule for non-blocking
+/// communicators): whichever goes second waits for the first's mark on
+/// the stream. Both complete, and no mark is left.
+pub fn handshake_holds_its_stream() {
+    let api = FakeNccl::in_background(2);
+    let lock = Arc::new(IssueLock::default());
+    let marks = Arc::new(Handshakes::default());
+    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
+    let cells = Arc::new(unsafe {
+        [
+            CommCell::new(api.clone(), 0, "lane"),
+            CommCell::new(api.clone(), 1, "world"),
+        ]
+    });
+    let lane = {
+        let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
+        thread::spawn(move || launch_in_background(&lock, &marks, 1, &cells[0], 0, 0))
+    };
+    launch_in_background(&lock, &marks, 0, &cells[1], 1, 0).expect("the world's launch");
+    lane.join()
+        .expect("the lane's thread panicked")
+        .expect("the lane's launch");
+    assert!(!marks.any(), "a mark outlived its launch");
 }
 
 /// A launched op holds its buffer; the user drops the buffer while the

@@ -159,10 +159,10 @@ fn a_group_ends_even_when_an_op_fails() {
     let held = vec![a.enter().unwrap(), b.enter().unwrap()];
     let r = issuing.group(&api, &held, || {
         // SAFETY: fake buffers; the issue lock is held.
-        unsafe { held[0].send(1, 1, 0, 1, ()) }?;
+        unsafe { held[0].send(1, 1, 0, 1, 0) }?;
         b.abort();
         // SAFETY: as above.
-        unsafe { held[1].send(1, 1, 0, 1, ()) }?;
+        unsafe { held[1].send(1, 1, 0, 1, 0) }?;
         Ok(())
     });
     assert!(matches!(r, Err(Error::Aborted(_))), "{r:?}");
@@ -239,6 +239,13 @@ fn two_issuers_on_threads() {
 fn handshakes_beside_launches_on_threads() {
     for _ in 0..RUNS {
         scenarios::handshake_beside_launches();
+    }
+}
+
+#[test]
+fn a_handshake_holds_its_stream_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::handshake_holds_its_stream();
     }
 }
 
