@@ -97,8 +97,11 @@ impl CommInner {
         blocking: bool,
     ) -> CommInner {
         CommInner {
-            // SAFETY: `raw` is a live communicator that nothing else frees.
-            cell: unsafe { CommCell::new(lib, RawComm(raw), name) },
+            cell: {
+                // SAFETY: `raw` is a live communicator that nothing else frees.
+                let cell = unsafe { CommCell::new(lib, RawComm(raw), name) };
+                if blocking { cell.blocking() } else { cell }
+            },
             logical,
             name: name.to_string(),
             members,

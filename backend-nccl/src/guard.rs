@@ -490,6 +490,10 @@ pub struct CommCell<A: CommApi> {
     /// communicator at once could free the job twice, and a query during
     /// `ncclGroupEnd` could reap a job being linked.
     query: Mutex<()>,
+    /// Blocking ([`CommCell::blocking`]): its groups end in the calling
+    /// thread, with no background job for a query to reap, so
+    /// [`Issuing::group`] leaves its query lock alone.
+    blocking: bool,
 }
 
 impl<A: CommApi> fmt::Debug for CommCell<A> {
@@ -520,7 +524,15 @@ impl<A: CommApi> CommCell<A> {
                 batch: None,
             }),
             query: Mutex::new(()),
+            blocking: false,
         }
+    }
+
+    /// Marks it blocking (NCCL's `blocking` config): its group ends run in
+    /// the calling thread, so state queries need not wait for them.
+    pub fn blocking(mut self) -> Self {
+        self.blocking = true;
+        self
     }
 
     /// The library.
@@ -939,10 +951,12 @@ impl Issuing<'_> {
         // communicator there, and the query reaps it (NCCL 2.26 and
         // later), so a query in between could reap a job not yet started
         // or join one still in its handshake. Queries that must not wait
-        // ([`Use::try_async_error`]) skip the communicator meanwhile.
+        // ([`Use::try_async_error`]) skip the communicator meanwhile. A
+        // blocking communicator has no such job, and its group end may
+        // wait for a peer: its queries go on.
         let mut queries: smallvec::SmallVec<[(&CommCell<A>, MutexGuard<'_, ()>); 4]> =
             smallvec::SmallVec::new();
-        for u in uses {
+        for u in uses.iter().filter(|u| !u.cell.blocking) {
             if !queries.iter().any(|(c, _)| std::ptr::eq(*c, u.cell)) {
                 queries.push((u.cell, lock(&u.cell.query)));
             }

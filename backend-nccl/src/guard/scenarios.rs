@@ -75,7 +75,8 @@ pub fn issue_races_abort(mode: Mode) {
     let api = FakeNccl::new(&[blocking], mode == Mode::BlockedRevoke);
     let lock = Arc::new(IssueLock::default());
     // SAFETY: communicator 0 of the fake is live and owned by this cell.
-    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") });
+    let cell = unsafe { CommCell::new(api.clone(), 0, "lane") };
+    let cell = Arc::new(if blocking { cell.blocking() } else { cell });
     let t = {
         let (lock, cell) = (lock.clone(), cell.clone());
         thread::spawn(move || issue(&lock, &[&*cell]))
