@@ -176,6 +176,34 @@ pub fn launch_in_background(
     Ok(())
 }
 
+/// A rank of the handshake scenarios: a fake NCCL whose groups end in the
+/// background, with communicators 0 (`lane`) and 1 (`world`).
+struct BackgroundRank {
+    api: FakeNccl,
+    lock: Arc<IssueLock>,
+    marks: Arc<Handshakes>,
+    cells: Arc<[CommCell<FakeNccl>; 2]>,
+}
+
+impl BackgroundRank {
+    fn new() -> BackgroundRank {
+        let api = FakeNccl::in_background(2);
+        // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
+        let cells = Arc::new(unsafe {
+            [
+                CommCell::new(api.clone(), 0, "lane"),
+                CommCell::new(api.clone(), 1, "world"),
+            ]
+        });
+        BackgroundRank {
+            api,
+            lock: Arc::new(IssueLock::default()),
+            marks: Arc::new(Handshakes::default()),
+            cells,
+        }
+    }
+}
+
 /// Three launches of one rank whose groups NCCL ends in the background
 /// (each opens a side, R7): two on one communicator (a lane) on two
 /// streams, one on another (the world) on a third. The fake checks that
@@ -188,16 +216,12 @@ pub fn launch_in_background(
 /// on the world may go while a launch on the lane waits without the
 /// lock). Every launch completes, and no mark is left.
 pub fn handshake_beside_launches() {
-    let api = FakeNccl::in_background(2);
-    let lock = Arc::new(IssueLock::default());
-    let marks = Arc::new(Handshakes::default());
-    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
-    let cells = Arc::new(unsafe {
-        [
-            CommCell::new(api.clone(), 0, "lane"),
-            CommCell::new(api.clone(), 1, "world"),
-        ]
-    });
+    let BackgroundRank {
+        api,
+        lock,
+        marks,
+        cells,
+    } = BackgroundRank::new();
     let spawn = |me: usize, c: usize, stream: usize| {
         let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
         thread::spawn(move || launch_in_background(&lock, &marks, me, &cells[c], c as u32, stream))
@@ -234,16 +258,12 @@ pub fn handshake_beside_launches() {
 /// communicators): whichever goes second waits for the first's mark on
 /// the stream. Both complete, and no mark is left.
 pub fn handshake_holds_its_stream() {
-    let api = FakeNccl::in_background(2);
-    let lock = Arc::new(IssueLock::default());
-    let marks = Arc::new(Handshakes::default());
-    // SAFETY: communicators 0 and 1 of the fake are live, one cell each.
-    let cells = Arc::new(unsafe {
-        [
-            CommCell::new(api.clone(), 0, "lane"),
-            CommCell::new(api.clone(), 1, "world"),
-        ]
-    });
+    let BackgroundRank {
+        api,
+        lock,
+        marks,
+        cells,
+    } = BackgroundRank::new();
     let lane = {
         let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
         thread::spawn(move || launch_in_background(&lock, &marks, 1, &cells[0], 0, 0))
@@ -253,6 +273,8 @@ pub fn handshake_holds_its_stream() {
         .expect("the lane's thread panicked")
         .expect("the lane's launch");
     assert!(!marks.any(), "a mark outlived its launch");
+    // Each launch: ncclSend, and at least two state queries.
+    assert!(api.calls(0) >= 3 && api.calls(1) >= 3);
 }
 
 /// A launched op holds its buffer; the user drops the buffer while the
