@@ -180,9 +180,9 @@ impl CommInner {
     }
 
     /// [`CommInner::check`] for the health polls of a wait: when another
-    /// thread is querying the communicator, or building or ending a group
-    /// on it (a blocking communicator's may wait for a peer), it says
-    /// nothing now rather than wait (the next poll asks again). Never the
+    /// thread is querying the communicator, or (a non-blocking one)
+    /// building or ending a group on it, it says nothing now rather than
+    /// wait (the next poll asks again). Never the
     /// check that lets an op report success: that one waits its turn.
     pub fn check_now(&self) -> Result<(), Error> {
         if self.is_aborted() {

@@ -39,8 +39,10 @@
 //!   it waits for another rank. Two calls are made without it: the state
 //!   query `ncclCommGetAsyncError` (it reads the communicator's state, as
 //!   PyTorch's watchdog does from its own thread; one thread at a time per
-//!   communicator, and never while a group on it is built or ended, since
-//!   it also reaps the group's background job: [`Use::async_error`],
+//!   communicator, and, on a non-blocking one, never while a group on it
+//!   is built or ended, since it also reaps the group's background job; a
+//!   query is not counted inside NCCL, so `force_free` waits for it:
+//!   [`Use::async_error`],
 //!   [`Use::try_async_error`]), and the abort path (P4, P5), which exists to interrupt the
 //!   caller.
 //! - **P2, a group is one thread's.** A group is built inside
@@ -832,22 +834,34 @@ impl<A: CommApi> Use<'_, A> {
     }
 
     /// `ncclCommGetAsyncError` (allowed without the issue lock, P1; one
-    /// thread at a time per communicator, and not while a group on it is
-    /// being built or ended, [`Issuing::group`]).
+    /// thread at a time per communicator, and, on a non-blocking one, not
+    /// while a group on it is being built or ended, [`Issuing::group`]).
     pub fn async_error(&self) -> Result<bool, Error> {
         let _one = lock(&self.cell.query);
-        // SAFETY: the handle is live inside `call`, and not kept.
-        unsafe { self.call(|api, c| api.async_error(c)) }
+        self.query()
+    }
+
+    /// The query itself. Made through the hold, like any call, but not
+    /// counted inside NCCL (P5): a query never blocks, so a holder in it
+    /// must keep [`CommCell::force_free`] away rather than pass for one
+    /// blocked in a call.
+    fn query(&self) -> Result<bool, Error> {
+        if lock(&self.cell.state).phase != Phase::Live {
+            return Err(self.cell.aborted_error());
+        }
+        // SAFETY: this hold keeps the handle from being freed (P4: only the
+        // last holder frees; `force_free` waits while a holder is outside
+        // a call), and it is not kept.
+        unsafe { self.cell.api.async_error(self.cell.raw) }
     }
 
     /// [`Use::async_error`], or `None` at once when another thread is
-    /// querying the communicator or building or ending a group on it (a
-    /// blocking communicator's group end may wait for a peer): for the
-    /// health checks of waits, which must not wait on it.
+    /// querying the communicator or (a non-blocking one) building or
+    /// ending a group on it: for the health checks of waits, which must
+    /// not wait on it.
     pub fn try_async_error(&self) -> Option<Result<bool, Error>> {
         let _one = self.cell.query.try_lock().ok()?;
-        // SAFETY: the handle is live inside `call`, and not kept.
-        Some(unsafe { self.call(|api, c| api.async_error(c)) })
+        Some(self.query())
     }
 }
 

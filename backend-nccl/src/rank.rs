@@ -975,7 +975,9 @@ impl NcclRank {
         let ctx = &self.ctx;
         let start = std::time::Instant::now();
         // Held back (R11): the analysis sees the launch as this thread's
-        // next call, which the model holds back too, by the same rule.
+        // next call, which the model holds back too when the two share a
+        // communicator; held back only by a shared stream, it is one the
+        // model lets through, which the analysis says (a disagreement).
         let Blocked::Launch(_, _, (call, at)) = &launch else {
             unreachable!("made by the caller as a launch")
         };

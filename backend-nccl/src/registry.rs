@@ -1008,6 +1008,35 @@ mod tests {
             ),
             "{stuck}"
         );
+        // Held back on the GPU only because it shares the first send's
+        // stream (another communicator): the model lets it through, which
+        // is said, and the hang is still explained.
+        reg.blocked(
+            main,
+            Some(Blocked::Launch(
+                Arc::new([TraceOp {
+                    dir: Dir::Send,
+                    peer: 1,
+                    bytes: 64,
+                    dtype: DType::U8,
+                    comm: 0,
+                    stream: a,
+                }]),
+                false,
+                ("send 64 (same stream)".into(), "x.rs:10:1".into()),
+            )),
+        );
+        let analysis = reg.analyze();
+        assert!(
+            analysis
+                .disagreements
+                .iter()
+                .any(|d| d.call == "send 64 (same stream)" && d.why.contains("stream they share")),
+            "{:?}",
+            analysis.disagreements
+        );
+        let stuck = analysis.stuck.expect("still stuck").to_string();
+        assert!(stuck.contains("wait-for cycle"), "{stuck}");
     }
 
     /// The issue check refuses a recv whose size differs from the send

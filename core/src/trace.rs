@@ -1065,6 +1065,22 @@ impl<'t> Replayer<'t> {
         self.queues[info.rank as usize].clear();
     }
 
+    fn held_back_disagrees(&mut self, t: ThreadId) {
+        let info = &self.trace.threads[t.ix()];
+        let held = self
+            .trace
+            .blocked
+            .iter()
+            .find(|c| c.thread == t.0 && matches!(c.call, Call::Launch { .. }));
+        self.disagreements.push(Disagreement {
+            rank: info.rank,
+            thread: info.name.clone(),
+            call: held.map_or_else(String::new, |c| c.text.to_string()),
+            place: held.map_or_else(String::new, |c| c.place.to_string()),
+            why: "the backend held this launch back (another thread's launch in its connection handshake on a stream they share, or one the model saw end), and the model lets it through (R11 holds back only launches on the same communicator)".into(),
+        });
+    }
+
     /// Ends the threads that returned, enters the blocked waits, and
     /// explains the state.
     fn finish(mut self) -> Analysis {
@@ -1094,6 +1110,14 @@ impl<'t> Replayer<'t> {
                 };
                 if through {
                     let _ = self.m.apply(t, &call);
+                } else if matches!(call, HostCall::Launch(_)) && self.m.enabled(t, &call) {
+                    // A launch a backend held back (another thread's
+                    // launch in its handshake on a stream they share, say)
+                    // that the model lets through: said, and the thread
+                    // left blocked where the model cannot see, so that a
+                    // cycle through it still shows.
+                    self.held_back_disagrees(t);
+                    break;
                 } else {
                     next.insert(t, call);
                     break;

@@ -139,6 +139,13 @@ impl FakeNccl {
         &self.0.comms[c]
     }
 
+    /// An abort stops communicator `c`'s group in progress: nothing of it
+    /// goes on its streams any more.
+    fn stop_background(&self, c: usize) {
+        self.comm(c).in_progress.store(0, Ordering::SeqCst);
+        lock(&self.0.busy_streams).retain(|(x, _)| *x != c);
+    }
+
     /// Every use of a handle: panics if it was freed.
     fn live(&self, c: usize, call: &str) -> &Comm {
         let comm = self.comm(c);
@@ -352,6 +359,7 @@ impl CommApi for FakeNccl {
         self.live(comm, "ncclCommRevoke")
             .interrupted
             .store(true, Ordering::SeqCst);
+        self.stop_background(comm);
         Ok(true)
     }
 
@@ -367,6 +375,7 @@ impl CommApi for FakeNccl {
         // the frees run at the group's end.
         for &c in comms {
             self.comm(c).interrupted.store(true, Ordering::SeqCst);
+            self.stop_background(c);
         }
         for &c in comms {
             self.free(c);

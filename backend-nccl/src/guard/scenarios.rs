@@ -438,12 +438,16 @@ pub fn abort_all_with_kernels_in_flight() {
 /// three together. No free waits for a kernel that nothing told to stop,
 /// each is freed once, and the issuing thread ends with an error.
 pub fn watchdog_frees_a_blocked_group_with_kernels() {
-    let api = FakeNccl::new(&[false, true, true], false);
+    let blocking = [false, true, true];
+    let api = FakeNccl::new(&blocking, false);
     let lock = Arc::new(IssueLock::default());
     // SAFETY: communicators 0..3 of the fake are live, one cell each.
     let cells: Arc<Vec<CommCell<FakeNccl>>> = Arc::new(unsafe {
         (0..3)
-            .map(|c| CommCell::new(api.clone(), c, "lane"))
+            .map(|c| {
+                let cell = CommCell::new(api.clone(), c, "lane");
+                if blocking[c] { cell.blocking() } else { cell }
+            })
             .collect()
     });
     api.launch_kernel(1);
