@@ -164,34 +164,36 @@ impl CommInner {
     /// communicator was aborted, since then its ops' bytes cannot be trusted
     /// even where their events completed.
     pub fn check(&self) -> Result<(), Error> {
-        if self.is_aborted() {
-            return Err(Error::Aborted(format!(
-                "communicator {} was aborted, so its ops did not move their bytes",
-                self.name
-            )));
-        }
-        let Ok(held) = self.enter() else {
-            return Err(Error::Aborted(format!(
-                "communicator {} was aborted, so its ops did not move their bytes",
-                self.name
-            )));
-        };
-        held.async_error().map(drop)
+        self.check_with(|held| held.async_error())
     }
 
     /// [`CommInner::check`] for the health polls of a wait: when another
     /// thread is querying the communicator, or (a non-blocking one)
     /// building or ending a group on it, it says nothing now rather than
-    /// wait (the next poll asks again). Never the
-    /// check that lets an op report success: that one waits its turn.
+    /// wait (the next poll asks again). Never the check that lets an op
+    /// report success: that one waits its turn.
     pub fn check_now(&self) -> Result<(), Error> {
+        self.check_with(|held| held.try_async_error().unwrap_or(Ok(true)))
+    }
+
+    /// The check, with the state query `query`.
+    fn check_with(
+        &self,
+        query: impl FnOnce(&NcclUse<'_>) -> Result<bool, Error>,
+    ) -> Result<(), Error> {
+        let aborted = || {
+            Err(Error::Aborted(format!(
+                "communicator {} was aborted, so its ops did not move their bytes",
+                self.name
+            )))
+        };
         if self.is_aborted() {
-            return self.check();
+            return aborted();
         }
         let Ok(held) = self.enter() else {
-            return self.check();
+            return aborted();
         };
-        held.try_async_error().unwrap_or(Ok(true)).map(drop)
+        query(&held).map(drop)
     }
 }
 

@@ -1219,18 +1219,11 @@ impl RankCtx {
                 })?;
             }
             // Their sides are connected (R7): a launch on them opens none.
-            let me = self.rank;
-            self.handshakes.connect(group.iter().flat_map(|(c, only)| {
-                c.members
-                    .iter()
-                    .filter(move |p| **p != me)
-                    .flat_map(move |p| {
-                        [Dir::Send, Dir::Recv]
-                            .into_iter()
-                            .filter(move |d| only.is_none_or(|o| o == *d))
-                            .map(move |d| (c.logical, *p, d))
-                    })
-            }));
+            for (c, only) in &group {
+                for peer in c.members.iter().filter(|p| **p != self.rank) {
+                    self.handshakes.connect_with(c.logical, *peer, *only);
+                }
+            }
             drop(issuing);
         }
         if !drained(&stream, self.opts.timeout)? {
@@ -1245,6 +1238,17 @@ impl RankCtx {
     /// The ops not completed: whole launches (P7 of [`crate::guard`]).
     pub(crate) fn pending(&self) -> Vec<Arc<Issued>> {
         self.ops.pending()
+    }
+
+    /// Another rank's failure, asked on every 64th poll of a wait
+    /// (`checks` counts the polls, which spin at first: not every one asks).
+    pub(crate) fn failed_peer(&self, checks: &mut u32) -> Option<(Rank, String)> {
+        *checks = checks.wrapping_add(1);
+        if checks.is_multiple_of(64) {
+            self.health.failed(self.rank)
+        } else {
+            None
+        }
     }
 
     /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is

@@ -188,17 +188,23 @@ impl Handshakes {
     /// Whether a thread other than `me` has a launch on one of `parts` in
     /// its handshake.
     pub fn holds(&self, parts: &[Part], me: usize) -> bool {
-        self.marked.load(Ordering::Acquire) != 0
+        self.marked()
             && lock(&self.parts)
                 .iter()
                 .any(|(t, p)| *t != me && parts.contains(p))
+    }
+
+    /// Whether any launch is in its handshake (read without a lock: a
+    /// launch pays nothing more while none is).
+    pub fn marked(&self) -> bool {
+        self.marked.load(Ordering::Acquire) != 0
     }
 
     /// Whether any launch is in its handshake, or making the report of a
     /// handshake that failed: its ops are in the registry, not in the
     /// ledger, so the trace must not be cut.
     pub fn any(&self) -> bool {
-        self.marked.load(Ordering::Acquire) != 0 || self.failing.load(Ordering::Acquire) != 0
+        self.marked() || self.failing.load(Ordering::Acquire) != 0
     }
 
     /// Keeps [`Handshakes::any`] true until the guard drops: for a launch
@@ -227,6 +233,18 @@ impl Handshakes {
     /// `sides` are connected: a group that opened them has ended.
     pub fn connect(&self, sides: impl IntoIterator<Item = (u32, Rank, Dir)>) {
         lock(&self.connected).extend(sides);
+    }
+
+    /// A group that exchanged with `peer` on communicator `logical` has
+    /// ended: both of this rank's sides toward it are connected, or only
+    /// the `only` one.
+    pub fn connect_with(&self, logical: u32, peer: Rank, only: Option<Dir>) {
+        self.connect(
+            [Dir::Send, Dir::Recv]
+                .into_iter()
+                .filter(|d| only.is_none_or(|o| o == *d))
+                .map(|d| (logical, peer, d)),
+        );
     }
 }
 

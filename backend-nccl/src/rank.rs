@@ -437,20 +437,18 @@ impl NcclRank {
         // handshake holds back this one if they share a communicator, a
         // copy-engine lane or a stream, and only then; the wait is outside
         // the lock.
-        let parts: SmallVec<[crate::ctx::Part; INLINE_OPS]> = recs
-            .iter()
-            .map(|r| crate::ctx::part_comm(r.comm))
-            .chain(recs.iter().map(|r| crate::ctx::part_stream(r.stream)))
-            .collect();
         let mut issuing = Some(ctx.issue.lock());
-        if ctx.handshakes.holds(&parts, self.thread_id) {
+        if ctx.handshakes.marked()
+            && let parts = parts_of(&reqs)
+            && ctx.handshakes.holds(&parts, self.thread_id)
+        {
             drop(issuing.take());
             let held_back = Blocked::Launch(
                 recs.iter().cloned().collect(),
                 grouped,
                 (reqs[0].meta.text(), check::place(at)),
             );
-            issuing = Some(self.after_handshakes(&parts, held_back)?);
+            issuing = Some(self.after_handshakes(&parts, &held_back)?);
         }
         // Set once this launch lets the lock go for its handshake: its
         // parts stay marked until it is over (its copy ops on their lanes
@@ -491,7 +489,7 @@ impl NcclRank {
             return Err(e);
         }
         if reqs.iter().any(|r| r.meta.copy.is_none()) {
-            match self.launch_nccl(&reqs, &mut issuing, &mut shaking, &parts, grouped) {
+            match self.launch_nccl(&reqs, &mut issuing, &mut shaking, grouped) {
                 Ok(None) => {}
                 Ok(Some(Unfinished {
                     call,
@@ -798,7 +796,6 @@ impl NcclRank {
         reqs: &[Req],
         issuing: &mut Option<crate::guard::Issuing<'c>>,
         shaking: &mut Option<Shaking<'c>>,
-        parts: &[crate::ctx::Part],
         grouped: bool,
     ) -> Result<Option<Unfinished>> {
         let ctx = &self.ctx;
@@ -891,31 +888,38 @@ impl NcclRank {
                     .filter(|r| r.meta.peer != me)
                     .map(|r| (r.meta.logical(), r.meta.peer, r.meta.dir))
             };
-            if ctx.handshakes.all_connected(sides()) {
-                // No handshake: the wait is short, under the lock, as for
-                // a blocking communicator.
-                let polled = poll(ctx.opts.timeout, || {
+            // The group's end, polled under the deadline; the lane
+            // service's calls run meanwhile when the lock is held.
+            let end = |assist: Option<&crate::guard::Issuing<'_>>| {
+                poll(ctx.opts.timeout, || {
                     for h in &held {
                         if !h.async_error()? {
-                            ctx.assist(lock);
+                            if let Some(lock) = assist {
+                                ctx.assist(lock);
+                            }
                             return Ok(false);
                         }
                     }
                     Ok(true)
-                });
-                return Ok(match polled {
-                    Ok(true) => None,
-                    Ok(false) => Some(Unfinished {
-                        call: format!("{} (its group's end)", first()),
-                        error: None,
-                        queued,
-                    }),
-                    Err(e) => Some(Unfinished {
-                        call: first(),
-                        error: Some(e),
-                        queued,
-                    }),
-                });
+                })
+            };
+            let unfinished = |polled: Result<bool>, late: &str| match polled {
+                Ok(true) => None,
+                Ok(false) => Some(Unfinished {
+                    call: format!("{} ({late})", first()),
+                    error: None,
+                    queued,
+                }),
+                Err(e) => Some(Unfinished {
+                    call: first(),
+                    error: Some(e),
+                    queued,
+                }),
+            };
+            if ctx.handshakes.all_connected(sides()) {
+                // No handshake: the wait is short, under the lock, as for
+                // a blocking communicator.
+                return Ok(unfinished(end(Some(lock)), "its group's end"));
             }
             // It opens a side (R7): the handshake waits for the peer's
             // code. Wait for it under the deadline, without the issue lock
@@ -924,39 +928,17 @@ impl NcclRank {
             // makes its calls itself.
             let key = crate::ctx::lock(&ctx.order).commit_pending(&accesses(reqs));
             *shaking = Some(Shaking {
-                _mark: ctx.handshakes.mark(self.thread_id, parts),
+                _mark: ctx.handshakes.mark(self.thread_id, &parts_of(reqs)),
                 key,
             });
             *issuing = None;
-            let polled = poll(ctx.opts.timeout, || {
-                for h in &held {
-                    if !h.async_error()? {
-                        return Ok(false);
-                    }
-                }
-                Ok(true)
-            });
+            let polled = end(None);
             drop(held);
-            match polled {
-                Ok(true) => {
-                    ctx.handshakes.connect(sides());
-                    *issuing = Some(ctx.issue.lock());
-                }
-                Ok(false) => {
-                    return Ok(Some(Unfinished {
-                        call: format!("{} (its connection handshake, R7)", first()),
-                        error: None,
-                        queued,
-                    }));
-                }
-                Err(e) => {
-                    return Ok(Some(Unfinished {
-                        call: first(),
-                        error: Some(e),
-                        queued,
-                    }));
-                }
+            if let Some(u) = unfinished(polled, "its connection handshake, R7") {
+                return Ok(Some(u));
             }
+            ctx.handshakes.connect(sides());
+            *issuing = Some(ctx.issue.lock());
         }
         Ok(None)
     }
@@ -970,7 +952,7 @@ impl NcclRank {
     fn after_handshakes(
         &self,
         parts: &[crate::ctx::Part],
-        launch: Blocked,
+        launch: &Blocked,
     ) -> Result<crate::guard::Issuing<'_>> {
         let ctx = &self.ctx;
         let start = std::time::Instant::now();
@@ -978,10 +960,7 @@ impl NcclRank {
         // next call, which the model holds back too when the two share a
         // communicator; held back only by a shared stream, it is one the
         // model lets through, which the analysis says (a disagreement).
-        let Blocked::Launch(_, _, (call, at)) = &launch else {
-            unreachable!("made by the caller as a launch")
-        };
-        let (call, at) = (call.clone(), at.clone());
+        let (call, at) = launch.call();
         ctx.registry.blocked(self.thread_id, Some(launch.clone()));
         let _unblock = Unblock(&ctx.registry, self.thread_id);
         loop {
@@ -989,20 +968,17 @@ impl NcclRank {
             let mut checks = 0u32;
             let mut failed = None;
             let free = poll(left, || {
-                checks = checks.wrapping_add(1);
-                if checks.is_multiple_of(64)
-                    && let Some(f) = ctx.health.failed(ctx.rank)
-                {
+                if let Some(f) = ctx.failed_peer(&mut checks) {
                     failed = Some(f);
                     return Ok(true);
                 }
                 Ok(!ctx.handshakes.holds(parts, self.thread_id))
             })?;
             if let Some((r, why)) = failed {
-                return Err(self.peer_failed(&call, r, &why));
+                return Err(self.peer_failed(call, r, &why));
             }
             if !free {
-                return Err(self.hang(&call, &at, Some(launch)));
+                return Err(self.hang(call, at, Some(launch.clone())));
             }
             let issuing = ctx.issue.lock();
             // Another launch may have begun its handshake meanwhile.
@@ -1028,10 +1004,7 @@ impl NcclRank {
             if done()? {
                 return Ok(true);
             }
-            checks = checks.wrapping_add(1);
-            if checks.is_multiple_of(64)
-                && let Some((r, why)) = self.ctx.health.failed(self.ctx.rank)
-            {
+            if let Some((r, why)) = self.ctx.failed_peer(&mut checks) {
                 return Err(self.peer_failed(call, r, &why));
             }
             if checks.is_multiple_of(256) {
@@ -1511,6 +1484,16 @@ fn poison_recvs<'a>(reqs: impl IntoIterator<Item = &'a Req>, why: &str) {
     }
 }
 
+/// What a launch of `reqs` holds while it waits in its handshake, and what
+/// holds it back while another's does (`crate::ctx::Handshakes`): its
+/// communicators and copy-engine lanes, and its streams.
+fn parts_of(reqs: &[Req]) -> SmallVec<[crate::ctx::Part; INLINE_OPS]> {
+    reqs.iter()
+        .map(|r| crate::ctx::part_comm(r.meta.logical()))
+        .chain(reqs.iter().map(|r| crate::ctx::part_stream(r.stream.0.id)))
+        .collect()
+}
+
 /// Clears a thread's blocked call in the registry when dropped, however
 /// the wait ends (a panic included): a trace left blocked would never be
 /// cut again.
@@ -1745,10 +1728,7 @@ impl Transport for NcclRank {
         let mut checks = 0u32;
         let failed = std::cell::Cell::new(None);
         let mut peers = || {
-            checks = checks.wrapping_add(1);
-            if checks.is_multiple_of(64)
-                && let Some(f) = self.ctx.health.failed(self.ctx.rank)
-            {
+            if let Some(f) = self.ctx.failed_peer(&mut checks) {
                 failed.set(Some(f));
                 return Err(Error::Aborted("another rank failed".into()));
             }

@@ -42,6 +42,15 @@ pub enum Blocked {
 }
 
 impl Blocked {
+    /// The blocked call's text and place.
+    pub fn call(&self) -> (&str, &str) {
+        let (Blocked::Sync(_, (text, place))
+        | Blocked::Await(_, _, (text, place))
+        | Blocked::Join(_, (text, place))
+        | Blocked::Launch(_, _, (text, place))) = self;
+        (text, place)
+    }
+
     fn trace_call(&self, thread: usize) -> TraceCall {
         let (call, (text, place)) = match self {
             Blocked::Sync(s, w) => (Call::Sync { stream: *s }, w),

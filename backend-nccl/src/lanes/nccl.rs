@@ -298,13 +298,8 @@ impl LaneKit for NcclKit {
                     .slots(ctx.rank)
                     .first()
                     .and_then(|(_, dir)| ctx.lane_direction(*dir));
-                let peer = lane.other(ctx.rank);
-                ctx.handshakes.connect(
-                    [duplex::Dir::Send, duplex::Dir::Recv]
-                        .into_iter()
-                        .filter(|d| only.is_none_or(|o| o == *d))
-                        .map(|d| (lane.logical, peer, d)),
-                );
+                ctx.handshakes
+                    .connect_with(lane.logical, lane.other(ctx.rank), only);
                 ctx.device.bind()?;
                 let event = Event::new(false)?;
                 event.record(stream)?;
