@@ -110,6 +110,13 @@ fn issue_blocked_in_nccl_races_the_watchdogs_forced_free() {
 }
 
 #[test]
+fn the_watchdogs_forced_free_waits_for_a_state_query() {
+    model("forced free vs state query", Some(3), || {
+        scenarios::forced_free_races_a_query()
+    });
+}
+
+#[test]
 fn two_issuers_never_overlap_in_nccl() {
     model("two issuers and a poller", Some(3), scenarios::two_issuers);
 }

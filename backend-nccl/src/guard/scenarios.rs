@@ -100,6 +100,48 @@ pub fn issue_races_abort(mode: Mode) {
     assert_eq!(api.frees(0), 1);
 }
 
+/// The watchdog's forced free (P5) races a wait's health poll: on a
+/// blocking communicator without revoke, an issue is blocked inside NCCL
+/// while another thread holds the communicator and queries its state. A
+/// query is not counted inside NCCL, so the forced free waits until the
+/// poller has left: the handle is never queried after it was freed (the
+/// fake checks every call), it is freed exactly once, and the poll ends
+/// with the state or [`Error::Aborted`].
+pub fn forced_free_races_a_query() {
+    let api = FakeNccl::new(&[true], false);
+    let lock = Arc::new(IssueLock::default());
+    // SAFETY: communicator 0 of the fake is live and owned by this cell.
+    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") }.blocking());
+    let issuer = {
+        let (lock, cell) = (lock.clone(), cell.clone());
+        thread::spawn(move || issue(&lock, &[&*cell]))
+    };
+    // A wait's health check (`CommInner::check`), outside the issue lock.
+    let poller = {
+        let cell = cell.clone();
+        thread::spawn(move || cell.enter().and_then(|h| h.async_error()))
+    };
+    // The watchdog: abort, then, if the issue is blocked inside NCCL, the
+    // forced free, racing the poll (one try: a spin beside the poller
+    // exceeds loom's branch limit); then, the poll done, the forced free
+    // until it is done, as in `issue_races_abort`.
+    cell.abort();
+    // SAFETY (each force_free): only once the call is blocked in the fake.
+    if api.blocked(0) {
+        unsafe { cell.force_free() };
+    }
+    aborted_or_ok(&poller.join().expect("the polling thread panicked"));
+    while cell.phase() != Phase::Freed {
+        if api.blocked(0) && unsafe { cell.force_free() } {
+            break;
+        }
+        thread::yield_now();
+    }
+    aborted_or_ok(&issuer.join().expect("the issuing thread panicked"));
+    assert_eq!(cell.phase(), Phase::Freed, "aborted and unheld, not freed");
+    assert_eq!(api.frees(0), 1);
+}
+
 /// Two threads of one rank issue at once, on two communicators, while a
 /// third polls their state without the issue lock: the fake checks that
 /// no two threads are ever inside calls that build or launch work (R11,

@@ -229,6 +229,13 @@ fn issues_racing_aborts_on_threads() {
 }
 
 #[test]
+fn forced_free_racing_a_query_on_threads() {
+    for _ in 0..RUNS {
+        scenarios::forced_free_races_a_query();
+    }
+}
+
+#[test]
 fn two_issuers_on_threads() {
     for _ in 0..RUNS {
         scenarios::two_issuers();
