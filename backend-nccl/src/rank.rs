@@ -25,7 +25,7 @@ use crate::fence::Fences;
 use crate::health::PeerCause;
 use crate::lanes::LaneEnd;
 use crate::nccl::Nccl;
-use crate::registry::{Blocked, LaunchRec, OpRec};
+use crate::registry::{self, Blocked, LaunchRec, OpRec};
 
 /// How long a hang's analysis waits for the other processes' traces.
 const GATHER_WAIT: Duration = Duration::from_secs(2);
@@ -446,7 +446,10 @@ impl NcclRank {
             let held_back = Blocked::Launch(
                 recs.iter().cloned().collect(),
                 grouped,
-                (reqs[0].meta.text(), check::place(at)),
+                (
+                    registry::launch_text(reqs.iter().map(|r| &r.meta), grouped),
+                    check::place(at),
+                ),
             );
             issuing = Some(self.after_handshakes(&parts, &held_back)?);
         }

@@ -303,6 +303,20 @@ fn launch_key(key: &mut Vec<u64>, thread: usize, metas: &[&OpMeta], ops: &[OpRec
     }
 }
 
+/// A launch's text in reports: its ops' texts, in `group { … }` when it
+/// is a group.
+pub(crate) fn launch_text<'a>(
+    metas: impl IntoIterator<Item = &'a OpMeta>,
+    grouped: bool,
+) -> String {
+    let texts: Vec<String> = metas.into_iter().map(|m| m.text()).collect();
+    if grouped {
+        format!("group {{ {} }}", texts.join("; "))
+    } else {
+        texts.join("; ")
+    }
+}
+
 /// A launch as a rank reports it to the registry.
 #[derive(Debug)]
 pub(crate) struct LaunchRec<'a> {
@@ -677,12 +691,7 @@ impl Registry {
         let (text, place, ops) = match r.launches.get(key.as_slice()) {
             Some((text, place, ops)) => (text.clone(), place.clone(), ops.clone()),
             None => {
-                let texts: Vec<String> = metas.iter().map(|m| m.text()).collect();
-                let text = if grouped {
-                    format!("group {{ {} }}", texts.join("; "))
-                } else {
-                    texts.join("; ")
-                };
+                let text = launch_text(metas.iter().copied(), grouped);
                 let place = metas.first().map(|m| m.place()).unwrap_or_default();
                 if r.launches.len() >= 1 << 12 {
                     r.launches.clear();
