@@ -14,7 +14,7 @@ use duplex::transport::check;
 use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 
 use crate::board::Board;
-use crate::comm::{self, Comm, poll};
+use crate::comm::{self, Comm, CommInner, poll};
 use crate::copy::{CopyLane, CopyPath, Cuda, Ticket, TicketState};
 use crate::cuda::{Device, Event, Memory, Stream, StreamMarks};
 use crate::fence::{Fence, Fences};
@@ -1079,6 +1079,21 @@ impl RankCtx {
         }
     }
 
+    /// Waits until `comm`'s launch is done ([`CommInner::ready_with`]),
+    /// running the lane service's queued NCCL calls meanwhile under
+    /// `issuing`, which the caller holds.
+    pub(crate) fn ready_assisting(
+        &self,
+        comm: &CommInner,
+        issuing: &Issuing<'_>,
+        what: &str,
+    ) -> Result<()> {
+        Ok(comm.ready_with(self.opts.timeout, what, &mut || {
+            self.assist(issuing);
+            Ok(())
+        })?)
+    }
+
     /// Queues an NCCL call of the lane service, and runs the queue now if
     /// the issue lock is free.
     pub(crate) fn assist_later(&self, job: Assist) {
@@ -1213,10 +1228,7 @@ impl RankCtx {
             // Under the issue lock still: no other NCCL call of the rank
             // until the group's communicators are ready.
             for c in &group {
-                c.0.ready_with(self.opts.timeout, "connecting", &mut || {
-                    self.assist(&issuing);
-                    Ok(())
-                })?;
+                self.ready_assisting(&c.0, &issuing, "connecting")?;
             }
             // Their sides are connected (R7): a launch on them opens none.
             for (c, only) in &group {

@@ -202,10 +202,8 @@ impl NcclRank {
         }?;
         drop((busy, held));
         if !launched {
-            comm.ready_with(self.ctx.opts.timeout, "ncclSend/ncclRecv", &mut || {
-                self.ctx.assist(&issuing);
-                Ok(())
-            })?;
+            self.ctx
+                .ready_assisting(comm, &issuing, "ncclSend/ncclRecv")?;
         }
         Ok(())
     }
@@ -241,10 +239,7 @@ impl NcclRank {
         })?;
         drop(held);
         if !end? {
-            comm.ready_with(self.ctx.opts.timeout, "ncclGroupEnd", &mut || {
-                self.ctx.assist(&issuing);
-                Ok(())
-            })?;
+            self.ctx.ready_assisting(comm, &issuing, "ncclGroupEnd")?;
         }
         Ok(())
     }

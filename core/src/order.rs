@@ -375,10 +375,11 @@ impl Order {
             }
         }
         for (s, seq) in self.commit_seqs(ops) {
+            // Each stream once (`commit_seqs`): its clock is moved out.
             let before = before
-                .iter()
+                .iter_mut()
                 .find(|(x, _)| *x == s)
-                .map(|(_, c)| c.clone())
+                .map(|(_, c)| std::mem::take(c))
                 .unwrap_or_default();
             self.pending.push(Pending {
                 key,

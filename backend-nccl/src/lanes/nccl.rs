@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use duplex::{Error, Result};
+use duplex::{Dir, Error, Result};
 
 use super::{LaneEnd, LaneKit, LaneSpec};
 use crate::comm::{Comm, Starting};
@@ -95,6 +95,14 @@ enum Phase {
 enum Leftover {
     Setup(Starting),
     Comm(Comm),
+}
+
+/// The sides this rank connects on `lane`: both ways (`None`), or only
+/// its side of the lane's one direction (`LaneConnect::OneWay`).
+fn connect_only(ctx: &RankCtx, lane: &LaneSpec) -> Option<Dir> {
+    lane.slots(ctx.rank)
+        .first()
+        .and_then(|(_, dir)| ctx.lane_direction(*dir))
 }
 
 /// Aborts what a given-up part left, on a thread of its own: the abort
@@ -251,12 +259,7 @@ impl LaneKit for NcclKit {
                 let peer = comm.rank_of(lane.other(ctx.rank)).unwrap_or(0);
                 let warm = ctx.warmup.ptr();
                 let (c, s, lib) = (comm.clone(), stream.clone(), ctx.lib);
-                // Both ways, or only this rank's side of the lane's one
-                // direction (`LaneConnect::OneWay`).
-                let only = lane
-                    .slots(ctx.rank)
-                    .first()
-                    .and_then(|(_, dir)| ctx.lane_direction(*dir));
+                let only = connect_only(&ctx, lane);
                 let call = queue(&ctx, move |issuing| {
                     let held = [c.enter()?];
                     // SAFETY: the rank's warm-up bytes live as long as its
@@ -294,12 +297,11 @@ impl LaneKit for NcclKit {
                 }
                 // Its sides are connected (R7): a user's first launch on
                 // the lane waits for its group's end under the lock.
-                let only = lane
-                    .slots(ctx.rank)
-                    .first()
-                    .and_then(|(_, dir)| ctx.lane_direction(*dir));
-                ctx.handshakes
-                    .connect_with(lane.logical, lane.other(ctx.rank), only);
+                ctx.handshakes.connect_with(
+                    lane.logical,
+                    lane.other(ctx.rank),
+                    connect_only(&ctx, lane),
+                );
                 ctx.device.bind()?;
                 let event = Event::new(false)?;
                 event.record(stream)?;
