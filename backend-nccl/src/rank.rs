@@ -930,7 +930,15 @@ impl NcclRank {
                 key,
             });
             *issuing = None;
+            let started = std::time::Instant::now();
+            tracing::debug!(launch = %first(), "in its connection handshake (R7): waits without the issue lock");
             let polled = end(None);
+            tracing::debug!(
+                launch = %first(),
+                waited_ms = started.elapsed().as_secs_f64() * 1e3,
+                done = matches!(polled, Ok(true)),
+                "its connection handshake is over"
+            );
             drop(held);
             if let Some(u) = unfinished(polled, "its connection handshake, R7") {
                 return Ok(Some(u));
@@ -981,6 +989,11 @@ impl NcclRank {
             let issuing = ctx.issue.lock();
             // Another launch may have begun its handshake meanwhile.
             if !ctx.handshakes.holds(parts, self.thread_id) {
+                tracing::debug!(
+                    launch = call,
+                    waited_ms = start.elapsed().as_secs_f64() * 1e3,
+                    "held back by another thread's connection handshake (R11)"
+                );
                 return Ok(issuing);
             }
         }
