@@ -74,10 +74,26 @@ pub struct Scenario<T: Transport> {
     /// Under `per-direction`, large ops go on copy-engine lanes, from
     /// [`copy_threshold`] up (C1–C6 of `docs/semantics.md`).
     pub copy: bool,
+    /// Its communicators are connected on first use (`lazy-connect=on`;
+    /// `Local::warm(false)` on GPUs), not at creation as in every other
+    /// scenario: its first op on a channel waits in its connection
+    /// handshake (R7).
+    pub cold: bool,
     /// What must happen.
     pub expect: Expect,
     /// The rank code.
     pub run: fn(&T) -> Result<()>,
+}
+
+impl<T: Transport> Scenario<T> {
+    /// The model it is checked under on the simulator: the default, with
+    /// `lazy-connect` on when it is [`Scenario::cold`].
+    pub fn model(&self) -> duplex::Model {
+        duplex::Model {
+            lazy_connect: self.cold,
+            ..duplex::Model::default()
+        }
+    }
 }
 
 impl<T: Transport> std::fmt::Debug for Scenario<T> {
@@ -87,6 +103,7 @@ impl<T: Transport> std::fmt::Debug for Scenario<T> {
             .field("ranks", &self.ranks)
             .field("policy", &self.policy)
             .field("copy", &self.copy)
+            .field("cold", &self.cold)
             .field("expect", &self.expect)
             .finish()
     }
@@ -163,6 +180,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         ranks,
         policy,
         copy: false,
+        cold: false,
         expect,
         run,
     };
@@ -172,6 +190,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         ranks,
         policy: PerDirection,
         copy: true,
+        cold: false,
         expect,
         run,
     };
@@ -304,14 +323,17 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             Completes,
             comm_beside_send::<T>,
         ),
-        s(
-            "connect/beside-send",
-            "rank 0's first send on its shared lane toward rank 1 waits in its connection handshake (R7) while another thread of rank 0 sends on the world communicator what rank 1 waits for before its first op on that lane: a call on one communicator holds back calls on that one only (R11), so it completes",
-            2,
-            Shared,
-            Completes,
-            connect_beside_send::<T>,
-        ),
+        Scenario {
+            cold: true,
+            ..s(
+                "connect/beside-send",
+                "rank 0's first send on its shared lane toward rank 1 waits in its connection handshake (R7, communicators connected on first use) while another thread of rank 0 sends on the world communicator what rank 1 waits for before its first op on that lane: a call on one communicator holds back calls on that one only (R11), so it completes",
+                2,
+                Shared,
+                Completes,
+                connect_beside_send::<T>,
+            )
+        },
         s(
             "reply-after-wait",
             "rank 0 posts a recv, then sends; rank 1 waits for that message before it replies: rank 0's lane toward rank 1 is used (under lazy lanes: made) while its recv waits on the device",

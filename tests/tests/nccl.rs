@@ -14,8 +14,10 @@
 //! `DUPLEX_SCENARIO` set): a sticky CUDA error, which NCCL can cause (seen:
 //! "illegal memory access" on cold channels with large messages, as PyTorch
 //! hits it), then fails that scenario alone. Communicators are connected at
-//! creation (`Local::warm`); cold communicators are exercised by the
-//! calibration's examples, each in its own process too.
+//! creation (`Local::warm`), except in the scenarios marked `cold`
+//! (`connect/beside-send`: a first send in its connection handshake, R7);
+//! cold communicators are exercised by the calibration's examples too,
+//! each in its own process.
 //!
 //! The `process:` jobs run a scenario as two processes, one rank each
 //! ([`Process`], configured as torchrun would), through the TCP rendezvous;
@@ -96,6 +98,7 @@ fn child(name: &str) {
     let start = Instant::now();
     let o = outcome(
         local(s.ranks.min(2))
+            .warm(!s.cold)
             .policy(s.policy)
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
             .run(s.run),
@@ -369,15 +372,17 @@ fn one_process_rank(job: &str) {
             .with_writer(std::io::stderr)
             .init();
     }
-    let run_copy = |policy: Policy, copy: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
-        Process::from_env().and_then(|p| {
-            p.timeout(timeout())
-                .warm(true)
-                .policy(policy)
-                .copy_from(copy.then(duplex_tests::copy_threshold))
-                .run(f)
-        })
-    };
+    let run_cold =
+        |policy: Policy, copy: bool, cold: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
+            Process::from_env().and_then(|p| {
+                p.timeout(timeout())
+                    .warm(!cold)
+                    .policy(policy)
+                    .copy_from(copy.then(duplex_tests::copy_threshold))
+                    .run(f)
+            })
+        };
+    let run_copy = |policy: Policy, copy: bool, f| run_cold(policy, copy, false, f);
     let run = |policy: Policy, f| run_copy(policy, false, f);
     let result = match job {
         "peer-dies" => run(Policy::PerDirection, |t| {
@@ -412,7 +417,7 @@ fn one_process_rank(job: &str) {
             duplex_tests::send_sync_recv_late(t, timeout() / 3)
         }),
         _ => match scenarios::<NcclRank>().into_iter().find(|s| s.name == job) {
-            Some(s) => run_copy(s.policy, s.copy, s.run),
+            Some(s) => run_cold(s.policy, s.copy, s.cold, s.run),
             None => {
                 println!("RANK ERROR no scenario {job}");
                 return;

@@ -23,6 +23,7 @@ fn every_scenario_on_the_simulator() {
         let start = Instant::now();
         let result = Sim::new(s.ranks)
             .policy(s.policy)
+            .model(s.model())
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
             .check(s.run);
         let elapsed = start.elapsed();
@@ -61,13 +62,14 @@ fn every_completing_scenario_replays_from_its_trace() {
     for s in scenarios::<SimRank>() {
         let Ok(run) = Sim::new(s.ranks)
             .policy(s.policy)
+            .model(s.model())
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
             .run(7, s.run)
         else {
             continue;
         };
         assert!(!run.trace.calls.is_empty(), "{}: empty trace", s.name);
-        let a = run.trace.analyze(duplex::Model::default());
+        let a = run.trace.analyze(s.model());
         assert!(
             a.disagreements.is_empty(),
             "{}: {:?}",
