@@ -36,7 +36,8 @@ pub struct Options {
     /// at creation (the schedule format's `lazy-connect=off`). Per-direction
     /// lanes are always connected at creation.
     pub warm: bool,
-    /// The model under which a real hang is explained.
+    /// The model under which a real hang is explained; its `lazy-connect`
+    /// follows `warm` ([`Options::model_in_force`]).
     pub model: Model,
     /// CTA bounds of lane communicators (`ncclConfig_t.minCTAs`/`maxCTAs`).
     pub ctas: (Option<i32>, Option<i32>),
@@ -101,6 +102,19 @@ impl std::str::FromStr for LaneMode {
             "eager" => Ok(LaneMode::Eager),
             "lazy" => Ok(LaneMode::Lazy),
             other => Err(format!("lanes `{other}`: expected `eager` or `lazy`")),
+        }
+    }
+}
+
+impl Options {
+    /// The model hangs are explained under, as reports name it: [`Options::model`]
+    /// with `lazy-connect` set by [`Options::warm`], which is what the
+    /// backend does (the trace's communicators say each one's connection
+    /// either way; this is the setting the report names).
+    pub fn model_in_force(&self) -> Model {
+        Model {
+            lazy_connect: !self.warm,
+            ..self.model
         }
     }
 }

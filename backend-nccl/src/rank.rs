@@ -1279,7 +1279,7 @@ impl NcclRank {
             Some(mut s) => {
                 note = format!(
                     "the wait-for cycle is the model's ({}), {from}",
-                    ctx.opts.model
+                    ctx.opts.model_in_force()
                 );
                 if s.cycle.is_empty() && s.missing.is_empty() {
                     // The model has every host call blocked but no device
@@ -1287,7 +1287,7 @@ impl NcclRank {
                     // what the model says it can. Reported, never dropped.
                     s.note = Some(format!(
                         "the model ({}) finds no wait-for cycle in what it replayed ({from}): it says the pending ops below can complete, and the GPU did not complete them. That is a disagreement between the model and the GPU (please report it); causes seen outside the model: streams sharing a CUDA hardware queue (CUDA_DEVICE_MAX_CONNECTIONS) and IPC opens stalling (HQ and IPC in docs/semantics.md, \"Where the code and the record differ\")",
-                        ctx.opts.model
+                        ctx.opts.model_in_force()
                     ));
                 }
                 s.ops = mine.clone();
@@ -1297,12 +1297,12 @@ impl NcclRank {
                 note = if ctx.health.remote() {
                     format!(
                         "the model ({}) finds no hang in what it {from}; the pending ops are below",
-                        ctx.opts.model
+                        ctx.opts.model_in_force()
                     )
                 } else {
                     format!(
                         "the model ({}) does not predict this hang from what the ranks issued; the pending ops are below",
-                        ctx.opts.model
+                        ctx.opts.model_in_force()
                     )
                 };
                 Stuck {

@@ -185,7 +185,7 @@ impl Local {
     {
         let id = self.lib.unique_id()?;
         let copy = crate::ctx::copy_lanes(self.ranks, self.settings.policy, &self.settings.opts)?;
-        let registry = Registry::local(self.ranks, self.settings.opts.model);
+        let registry = Registry::local(self.ranks, self.settings.opts.model_in_force());
         let board: Arc<dyn Board> = Arc::new(LocalBoard::default());
         let health: Arc<dyn Health> = Arc::new(LocalHealth::default());
         let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
@@ -548,7 +548,8 @@ impl Process {
         let board: Arc<dyn Board> = Arc::new(client);
         // This process records only its own rank's calls; on a hang the
         // ranks exchange their traces through the store (crate::health).
-        let registry = Registry::for_rank(self.world, self.settings.opts.model, self.rank);
+        let registry =
+            Registry::for_rank(self.world, self.settings.opts.model_in_force(), self.rank);
         let health: Arc<dyn Health> = StoreHealth::start(
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
