@@ -43,8 +43,11 @@
 # 4), a fifth,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run ipc-copy; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt", ...)
 # and copy the reports back into the repo (docs/gpu/). When only the
-# one-GPU kind is lent, the process-per-rank behaviour still runs (~4.5 min: the suite and the
-# fault matrix eager and lazy, the IPC copy jobs three times, copylane):
+# one-GPU kind is lent, the process-per-rank behaviour still runs (~6 min
+# with the machine's start: the suite and the fault matrix eager and lazy,
+# the IPC copy jobs IPC_RUNS times (default 1; each ~100 s), copylane; on
+# 2026-12-02 three copy runs did not fit in a 480 s call, and a call cut
+# short brings nothing back from /tmp/r):
 #   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200", timeout_s=600)
 # To see why a fault case ended as it did: `.gpu/faults drive --only CASE
@@ -174,9 +177,10 @@ run)
         record "faults-1gpu-$lanes" $?
       done
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
-      # the suite's process jobs with its six copy jobs, three times, since
-      # their known hang was intermittent (docs/gpu/ipc-copy-1gpu.md).
-      for i in 1 2 3; do
+      # the suite's process jobs with its six copy jobs, IPC_RUNS times
+      # (default 1; their known hang was intermittent, and three runs with
+      # the rest took longer than one device call: docs/gpu/ipc-copy-1gpu.md).
+      for i in $(seq "${IPC_RUNS:-1}"); do
         DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
         record "suite-1gpu-ipc-copy-$i" $?
       done
