@@ -931,10 +931,11 @@ impl NcclRank {
             });
             *issuing = None;
             let started = std::time::Instant::now();
-            tracing::debug!(launch = %first(), "in its connection handshake (R7): waits without the issue lock");
+            let text = || registry::launch_text(nccl().map(|r| &r.meta), grouped);
+            tracing::debug!(launch = %text(), "in its connection handshake (R7): waits without the issue lock");
             let polled = end(None);
             tracing::debug!(
-                launch = %first(),
+                launch = %text(),
                 waited_ms = started.elapsed().as_secs_f64() * 1e3,
                 done = matches!(polled, Ok(true)),
                 "its connection handshake is over"

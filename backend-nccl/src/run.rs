@@ -114,7 +114,9 @@ macro_rules! builder {
             self
         }
 
-        /// The model under which hangs are explained.
+        /// The model under which hangs are explained. Its `lazy-connect`
+        /// is replaced by what [`Self::warm`] sets (`Options::model_in_force`):
+        /// the backend connects by `warm`, whatever the model says.
         pub fn model(mut self, model: Model) -> Self {
             self.settings.opts.model = model;
             self

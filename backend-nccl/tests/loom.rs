@@ -1,9 +1,10 @@
 //! The concurrency protocol of `duplex_nccl::guard`, model-checked: loom
 //! runs each scenario of `guard::scenarios` under every interleaving of
-//! its threads, on the fake NCCL (one scenario, whose space is the largest,
-//! up to a bound on preemptions); and the copy-engine lanes and the lane
-//! services of lanes made on first use, on fakes of their own. The whole
-//! file runs in about a minute.
+//! its threads, on the fake NCCL (those whose space is largest up to a
+//! bound on preemptions, the `Some(..)` of each `model` call); and the
+//! copy-engine lanes and the lane services of lanes made on first use, on
+//! fakes of their own. The whole file runs in about three minutes on two
+//! cores.
 //!
 //! ```console
 //! RUSTFLAGS="--cfg loom" cargo test -p duplex-nccl --release --test loom

@@ -317,7 +317,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         ),
         s(
             "comm/beside-send",
-            "rank 0 makes a communicator on one thread while another thread of it sends to rank 1, which makes the communicator only after it has received that message: the split holds back no other communicator's calls (R11), so it completes",
+            "rank 0 makes a communicator on one thread while another thread of it sends to rank 1, which makes the communicator only after it has received that message: the split holds back no other communicator's calls (R11), so it completes (with lanes made on first use the lane service connects the lane, and only the world's send handshakes)",
             2,
             PerDirection,
             Completes,

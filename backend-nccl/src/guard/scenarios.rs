@@ -126,12 +126,14 @@ pub fn forced_free_races_a_query() {
     // exceeds loom's branch limit); then, the poll done, the forced free
     // until it is done, as in `issue_races_abort`.
     cell.abort();
-    // SAFETY (each force_free): only once the call is blocked in the fake.
     if api.blocked(0) {
+        // SAFETY: the call is blocked in the fake (it stays blocked until
+        // the free).
         unsafe { cell.force_free() };
     }
     aborted_or_ok(&poller.join().expect("the polling thread panicked"));
     while cell.phase() != Phase::Freed {
+        // SAFETY: as above, only once the call is blocked in the fake.
         if api.blocked(0) && unsafe { cell.force_free() } {
             break;
         }
