@@ -317,7 +317,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         ),
         s(
             "comm/beside-send",
-            "rank 0 makes a communicator on one thread while another thread of it sends to rank 1, which makes the communicator only after it has received that message: the split holds back no other communicator's calls (R11), so it completes (with lanes made on first use the lane service connects the lane, and only the world's send handshakes)",
+            "rank 0 makes a communicator on one thread while another thread of it sends to rank 1, which makes the communicator only after it has received that message: the split holds back no other communicator's calls (R11), so it completes",
             2,
             PerDirection,
             Completes,
@@ -327,7 +327,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             cold: true,
             ..s(
                 "connect/beside-send",
-                "rank 0's first send on its shared lane toward rank 1 waits in its connection handshake (R7, communicators connected on first use) while another thread of rank 0 sends on the world communicator what rank 1 waits for before its first op on that lane: a call on one communicator holds back calls on that one only (R11), so it completes",
+                "rank 0's first send on its shared lane toward rank 1 waits in its connection handshake (R7, communicators connected on first use) while another thread of rank 0 sends on the world communicator what rank 1 waits for before its first op on that lane: a call on one communicator holds back calls on that one only (R11), so it completes (with lanes made on first use the lane service connects the lane, and only the world's send handshakes)",
                 2,
                 Shared,
                 Completes,
