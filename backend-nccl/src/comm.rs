@@ -99,8 +99,7 @@ impl CommInner {
         CommInner {
             cell: {
                 // SAFETY: `raw` is a live communicator that nothing else frees.
-                let cell = unsafe { CommCell::new(lib, RawComm(raw), name) };
-                if blocking { cell.blocking() } else { cell }
+                unsafe { CommCell::new(lib, RawComm(raw), name) }.blocking(blocking)
             },
             logical,
             name: name.to_string(),

@@ -548,10 +548,11 @@ impl<A: CommApi> CommCell<A> {
         }
     }
 
-    /// Marks it blocking (NCCL's `blocking` config): its group ends run in
-    /// the calling thread, so state queries need not wait for them.
-    pub fn blocking(mut self) -> Self {
-        self.blocking = true;
+    /// Marks it blocking or not (NCCL's `blocking` config; not, unless
+    /// said): a blocking one's group ends run in the calling thread, so
+    /// state queries need not wait for them.
+    pub fn blocking(mut self, blocking: bool) -> Self {
+        self.blocking = blocking;
         self
     }
 

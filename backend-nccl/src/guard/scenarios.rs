@@ -75,8 +75,7 @@ pub fn issue_races_abort(mode: Mode) {
     let api = FakeNccl::new(&[blocking], mode == Mode::BlockedRevoke);
     let lock = Arc::new(IssueLock::default());
     // SAFETY: communicator 0 of the fake is live and owned by this cell.
-    let cell = unsafe { CommCell::new(api.clone(), 0, "lane") };
-    let cell = Arc::new(if blocking { cell.blocking() } else { cell });
+    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") }.blocking(blocking));
     let t = {
         let (lock, cell) = (lock.clone(), cell.clone());
         thread::spawn(move || issue(&lock, &[&*cell]))
@@ -111,7 +110,7 @@ pub fn forced_free_races_a_query() {
     let api = FakeNccl::new(&[true], false);
     let lock = Arc::new(IssueLock::default());
     // SAFETY: communicator 0 of the fake is live and owned by this cell.
-    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") }.blocking());
+    let cell = Arc::new(unsafe { CommCell::new(api.clone(), 0, "lane") }.blocking(true));
     let issuer = {
         let (lock, cell) = (lock.clone(), cell.clone());
         thread::spawn(move || issue(&lock, &[&*cell]))
@@ -222,6 +221,7 @@ pub fn launch_in_background(
 
 /// A rank of the handshake scenarios: a fake NCCL whose groups end in the
 /// background, with communicators 0 (`lane`) and 1 (`world`).
+#[derive(Clone)]
 struct BackgroundRank {
     api: FakeNccl,
     lock: Arc<IssueLock>,
@@ -246,6 +246,25 @@ impl BackgroundRank {
             cells,
         }
     }
+
+    /// [`launch_in_background`] by thread `me` on communicator `c` (its
+    /// cell and its number) and `stream`.
+    fn launch(&self, me: usize, c: usize, stream: usize) -> Result<(), Error> {
+        launch_in_background(
+            &self.lock,
+            &self.marks,
+            me,
+            &self.cells[c],
+            c as u32,
+            stream,
+        )
+    }
+
+    /// [`BackgroundRank::launch`] on a thread of its own.
+    fn spawn(&self, me: usize, c: usize, stream: usize) -> thread::JoinHandle<Result<(), Error>> {
+        let rank = self.clone();
+        thread::spawn(move || rank.launch(me, c, stream))
+    }
 }
 
 /// Three launches of one rank whose groups NCCL ends in the background
@@ -260,20 +279,11 @@ impl BackgroundRank {
 /// on the world may go while a launch on the lane waits without the
 /// lock). Every launch completes, and no mark is left.
 pub fn handshake_beside_launches() {
-    let BackgroundRank {
-        api,
-        lock,
-        marks,
-        cells,
-    } = BackgroundRank::new();
-    let spawn = |me: usize, c: usize, stream: usize| {
-        let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
-        thread::spawn(move || launch_in_background(&lock, &marks, me, &cells[c], c as u32, stream))
-    };
-    let lane = spawn(1, 0, 0);
-    let world = spawn(2, 1, 1);
+    let rank = BackgroundRank::new();
+    let lane = rank.spawn(1, 0, 0);
+    let world = rank.spawn(2, 1, 1);
     let poller = {
-        let cells = cells.clone();
+        let cells = rank.cells.clone();
         thread::spawn(move || {
             if let Ok(h) = cells[0].enter() {
                 // Busy or not, never an error: nothing failed.
@@ -283,16 +293,16 @@ pub fn handshake_beside_launches() {
             }
         })
     };
-    launch_in_background(&lock, &marks, 0, &cells[0], 0, 2).expect("the second launch on the lane");
+    rank.launch(0, 0, 2).expect("the second launch on the lane");
     for t in [lane, world] {
         t.join()
             .expect("a launching thread panicked")
             .expect("a launch failed");
     }
     poller.join().expect("the poller panicked");
-    assert!(!marks.any(), "a mark outlived its launch");
+    assert!(!rank.marks.any(), "a mark outlived its launch");
     // Each launch: ncclSend, and at least two state queries.
-    assert!(api.calls(0) >= 6 && api.calls(1) >= 3);
+    assert!(rank.api.calls(0) >= 6 && rank.api.calls(1) >= 3);
 }
 
 /// Two launches of one rank on two communicators but one stream, whose
@@ -302,23 +312,15 @@ pub fn handshake_beside_launches() {
 /// communicators): whichever goes second waits for the first's mark on
 /// the stream. Both complete, and no mark is left.
 pub fn handshake_holds_its_stream() {
-    let BackgroundRank {
-        api,
-        lock,
-        marks,
-        cells,
-    } = BackgroundRank::new();
-    let lane = {
-        let (lock, marks, cells) = (lock.clone(), marks.clone(), cells.clone());
-        thread::spawn(move || launch_in_background(&lock, &marks, 1, &cells[0], 0, 0))
-    };
-    launch_in_background(&lock, &marks, 0, &cells[1], 1, 0).expect("the world's launch");
+    let rank = BackgroundRank::new();
+    let lane = rank.spawn(1, 0, 0);
+    rank.launch(0, 1, 0).expect("the world's launch");
     lane.join()
         .expect("the lane's thread panicked")
         .expect("the lane's launch");
-    assert!(!marks.any(), "a mark outlived its launch");
+    assert!(!rank.marks.any(), "a mark outlived its launch");
     // Each launch: ncclSend, and at least two state queries.
-    assert!(api.calls(0) >= 3 && api.calls(1) >= 3);
+    assert!(rank.api.calls(0) >= 3 && rank.api.calls(1) >= 3);
 }
 
 /// A launched op holds its buffer; the user drops the buffer while the
@@ -488,10 +490,7 @@ pub fn watchdog_frees_a_blocked_group_with_kernels() {
     // SAFETY: communicators 0..3 of the fake are live, one cell each.
     let cells: Arc<Vec<CommCell<FakeNccl>>> = Arc::new(unsafe {
         (0..3)
-            .map(|c| {
-                let cell = CommCell::new(api.clone(), c, "lane");
-                if blocking[c] { cell.blocking() } else { cell }
-            })
+            .map(|c| CommCell::new(api.clone(), c, "lane").blocking(blocking[c]))
             .collect()
     });
     api.launch_kernel(1);
