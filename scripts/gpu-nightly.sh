@@ -48,7 +48,7 @@ fi
 if [ "$built" = 1 ]; then
   # `run` records each command's exit status in steps.txt and goes on past
   # failures; its own status only says whether it could run at all.
-  scripts/gpu.sh run suite suite-lazy faults faults-lazy calibrate bench lanes ipc 2>&1 | tee -a "$out/nightly.log" || true
+  scripts/gpu.sh run suite suite-lazy suite-cold faults faults-lazy calibrate bench lanes ipc 2>&1 | tee -a "$out/nightly.log" || true
 fi
 
 exec python3 scripts/nightly_verdict.py "$out" --known scripts/nightly-known.txt

@@ -7,7 +7,7 @@
 #   scripts/gpu.sh run [WHAT...]  there (a machine with 2 GPUs, NCCL and
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
-#                                 ./gpu-out). WHAT: suite suite-lazy faults faults-lazy calibrate bench lanes ipc ipc-copy all,
+#                                 ./gpu-out). WHAT: suite suite-lazy suite-cold faults faults-lazy calibrate bench lanes ipc ipc-copy all,
 #                                 or one-gpu (on a machine with one GPU only)
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
@@ -42,6 +42,8 @@
 # and for copy-engine lanes across processes (experimental; issue 12 item
 # 4), a fifth,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run ipc-copy; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt", ...)
+# and every job with its communicators connected on first use, a sixth,
+#   run(command="OUT=/tmp/r scripts/gpu.sh run suite-cold; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt", ...)
 # and copy the reports back into the repo (docs/gpu/). When only the
 # one-GPU kind is lent, the process-per-rank behaviour still runs (~6 min
 # with the machine's start: the suite and the fault matrix eager and lazy,
@@ -112,7 +114,7 @@ run)
   export DUPLEX_NCCL_LIBRARY=${DUPLEX_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
   [ -e "$DUPLEX_NCCL_LIBRARY" ] || unset DUPLEX_NCCL_LIBRARY
   steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
-  [ "${steps[0]}" = all ] && steps=(suite suite-lazy faults faults-lazy calibrate bench lanes ipc)
+  [ "${steps[0]}" = all ] && steps=(suite suite-lazy suite-cold faults faults-lazy calibrate bench lanes ipc)
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$out/machine.txt" 2>&1 || true
   for s in "${steps[@]}"; do
     case "$s" in
@@ -131,6 +133,16 @@ run)
       set +e
       DUPLEX_LANES=lazy DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite-lazy.txt"
       record suite-lazy "${PIPESTATUS[0]}"
+      set -e ;;
+    suite-cold)
+      # The same suite with every communicator connected on first use
+      # (DUPLEX_COLD=1, read by each child and rank: Local/Process::warm
+      # (false)): each first op on a channel waits in its connection
+      # handshake (R7), and every job must still end as it expects (the
+      # simulator checks each scenario cold too).
+      set +e
+      DUPLEX_COLD=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-3000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 2>&1 | tee "$out/suite-cold.txt"
+      record suite-cold "${PIPESTATUS[0]}"
       set -e ;;
     ipc-copy)
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1;
@@ -166,7 +178,7 @@ run)
     one-gpu)
       # On a machine with ONE GPU (not part of `all`): the suite's process
       # jobs and the fault matrix's process cases, each with lanes made at
-      # start and on first use, both ranks on GPU 0 talking over loopback
+      # start and on first use, the jobs cold too, both ranks on GPU 0 talking over loopback
       # sockets (DUPLEX_ONE_GPU=1, duplex_nccl::shared_gpu_env): behaviour,
       # not speed (docs/gpu/suite-1gpu.txt, docs/gpu/faults-1gpu.md).
       set +e
@@ -176,6 +188,10 @@ run)
         DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes timeout "${FAULTS_S:-200}" .gpu/faults drive --out "$out/faults-1gpu-$lanes.md" > "$out/faults-1gpu-$lanes.log" 2>&1
         record "faults-1gpu-$lanes" $?
       done
+      # Every job with its communicators connected on first use
+      # (DUPLEX_COLD=1; suite-cold above).
+      DUPLEX_COLD=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-cold.txt" 2>&1
+      record suite-1gpu-cold $?
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
       # the suite's process jobs with its six copy jobs, IPC_RUNS times
       # (default 1; their known hang was intermittent, and three runs with

@@ -13,6 +13,8 @@ the last line of a name counts) and the reports of each step:
              ok." with at least one test passed (OUT/suite.txt)
   suite-lazy the same suite with lanes made on first use
              (DUPLEX_LANES=lazy), judged the same way (OUT/suite-lazy.txt)
+  suite-cold the same suite with every communicator connected on first use
+             (DUPLEX_COLD=1), judged the same way (OUT/suite-cold.txt)
   faults     `faults drive` exits 0, and its table (OUT/faults.md) has a row
              per case, none FAIL, and "K of K cases passed"
   faults-lazy the same matrix with lanes made on first use
@@ -43,7 +45,7 @@ import os
 import re
 import sys
 
-STEPS = ("build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench", "ipc")
+STEPS = ("build", "suite", "suite-lazy", "suite-cold", "faults", "faults-lazy", "calibrate", "bench", "ipc")
 # The figures of each table of scripts/ipc_probe.py, and the tables.
 IPC_FIGURES = ("4KiB copy us", "both-ways GB/s (A)", "both-ways GB/s (B)", "event-open us",
                "mem-close us", "mem-open us", "one-way GB/s")
@@ -319,6 +321,8 @@ def verdict(out, known):
     results.append(("suite", *judge_suite(read(os.path.join(out, "suite.txt")), steps.get("suite"))))
     results.append(("suite-lazy", *judge_suite(read(os.path.join(out, "suite-lazy.txt")),
                                                steps.get("suite-lazy"))))
+    results.append(("suite-cold", *judge_suite(read(os.path.join(out, "suite-cold.txt")),
+                                               steps.get("suite-cold"))))
     results.append(("faults", *judge_faults(read(os.path.join(out, "faults.md")), steps.get("faults"))))
     results.append(("faults-lazy", *judge_faults(read(os.path.join(out, "faults-lazy.md")),
                                                  steps.get("faults-lazy"))))
@@ -336,7 +340,7 @@ def render(results):
     for step, ok, why, _ in results:
         text = "; ".join(why).replace("|", "/")
         lines.append(f"| {step} | {'pass' if ok else '**FAIL**'} | {text} |")
-    lines += ["", "Reports: suite.txt, suite-lazy.txt, faults.md (faults.log), faults-lazy.md, calibration.md (calibration.log), "
+    lines += ["", "Reports: suite.txt, suite-lazy.txt, suite-cold.txt, faults.md (faults.log), faults-lazy.md, calibration.md (calibration.log), "
               "benchmarks.md (bench-log.txt, bench-compare.log, bench-*.json), ipc.md (ipc.log), machine.txt."]
     return passed, "\n".join(lines) + "\n"
 

@@ -230,11 +230,12 @@ class Whole(unittest.TestCase):
             f.write(text)
 
     def good_run(self):
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\n"
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\n"
                    "bench-ctas-16 0\nbench-ctas-64 1\ncopylane 0\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("ipc.md", IPC_OK)
         self.write("suite.txt", SUITE_OK)
         self.write("suite-lazy.txt", SUITE_OK)
+        self.write("suite-cold.txt", SUITE_OK)
         self.write("faults.md", FAULTS_OK)
         self.write("faults-lazy.md", FAULTS_OK)
         self.write("calibration.md", committed("calibration.md"))
@@ -259,7 +260,7 @@ class Whole(unittest.TestCase):
 
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
                                         "measured: duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
@@ -269,13 +270,13 @@ class Whole(unittest.TestCase):
 
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
         self.write("copylane.txt", "PASS data: ok\nFAIL abort: the abort did not release the stream in 2 s\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
         self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
         self.assertIn("copylane: exit status 1: FAIL abort", md)
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 0\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\nbench-torch 0\nbench-table 0\n")
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)
         self.assertIn("copy-engine lane checks (copylane) did not run", md)
@@ -283,7 +284,7 @@ class Whole(unittest.TestCase):
     def test_a_missing_torch_result_fails_it(self):
         self.good_run()
         os.remove(os.path.join(self.out, "bench-torch.json"))
-        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 1\nbench-table 1\n")
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 1\nbench-table 1\n")
         rc, md, _ = self.main()
         self.assertEqual(rc, 1)
         self.assertIn("bench_torch.py: exit status 1", md)
@@ -292,7 +293,7 @@ class Whole(unittest.TestCase):
         self.write("steps.txt", "build 101\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
-        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 8)
+        self.assertEqual([s["pass"] for s in j["steps"]], [False] * 9)
         self.assertIn("did not run", md)
 
     def test_old_format_bench_json_is_not_a_nightly_result(self):
@@ -443,8 +444,8 @@ class EndToEnd(unittest.TestCase):
         self.stub({"suite.txt": committed("suite.txt"), "suite.rc": "101"})
         rc, log, j, _ = self.nightly()
         self.assertEqual(rc, 1, log)
-        # The stub suite fails with eager and with lazy lanes alike.
-        self.assertEqual(self.failing(j), ["suite", "suite-lazy"])
+        # The stub suite fails with eager and lazy lanes and cold alike.
+        self.assertEqual(self.failing(j), ["suite", "suite-lazy", "suite-cold"])
 
     def test_a_failing_fault_case_fails_the_nightly(self):
         self.stub({"faults.md": FAULTS_OK.replace("| killed | PASS |", "| killed | FAIL: hung |", 1), "faults.rc": "1"})
@@ -476,5 +477,5 @@ class EndToEnd(unittest.TestCase):
         os.remove(os.path.join(self.root, ".gpu/bench"))
         rc, _, j, _ = self.nightly()
         self.assertEqual(rc, 1)
-        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "faults", "faults-lazy", "calibrate", "bench",
+        self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "suite-cold", "faults", "faults-lazy", "calibrate", "bench",
                                            "ipc"])

@@ -89,10 +89,17 @@ impl<T: Transport> Scenario<T> {
     /// The model it is checked under on the simulator: the default, with
     /// `lazy-connect` on when it is [`Scenario::cold`].
     pub fn model(&self) -> duplex::Model {
-        duplex::Model {
-            lazy_connect: self.cold,
-            ..duplex::Model::default()
-        }
+        model(self.cold)
+    }
+}
+
+/// The default model, with `lazy-connect` on when `cold`: every scenario
+/// is checked under both on the simulator, since the GPU suite runs every
+/// job cold too (`DUPLEX_COLD=1`) and expects the same ending.
+pub fn model(cold: bool) -> duplex::Model {
+    duplex::Model {
+        lazy_connect: cold,
+        ..duplex::Model::default()
     }
 }
 

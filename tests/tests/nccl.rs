@@ -15,9 +15,13 @@
 //! "illegal memory access" on cold channels with large messages, as PyTorch
 //! hits it), then fails that scenario alone. Communicators are connected at
 //! creation (`Local::warm`), except in the scenarios marked `cold`
-//! (`connect/beside-send`: a first send in its connection handshake, R7);
-//! cold communicators are exercised by the calibration's examples too,
-//! each in its own process.
+//! (`connect/beside-send`: a first send in its connection handshake, R7),
+//! or in every job with `DUPLEX_COLD=1` (`scripts/gpu.sh run suite-cold`):
+//! then every first op on a channel goes through its handshake, and each
+//! scenario must still end as it expects (the simulator checks that the
+//! model says so: `every_scenario_on_the_simulator`). Cold communicators
+//! are exercised by the calibration's examples too, each in its own
+//! process.
 //!
 //! The `process:` jobs run a scenario as two processes, one rank each
 //! ([`Process`], configured as torchrun would), through the TCP rendezvous;
@@ -48,11 +52,22 @@ fn timeout() -> Duration {
     )
 }
 
+/// Whether a job's communicators are connected on first use: the
+/// scenario's own choice, or every job's with `DUPLEX_COLD=1` (which the
+/// children and the ranks' processes inherit).
+fn cold(declared: bool) -> bool {
+    declared || all_cold()
+}
+
+fn all_cold() -> bool {
+    std::env::var("DUPLEX_COLD").is_ok_and(|v| v == "1")
+}
+
 fn local(ranks: u32) -> Local {
     Local::new(ranks)
         .expect("NCCL and GPUs are available")
         .timeout(timeout())
-        .warm(true)
+        .warm(!all_cold())
 }
 
 /// In a child: runs one scenario (or the reuse check) and prints its verdict.
@@ -98,7 +113,7 @@ fn child(name: &str) {
     let start = Instant::now();
     let o = outcome(
         local(s.ranks.min(2))
-            .warm(!s.cold)
+            .warm(!cold(s.cold))
             .policy(s.policy)
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
             .run(s.run),
@@ -199,6 +214,11 @@ fn every_scenario_on_nccl() {
     }
     let exe = std::env::current_exe().expect("the test binary");
     let mut names: Vec<String> = Vec::new();
+    if all_cold() {
+        eprintln!(
+            "DUPLEX_COLD=1: every job's communicators connected on first use (lazy-connect=on), each first op on a channel in its handshake (R7)"
+        );
+    }
     if one_gpu {
         eprintln!(
             "DUPLEX_ONE_GPU: only the process jobs, both ranks on GPU 0 over loopback sockets (behaviour, not speed)"
@@ -373,10 +393,10 @@ fn one_process_rank(job: &str) {
             .init();
     }
     let run_cold =
-        |policy: Policy, copy: bool, cold: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
+        |policy: Policy, copy: bool, declared: bool, f: fn(&NcclRank) -> duplex::Result<()>| {
             Process::from_env().and_then(|p| {
                 p.timeout(timeout())
-                    .warm(!cold)
+                    .warm(!cold(declared))
                     .policy(policy)
                     .copy_from(copy.then(duplex_tests::copy_threshold))
                     .run(f)
@@ -399,7 +419,7 @@ fn one_process_rank(job: &str) {
         // across processes has interprocess events (`many_in_flight`).
         "many-in-flight/copy" => Process::from_env().and_then(|p| {
             p.timeout(timeout())
-                .warm(true)
+                .warm(!all_cold())
                 .policy(Policy::PerDirection)
                 .copy_from(Some(duplex::Size(64 << 10)))
                 .run(|t| duplex_tests::many_in_flight(t, 300, 16 << 10))

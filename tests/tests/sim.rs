@@ -15,75 +15,87 @@ fn outcome(result: Result<duplex_sim::Run, Failure>) -> Outcome {
     }
 }
 
+/// Every scenario, as declared and with every communicator connected on
+/// first use (`lazy-connect=on`): the GPU suite runs each job both ways
+/// (`DUPLEX_COLD=1`) and expects the same ending, which the model must
+/// agree with. A scenario whose expectation held only warm would fail here.
 #[test]
 fn every_scenario_on_the_simulator() {
     let mut failures = Vec::new();
     let mut ran = 0;
     for s in scenarios::<SimRank>() {
-        let start = Instant::now();
-        let result = Sim::new(s.ranks)
-            .policy(s.policy)
-            .model(s.model())
-            .copy_from(s.copy.then(duplex_tests::copy_threshold))
-            .check(s.run);
-        let elapsed = start.elapsed();
-        let o = outcome(result);
-        eprintln!(
-            "{:<24} {:?} in {:.3} s",
-            s.name,
-            s.expect,
-            elapsed.as_secs_f64()
-        );
-        if let Err(e) = verify(&s, &o, true) {
-            failures.push(e);
-        }
-        if matches!(o, Outcome::Hang(_)) {
-            // A program that can hang must return its hang in well under a
-            // second, not block the test.
-            assert!(
-                elapsed < Duration::from_secs(5),
-                "{}: the hang took {elapsed:?}",
-                s.name
+        let ways: &[bool] = if s.cold { &[true] } else { &[false, true] };
+        for &cold in ways {
+            let start = Instant::now();
+            let result = Sim::new(s.ranks)
+                .policy(s.policy)
+                .model(duplex_tests::model(cold))
+                .copy_from(s.copy.then(duplex_tests::copy_threshold))
+                .check(s.run);
+            let elapsed = start.elapsed();
+            let o = outcome(result);
+            eprintln!(
+                "{:<24} {:<5} {:?} in {:.3} s",
+                s.name,
+                if cold { "cold" } else { "warm" },
+                s.expect,
+                elapsed.as_secs_f64()
             );
+            if let Err(e) = verify(&s, &o, true) {
+                failures.push(if cold { format!("(cold) {e}") } else { e });
+            }
+            if matches!(o, Outcome::Hang(_)) {
+                // A program that can hang must return its hang in well
+                // under a second, not block the test.
+                assert!(
+                    elapsed < Duration::from_secs(5),
+                    "{}: the hang took {elapsed:?}",
+                    s.name
+                );
+            }
+            ran += 1;
         }
-        ran += 1;
     }
-    assert!(ran >= 16, "only {ran} scenarios");
+    assert!(ran >= 32, "only {ran} runs");
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
 /// The simulated transport records what its ranks issued as a
 /// [`duplex::trace::Trace`]; replayed through the machine (what the NCCL
 /// backend's hang analysis does with its own trace), every completing
-/// scenario finishes with no call refused.
+/// scenario finishes with no call refused, as declared and cold.
 #[test]
 fn every_completing_scenario_replays_from_its_trace() {
     let mut replayed = 0;
     for s in scenarios::<SimRank>() {
-        let Ok(run) = Sim::new(s.ranks)
-            .policy(s.policy)
-            .model(s.model())
-            .copy_from(s.copy.then(duplex_tests::copy_threshold))
-            .run(7, s.run)
-        else {
-            continue;
-        };
-        assert!(!run.trace.calls.is_empty(), "{}: empty trace", s.name);
-        let a = run.trace.analyze(s.model());
-        assert!(
-            a.disagreements.is_empty(),
-            "{}: {:?}",
-            s.name,
-            a.disagreements
-        );
-        assert!(
-            a.finished && a.stuck.is_none(),
-            "{}: replay did not finish",
-            s.name
-        );
-        replayed += 1;
+        let ways: &[bool] = if s.cold { &[true] } else { &[false, true] };
+        for &cold in ways {
+            let model = duplex_tests::model(cold);
+            let Ok(run) = Sim::new(s.ranks)
+                .policy(s.policy)
+                .model(model)
+                .copy_from(s.copy.then(duplex_tests::copy_threshold))
+                .run(7, s.run)
+            else {
+                continue;
+            };
+            assert!(!run.trace.calls.is_empty(), "{}: empty trace", s.name);
+            let a = run.trace.analyze(model);
+            assert!(
+                a.disagreements.is_empty(),
+                "{} (cold: {cold}): {:?}",
+                s.name,
+                a.disagreements
+            );
+            assert!(
+                a.finished && a.stuck.is_none(),
+                "{} (cold: {cold}): replay did not finish",
+                s.name
+            );
+            replayed += 1;
+        }
     }
-    assert!(replayed >= 8, "only {replayed} scenarios completed");
+    assert!(replayed >= 16, "only {replayed} runs completed");
 }
 
 /// The NCCL suite's `many-in-flight/copy` process job on the simulator: 300
