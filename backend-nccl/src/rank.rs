@@ -1319,6 +1319,7 @@ impl NcclRank {
                         waits_for: format!("its deadline of {:?} expired", ctx.opts.timeout),
                     }],
                     ops: mine.clone(),
+                    mismatched_setups: Vec::new(),
                 }
             }
         };

@@ -850,6 +850,7 @@ mod tests {
                 blocked: vec![],
                 ops: vec![],
                 note: None,
+                mismatched_setups: vec![],
             },
             steps: vec![],
             schedule: None,

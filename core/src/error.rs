@@ -210,6 +210,7 @@ mod tests {
                 blocked: Vec::new(),
                 ops: Vec::new(),
                 note: None,
+                mismatched_setups: Vec::new(),
             },
             steps: Vec::new(),
             schedule: None,

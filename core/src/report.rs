@@ -269,6 +269,11 @@ pub struct Stuck {
     /// backend missing some rank's calls, say).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Connection setup rounds that NCCL makes from the wrong data (R7):
+    /// each paired two calls whose sides do not complement each other
+    /// ([`crate::machine::Mismatch`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mismatched_setups: Vec<String>,
 }
 
 impl fmt::Display for Stuck {
@@ -298,6 +303,15 @@ impl fmt::Display for Stuck {
                     f,
                     "no wait-for cycle was found (this is a bug in duplex's analysis; please report it)"
                 )?,
+            }
+        }
+        if !self.mismatched_setups.is_empty() {
+            writeln!(
+                f,
+                "connection setups NCCL makes from the wrong data (R7; undefined behaviour: on GPUs a hang, a crash or an NCCL error instead of this report):"
+            )?;
+            for m in &self.mismatched_setups {
+                writeln!(f, "  - {m}")?;
             }
         }
         writeln!(f, "blocked host calls:")?;

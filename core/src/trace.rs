@@ -305,6 +305,11 @@ pub struct Analysis {
     pub finished: bool,
     /// Calls the model refused, in the order found.
     pub disagreements: Vec<Disagreement>,
+    /// Connection setup rounds of the replay that NCCL makes from the
+    /// wrong data (R7, [`crate::machine::Mismatch`]), in words, whether or
+    /// not the replay is stuck: what explains an NCCL error or a crash
+    /// after such a round.
+    pub mismatched_setups: Vec<String>,
 }
 
 impl Trace {
@@ -682,6 +687,7 @@ impl Trace {
                 stuck: None,
                 finished: false,
                 disagreements: vec![d],
+                mismatched_setups: Vec::new(),
             };
         }
         r.run();
@@ -1131,6 +1137,11 @@ impl<'t> Replayer<'t> {
             stuck: (status == Status::Stuck).then(|| self.m.stuck(&threads)),
             finished: status == Status::Finished,
             disagreements: self.disagreements,
+            mismatched_setups: self
+                .m
+                .mismatches()
+                .map(|m| self.m.describe_mismatch(m))
+                .collect(),
         }
     }
 }

@@ -788,6 +788,63 @@ pub struct State {
     /// R7: connected sides: (comm, a, b, Send) is a's send side toward b,
     /// (comm, a, b, Recv) a's receive side from b.
     sides: BTreeSet<(CommId, Rank, Rank, Dir)>,
+    /// R7: the latest setup round rank a entered toward b on comm c, with
+    /// the sides its call set up there and the call.
+    entered: BTreeMap<(CommId, Rank, Rank), (u32, NewSides, Origin)>,
+    /// R7: the setup rounds whose two calls' sides do not complement each
+    /// other ([`Mismatch`]). A set, and each ordered by rank, so that steps
+    /// of different ranks still commute (the explorer's reduction).
+    mismatches: BTreeSet<Mismatch>,
+}
+
+/// The sides of a connection that one call sets up in a setup round (R7).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NewSides {
+    /// Its send side toward the peer.
+    pub send: bool,
+    /// Its receive side from the peer.
+    pub recv: bool,
+}
+
+impl NewSides {
+    /// Whether a call that sets up these sides and the peer's call that
+    /// sets up `theirs` set up the two ends of the same connections: my
+    /// send side with their receive side, my receive side with their send
+    /// side.
+    pub fn complements(self, theirs: NewSides) -> bool {
+        self.send == theirs.recv && self.recv == theirs.send
+    }
+
+    fn describe(self) -> &'static str {
+        match (self.send, self.recv) {
+            (true, true) => "its send and receive sides",
+            (true, false) => "its send side",
+            (false, true) => "its receive side",
+            (false, false) => "no side",
+        }
+    }
+}
+
+/// R7, as NCCL 2.28 does it (`ncclTransportP2pSetup` in `transport.cc`):
+/// in a setup round between two ranks that exchange one message each way
+/// (a communicator of two ranks, or two ranks half the communicator apart),
+/// each rank sends the connection data of the sides it sets up and reads
+/// the peer's as the data of the matching ends: its send side connects with
+/// the first entries of what the peer sent, taken for the peer's receive
+/// side. When the two calls' sides do not complement each other (both
+/// ranks' first ops toward each other are sends, say), connections are made
+/// from the wrong data: undefined behaviour, seen on GPUs as a hang, a
+/// crash ("illegal memory access") and an NCCL internal error
+/// (`docs/semantics.md`, R7).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Mismatch {
+    /// The communicator.
+    pub comm: CommId,
+    /// The round.
+    pub round: u32,
+    /// The two ranks of the round, the sides each call set up, and the
+    /// call; the lower rank first.
+    pub calls: [(Rank, NewSides, Origin); 2],
 }
 
 /// A message movement, reported to drivers that move real bytes.
@@ -836,6 +893,8 @@ impl Machine {
             mail: BTreeMap::new(),
             rounds: BTreeMap::new(),
             sides: BTreeSet::new(),
+            entered: BTreeMap::new(),
+            mismatches: BTreeSet::new(),
         };
         let mut m = Machine {
             setup,
@@ -1287,15 +1346,105 @@ impl Machine {
     /// Returns the (comm, peer, round) the call waits for. The call returns
     /// by a [`Machine::resume`] step, on both sides of a round, which also
     /// makes the two orders of two first uses lead to the same state.
+    ///
+    /// A round whose two calls' sides do not complement each other, where
+    /// NCCL exchanges the data of the two as if they did, is recorded as a
+    /// [`Mismatch`] (the hang report names it; the calls go on as the
+    /// model's rounds say).
     fn handshakes(&mut self, rank: Rank, spec: &LaunchSpec) -> Vec<(CommId, Rank, u32)> {
-        self.new_sides(rank, spec)
-            .into_iter()
-            .map(|(comm, peer)| {
-                let n = self.state.rounds.entry((comm, rank, peer)).or_insert(0);
-                *n += 1;
-                (comm, peer, *n)
-            })
-            .collect()
+        let pairs = self.new_sides(rank, spec);
+        let mut out = Vec::with_capacity(pairs.len());
+        for (comm, peer) in pairs {
+            let n = self.state.rounds.entry((comm, rank, peer)).or_insert(0);
+            *n += 1;
+            let n = *n;
+            let mine = self.sides_set_up(comm, rank, peer, &spec.ops);
+            self.state
+                .entered
+                .insert((comm, rank, peer), (n, mine, spec.origin));
+            if let Some(&(round, theirs, origin)) = self.state.entered.get(&(comm, peer, rank))
+                && round == n
+                && !mine.complements(theirs)
+                && self.one_message_each_way(comm, rank, peer)
+            {
+                let (a, b) = ((peer, theirs, origin), (rank, mine, spec.origin));
+                self.state.mismatches.insert(Mismatch {
+                    comm,
+                    round: n,
+                    calls: if a.0 < b.0 { [a, b] } else { [b, a] },
+                });
+            }
+            out.push((comm, peer, n));
+        }
+        out
+    }
+
+    /// The sides toward `peer` on `comm` that `ops` of `rank` need and
+    /// `rank` has not connected.
+    fn sides_set_up(&self, comm: CommId, rank: Rank, peer: Rank, ops: &[OpSpec]) -> NewSides {
+        let mut s = NewSides::default();
+        for op in ops {
+            if op.comm == comm
+                && op.peer == peer
+                && !self.state.sides.contains(&(comm, rank, peer, op.dir))
+            {
+                match op.dir {
+                    Dir::Send => s.send = true,
+                    Dir::Recv => s.recv = true,
+                }
+            }
+        }
+        s
+    }
+
+    /// Whether NCCL's setup exchanges one message each way between `a` and
+    /// `b` on `comm` (`ncclTransportP2pSetup`: its send peer and its
+    /// receive peer at step i are the same rank): a communicator of two,
+    /// or two ranks half of it apart. Otherwise a rank's send side waits
+    /// for the peer's receive side by its own message, which the model's
+    /// rounds do not follow (`docs/semantics.md`, R7).
+    fn one_message_each_way(&self, comm: CommId, a: Rank, b: Rank) -> bool {
+        let members = &self.setup.comms[comm.ix()].members;
+        let n = members.len();
+        match (
+            members.iter().position(|&r| r == a),
+            members.iter().position(|&r| r == b),
+        ) {
+            (Some(i), Some(j)) => n == 2 || 2 * ((j + n - i) % n) == n,
+            _ => false,
+        }
+    }
+
+    /// The setup rounds so far whose calls' sides did not complement each
+    /// other ([`Mismatch`]).
+    pub fn mismatches(&self) -> impl Iterator<Item = &Mismatch> {
+        self.state.mismatches.iter()
+    }
+
+    /// A [`Mismatch`] in words.
+    pub fn describe_mismatch(&self, m: &Mismatch) -> String {
+        let call = |(rank, sides, origin): (Rank, NewSides, Origin)| {
+            let (text, place) = match self.setup.origins.get(origin.ix()) {
+                Some(o) => (o.text.to_string(), o.place()),
+                None => (format!("call #{}", origin.0), String::new()),
+            };
+            let place = if place.is_empty() {
+                String::new()
+            } else {
+                format!(" ({place})")
+            };
+            format!("rank {rank}'s `{text}`{place} sets up {}", sides.describe())
+        };
+        let [a, b] = m.calls;
+        format!(
+            "setup round {} of comm {} between ranks {} and {}: {}, {}; NCCL reads each rank's connection data as the data of the other's matching ends",
+            m.round,
+            self.setup.comms[m.comm.ix()].name,
+            a.0,
+            b.0,
+            call(a),
+            call(b)
+        )
     }
 
     /// The (communicator, peer) pairs with which a launch of `rank` needs a

@@ -196,6 +196,12 @@ impl Machine {
             blocked,
             ops,
             note: None,
+            mismatched_setups: self
+                .state
+                .mismatches
+                .iter()
+                .map(|m| self.describe_mismatch(m))
+                .collect(),
         }
     }
 
