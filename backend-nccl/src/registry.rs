@@ -375,6 +375,10 @@ pub struct HangAnalysis {
     /// when they could not: the analysis then replayed this rank's own
     /// calls alone.
     pub unjoined: Option<String>,
+    /// Connections the replay set up from mismatched calls (R7,
+    /// `duplex::machine::Mismatch`), in words: what explains an NCCL error
+    /// or a crash after them.
+    pub mismatched_setups: Vec<String>,
 }
 
 impl Registry {
@@ -857,6 +861,7 @@ impl Registry {
             let Analysis {
                 stuck,
                 disagreements,
+                mismatched_setups,
                 ..
             } = mine.analyze_from(&base);
             return HangAnalysis {
@@ -864,6 +869,7 @@ impl Registry {
                 disagreements,
                 unjoined: (!others.is_empty())
                     .then(|| "this rank's trace was compacted into a snapshot".to_string()),
+                mismatched_setups,
             };
         }
         let mut unjoined = None;
@@ -884,12 +890,14 @@ impl Registry {
         let Analysis {
             stuck,
             disagreements,
+            mismatched_setups,
             ..
         } = trace.analyze(self.model);
         HangAnalysis {
             stuck,
             disagreements,
             unjoined,
+            mismatched_setups,
         }
     }
 }
@@ -928,6 +936,35 @@ mod tests {
         reg.record_launch(r, call, &mut fifos)
             .map(|()| fifos[0])
             .map_err(|e| e.to_string())
+    }
+
+    /// Both ranks' first ops on a communicator connected on first use are
+    /// sends: the analysis names the connection set up from mismatched
+    /// calls (R7), which explains NCCL's error after it
+    /// (`run::explain_library_error`); a send and a recv pair rightly.
+    #[test]
+    fn both_first_sends_on_a_cold_communicator_are_a_mismatched_setup() {
+        let cold = Model {
+            lazy_connect: true,
+            ..Model::default()
+        };
+        let setups = |second: Dir| {
+            let reg = Registry::new(2, cold);
+            reg.comm(0, "world", &[0, 1], false);
+            let (s0, s1) = (reg.stream(0, "s"), reg.stream(1, "s"));
+            let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+            record(&reg, one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
+            record(&reg, one_op(t1, second, 0, 4096, 0, s1)).expect("recorded");
+            reg.analyze().mismatched_setups
+        };
+        let m = setups(Dir::Send);
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert!(
+            m[0].contains("setup round 1 of comm world between ranks 0 and 1")
+                && m[0].contains("rank 1's `send 4096` (x.rs:1:1) sets up its send side"),
+            "{m:?}"
+        );
+        assert!(setups(Dir::Recv).is_empty());
     }
 
     /// A send that no rank receives, once the other rank's code has

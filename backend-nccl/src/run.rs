@@ -232,7 +232,7 @@ impl Local {
                 })
                 .collect()
         });
-        combine(results)
+        combine(results).map_err(|e| explain_library_error(e, &registry))
     }
 
     /// Measures from which message size copy-engine lanes are faster than
@@ -734,6 +734,7 @@ where
         health.finished(rank);
     }
     outcome.posted.set(true);
+    let mut result = result;
     if let Err(e) = &result {
         health.fail(rank, &e.to_string());
         // The others' hang analyses need what this rank issued; unless a
@@ -742,6 +743,16 @@ where
         // the end of the thread instead, and the cycle would be lost).
         if health.remote() && !handle.published_for_peer() {
             health.publish(rank, &registry.trace());
+        }
+        // Across processes, NCCL's error after a connection set up from
+        // mismatched calls (R7) is explained from every rank's calls: the
+        // others publish theirs as they fail (a second at most, and only
+        // on an NCCL or CUDA error of this rank's own, not on the abort
+        // another rank's failure caused).
+        if health.remote() && matches!(e, Error::Library { .. }) {
+            let others = health.gather(world, rank, Duration::from_secs(1));
+            let setups = registry.analyze_with(others.traces).mismatched_setups;
+            result = result.map_err(|e| with_mismatched_setups(e, &setups));
         }
     }
     // With lanes made on first use, a rank that finished keeps its lane
@@ -785,6 +796,46 @@ impl Drop for Posted<'_> {
 
 /// The most telling of several ranks' errors: a hang or a program error
 /// first, an error that is only the echo of another rank's last.
+/// An NCCL or CUDA error (or the abort it caused) of a local run, with the
+/// model's explanation when there is one: a connection set up from
+/// mismatched calls (R7 of `docs/semantics.md`), which NCCL makes from the
+/// wrong data and may answer with an internal error or a crash instead of
+/// the hang the model reports. Every rank's calls are in `registry` here;
+/// across processes a rank has only its own, and the error goes as it is.
+fn explain_library_error(e: Error, registry: &Registry) -> Error {
+    if !matches!(e, Error::Library { .. } | Error::Aborted(_)) {
+        return e;
+    }
+    with_mismatched_setups(e, &registry.analyze().mismatched_setups)
+}
+
+/// `e` with `setups` ([`crate::registry::HangAnalysis::mismatched_setups`])
+/// said after its own text; `e` itself when there are none.
+fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
+    if setups.is_empty() {
+        return e;
+    }
+    let said = format!(
+        "; the model finds a connection set up from mismatched calls, which NCCL makes from the wrong data, so that an NCCL error or a crash may come instead of a hang (R7): {}",
+        setups.join("; ")
+    );
+    match e {
+        Error::Library {
+            library,
+            call,
+            code,
+            text,
+        } => Error::Library {
+            library,
+            call,
+            code,
+            text: text + &said,
+        },
+        Error::Aborted(why) => Error::Aborted(why + &said),
+        other => other,
+    }
+}
+
 fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
     let mut errors: Vec<Error> = Vec::new();
     let mut ok = Vec::new();
@@ -838,6 +889,31 @@ mod tests {
             let e = Process::from_env().unwrap_err().to_string();
             assert!(e.contains("RANK") && e.contains("torchrun"), "{e}");
         }
+    }
+
+    #[test]
+    fn an_nccl_error_after_a_mismatched_setup_says_so() {
+        let nccl = || Error::Library {
+            library: "NCCL",
+            call: "ncclCommGetAsyncError".into(),
+            code: 3,
+            text: "internal error".into(),
+        };
+        let setups = vec!["setup round 1 of comm world between ranks 0 and 1: ...".to_string()];
+        let e = with_mismatched_setups(nccl(), &setups).to_string();
+        assert!(
+            e.starts_with("NCCL error 3 in ncclCommGetAsyncError: internal error; the model finds a connection set up from mismatched calls")
+                && e.ends_with("(R7): setup round 1 of comm world between ranks 0 and 1: ..."),
+            "{e}"
+        );
+        let aborted = with_mismatched_setups(Error::Aborted("x".into()), &setups).to_string();
+        assert!(aborted.contains("(R7): setup round 1"), "{aborted}");
+        assert_eq!(
+            with_mismatched_setups(nccl(), &[]).to_string(),
+            nccl().to_string()
+        );
+        let user = with_mismatched_setups(Error::User("mine".into()), &setups);
+        assert_eq!(user.to_string(), "mine", "only NCCL's errors and aborts");
     }
 
     #[test]
