@@ -124,6 +124,20 @@ fn child(name: &str) {
     }
     if let Outcome::Failed(e) = &o {
         eprintln!("  {e}");
+        // Cold, NCCL's own error where the model's hang names a connection
+        // set up from mismatched calls: the outcome NCCL leaves undefined
+        // (R7; `mismatched_setup` for the process jobs).
+        if all_cold()
+            && matches!(s.expect, Expect::Hangs | Expect::MayHang)
+            && library_error(&e.to_string())
+            && let Some(setup) = model_mismatch(name)
+        {
+            println!(
+                "RESULT PASS {:.2} NCCL failed instead of hanging, where the model names a connection set up from mismatched calls, whose outcome NCCL leaves undefined (R7): {setup}",
+                elapsed.as_secs_f64()
+            );
+            return;
+        }
     }
     match verify(&s, &o, false) {
         Ok(())
@@ -626,15 +640,24 @@ fn two_processes(job: &str) -> String {
 /// sockets, "illegal memory access" over NVLink). Returns the model's
 /// words for the round when that is what happened; the verdict says so.
 fn mismatched_setup(job: &str, said: &[String]) -> Option<String> {
-    let failed = |v: &String| {
-        v.starts_with("ERROR") && (v.contains("NCCL error") || v.contains("CUDA error"))
-    };
+    let failed = |v: &String| v.starts_with("ERROR") && library_error(v);
     if !all_cold() || !said.iter().all(failed) {
         return None;
     }
+    model_mismatch(job)
+}
+
+/// Whether an error's text is NCCL's or CUDA's own.
+fn library_error(text: &str) -> bool {
+    text.contains("NCCL error") || text.contains("CUDA error")
+}
+
+/// The model's words for the first connection that scenario `name`, cold,
+/// sets up from mismatched calls in the hang it predicts, if it does.
+fn model_mismatch(name: &str) -> Option<String> {
     let s = scenarios::<duplex_sim::SimRank>()
         .into_iter()
-        .find(|s| s.name == job)?;
+        .find(|s| s.name == name)?;
     let checked = duplex_sim::Sim::new(s.ranks)
         .policy(s.policy)
         .model(duplex_tests::model(true))
@@ -682,4 +705,9 @@ fn the_cold_seed_sets_up_a_connection_from_mismatched_calls() {
         Err(duplex_sim::Failure::Hang(h)) => assert!(h.stuck.mismatched_setups.is_empty()),
         other => panic!("the warm seed hangs: {other:?}"),
     }
+    // What the judges ask: the seed's round, and none where lanes (warm
+    // at creation) carry the seed, or for a job with no such scenario.
+    assert!(model_mismatch("seed/shared").is_some_and(|m| m.contains("round 1")));
+    assert_eq!(model_mismatch("seed/per-direction"), None);
+    assert_eq!(model_mismatch("peer-dies"), None);
 }
