@@ -748,8 +748,9 @@ where
         // mismatched calls (R7) is explained from every rank's calls: the
         // others publish theirs as they fail (a second at most, and only
         // on an NCCL or CUDA error of this rank's own, not on the abort
-        // another rank's failure caused).
-        if health.remote() && matches!(e, Error::Library { .. }) {
+        // another rank's failure caused, and only where a communicator is
+        // connected on first use: `warm` leaves no setup round).
+        if health.remote() && !settings.opts.warm && matches!(e, Error::Library { .. }) {
             let others = health.gather(world, rank, Duration::from_secs(1));
             let setups = registry.analyze_with(others.traces).mismatched_setups;
             result = result.map_err(|e| with_mismatched_setups(e, &setups));
@@ -794,16 +795,14 @@ impl Drop for Posted<'_> {
     }
 }
 
-/// The most telling of several ranks' errors: a hang or a program error
-/// first, an error that is only the echo of another rank's last.
-/// An NCCL or CUDA error (or the abort it caused) of a local run, with the
-/// model's explanation when there is one: a connection set up from
-/// mismatched calls (R7 of `docs/semantics.md`), which NCCL makes from the
-/// wrong data and may answer with an internal error or a crash instead of
-/// the hang the model reports. Every rank's calls are in `registry` here;
-/// across processes a rank has only its own, and the error goes as it is.
+/// An NCCL or CUDA error of a local run, with the model's explanation
+/// when there is one: a connection set up from mismatched calls (R7 of
+/// `docs/semantics.md`), which NCCL makes from the wrong data and may
+/// answer with an internal error or a crash instead of the hang the model
+/// reports. Every rank's calls are in `registry` here; across processes
+/// `rank_main` gathers the other ranks' published calls for it.
 fn explain_library_error(e: Error, registry: &Registry) -> Error {
-    if !matches!(e, Error::Library { .. } | Error::Aborted(_)) {
+    if !matches!(e, Error::Library { .. }) {
         return e;
     }
     with_mismatched_setups(e, &registry.analyze().mismatched_setups)
@@ -836,6 +835,8 @@ fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
     }
 }
 
+/// The most telling of several ranks' errors: a hang or a program error
+/// first, an error that is only the echo of another rank's last.
 fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
     let mut errors: Vec<Error> = Vec::new();
     let mut ok = Vec::new();

@@ -272,6 +272,50 @@ fn r7_per_direction_lanes_are_connected_at_creation() {
     assert_eq!(verdict(&shared), "deadlock");
 }
 
+/// The mismatched setups a program's hang names (R7, "A round of
+/// mismatched calls").
+fn mismatched(src: &str) -> Vec<String> {
+    match run(src).verdict {
+        Verdict::Deadlock { stuck, .. } => stuck.mismatched_setups,
+        other => panic!("expected a deadlock, got {other:?}"),
+    }
+}
+
+#[test]
+fn r7_a_round_of_two_first_sends_is_named_and_a_send_with_a_recv_is_not() {
+    let cold = "model lazy-connect=on";
+    let sends = two_ranks(cold, "send 1 1MiB\nrecv 1 1MiB", "send 0 1MiB\nrecv 0 1MiB");
+    let m = mismatched(&sends);
+    assert_eq!(m.len(), 2, "{m:?}");
+    assert!(
+        m[0].contains("round 1")
+            && m[0].contains("rank 1's `send 0 1MiB` (line 7) sets up its send side"),
+        "{m:?}"
+    );
+    // Warm, no round at all.
+    assert!(mismatched(&sends.replace("lazy-connect=on", "lazy-connect=off")).is_empty());
+    // A send paired with a recv: complementary, nothing named (the hang
+    // is another one: rank 1 sends a second message nobody receives).
+    let matched = two_ranks(cold, "send 1 1MiB", "recv 0 1MiB\nsend 0 1MiB");
+    assert!(mismatched(&matched).is_empty());
+}
+
+/// NCCL numbers a communicator's ranks by their world ranks (the split's
+/// key), so "half the communicator apart" is in that order, not the order
+/// the members were written in: in `comm c 0 2 1 3`, ranks 0 and 2 exchange
+/// one message each way (named), ranks 0 and 1 do not (not named).
+#[test]
+fn r7_one_message_each_way_is_by_world_rank_order() {
+    let prog = |a: u32, b: u32| {
+        format!(
+            "ranks 4\nmodel lazy-connect=on\ncomm c 0 2 1 3\nrank {a}:\n  send {b} 1MiB comm=c\n  recv {b} 1MiB comm=c\nrank {b}:\n  send {a} 1MiB comm=c\n  recv {a} 1MiB comm=c\n"
+        )
+    };
+    assert_eq!(mismatched(&prog(0, 2)).len(), 2);
+    assert!(mismatched(&prog(0, 1)).is_empty());
+    assert!(mismatched(&prog(1, 3)).len() == 2);
+}
+
 // R8 groups -------------------------------------------------------------------------
 
 #[test]

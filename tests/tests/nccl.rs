@@ -130,6 +130,7 @@ fn child(name: &str) {
         if all_cold()
             && matches!(s.expect, Expect::Hangs | Expect::MayHang)
             && library_error(&e.to_string())
+            && explained(&e.to_string())
             && let Some(setup) = model_mismatch(name)
         {
             println!(
@@ -637,10 +638,11 @@ fn two_processes(job: &str) -> String {
 /// both ranks' first ops toward each other sends, say) may end on a GPU
 /// with an NCCL or CUDA error on every rank instead of the hang: NCCL makes
 /// that connection from the wrong data (seen: an internal error over
-/// sockets, "illegal memory access" over NVLink). Returns the model's
-/// words for the round when that is what happened; the verdict says so.
+/// sockets, "illegal memory access" over NVLink), each rank's error saying
+/// so. Returns the model's words for the round when that is what happened;
+/// the verdict says so.
 fn mismatched_setup(job: &str, said: &[String]) -> Option<String> {
-    let failed = |v: &String| v.starts_with("ERROR") && library_error(v);
+    let failed = |v: &String| v.starts_with("ERROR") && library_error(v) && explained(v);
     if !all_cold() || !said.iter().all(failed) {
         return None;
     }
@@ -650,6 +652,14 @@ fn mismatched_setup(job: &str, said: &[String]) -> Option<String> {
 /// Whether an error's text is NCCL's or CUDA's own.
 fn library_error(text: &str) -> bool {
     text.contains("NCCL error") || text.contains("CUDA error")
+}
+
+/// Whether the rank itself explained its error by a connection set up from
+/// mismatched calls (`with_mismatched_setups` in the NCCL backend), from
+/// what the ranks issued: an NCCL failure with another cause is not taken
+/// for the model's outcome.
+fn explained(text: &str) -> bool {
+    text.contains("set up from mismatched calls")
 }
 
 /// The model's words for the first connection that scenario `name`, cold,

@@ -788,9 +788,6 @@ pub struct State {
     /// R7: connected sides: (comm, a, b, Send) is a's send side toward b,
     /// (comm, a, b, Recv) a's receive side from b.
     sides: BTreeSet<(CommId, Rank, Rank, Dir)>,
-    /// R7: the latest setup round rank a entered toward b on comm c, with
-    /// the sides its call set up there and the call.
-    entered: BTreeMap<(CommId, Rank, Rank), (u32, NewSides, Origin)>,
     /// R7: the setup rounds whose two calls' sides do not complement each
     /// other ([`Mismatch`]). A set, and each ordered by rank, so that steps
     /// of different ranks still commute (the explorer's reduction).
@@ -893,7 +890,6 @@ impl Machine {
             mail: BTreeMap::new(),
             rounds: BTreeMap::new(),
             sides: BTreeSet::new(),
-            entered: BTreeMap::new(),
             mismatches: BTreeSet::new(),
         };
         let mut m = Machine {
@@ -1359,11 +1355,7 @@ impl Machine {
             *n += 1;
             let n = *n;
             let mine = self.sides_set_up(comm, rank, peer, &spec.ops);
-            self.state
-                .entered
-                .insert((comm, rank, peer), (n, mine, spec.origin));
-            if let Some(&(round, theirs, origin)) = self.state.entered.get(&(comm, peer, rank))
-                && round == n
+            if let Some((theirs, origin)) = self.in_round(comm, peer, rank, n)
                 && !mine.complements(theirs)
                 && self.one_message_each_way(comm, rank, peer)
             {
@@ -1377,6 +1369,25 @@ impl Machine {
             out.push((comm, peer, n));
         }
         out
+    }
+
+    /// The call of `rank` waiting in setup round `n` with `peer` on `comm`,
+    /// if `rank` has entered it: the sides it sets up and where it was
+    /// made. Such a call is still connecting when the peer enters round
+    /// `n`, since it returns only once the peer has (and by R11 no other
+    /// call of `rank` on `comm` starts a round meanwhile).
+    fn in_round(&self, comm: CommId, rank: Rank, peer: Rank, n: u32) -> Option<(NewSides, Origin)> {
+        self.setup.threads_of(rank).find_map(|u| {
+            let th = &self.state.threads[u.ix()];
+            match (&th.phase, &th.wait) {
+                (Phase::Connecting { spec, .. }, Wait::Connect { pairs })
+                    if pairs.contains(&(comm, peer, n)) =>
+                {
+                    Some((self.sides_set_up(comm, rank, peer, &spec.ops), spec.origin))
+                }
+                _ => None,
+            }
+        })
     }
 
     /// The sides toward `peer` on `comm` that `ops` of `rank` need and
@@ -1402,9 +1413,12 @@ impl Machine {
     /// receive peer at step i are the same rank): a communicator of two,
     /// or two ranks half of it apart. Otherwise a rank's send side waits
     /// for the peer's receive side by its own message, which the model's
-    /// rounds do not follow (`docs/semantics.md`, R7).
+    /// rounds do not follow (`docs/semantics.md`, R7). NCCL numbers a
+    /// communicator's ranks in the order of their ranks in the world (the
+    /// split's key), whatever order the members were written in.
     fn one_message_each_way(&self, comm: CommId, a: Rank, b: Rank) -> bool {
-        let members = &self.setup.comms[comm.ix()].members;
+        let mut members = self.setup.comms[comm.ix()].members.clone();
+        members.sort_unstable();
         let n = members.len();
         match (
             members.iter().position(|&r| r == a),
