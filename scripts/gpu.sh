@@ -8,7 +8,8 @@
 #                                 PyTorch; no Rust needed): runs WHAT from
 #                                 .gpu/ and writes reports to $OUT (default
 #                                 ./gpu-out). WHAT: suite suite-lazy suite-cold faults faults-lazy calibrate bench lanes ipc ipc-copy all,
-#                                 or one-gpu (on a machine with one GPU only)
+#                                 or one-gpu, calibrate-1gpu (on a machine with one GPU only),
+#                                 calibrate-processes (a process per rank)
 #   scripts/gpu.sh nightly        there, with or without Rust: build (where
 #                                 cargo is; else the staged .gpu/), run all,
 #                                 judge (scripts/gpu-nightly.sh); exits 1 when
@@ -241,6 +242,17 @@ run)
       record calibrate $?
       set -e
       tail -5 "$out/calibration.log"; cat "$out/calibration.md" ;;
+    calibrate-1gpu|calibrate-processes)
+      # The calibration with a process per rank (duplex calibrate
+      # --processes; not part of `all`): on two GPUs (calibrate-processes),
+      # or on a machine with ONE GPU, both ranks on GPU 0 over loopback
+      # sockets (calibrate-1gpu: what that transport does, not NVLink).
+      set +e
+      flags=(--processes); [ "$s" = calibrate-1gpu ] && flags+=(--one-gpu)
+      timeout "${CALIBRATE_S:-400}" .gpu/duplex calibrate .gpu/examples "${flags[@]}" --timeout-ms 2000 --format markdown > "$out/$s.md" 2> "$out/$s.log"
+      record "$s" $?
+      set -e
+      tail -5 "$out/$s.log"; cat "$out/$s.md" ;;
     bench)
       set +e
       timeout "${BENCH_S:-240}" .gpu/bench --trials "$trials" --json "$out/bench-duplex.json" 2>&1 | tee "$out/bench-log.txt"

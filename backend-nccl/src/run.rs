@@ -419,6 +419,11 @@ impl Process {
         self.rank
     }
 
+    /// The job's number of ranks (`WORLD_SIZE`).
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
     /// Runs `f` as this rank. Rank 0 must be started for the others to
     /// connect; every wait, the rendezvous included, has the deadline.
     ///

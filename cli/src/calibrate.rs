@@ -12,10 +12,10 @@ use duplex_nccl::{Local, NcclRank};
 use duplex_sim::check;
 
 use crate::failure::{FOUND, Failure};
-use crate::run::{Ran, on_nccl_isolated};
+use crate::run::{Launch, Ran, on_nccl_isolated};
 
 /// One probe of the eager capacity.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Probe {
     /// Messages sent back to back.
     pub(crate) messages: u32,
@@ -28,7 +28,7 @@ pub(crate) struct Probe {
 /// The measured capacity: the largest total that completed without a recv,
 /// and the smallest that did not. (R6, cold channels, is measured by the
 /// examples that run the same exchange on cold and warm communicators.)
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Capacity {
     pub(crate) probes: Vec<Probe>,
     pub(crate) fits: u64,
@@ -94,29 +94,111 @@ fn probe(t: &NcclRank, messages: u32, bytes: u64, tag: &str) -> duplex::Result<b
     }
 }
 
-/// Measures the eager capacity on warm per-direction lanes.
+/// Every probe, in order, on rank `t`; rank 0 pushes its findings.
+fn probes(t: &NcclRank, results: &std::sync::Mutex<Vec<Probe>>) -> duplex::Result<()> {
+    for (i, (m, b)) in SIZES.iter().enumerate() {
+        let alone = probe(t, *m, *b, &format!("p{i}"))?;
+        if t.rank() == 0 {
+            results
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Probe {
+                    messages: *m,
+                    bytes: *b,
+                    completed_alone: alone,
+                });
+        }
+    }
+    t.synchronize()
+}
+
+/// Measures the eager capacity on warm per-direction lanes, a thread per
+/// rank.
 pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
     let results = std::sync::Mutex::new(Vec::new());
     Local::new(2)?
         .policy(Policy::PerDirection)
         .timeout(timeout)
-        .run(|t| {
-            for (i, (m, b)) in SIZES.iter().enumerate() {
-                let alone = probe(t, *m, *b, &format!("p{i}"))?;
-                if t.rank() == 0 {
-                    results
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(Probe {
-                            messages: *m,
-                            bytes: *b,
-                            completed_alone: alone,
-                        });
-                }
-            }
-            t.synchronize()
-        })?;
-    let probes = results.into_inner().unwrap_or_default();
+        .run(|t| probes(t, &results))?;
+    Ok(fitted(results.into_inner().unwrap_or_default()))
+}
+
+/// `duplex calibrate --capacity-rank`: this process's part of the capacity
+/// probes as one rank of a job of two ([`capacity_of_processes`]); rank 0's
+/// report is `{"capacity": ...}`, the other's `{"outcome": "ok"}`.
+pub(crate) fn capacity_rank(timeout: Duration) -> Result<serde_json::Value, Failure> {
+    let process = duplex_nccl::Process::from_env()
+        .map_err(|e| Failure::invalid("environment", e.to_string()))?
+        .policy(Policy::PerDirection)
+        .timeout(timeout);
+    let results = std::sync::Mutex::new(Vec::new());
+    let rank = process.rank();
+    match process.run(|t| probes(t, &results)) {
+        Ok(_) if rank == 0 => Ok(serde_json::json!({
+            "capacity": fitted(results.into_inner().unwrap_or_default())
+        })),
+        Ok(_) => Ok(serde_json::json!({"outcome": "ok"})),
+        Err(e @ Error::Unavailable { .. }) => Err(Failure::unavailable(e.to_string())),
+        Err(e) => Err(Failure {
+            status: FOUND,
+            kind: "failed",
+            file: None,
+            line: None,
+            message: format!("rank {rank}: {e}"),
+        }),
+    }
+}
+
+/// Measures the eager capacity with a process per rank (`launch`), each
+/// running `duplex calibrate DIR --capacity-rank`.
+fn capacity_of_processes(
+    dir: &Path,
+    timeout: Duration,
+    one_gpu: bool,
+) -> Result<Capacity, Failure> {
+    let args: Vec<String> = [
+        "calibrate".to_string(),
+        dir.display().to_string(),
+        "--capacity-rank".to_string(),
+        "--timeout-ms".to_string(),
+        timeout.as_millis().to_string(),
+    ]
+    .to_vec();
+    let reports = crate::run::spawn_job(&args, 2, timeout, one_gpu)
+        .map_err(|(_, why)| Failure::unavailable(why))?;
+    let mut capacity = None;
+    for (rank, report) in reports.into_iter().enumerate() {
+        let failed = |why: String| Failure {
+            status: FOUND,
+            kind: "failed",
+            file: None,
+            line: None,
+            message: format!("measuring the eager capacity failed on rank {rank}: {why}"),
+        };
+        let report = report.map_err(failed)?;
+        if let Some(c) = report.get("capacity") {
+            capacity = Some(
+                serde_json::from_value::<Capacity>(c.clone())
+                    .map_err(|e| failed(format!("its report cannot be read: {e}")))?,
+            );
+        } else if report["outcome"] == "unavailable" {
+            return Err(Failure::unavailable(format!(
+                "rank {rank}: {}",
+                report["error"]["message"].as_str().unwrap_or("unavailable")
+            )));
+        } else if report["outcome"] != "ok" {
+            return Err(failed(
+                report["error"]["message"]
+                    .as_str()
+                    .map_or_else(|| report.to_string(), str::to_string),
+            ));
+        }
+    }
+    capacity.ok_or_else(|| Failure::unavailable("rank 0 reported no capacity".to_string()))
+}
+
+/// The capacity fitted to `probes`.
+fn fitted(probes: Vec<Probe>) -> Capacity {
     let fits = probes
         .iter()
         .filter(|p| p.completed_alone)
@@ -128,11 +210,11 @@ pub(crate) fn capacity(timeout: Duration) -> Result<Capacity, Error> {
         .filter(|p| !p.completed_alone)
         .map(|p| p.bytes * u64::from(p.messages))
         .min();
-    Ok(Capacity {
+    Capacity {
         probes,
         fits,
         waits,
-    })
+    }
 }
 
 fn verdict(program: &duplex::schedule::Program) -> &'static str {
@@ -147,7 +229,11 @@ fn verdict(program: &duplex::schedule::Program) -> &'static str {
 /// read and parsed before the GPUs are touched: an invalid one is refused
 /// (exit status 2) without a measurement; no NCCL or too few GPUs is exit
 /// status 4.
-pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Failure> {
+pub(crate) fn calibrate(
+    dir: &Path,
+    timeout: Duration,
+    launch: Launch,
+) -> Result<Calibration, Failure> {
     let shown = dir.display().to_string();
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| {
@@ -186,9 +272,14 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
             message: format!("measuring the eager capacity failed: {e}"),
         },
     };
-    // Nothing can run without NCCL, a CUDA driver and two GPUs.
-    Local::new(2).map_err(|e| Failure::unavailable(e.to_string()))?;
-    let cap = capacity(timeout).map_err(measuring)?;
+    let cap = match launch {
+        Launch::Threads => {
+            // Nothing can run without NCCL, a CUDA driver and two GPUs.
+            Local::new(2).map_err(|e| Failure::unavailable(e.to_string()))?;
+            capacity(timeout).map_err(measuring)?
+        }
+        Launch::Processes { one_gpu } => capacity_of_processes(dir, timeout, one_gpu)?,
+    };
     eprintln!(
         "eager capacity: {} completes alone, {} waits",
         Size(cap.fits),
@@ -217,6 +308,7 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
                 format!("eager={}", Size(cap.fits)),
                 "one-sided-groups=accept".to_string(),
             ],
+            launch,
         );
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
         let agrees = match (predicted, real.outcome.as_str()) {
@@ -235,11 +327,13 @@ pub(crate) fn calibrate(dir: &Path, timeout: Duration) -> Result<Calibration, Fa
             agrees,
         });
     }
-    Ok(Calibration { cap, rows })
+    Ok(Calibration { cap, rows, launch })
 }
 
 /// What `duplex calibrate` found.
 pub(crate) struct Calibration {
+    /// How the ranks ran.
+    pub launch: Launch,
     /// The eager capacity measured.
     pub cap: Capacity,
     /// Every example run, with the checker's verdict.
@@ -250,6 +344,7 @@ pub(crate) struct Calibration {
 pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
     let (cap, rows) = (&cal.cap, &cal.rows);
     let mut s = String::new();
+    let _ = writeln!(s, "Ranks ran as {}.\n", cal.launch.describe());
     let _ = writeln!(s, "## Eager capacity (R5, R6), measured\n");
     let _ = writeln!(
         s,

@@ -94,6 +94,26 @@ struct RunArgs {
     /// services). Default: `DUPLEX_LANES`, else eager.
     #[arg(long, value_name = "eager|lazy")]
     lanes: Option<duplex_nccl::LaneMode>,
+    /// With `--backend nccl`: run each rank in a process of its own,
+    /// started by this command as torchrun would start them on one host
+    /// (rank r on GPU r; duplex's store on 127.0.0.1 with a fresh secret),
+    /// instead of a thread per rank. The report is the job's, with each
+    /// rank's own under `ranks` (JSON).
+    #[arg(long, requires = "backend", conflicts_with = "from_env")]
+    processes: bool,
+    /// With `--processes`: every rank on GPU 0, talking over loopback
+    /// sockets instead of NVLink, for a machine with one GPU. It checks a
+    /// program's behaviour (hangs, errors, bytes), never its speed.
+    #[arg(long, requires = "processes")]
+    one_gpu: bool,
+    /// With `--backend nccl`: this process is one rank of a job whose
+    /// launcher set `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
+    /// `MASTER_PORT` (e.g. `torchrun --nproc-per-node 2 --no-python duplex
+    /// run FILE --backend nccl --from-env`; the store's secret in
+    /// `DUPLEX_STORE_TOKEN`, else derived from torchrun's run id). Reports
+    /// this rank's outcome.
+    #[arg(long, requires = "backend")]
+    from_env: bool,
     /// The simulator's random schedule.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -135,6 +155,19 @@ struct CalibrateArgs {
     /// Output format: markdown or json.
     #[arg(long, value_enum, default_value_t = TableFormat::Markdown)]
     format: TableFormat,
+    /// Run the capacity probes and every file with a process per rank
+    /// (`duplex run --processes`) instead of a thread per rank.
+    #[arg(long)]
+    processes: bool,
+    /// With `--processes`: every rank on GPU 0 over loopback sockets, for
+    /// a machine with one GPU (`duplex run --one-gpu`): the outcomes of
+    /// that transport, not of NVLink.
+    #[arg(long, requires = "processes")]
+    one_gpu: bool,
+    /// Internal: this process is one rank of the capacity probes, from the
+    /// environment `--processes` sets.
+    #[arg(long, hide = true)]
+    capacity_rank: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -348,6 +381,29 @@ fn to_json<T: serde::Serialize>(value: &T) -> Result<String, Failure> {
 
 fn run_run(args: &RunArgs) -> ExitCode {
     let json = matches!(args.format, Format::Json);
+    // How the ranks start is checked before the file is read.
+    let nccl = matches!(args.backend, Backend::Nccl);
+    if (args.processes || args.from_env) && !nccl {
+        let f = Failure::invalid(
+            "usage",
+            "--processes and --from-env start ranks on GPUs: add --backend nccl",
+        );
+        return fail(&f, json, "outcome");
+    }
+    if args.processes && args.file == "-" {
+        let f = Failure::invalid(
+            "usage",
+            "--processes starts a process per rank that reads the file again: give the file's path, not standard input",
+        );
+        return fail(&f, json, "outcome");
+    }
+    if (args.processes || args.from_env) && matches!(args.copy_from, Some(CopyFrom::Auto)) {
+        let f = Failure::invalid(
+            "usage",
+            "--copy-from auto measures GPUs 0 and 1 from one process: run it without --processes or --from-env, then give the size it printed (--copy-from SIZE)",
+        );
+        return fail(&f, json, "outcome");
+    }
     let mut program = match load(&args.file) {
         Ok(p) => p,
         Err(f) => return fail(&f, json, "outcome"),
@@ -358,7 +414,7 @@ fn run_run(args: &RunArgs) -> ExitCode {
             return fail(&f, json, "outcome");
         }
     }
-    if args.lanes.is_some() && !matches!(args.backend, Backend::Nccl) {
+    if args.lanes.is_some() && !nccl {
         let f = Failure::invalid(
             "usage",
             "--lanes chooses when the NCCL backend makes its lanes; the simulator has no lanes to make: add --backend nccl, or leave --lanes out",
@@ -402,13 +458,41 @@ fn run_run(args: &RunArgs) -> ExitCode {
             }
             run::on_sim(&program, args.seed, &again)
         }
-        Backend::Nccl => {
-            match run::on_nccl(
+        Backend::Nccl if args.processes => {
+            let timeout = std::time::Duration::from_millis(args.timeout_ms);
+            match run::on_nccl_processes(
+                &args.file,
                 &program,
-                std::time::Duration::from_millis(args.timeout_ms),
-                args.lanes,
+                timeout,
+                &rank_args(args),
+                args.one_gpu,
             ) {
                 Ok(r) => r,
+                Err((outcome, message)) => {
+                    let f = if outcome == "invalid" {
+                        Failure::invalid("environment", message)
+                    } else {
+                        Failure::unavailable(message)
+                    };
+                    return fail(&f.at(&args.file, None), json, "outcome");
+                }
+            }
+        }
+        Backend::Nccl => {
+            let timeout = std::time::Duration::from_millis(args.timeout_ms);
+            let ran = if args.from_env {
+                run::on_nccl_rank(&program, timeout, args.lanes)
+            } else {
+                run::on_nccl(&program, timeout, args.lanes)
+            };
+            match ran {
+                Ok(r) => r,
+                Err(e @ duplex::Error::Invalid { .. }) => {
+                    // The environment does not describe a rank of this
+                    // program (from a launcher).
+                    let f = Failure::invalid("environment", e.to_string()).at(&args.file, None);
+                    return fail(&f, json, "outcome");
+                }
                 Err(e) => {
                     // Nothing ran: NCCL, the CUDA driver or the GPUs could
                     // not be set up.
@@ -442,6 +526,29 @@ fn run_run(args: &RunArgs) -> ExitCode {
         }
     }
     ExitCode::from(if ran.outcome == "ok" { OK } else { FOUND })
+}
+
+/// What each rank of `duplex run --processes` is told beside the file: the
+/// settings of this command line that the ranks apply themselves.
+fn rank_args(args: &RunArgs) -> Vec<String> {
+    let mut out = vec!["--timeout-ms".to_string(), args.timeout_ms.to_string()];
+    if let Some(p) = args.policy {
+        out.extend(["--policy".to_string(), p.to_string()]);
+    }
+    if let Some(CopyFrom::At(size)) = args.copy_from {
+        out.extend(["--copy-from".to_string(), size.to_string()]);
+    }
+    if let Some(mode) = args.lanes {
+        let mode = match mode {
+            duplex_nccl::LaneMode::Eager => "eager",
+            duplex_nccl::LaneMode::Lazy => "lazy",
+        };
+        out.extend(["--lanes".to_string(), mode.to_string()]);
+    }
+    for m in &args.model {
+        out.extend(["--model".to_string(), m.clone()]);
+    }
+    out
 }
 
 /// `--copy-from auto`: measures the threshold on GPUs 0 and 1 under the
@@ -487,7 +594,23 @@ fn measured_copy_from(
 fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     let json = matches!(args.format, TableFormat::Json);
     let timeout = std::time::Duration::from_millis(args.timeout_ms);
-    let cal = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout) {
+    if args.capacity_rank {
+        return match calibrate::capacity_rank(timeout) {
+            Ok(report) => {
+                print(&format!("{report}\n"));
+                ExitCode::from(OK)
+            }
+            Err(f) => fail(&f, true, "outcome"),
+        };
+    }
+    let launch = if args.processes {
+        run::Launch::Processes {
+            one_gpu: args.one_gpu,
+        }
+    } else {
+        run::Launch::Threads
+    };
+    let cal = match calibrate::calibrate(std::path::Path::new(&args.dir), timeout, launch) {
         Ok(r) => r,
         Err(f) => return fail(&f, json, "outcome"),
     };

@@ -647,6 +647,121 @@ fn an_unavailable_backend_exits_4_and_an_invalid_file_2() {
 }
 
 #[test]
+fn a_job_of_processes_that_cannot_start_says_which_rank_and_why() {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/seed.sched");
+    let seed = seed.to_str().expect("utf-8");
+    // A process per rank, on one GPU or on one each: every rank finds no
+    // NCCL; the job is unavailable (4), naming the rank and what it lacks.
+    for one_gpu in [false, true] {
+        let mut args = vec!["run", seed, "--backend", "nccl", "--processes"];
+        if one_gpu {
+            args.push("--one-gpu");
+        }
+        args.extend(["--format", "json"]);
+        let out = without_nccl(&args);
+        assert_eq!(out.status.code(), Some(4), "{args:?}");
+        let json = json_failure(&out, &args);
+        assert_eq!(json["outcome"], "unavailable", "{json}");
+        let message = json["error"]["message"].as_str().expect("a message");
+        assert!(message.contains("did not start"), "{message}");
+        assert!(message.contains("rank "), "{message}");
+        assert!(
+            message.contains("NCCL library is not available"),
+            "{message}"
+        );
+    }
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let args = [
+        "calibrate",
+        examples.to_str().expect("utf-8"),
+        "--processes",
+        "--one-gpu",
+        "--format",
+        "json",
+    ];
+    let out = without_nccl(&args);
+    assert_eq!(out.status.code(), Some(4));
+    let json = json_failure(&out, &args);
+    assert_eq!(json["outcome"], "unavailable", "{json}");
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .expect("a message")
+            .contains("rank 0"),
+        "{json}"
+    );
+    // One rank from a launcher's environment that does not fit the file.
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", seed, "--backend", "nccl", "--from-env"])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("DUPLEX_STORE_TOKEN", "a-token-of-sixteen-bytes"),
+            ("DUPLEX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2"),
+        ])
+        .output()
+        .expect("the duplex binary runs");
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("WORLD_SIZE=3 but the file's program has 2 ranks"),
+        "{text}"
+    );
+    // Without a launcher's environment: what is missing and how to set it.
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", seed, "--backend", "nccl", "--from-env"])
+        .env_remove("RANK")
+        .output()
+        .expect("the duplex binary runs");
+    assert_eq!(out.status.code(), Some(4));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("RANK") && text.contains("torchrun"), "{text}");
+    // What cannot work with a process per rank is refused before anything
+    // starts.
+    for (args, says) in [
+        (
+            vec!["run", "-", "--backend", "nccl", "--processes"],
+            "not standard input",
+        ),
+        (
+            vec![
+                "run",
+                seed,
+                "--backend",
+                "nccl",
+                "--processes",
+                "--copy-from",
+                "auto",
+            ],
+            "--copy-from auto",
+        ),
+        (
+            vec!["run", seed, "--one-gpu", "--backend", "nccl"],
+            "--processes",
+        ),
+        (
+            vec![
+                "run",
+                seed,
+                "--backend",
+                "nccl",
+                "--processes",
+                "--from-env",
+            ],
+            "--from-env",
+        ),
+    ] {
+        let out = without_nccl(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains(says), "{args:?}: {text}");
+    }
+}
+
+#[test]
 fn help_lists_the_exit_statuses() {
     let out = duplex(&["--help"]);
     assert_eq!(out.status.code(), Some(0));
