@@ -164,7 +164,9 @@ def judge_faults(text, rc):
 
 
 CAL_HEADER = "| example | real outcome | time (s) | checker | agree |"
-CAL_SUMMARY = re.compile(r"^(\d+) of (\d+) examples agree\.", re.M)
+# "K of N examples agree." or "K of N examples agree; M could not run
+# with this launch." (those M are among the N - K that do not agree).
+CAL_SUMMARY = re.compile(r"^(\d+) of (\d+) examples agree[.;]", re.M)
 
 
 def calibration_rows(text):

@@ -217,6 +217,26 @@ class Calibration(unittest.TestCase):
         self.assertFalse(nv.judge_calibration(clean, 1, known())[0])
 
 
+class CalibrationNotRun(unittest.TestCase):
+    TABLE = """| example | real outcome | time (s) | checker | agree |
+|---|---|---|---|---|
+| a.sched | ok | 1.00 | ok | yes |
+| b.sched | unavailable | 0.20 | ok | not run: the run could not start with this launch (below) |
+
+1 of 2 examples agree; 1 could not run with this launch.
+"""
+
+    def test_a_row_that_could_not_run_is_not_an_agreement(self):
+        ok, why, d = nv.judge_calibration(self.TABLE, 1, {})
+        self.assertFalse(ok, why)
+        self.assertEqual(d["unknown"], ["b.sched"])
+        # The summary line with its suffix is read, not refused.
+        self.assertFalse(any("no `K of N" in w for w in why), why)
+        self.assertFalse(any("but its table has" in w for w in why), why)
+        known = {("calibrate", "b.sched", "unavailable"): "copy lanes across processes are gated"}
+        self.assertTrue(nv.judge_calibration(self.TABLE, 1, known)[0])
+
+
 class Whole(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()

@@ -379,6 +379,10 @@ pub struct HangAnalysis {
     /// `duplex::machine::Mismatch`), in words: what explains an NCCL error
     /// or a crash after them.
     pub mismatched_setups: Vec<String>,
+    /// The first program error the replay met (`duplex::trace::Analysis::
+    /// program_error`): what explains NCCL's own error for a size or type
+    /// mismatch that no rank could see before launching (across processes).
+    pub program_error: Option<duplex::machine::ProgramError>,
 }
 
 impl Registry {
@@ -862,6 +866,7 @@ impl Registry {
                 stuck,
                 disagreements,
                 mismatched_setups,
+                program_error,
                 ..
             } = mine.analyze_from(&base);
             return HangAnalysis {
@@ -870,6 +875,7 @@ impl Registry {
                 unjoined: (!others.is_empty())
                     .then(|| "this rank's trace was compacted into a snapshot".to_string()),
                 mismatched_setups,
+                program_error,
             };
         }
         let mut unjoined = None;
@@ -891,6 +897,7 @@ impl Registry {
             stuck,
             disagreements,
             mismatched_setups,
+            program_error,
             ..
         } = trace.analyze(self.model);
         HangAnalysis {
@@ -898,6 +905,7 @@ impl Registry {
             disagreements,
             unjoined,
             mismatched_setups,
+            program_error,
         }
     }
 }
@@ -1253,6 +1261,71 @@ mod tests {
         let (a, b) = (a.stuck.expect("a hang"), b.stuck.expect("a hang"));
         assert_eq!(a.cycle.len(), 4, "{a}");
         assert_eq!(a, b);
+    }
+
+    /// One process per rank, FIFO order swapped (`fifo-order-swapped.sched`):
+    /// rank 0 sends 4 KiB then 1 MiB, rank 1 receives 1 MiB then 4 KiB.
+    /// Neither process can see the other's op before launching, so NCCL
+    /// meets the mismatch first (over sockets: "message truncated", error
+    /// 5); the joined traces name it as the program error it is, with both
+    /// ops, and NCCL's words after it.
+    #[test]
+    fn nccl_s_error_for_a_size_mismatch_across_processes_is_named_as_the_program_error() {
+        let regs: Vec<Arc<Registry>> = (0..2)
+            .map(|r| Registry::for_rank(2, Model::default(), r))
+            .collect();
+        for (r, reg) in regs.iter().enumerate() {
+            reg.comm(0, "world", &[0, 1], true);
+            reg.comm(1, "pair:0-1", &[0, 1], true);
+            reg.thread(r as Rank, "main");
+            reg.stream(r as Rank, "pair:0-1");
+        }
+        for (bytes, fifo) in [(4096, 0), (1 << 20, 1)] {
+            let mut at = [u32::MAX];
+            regs[0]
+                .issue(one_op(0, Dir::Send, 1, bytes, 1, 0), &mut at)
+                .expect("rank 0 alone cannot see the mismatch");
+            assert_eq!(at, [fifo]);
+        }
+        for bytes in [1 << 20, 4096] {
+            regs[1]
+                .issue(one_op(0, Dir::Recv, 0, bytes, 1, 0), &mut [u32::MAX])
+                .expect("rank 1 alone cannot see the mismatch");
+        }
+        let alone = regs[1].analyze();
+        assert!(alone.program_error.is_none(), "{:?}", alone.program_error);
+        let joined = regs[1].analyze_with(vec![regs[0].trace()]);
+        let nccl = Error::Library {
+            library: "NCCL",
+            call: "ncclCommGetAsyncError".into(),
+            code: 5,
+            text: "invalid usage: message truncated : receiving 131072 bytes instead of 4096"
+                .into(),
+        };
+        match crate::run::explained(nccl, joined) {
+            Error::Program { kind, message, .. } => {
+                assert_eq!(kind, duplex::ProgramErrorKind::SizeMismatch, "{message}");
+                assert!(
+                    message.contains("send → 1 4KiB") && message.contains("recv ← 0 1MiB"),
+                    "{message}"
+                );
+                assert!(message.contains("NCCL met it first"), "{message}");
+                assert!(message.contains("message truncated"), "{message}");
+            }
+            other => panic!("not named as a program error: {other}"),
+        }
+        // Without the mismatch, NCCL's error stays NCCL's.
+        let nothing = regs[1].analyze();
+        let e = Error::Library {
+            library: "NCCL",
+            call: "ncclCommGetAsyncError".into(),
+            code: 3,
+            text: "internal error".into(),
+        };
+        assert!(matches!(
+            crate::run::explained(e, nothing),
+            Error::Library { code: 3, .. }
+        ));
     }
 
     /// One process per rank: each process's trace is cut where its rank is

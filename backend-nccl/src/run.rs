@@ -749,16 +749,17 @@ where
         if health.remote() && !handle.published_for_peer() {
             health.publish(rank, &registry.trace());
         }
-        // Across processes, NCCL's error after a connection set up from
-        // mismatched calls (R7) is explained from every rank's calls: the
-        // others publish theirs as they fail (a second at most, and only
-        // on an NCCL or CUDA error of this rank's own, not on the abort
-        // another rank's failure caused, and only where a communicator is
-        // connected on first use: `warm` leaves no setup round).
-        if health.remote() && !settings.opts.warm && matches!(e, Error::Library { .. }) {
+        // Across processes, NCCL's error is explained from every rank's
+        // calls: a size, type or group mismatch that no rank could see
+        // before both ops were launched (the program error, naming both
+        // ops), or a connection set up from mismatched calls (R7). The
+        // others publish their calls as they fail or finish (a second at
+        // most, and only on an NCCL or CUDA error of this rank's own, not
+        // on the abort another rank's failure caused).
+        if health.remote() && matches!(e, Error::Library { .. }) {
             let others = health.gather(world, rank, Duration::from_secs(1));
-            let setups = registry.analyze_with(others.traces).mismatched_setups;
-            result = result.map_err(|e| with_mismatched_setups(e, &setups));
+            let analysis = registry.analyze_with(others.traces);
+            result = result.map_err(|e| explained(e, analysis));
         }
     }
     // With lanes made on first use, a rank that finished keeps its lane
@@ -810,7 +811,31 @@ fn explain_library_error(e: Error, registry: &Registry) -> Error {
     if !matches!(e, Error::Library { .. }) {
         return e;
     }
-    with_mismatched_setups(e, &registry.analyze().mismatched_setups)
+    explained(e, registry.analyze())
+}
+
+/// NCCL's error `e` explained by the model's `analysis` of what the ranks
+/// issued: the program error it finds, with NCCL's words after it (NCCL
+/// met the error first: across processes neither rank sees the other's op
+/// before both are launched); else `e` with the connections set up from
+/// mismatched calls ([`with_mismatched_setups`]).
+pub(crate) fn explained(e: Error, analysis: crate::registry::HangAnalysis) -> Error {
+    match (analysis.program_error.map(Error::from), e) {
+        (
+            Some(Error::Program { kind, message, ops }),
+            Error::Library {
+                library,
+                call,
+                code,
+                text,
+            },
+        ) => Error::Program {
+            kind,
+            message: format!("{message}; {library} met it first, in {call} (error {code}): {text}"),
+            ops,
+        },
+        (_, e) => with_mismatched_setups(e, &analysis.mismatched_setups),
+    }
 }
 
 /// `e` with `setups` ([`crate::registry::HangAnalysis::mismatched_setups`])

@@ -217,12 +217,37 @@ fn fitted(probes: Vec<Probe>) -> Capacity {
     }
 }
 
-fn verdict(program: &duplex::schedule::Program) -> &'static str {
+/// The checker's verdict on `program`, and whether the hang it found goes
+/// through a connection set up from mismatched calls (R7), after which
+/// NCCL may fail instead of hanging.
+fn verdict(program: &duplex::schedule::Program) -> (&'static str, bool) {
     let outcome = check::check(
         &duplex::compile::compile(program),
         &check::Options::default(),
     );
-    outcome.verdict.kind()
+    let mismatched = match &outcome.verdict {
+        check::Verdict::Deadlock { stuck, .. } => !stuck.mismatched_setups.is_empty(),
+        _ => false,
+    };
+    (outcome.verdict.kind(), mismatched)
+}
+
+/// Whether a real outcome agrees with the checker's verdict, in words:
+/// `yes`, `consistent: ...` (the outcome is one the model allows for
+/// it), `not run: ...` (the run could not start here), or `no...`/`NO`.
+fn agreement(predicted: &str, mismatched: bool, real: &Ran, many_threads: bool) -> &'static str {
+    match (predicted, real.outcome.as_str()) {
+        (p, r) if p == r => "yes",
+        (_, "unavailable") => "not run: the run could not start with this launch (below)",
+        ("deadlock", "ok") if many_threads => {
+            "consistent: the hang needs an interleaving this run did not take"
+        }
+        ("deadlock", "crash") if mismatched => {
+            "consistent: NCCL failed on a connection the model finds set up from mismatched calls (R7), where it may fail instead of hanging"
+        }
+        ("deadlock", "crash") => "no: NCCL failed instead of hanging (see below)",
+        _ => "NO",
+    }
 }
 
 /// Runs every `.sched` file of `dir` and builds the table. Every file is
@@ -299,7 +324,7 @@ pub(crate) fn calibrate(
         program.model.kernels = None;
         program.model.comm_order = true;
         program.model.one_sided_groups = true;
-        let predicted = verdict(&program);
+        let (predicted, mismatched) = verdict(&program);
         eprintln!("running {name} (predicted {predicted})");
         let real = on_nccl_isolated(
             &f,
@@ -311,14 +336,7 @@ pub(crate) fn calibrate(
             launch,
         );
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
-        let agrees = match (predicted, real.outcome.as_str()) {
-            (p, r) if p == r => "yes",
-            ("deadlock", "ok") if many_threads => {
-                "consistent: the hang needs an interleaving this run did not take"
-            }
-            ("deadlock", "crash") => "no: NCCL failed instead of hanging (see below)",
-            _ => "NO",
-        };
+        let agrees = agreement(predicted, mismatched, &real, many_threads);
         eprintln!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
         rows.push(Row {
             file: name,
@@ -390,7 +408,20 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
         .iter()
         .filter(|r| r.agrees == "yes" || r.agrees.starts_with("consistent"))
         .count();
-    let _ = writeln!(s, "\n{agree} of {} examples agree.", rows.len());
+    let not_run = rows
+        .iter()
+        .filter(|r| r.agrees.starts_with("not run"))
+        .count();
+    let _ = write!(s, "\n{agree} of {} examples agree", rows.len());
+    let _ = writeln!(
+        s,
+        "{}.",
+        if not_run > 0 {
+            format!("; {not_run} could not run with this launch")
+        } else {
+            String::new()
+        }
+    );
     for r in rows
         .iter()
         .filter(|r| r.agrees != "yes" && !r.real.detail.is_empty())
@@ -399,4 +430,46 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
         let _ = writeln!(s, "\n- {}: {}", r.file, first.join(" "));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(name: &str) -> duplex::schedule::Program {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples")
+            .join(name);
+        let text = std::fs::read_to_string(&path).expect("the example");
+        duplex::schedule::parse(&text).expect("it parses")
+    }
+
+    fn real(outcome: &str) -> Ran {
+        serde_json::from_value(serde_json::json!({
+            "outcome": outcome, "seconds": 1.0, "detail": ""
+        }))
+        .expect("a run")
+    }
+
+    #[test]
+    fn nccl_failing_is_consistent_only_where_the_hang_goes_through_a_mismatched_round() {
+        // Both ranks send first on a cold communicator: the hang the
+        // checker finds sets a connection up from mismatched calls.
+        for name in ["cold-send-first-4kib.sched", "pytorch-seed.sched"] {
+            let (p, mismatched) = verdict(&example(name));
+            assert_eq!((p, mismatched), ("deadlock", true), "{name}");
+            let agrees = agreement(p, mismatched, &real("crash"), false);
+            assert!(
+                agrees.starts_with("consistent") && agrees.contains("R7"),
+                "{agrees}"
+            );
+        }
+        // R6 alone: every round complementary.
+        let (p, mismatched) = verdict(&example("r6-without-a-mismatched-round.sched"));
+        assert_eq!((p, mismatched), ("deadlock", false));
+        assert!(agreement(p, mismatched, &real("crash"), false).starts_with("no:"));
+        assert_eq!(agreement(p, mismatched, &real("ok"), false), "NO");
+        assert_eq!(agreement("ok", false, &real("ok"), false), "yes");
+        assert!(agreement("ok", false, &real("unavailable"), false).starts_with("not run"));
+    }
 }

@@ -13,7 +13,8 @@ use duplex_sim::{Failure, Sim};
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Ran {
     /// `ok`, `deadlock`, `error` (a program error duplex found) or `crash`
-    /// (NCCL or CUDA failed).
+    /// (NCCL or CUDA failed); in `duplex calibrate`'s table also
+    /// `unavailable` (the run could not start with its launch).
     pub(crate) outcome: String,
     /// Wall-clock seconds.
     pub(crate) seconds: f64,
@@ -379,6 +380,13 @@ pub(crate) fn on_nccl_isolated(
     match children.pop().map(|c| c.report) {
         Some(Ok(report)) => match ran_of(report) {
             Ok(r) => r,
+            // Unavailable with this launch (a feature the processes are
+            // not given, say): not NCCL's failure.
+            Err((outcome, message)) if outcome == "unavailable" => ran(
+                "unavailable",
+                start,
+                format!("the run did not start: {message}"),
+            ),
             Err((outcome, message)) => {
                 crash(format!("the run did not start ({outcome}): {message}"))
             }

@@ -310,6 +310,11 @@ pub struct Analysis {
     /// not the replay is stuck: what explains an NCCL error or a crash
     /// after such a round.
     pub mismatched_setups: Vec<String>,
+    /// The first program error the replay met (a size, type or group
+    /// mismatch, R3 and R8), which the model refuses to go past: NCCL may
+    /// answer it with an error of its own (across processes no rank sees
+    /// the other's op before both are launched).
+    pub program_error: Option<crate::machine::ProgramError>,
 }
 
 impl Trace {
@@ -688,6 +693,7 @@ impl Trace {
                 finished: false,
                 disagreements: vec![d],
                 mismatched_setups: Vec::new(),
+                program_error: None,
             };
         }
         r.run();
@@ -743,6 +749,8 @@ struct Replayer<'t> {
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
     disagreements: Vec<Disagreement>,
+    /// The first program error met (also a disagreement).
+    program_error: Option<crate::machine::ProgramError>,
     /// The blocked waits, as machine calls: per thread, in order (a call
     /// the model expresses as several, a split, has several).
     waits: HashMap<ThreadId, Vec<HostCall>>,
@@ -826,6 +834,7 @@ impl<'t> Replayer<'t> {
             queues,
             calls,
             disagreements,
+            program_error: None,
             waits,
             timeline: None,
             seen: HashMap::new(),
@@ -1002,6 +1011,7 @@ impl<'t> Replayer<'t> {
                 self.queues[r].pop_front();
                 if let Err(e) = self.m.apply(self.thread_of(i), &self.calls[i]) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
+                    self.program_error.get_or_insert(e);
                 }
                 let step = self.timeline.as_ref().map_or(0, |t| t.steps);
                 self.record(step, Some(i));
@@ -1142,6 +1152,7 @@ impl<'t> Replayer<'t> {
                 .mismatches()
                 .map(|m| self.m.describe_mismatch(m))
                 .collect(),
+            program_error: self.program_error,
         }
     }
 }
