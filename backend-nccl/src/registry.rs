@@ -1263,67 +1263,117 @@ mod tests {
         assert_eq!(a, b);
     }
 
-    /// One process per rank, FIFO order swapped (`fifo-order-swapped.sched`):
-    /// rank 0 sends 4 KiB then 1 MiB, rank 1 receives 1 MiB then 4 KiB.
-    /// Neither process can see the other's op before launching, so NCCL
-    /// meets the mismatch first (over sockets: "message truncated", error
-    /// 5); the joined traces name it as the program error it is, with both
-    /// ops, and NCCL's words after it.
-    #[test]
-    fn nccl_s_error_for_a_size_mismatch_across_processes_is_named_as_the_program_error() {
+    /// Two processes' registries, rank 0 sending `sends` and rank 1
+    /// receiving `recvs` (bytes, element type) on `pair:0-1`, connected at
+    /// creation or not (`warm`); rank 1's analysis of both ranks' calls.
+    fn across_processes(
+        sends: &[(u64, DType)],
+        recvs: &[(u64, DType)],
+        warm: bool,
+    ) -> (HangAnalysis, HangAnalysis) {
         let regs: Vec<Arc<Registry>> = (0..2)
             .map(|r| Registry::for_rank(2, Model::default(), r))
             .collect();
         for (r, reg) in regs.iter().enumerate() {
             reg.comm(0, "world", &[0, 1], true);
-            reg.comm(1, "pair:0-1", &[0, 1], true);
+            reg.comm(1, "pair:0-1", &[0, 1], warm);
             reg.thread(r as Rank, "main");
             reg.stream(r as Rank, "pair:0-1");
         }
-        for (bytes, fifo) in [(4096, 0), (1 << 20, 1)] {
-            let mut at = [u32::MAX];
-            regs[0]
-                .issue(one_op(0, Dir::Send, 1, bytes, 1, 0), &mut at)
-                .expect("rank 0 alone cannot see the mismatch");
-            assert_eq!(at, [fifo]);
-        }
-        for bytes in [1 << 20, 4096] {
-            regs[1]
-                .issue(one_op(0, Dir::Recv, 0, bytes, 1, 0), &mut [u32::MAX])
-                .expect("rank 1 alone cannot see the mismatch");
-        }
-        let alone = regs[1].analyze();
-        assert!(alone.program_error.is_none(), "{:?}", alone.program_error);
-        let joined = regs[1].analyze_with(vec![regs[0].trace()]);
-        let nccl = Error::Library {
-            library: "NCCL",
-            call: "ncclCommGetAsyncError".into(),
-            code: 5,
-            text: "invalid usage: message truncated : receiving 131072 bytes instead of 4096"
-                .into(),
-        };
-        match crate::run::explained(nccl, joined) {
-            Error::Program { kind, message, .. } => {
-                assert_eq!(kind, duplex::ProgramErrorKind::SizeMismatch, "{message}");
-                assert!(
-                    message.contains("send → 1 4KiB") && message.contains("recv ← 0 1MiB"),
-                    "{message}"
-                );
-                assert!(message.contains("NCCL met it first"), "{message}");
-                assert!(message.contains("message truncated"), "{message}");
+        let launch = |dir, peer, (bytes, dtype): (u64, DType)| {
+            let mut c = one_op(0, dir, peer, bytes, 1, 0);
+            if let Call::Launch { ops, .. } = &mut c.call {
+                let mut op = ops[0];
+                op.dtype = dtype;
+                *ops = Arc::new([op]);
             }
-            other => panic!("not named as a program error: {other}"),
+            c
+        };
+        for s in sends {
+            regs[0]
+                .issue(launch(Dir::Send, 1, *s), &mut [u32::MAX])
+                .expect("rank 0 alone cannot see a mismatch");
         }
-        // Without the mismatch, NCCL's error stays NCCL's.
-        let nothing = regs[1].analyze();
-        let e = Error::Library {
+        for r in recvs {
+            regs[1]
+                .issue(launch(Dir::Recv, 0, *r), &mut [u32::MAX])
+                .expect("rank 1 alone cannot see a mismatch");
+        }
+        (
+            regs[1].analyze(),
+            regs[1].analyze_with(vec![regs[0].trace()]),
+        )
+    }
+
+    fn nccl(code: i32, text: &str) -> Error {
+        Error::Library {
             library: "NCCL",
             call: "ncclCommGetAsyncError".into(),
-            code: 3,
-            text: "internal error".into(),
-        };
+            code,
+            text: text.into(),
+        }
+    }
+
+    /// One process per rank, FIFO order swapped (`fifo-order-swapped.sched`):
+    /// rank 0 sends 4 KiB then 1 MiB, rank 1 receives 1 MiB then 4 KiB.
+    /// Neither process can see the other's op before launching, so NCCL
+    /// meets the mismatch first (over sockets: "message truncated", error
+    /// 5); the joined traces name it as the program error it is, with both
+    /// ops, and NCCL's words after it; on a communicator connected on first
+    /// use too (the replay checks the match after the handshake).
+    #[test]
+    fn nccl_s_error_for_a_size_mismatch_across_processes_is_named_as_the_program_error() {
+        let truncated = "invalid usage: message truncated : receiving 131072 bytes instead of 4096";
+        for warm in [true, false] {
+            let (alone, joined) = across_processes(
+                &[(4096, DType::U8), (1 << 20, DType::U8)],
+                &[(1 << 20, DType::U8), (4096, DType::U8)],
+                warm,
+            );
+            assert!(alone.program_error.is_none(), "{:?}", alone.program_error);
+            match crate::run::explained(nccl(5, truncated), joined) {
+                Error::Program { kind, message, .. } => {
+                    assert_eq!(kind, duplex::ProgramErrorKind::SizeMismatch, "{message}");
+                    assert!(
+                        message.contains("send → 1 4KiB") && message.contains("recv ← 0 1MiB"),
+                        "{message}"
+                    );
+                    assert!(message.contains("NCCL met it first"), "{message}");
+                    assert!(message.contains("message truncated"), "{message}");
+                }
+                other => panic!("warm {warm}: not named as a program error: {other}"),
+            }
+        }
+        // Without the mismatch, NCCL's error stays NCCL's, unchanged.
+        let (_, clean) = across_processes(&[(4096, DType::U8)], &[(4096, DType::U8)], true);
+        assert!(clean.program_error.is_none(), "{:?}", clean.program_error);
+        assert_eq!(
+            crate::run::explained(nccl(3, "internal error"), clean).to_string(),
+            nccl(3, "internal error").to_string()
+        );
+    }
+
+    /// An NCCL error that a mismatch cannot have caused as NCCL reports one
+    /// (a network error, beside a type mismatch NCCL cannot see: the bytes
+    /// agree) stays NCCL's, with what the calls show said after it as
+    /// what it may or may not be.
+    #[test]
+    fn another_nccl_error_beside_a_mismatch_stays_nccl_s() {
+        let (_, joined) = across_processes(&[(4096, DType::F32)], &[(4096, DType::U8)], true);
+        let network = "remote process exited or there was a network error";
+        match crate::run::explained(nccl(6, network), joined) {
+            Error::Library { code, text, .. } => {
+                assert_eq!(code, 6);
+                assert!(text.starts_with(network), "{text}");
+                assert!(text.contains("may or may not be its cause"), "{text}");
+                assert!(text.contains("type mismatch"), "{text}");
+            }
+            other => panic!("relabelled: {other}"),
+        }
+        // A size mismatch with an error other than invalid usage: NCCL's.
+        let (_, joined) = across_processes(&[(4096, DType::U8)], &[(8192, DType::U8)], true);
         assert!(matches!(
-            crate::run::explained(e, nothing),
+            crate::run::explained(nccl(3, "internal error"), joined),
             Error::Library { code: 3, .. }
         ));
     }

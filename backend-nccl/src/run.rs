@@ -815,25 +815,57 @@ fn explain_library_error(e: Error, registry: &Registry) -> Error {
 }
 
 /// NCCL's error `e` explained by the model's `analysis` of what the ranks
-/// issued: the program error it finds, with NCCL's words after it (NCCL
-/// met the error first: across processes neither rank sees the other's op
-/// before both are launched); else `e` with the connections set up from
-/// mismatched calls ([`with_mismatched_setups`]).
+/// issued. A size mismatch that NCCL reported as invalid usage (over
+/// sockets: "message truncated") becomes the program error, naming both
+/// ops, with NCCL's words after it: across processes neither rank sees the
+/// other's op before both are launched, so NCCL meets it first. Any other
+/// error stays NCCL's (it may have another cause, and NCCL cannot see a
+/// type or group mismatch), with what the joined calls show said after it:
+/// a program error, and connections set up from mismatched calls
+/// ([`with_mismatched_setups`]).
 pub(crate) fn explained(e: Error, analysis: crate::registry::HangAnalysis) -> Error {
-    match (analysis.program_error.map(Error::from), e) {
+    /// `ncclInvalidUsage`.
+    const INVALID_USAGE: i32 = 5;
+    let program = analysis.program_error.map(Error::from);
+    match (program, e) {
         (
-            Some(Error::Program { kind, message, ops }),
+            Some(Error::Program {
+                kind: duplex::ProgramErrorKind::SizeMismatch,
+                message,
+                ops,
+            }),
+            Error::Library {
+                library: "NCCL",
+                call,
+                code: INVALID_USAGE,
+                text,
+            },
+        ) => Error::Program {
+            kind: duplex::ProgramErrorKind::SizeMismatch,
+            message: format!(
+                "{message}; NCCL met it first, in {call} (error {INVALID_USAGE}): {text}"
+            ),
+            ops,
+        },
+        (
+            Some(Error::Program { message, .. }),
             Error::Library {
                 library,
                 call,
                 code,
                 text,
             },
-        ) => Error::Program {
-            kind,
-            message: format!("{message}; {library} met it first, in {call} (error {code}): {text}"),
-            ops,
-        },
+        ) => with_mismatched_setups(
+            Error::Library {
+                library,
+                call,
+                code,
+                text: format!(
+                    "{text}; the calls of the ranks also show a program error, which may or may not be its cause: {message}"
+                ),
+            },
+            &analysis.mismatched_setups,
+        ),
         (_, e) => with_mismatched_setups(e, &analysis.mismatched_setups),
     }
 }

@@ -166,6 +166,18 @@ fn capacity_of_processes(
     .to_vec();
     let reports = crate::run::spawn_job(&args, 2, timeout, one_gpu)
         .map_err(|(_, why)| Failure::unavailable(why))?;
+    // A rank that could not start (no NCCL, no GPU of its own) is the
+    // answer, whatever the others said of it.
+    for (rank, report) in reports.iter().enumerate() {
+        if let Ok(r) = report
+            && r["outcome"] == "unavailable"
+        {
+            return Err(Failure::unavailable(format!(
+                "rank {rank}: {}",
+                r["error"]["message"].as_str().unwrap_or("unavailable")
+            )));
+        }
+    }
     let mut capacity = None;
     for (rank, report) in reports.into_iter().enumerate() {
         let failed = |why: String| Failure {
@@ -181,11 +193,6 @@ fn capacity_of_processes(
                 serde_json::from_value::<Capacity>(c.clone())
                     .map_err(|e| failed(format!("its report cannot be read: {e}")))?,
             );
-        } else if report["outcome"] == "unavailable" {
-            return Err(Failure::unavailable(format!(
-                "rank {rank}: {}",
-                report["error"]["message"].as_str().unwrap_or("unavailable")
-            )));
         } else if report["outcome"] != "ok" {
             return Err(failed(
                 report["error"]["message"]
@@ -232,6 +239,18 @@ fn verdict(program: &duplex::schedule::Program) -> (&'static str, bool) {
     (outcome.verdict.kind(), mismatched)
 }
 
+/// Whether a run's failure is NCCL's or CUDA's own error (not a process
+/// killed at its limit, say), which the backend explained by a connection
+/// set up from mismatched calls (R7).
+fn explained_by_a_mismatched_round(real: &Ran) -> bool {
+    real.error.as_ref().is_some_and(|e| {
+        e["kind"] == "library"
+            && e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("a connection set up from mismatched calls"))
+    })
+}
+
 /// Whether a real outcome agrees with the checker's verdict, in words:
 /// `yes`, `consistent: ...` (the outcome is one the model allows for
 /// it), `not run: ...` (the run could not start here), or `no...`/`NO`.
@@ -242,7 +261,7 @@ fn agreement(predicted: &str, mismatched: bool, real: &Ran, many_threads: bool) 
         ("deadlock", "ok") if many_threads => {
             "consistent: the hang needs an interleaving this run did not take"
         }
-        ("deadlock", "crash") if mismatched => {
+        ("deadlock", "crash") if mismatched && explained_by_a_mismatched_round(real) => {
             "consistent: NCCL failed on a connection the model finds set up from mismatched calls (R7), where it may fail instead of hanging"
         }
         ("deadlock", "crash") => "no: NCCL failed instead of hanging (see below)",
@@ -348,6 +367,13 @@ pub(crate) fn calibrate(
     Ok(Calibration { cap, rows, launch })
 }
 
+/// Whether a row counts against the calibration (exit status 1): it
+/// disagrees, or it could not run with this launch (which says nothing of
+/// the model either way, and so cannot pass).
+pub(crate) fn counts_against(row: &Row) -> bool {
+    row.agrees == "NO" || row.agrees.starts_with("no:") || row.agrees.starts_with("not run")
+}
+
 /// What `duplex calibrate` found.
 pub(crate) struct Calibration {
     /// How the ranks ran.
@@ -391,7 +417,7 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
     );
     let _ = writeln!(
         s,
-        "## Every example on the GPUs vs `duplex check` (model {model})\n"
+        "## Every example on the GPUs vs `duplex check` (model {model}; lazy-connect as each file sets it)\n"
     );
     let _ = writeln!(
         s,
@@ -451,6 +477,15 @@ mod tests {
         .expect("a run")
     }
 
+    fn nccl_failed() -> Ran {
+        let mut r = real("crash");
+        r.error = Some(serde_json::json!({
+            "kind": "library",
+            "message": "NCCL error 3 ...; the model finds a connection set up from mismatched calls, which NCCL makes from the wrong data, so that an NCCL error or a crash may come instead of a hang (R7): ..."
+        }));
+        r
+    }
+
     #[test]
     fn nccl_failing_is_consistent_only_where_the_hang_goes_through_a_mismatched_round() {
         // Both ranks send first on a cold communicator: the hang the
@@ -458,11 +493,19 @@ mod tests {
         for name in ["cold-send-first-4kib.sched", "pytorch-seed.sched"] {
             let (p, mismatched) = verdict(&example(name));
             assert_eq!((p, mismatched), ("deadlock", true), "{name}");
-            let agrees = agreement(p, mismatched, &real("crash"), false);
+            let agrees = agreement(p, mismatched, &nccl_failed(), false);
             assert!(
                 agrees.starts_with("consistent") && agrees.contains("R7"),
                 "{agrees}"
             );
+            // A process killed at its limit, or NCCL's error unexplained, is
+            // no agreement.
+            let killed = agreement(p, mismatched, &real("crash"), false);
+            assert!(killed.starts_with("no:"), "{killed}");
+            let mut unexplained = nccl_failed();
+            unexplained.error =
+                Some(serde_json::json!({"kind": "library", "message": "internal error"}));
+            assert!(agreement(p, mismatched, &unexplained, false).starts_with("no:"));
         }
         // R6 alone: every round complementary.
         let (p, mismatched) = verdict(&example("r6-without-a-mismatched-round.sched"));

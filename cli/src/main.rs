@@ -30,7 +30,7 @@ Exit status:
   0  no interleaving hangs and no error was found (check); the run completed (run);
      every example agrees (calibrate)
   1  a hang or a program error was found (check); the run hung or failed (run);
-     some example disagrees (calibrate)
+     some example disagrees or could not run with its launch (calibrate)
   2  a file or the command line is invalid: nothing was checked or run
   3  the search reached --max-states or --time-limit before deciding (check)
   4  the backend is unavailable: no NCCL, CUDA driver or enough GPUs (run --backend nccl,
@@ -623,8 +623,12 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     match args.format {
         TableFormat::Markdown => print(&calibrate::markdown(&cal, &model)),
         TableFormat::Json => {
-            match serde_json::to_string_pretty(&serde_json::json!({"capacity": cap, "rows": rows}))
-            {
+            let table = serde_json::json!({
+                "launch": cal.launch.describe(),
+                "capacity": cap,
+                "rows": rows
+            });
+            match serde_json::to_string_pretty(&table) {
                 Ok(j) => print(&format!("{j}\n")),
                 Err(e) => {
                     let f = Failure::invalid(
@@ -636,9 +640,7 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
             }
         }
     }
-    let disagree = rows
-        .iter()
-        .any(|r| r.agrees == "NO" || r.agrees.starts_with("no"));
+    let disagree = rows.iter().any(calibrate::counts_against);
     ExitCode::from(if disagree { FOUND } else { OK })
 }
 

@@ -974,6 +974,22 @@ impl<'t> Replayer<'t> {
         Ok(())
     }
 
+    /// Keeps `e` as the replay's program error: the first met, but a
+    /// mismatch of two ops (what NCCL itself may answer) before an invalid
+    /// call.
+    fn met(&mut self, e: crate::machine::ProgramError) {
+        let invalid = |e: &crate::machine::ProgramError| {
+            matches!(e, crate::machine::ProgramError::Invalid { .. })
+        };
+        let replace = match &self.program_error {
+            None => true,
+            Some(kept) => invalid(kept) && !invalid(&e),
+        };
+        if replace {
+            self.program_error = Some(e);
+        }
+    }
+
     /// Finishes every handshake that can finish.
     fn resume_all(&mut self) -> bool {
         let mut any = false;
@@ -982,6 +998,7 @@ impl<'t> Replayer<'t> {
             while self.m.next(t) == Next::Resume {
                 if let Err(e) = self.m.resume(t) {
                     self.refuse_thread(t, format!("the model finds a program error: {e}"));
+                    self.met(e);
                     return any;
                 }
                 any = true;
@@ -1011,7 +1028,7 @@ impl<'t> Replayer<'t> {
                 self.queues[r].pop_front();
                 if let Err(e) = self.m.apply(self.thread_of(i), &self.calls[i]) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
-                    self.program_error.get_or_insert(e);
+                    self.met(e);
                 }
                 let step = self.timeline.as_ref().map_or(0, |t| t.steps);
                 self.record(step, Some(i));
