@@ -143,6 +143,8 @@ pub fn latent(program: &Program) -> Vec<Latent> {
     strict.eager = Size(0);
     let mut cold = program.model;
     cold.lazy_connect = true;
+    let mut rendezvous = program.model;
+    rendezvous.cold_mismatched_only = false;
     let wanted = [
         (program.model.eager.bytes() > 0).then_some((
             "eager",
@@ -156,6 +158,15 @@ pub fn latent(program: &Program) -> Vec<Latent> {
             "new communicators: first use connects, first message is a rendezvous",
             cold,
         )),
+        (program.model.cold_mismatched_only
+            && program.model.lazy_connect
+            && program.model.eager.bytes() > 0)
+            .then_some((
+                "cold-channels",
+                "cold-channels=rendezvous",
+                "R6 as written from NVLink: every cold channel's first message is a rendezvous",
+                rendezvous,
+            )),
     ];
     let wanted: Vec<_> = wanted.iter().flatten().collect();
     let verdicts: Vec<_> = std::thread::scope(|scope| {
@@ -655,5 +666,21 @@ mod tests {
         )
         .expect("valid");
         assert!(latent(&strict).is_empty());
+    }
+
+    /// A program that completes only because `cold-channels=mismatched`
+    /// lets a cold channel set up by complementary calls buffer at once has
+    /// a latent hang under R6 as written (`cold-channels=rendezvous`).
+    #[test]
+    fn a_program_ok_only_under_cold_channels_mismatched_has_a_latent_hang() {
+        let file = include_str!("../../examples/r6-without-a-mismatched-round.sched");
+        let mut p = duplex::schedule::parse(file).expect("valid");
+        p.model.cold_mismatched_only = true;
+        assert!(matches!(check_quick(&p), Verdict::Ok));
+        let l = latent(&p);
+        assert!(l.iter().any(|l| l.knob == "cold-channels"), "{l:?}");
+        // Under the default there is nothing of the kind to say.
+        p.model.cold_mismatched_only = false;
+        assert!(latent(&p).iter().all(|l| l.knob != "cold-channels"));
     }
 }

@@ -201,6 +201,50 @@ fn r6_the_first_message_of_a_cold_channel_is_a_rendezvous() {
     assert_eq!(verdict(&used), "ok");
 }
 
+/// `cold-channels=mismatched`: only a channel with a side set up in a round
+/// of mismatched calls (R7) is cold; a channel set up by complementary calls
+/// buffers at once (as measured over loopback sockets).
+#[test]
+fn r6_under_cold_channels_mismatched_only_a_mismatched_round_leaves_a_channel_cold() {
+    let both = |model: &str| {
+        two_ranks(
+            model,
+            "send 1 4KiB comm=world stream=s\nrecv 1 4KiB comm=world stream=s",
+            "send 0 4KiB comm=world stream=s\nrecv 0 4KiB comm=world stream=s",
+        )
+    };
+    // Both ranks send first: the round is mismatched, the channels stay
+    // cold, and the seed hangs as under R6 (NCCL: a hang over NVLink, an
+    // internal error over sockets).
+    let seed = both("model eager=64MiB lazy-connect=on cold-channels=mismatched");
+    assert_eq!(verdict(&seed), "deadlock");
+    assert!(cycle_rules(&seed).contains(&Rule::R4));
+    assert!(!mismatched(&seed).is_empty());
+    // R6 alone (`examples/r6-without-a-mismatched-round.sched`): every
+    // round complementary, so nothing stays cold.
+    let r6 = |knob: &str| {
+        format!(
+            "ranks 2\nmodel eager=64MiB lazy-connect=on {knob}\ncomm c 0 1\ncomm d 0 1\nrank 0:\n  send 1 4KiB comm=d stream=s\n  sync\n  send 1 4KiB comm=c stream=s\n  sync\n  send 1 4KiB comm=d stream=s\nrank 1:\n  recv 0 4KiB comm=d stream=s\n  recv 0 4KiB comm=d stream=s\n  recv 0 4KiB comm=c stream=s\n"
+        )
+    };
+    assert_eq!(verdict(&r6("")), "deadlock");
+    assert!(cycle_rules(&r6("")).contains(&Rule::R4));
+    assert_eq!(verdict(&r6("cold-channels=mismatched")), "ok");
+    // Ranks 0 and 1 of `comm c 0 2 1 3` are not half the communicator
+    // apart: NCCL sends each direction's connection data separately, no
+    // round is mismatched, and their send-first exchange buffers.
+    let apart = |knob: &str| {
+        format!(
+            "ranks 4\nmodel eager=64MiB lazy-connect=on {knob}\ncomm c 0 2 1 3\nrank 0:\n  send 1 4KiB comm=c stream=s\n  recv 1 4KiB comm=c stream=s\nrank 1:\n  send 0 4KiB comm=c stream=s\n  recv 0 4KiB comm=c stream=s\n"
+        )
+    };
+    assert_eq!(verdict(&apart("")), "deadlock");
+    assert_eq!(verdict(&apart("cold-channels=mismatched")), "ok");
+    // The knob only removes waits: warm, it changes nothing.
+    let warm = both("model eager=64MiB lazy-connect=off cold-channels=mismatched");
+    assert_eq!(verdict(&warm), "ok");
+}
+
 // R7 lazy connection handshake ---------------------------------------------------
 
 #[test]

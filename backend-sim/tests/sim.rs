@@ -493,12 +493,13 @@ fn the_replay_hint_of_a_non_default_model_is_rust_that_compiles() {
         comm_order: true,
         kernels: Some(2),
         one_sided_groups: false,
+        cold_mismatched_only: false,
     };
     let failure = Sim::new(2).model(model).check(seed).unwrap_err();
     let text = failure.to_string();
     assert!(
         text.contains(
-            "duplex_sim::Sim::new(2).policy(Policy::Shared).model(duplex::Model { eager: duplex::Size(1024), lazy_connect: true, comm_order: true, kernels: Some(2), one_sided_groups: false }).replay(\"v1:"
+            "duplex_sim::Sim::new(2).policy(Policy::Shared).model(duplex::Model { eager: duplex::Size(1024), lazy_connect: true, comm_order: true, kernels: Some(2), one_sided_groups: false, cold_mismatched_only: false }).replay(\"v1:"
         ),
         "{text}"
     );

@@ -42,6 +42,10 @@ pub(crate) struct Row {
     pub(crate) real: Ran,
     pub(crate) predicted: &'static str,
     pub(crate) agrees: &'static str,
+    /// The checker's verdict under `cold-channels=mismatched` (R6 as the
+    /// socket measurements fit), where it differs from `predicted`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) predicted_mismatched_only: Option<&'static str>,
 }
 
 const SIZES: &[(u32, u64)] = &[
@@ -344,6 +348,11 @@ pub(crate) fn calibrate(
         program.model.comm_order = true;
         program.model.one_sided_groups = true;
         let (predicted, mismatched) = verdict(&program);
+        let alternative = {
+            let mut p = program.clone();
+            p.model.cold_mismatched_only = true;
+            Some(verdict(&p).0).filter(|v| *v != predicted)
+        };
         eprintln!("running {name} (predicted {predicted})");
         let real = on_nccl_isolated(
             &f,
@@ -362,6 +371,7 @@ pub(crate) fn calibrate(
             real,
             predicted,
             agrees,
+            predicted_mismatched_only: alternative,
         });
     }
     Ok(Calibration { cap, rows, launch })
@@ -448,6 +458,27 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
             String::new()
         }
     );
+    // Which R6 the GPUs side with: the rows whose verdict the knob changes.
+    let r6: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.predicted_mismatched_only.is_some())
+        .collect();
+    if !r6.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n## R6: `cold-channels=rendezvous` (the default) or `mismatched`\n\n| example | real outcome | rendezvous | mismatched |\n|---|---|---|---|"
+        );
+        for r in &r6 {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                r.file,
+                r.real.outcome,
+                r.predicted,
+                r.predicted_mismatched_only.unwrap_or(r.predicted)
+            );
+        }
+    }
     for r in rows
         .iter()
         .filter(|r| r.agrees != "yes" && !r.real.detail.is_empty())
@@ -475,6 +506,35 @@ mod tests {
             "outcome": outcome, "seconds": 1.0, "detail": ""
         }))
         .expect("a run")
+    }
+
+    #[test]
+    fn the_table_says_which_r6_the_gpus_side_with() {
+        let row = |file: &str, outcome: &str, predicted, alt| Row {
+            file: file.into(),
+            real: real(outcome),
+            predicted,
+            agrees: if predicted == outcome { "yes" } else { "NO" },
+            predicted_mismatched_only: alt,
+        };
+        let cal = Calibration {
+            launch: Launch::Threads,
+            cap: fitted(Vec::new()),
+            rows: vec![
+                row("seed.sched", "deadlock", "deadlock", None),
+                row("r6.sched", "ok", "deadlock", Some("ok")),
+            ],
+        };
+        let md = markdown(&cal, &duplex::Model::default());
+        assert!(md.contains("1 of 2 examples agree."), "{md}");
+        assert!(md.contains("| r6.sched | ok | deadlock | ok |"), "{md}");
+        assert!(
+            !md.contains("| seed.sched | deadlock | deadlock | deadlock |"),
+            "{md}"
+        );
+        // The main table is still the one the nightly reads, whole.
+        let main = md.split("## R6").next().expect("before");
+        assert_eq!(main.matches("| seed.sched |").count(), 1, "{md}");
     }
 
     fn nccl_failed() -> Ran {

@@ -68,6 +68,15 @@ pub struct Model {
     /// default) reports it; NCCL 2.28 on the H200s completed every
     /// one-sided pattern measured, which a calibrated model may accept.
     pub one_sided_groups: bool,
+    /// R6 under `lazy-connect=on`: which cold channels make their first
+    /// message a rendezvous. `false` (`cold-channels=rendezvous`, the
+    /// default): every cold channel until it has delivered a message, as
+    /// R6 was written from hangs over NVLink. `true`
+    /// (`cold-channels=mismatched`): only a channel with a side set up in
+    /// a round of mismatched calls (R7), which NCCL connects from the wrong
+    /// data; one set up by complementary calls buffers at once, as measured
+    /// over loopback sockets (`docs/semantics.md`, R6).
+    pub cold_mismatched_only: bool,
 }
 
 impl Default for Model {
@@ -78,6 +87,7 @@ impl Default for Model {
             comm_order: true,
             kernels: None,
             one_sided_groups: false,
+            cold_mismatched_only: false,
         }
     }
 }
@@ -88,7 +98,7 @@ impl Model {
     pub fn set(&mut self, setting: &str) -> Result<(), String> {
         let Some((key, value)) = setting.split_once('=') else {
             return Err(format!(
-                "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels, one-sided-groups"
+                "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels, one-sided-groups, cold-channels"
             ));
         };
         let on_off = |value: &str| match value {
@@ -111,6 +121,17 @@ impl Model {
                     }
                 }
             }
+            "cold-channels" => {
+                self.cold_mismatched_only = match value {
+                    "rendezvous" => false,
+                    "mismatched" => true,
+                    other => {
+                        return Err(format!(
+                            "`cold-channels` takes `rendezvous` or `mismatched`, not `{other}`"
+                        ));
+                    }
+                }
+            }
             "kernels" => {
                 self.kernels = match value {
                     "unbounded" => None,
@@ -126,7 +147,7 @@ impl Model {
             }
             other => {
                 return Err(format!(
-                    "unknown model key `{other}`: use eager, lazy-connect, comm-order, kernels or one-sided-groups"
+                    "unknown model key `{other}`: use eager, lazy-connect, comm-order, kernels, one-sided-groups or cold-channels"
                 ));
             }
         }
@@ -157,7 +178,14 @@ impl fmt::Display for Model {
             } else {
                 "error"
             }
-        )
+        )?;
+        // Said only when it is not the default: it matters only with
+        // `lazy-connect=on` and `eager` above 0, and every report would
+        // otherwise carry it.
+        if self.cold_mismatched_only {
+            write!(f, " cold-channels=mismatched")?;
+        }
+        Ok(())
     }
 }
 
@@ -173,6 +201,7 @@ mod tests {
             "lazy-connect=on",
             "comm-order=off",
             "kernels=1",
+            "cold-channels=mismatched",
         ] {
             m.set(s).unwrap();
         }
@@ -183,6 +212,9 @@ mod tests {
         assert_eq!(m, again);
         assert_eq!(m.eager, Size(64 << 20));
         assert_eq!(m.kernels, Some(1));
+        assert!(m.cold_mismatched_only);
+        assert!(m.to_string().ends_with(" cold-channels=mismatched"), "{m}");
+        assert!(!Model::default().to_string().contains("cold-channels"));
     }
 
     #[test]

@@ -715,6 +715,7 @@ impl<'r> Builder<'r> {
                 comm_order: pick(&self.shape.comm_order, k[3]),
                 kernels: pick(&self.shape.kernels, k[4]),
                 one_sided_groups: true,
+                cold_mismatched_only: false,
             },
             comms: self.comms,
             threads: self.threads,

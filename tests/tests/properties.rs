@@ -97,6 +97,7 @@ fn unlimited(p: &Program) -> Program {
         comm_order: false,
         kernels: None,
         one_sided_groups: p.model.one_sided_groups,
+        cold_mismatched_only: p.model.cold_mismatched_only,
     };
     let mut pairs = BTreeSet::new();
     let mut n = 0;

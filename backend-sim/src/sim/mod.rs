@@ -535,8 +535,13 @@ impl Sim {
             // A literal that compiles where the hint is pasted.
             let m = &self.model;
             format!(
-                ".model(duplex::Model {{ eager: duplex::Size({}), lazy_connect: {}, comm_order: {}, kernels: {:?}, one_sided_groups: {} }})",
-                m.eager.0, m.lazy_connect, m.comm_order, m.kernels, m.one_sided_groups
+                ".model(duplex::Model {{ eager: duplex::Size({}), lazy_connect: {}, comm_order: {}, kernels: {:?}, one_sided_groups: {}, cold_mismatched_only: {} }})",
+                m.eager.0,
+                m.lazy_connect,
+                m.comm_order,
+                m.kernels,
+                m.one_sided_groups,
+                m.cold_mismatched_only
             )
         };
         format!(

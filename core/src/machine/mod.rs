@@ -844,6 +844,20 @@ pub struct Mismatch {
     pub calls: [(Rank, NewSides, Origin); 2],
 }
 
+impl Mismatch {
+    /// Whether this round set up a side of channel `key` (from, to): the
+    /// sender's send side toward the receiver, or the receiver's receive
+    /// side from the sender, in a round between those two ranks.
+    fn set_up(&self, (comm, from, to): ChannelKey) -> bool {
+        let of = |rank: Rank| self.calls.iter().find(|(r, _, _)| *r == rank);
+        self.comm == comm
+            && match (of(from), of(to)) {
+                (Some((_, sender, _)), Some((_, receiver, _))) => sender.send || receiver.recv,
+                _ => false,
+            }
+    }
+}
+
 /// A message movement, reported to drivers that move real bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Delivery {
@@ -1433,6 +1447,12 @@ impl Machine {
     /// other ([`Mismatch`]).
     pub fn mismatches(&self) -> impl Iterator<Item = &Mismatch> {
         self.state.mismatches.iter()
+    }
+
+    /// Whether a side of channel `key` was set up in a round of mismatched
+    /// calls (R7; `cold-channels=mismatched` keeps only such channels cold).
+    fn set_up_mismatched(&self, key: ChannelKey) -> bool {
+        self.state.mismatches.iter().any(|m| m.set_up(key))
     }
 
     /// A [`Mismatch`] in words.
