@@ -102,6 +102,25 @@ fn classify(start: Instant, r: Result<(), Error>) -> Ran {
     }
 }
 
+/// `runner` (a [`Local`] or a [`duplex_nccl::Process`], which share their
+/// builder) set up for `program`: its policy and copy lanes, its
+/// `lazy-connect` (communicators connected before it starts, or not), its
+/// model for hang analysis, the deadline and the lane mode.
+macro_rules! set_up_for {
+    ($runner:expr, $program:expr, $timeout:expr, $lanes:expr) => {{
+        let mut runner = $runner;
+        if let Some(mode) = $lanes {
+            runner = runner.lanes(mode);
+        }
+        runner
+            .policy($program.policy)
+            .copy_from($program.copy_from)
+            .warm(!$program.model.lazy_connect)
+            .model($program.model)
+            .timeout($timeout)
+    }};
+}
+
 /// Runs `program` on GPUs: a thread per rank, GPUs `0..ranks`. The
 /// program's `lazy-connect` decides whether communicators are connected
 /// before it starts; its policy places the ops.
@@ -110,16 +129,7 @@ pub(crate) fn on_nccl(
     timeout: Duration,
     lanes: Option<duplex_nccl::LaneMode>,
 ) -> Result<Ran, Error> {
-    let mut local = Local::new(program.ranks)?;
-    if let Some(mode) = lanes {
-        local = local.lanes(mode);
-    }
-    let local = local
-        .policy(program.policy)
-        .copy_from(program.copy_from)
-        .warm(!program.model.lazy_connect)
-        .model(program.model)
-        .timeout(timeout);
+    let local = set_up_for!(Local::new(program.ranks)?, program, timeout, lanes);
     let p = Arc::new(program.clone());
     let start = Instant::now();
     Ok(classify(
@@ -140,7 +150,7 @@ pub(crate) fn on_nccl_rank(
     timeout: Duration,
     lanes: Option<duplex_nccl::LaneMode>,
 ) -> Result<Ran, Error> {
-    let mut process = duplex_nccl::Process::from_env()?;
+    let process = duplex_nccl::Process::from_env()?;
     if process.world() != program.ranks {
         return Err(Error::Invalid {
             at: "WORLD_SIZE".into(),
@@ -151,15 +161,7 @@ pub(crate) fn on_nccl_rank(
             ),
         });
     }
-    if let Some(mode) = lanes {
-        process = process.lanes(mode);
-    }
-    let process = process
-        .policy(program.policy)
-        .copy_from(program.copy_from)
-        .warm(!program.model.lazy_connect)
-        .model(program.model)
-        .timeout(timeout);
+    let process = set_up_for!(process, program, timeout, lanes);
     let p = Arc::new(program.clone());
     let start = Instant::now();
     let began = std::sync::atomic::AtomicBool::new(false);
