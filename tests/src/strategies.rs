@@ -107,6 +107,12 @@ pub struct Shape {
     pub eager: Vec<Size>,
     /// `lazy-connect` values (R6, R7).
     pub lazy_connect: Vec<bool>,
+    /// `cold-channels=mismatched` values (R6: only a channel set up in a
+    /// round of mismatched calls is cold). Chosen by the lazy-connect knob
+    /// divided by the number of lazy-connect values, so that shapes with
+    /// one value (the default: `rendezvous` only) generate what they did
+    /// before this existed.
+    pub cold_channels: Vec<bool>,
     /// `comm-order` values (R2).
     pub comm_order: Vec<bool>,
     /// `kernels` values (R10); `None` is unbounded.
@@ -139,6 +145,7 @@ impl Default for Shape {
             copy_from: vec![None],
             eager: vec![Size(0), Size(4 << 10), Size(16 << 10)],
             lazy_connect: vec![false, true],
+            cold_channels: vec![false],
             comm_order: vec![true, false],
             kernels: vec![None, Some(1), Some(2)],
             explicit: true,
@@ -191,6 +198,7 @@ impl Shape {
                 || self.copy_from.is_empty()
                 || self.eager.is_empty()
                 || self.lazy_connect.is_empty()
+                || self.cold_channels.is_empty()
                 || self.comm_order.is_empty()
                 || self.kernels.is_empty()),
             "every list of a Shape must hold at least one value: {self:?}"
@@ -456,7 +464,7 @@ fn recipes(shape: &Shape) -> impl Strategy<Value = Recipe> + use<> {
         (
             knob(shape.policies.len()),
             knob(shape.eager.len()),
-            knob(shape.lazy_connect.len()),
+            knob(shape.lazy_connect.len() * shape.cold_channels.len()),
             knob(shape.comm_order.len()),
             knob(shape.kernels.len()),
         ),
@@ -712,10 +720,13 @@ impl<'r> Builder<'r> {
             model: Model {
                 eager: pick(&self.shape.eager, k[1]),
                 lazy_connect: pick(&self.shape.lazy_connect, k[2]),
+                cold_mismatched_only: pick(
+                    &self.shape.cold_channels,
+                    k[2] / self.shape.lazy_connect.len() as u8,
+                ),
                 comm_order: pick(&self.shape.comm_order, k[3]),
                 kernels: pick(&self.shape.kernels, k[4]),
                 one_sided_groups: true,
-                cold_mismatched_only: false,
             },
             comms: self.comms,
             threads: self.threads,
