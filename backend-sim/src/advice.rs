@@ -141,8 +141,10 @@ fn lazy_connect_matters(program: &Program) -> bool {
 pub fn latent(program: &Program) -> Vec<Latent> {
     let mut strict = program.model;
     strict.eager = Size(0);
+    // New communicators under R6 as written: the strictest reading.
     let mut cold = program.model;
     cold.lazy_connect = true;
+    cold.cold_mismatched_only = false;
     let mut rendezvous = program.model;
     rendezvous.cold_mismatched_only = false;
     let wanted = [

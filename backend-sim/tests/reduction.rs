@@ -33,6 +33,16 @@ fn examples() -> Vec<(String, Compiled)> {
             format!("{} (other policy)", path.display()),
             compile(&program),
         ));
+        // And cold with an eager capacity under `cold-channels=mismatched`,
+        // where whether a send buffers depends on the setup rounds so far.
+        if program.model.lazy_connect {
+            program.model.cold_mismatched_only = true;
+            program.model.eager = duplex::Size(program.model.eager.bytes().max(64 << 20));
+            out.push((
+                format!("{} (cold-channels=mismatched)", path.display()),
+                compile(&program),
+            ));
+        }
     }
     out
 }

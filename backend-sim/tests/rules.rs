@@ -231,15 +231,21 @@ fn r6_under_cold_channels_mismatched_only_a_mismatched_round_leaves_a_channel_co
     assert!(cycle_rules(&r6("")).contains(&Rule::R4));
     assert_eq!(verdict(&r6("cold-channels=mismatched")), "ok");
     // Ranks 0 and 1 of `comm c 0 2 1 3` are not half the communicator
-    // apart: NCCL sends each direction's connection data separately, no
-    // round is mismatched, and their send-first exchange buffers.
+    // apart: NCCL sends each direction's connection data separately, and a
+    // send side waits for the peer's receive side, which the model's rounds
+    // do not follow (R7, "Not followed by the model"): R6 stays there, and
+    // their send-first exchange hangs under either value.
     let apart = |knob: &str| {
         format!(
             "ranks 4\nmodel eager=64MiB lazy-connect=on {knob}\ncomm c 0 2 1 3\nrank 0:\n  send 1 4KiB comm=c stream=s\n  recv 1 4KiB comm=c stream=s\nrank 1:\n  send 0 4KiB comm=c stream=s\n  recv 0 4KiB comm=c stream=s\n"
         )
     };
     assert_eq!(verdict(&apart("")), "deadlock");
-    assert_eq!(verdict(&apart("cold-channels=mismatched")), "ok");
+    assert_eq!(verdict(&apart("cold-channels=mismatched")), "deadlock");
+    // So does the seed on a world of three ranks (no two of them half
+    // the communicator apart).
+    let three = "ranks 3\nmodel eager=64MiB lazy-connect=on cold-channels=mismatched\nrank 0:\n  send 1 4KiB comm=world stream=s\n  recv 1 4KiB comm=world stream=s\nrank 1:\n  send 0 4KiB comm=world stream=s\n  recv 0 4KiB comm=world stream=s\n";
+    assert_eq!(verdict(three), "deadlock");
     // The knob only removes waits: warm, it changes nothing.
     let warm = both("model eager=64MiB lazy-connect=off cold-channels=mismatched");
     assert_eq!(verdict(&warm), "ok");

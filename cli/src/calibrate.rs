@@ -347,6 +347,8 @@ pub(crate) fn calibrate(
         program.model.kernels = None;
         program.model.comm_order = true;
         program.model.one_sided_groups = true;
+        // The table's verdict is R6 as written; the knob's is beside it.
+        program.model.cold_mismatched_only = false;
         let (predicted, mismatched) = verdict(&program);
         let alternative = {
             let mut p = program.clone();

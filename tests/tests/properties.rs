@@ -611,7 +611,10 @@ proptest! {
 
     /// The same with every channel's coldness by `cold-channels=mismatched`
     /// (R6 as the socket measurements fit): cold communicators and an
-    /// eager capacity, where the knob decides which sends buffer.
+    /// eager capacity, where the knob decides which sends buffer. Both run
+    /// the same machine, so this catches the simulated transport driving it
+    /// differently under the knob (its lanes, its connections), not an
+    /// error of the rule itself (the rules tests and the calibration do).
     #[test]
     fn the_simulator_and_the_checker_agree_under_cold_channels_mismatched(
         p in strategies::programs(unbounded(Shape {
@@ -640,30 +643,36 @@ proptest! {
     }
 }
 
-/// The knob is reached by the generator: on generated programs on cold
-/// communicators with an eager capacity, `cold-channels=mismatched`
-/// changes some verdicts (6 of these 1,000 when written; R6 alone, every
-/// round complementary, is a narrow pattern), so the property above
+/// The knob is reached by the generator, and only ever removes a hang:
+/// on generated two-rank programs on cold communicators with an eager
+/// capacity, `cold-channels=mismatched` changes some verdicts (17 of
+/// these 3,000 when written: R6 alone, every round complementary, is a
+/// narrow pattern), each from `deadlock` to `ok`; so the property above
 /// compares the simulator and the checker where it matters, if rarely.
 #[test]
 fn cold_channels_mismatched_changes_some_generated_verdicts() {
     let mut runner = TestRunner::deterministic();
     let strategy = strategies::programs(unbounded(Shape {
+        ranks: 2..=2,
+        messages: 3..=5,
+        comms: 3,
         lazy_connect: vec![true],
         cold_channels: vec![true],
         eager: vec![Size(16 << 10)],
         ..Shape::default()
     }));
     let mut differ = 0;
-    for _ in 0..1000 {
+    for _ in 0..3000 {
         let p = strategy.new_tree(&mut runner).unwrap().current();
         let mut rendezvous = p.clone();
         rendezvous.model.cold_mismatched_only = false;
-        if verdict(&p) != verdict(&rendezvous) {
+        let (theirs, ours) = (verdict(&rendezvous), verdict(&p));
+        if theirs != ours {
+            assert_eq!((theirs, ours), ("deadlock", "ok"), "{p}");
             differ += 1;
         }
     }
-    assert!(differ >= 3, "only {differ} of 1000 programs differ");
+    assert!(differ >= 5, "only {differ} of 3000 programs differ");
 }
 
 /// `shape` with unbounded kernels only: the simulator explores by

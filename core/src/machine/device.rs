@@ -328,11 +328,14 @@ impl Machine {
             // R6: the first message of a cold channel is a rendezvous; a
             // channel with ghosts (`Machine::settle_from`) has carried one.
             // With `cold-channels=mismatched`, only a channel set up in a
-            // round of mismatched calls (R7) is cold.
+            // round of mismatched calls (R7) is cold, where the model's
+            // rounds follow NCCL's (a pair that exchanges one message each
+            // way); elsewhere, and for a rank's messages to itself, R6
+            // stays.
             let used = ch.delivered > 0
                 || ch.sends.front().is_some_and(|g| g.ghost)
                 || ch.recvs.front().is_some_and(|g| g.ghost)
-                || (self.setup.model.cold_mismatched_only && !self.set_up_mismatched(key));
+                || (self.setup.model.cold_mismatched_only && self.warm_by_its_round(key));
             if eager > 0 && (warm || used) {
                 let mut inflight: u64 = 0;
                 let mut i = 0;

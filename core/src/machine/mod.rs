@@ -1449,10 +1449,17 @@ impl Machine {
         self.state.mismatches.iter()
     }
 
-    /// Whether a side of channel `key` was set up in a round of mismatched
-    /// calls (R7; `cold-channels=mismatched` keeps only such channels cold).
-    fn set_up_mismatched(&self, key: ChannelKey) -> bool {
-        self.state.mismatches.iter().any(|m| m.set_up(key))
+    /// Whether channel `key` buffers its first message under
+    /// `cold-channels=mismatched`: it joins two ranks whose setup rounds
+    /// the model pairs as NCCL does (one message each way,
+    /// [`Machine::one_message_each_way`]; elsewhere NCCL waits for a side
+    /// the model's rounds do not follow, so R6 stays), and no side of it
+    /// was set up in a round of mismatched calls (R7).
+    fn warm_by_its_round(&self, key: ChannelKey) -> bool {
+        let (comm, from, to) = key;
+        from != to
+            && self.one_message_each_way(comm, from, to)
+            && !self.state.mismatches.iter().any(|m| m.set_up(key))
     }
 
     /// A [`Mismatch`] in words.
