@@ -95,6 +95,16 @@ pub enum LaneMode {
     Lazy,
 }
 
+impl std::fmt::Display for LaneMode {
+    /// The word [`LaneMode::from_str`](std::str::FromStr) reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LaneMode::Eager => "eager",
+            LaneMode::Lazy => "lazy",
+        })
+    }
+}
+
 impl std::str::FromStr for LaneMode {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<LaneMode, String> {

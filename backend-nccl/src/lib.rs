@@ -49,4 +49,6 @@ pub mod threshold;
 
 pub use ctx::{LaneConnect, LaneCost, LaneMode, NcclComm, NcclEvent, NcclStream, Options};
 pub use rank::{NcclBuffer, NcclRank, NcclThread};
-pub use run::{Local, Process, RankReport, ipc_copy_asked, one_gpu_asked, shared_gpu_env};
+pub use run::{
+    Local, MISMATCHED_SETUP, Process, RankReport, ipc_copy_asked, one_gpu_asked, shared_gpu_env,
+};

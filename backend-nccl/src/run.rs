@@ -57,10 +57,7 @@ fn options_from_env() -> Result<Options> {
 
 /// How a run's lane settings are written in the store (`job/lanes`).
 fn lanes_word(opts: &Options) -> String {
-    let mode = match opts.lanes {
-        crate::LaneMode::Eager => "eager",
-        crate::LaneMode::Lazy => "lazy",
-    };
+    let mode = opts.lanes;
     let connect = match opts.lane_connect {
         crate::LaneConnect::Both => "connected both ways",
         crate::LaneConnect::OneWay => "connected one way",
@@ -870,6 +867,11 @@ pub(crate) fn explained(e: Error, analysis: crate::registry::HangAnalysis) -> Er
     }
 }
 
+/// What an error explained by a connection set up from mismatched calls
+/// (R7) says, in those words (`with_mismatched_setups`); judges of a
+/// run's outcome (the GPU suite, `duplex calibrate`) look for it.
+pub const MISMATCHED_SETUP: &str = "the model finds a connection set up from mismatched calls";
+
 /// `e` with `setups` ([`crate::registry::HangAnalysis::mismatched_setups`])
 /// said after its own text; `e` itself when there are none.
 fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
@@ -877,7 +879,7 @@ fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
         return e;
     }
     let said = format!(
-        "; the model finds a connection set up from mismatched calls, which NCCL makes from the wrong data, so that an NCCL error or a crash may come instead of a hang (R7): {}",
+        "; {MISMATCHED_SETUP}, which NCCL makes from the wrong data, so that an NCCL error or a crash may come instead of a hang (R7): {}",
         setups.join("; ")
     );
     match e {

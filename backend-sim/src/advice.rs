@@ -145,8 +145,6 @@ pub fn latent(program: &Program) -> Vec<Latent> {
     let mut cold = program.model;
     cold.lazy_connect = true;
     cold.cold_mismatched_only = false;
-    let mut rendezvous = program.model;
-    rendezvous.cold_mismatched_only = false;
     let wanted = [
         (program.model.eager.bytes() > 0).then_some((
             "eager",
@@ -167,7 +165,9 @@ pub fn latent(program: &Program) -> Vec<Latent> {
                 "cold-channels",
                 "cold-channels=rendezvous",
                 "R6 as written from NVLink: every cold channel's first message is a rendezvous",
-                rendezvous,
+                // The program's model is already cold here: `cold` is it
+                // under R6 as written.
+                cold,
             )),
     ];
     let wanted: Vec<_> = wanted.iter().flatten().collect();

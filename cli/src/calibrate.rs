@@ -11,7 +11,7 @@ use duplex::{Dir, Error, Model, Policy, Size, Transport};
 use duplex_nccl::{Local, NcclRank};
 use duplex_sim::check;
 
-use crate::failure::{FOUND, Failure};
+use crate::failure::Failure;
 use crate::run::{Launch, Ran, on_nccl_isolated};
 
 /// One probe of the eager capacity.
@@ -143,13 +143,7 @@ pub(crate) fn capacity_rank(timeout: Duration) -> Result<serde_json::Value, Fail
         })),
         Ok(_) => Ok(serde_json::json!({"outcome": "ok"})),
         Err(e @ Error::Unavailable { .. }) => Err(Failure::unavailable(e.to_string())),
-        Err(e) => Err(Failure {
-            status: FOUND,
-            kind: "failed",
-            file: None,
-            line: None,
-            message: format!("rank {rank}: {e}"),
-        }),
+        Err(e) => Err(Failure::failed(format!("rank {rank}: {e}"))),
     }
 }
 
@@ -184,12 +178,10 @@ fn capacity_of_processes(
     }
     let mut capacity = None;
     for (rank, report) in reports.into_iter().enumerate() {
-        let failed = |why: String| Failure {
-            status: FOUND,
-            kind: "failed",
-            file: None,
-            line: None,
-            message: format!("measuring the eager capacity failed on rank {rank}: {why}"),
+        let failed = |why: String| {
+            Failure::failed(format!(
+                "measuring the eager capacity failed on rank {rank}: {why}"
+            ))
         };
         let report = report.map_err(failed)?;
         if let Some(c) = report.get("capacity") {
@@ -251,7 +243,7 @@ fn explained_by_a_mismatched_round(real: &Ran) -> bool {
         e["kind"] == "library"
             && e["message"]
                 .as_str()
-                .is_some_and(|m| m.contains("a connection set up from mismatched calls"))
+                .is_some_and(|m| m.contains(duplex_nccl::MISMATCHED_SETUP))
     })
 }
 
@@ -312,13 +304,7 @@ pub(crate) fn calibrate(
     }
     let measuring = |e: Error| match e {
         Error::Unavailable { .. } => Failure::unavailable(e.to_string()),
-        e => Failure {
-            status: FOUND,
-            kind: "failed",
-            file: None,
-            line: None,
-            message: format!("measuring the eager capacity failed: {e}"),
-        },
+        e => Failure::failed(format!("measuring the eager capacity failed: {e}")),
     };
     let cap = match launch {
         Launch::Threads => {

@@ -63,6 +63,17 @@ impl Failure {
         }
     }
 
+    /// Work that started and failed (exit status 1, kind `failed`).
+    pub(crate) fn failed(message: impl Into<String>) -> Failure {
+        Failure {
+            status: FOUND,
+            kind: "failed",
+            file: None,
+            line: None,
+            message: message.into(),
+        }
+    }
+
     /// A backend that cannot start (exit status 4).
     pub(crate) fn unavailable(message: impl Into<String>) -> Failure {
         Failure {

@@ -370,13 +370,8 @@ fn print(text: &str) {
 
 /// A report as JSON: one line.
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, Failure> {
-    serde_json::to_string(value).map_err(|e| Failure {
-        status: FOUND,
-        kind: "failed",
-        file: None,
-        line: None,
-        message: format!("cannot encode the report as JSON: {e}"),
-    })
+    serde_json::to_string(value)
+        .map_err(|e| Failure::failed(format!("cannot encode the report as JSON: {e}")))
 }
 
 fn run_run(args: &RunArgs) -> ExitCode {
@@ -539,10 +534,6 @@ fn rank_args(args: &RunArgs) -> Vec<String> {
         out.extend(["--copy-from".to_string(), size.to_string()]);
     }
     if let Some(mode) = args.lanes {
-        let mode = match mode {
-            duplex_nccl::LaneMode::Eager => "eager",
-            duplex_nccl::LaneMode::Lazy => "lazy",
-        };
         out.extend(["--lanes".to_string(), mode.to_string()]);
     }
     for m in &args.model {
@@ -579,13 +570,8 @@ fn measured_copy_from(
         .measure_copy_from(&duplex_nccl::threshold::Plan::default())
         .map_err(|e| match e {
             duplex::Error::Unavailable { .. } => unavailable(e),
-            e => Failure {
-                status: FOUND,
-                kind: "failed",
-                file: Some(args.file.clone()),
-                line: None,
-                message: format!("--copy-from auto: the measurement failed: {e}"),
-            },
+            e => Failure::failed(format!("--copy-from auto: the measurement failed: {e}"))
+                .at(&args.file, None),
         })?;
     eprintln!("{m}");
     Ok(m)
@@ -631,11 +617,8 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
             match serde_json::to_string_pretty(&table) {
                 Ok(j) => print(&format!("{j}\n")),
                 Err(e) => {
-                    let f = Failure::invalid(
-                        "failed",
-                        format!("cannot encode the report as JSON: {e}"),
-                    );
-                    return fail(&Failure { status: FOUND, ..f }, json, "outcome");
+                    let f = Failure::failed(format!("cannot encode the report as JSON: {e}"));
+                    return fail(&f, json, "outcome");
                 }
             }
         }

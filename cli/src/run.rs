@@ -217,9 +217,7 @@ impl Launch {
 
 /// What one child process left: its report (the first JSON object that
 /// starts a line of its standard output), or why there is none.
-pub(crate) struct Child {
-    pub(crate) report: Result<serde_json::Value, String>,
-}
+pub(crate) type Child = Result<serde_json::Value, String>;
 
 /// How long a child may live: past every deadline of its run, with room
 /// for NCCL's setup and teardown.
@@ -315,14 +313,12 @@ pub(crate) fn spawn_children(
         .into_iter()
         .zip(statuses)
         .map(|(r, status)| match r {
-            Err(why) => Child { report: Err(why) },
+            Err(why) => Err(why),
             Ok((_, out, err)) => {
                 let stdout = out.join().unwrap_or_default();
                 let stderr = err.join().unwrap_or_default();
                 let status = status.unwrap_or_else(|| Err("it was never waited for".into()));
-                Child {
-                    report: report_of(&stdout, &stderr, status),
-                }
+                report_of(&stdout, &stderr, status)
             }
         })
         .collect()
@@ -445,7 +441,7 @@ pub(crate) fn on_nccl_isolated(
     };
     let mut children = spawn_children(&args, &[Vec::new()], &[], limit);
     let crash = |detail: String| ran("crash", start, detail);
-    match children.pop().map(|c| c.report) {
+    match children.pop() {
         Some(Ok(report)) => match ran_of(report) {
             Ok(r) => r,
             // Unavailable with this launch (a feature the processes are
@@ -476,7 +472,7 @@ pub(crate) fn spawn_job(
     ranks: u32,
     timeout: Duration,
     one_gpu: bool,
-) -> Result<Vec<Result<serde_json::Value, String>>, (String, String)> {
+) -> Result<Vec<Child>, (String, String)> {
     use std::hash::{BuildHasher, Hasher};
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -528,12 +524,12 @@ pub(crate) fn spawn_job(
         .collect();
     // The store is on 127.0.0.1, where the ranks look for it: an address
     // from the caller's environment would put it elsewhere.
-    Ok(
-        spawn_children(args, &envs, &["DUPLEX_STORE_BIND"], child_limit(timeout))
-            .into_iter()
-            .map(|c| c.report)
-            .collect(),
-    )
+    Ok(spawn_children(
+        args,
+        &envs,
+        &["DUPLEX_STORE_BIND"],
+        child_limit(timeout),
+    ))
 }
 
 /// Runs `file`'s program (`program`, already read) as a process per rank
@@ -622,14 +618,19 @@ fn job_of(ranks: Vec<Ran>, start: Instant) -> Ran {
     // The root cause first: a program error (it names the ops), a hang (its
     // cycle), NCCL's or CUDA's failure, an error of the rank's code, and
     // last the error of a rank that only ended because another failed.
-    const PROGRAM_ERRORS: [&str; 4] = [
-        "size-mismatch",
-        "type-mismatch",
-        "group-mismatch",
-        "never-received",
-    ];
+    use duplex::ProgramErrorKind as K;
+    let program_error = |kind: &str| {
+        [
+            K::SizeMismatch,
+            K::TypeMismatch,
+            K::GroupMismatch,
+            K::NeverReceived,
+        ]
+        .iter()
+        .any(|k| k.name() == kind)
+    };
     let rank_of = |r: &Ran| match (r.outcome.as_str(), error_kind(r)) {
-        ("error", Some(k)) if PROGRAM_ERRORS.contains(&k) => 0,
+        ("error", Some(k)) if program_error(k) => 0,
         ("deadlock", _) => 1,
         ("error", Some("aborted")) => 4,
         ("error", _) => 3,
@@ -842,7 +843,7 @@ mod tests {
         );
         assert_eq!(children.len(), 2);
         for c in children {
-            let why = c.report.expect_err("no report from a killed child");
+            let why = c.expect_err("no report from a killed child");
             assert!(why.starts_with("it outlived 500ms and was killed"), "{why}");
         }
     }

@@ -101,36 +101,29 @@ impl Model {
                 "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels, one-sided-groups, cold-channels"
             ));
         };
-        let on_off = |value: &str| match value {
-            "on" => Ok(true),
-            "off" => Ok(false),
-            other => Err(format!("`{key}` takes `on` or `off`, not `{other}`")),
+        // A knob of two words, each with its value, in the order the error
+        // message names them.
+        let either = |words: [(&str, bool); 2]| {
+            words
+                .iter()
+                .find(|(w, _)| *w == value)
+                .map(|(_, b)| *b)
+                .ok_or_else(|| {
+                    format!(
+                        "`{key}` takes `{}` or `{}`, not `{value}`",
+                        words[0].0, words[1].0
+                    )
+                })
         };
         match key {
             "eager" => self.eager = Size::parse(value)?,
-            "lazy-connect" => self.lazy_connect = on_off(value)?,
-            "comm-order" => self.comm_order = on_off(value)?,
+            "lazy-connect" => self.lazy_connect = either([("on", true), ("off", false)])?,
+            "comm-order" => self.comm_order = either([("on", true), ("off", false)])?,
             "one-sided-groups" => {
-                self.one_sided_groups = match value {
-                    "accept" => true,
-                    "error" => false,
-                    other => {
-                        return Err(format!(
-                            "`one-sided-groups` takes `error` or `accept`, not `{other}`"
-                        ));
-                    }
-                }
+                self.one_sided_groups = either([("error", false), ("accept", true)])?
             }
             "cold-channels" => {
-                self.cold_mismatched_only = match value {
-                    "rendezvous" => false,
-                    "mismatched" => true,
-                    other => {
-                        return Err(format!(
-                            "`cold-channels` takes `rendezvous` or `mismatched`, not `{other}`"
-                        ));
-                    }
-                }
+                self.cold_mismatched_only = either([("rendezvous", false), ("mismatched", true)])?
             }
             "kernels" => {
                 self.kernels = match value {

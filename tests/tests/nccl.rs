@@ -659,7 +659,7 @@ fn library_error(text: &str) -> bool {
 /// what the ranks issued: an NCCL failure with another cause is not taken
 /// for the model's outcome.
 fn explained(text: &str) -> bool {
-    text.contains("set up from mismatched calls")
+    text.contains(duplex_nccl::MISMATCHED_SETUP)
 }
 
 /// The model's words for the first connection that scenario `name`, cold,
