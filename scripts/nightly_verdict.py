@@ -23,7 +23,8 @@ the last line of a name counts) and the reports of each step:
              disagrees), and its table (OUT/calibration.md) has every example
              agreeing ("yes" or "consistent: ..."), except the disagreements
              listed in --known (an example and its real outcome, with the
-             reason)
+             reason); a listed disagreement whose example now agrees fails
+             too, so that the list only ever excuses what still happens
   bench      bench and bench_torch.py exit 0 and write their JSON, and
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
@@ -73,6 +74,10 @@ def read_steps(text):
     return steps
 
 
+# The steps whose disagreements the known list may excuse.
+KNOWN_STEPS = ("calibrate",)
+
+
 def read_known(text):
     """The known disagreements: (step, subject, outcome) -> reason, from
     lines `STEP SUBJECT OUTCOME  # reason`."""
@@ -84,6 +89,9 @@ def read_known(text):
             continue
         if len(parts) != 3:
             raise ValueError(f"known disagreements: `{line.strip()}` is not `STEP SUBJECT OUTCOME # reason`")
+        if parts[0] not in KNOWN_STEPS:
+            raise ValueError(f"known disagreements: `{line.strip()}`: only {', '.join(KNOWN_STEPS)} "
+                             "disagreements can be excused")
         known[tuple(parts)] = reason.strip()
     return known
 
@@ -208,13 +216,22 @@ def judge_calibration(text, rc, known):
             unknown.append(r)
         else:
             notes.append(f"known: {r['example']} ({r['real']}, checker {r['checker']}): {reason}")
+    # A listed disagreement that no longer happens: its example ran and
+    # agreed. (One whose example ran with another disagreeing outcome is
+    # an unknown disagreement above; one whose example is missing from the
+    # table is caught by the summary check or was not asked for.)
+    agreeing = {r["example"] for r in rows if agrees(r)}
+    stale = sorted(subject for (step, subject, _) in known if step == "calibrate" and subject in agreeing)
     details = {"examples": len(rows), "disagree": [r["example"] for r in disagree],
-               "unknown": [r["example"] for r in unknown]}
+               "unknown": [r["example"] for r in unknown], "stale": stale}
     if not rows:
         reasons.append(f"calibration.md has no example table (duplex calibrate: {status_text(rc)}; see calibration.log)")
     if unknown:
         reasons.append(f"{len(unknown)} example(s) disagree with the model: "
                        + ", ".join(f"{r['example']} (real {r['real']}, checker {r['checker']})" for r in unknown))
+    if stale:
+        reasons.append(f"{len(stale)} known disagreement(s) no longer happen: {', '.join(stale)} "
+                       "agreed with the model; remove their lines from the known list (scripts/nightly-known.txt)")
     if rc not in (0, 1):
         reasons.append(f"duplex calibrate: {status_text(rc)}")
     elif rc == 1 and not disagree:

@@ -212,9 +212,25 @@ class Calibration(unittest.TestCase):
         clean = text.replace("| pytorch-seed.sched | crash | 2.46 | deadlock | no: NCCL failed instead of hanging (see below) |",
                              "| pytorch-seed.sched | deadlock | 2.46 | deadlock | yes |")
         clean = clean.replace("36 of 37 examples agree.", "37 of 37 examples agree.")
-        self.assertTrue(nv.judge_calibration(clean, 0, known())[0])
+        self.assertTrue(nv.judge_calibration(clean, 0, {})[0])
         # Exit 1 with nothing disagreeing.
-        self.assertFalse(nv.judge_calibration(clean, 1, known())[0])
+        self.assertFalse(nv.judge_calibration(clean, 1, {})[0])
+
+    def test_a_known_disagreement_that_no_longer_happens_fails(self):
+        text = committed("calibration.md")
+        clean = text.replace("| pytorch-seed.sched | crash | 2.46 | deadlock | no: NCCL failed instead of hanging (see below) |",
+                             "| pytorch-seed.sched | crash | 2.46 | deadlock | consistent: NCCL's error is explained by a mismatched setup |")
+        clean = clean.replace("36 of 37 examples agree.", "37 of 37 examples agree.")
+        ok, why, d = nv.judge_calibration(clean, 0, known())
+        self.assertFalse(ok, why)
+        self.assertEqual(d["stale"], ["pytorch-seed.sched"])
+        self.assertTrue(any("no longer happen" in w and "pytorch-seed.sched" in w for w in why), why)
+        # Without the entry the same table passes.
+        self.assertTrue(nv.judge_calibration(clean, 0, {})[0])
+
+    def test_known_lines_of_steps_that_cannot_excuse_are_refused(self):
+        with self.assertRaises(ValueError):
+            nv.read_known("suite seed/shared FAIL  # the suite has no excuses")
 
 
 class CalibrationNotRun(unittest.TestCase):
