@@ -45,12 +45,13 @@
 //! posted a failure, or silent past [`SILENCE`]), so that two ranks killed
 //! at once cost one silence, not the linger's bound.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duplex::Rank;
-use duplex::trace::Trace;
+use duplex::trace::{ChannelCount, Trace};
 
 use crate::store::Store;
 
@@ -110,6 +111,39 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// serves the others meanwhile, which stops waiting as soon as any
     /// rank is known to have failed (`until_failure`: the job is ending).
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool);
+    /// Posts what `rank` issued on each channel as it finishes cleanly,
+    /// for the end checks of the ranks that sent to it
+    /// (`Registry::unreceived_with`). Nothing to do in one process, whose
+    /// registry sees every rank.
+    fn post_counts(&self, rank: Rank, counts: &[ChannelCount]) {
+        let _ = (rank, counts);
+    }
+    /// The counts each of `peers` posted as it finished
+    /// ([`Health::post_counts`]), waiting up to `wait` for them: `None`
+    /// once any rank is known to have failed (the job is failing, and says
+    /// why elsewhere), when a peer ended without finishing cleanly, or when
+    /// the wait ran out (the `Err` says which peers were missing).
+    fn counts_of(
+        &self,
+        me: Rank,
+        peers: &[Rank],
+        wait: Duration,
+    ) -> Result<Option<BTreeMap<Rank, Vec<ChannelCount>>>, String> {
+        let _ = (me, peers, wait);
+        Ok(None)
+    }
+    /// Says that `rank` is done with the store (its end check is over):
+    /// the rank that hosts the store waits for it ([`Health::wait_left`]).
+    fn left(&self, rank: Rank) {
+        let _ = rank;
+    }
+    /// For the rank that hosts the store, after [`Health::linger`]: waits
+    /// (up to `wait`) until every other rank that finished cleanly is done
+    /// with the store ([`Health::left`]), so that their end checks can
+    /// still read it.
+    fn wait_left(&self, ranks: u32, me: Rank, wait: Duration) {
+        let _ = (ranks, me, wait);
+    }
 }
 
 /// How another rank caused an error of this rank ([`culprit`]).
@@ -427,6 +461,17 @@ impl Drop for StoreHealth {
     }
 }
 
+/// The key a rank's channel counts are posted under as it finishes
+/// ([`Health::post_counts`]).
+fn counts_key(rank: Rank) -> String {
+    format!("counts/{rank}")
+}
+
+/// The key a rank stores once its end check is over ([`Health::left`]).
+fn left_key(rank: Rank) -> String {
+    format!("left/{rank}")
+}
+
 /// The key a rank's trace is published under.
 fn trace_key(rank: Rank) -> String {
     format!("trace/{rank}")
@@ -522,6 +567,95 @@ impl Health for StoreHealth {
                 break;
             }
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn post_counts(&self, rank: Rank, counts: &[ChannelCount]) {
+        let result = serde_json::to_vec(counts)
+            .map_err(|e| duplex::Error::Aborted(format!("encoding the counts: {e}")))
+            .and_then(|bytes| self.store.put(&counts_key(rank), &bytes, REQUEST));
+        if let Err(e) = result {
+            tracing::warn!(rank, error = %e, "could not post this rank's counts");
+        }
+    }
+
+    fn counts_of(
+        &self,
+        me: Rank,
+        peers: &[Rank],
+        wait: Duration,
+    ) -> Result<Option<BTreeMap<Rank, Vec<ChannelCount>>>, String> {
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(wait)
+            .unwrap_or(now + Duration::from_secs(1 << 30));
+        let mut out = BTreeMap::new();
+        let mut left: Vec<Rank> = peers.iter().copied().filter(|r| *r != me).collect();
+        loop {
+            if self.failed(me).is_some() {
+                return Ok(None);
+            }
+            let mut still = Vec::new();
+            for r in left {
+                match self.store.get(&counts_key(r), Duration::ZERO) {
+                    Ok(Some(bytes)) => match serde_json::from_slice::<Vec<ChannelCount>>(&bytes) {
+                        Ok(c) => {
+                            out.insert(r, c);
+                        }
+                        Err(e) => return Err(format!("rank {r}'s counts do not decode: {e}")),
+                    },
+                    Ok(None) => still.push(r),
+                    Err(e) => return Err(format!("cannot read rank {r}'s counts: {e}")),
+                }
+            }
+            left = still;
+            if left.is_empty() {
+                return Ok(Some(out));
+            }
+            // A peer that ended without its counts (failed, or fell silent)
+            // never posts them; one that finished meanwhile posted them
+            // before it said so, and the next look finds them.
+            if let Ok(ended) = self.store.ended(SILENCE, REQUEST) {
+                for r in left.iter().filter(|r| ended.contains(r)) {
+                    if !matches!(self.store.get(&counts_key(*r), Duration::ZERO), Ok(Some(_))) {
+                        return Ok(None);
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "rank(s) {} did not finish within {:.1} s",
+                    left.iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    wait.as_secs_f64()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn left(&self, rank: Rank) {
+        if let Err(e) = self.store.put(&left_key(rank), b"ok", REQUEST) {
+            tracing::debug!(rank, error = %e, "could not tell the store this rank left");
+        }
+    }
+
+    fn wait_left(&self, ranks: u32, me: Rank, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        for r in (0..ranks).filter(|r| *r != me) {
+            // Only a rank that finished cleanly does an end check.
+            if !matches!(
+                self.store.get(&format!("done/{r}"), Duration::ZERO),
+                Ok(Some(_))
+            ) {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !matches!(self.store.get(&left_key(r), left), Ok(Some(_))) {
+                tracing::debug!(rank = r, "did not say it left the store in time");
+            }
         }
     }
 

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use duplex::machine::issue::IssueMatch;
 use duplex::machine::{Machine, Next, OpSpec, Setup, ThreadId};
 use duplex::report::{OpInfo, Stuck};
-use duplex::trace::{Analysis, Call, Disagreement, Trace, TraceCall};
+use duplex::trace::{Analysis, Call, ChannelCount, Disagreement, Trace, TraceCall};
 use duplex::{Error, Model, Rank};
 
 use crate::ctx::OpMeta;
@@ -351,6 +351,9 @@ pub struct Registry {
     /// calls ([`Registry::for_rank`], [`Registry::cut_if_long`]);
     /// `usize::MAX` never.
     cut_at: usize,
+    /// The one rank it records ([`Registry::for_rank`]); `None` when every
+    /// rank records here.
+    only: Option<Rank>,
 }
 
 /// How many calls a local run's trace holds before it is folded into a
@@ -446,6 +449,7 @@ impl Registry {
             }),
             compact_at,
             cut_at,
+            only,
         })
     }
 
@@ -600,6 +604,116 @@ impl Registry {
             c.warm = warm;
             c.copy = copy;
         }
+    }
+
+    /// The end of a local run in which every rank finished cleanly (every
+    /// op complete): the `never-received` error of the first send that no
+    /// recv took, if any. NCCL completes a send into its channel's buffer
+    /// (R5) without its recv; once every rank has finished nothing will
+    /// ever take those bytes, and a run that returned `Ok` would report a
+    /// transfer that reached no one. The simulator ends such a run with
+    /// the same error (the machine's `leftover`). Counted from what was
+    /// issued (by the issue check, which sees every rank here), not from
+    /// the model's waits, so that it holds whatever the model says of
+    /// them. For a registry of one rank, see [`Registry::unreceived_with`].
+    pub fn unreceived_at_end(&self) -> Option<Error> {
+        let r = self.lock();
+        let all = r.matcher.unreceived();
+        let &((comm, from, to), fifo, count, sig) = all.first()?;
+        let op = r
+            .trace
+            .last_sends(comm.0, from, to, u64::from(count), u64::from(fifo))
+            .unwrap_or_else(|| OpInfo {
+                rank: from,
+                thread: String::new(),
+                op: duplex::Dir::Send,
+                peer: to,
+                bytes: sig.bytes,
+                dtype: sig.dtype,
+                comm: r
+                    .trace
+                    .comms
+                    .get(comm.0 as usize)
+                    .map_or_else(|| format!("#{}", comm.0), |c| c.name.clone()),
+                stream: String::new(),
+                fifo,
+                state: duplex::report::OpState::Buffered,
+                grouped: sig.grouped,
+                call: format!("send {} to rank {to}", duplex::Size(sig.bytes)),
+                at: "(a call folded into the trace's snapshot)".into(),
+                line: None,
+            });
+        Some(never_received(op, u64::from(count), all.len() - 1))
+    }
+
+    /// What this registry's rank issued on each channel
+    /// ([`Trace::channel_counts`]): what it posts as it finishes, for the
+    /// end checks of the ranks that sent to it.
+    pub fn channel_counts(&self) -> Vec<ChannelCount> {
+        self.lock().trace.channel_counts()
+    }
+
+    /// The peers this registry's rank sent to, for its end check
+    /// ([`Registry::unreceived_with`]).
+    pub fn sent_to(&self) -> Vec<Rank> {
+        let me = self.only;
+        let mut peers: Vec<Rank> = self
+            .channel_counts()
+            .iter()
+            .filter(|c| c.sent > 0 && Some(c.from) == me && c.to != c.from)
+            .map(|c| c.to)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
+    }
+
+    /// [`Registry::unreceived_at_end`] for the registry of one rank of a
+    /// process-per-rank job ([`Registry::for_rank`]): its sends, against
+    /// the recvs each peer it sent to issued, from the counts that peer
+    /// posted as it finished (`peers`). It names only this rank's sends:
+    /// each rank checks its own. `Err` says why it could not judge: a peer
+    /// it sent to whose counts are not in `peers`.
+    pub fn unreceived_with(
+        &self,
+        peers: &std::collections::BTreeMap<Rank, Vec<ChannelCount>>,
+    ) -> Result<Option<Error>, String> {
+        let Some(me) = self.only else {
+            return Ok(self.unreceived_at_end());
+        };
+        let mine = self.channel_counts();
+        let mut short = Vec::new();
+        for c in mine.iter().filter(|c| c.from == me && c.sent > 0) {
+            let received = if c.to == me {
+                c.received
+            } else {
+                let theirs = peers
+                    .get(&c.to)
+                    .ok_or_else(|| format!("rank {}'s counts did not come", c.to))?;
+                theirs
+                    .iter()
+                    .find(|t| (t.comm, t.from, t.to) == (c.comm, c.from, c.to))
+                    .map_or(0, |t| t.received)
+            };
+            if c.sent > received {
+                short.push((*c, received));
+            }
+        }
+        let Some(&(first, received)) = short.first() else {
+            return Ok(None);
+        };
+        let count = first.sent - received;
+        let op = self
+            .lock()
+            .trace
+            .last_sends(first.comm, me, first.to, count, received)
+            .ok_or_else(|| {
+                format!(
+                    "{count} send(s) of rank {me} to rank {} were never received, but they were folded into the trace's cut and cannot be named",
+                    first.to
+                )
+            })?;
+        Ok(Some(never_received(op, count, short.len() - 1)))
     }
 
     /// Sends or recvs that no op of the other side matched: at the end of
@@ -910,6 +1024,35 @@ impl Registry {
     }
 }
 
+/// The `never-received` error of `op`, the first of `count` sends on its
+/// channel that no recv took, with `more` other channels like it
+/// ([`Registry::unreceived_at_end`]).
+fn never_received(op: OpInfo, count: u64, more: usize) -> Error {
+    let e = Error::from(duplex::machine::ProgramError::NeverReceived { send: Box::new(op) });
+    let Error::Program { kind, message, ops } = e else {
+        return e;
+    };
+    let mut also = Vec::new();
+    if count > 1 {
+        also.push(format!("{} more after it on its channel", count - 1));
+    }
+    if more > 0 {
+        also.push(format!("unreceived sends on {more} more channel(s)"));
+    }
+    let also = if also.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", also.join("; "))
+    };
+    Error::Program {
+        kind,
+        message: format!(
+            "{message}{also}: NCCL completed it into the channel's buffer (R5), and every rank finished without a recv for it, so its bytes reached no one"
+        ),
+        ops,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -944,6 +1087,89 @@ mod tests {
         reg.record_launch(r, call, &mut fifos)
             .map(|()| fifos[0])
             .map_err(|e| e.to_string())
+    }
+
+    /// The end of a local run: a send that no recv took is the
+    /// `never-received` error naming it (its FIFO position after the
+    /// messages received); once received, nothing.
+    #[test]
+    fn a_local_run_ends_with_never_received_for_a_send_nobody_took() {
+        let reg = Registry::local(2, Model::default());
+        reg.comm(0, "world", &[0, 1], true);
+        let (s0, s1) = (reg.stream(0, "s"), reg.stream(1, "s"));
+        let (t0, t1) = (reg.thread(0, "main"), reg.thread(1, "main"));
+        record(&reg, one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
+        record(&reg, one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
+        assert!(reg.unreceived_at_end().is_none());
+        record(&reg, one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
+        record(&reg, one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
+        match reg.unreceived_at_end() {
+            Some(Error::Program { kind, message, ops }) => {
+                assert_eq!(kind, duplex::ProgramErrorKind::NeverReceived);
+                assert_eq!(ops.len(), 1);
+                assert_eq!((ops[0].rank, ops[0].peer, ops[0].fifo), (0, 1, 1));
+                assert_eq!(ops[0].op, Dir::Send);
+                assert!(message.contains("message never received"), "{message}");
+                assert!(
+                    message.contains("1 more after it on its channel"),
+                    "{message}"
+                );
+                assert!(message.contains("reached no one"), "{message}");
+            }
+            other => panic!("expected never-received, got {other:?}"),
+        }
+        // A recv for each: nothing left.
+        record(&reg, one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
+        record(&reg, one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
+        assert!(reg.unreceived_at_end().is_none());
+    }
+
+    /// Across processes each rank checks its own sends against the recv
+    /// counts of the ranks it sent to; without a peer's counts it says it
+    /// cannot judge. A message to itself is checked from its own calls.
+    #[test]
+    fn a_rank_of_a_process_job_checks_its_sends_against_its_peers_counts() {
+        let regs: Vec<Arc<Registry>> = (0..2)
+            .map(|r| Registry::for_rank(2, Model::default(), r))
+            .collect();
+        let mut threads = Vec::new();
+        for (r, reg) in regs.iter().enumerate() {
+            reg.comm(0, "world", &[0, 1], true);
+            let s = reg.stream(r as u32, "s");
+            threads.push((reg.thread(r as u32, "main"), s));
+        }
+        let (t0, s0) = threads[0];
+        let (t1, s1) = threads[1];
+        for _ in 0..3 {
+            record(&regs[0], one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
+        }
+        record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
+        assert_eq!(regs[0].sent_to(), vec![1]);
+        assert!(regs[1].sent_to().is_empty());
+        let counts =
+            |r: Rank| std::collections::BTreeMap::from([(r, regs[r as usize].channel_counts())]);
+        // Rank 1 checks nothing of its own.
+        assert!(matches!(regs[1].unreceived_with(&counts(0)), Ok(None)));
+        let e = regs[0]
+            .unreceived_with(&counts(1))
+            .expect("judged")
+            .expect("never-received");
+        let Error::Program { ops, message, .. } = e else {
+            panic!("{e}");
+        };
+        assert_eq!((ops[0].fifo, ops[0].op), (1, Dir::Send), "{message}");
+        assert!(message.contains("1 more after it"), "{message}");
+        let missing = regs[0].unreceived_with(&std::collections::BTreeMap::new());
+        assert!(
+            missing
+                .as_ref()
+                .is_err_and(|w| w.contains("rank 1's counts")),
+            "{missing:?}"
+        );
+        for _ in 0..2 {
+            record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
+        }
+        assert!(matches!(regs[0].unreceived_with(&counts(1)), Ok(None)));
     }
 
     /// Both ranks' first ops on a communicator connected on first use are

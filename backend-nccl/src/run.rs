@@ -229,7 +229,12 @@ impl Local {
                 })
                 .collect()
         });
-        combine(results).map_err(|e| explain_library_error(e, &registry))
+        let reports = combine(results).map_err(|e| explain_library_error(e, &registry))?;
+        // Every rank finished: a send that no recv took reached no one.
+        match registry.unreceived_at_end() {
+            Some(e) => Err(e),
+            None => Ok(reports),
+        }
     }
 
     /// Measures from which message size copy-engine lanes are faster than
@@ -581,6 +586,9 @@ impl Process {
             // rank has finished or failed (bounded), so that their waits
             // never read its end as rank 0's death.
             health.linger(self.world, 0, self.settings.opts.timeout + SILENCE, false);
+            // And until those that finished are done with their end checks
+            // (they read each other's counts from it): a second or two.
+            health.wait_left(self.world, 0, Duration::from_secs(5));
         }
         result
     }
@@ -725,6 +733,7 @@ where
     // final synchronize (and as the simulator's end of thread).
     handle.end();
     let result = result.and_then(|()| handle.synchronize());
+    let mut unreceived = None;
     if result.is_ok() {
         // A rank that ended leaves what it issued for the others' hang
         // analyses, so that a partner it never matched is named (a send
@@ -733,7 +742,14 @@ where
         if health.remote() && registry.calls() <= PUBLISH_AT_EXIT_MAX {
             health.publish(rank, &registry.trace());
         }
+        if health.remote() {
+            health.post_counts(rank, &registry.channel_counts());
+        }
         health.finished(rank);
+        if health.remote() {
+            unreceived = end_check(&registry, health.as_ref(), rank, settings);
+            health.left(rank);
+        }
     }
     outcome.posted.set(true);
     let mut result = result;
@@ -759,6 +775,11 @@ where
             result = result.map_err(|e| explained(e, analysis));
         }
     }
+    // A send of this rank's that no recv took fails the rank, after the
+    // rest (it finished, and said so).
+    if let Some(e) = unreceived {
+        result = Err(e);
+    }
     // With lanes made on first use, a rank that finished keeps its lane
     // service for the others a while: a peer's late first message to it
     // (a send it never receives, say) then meets a lane and hangs as it
@@ -778,6 +799,39 @@ where
         rank,
         setup_ms,
         lanes,
+    })
+}
+
+/// The end check of a rank of a process-per-rank job that finished
+/// cleanly: once each rank it sent to has finished, the `never-received`
+/// error of its first send that no recv took (`Registry::unreceived_with`),
+/// as a local run's end finds for every rank. Waits up to the deadline
+/// plus the silence that counts as death for those ranks to finish; when
+/// any rank failed meanwhile, nothing (the job fails, and says why
+/// elsewhere); when it cannot judge, a warning says why.
+fn end_check(
+    registry: &Registry,
+    health: &dyn Health,
+    rank: Rank,
+    settings: &Settings,
+) -> Option<Error> {
+    let peers = registry.sent_to();
+    let counts = if peers.is_empty() {
+        Ok(Some(std::collections::BTreeMap::new()))
+    } else {
+        health.counts_of(rank, &peers, settings.opts.timeout + SILENCE)
+    };
+    let judged = match counts {
+        Ok(Some(counts)) => registry.unreceived_with(&counts),
+        Ok(None) => Ok(None),
+        Err(why) => Err(why),
+    };
+    judged.unwrap_or_else(|why| {
+        tracing::warn!(
+            rank,
+            "whether every send of this rank was received could not be judged: {why}"
+        );
+        None
     })
 }
 

@@ -22,7 +22,7 @@
 //! returned, so that eager capacity (R5) the analysis model does not grant
 //! cannot make the replay refuse calls that followed them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -31,7 +31,7 @@ use crate::machine::{
     CommId, EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, Origin, OriginInfo, Rank, Setup,
     Status, StreamId, ThreadId, Unknown,
 };
-use crate::report::Stuck;
+use crate::report::{OpInfo, OpState, Stuck};
 use crate::{DType, Dir, Model};
 
 /// A communicator as a trace declares it.
@@ -317,6 +317,28 @@ pub struct Analysis {
     pub program_error: Option<crate::machine::ProgramError>,
 }
 
+/// What the ranks of a trace issued on one channel `(comm, from, to)`:
+/// the sends `from` issued on it and the recvs `to` issued on it
+/// ([`Trace::channel_counts`]). Once every rank of a job has finished with
+/// every op complete, a channel whose sends outnumber its recvs carried
+/// messages that NCCL completed into its buffer (R5) and nobody took: the
+/// machine's `never-received` error at the end of a run
+/// ([`crate::machine::Machine::leftover`]), here counted from what really
+/// happened, whatever the model says of the waits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelCount {
+    /// The communicator (index into [`Trace::comms`]).
+    pub comm: u32,
+    /// The sender.
+    pub from: Rank,
+    /// The receiver.
+    pub to: Rank,
+    /// Sends `from` issued on it.
+    pub sent: u64,
+    /// Recvs `to` issued on it.
+    pub received: u64,
+}
+
 impl Trace {
     /// An empty trace of `ranks` ranks.
     pub fn new(ranks: u32) -> Trace {
@@ -471,6 +493,93 @@ impl Trace {
         kept.append(&mut self.calls);
         self.calls = kept;
         folded
+    }
+
+    /// What this trace's calls and cuts issued on each channel, sorted by
+    /// channel ([`ChannelCount`]). A trace of one rank counts only that
+    /// rank's side of a channel to another rank.
+    pub fn channel_counts(&self) -> Vec<ChannelCount> {
+        let mut out: BTreeMap<(u32, Rank, Rank), (u64, u64)> = BTreeMap::new();
+        for cut in &self.cuts {
+            for &(c, peer, n) in &cut.sent {
+                out.entry((c, cut.rank, peer)).or_default().0 += u64::from(n);
+            }
+            for &(c, peer, n) in &cut.received {
+                out.entry((c, peer, cut.rank)).or_default().1 += u64::from(n);
+            }
+        }
+        for call in &self.calls {
+            let Call::Launch { ops, .. } = &call.call else {
+                continue;
+            };
+            let Some(me) = self.threads.get(call.thread as usize).map(|t| t.rank) else {
+                continue;
+            };
+            for op in ops.iter() {
+                match op.dir {
+                    Dir::Send => out.entry((op.comm, me, op.peer)).or_default().0 += 1,
+                    Dir::Recv => out.entry((op.comm, op.peer, me)).or_default().1 += 1,
+                }
+            }
+        }
+        out.into_iter()
+            .map(|((comm, from, to), (sent, received))| ChannelCount {
+                comm,
+                from,
+                to,
+                sent,
+                received,
+            })
+            .collect()
+    }
+
+    /// The `k`-th last send of `from` to `to` on `comm` among this trace's
+    /// calls, described as message `fifo` of its channel, with its buffered
+    /// state: `None` when the trace has fewer such sends (a cut folded it).
+    pub fn last_sends(&self, comm: u32, from: Rank, to: Rank, k: u64, fifo: u64) -> Option<OpInfo> {
+        let mut seen = 0u64;
+        for call in self.calls.iter().rev() {
+            let Call::Launch { ops, grouped } = &call.call else {
+                continue;
+            };
+            let Some(thread) = self.threads.get(call.thread as usize) else {
+                continue;
+            };
+            if thread.rank != from {
+                continue;
+            }
+            for op in ops.iter().rev() {
+                if op.dir != Dir::Send || op.comm != comm || op.peer != to {
+                    continue;
+                }
+                seen += 1;
+                if seen == k {
+                    return Some(OpInfo {
+                        rank: from,
+                        thread: thread.name.clone(),
+                        op: Dir::Send,
+                        peer: to,
+                        bytes: op.bytes,
+                        dtype: op.dtype,
+                        comm: self
+                            .comms
+                            .get(comm as usize)
+                            .map_or_else(|| format!("#{comm}"), |c| c.name.clone()),
+                        stream: self
+                            .streams
+                            .get(op.stream as usize)
+                            .map_or_else(|| format!("#{}", op.stream), |s| s.name.clone()),
+                        fifo: u32::try_from(fifo).unwrap_or(u32::MAX),
+                        state: OpState::Buffered,
+                        grouped: *grouped,
+                        call: call.text.to_string(),
+                        at: call.place.to_string(),
+                        line: None,
+                    });
+                }
+            }
+        }
+        None
     }
 
     /// Joins the traces of the ranks of one job (one per process): threads,

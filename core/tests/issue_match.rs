@@ -33,6 +33,7 @@ fn on_cold_communicators_issue_match_refuses_at_least_what_the_machine_refuses()
 }
 
 fn compare(warm: bool) {
+    let mut unreceived = 0;
     let mut refused = 0;
     let mut accepted = 0;
     for seed in 1..600u64 {
@@ -123,8 +124,37 @@ fn compare(warm: bool) {
                 m.apply(t, &call).expect("checked");
                 check.issue(rank, &spec.ops, spec.is_group());
             }
+            if warm {
+                // The sends no recv met (the end check of a local run,
+                // `IssueMatch::unreceived`): the machine's own unmatched
+                // sends, channel by channel, the first FIFO position and
+                // how many.
+                let mut machine: std::collections::BTreeMap<(String, u32, u32), (u32, u32)> =
+                    std::collections::BTreeMap::new();
+                for o in m.unmatched().into_iter().filter(|o| o.op == Dir::Send) {
+                    let e = machine
+                        .entry((o.comm.clone(), o.rank, o.peer))
+                        .or_insert((o.fifo, 0));
+                    e.0 = e.0.min(o.fifo);
+                    e.1 += 1;
+                }
+                let names = ["a", "b", "c"];
+                let ours: std::collections::BTreeMap<(String, u32, u32), (u32, u32)> = check
+                    .unreceived()
+                    .into_iter()
+                    .map(|((c, from, to), fifo, n, _)| {
+                        ((names[c.0 as usize].to_string(), from, to), (fifo, n))
+                    })
+                    .collect();
+                assert_eq!(ours, machine, "seed {seed}, one-sided {one_sided}");
+                unreceived += ours.len();
+            }
         }
     }
+    assert!(
+        !warm || unreceived > 100,
+        "{unreceived} channels with unreceived sends"
+    );
     // Both answers occur often enough for the comparison to mean something.
     assert!(
         refused > 1000 && accepted > 1000,

@@ -370,6 +370,13 @@ fn traces_cut_where_each_rank_is_quiet_explain_the_same_state() {
                 let merged: Trace = serde_json::from_str(&json).expect("and decodes");
                 let a = merged.analyze(program.model);
                 let what = format!("{name} ({policy:?}), cuts #{k} at {points:?}");
+                // What each channel carried counts the same cut or whole
+                // (the end check of a process job, `Trace::channel_counts`).
+                assert_eq!(
+                    merged.channel_counts(),
+                    Trace::merge(&parts).expect("joins").channel_counts(),
+                    "{what}: the cuts lost messages"
+                );
                 assert!(
                     a.disagreements.is_empty(),
                     "{what}: the cut traces are refused: {:?}",

@@ -59,6 +59,13 @@ pub enum Expect {
     /// Fail with the program error of this kind (`size-mismatch`,
     /// `type-mismatch`).
     Fails(ProgramErrorKind),
+    /// A send that no rank receives, small enough for NCCL to buffer (R5):
+    /// never `Ok`. A backend that completes the send into its channel's
+    /// buffer (NCCL, and the model under an eager capacity) must fail with
+    /// `never-received` once every rank has finished, naming the send; one
+    /// that does not buffer it (the model's contract, eager capacity 0)
+    /// must report the hang, naming the missing partner.
+    Unreceived,
 }
 
 /// One scenario.
@@ -141,7 +148,7 @@ pub fn verify<T: Transport>(
         (Expect::MayHang, Outcome::Completed) if !exhaustive => Ok(()),
         (_, Outcome::Skipped(why)) => Err(format!("{}: skipped ({why})", s.name)),
         (Expect::Completes, Outcome::Completed) => Ok(()),
-        (Expect::Hangs | Expect::MayHang, Outcome::Hang(h)) => {
+        (Expect::Hangs | Expect::MayHang | Expect::Unreceived, Outcome::Hang(h)) => {
             if h.stuck.cycle.is_empty() && h.stuck.missing.is_empty() {
                 Err(format!(
                     "{}: the hang report names no cycle and no missing partner:\n{h}",
@@ -149,6 +156,18 @@ pub fn verify<T: Transport>(
                 ))
             } else {
                 Ok(())
+            }
+        }
+        (Expect::Unreceived, Outcome::Failed(Error::Program { kind: k, ops, .. }))
+            if *k == ProgramErrorKind::NeverReceived =>
+        {
+            if ops.iter().any(|o| o.op == duplex::Dir::Send) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{}: the never-received error names no send",
+                    s.name
+                ))
             }
         }
         (Expect::Fails(kind), Outcome::Failed(Error::Program { kind: k, ops, .. }))
@@ -396,6 +415,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             PerDirection,
             Hangs,
             unmatched_send::<T>,
+        ),
+        s(
+            "unmatched-send/small",
+            "a 4 KiB send that no rank receives: NCCL completes it into the channel's buffer (R5), so the run must end with never-received naming it, not Ok (under the model's contract, eager capacity 0, it hangs)",
+            2,
+            PerDirection,
+            Unreceived,
+            unmatched_send_small::<T>,
         ),
         copy(
             "seed/copy",
@@ -1076,6 +1103,16 @@ pub fn self_unpaired<T: Transport>(t: &T) -> Result<()> {
     t.synchronize()?;
     check(t, &inb, me, 12)?;
     seed(t)
+}
+
+/// Rank 0 sends 4 KiB that no rank receives, and synchronizes; rank 1
+/// does nothing.
+pub fn unmatched_send_small<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled_with(t, 1, 13, 1024)?;
+        t.send(&out, 1)?;
+    }
+    t.synchronize()
 }
 
 /// Rank 0 sends a message that no rank receives.

@@ -168,6 +168,23 @@ impl IssueMatch {
         (bad, positions.iter().map(|p| p.fifo).collect())
     }
 
+    /// The channels on which sends were issued beyond the recvs, sorted by
+    /// channel:
+    /// the channel, the FIFO position of the first send no recv met, and
+    /// how many there are. Only channels whose both sides this check sees
+    /// (every channel, unless it sees [`IssueMatch::one_rank`]), with
+    /// what R3 compares of that first send.
+    pub fn unreceived(&self) -> Vec<(ChannelKey, u32, u32, Sig)> {
+        let mut out: Vec<(ChannelKey, u32, u32, Sig)> = self
+            .channels
+            .iter()
+            .filter(|(_, q)| q.ahead == Some(Dir::Send))
+            .filter_map(|(key, q)| Some((*key, q.matched, q.ops.len() as u32, *q.ops.front()?)))
+            .collect();
+        out.sort_unstable_by_key(|(key, ..)| *key);
+        out
+    }
+
     /// Records a launch by `rank` as issued.
     pub fn issue(&mut self, rank: Rank, ops: &[OpSpec], grouped: bool) {
         for o in ops {
