@@ -278,6 +278,25 @@ impl NcclRank {
                 format!("{}: the stream belongs to rank {}", what(), s.0.rank),
             );
         }
+        // A buffer that a failed recv may have left half written (its
+        // launch failed where NCCL may still run it, or a write failed), or
+        // whose last recv is over without its bytes, is not sent: the peer
+        // would take stale bytes as delivered. As a read of it, the send
+        // fails until the host writes it. A last recv still in flight is
+        // judged by the waits (`verify_complete`).
+        if dir == Dir::Send {
+            let judge = {
+                let users = lock(&buf.state.users);
+                users.poisoned.is_some()
+                    || users
+                        .last_recv
+                        .as_ref()
+                        .is_some_and(|l| l.op.upgrade().is_none_or(|o| o.done()))
+            };
+            if judge {
+                self.check_delivered(&buf.state, "send")?;
+            }
+        }
         // A lane connected one way only carries that way: an op against
         // it would need a connection (R7) that the model does not know of.
         if let Some(c) = &place_.comm
@@ -1412,7 +1431,8 @@ impl NcclRank {
     }
 
     /// Before a host read returns a buffer's bytes (every op on it is done,
-    /// `check_users`): its last recv delivered them. A recv whose
+    /// `check_users`), or a send takes them once its last recv is over
+    /// (`call` names which): its last recv delivered them. A recv whose
     /// communicator was aborted or reports an asynchronous error, or whose
     /// copy-engine lane did not deliver, may have left the buffer stale,
     /// and the waits that would have said so need not have covered it. As
@@ -1423,7 +1443,7 @@ impl NcclRank {
     /// recv fails every read until the host writes it. Two recvs in flight
     /// into one buffer at once (a race of the program's own) are not told
     /// apart: the later one is checked.
-    fn check_delivered(&self, buf: &BufState) -> Result<()> {
+    fn check_delivered(&self, buf: &BufState, call: &str) -> Result<()> {
         let (last, poisoned) = {
             let users = lock(&buf.users);
             let last = users
@@ -1434,7 +1454,7 @@ impl NcclRank {
         };
         if let Some(why) = poisoned {
             return Err(Error::Aborted(format!(
-                "rank {} thread {}: read of a buffer that a recv may still be writing or may have left half written: {why}; the buffer's contents cannot be trusted (write it to use it again)",
+                "rank {} thread {}: {call} of a buffer that a recv may still be writing or may have left half written: {why}; the buffer's contents cannot be trusted (write it to use it again)",
                 self.ctx.rank, self.thread
             )));
         }
@@ -1465,10 +1485,10 @@ impl NcclRank {
             return Ok(());
         };
         if let Some((r, w)) = self.ctx.peer_cause() {
-            return Err(self.peer_failed("read", r, &w));
+            return Err(self.peer_failed(call, r, &w));
         }
         Err(Error::Aborted(format!(
-            "rank {} thread {}: read of a buffer whose last recv (from rank {peer}) did not deliver its bytes: {why}; the buffer's contents cannot be trusted (write it to use it again)",
+            "rank {} thread {}: {call} of a buffer whose last recv (from rank {peer}) did not deliver its bytes: {why}; the buffer's contents cannot be trusted (write it to use it again)",
             self.ctx.rank, self.thread
         )))
     }
@@ -1650,7 +1670,7 @@ impl Transport for NcclRank {
     fn read<E: Element>(&self, buf: &NcclBuffer<E>) -> Result<Vec<E>> {
         let at = Location::caller();
         self.check_users(at, &buf.state, "read")?;
-        self.check_delivered(&buf.state)?;
+        self.check_delivered(&buf.state, "read")?;
         let bytes = match &buf.state.mem {
             Some(m) => {
                 m.read_within(&self.ctx.device, HOST_COPY_LIMIT)

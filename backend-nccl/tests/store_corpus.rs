@@ -2,7 +2,7 @@
 //! and every past crash (`fuzz/regressions/store/`) through the harness the
 //! target calls (`duplex_nccl::store::fuzz_parse`), on the stable toolchain,
 //! so that `cargo test` keeps every fuzzing finding fixed. As
-//! `backend-sim/tests/fuzz_corpus.rs` does for the simulator's targets;
+//! `tests/tests/fuzz_corpus.rs` does for the simulator's targets;
 //! `scripts/fuzz.sh store MINUTES` runs the fuzzer itself.
 
 use std::path::{Path, PathBuf};

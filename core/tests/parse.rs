@@ -438,6 +438,58 @@ fn arbitrary_bytes_never_panic() {
             assert_eq!(parse(&p.to_string()).as_ref(), Ok(&p), "{text:?}");
         }
     }
+    // Whole lines, most of them valid, so that many files parse and the
+    // round trip is tried on many programs, not the few the words make.
+    let lines = [
+        "rank 0:",
+        "rank 1:",
+        "rank 1 thread t:",
+        "  send 1 4KiB",
+        "  send 0 4KiB",
+        "  recv 0 4KiB",
+        "  recv 1 4KiB",
+        "  send 1 256MiB comm=world stream=s",
+        "  recv 0 256MiB comm=world stream=s",
+        "  group { send 1 4KiB; recv 1 4KiB }",
+        "  sync",
+        "  notify 0 go",
+        "  await 1 go",
+        "  record e stream=s",
+        "  wait e stream=s",
+        "policy per-direction",
+        "model eager=1MiB kernels=1",
+        "comm c 0 1",
+        "  send 1 1MiB comm=c",
+        "# a comment",
+        "",
+        "  frobnicate 3",
+    ];
+    let mut parsed = 0;
+    for _ in 0..10_000 {
+        let mut text = String::from("ranks 2\n");
+        for _ in 0..(x % 12) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            text.push_str(lines[(x % lines.len() as u64) as usize]);
+            text.push('\n');
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let serial = parse(&text);
+        assert_eq!(parse_with(&text, 2), serial, "2 readers: {text:?}");
+        if let Ok(p) = serial {
+            parsed += 1;
+            // The same program, up to its line numbers (printing drops
+            // comments and blank lines).
+            let printed = p.to_string();
+            let again =
+                parse(&printed).unwrap_or_else(|e| panic!("{text:?} printed as {printed:?}: {e}"));
+            assert_eq!(again.to_string(), printed, "{text:?}");
+        }
+    }
+    assert!(parsed > 1000, "only {parsed} of 10,000 files parsed");
 }
 
 /// A file cut into pieces and read by several threads gives the program,

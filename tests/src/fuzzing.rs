@@ -1,7 +1,7 @@
 //! The harnesses of the fuzz targets in `fuzz/`. Each target's body is one
 //! call of a function here, so that `cargo test` on the stable toolchain
 //! replays the committed corpus and every past crash through the same code
-//! (`backend-sim/tests/fuzz_corpus.rs`). A harness returns normally when
+//! (`tests/tests/fuzz_corpus.rs`). A harness returns normally when
 //! every invariant holds and panics otherwise, printing the program in the
 //! schedule format.
 //!

@@ -157,7 +157,7 @@ fn child(name: &str) {
 /// it posts a recv that rank 0 never matches (rank 0 has returned), whose
 /// wait ends in an error and whose communicator is aborted. Reading the
 /// first buffer again must still succeed with its bytes; reading the
-/// second must fail.
+/// second, or to send it on, must fail.
 fn read_after_abort() -> String {
     let verdict = std::sync::Mutex::new(String::from("FAIL rank 1 did not finish"));
     let n = 1 << 20;
@@ -181,8 +181,14 @@ fn read_after_abort() -> String {
         let _ = t.synchronize();
         let again = t.read(&got);
         let lost = t.read(&stale);
+        // Nor is the stale buffer sent on as if its bytes had arrived (a
+        // relay): refused at issue, by the same check.
+        let relayed = t.send(&stale, 0);
         *verdict.lock().unwrap_or_else(|e| e.into_inner()) =
             match (first == want, waited, again, lost) {
+                _ if relayed.is_ok() => {
+                    "FAIL a send of the unmatched recv's buffer was accepted".into()
+                }
                 (false, ..) => "FAIL the first message arrived wrong".into(),
                 (_, Ok(()), ..) => "FAIL the unmatched recv's wait succeeded".into(),
                 (_, _, Err(e), _) => {
@@ -193,7 +199,14 @@ fn read_after_abort() -> String {
                 // The read-time check itself, not a race with a stream
                 // that never drained.
                 (_, _, _, Err(Error::Aborted(m))) if m.contains("did not deliver") => {
-                    format!("PASS (the unmatched recv's read: {m})")
+                    match relayed {
+                        Err(Error::Aborted(s)) if s.contains("did not deliver") => format!(
+                            "PASS (the unmatched recv's read: {m}; its send: {s})"
+                        ),
+                        other => format!(
+                            "FAIL the send of the unmatched recv's buffer failed, but not by the delivery check: {other:?}"
+                        ),
+                    }
                 }
                 (_, _, _, Err(e)) => format!(
                     "FAIL the unmatched recv's read failed, but not by the delivery check: {e}"
@@ -341,11 +354,23 @@ fn the_suite_names_only_scenarios_it_has() {
         !names.contains(&"reuse-after-hang") && !names.contains(&"read-after-abort"),
         "a scenario shadows a job"
     );
+    let all = scenarios::<NcclRank>();
     for job in PROCESS_JOBS.iter().chain(&PROCESS_COPY_JOBS) {
         assert!(
             PROCESS_OWN_JOBS.contains(job) || names.contains(job),
             "process job {job} names no scenario"
         );
+        // A scenario's job judged by "every rank OK" must be one that
+        // completes (a job of its own says what it does where it is run).
+        let ok = ["OK".to_string(), "OK".to_string()];
+        if !PROCESS_OWN_JOBS.contains(job) && job_verdict(job, &ok, &[false, false]).is_none() {
+            let s = all.iter().find(|s| s.name == *job);
+            assert!(
+                s.is_some_and(|s| s.expect == Expect::Completes),
+                "process job {job} is judged as completing, but its scenario expects {:?}",
+                s.map(|s| s.expect)
+            );
+        }
     }
 }
 
@@ -587,18 +612,33 @@ fn two_processes(job: &str) -> String {
     if elapsed >= limit {
         return format!("FAIL a rank outlived every deadline and was killed ({summary})");
     }
-    let ok = match job {
+    let ok = job_verdict(job, &said, &cycles).unwrap_or_else(|| said.iter().all(|v| v == "OK"));
+    if !ok && let Some(setup) = mismatched_setup(job, &said) {
+        return format!(
+            "PASS {summary}; NCCL failed instead of hanging, where the model names a connection set up from mismatched calls, whose outcome NCCL leaves undefined (R7): {setup}"
+        );
+    }
+    format!("{} {summary}", if ok { "PASS" } else { "FAIL" })
+}
+
+/// The verdict of a process job whose ranks said `said` (and whose
+/// reports name the cycle across processes, `cycles`), for the jobs that
+/// end otherwise than with every rank `OK`; `None` for the others, which
+/// must all complete (`the_suite_names_only_scenarios_it_has` checks that
+/// each of them is a scenario expected to).
+fn job_verdict(job: &str, said: &[String], cycles: &[bool]) -> Option<bool> {
+    Some(match job {
         // Both hang, and the reports name the cycle across the two
         // processes (issue 9: the analysis runs on the union of the
         // traces the ranks published); see `both_hang`.
-        "seed/shared" => both_hang(&said, &cycles),
+        "seed/shared" => both_hang(said, cycles),
         // The same from traces cut where each rank was quiet: the cycle
         // is named from what the cuts kept and the calls since.
-        "long-then-seed/shared" => both_hang(&said, &cycles),
+        "long-then-seed/shared" => both_hang(said, cycles),
         // Rank 1 waits in the split for rank 0, which waits on the device
         // for rank 1's send: both hang, and the cycle runs through the
         // split's waits that each rank recorded.
-        "comm/after-wait" => both_hang(&said, &cycles),
+        "comm/after-wait" => both_hang(said, cycles),
         // The survivor fails (a hang past its deadline, or an error that
         // names the lost peer as its cause) instead of waiting for ever.
         // Rank 1 printed nothing: it reached its rank code (after the
@@ -616,7 +656,7 @@ fn two_processes(job: &str) -> String {
             .iter()
             .all(|v| v.starts_with("ERROR") && v.contains("differ in size")),
         // C3: a copy-engine lane never buffers; both hang (`both_hang`).
-        "never-buffered/copy" => both_hang(&said, &cycles),
+        "never-buffered/copy" => both_hang(said, cycles),
         // Rank 0's deadline comes first: it reports the hang with the
         // cycle, and rank 1 ends naming it.
         "never-buffered-late/copy" => {
@@ -638,14 +678,8 @@ fn two_processes(job: &str) -> String {
                     && (said[0] == "HANG" || said[0].contains("finished while"))
                     && said[1] == "OK")
         }
-        _ => said.iter().all(|v| v == "OK"),
-    };
-    if !ok && let Some(setup) = mismatched_setup(job, &said) {
-        return format!(
-            "PASS {summary}; NCCL failed instead of hanging, where the model names a connection set up from mismatched calls, whose outcome NCCL leaves undefined (R7): {setup}"
-        );
-    }
-    format!("{} {summary}", if ok { "PASS" } else { "FAIL" })
+        _ => return None,
+    })
 }
 
 /// Cold (`DUPLEX_COLD=1`), a job whose hang the model explains with a
