@@ -424,7 +424,14 @@ impl World {
             let choice = if decided {
                 Choice::Take(options[0])
             } else {
-                self.explorer.choose(&enabled, &options, self.fingerprint())
+                // Only the search stores states; a random, PCT or replayed
+                // schedule needs no fingerprint, whose cost grows with the
+                // state (every stream of every rank) at every step.
+                let fp = match self.explorer {
+                    Strategy::Dfs(_) => self.fingerprint(),
+                    _ => 0,
+                };
+                self.explorer.choose(&enabled, &options, fp)
             };
             let t = match choice {
                 Choice::Take(t) => t,
