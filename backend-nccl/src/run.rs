@@ -156,9 +156,9 @@ impl Local {
         let n = cuda::init()?;
         if (n as u32) < ranks || ranks == 0 {
             return Err(Error::Unavailable {
-                what: format!("{ranks} GPUs"),
+                what: format!("a GPU for each of {ranks} ranks"),
                 how: format!(
-                    "this machine has {n}; run with fewer ranks, or one process per rank across machines"
+                    "this machine has {n}; run with fewer ranks, or a process per rank across machines (`Process`, `duplex run --processes` under a launcher), or, to test behaviour and not speed, every rank on GPU 0 over sockets (`duplex run --processes --one-gpu`)"
                 ),
             });
         }

@@ -743,8 +743,11 @@ pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, St
     })?;
     if replayer.left() > 0 {
         return Err(format!(
-            "the schedule `{schedule}` does not fit this program: {} choices are left when no thread can step",
-            replayer.left()
+            "the schedule `{schedule}` does not fit this program: {} left when no thread can step",
+            match replayer.left() {
+                1 => "1 choice is".to_string(),
+                n => format!("{n} choices are"),
+            }
         ));
     }
     let (m, steps, result) = replay(c, &path);

@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::advice::{self, Latent, Repair};
 use crate::check::{Outcome, Stats, Step, Verdict};
 use duplex::machine::{OpInfo, ProgramError, Stuck};
+use duplex::report::counted;
 use duplex::schedule::Program;
 
 /// A text report shows this many first steps of a long interleaving…
@@ -288,8 +289,8 @@ impl fmt::Display for Report {
             writeln!(f)?;
             writeln!(
                 f,
-                "interleaving that leads there ({} host steps):",
-                self.steps.len()
+                "interleaving that leads there ({}):",
+                counted(self.steps.len() as u64, "host step")
             )?;
             // A long interleaving shows its start and the steps into the
             // hang; all of them are in `--format json`.
@@ -312,8 +313,8 @@ impl fmt::Display for Report {
             if tail > 0 {
                 writeln!(
                     f,
-                    "  … {} host steps not shown (all of them: --format json; as a timeline: --trace FILE) …",
-                    n - head - tail
+                    "  … {} not shown (all of them: --format json; as a timeline: --trace FILE) …",
+                    counted((n - head - tail) as u64, "host step")
                 )?;
                 for s in &self.steps[n - tail..] {
                     line(f, s)?;
@@ -355,11 +356,11 @@ impl fmt::Display for Report {
             };
             writeln!(
                 f,
-                "  it reached {bound} after {} executions, {} host steps and {} branching states (paths up to {} decisions deep), in {:.1} s, with no hang or error found so far.",
-                self.stats.executions,
-                self.stats.transitions,
-                self.stats.states,
-                self.stats.depth,
+                "  it reached {bound} after {}, {} and {} (paths up to {} deep), in {:.1} s, with no hang or error found so far.",
+                counted(self.stats.executions as u64, "execution"),
+                counted(self.stats.transitions as u64, "host step"),
+                counted(self.stats.states as u64, "branching state"),
+                counted(self.stats.depth as u64, "decision"),
                 self.stats.elapsed.as_secs_f64()
             )?;
             writeln!(
@@ -371,17 +372,17 @@ impl fmt::Display for Report {
         if self.replayed {
             return writeln!(
                 f,
-                "replayed {} host steps in {:.3} s",
-                self.steps.len(),
+                "replayed {} in {:.3} s",
+                counted(self.stats.transitions as u64, "host step"),
                 self.stats.elapsed.as_secs_f64()
             );
         }
         writeln!(
             f,
-            "searched {} executions, {} host steps, {} branching states, in {:.3} s",
-            self.stats.executions,
-            self.stats.transitions,
-            self.stats.states,
+            "searched {}, {}, {}, in {:.3} s",
+            counted(self.stats.executions as u64, "execution"),
+            counted(self.stats.transitions as u64, "host step"),
+            counted(self.stats.states as u64, "branching state"),
             self.stats.elapsed.as_secs_f64()
         )
     }

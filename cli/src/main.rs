@@ -55,12 +55,17 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Answers "can this program hang?" for schedule files, on the simulator.
+    // A negative number is an option's (wrong) value, refused by its
+    // parser, not an unknown option with a tip that would make it a file.
+    #[command(allow_negative_numbers = true)]
     Check(CheckArgs),
     /// Executes a schedule file on GPUs (`--backend nccl`) or on one random
     /// schedule of the simulator (`--backend sim`), and reports what happened.
+    #[command(allow_negative_numbers = true)]
     Run(RunArgs),
     /// Measures this machine's NCCL (eager capacity) and runs every schedule
     /// file of DIR on the GPUs, comparing each outcome with `duplex check`.
+    #[command(allow_negative_numbers = true)]
     Calibrate(CalibrateArgs),
 }
 
@@ -193,7 +198,8 @@ struct CheckArgs {
     #[arg(long, value_parser = Size::parse)]
     eager: Option<Size>,
     /// Any model setting, KEY=VALUE (eager, lazy-connect, comm-order,
-    /// kernels, one-sided-groups); may be repeated; overrides the file.
+    /// kernels, one-sided-groups, cold-channels); may be repeated;
+    /// overrides the file.
     #[arg(long = "model", value_name = "KEY=VALUE")]
     model: Vec<String>,
     /// Output format: text (one report after another), json (one JSON
@@ -243,6 +249,9 @@ enum CheckFormat {
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 && x < 1e9 => Ok(x),
+        Ok(x) if x >= 1e9 => Err(format!(
+            "`{s}` seconds is more than duplex takes (under 1e9 seconds, about 31 years)"
+        )),
         _ => Err(format!("`{s}` is not a positive number of seconds")),
     }
 }
@@ -318,6 +327,10 @@ fn report_failure(failure: &Failure, json: bool, key: &str) {
     }
 }
 
+/// The largest schedule file duplex reads: 1 GiB (the largest example
+/// the checker was measured on, a 4,096-rank all-to-all, is 9 MB).
+const MAX_FILE_BYTES: u64 = 1 << 30;
+
 /// Reads and parses a schedule file (`-`: standard input).
 fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {
     load_text(file).map(|(p, _)| p)
@@ -325,15 +338,29 @@ fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {
 
 /// [`load`], with the file's text (to place suggested edits by line).
 fn load_text(file: &str) -> Result<(duplex::schedule::Program, String), Failure> {
-    let bytes = if file == "-" {
-        let mut bytes = Vec::new();
+    let mut bytes = Vec::new();
+    // One byte past the bound says the file is larger (a device such as
+    // /dev/zero never ends).
+    let read = if file == "-" {
         std::io::stdin()
             .lock()
+            .take(MAX_FILE_BYTES + 1)
             .read_to_end(&mut bytes)
-            .map(|_| bytes)
     } else {
-        std::fs::read(file)
+        std::fs::File::open(file).and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
     };
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(Failure::invalid(
+            "read",
+            format!(
+                "{} is larger than {}, more than any schedule duplex reads (a generated file of that size would take the checker far longer than it is worth: cut it into smaller programs)",
+                if file == "-" { "standard input" } else { file },
+                duplex::Size(MAX_FILE_BYTES)
+            ),
+        )
+        .at(file, None));
+    }
+    let bytes = read.map(|_| bytes);
     let text = match bytes {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(t) => t,
@@ -712,11 +739,11 @@ fn check_with_bar(
         });
         let secs = s.elapsed.as_secs_f64().max(1e-9);
         b.set_message(format!(
-            "{} executions, {} host steps ({:.0}/s), {} branching states, depth {}, {:.0} s",
-            s.executions,
-            s.transitions,
+            "{}, {} ({:.0}/s), {}, depth {}, {:.0} s",
+            duplex::report::counted(s.executions as u64, "execution"),
+            duplex::report::counted(s.transitions as u64, "host step"),
             s.transitions as f64 / secs,
-            s.states,
+            duplex::report::counted(s.states as u64, "branching state"),
             s.depth,
             secs
         ));

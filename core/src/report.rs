@@ -129,6 +129,16 @@ impl fmt::Display for OpState {
     }
 }
 
+/// `n` and `noun`, plural unless `n` is 1: "1 host step", "2 host steps"
+/// (a noun whose plural adds `s`).
+pub fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 /// One point-to-point op as a report shows it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct OpInfo {

@@ -562,3 +562,12 @@ fn parallel_parse_is_serial_parse() {
     let refused = texts.iter().filter(|t| parse_with(t, 1).is_err()).count();
     assert!(refused > 40, "{refused} refused");
 }
+
+/// An error that quotes the file shows the characters a terminal would
+/// hide: a zero-width space after `send` is written out.
+#[test]
+fn an_error_shows_invisible_characters() {
+    let e = parse("ranks 2\nrank 0:\n  send\u{200b} 1 4KiB\n").expect_err("unknown statement");
+    assert_eq!(e.line, 3);
+    assert!(e.message.contains("`send\\u{200b}`"), "{}", e.message);
+}

@@ -61,7 +61,7 @@ pub fn nccl() -> Result<&'static Nccl, Error> {
 /// the `nvidia/nccl/lib` folder of Python wheels in the usual site-packages
 /// folders and in those of `python3` on the `PATH`.
 pub fn candidates() -> Vec<PathBuf> {
-    if let Some(p) = std::env::var_os(LIBRARY_VAR) {
+    if let Some(p) = library_var() {
         return vec![PathBuf::from(p)];
     }
     let mut out = vec![PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")];
@@ -74,6 +74,23 @@ pub fn candidates() -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// `$DUPLEX_NCCL_LIBRARY`, unless it is unset or empty (`VAR= cmd` unsets
+/// it, as for the dynamic linker's own variables).
+fn library_var() -> Option<std::ffi::OsString> {
+    std::env::var_os(LIBRARY_VAR).filter(|v| !v.is_empty())
+}
+
+/// A loader's error with the reason the system gave: libloading's own
+/// text is only "dlopen failed" or "dlsym failed", and the dynamic
+/// linker's (`invalid ELF header`, a missing dependency such as
+/// `libcudart.so.12`, `No such file or directory`) is its source.
+pub(crate) fn dl_error(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(why) => format!("{e}: {why}"),
+        None => e.to_string(),
+    }
 }
 
 /// `nvidia/nccl/lib` folders of Python wheels.
@@ -137,10 +154,10 @@ fn load() -> Result<Nccl, Error> {
         // safe to run in any process.
         match unsafe { libloading::Library::new(&path) } {
             Ok(lib) => return Nccl::from_library(lib, path.display().to_string()),
-            Err(e) => tried.push(format!("{} ({e})", path.display())),
+            Err(e) => tried.push(format!("{} ({})", path.display(), dl_error(&e))),
         }
     }
-    let how = if std::env::var_os(LIBRARY_VAR).is_some() {
+    let how = if library_var().is_some() {
         format!(
             "{LIBRARY_VAR} is set, and loading it failed: {}",
             tried.join("; ")
@@ -166,8 +183,9 @@ macro_rules! symbol {
                 return Err(Error::Unavailable {
                     what: format!("NCCL's {}", $name),
                     how: format!(
-                        "{} does not export it ({e}); duplex needs NCCL 2.18 or later",
-                        $path
+                        "{} does not export it ({}); duplex needs NCCL 2.18 or later",
+                        $path,
+                        $crate::nccl::dl_error(&e)
                     ),
                 });
             }
@@ -533,6 +551,26 @@ unsafe fn cstr(p: *const std::ffi::c_char) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A library that cannot be loaded says why, in the dynamic linker's
+    /// words, not only "dlopen failed".
+    #[test]
+    fn a_load_failure_keeps_the_linkers_reason() {
+        let missing = "/nonexistent/duplex-test/libnccl.so.2";
+        // SAFETY: the file does not exist; nothing is loaded.
+        let e = unsafe { libloading::Library::new(missing) }.expect_err("no such file");
+        let text = dl_error(&e);
+        assert!(text.contains("No such file or directory"), "{text}");
+        // A file that is not a shared library.
+        let not_elf = std::env::current_dir()
+            .expect("a directory")
+            .join("Cargo.toml");
+        // SAFETY: not an ELF file: the loader refuses it before running anything.
+        let e = unsafe { libloading::Library::new(&not_elf) }.expect_err("not a library");
+        let text = dl_error(&e);
+        assert!(text.len() > "dlopen failed: ".len() + 10, "{text}");
+        assert!(text.starts_with("dlopen failed: "), "{text}");
+    }
 
     #[test]
     fn the_search_order_is_the_documented_one() {

@@ -181,8 +181,8 @@ impl fmt::Display for Failure {
                 }
                 writeln!(
                     f,
-                    "interleaving that leads there ({} host steps):",
-                    steps.len()
+                    "interleaving that leads there ({}):",
+                    duplex::report::counted(steps.len() as u64, "host step")
                 )?;
                 for s in steps {
                     writeln!(f, "  {s}")?;
@@ -587,8 +587,8 @@ impl Sim {
                 replay,
             }),
             Some(Ending::Mismatch) => Err(Failure::Schedule(format!(
-                "the program left the schedule after its first {} choices (`{schedule}`)",
-                choices.len()
+                "the program left the schedule after its first {} (`{schedule}`)",
+                duplex::report::counted(choices.len() as u64, "choice")
             ))),
         }
     }

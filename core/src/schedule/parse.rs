@@ -68,6 +68,40 @@ pub const MAX_WORD: usize = 256;
 /// same whatever `workers` is; `parallel_parse_is_serial_parse` in the tests
 /// checks that.
 pub fn parse_with(text: &str, workers: usize) -> Result<Program, ParseError> {
+    read(text, workers).map_err(|e| ParseError {
+        line: e.line,
+        message: visible(&e.message),
+    })
+}
+
+/// `message` with the characters a terminal does not show (controls other
+/// than tab and newline, and invisible format characters: a zero-width space, a
+/// direction mark) written as `\u{...}`, so that an error that quotes the
+/// file shows what is there (`send\u{200b}`, not a `send` that looks right).
+fn visible(message: &str) -> String {
+    let hidden = |c: char| {
+        (c.is_control() && c != '\t' && c != '\n')
+            || matches!(c, '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{FEFF}')
+            || ('\u{200B}'..='\u{200F}').contains(&c)
+            || ('\u{202A}'..='\u{202E}').contains(&c)
+            || ('\u{2060}'..='\u{2069}').contains(&c)
+    };
+    if !message.chars().any(hidden) {
+        return message.to_string();
+    }
+    message
+        .chars()
+        .map(|c| {
+            if hidden(c) {
+                format!("\\u{{{:x}}}", c as u32)
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+fn read(text: &str, workers: usize) -> Result<Program, ParseError> {
     // A byte-order mark some editors put first: invisible in an error
     // message, so skipped rather than reported as part of `ranks`.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
