@@ -214,6 +214,10 @@ pub fn latent(program: &Program) -> Vec<Latent> {
         .collect()
 }
 
+/// The most "let rank r receive before it sends" candidates [`repairs`]
+/// tries, for the first ranks of the hang.
+const MAX_SWAPS: usize = 8;
+
 /// The repairs of a program that can hang, each verified to make it `ok`.
 /// `source` is the file's text (to place a `policy` line); `stuck` is the
 /// hang found.
@@ -299,7 +303,10 @@ pub fn repairs(program: &Program, source: Option<&str>, stuck: &Stuck) -> Vec<Re
             p,
             edits,
         ));
-        for &(ti, i) in &pairs {
+        // One candidate per rank, for the first ranks of the hang only:
+        // each is a whole program to check, and a hang across thousands of
+        // ranks would otherwise check thousands of them (minutes).
+        for &(ti, i) in pairs.iter().take(MAX_SWAPS) {
             let mut p = program.clone();
             let t = &mut p.threads[ti];
             let (a, b) = (t.body[i].clone(), t.body[i + 1].clone());

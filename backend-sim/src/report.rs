@@ -344,8 +344,15 @@ impl fmt::Display for Report {
             )?;
             for (i, r) in self.repairs.iter().enumerate() {
                 writeln!(f, "  {}. {}:", i + 1, r.title)?;
-                for e in &r.edits {
+                for e in r.edits.iter().take(duplex::report::LISTED) {
                     writeln!(f, "       {e}")?;
+                }
+                if r.edits.len() > duplex::report::LISTED {
+                    writeln!(
+                        f,
+                        "       … {} more edits not shown (all of them: `--format json`)",
+                        r.edits.len() - duplex::report::LISTED
+                    )?;
                 }
             }
         }

@@ -129,6 +129,23 @@ impl fmt::Display for OpState {
     }
 }
 
+/// How many blocked calls, and how many ops, a report's text lists (a hang
+/// across thousands of ranks blocks thousands of calls); the structured
+/// report keeps all of them.
+pub const LISTED: usize = 40;
+
+/// The line that says how many of a list of `n` were not shown, if any.
+fn more(f: &mut fmt::Formatter<'_>, n: usize, field: &str) -> fmt::Result {
+    if n > LISTED {
+        writeln!(
+            f,
+            "  … {} more not shown (all of them: the report's `{field}` list, `--format json`)",
+            n - LISTED
+        )?;
+    }
+    Ok(())
+}
+
 /// `n` and `noun`, plural unless `n` is 1: "1 host step", "2 host steps"
 /// (a noun whose plural adds `s`).
 pub fn counted(n: u64, noun: &str) -> String {
@@ -325,20 +342,21 @@ impl fmt::Display for Stuck {
             }
         }
         writeln!(f, "blocked host calls:")?;
-        for b in &self.blocked {
+        for b in self.blocked.iter().take(LISTED) {
             writeln!(
                 f,
                 "  rank {} {}: `{}` ({}) {}",
                 b.rank, b.thread, b.call, b.at, b.waits_for
             )?;
         }
+        more(f, self.blocked.len(), "blocked")?;
         writeln!(f, "device ops issued and not completed:")?;
         if self.ops.is_empty() {
             writeln!(f, "  (none)")?;
         }
-        for o in &self.ops {
+        for o in self.ops.iter().take(LISTED) {
             writeln!(f, "  {o}")?;
         }
-        Ok(())
+        more(f, self.ops.len(), "ops")
     }
 }

@@ -363,9 +363,35 @@ impl Transport for SimRank {
                     E::DTYPE
                 ),
             })?;
+        // The simulator holds every buffer's bytes: refuse, with the
+        // reason, what would run the machine out of memory (an allocation
+        // failure aborts the process, and the kernel's OOM killer gives no
+        // reason at all).
+        let held: u64 = w.buffers.iter().map(|b| b.bytes.len() as u64).sum();
+        let available = available_memory();
+        // Twice the buffer: what a rank writes into it is a host copy as
+        // large (a schedule file's payload, say).
+        let zeroed = match available {
+            Some(free) if held + 2 * bytes as u64 > free => None,
+            _ => zeroed(bytes),
+        };
+        let Some(zeroed) = zeroed else {
+            return Err(Error::Invalid {
+                at: check::place(at),
+                message: format!(
+                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, and {} more (twice that while it is written) on top of the {} this run holds is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
+                    E::DTYPE,
+                    duplex::Size(bytes as u64),
+                    duplex::Size(held),
+                    available
+                        .map(|a| format!(" ({} available when the run started)", duplex::Size(a)))
+                        .unwrap_or_default()
+                ),
+            });
+        };
         w.buffers.push(BufData {
             rank: self.rank,
-            bytes: vec![0; bytes],
+            bytes: zeroed,
         });
         Ok(SimBuffer {
             id: w.buffers.len() - 1,
@@ -722,4 +748,35 @@ impl Transport for SimRank {
             .flatten()
             .unwrap_or(Ok(()))
     }
+}
+
+/// The memory this machine had available when first asked (Linux's
+/// `MemAvailable`), if known: the most a simulated run's buffers may hold.
+fn available_memory() -> Option<u64> {
+    static AVAILABLE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    })
+}
+
+/// `bytes` zeroed bytes, or `None` when the allocator cannot give them
+/// (where `vec![0; bytes]` would abort the process). Zeroed by the
+/// allocator, so that pages the run never touches cost nothing.
+fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    if bytes == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
+    // SAFETY: `layout` has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of
+    // `bytes` `u8`s (align 1), and all `bytes` of them are initialized
+    // (zero), so it is a valid `Vec<u8>` of that length and capacity.
+    Some(unsafe { Vec::from_raw_parts(p, bytes, bytes) })
 }

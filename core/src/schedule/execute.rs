@@ -27,6 +27,21 @@ struct RankObjects<T: Transport> {
 /// index, so that a message from another pair, of another length, or shifted
 /// by a block, differs.
 pub fn payload(src: Rank, dst: Rank, len: u64) -> Vec<u8> {
+    try_payload(src, dst, len).unwrap_or_else(|| panic!("{len} bytes of payload: out of memory"))
+}
+
+/// [`payload`], or `None` when the host cannot hold it.
+fn try_payload(src: Rank, dst: Rank, len: u64) -> Option<Vec<u8>> {
+    let bytes = payload_bytes(src, dst, len);
+    let mut out = Vec::new();
+    out.try_reserve_exact(usize::try_from(len).ok()?).ok()?;
+    out.extend(bytes);
+    Some(out)
+}
+
+/// The bytes of [`payload`], one at a time (to check a message without a
+/// second copy of it).
+fn payload_bytes(src: Rank, dst: Rank, len: u64) -> impl Iterator<Item = u8> {
     let seed = (u64::from(src) << 40) ^ (u64::from(dst) << 32) ^ len.wrapping_mul(0x9E37_79B9);
     let block: Vec<u8> = (0..4096u64)
         .map(|i| {
@@ -34,9 +49,7 @@ pub fn payload(src: Rank, dst: Rank, len: u64) -> Vec<u8> {
             (x ^ (x >> 29) ^ (x >> 47)) as u8
         })
         .collect();
-    (0..len)
-        .map(|i| block[(i % 4096) as usize] ^ (i / 4096) as u8)
-        .collect()
+    (0..len).map(move |i| block[(i % 4096) as usize] ^ (i / 4096) as u8)
 }
 
 /// Runs rank `t.rank()`'s part of `program`. Every rank must call it; the
@@ -200,8 +213,8 @@ fn run_thread<T: Transport>(
     )?;
     for p in &received {
         let got = t.read(&p.buf)?;
-        let want = payload(p.src, t.rank(), got.len() as u64);
-        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        let want = payload_bytes(p.src, t.rank(), got.len() as u64);
+        if let Some(i) = got.iter().zip(want).position(|(g, w)| *g != w) {
             return Err(Error::User(format!(
                 "line {}: rank {} received wrong bytes from rank {} at byte {i}",
                 p.line,
@@ -242,7 +255,15 @@ fn p2p<T: Transport>(
     match op.dir {
         Dir::Send => {
             let mut buf = t.alloc::<u8>(len)?;
-            t.write(&mut buf, &payload(t.rank(), op.peer, len as u64))?;
+            let data =
+                try_payload(t.rank(), op.peer, len as u64).ok_or_else(|| Error::Invalid {
+                    at: format!("line {line}"),
+                    message: format!(
+                        "the {} this send carries do not fit in this machine's memory",
+                        crate::Size(len as u64)
+                    ),
+                })?;
+            t.write(&mut buf, &data)?;
             t.send_on(&buf, op.peer, &place)?;
             sent.push(buf);
         }
