@@ -166,11 +166,12 @@ fn generate(r: &mut Rng) -> String {
         "unbounded"
     };
     out += &format!(
-        "model eager={} lazy-connect={} comm-order={} kernels={kernels} one-sided-groups={}\n",
+        "model eager={} lazy-connect={} comm-order={} kernels={kernels} one-sided-groups={} cold-channels={}\n",
         r.pick(&["0", "0", "4KiB", "16KiB", "64KiB"]),
         r.pick(&["off", "on"]),
         r.pick(&["on", "on", "off"]),
-        r.pick(&["error", "accept"])
+        r.pick(&["error", "accept"]),
+        r.pick(&["rendezvous", "rendezvous", "mismatched"])
     );
     let mut comms: Vec<(String, Vec<usize>)> = vec![("world".into(), (0..ranks).collect())];
     for i in 0..r.below(3) {

@@ -200,6 +200,43 @@ fn capacity_of_processes(
     capacity.ok_or_else(|| Failure::unavailable("rank 0 reported no capacity".to_string()))
 }
 
+/// The model fitted to this machine, from a file's `model`: its measured
+/// capacity, kernels in progress at once without bound, communicator
+/// order, and one-sided grouping accepted (all measured in
+/// docs/semantics.md); the file keeps whether its communicators are used
+/// cold. The table's verdict is R6 as written (`cold-channels` is
+/// `rendezvous`; the other value's verdict is beside it). The one
+/// statement of it: the verdicts, the NCCL runs' settings
+/// ([`fitted_settings`]) and the table's header use it.
+pub(crate) fn fitted_model(file: duplex::Model, cap: &Capacity) -> duplex::Model {
+    duplex::Model {
+        eager: Size(cap.fits),
+        kernels: None,
+        comm_order: true,
+        one_sided_groups: true,
+        cold_mismatched_only: false,
+        ..file
+    }
+}
+
+/// The `--model` settings that give a run on NCCL the fitted model's
+/// capacity and grouping ([`fitted_model`]; the rest are the backend's
+/// defaults or the file's).
+fn fitted_settings(cap: &Capacity) -> [String; 2] {
+    let m = fitted_model(duplex::Model::default(), cap);
+    [
+        format!("eager={}", m.eager),
+        format!(
+            "one-sided-groups={}",
+            if m.one_sided_groups {
+                "accept"
+            } else {
+                "error"
+            }
+        ),
+    ]
+}
+
 /// The capacity fitted to `probes`.
 fn fitted(probes: Vec<Probe>) -> Capacity {
     let fits = probes
@@ -323,18 +360,9 @@ pub(crate) fn calibrate(
     );
     let mut rows = Vec::new();
     for (f, name, mut program) in programs {
-        // The model fitted to this machine: its measured capacity, kernels
-        // in progress at once without bound, communicator order, and
-        // one-sided grouping accepted (all measured in docs/semantics.md);
-        // the file keeps whether its communicators are used cold. The run
-        // on NCCL gets the same model, so that duplex-nccl launches what the
-        // fitted model accepts instead of refusing it.
-        program.model.eager = Size(cap.fits);
-        program.model.kernels = None;
-        program.model.comm_order = true;
-        program.model.one_sided_groups = true;
-        // The table's verdict is R6 as written; the knob's is beside it.
-        program.model.cold_mismatched_only = false;
+        // The run on NCCL gets the same model, so that duplex-nccl
+        // launches what the fitted model accepts instead of refusing it.
+        program.model = fitted_model(program.model, &cap);
         let (predicted, mismatched) = verdict(&program);
         let alternative = {
             let mut p = program.clone();
@@ -342,15 +370,7 @@ pub(crate) fn calibrate(
             Some(verdict(&p).0).filter(|v| *v != predicted)
         };
         eprintln!("running {name} (predicted {predicted})");
-        let real = on_nccl_isolated(
-            &f,
-            timeout,
-            &[
-                format!("eager={}", Size(cap.fits)),
-                "one-sided-groups=accept".to_string(),
-            ],
-            launch,
-        );
+        let real = on_nccl_isolated(&f, timeout, &fitted_settings(&cap), launch);
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
         let agrees = agreement(predicted, mismatched, &real, many_threads);
         eprintln!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);

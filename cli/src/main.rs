@@ -220,7 +220,11 @@ struct CheckArgs {
     no_reduction: bool,
     /// Write the interleaving that hangs or errs as a Chrome/Perfetto trace
     /// to this file (open it in ui.perfetto.dev): a track per rank's host
-    /// thread and stream, host calls and device ops as spans.
+    /// thread and stream, host calls and device ops as spans. With several
+    /// files, each file's trace goes to FILE.<its path, `/` as `_`>. An ok
+    /// program has no such interleaving: nothing is written, and a note on
+    /// standard error says so; a trace that cannot be written is said on
+    /// standard error, and the report and exit status are the check's.
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
     /// Exit with status 1 when the program is ok only because of its
@@ -628,11 +632,7 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
         Err(f) => return fail(&f, json, "outcome"),
     };
     let (cap, rows) = (&cal.cap, &cal.rows);
-    let model = duplex::Model {
-        eager: Size(cap.fits),
-        one_sided_groups: true,
-        ..duplex::Model::default()
-    };
+    let model = calibrate::fitted_model(duplex::Model::default(), cap);
     match args.format {
         TableFormat::Markdown => print(&calibrate::markdown(&cal, &model)),
         TableFormat::Json => {
@@ -717,15 +717,33 @@ fn run_check(args: &CheckArgs) -> ExitCode {
 }
 
 /// [`check::check`], with a progress bar on stderr once it has run for a
-/// second (indicatif draws nothing when stderr is not a terminal).
+/// second; where stderr is not a terminal (CI logs), where indicatif draws
+/// nothing, a plain line every 30 s instead, so that a long search is not
+/// silent.
 fn check_with_bar(
     file: &str,
     compiled: &duplex::compile::Compiled,
     options: &check::Options,
 ) -> check::Outcome {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
     let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut said = std::time::Duration::ZERO;
     let outcome = check::check_with(compiled, options, &mut |s| {
         if s.elapsed < std::time::Duration::from_secs(1) {
+            return;
+        }
+        if !terminal {
+            if s.elapsed >= said + std::time::Duration::from_secs(30) {
+                said = s.elapsed;
+                eprintln!(
+                    "duplex: {file}: still checking after {:.0} s: {}, {}, {} (bounds: --max-states, --time-limit)",
+                    s.elapsed.as_secs_f64(),
+                    duplex::report::counted(s.executions as u64, "execution"),
+                    duplex::report::counted(s.transitions as u64, "host step"),
+                    duplex::report::counted(s.states as u64, "branching state"),
+                );
+            }
             return;
         }
         let b = bar.get_or_insert_with(|| {
@@ -849,17 +867,25 @@ fn check_file(
             }
             _ => schedule.cloned(),
         };
-        if let Some(s) = found {
-            let trace = check::trace_of(&compiled, &s)
-                .map_err(|e| Failure::invalid("replay", e).at(file, None))?;
-            let json = duplex_sim::perfetto::chrome_trace(&trace.timeline(program.model), file);
-            let path = if args.files.len() > 1 {
-                format!("{out}.{}", file.replace(['/', '\\'], "_"))
-            } else {
-                out.clone()
-            };
-            std::fs::write(&path, json.to_string())
-                .map_err(|e| Failure::invalid("read", format!("cannot write {path}: {e}")))?;
+        let path = if args.files.len() > 1 {
+            format!("{out}.{}", file.replace(['/', '\\'], "_"))
+        } else {
+            out.clone()
+        };
+        match found {
+            Some(s) => {
+                let trace = check::trace_of(&compiled, &s)
+                    .map_err(|e| Failure::invalid("replay", e).at(file, None))?;
+                let json = duplex_sim::perfetto::chrome_trace(&trace.timeline(program.model), file);
+                // The check is done: its report still comes; the trace
+                // that could not be written is said on standard error.
+                if let Err(e) = std::fs::write(&path, json.to_string()) {
+                    eprintln!("duplex: {file}: cannot write the trace to {path}: {e}");
+                }
+            }
+            None => eprintln!(
+                "duplex: {file}: no trace written to {path}: no interleaving hangs or errs"
+            ),
         }
     }
     // The advice below checks the program again under other settings: the

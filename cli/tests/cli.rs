@@ -1157,3 +1157,43 @@ fn run_says_how_to_replay_with_the_command_line() {
     let body = |t: &str| t.split_once('\n').map(|(_, b)| b.to_string());
     assert_eq!(body(&again), body(&text));
 }
+
+/// `--trace`: a hang's interleaving is written as a Chrome trace; an ok
+/// program writes none and says so; a trace that cannot be written is said
+/// on standard error, and the report and exit status are the check's.
+#[test]
+fn a_trace_is_written_for_a_hang_and_its_failures_are_said() {
+    let dir = std::env::temp_dir().join(format!("duplex-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let ex = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let seed = ex.join("seed.sched");
+    let seed = seed.to_str().expect("utf-8 path");
+    let out_path = dir.join("seed.json");
+    let out = duplex(&["check", seed, "--trace", out_path.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out_path).expect("the trace was written"))
+            .expect("the trace is JSON");
+    assert!(trace.to_string().contains("rank 0"), "{trace}");
+    // An ok program: no trace, and a note.
+    let ok = ex.join("seed-rpc-per-direction.sched");
+    let none = dir.join("none.json");
+    let out = duplex(&[
+        "check",
+        ok.to_str().expect("utf-8"),
+        "--trace",
+        none.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(!none.exists());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no trace written"), "{err}");
+    // A path that cannot be written: the report still comes, exit 1.
+    let out = duplex(&["check", seed, "--trace", "/nonexistent-duplex-dir/t.json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("wait-for cycle"), "{text}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot write the trace"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

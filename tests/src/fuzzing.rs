@@ -97,11 +97,12 @@ pub fn program(data: &[u8]) {
     let mut bytes = Bytes::new(data);
     let original = Recipe::from_bytes(&shape, &mut bytes).build(&shape);
     let at = usize::from(bytes.byte());
-    let mutation = match bytes.byte() % 5 {
+    let mutation = match bytes.byte() % 6 {
         1 => Some(Mutation::Swap(at)),
         2 => Some(Mutation::Drop(at)),
         3 => Some(Mutation::Resize(at)),
         4 => Some(Mutation::Reverse(at)),
+        5 => Some(Mutation::Ungroup(at)),
         _ => None,
     };
     let mutant = mutation.and_then(|m| m.apply(&original));

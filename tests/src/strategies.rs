@@ -115,6 +115,15 @@ pub struct Shape {
     pub cold_channels: Vec<bool>,
     /// `comm-order` values (R2).
     pub comm_order: Vec<bool>,
+    /// `one-sided-groups=accept` values (R8; `false`: a group met by an
+    /// ungrouped op is an error). Chosen by the comm-order knob divided by
+    /// the number of comm-order values, so that shapes with one value (the
+    /// default: `accept` only) generate what they did before this existed.
+    /// Under `false` a generated program may err: a run of grouped ops on
+    /// one thread becomes a group of several while its partners may stay a
+    /// group of one, which is no group (R8). For properties of broken
+    /// programs only.
+    pub one_sided_groups: Vec<bool>,
     /// `kernels` values (R10); `None` is unbounded.
     pub kernels: Vec<Option<u32>>,
     /// Messages may be placed explicitly (`comm=`, `stream=`); otherwise
@@ -147,6 +156,7 @@ impl Default for Shape {
             lazy_connect: vec![false, true],
             cold_channels: vec![false],
             comm_order: vec![true, false],
+            one_sided_groups: vec![true],
             kernels: vec![None, Some(1), Some(2)],
             explicit: true,
             comms: 2,
@@ -200,6 +210,7 @@ impl Shape {
                 || self.lazy_connect.is_empty()
                 || self.cold_channels.is_empty()
                 || self.comm_order.is_empty()
+                || self.one_sided_groups.is_empty()
                 || self.kernels.is_empty()),
             "every list of a Shape must hold at least one value: {self:?}"
         );
@@ -240,6 +251,7 @@ pub fn mutation() -> impl Strategy<Value = Mutation> {
         any::<u16>().prop_map(|at| Mutation::Drop(at.into())),
         any::<u16>().prop_map(|at| Mutation::Resize(at.into())),
         any::<u16>().prop_map(|at| Mutation::Reverse(at.into())),
+        any::<u16>().prop_map(|at| Mutation::Ungroup(at.into())),
     ]
 }
 
@@ -266,6 +278,10 @@ pub enum Mutation {
     Resize(usize),
     /// Reverses the order of a thread's statements.
     Reverse(usize),
+    /// Splits a group of several ops into its ops, one statement each, in
+    /// order: their partners' launches stay grouped, so under
+    /// `one-sided-groups=error` the program errs (R8).
+    Ungroup(usize),
 }
 
 impl fmt::Display for Mutation {
@@ -275,6 +291,7 @@ impl fmt::Display for Mutation {
             Mutation::Drop(at) => write!(f, "drop statement or group op #{at}"),
             Mutation::Resize(at) => write!(f, "resize op #{at}"),
             Mutation::Reverse(at) => write!(f, "reverse thread #{at}"),
+            Mutation::Ungroup(at) => write!(f, "ungroup group #{at}"),
         }
     }
 }
@@ -282,7 +299,7 @@ impl fmt::Display for Mutation {
 impl Mutation {
     /// The mutated program, or `None` when `program` has nothing this
     /// mutation can change (no thread of two statements to swap or reverse,
-    /// no statement to drop, no op to resize).
+    /// no statement to drop, no op to resize, no group of several ops).
     pub fn apply(&self, program: &Program) -> Option<Program> {
         let mut p = program.clone();
         match *self {
@@ -324,6 +341,32 @@ impl Mutation {
                     _ => {
                         body.remove(s);
                     }
+                }
+            }
+            Mutation::Ungroup(at) => {
+                let mut slots = Vec::new();
+                for (t, th) in p.threads.iter().enumerate() {
+                    for (s, stmt) in th.body.iter().enumerate() {
+                        if matches!(&stmt.kind, StmtKind::Group(ops) if ops.len() > 1) {
+                            slots.push((t, s));
+                        }
+                    }
+                }
+                let (t, s) = nth(slots, at)?;
+                let body = &mut p.threads[t].body;
+                let group = body.remove(s);
+                let StmtKind::Group(ops) = group.kind else {
+                    return None;
+                };
+                for (k, op) in ops.into_iter().enumerate() {
+                    let line = if op.line.0 != 0 { op.line } else { group.line };
+                    body.insert(
+                        s + k,
+                        Stmt {
+                            kind: StmtKind::Op(op),
+                            line,
+                        },
+                    );
                 }
             }
             Mutation::Resize(at) => {
@@ -465,7 +508,7 @@ fn recipes(shape: &Shape) -> impl Strategy<Value = Recipe> + use<> {
             knob(shape.policies.len()),
             knob(shape.eager.len()),
             knob(shape.lazy_connect.len() * shape.cold_channels.len()),
-            knob(shape.comm_order.len()),
+            knob(shape.comm_order.len() * shape.one_sided_groups.len()),
             knob(shape.kernels.len()),
         ),
         vec(any::<u8>(), 0..=shape.comms),
@@ -726,7 +769,10 @@ impl<'r> Builder<'r> {
                 ),
                 comm_order: pick(&self.shape.comm_order, k[3]),
                 kernels: pick(&self.shape.kernels, k[4]),
-                one_sided_groups: true,
+                one_sided_groups: pick(
+                    &self.shape.one_sided_groups,
+                    k[3] / self.shape.comm_order.len() as u8,
+                ),
             },
             comms: self.comms,
             threads: self.threads,

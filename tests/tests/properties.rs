@@ -622,7 +622,12 @@ proptest! {
     /// whether the program is `ok` is compared.
     #[test]
     fn the_simulator_and_the_checker_agree_on_broken_programs(
-        (_, m, q) in strategies::mutants(unbounded(Shape::small())),
+        (_, m, q) in strategies::mutants(unbounded(Shape {
+            // Grouping on one side an error in half of them (R8): a drop
+            // of one op of a group leaves its partner grouped alone.
+            one_sided_groups: vec![true, false],
+            ..Shape::small()
+        })),
     ) {
         let (c, s) = (verdict(&q), simulator(&q));
         prop_assert!(
@@ -662,6 +667,36 @@ fn cold_channels_mismatched_changes_some_generated_verdicts() {
         }
     }
     assert!(differ >= 5, "only {differ} of 3000 programs differ");
+}
+
+/// The broken-programs property reaches the strict R8 check: among mutants
+/// of the shape it runs on, the checker finds some `group-mismatch` errors
+/// (grouping on one side only, under `one-sided-groups=error`).
+#[test]
+fn mutants_reach_group_mismatches() {
+    let mut runner = TestRunner::deterministic();
+    let strategy = strategies::mutants(unbounded(Shape {
+        one_sided_groups: vec![true, false],
+        ..Shape::small()
+    }));
+    let options = Options {
+        max_states: 1_000_000,
+        reduce: true,
+        ..Options::default()
+    };
+    let mut found = 0;
+    for _ in 0..1500 {
+        let (_, _, q) = strategy.new_tree(&mut runner).unwrap().current();
+        if let check::Verdict::Error { error, .. } = check::check(&compile(&q), &options).verdict
+            && matches!(error, duplex::machine::ProgramError::GroupMismatch { .. })
+        {
+            found += 1;
+        }
+    }
+    assert!(
+        found >= 5,
+        "only {found} of 1500 mutants err by group-mismatch"
+    );
 }
 
 /// `shape` with unbounded kernels only: the simulator explores by

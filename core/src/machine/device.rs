@@ -276,19 +276,48 @@ impl Machine {
         }
     }
 
+    /// The eager capacity of channel `key` (R5): the model's, and none on
+    /// a copy-engine lane, which never buffers.
+    pub(super) fn eager_of(&self, key: ChannelKey) -> u64 {
+        if self.setup.comms[key.0.ix()].copy {
+            0
+        } else {
+            self.setup.model.eager.bytes()
+        }
+    }
+
+    /// Whether channel `key` buffers sends now (R5): it has an eager
+    /// capacity, and it is connected (warm), or has carried a message, or
+    /// counts as warm under `cold-channels=mismatched`. Otherwise its
+    /// first message is a rendezvous (R6): a channel with ghosts
+    /// (`Machine::settle_from`) has carried one; with
+    /// `cold-channels=mismatched`, only a channel set up in a round of
+    /// mismatched calls (R7) is cold, where the model's rounds follow
+    /// NCCL's (a pair that exchanges one message each way); elsewhere, and
+    /// for a rank's messages to itself, R6 stays. The one statement of
+    /// the rule, for the device's moves and the hang report's words.
+    pub(super) fn buffers(&self, key: ChannelKey) -> bool {
+        if self.eager_of(key) == 0 {
+            return false;
+        }
+        if self.setup.comms[key.0.ix()].warm {
+            return true;
+        }
+        let Some(ch) = self.state.channels.get(&key) else {
+            return false;
+        };
+        ch.delivered > 0
+            || ch.sends.front().is_some_and(|g| g.ghost)
+            || ch.recvs.front().is_some_and(|g| g.ghost)
+            || (self.setup.model.cold_mismatched_only && self.warm_by_its_round(key))
+    }
+
     /// Moves messages through channel `key` as far as they go: the front
     /// pair completes once both sides have started (R3, R4), and sends
     /// complete into a connected channel's buffer while it has room (R5,
     /// R6).
     fn settle_channel(&mut self, key: ChannelKey) {
-        let info = &self.setup.comms[key.0.ix()];
-        // Copy-engine lanes never buffer.
-        let eager = if info.copy {
-            0
-        } else {
-            self.setup.model.eager.bytes()
-        };
-        let warm = info.warm;
+        let eager = self.eager_of(key);
         loop {
             let mut changed = false;
             while let Some(Front::Ready(send, recv)) = self.front(key) {
@@ -325,18 +354,7 @@ impl Machine {
                 debug_assert!(ch.delivered > 0);
                 return;
             }
-            // R6: the first message of a cold channel is a rendezvous; a
-            // channel with ghosts (`Machine::settle_from`) has carried one.
-            // With `cold-channels=mismatched`, only a channel set up in a
-            // round of mismatched calls (R7) is cold, where the model's
-            // rounds follow NCCL's (a pair that exchanges one message each
-            // way); elsewhere, and for a rank's messages to itself, R6
-            // stays.
-            let used = ch.delivered > 0
-                || ch.sends.front().is_some_and(|g| g.ghost)
-                || ch.recvs.front().is_some_and(|g| g.ghost)
-                || (self.setup.model.cold_mismatched_only && self.warm_by_its_round(key));
-            if eager > 0 && (warm || used) {
+            if self.buffers(key) {
                 let mut inflight: u64 = 0;
                 let mut i = 0;
                 // Sends leave in FIFO order: the buffer takes active ones

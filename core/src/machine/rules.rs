@@ -260,11 +260,12 @@ impl Machine {
             .unwrap_or(0);
         let rule = if pos == 0 {
             Rule::R4
-        } else if op.spec.dir == Dir::Send
-            && self.setup.model.eager.bytes() > 0
-            && !self.setup.comms[op.spec.comm.ix()].copy
-        {
+        } else if op.spec.dir == Dir::Send && self.buffers(key) {
             Rule::R5
+        } else if op.spec.dir == Dir::Send && self.eager_of(key) > 0 {
+            // A channel that would buffer it, but not before its first
+            // message was received (R6).
+            Rule::R6
         } else {
             Rule::R3
         };
@@ -514,6 +515,10 @@ impl Machine {
                         "started; the channel's buffer (eager={}) has no room for {} more, so it waits for message #{msg} to be received: ",
                         m.setup.model.eager,
                         Size(bytes)
+                    )
+                } else if b.rule == Rule::R6 {
+                    format!(
+                        "started; the channel buffers nothing before its first message is received (R6: its connection is cold), so it waits for message #{msg} of {src}→{dst}: "
                     )
                 } else {
                     format!(
