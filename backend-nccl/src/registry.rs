@@ -231,28 +231,24 @@ fn issue_error(
     let Some(partner) = position.partner else {
         return Error::Aborted(format!("the issue check refused `{}`", call.text));
     };
-    let (kind, what) = if partner.bytes != op.bytes {
-        (
-            duplex::ProgramErrorKind::SizeMismatch,
-            format!(
-                "size mismatch (R3): {} bytes against {}",
-                op.bytes, partner.bytes
-            ),
-        )
-    } else if partner.dtype != op.dtype {
-        (
-            duplex::ProgramErrorKind::TypeMismatch,
-            format!("type mismatch (R3): {} against {}", op.dtype, partner.dtype),
-        )
-    } else {
-        (duplex::ProgramErrorKind::GroupMismatch, {
+    let kind =
+        duplex::machine::issue::mismatch_kind((partner.bytes, partner.dtype), (op.bytes, op.dtype));
+    let what = match kind {
+        duplex::ProgramErrorKind::SizeMismatch => format!(
+            "size mismatch (R3): {} bytes against {}",
+            op.bytes, partner.bytes
+        ),
+        duplex::ProgramErrorKind::TypeMismatch => {
+            format!("type mismatch (R3): {} against {}", op.dtype, partner.dtype)
+        }
+        _ => {
             let g = |g: bool| if g { "grouped" } else { "not grouped" };
             format!(
                 "group mismatch (R8): {} against {}",
                 g(grouped),
                 g(partner.grouped)
             )
-        })
+        }
     };
     Error::Program {
         kind,
@@ -852,7 +848,7 @@ impl Registry {
             .get(call.thread as usize)
             .map_or(0, |t| t.rank);
         let specs: smallvec::SmallVec<[OpSpec; 4]> = ops.iter().map(OpRec::spec).collect();
-        let is_group = *grouped && ops.len() > 1;
+        let is_group = duplex::machine::is_group(*grouped, ops.len());
         let (mut bad, mut positions) = r.matcher.check(rank, &specs, is_group);
         if bad.is_some() {
             // Refused. The live machine names both ops when it can judge

@@ -45,6 +45,21 @@ pub(crate) fn agree(partner: &Sig, op: &Sig, one_sided_groups: bool) -> bool {
         && (partner.grouped == op.grouped || one_sided_groups)
 }
 
+/// Which check an op fails against the partner at its position, once
+/// [`agree`] says it fails one, each given as (bytes, element type): the
+/// size first (R3), then the type (R3), else the grouping (R8). The one
+/// order of the three, for the machine's errors and the NCCL backend's
+/// issue check.
+pub fn mismatch_kind(partner: (u64, DType), op: (u64, DType)) -> crate::ProgramErrorKind {
+    if partner.0 != op.0 {
+        crate::ProgramErrorKind::SizeMismatch
+    } else if partner.1 != op.1 {
+        crate::ProgramErrorKind::TypeMismatch
+    } else {
+        crate::ProgramErrorKind::GroupMismatch
+    }
+}
+
 /// A channel's ops issued by one side beyond the other: `ahead` holds
 /// them, oldest first; `matched` counts the pairs both sides issued.
 #[derive(Clone, Debug, Default)]

@@ -393,8 +393,14 @@ impl LaunchSpec {
     /// two or more ops. A group of one op is exactly a plain call (NCCL
     /// wraps every `ncclSend`/`ncclRecv` in a group of its own).
     pub fn is_group(&self) -> bool {
-        self.grouped && self.ops.len() > 1
+        is_group(self.grouped, self.ops.len())
     }
+}
+
+/// Whether a launch of `ops` ops, issued between group start and end when
+/// `grouped`, is a group in the sense of R8 ([`LaunchSpec::is_group`]).
+pub fn is_group(grouped: bool, ops: usize) -> bool {
+    grouped && ops > 1
 }
 
 /// What a host thread asks of the machine.
@@ -1599,13 +1605,13 @@ impl Machine {
                 (that, this)
             };
             let (send, recv) = (Box::new(send), Box::new(recv));
-            return Err(if partner.bytes != o.bytes {
-                ProgramError::SizeMismatch { send, recv }
-            } else if partner.dtype != o.dtype {
-                ProgramError::TypeMismatch { send, recv }
-            } else {
-                ProgramError::GroupMismatch { send, recv }
-            });
+            return Err(
+                match issue::mismatch_kind((partner.bytes, partner.dtype), (o.bytes, o.dtype)) {
+                    ProgramErrorKind::SizeMismatch => ProgramError::SizeMismatch { send, recv },
+                    ProgramErrorKind::TypeMismatch => ProgramError::TypeMismatch { send, recv },
+                    _ => ProgramError::GroupMismatch { send, recv },
+                },
+            );
         }
         Ok(())
     }
