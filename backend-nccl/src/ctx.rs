@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -664,7 +664,12 @@ pub(crate) struct RankCtx {
     /// others' ([`crate::health`]).
     pub(crate) health: Arc<dyn Health>,
     pub(crate) user_comms: AtomicUsize,
-    pub(crate) next_logical: AtomicU32,
+    /// The logical number of the first user communicator: the `k`-th
+    /// `Transport::comm` call's is this plus `k`, the same on every rank
+    /// whatever order a rank's threads made their calls in (a number taken
+    /// apart from `k` could differ between ranks, and the ranks' traces
+    /// would then count one communicator's messages under two numbers).
+    pub(crate) first_user_logical: u32,
     /// Ops on copy-engine lanes whose streams went on without their bytes
     /// ([`Issued::check_delivery`]): every later wait of the rank fails
     /// naming the first.
@@ -1023,7 +1028,7 @@ impl RankCtx {
             registry,
             health,
             user_comms: AtomicUsize::new(0),
-            next_logical: AtomicU32::new(logical),
+            first_user_logical: logical,
             lost: Mutex::new(Vec::new()),
             published_for_peer: AtomicBool::new(false),
             fired: AtomicBool::new(false),

@@ -1293,6 +1293,11 @@ impl NcclRank {
             (r.analyze(), Vec::new())
         };
         let disagreements = analysis.disagreements;
+        // A size, type or group mismatch in the joined calls is the hang's
+        // cause: NCCL's behaviour for it is undefined, and here it hung
+        // (across processes neither rank sees the other's op before both
+        // are launched; in one process the issue check refuses it first).
+        let program = analysis.program_error.clone().map(Error::from);
         let from = replayed_from(ctx.rank, &missing, analysis.unjoined.as_deref());
         let note;
         let stuck = match analysis.stuck {
@@ -1384,18 +1389,28 @@ impl NcclRank {
                 unmade.join("; ")
             )
         };
+        let context = format!(
+            "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{finished}{lanes}",
+            ctx.rank,
+            self.thread,
+            ctx.opts.timeout,
+            if aborted.is_empty() {
+                "none".to_string()
+            } else {
+                aborted.join(", ")
+            }
+        );
+        if let Some(Error::Program { kind, message, ops }) = program {
+            return Error::Program {
+                kind,
+                message: format!(
+                    "{message}; NCCL's behaviour for it is undefined, and here it hung: {context}"
+                ),
+                ops,
+            };
+        }
         Error::Hang(Box::new(Hang {
-            context: format!(
-                "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{finished}{lanes}",
-                ctx.rank,
-                self.thread,
-                ctx.opts.timeout,
-                if aborted.is_empty() {
-                    "none".to_string()
-                } else {
-                    aborted.join(", ")
-                }
-            ),
+            context,
             stuck,
             steps: Vec::new(),
             schedule: None,
@@ -1723,7 +1738,7 @@ impl Transport for NcclRank {
         if let Err(m) = self.ctx.registry.user_comm(k, name, members) {
             return check::invalid(at, m);
         }
-        let logical = self.ctx.next_logical.fetch_add(1, Ordering::AcqRel);
+        let logical = self.ctx.first_user_logical + k as u32;
         self.ctx.device.bind()?;
         let made = std::time::Instant::now();
         let before = self.ctx.device.memory().map(|m| m.0).unwrap_or(0);

@@ -699,16 +699,57 @@ impl Registry {
             return Ok(None);
         };
         let count = first.sent - received;
-        let op = self
-            .lock()
+        let r = self.lock();
+        // A send folded into the trace's cut (a long run) has no call left
+        // to name: it is described from the counts, and its size from the
+        // cut's last sizes when it is among them. Known unreceived, it is
+        // reported all the same.
+        let op = r
             .trace
             .last_sends(first.comm, me, first.to, count, received)
-            .ok_or_else(|| {
-                format!(
-                    "{count} send(s) of rank {me} to rank {} were never received, but they were folded into the trace's cut and cannot be named",
-                    first.to
-                )
-            })?;
+            .unwrap_or_else(|| {
+                let after_cut = r.trace.channel_counts_of_calls(first.comm, me, first.to).0;
+                let bytes = r
+                    .trace
+                    .cuts
+                    .iter()
+                    .find(|c| c.rank == me)
+                    .and_then(|c| {
+                        c.recent
+                            .iter()
+                            .find(|(k, p, _)| (*k, *p) == (first.comm, first.to))
+                    })
+                    .and_then(|(_, _, sizes)| {
+                        let back = usize::try_from(count - after_cut).ok()?;
+                        sizes
+                            .len()
+                            .checked_sub(back)
+                            .and_then(|i| sizes.get(i))
+                            .copied()
+                    })
+                    .unwrap_or(0);
+                OpInfo {
+                    rank: me,
+                    thread: String::new(),
+                    op: duplex::Dir::Send,
+                    peer: first.to,
+                    bytes,
+                    dtype: duplex::DType::U8,
+                    comm: r
+                        .trace
+                        .comms
+                        .get(first.comm as usize)
+                        .map_or_else(|| format!("#{}", first.comm), |c| c.name.clone()),
+                    stream: String::new(),
+                    fifo: u32::try_from(received).unwrap_or(u32::MAX),
+                    state: duplex::report::OpState::Buffered,
+                    grouped: false,
+                    call: format!("send to rank {}", first.to),
+                    at: "(a call folded into the trace's cut: a long run keeps only its counts)"
+                        .into(),
+                    line: None,
+                }
+            });
         Ok(Some(never_received(op, count, short.len() - 1)))
     }
 
@@ -1166,6 +1207,63 @@ mod tests {
             record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
         }
         assert!(matches!(regs[0].unreceived_with(&counts(1)), Ok(None)));
+    }
+
+    /// A send that no recv took, folded into the trace's cut by a long run
+    /// (more than [`CUT_AT`] calls after it), is still reported: from the
+    /// counts, with its size from the cut's last sizes.
+    #[test]
+    fn an_unreceived_send_folded_into_a_cut_is_still_reported() {
+        let reg = Registry::for_rank(2, Model::default(), 0);
+        reg.comm(0, "world", &[0, 1], true);
+        let s = reg.stream(0, "s");
+        let t = reg.thread(0, "main");
+        record(&reg, one_op(t, Dir::Send, 1, 4096, 0, s)).expect("recorded");
+        let pair = || TraceCall {
+            thread: t as u32,
+            call: Call::Launch {
+                ops: Arc::new([
+                    TraceOp {
+                        dir: Dir::Send,
+                        peer: 0,
+                        bytes: 8,
+                        dtype: DType::U8,
+                        comm: 0,
+                        stream: s,
+                    },
+                    TraceOp {
+                        dir: Dir::Recv,
+                        peer: 0,
+                        bytes: 8,
+                        dtype: DType::U8,
+                        comm: 0,
+                        stream: s,
+                    },
+                ]),
+                grouped: true,
+            },
+            text: "group { send 0; recv 0 }".into(),
+            place: "x.rs:2:1".into(),
+        };
+        for _ in 0..CUT_AT {
+            record(&reg, pair()).expect("recorded");
+        }
+        assert!(reg.cut_if_long() > 0, "the trace was cut");
+        assert!(reg.lock().trace.last_sends(0, 0, 1, 1, 0).is_none());
+        let none_received = std::collections::BTreeMap::from([(1, Vec::new())]);
+        let e = reg
+            .unreceived_with(&none_received)
+            .expect("judged")
+            .expect("never-received");
+        let Error::Program { ops, message, .. } = e else {
+            panic!("{e}");
+        };
+        assert_eq!(
+            (ops[0].peer, ops[0].fifo, ops[0].bytes),
+            (1, 0, 4096),
+            "{message}"
+        );
+        assert!(message.contains("folded into the trace's cut"), "{message}");
     }
 
     /// Both ranks' first ops on a communicator connected on first use are

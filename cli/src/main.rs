@@ -884,7 +884,12 @@ fn check_file(
                 }
             }
             None => eprintln!(
-                "duplex: {file}: no trace written to {path}: no interleaving hangs or errs"
+                "duplex: {file}: no trace written to {path}: {}",
+                if matches!(outcome.verdict, check::Verdict::Inconclusive) {
+                    "no interleaving that hangs or errs was found within the search's bounds"
+                } else {
+                    "no interleaving hangs or errs"
+                }
             ),
         }
     }

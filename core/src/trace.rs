@@ -533,6 +533,28 @@ impl Trace {
             .collect()
     }
 
+    /// The sends `from` issued to `to` on `comm`, and the recvs `to` issued
+    /// from `from` on it, among this trace's calls alone (not its cuts).
+    pub fn channel_counts_of_calls(&self, comm: u32, from: Rank, to: Rank) -> (u64, u64) {
+        let mut out = (0, 0);
+        for call in &self.calls {
+            let Call::Launch { ops, .. } = &call.call else {
+                continue;
+            };
+            let Some(me) = self.threads.get(call.thread as usize).map(|t| t.rank) else {
+                continue;
+            };
+            for op in ops.iter().filter(|o| o.comm == comm) {
+                match op.dir {
+                    Dir::Send if me == from && op.peer == to => out.0 += 1,
+                    Dir::Recv if me == to && op.peer == from => out.1 += 1,
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
     /// The `k`-th last send of `from` to `to` on `comm` among this trace's
     /// calls, described as message `fifo` of its channel, with its buffered
     /// state: `None` when the trace has fewer such sends (a cut folded it).

@@ -85,6 +85,9 @@ fn visible(message: &str) -> String {
             || ('\u{200B}'..='\u{200F}').contains(&c)
             || ('\u{202A}'..='\u{202E}').contains(&c)
             || ('\u{2060}'..='\u{2069}').contains(&c)
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{3164}' | '\u{FFA0}')
+            || ('\u{FE00}'..='\u{FE0F}').contains(&c)
+            || ('\u{E0000}'..='\u{E007F}').contains(&c)
     };
     if !message.chars().any(hidden) {
         return message.to_string();
