@@ -46,7 +46,7 @@ pub(crate) fn agree(partner: &Sig, op: &Sig, one_sided_groups: bool) -> bool {
 }
 
 /// Which check an op fails against the partner at its position, once
-/// [`agree`] says it fails one, each given as (bytes, element type): the
+/// `agree` says it fails one, each given as (bytes, element type): the
 /// size first (R3), then the type (R3), else the grouping (R8). The one
 /// order of the three, for the machine's errors and the NCCL backend's
 /// issue check.
