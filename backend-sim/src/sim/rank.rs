@@ -750,15 +750,33 @@ impl Transport for SimRank {
     }
 }
 
-/// The memory this machine had available when first asked (Linux's
-/// `MemAvailable`), if known: the most a simulated run's buffers may hold.
+/// The memory this process had available when first asked, if known: the
+/// most a simulated run's buffers may hold. Linux's `MemAvailable`, and
+/// under a cgroup v2 limit (a container) what the limit leaves
+/// (`memory.max` less `memory.current`), whichever is less.
 fn available_memory() -> Option<u64> {
     static AVAILABLE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
+        let machine = (|| {
+            let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            kib.checked_mul(1024)
+        })();
+        let read = |f: &str| -> Option<u64> {
+            std::fs::read_to_string(format!("/sys/fs/cgroup/{f}"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        // "max" (no limit) does not parse: no cgroup bound.
+        let cgroup =
+            read("memory.max").map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)));
+        match (machine, cgroup) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     })
 }
 
