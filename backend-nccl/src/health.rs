@@ -405,11 +405,24 @@ impl StoreHealth {
             blocked = ?trace.blocked.iter().map(|c| c.text.to_string()).collect::<Vec<_>>(),
             "publishing this rank's trace"
         );
-        let result = serde_json::to_vec(trace)
-            .map_err(|e| duplex::Error::Aborted(format!("encoding the trace: {e}")))
-            .and_then(|bytes| self.store.put(key, &bytes, REQUEST * 5));
+        self.put_json(key, rank, "trace", trace, REQUEST * 5);
+    }
+
+    /// Stores `value` as JSON under `key` for `rank`; a failure is logged
+    /// (the others then miss `what`, and say so when they look).
+    fn put_json<T: serde::Serialize + ?Sized>(
+        &self,
+        key: &str,
+        rank: Rank,
+        what: &str,
+        value: &T,
+        timeout: Duration,
+    ) {
+        let result = serde_json::to_vec(value)
+            .map_err(|e| duplex::Error::Aborted(format!("encoding the {what}: {e}")))
+            .and_then(|bytes| self.store.put(key, &bytes, timeout));
         if let Err(e) = result {
-            tracing::warn!(rank, error = %e, "could not publish this rank's trace");
+            tracing::warn!(rank, error = %e, "could not store this rank's {what}");
         }
     }
 
@@ -459,6 +472,14 @@ impl Drop for StoreHealth {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
     }
+}
+
+/// `wait` from now; a wait too long to add (`Duration::MAX`, say) ends in
+/// about 34 years.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .unwrap_or(now + Duration::from_secs(1 << 30))
 }
 
 /// The key a rank's channel counts are posted under as it finishes
@@ -541,10 +562,7 @@ impl Health for StoreHealth {
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
-        let now = Instant::now();
-        let deadline = now
-            .checked_add(wait)
-            .unwrap_or(now + Duration::from_secs(1 << 30));
+        let deadline = deadline_after(wait);
         let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
         while !left.is_empty() && Instant::now() < deadline {
             let failed = self.failed(me).map(|(r, _)| r);
@@ -571,12 +589,7 @@ impl Health for StoreHealth {
     }
 
     fn post_counts(&self, rank: Rank, counts: &[ChannelCount]) {
-        let result = serde_json::to_vec(counts)
-            .map_err(|e| duplex::Error::Aborted(format!("encoding the counts: {e}")))
-            .and_then(|bytes| self.store.put(&counts_key(rank), &bytes, REQUEST));
-        if let Err(e) = result {
-            tracing::warn!(rank, error = %e, "could not post this rank's counts");
-        }
+        self.put_json(&counts_key(rank), rank, "counts", counts, REQUEST);
     }
 
     fn counts_of(
@@ -585,10 +598,7 @@ impl Health for StoreHealth {
         peers: &[Rank],
         wait: Duration,
     ) -> Result<Option<BTreeMap<Rank, Vec<ChannelCount>>>, String> {
-        let now = Instant::now();
-        let deadline = now
-            .checked_add(wait)
-            .unwrap_or(now + Duration::from_secs(1 << 30));
+        let deadline = deadline_after(wait);
         let mut out = BTreeMap::new();
         let mut left: Vec<Rank> = peers.iter().copied().filter(|r| *r != me).collect();
         loop {
