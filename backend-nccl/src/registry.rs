@@ -620,24 +620,15 @@ impl Registry {
             .trace
             .last_sends(comm.0, from, to, u64::from(count), u64::from(fifo))
             .unwrap_or_else(|| OpInfo {
-                rank: from,
-                thread: String::new(),
-                op: duplex::Dir::Send,
-                peer: to,
-                bytes: sig.bytes,
-                dtype: sig.dtype,
-                comm: r
-                    .trace
-                    .comms
-                    .get(comm.0 as usize)
-                    .map_or_else(|| format!("#{}", comm.0), |c| c.name.clone()),
-                stream: String::new(),
-                fifo,
-                state: duplex::report::OpState::Buffered,
                 grouped: sig.grouped,
-                call: format!("send {} to rank {to}", duplex::Size(sig.bytes)),
-                at: "(a call folded into the trace's snapshot)".into(),
-                line: None,
+                ..r.trace.folded_send(
+                    comm.0,
+                    from,
+                    to,
+                    Some((sig.bytes, sig.dtype)),
+                    u64::from(fifo),
+                    "(a call folded into the trace's snapshot)",
+                )
             });
         Some(never_received(op, u64::from(count), all.len() - 1))
     }
@@ -708,7 +699,7 @@ impl Registry {
             .trace
             .last_sends(first.comm, me, first.to, count, received)
             .unwrap_or_else(|| {
-                let after_cut = r.trace.channel_counts_of_calls(first.comm, me, first.to).0;
+                let after_cut = r.trace.sends_in_calls(first.comm, me, first.to);
                 let bytes = r
                     .trace
                     .cuts
@@ -726,29 +717,15 @@ impl Registry {
                             .checked_sub(back)
                             .and_then(|i| sizes.get(i))
                             .copied()
-                    })
-                    .unwrap_or(0);
-                OpInfo {
-                    rank: me,
-                    thread: String::new(),
-                    op: duplex::Dir::Send,
-                    peer: first.to,
-                    bytes,
-                    dtype: duplex::DType::U8,
-                    comm: r
-                        .trace
-                        .comms
-                        .get(first.comm as usize)
-                        .map_or_else(|| format!("#{}", first.comm), |c| c.name.clone()),
-                    stream: String::new(),
-                    fifo: u32::try_from(received).unwrap_or(u32::MAX),
-                    state: duplex::report::OpState::Buffered,
-                    grouped: false,
-                    call: format!("send to rank {}", first.to),
-                    at: "(a call folded into the trace's cut: a long run keeps only its counts)"
-                        .into(),
-                    line: None,
-                }
+                    });
+                r.trace.folded_send(
+                    first.comm,
+                    me,
+                    first.to,
+                    bytes.map(|b| (b, duplex::DType::U8)),
+                    received,
+                    "(a call folded into the trace's cut: a long run keeps only its counts)",
+                )
             });
         Ok(Some(never_received(op, count, short.len() - 1)))
     }

@@ -508,18 +508,12 @@ impl Trace {
                 out.entry((c, peer, cut.rank)).or_default().1 += u64::from(n);
             }
         }
-        for call in &self.calls {
-            let Call::Launch { ops, .. } = &call.call else {
-                continue;
-            };
-            let Some(me) = self.threads.get(call.thread as usize).map(|t| t.rank) else {
-                continue;
-            };
-            for op in ops.iter() {
-                match op.dir {
-                    Dir::Send => out.entry((op.comm, me, op.peer)).or_default().0 += 1,
-                    Dir::Recv => out.entry((op.comm, op.peer, me)).or_default().1 += 1,
-                }
+        for (thread, _, op) in self.launched_ops() {
+            let (key, side) = op.channel_of(thread.rank);
+            let count = out.entry(key).or_default();
+            match side {
+                Dir::Send => count.0 += 1,
+                Dir::Recv => count.1 += 1,
             }
         }
         out.into_iter()
@@ -533,75 +527,92 @@ impl Trace {
             .collect()
     }
 
-    /// The sends `from` issued to `to` on `comm`, and the recvs `to` issued
-    /// from `from` on it, among this trace's calls alone (not its cuts).
-    pub fn channel_counts_of_calls(&self, comm: u32, from: Rank, to: Rank) -> (u64, u64) {
-        let mut out = (0, 0);
-        for call in &self.calls {
-            let Call::Launch { ops, .. } = &call.call else {
-                continue;
+    /// The sends `from` issued to `to` on `comm` among this trace's calls
+    /// alone (not its cuts).
+    pub fn sends_in_calls(&self, comm: u32, from: Rank, to: Rank) -> u64 {
+        self.launched_ops()
+            .filter(|(t, _, op)| op.channel_of(t.rank) == ((comm, from, to), Dir::Send))
+            .count() as u64
+    }
+
+    /// Every op of this trace's launches, in call order: the thread that
+    /// launched it, the call, and the op.
+    fn launched_ops(&self) -> impl DoubleEndedIterator<Item = (&Owned, &TraceCall, &TraceOp)> {
+        self.calls.iter().flat_map(move |call| {
+            let ops: &[TraceOp] = match &call.call {
+                Call::Launch { ops, .. } => ops,
+                _ => &[],
             };
-            let Some(me) = self.threads.get(call.thread as usize).map(|t| t.rank) else {
-                continue;
-            };
-            for op in ops.iter().filter(|o| o.comm == comm) {
-                match op.dir {
-                    Dir::Send if me == from && op.peer == to => out.0 += 1,
-                    Dir::Recv if me == to && op.peer == from => out.1 += 1,
-                    _ => {}
-                }
-            }
-        }
-        out
+            let thread = self.threads.get(call.thread as usize);
+            ops.iter().filter_map(move |op| Some((thread?, call, op)))
+        })
+    }
+
+    /// The name of communicator `comm`, or its number when undeclared.
+    fn comm_name(&self, comm: u32) -> String {
+        self.comms
+            .get(comm as usize)
+            .map_or_else(|| format!("#{comm}"), |c| c.name.clone())
     }
 
     /// The `k`-th last send of `from` to `to` on `comm` among this trace's
     /// calls, described as message `fifo` of its channel, with its buffered
     /// state: `None` when the trace has fewer such sends (a cut folded it).
     pub fn last_sends(&self, comm: u32, from: Rank, to: Rank, k: u64, fifo: u64) -> Option<OpInfo> {
-        let mut seen = 0u64;
-        for call in self.calls.iter().rev() {
-            let Call::Launch { ops, grouped } = &call.call else {
-                continue;
-            };
-            let Some(thread) = self.threads.get(call.thread as usize) else {
-                continue;
-            };
-            if thread.rank != from {
-                continue;
-            }
-            for op in ops.iter().rev() {
-                if op.dir != Dir::Send || op.comm != comm || op.peer != to {
-                    continue;
-                }
-                seen += 1;
-                if seen == k {
-                    return Some(OpInfo {
-                        rank: from,
-                        thread: thread.name.clone(),
-                        op: Dir::Send,
-                        peer: to,
-                        bytes: op.bytes,
-                        dtype: op.dtype,
-                        comm: self
-                            .comms
-                            .get(comm as usize)
-                            .map_or_else(|| format!("#{comm}"), |c| c.name.clone()),
-                        stream: self
-                            .streams
-                            .get(op.stream as usize)
-                            .map_or_else(|| format!("#{}", op.stream), |s| s.name.clone()),
-                        fifo: u32::try_from(fifo).unwrap_or(u32::MAX),
-                        state: OpState::Buffered,
-                        grouped: *grouped,
-                        call: call.text.to_string(),
-                        at: call.place.to_string(),
-                        line: None,
-                    });
-                }
-            }
+        let n = usize::try_from(k.checked_sub(1)?).ok()?;
+        let (thread, call, op) = self
+            .launched_ops()
+            .rev()
+            .filter(|(t, _, op)| op.channel_of(t.rank) == ((comm, from, to), Dir::Send))
+            .nth(n)?;
+        let grouped = matches!(call.call, Call::Launch { grouped: true, .. });
+        Some(OpInfo {
+            thread: thread.name.clone(),
+            stream: self
+                .streams
+                .get(op.stream as usize)
+                .map_or_else(|| format!("#{}", op.stream), |s| s.name.clone()),
+            grouped,
+            call: call.text.to_string(),
+            at: call.place.to_string(),
+            ..self.folded_send(comm, from, to, Some((op.bytes, op.dtype)), fifo, "")
+        })
+    }
+
+    /// A send of `from` to `to` on `comm` whose call this trace no longer
+    /// holds, described from what is known of it: message `fifo` of its
+    /// channel, completed into the channel's buffer (R5), its size and
+    /// element type when known (`None`: 0 bytes of `u8`), and `folded`,
+    /// where its call went, as its place.
+    pub fn folded_send(
+        &self,
+        comm: u32,
+        from: Rank,
+        to: Rank,
+        size: Option<(u64, DType)>,
+        fifo: u64,
+        folded: &str,
+    ) -> OpInfo {
+        let (bytes, dtype) = size.unwrap_or((0, DType::U8));
+        OpInfo {
+            rank: from,
+            thread: String::new(),
+            op: Dir::Send,
+            peer: to,
+            bytes,
+            dtype,
+            comm: self.comm_name(comm),
+            stream: String::new(),
+            fifo: u32::try_from(fifo).unwrap_or(u32::MAX),
+            state: OpState::Buffered,
+            grouped: false,
+            call: match size {
+                Some((b, _)) => format!("send {} to rank {to}", crate::Size(b)),
+                None => format!("send to rank {to}"),
+            },
+            at: folded.to_string(),
+            line: None,
         }
-        None
     }
 
     /// Joins the traces of the ranks of one job (one per process): threads,
@@ -1321,6 +1332,15 @@ impl TraceCall {
 }
 
 impl TraceOp {
+    /// The channel `(communicator, sender, receiver)` of this op issued by
+    /// `rank`, and its side of it.
+    pub fn channel_of(&self, rank: Rank) -> ((u32, Rank, Rank), Dir) {
+        match self.dir {
+            Dir::Send => ((self.comm, rank, self.peer), Dir::Send),
+            Dir::Recv => ((self.comm, self.peer, rank), Dir::Recv),
+        }
+    }
+
     /// The machine's op (ids are the trace's indices).
     pub fn spec(&self) -> OpSpec {
         OpSpec {
