@@ -346,6 +346,14 @@ fn a_byte_order_mark_is_skipped() {
     );
 }
 
+/// The next value of the xorshift generator whose state is `x`.
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
 #[test]
 fn every_error_names_its_line() {
     for (text, line, fragment) in BAD {
@@ -416,15 +424,10 @@ fn arbitrary_bytes_never_panic() {
         let mut text = String::new();
         let n = (x % 40) as usize;
         for _ in 0..n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            text.push_str(words[(x % words.len() as u64) as usize]);
+            text.push_str(words[(next(&mut x) % words.len() as u64) as usize]);
             text.push(' ');
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        next(&mut x);
         let serial = parse(&text);
         for workers in [2, 3] {
             assert_eq!(
@@ -468,15 +471,10 @@ fn arbitrary_bytes_never_panic() {
     for _ in 0..10_000 {
         let mut text = String::from("ranks 2\n");
         for _ in 0..(x % 12) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            text.push_str(lines[(x % lines.len() as u64) as usize]);
+            text.push_str(lines[(next(&mut x) % lines.len() as u64) as usize]);
             text.push('\n');
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        next(&mut x);
         let serial = parse(&text);
         assert_eq!(parse_with(&text, 2), serial, "2 readers: {text:?}");
         if let Ok(p) = serial {
