@@ -640,12 +640,12 @@ impl Registry {
         self.lock().trace.channel_counts()
     }
 
-    /// The peers this registry's rank sent to, for its end check
+    /// The peers this registry's rank sent to, from its counts `mine`
+    /// ([`Registry::channel_counts`]), for its end check
     /// ([`Registry::unreceived_with`]).
-    pub fn sent_to(&self) -> Vec<Rank> {
+    pub fn sent_to(&self, mine: &[ChannelCount]) -> Vec<Rank> {
         let me = self.only;
-        let mut peers: Vec<Rank> = self
-            .channel_counts()
+        let mut peers: Vec<Rank> = mine
             .iter()
             .filter(|c| c.sent > 0 && Some(c.from) == me && c.to != c.from)
             .map(|c| c.to)
@@ -656,19 +656,20 @@ impl Registry {
     }
 
     /// [`Registry::unreceived_at_end`] for the registry of one rank of a
-    /// process-per-rank job ([`Registry::for_rank`]): its sends, against
-    /// the recvs each peer it sent to issued, from the counts that peer
-    /// posted as it finished (`peers`). It names only this rank's sends:
+    /// process-per-rank job ([`Registry::for_rank`]): its sends, from its
+    /// counts `mine` ([`Registry::channel_counts`]), against the recvs each
+    /// peer it sent to issued, from the counts that peer posted as it
+    /// finished (`peers`). It names only this rank's sends:
     /// each rank checks its own. `Err` says why it could not judge: a peer
     /// it sent to whose counts are not in `peers`.
     pub fn unreceived_with(
         &self,
+        mine: &[ChannelCount],
         peers: &std::collections::BTreeMap<Rank, Vec<ChannelCount>>,
     ) -> Result<Option<Error>, String> {
         let Some(me) = self.only else {
             return Ok(self.unreceived_at_end());
         };
-        let mine = self.channel_counts();
         let mut short = Vec::new();
         for c in mine.iter().filter(|c| c.from == me && c.sent > 0) {
             let received = if c.to == me {
@@ -1158,14 +1159,17 @@ mod tests {
             record(&regs[0], one_op(t0, Dir::Send, 1, 4096, 0, s0)).expect("recorded");
         }
         record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
-        assert_eq!(regs[0].sent_to(), vec![1]);
-        assert!(regs[1].sent_to().is_empty());
+        assert_eq!(regs[0].sent_to(&regs[0].channel_counts()), vec![1]);
+        assert!(regs[1].sent_to(&regs[1].channel_counts()).is_empty());
         let counts =
             |r: Rank| std::collections::BTreeMap::from([(r, regs[r as usize].channel_counts())]);
         // Rank 1 checks nothing of its own.
-        assert!(matches!(regs[1].unreceived_with(&counts(0)), Ok(None)));
+        assert!(matches!(
+            regs[1].unreceived_with(&regs[1].channel_counts(), &counts(0)),
+            Ok(None)
+        ));
         let e = regs[0]
-            .unreceived_with(&counts(1))
+            .unreceived_with(&regs[0].channel_counts(), &counts(1))
             .expect("judged")
             .expect("never-received");
         let Error::Program { ops, message, .. } = e else {
@@ -1173,7 +1177,10 @@ mod tests {
         };
         assert_eq!((ops[0].fifo, ops[0].op), (1, Dir::Send), "{message}");
         assert!(message.contains("1 more after it"), "{message}");
-        let missing = regs[0].unreceived_with(&std::collections::BTreeMap::new());
+        let missing = regs[0].unreceived_with(
+            &regs[0].channel_counts(),
+            &std::collections::BTreeMap::new(),
+        );
         assert!(
             missing
                 .as_ref()
@@ -1183,7 +1190,10 @@ mod tests {
         for _ in 0..2 {
             record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
         }
-        assert!(matches!(regs[0].unreceived_with(&counts(1)), Ok(None)));
+        assert!(matches!(
+            regs[0].unreceived_with(&regs[0].channel_counts(), &counts(1)),
+            Ok(None)
+        ));
     }
 
     /// A send that no recv took, folded into the trace's cut by a long run
@@ -1229,7 +1239,7 @@ mod tests {
         assert!(reg.lock().trace.last_sends(0, 0, 1, 1, 0).is_none());
         let none_received = std::collections::BTreeMap::from([(1, Vec::new())]);
         let e = reg
-            .unreceived_with(&none_received)
+            .unreceived_with(&reg.channel_counts(), &none_received)
             .expect("judged")
             .expect("never-received");
         let Error::Program { ops, message, .. } = e else {

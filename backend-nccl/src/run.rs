@@ -742,12 +742,13 @@ where
         if health.remote() && registry.calls() <= PUBLISH_AT_EXIT_MAX {
             health.publish(rank, &registry.trace());
         }
-        if health.remote() {
-            health.post_counts(rank, &registry.channel_counts());
+        let counts = health.remote().then(|| registry.channel_counts());
+        if let Some(counts) = &counts {
+            health.post_counts(rank, counts);
         }
         health.finished(rank);
-        if health.remote() {
-            unreceived = end_check(&registry, health.as_ref(), rank, settings);
+        if let Some(counts) = &counts {
+            unreceived = end_check(&registry, counts, health.as_ref(), rank, settings);
             health.left(rank);
         }
     }
@@ -811,18 +812,19 @@ where
 /// elsewhere); when it cannot judge, a warning says why.
 fn end_check(
     registry: &Registry,
+    mine: &[duplex::trace::ChannelCount],
     health: &dyn Health,
     rank: Rank,
     settings: &Settings,
 ) -> Option<Error> {
-    let peers = registry.sent_to();
+    let peers = registry.sent_to(mine);
     let counts = if peers.is_empty() {
         Ok(Some(std::collections::BTreeMap::new()))
     } else {
         health.counts_of(rank, &peers, settings.opts.timeout + SILENCE)
     };
     let judged = match counts {
-        Ok(Some(counts)) => registry.unreceived_with(&counts),
+        Ok(Some(counts)) => registry.unreceived_with(mine, &counts),
         Ok(None) => Ok(None),
         Err(why) => Err(why),
     };
