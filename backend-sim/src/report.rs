@@ -347,13 +347,7 @@ impl fmt::Display for Report {
                 for e in r.edits.iter().take(duplex::report::LISTED) {
                     writeln!(f, "       {e}")?;
                 }
-                if r.edits.len() > duplex::report::LISTED {
-                    writeln!(
-                        f,
-                        "       … {} more edits not shown (all of them: `--format json`)",
-                        r.edits.len() - duplex::report::LISTED
-                    )?;
-                }
+                duplex::report::more(f, "       ", r.edits.len(), "edits")?;
             }
         }
         if self.verdict == VerdictKind::Inconclusive {

@@ -134,12 +134,14 @@ impl fmt::Display for OpState {
 /// report keeps all of them.
 pub const LISTED: usize = 40;
 
-/// The line that says how many of a list of `n` were not shown, if any.
-fn more(f: &mut fmt::Formatter<'_>, n: usize, field: &str) -> fmt::Result {
+/// The line, indented by `indent`, that says how many of a list of `n`
+/// (the report's `field`) were not shown, if any: a report's text lists
+/// [`LISTED`] of each.
+pub fn more(f: &mut fmt::Formatter<'_>, indent: &str, n: usize, field: &str) -> fmt::Result {
     if n > LISTED {
         writeln!(
             f,
-            "  … {} more not shown (all of them: the report's `{field}` list, `--format json`)",
+            "{indent}… {} more not shown (all of them: the report's `{field}` list, `--format json`)",
             n - LISTED
         )?;
     }
@@ -349,7 +351,7 @@ impl fmt::Display for Stuck {
                 b.rank, b.thread, b.call, b.at, b.waits_for
             )?;
         }
-        more(f, self.blocked.len(), "blocked")?;
+        more(f, "  ", self.blocked.len(), "blocked")?;
         writeln!(f, "device ops issued and not completed:")?;
         if self.ops.is_empty() {
             writeln!(f, "  (none)")?;
@@ -357,6 +359,6 @@ impl fmt::Display for Stuck {
         for o in self.ops.iter().take(LISTED) {
             writeln!(f, "  {o}")?;
         }
-        more(f, self.ops.len(), "ops")
+        more(f, "  ", self.ops.len(), "ops")
     }
 }
