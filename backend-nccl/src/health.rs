@@ -31,6 +31,13 @@
 //! rank that finishes cleanly publishes its trace too (up to 100,000
 //! calls), so that a partner it returned without matching is named.
 //!
+//! A rank that finishes cleanly also posts what it issued on each channel
+//! ([`Health::post_counts`]), for the end check that no send went
+//! unreceived (`run::end_check`): a sender waits for the counts of the
+//! ranks it sent to, and leaves its own for a rank still running
+//! ([`Health::post_owed`]), which judges them as it finishes
+//! ([`Health::owed_to`], one `KEYS` request).
+//!
 //! NCCL may see a death first: its network transport reports a peer's
 //! closed socket as an error of this rank's communicator. Such an error
 //! (and an abort) waits, a bounded time, for the monitor to name the rank
@@ -121,16 +128,28 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// The counts each of `peers` posted as it finished
     /// ([`Health::post_counts`]), waiting up to `wait` for them: `None`
     /// once any rank is known to have failed (the job is failing, and says
-    /// why elsewhere), when a peer ended without finishing cleanly, or when
-    /// the wait ran out (the `Err` says which peers were missing).
-    fn counts_of(
-        &self,
-        me: Rank,
-        peers: &[Rank],
-        wait: Duration,
-    ) -> Result<Option<BTreeMap<Rank, Vec<ChannelCount>>>, String> {
+    /// why elsewhere) or when a peer ended without finishing cleanly;
+    /// otherwise those that came, and the peers still running when the
+    /// wait ran out ([`Heard::missing`]). `Err` when the store cannot be
+    /// read or a peer's counts do not decode.
+    fn counts_of(&self, me: Rank, peers: &[Rank], wait: Duration) -> Result<Option<Heard>, String> {
         let _ = (me, peers, wait);
         Ok(None)
+    }
+    /// Leaves what `rank` sent to `to` (its channel counts toward `to`) for
+    /// `to` to judge as it finishes ([`Health::owed_to`]): posted by a
+    /// sender whose wait for `to` to finish ran out. `Err` says why it
+    /// could not.
+    fn post_owed(&self, rank: Rank, to: Rank, counts: &[ChannelCount]) -> Result<(), String> {
+        let _ = (rank, to, counts);
+        Ok(())
+    }
+    /// The sends that ranks which finished before `me` left for it to judge
+    /// ([`Health::post_owed`]), by sender, each with the sender's published
+    /// trace when there is one (to name its calls).
+    fn owed_to(&self, me: Rank) -> Result<BTreeMap<Rank, Owed>, String> {
+        let _ = me;
+        Ok(BTreeMap::new())
     }
     /// Says that `rank` is done with the store (its end check is over):
     /// the rank that hosts the store waits for it ([`Health::wait_left`]).
@@ -144,6 +163,24 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     fn wait_left(&self, ranks: u32, me: Rank, wait: Duration) {
         let _ = (ranks, me, wait);
     }
+}
+
+/// What [`Health::counts_of`] heard from the peers a rank sent to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Heard {
+    /// Each peer's counts, posted as it finished.
+    pub counts: BTreeMap<Rank, Vec<ChannelCount>>,
+    /// The peers that had not finished when the wait ran out.
+    pub missing: Vec<Rank>,
+}
+
+/// Sends a rank left for another to judge ([`Health::post_owed`]).
+#[derive(Debug, Clone)]
+pub struct Owed {
+    /// The sender's counts on its channels to the judge.
+    pub counts: Vec<ChannelCount>,
+    /// The sender's trace, as it published it at its end, if it did.
+    pub trace: Option<Trace>,
 }
 
 /// How another rank caused an error of this rank ([`culprit`]).
@@ -393,6 +430,18 @@ impl StoreHealth {
         }
     }
 
+    /// The counts rank `r` posted as it finished, if it has
+    /// ([`Health::post_counts`]).
+    fn counts_now(&self, r: Rank) -> Result<Option<Vec<ChannelCount>>, String> {
+        match self.store.get(&counts_key(r), Duration::ZERO) {
+            Ok(Some(bytes)) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| format!("rank {r}'s counts do not decode: {e}")),
+            Ok(None) => Ok(None),
+            Err(e) => Err(format!("cannot read rank {r}'s counts: {e}")),
+        }
+    }
+
     /// Puts `trace`, rank `rank`'s, under `key`.
     fn put_trace(&self, key: &str, rank: Rank, trace: &Trace) {
         // What an analysis of another rank will replay for this one: the
@@ -486,6 +535,17 @@ fn deadline_after(wait: Duration) -> Instant {
 /// ([`Health::post_counts`]).
 fn counts_key(rank: Rank) -> String {
     format!("counts/{rank}")
+}
+
+/// Rank `from`'s counts toward `to`, left for `to` to judge
+/// ([`Health::post_owed`]).
+fn owed_key(to: Rank, from: Rank) -> String {
+    format!("{}{from}", owed_prefix(to))
+}
+
+/// The prefix of the keys of the sends left for `to` to judge.
+fn owed_prefix(to: Rank) -> String {
+    format!("owed/{to}/")
 }
 
 /// The key a rank stores once its end check is over ([`Health::left`]).
@@ -592,12 +652,7 @@ impl Health for StoreHealth {
         self.put_json(&counts_key(rank), rank, "counts", counts, REQUEST);
     }
 
-    fn counts_of(
-        &self,
-        me: Rank,
-        peers: &[Rank],
-        wait: Duration,
-    ) -> Result<Option<BTreeMap<Rank, Vec<ChannelCount>>>, String> {
+    fn counts_of(&self, me: Rank, peers: &[Rank], wait: Duration) -> Result<Option<Heard>, String> {
         let deadline = deadline_after(wait);
         let mut out = BTreeMap::new();
         let mut left: Vec<Rank> = peers.iter().copied().filter(|r| *r != me).collect();
@@ -607,43 +662,71 @@ impl Health for StoreHealth {
             }
             let mut still = Vec::new();
             for r in left {
-                match self.store.get(&counts_key(r), Duration::ZERO) {
-                    Ok(Some(bytes)) => match serde_json::from_slice::<Vec<ChannelCount>>(&bytes) {
-                        Ok(c) => {
-                            out.insert(r, c);
-                        }
-                        Err(e) => return Err(format!("rank {r}'s counts do not decode: {e}")),
-                    },
-                    Ok(None) => still.push(r),
-                    Err(e) => return Err(format!("cannot read rank {r}'s counts: {e}")),
+                match self.counts_now(r)? {
+                    Some(c) => {
+                        out.insert(r, c);
+                    }
+                    None => still.push(r),
                 }
             }
             left = still;
-            if left.is_empty() {
-                return Ok(Some(out));
+            if left.is_empty() || Instant::now() >= deadline {
+                return Ok(Some(Heard {
+                    counts: out,
+                    missing: left,
+                }));
             }
             // A peer that ended without its counts (failed, or fell silent)
             // never posts them; one that finished meanwhile posted them
             // before it said so, and the next look finds them.
             if let Ok(ended) = self.store.ended(SILENCE, REQUEST) {
                 for r in left.iter().filter(|r| ended.contains(r)) {
-                    if !matches!(self.store.get(&counts_key(*r), Duration::ZERO), Ok(Some(_))) {
+                    if self.counts_now(*r)?.is_none() {
                         return Ok(None);
                     }
                 }
             }
-            if Instant::now() >= deadline {
-                return Err(format!(
-                    "rank(s) {} did not finish within {:.1} s",
-                    left.iter()
-                        .map(|r| r.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    wait.as_secs_f64()
-                ));
-            }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn post_owed(&self, rank: Rank, to: Rank, counts: &[ChannelCount]) -> Result<(), String> {
+        let bytes = serde_json::to_vec(counts).map_err(|e| format!("encoding the counts: {e}"))?;
+        self.store
+            .put(&owed_key(to, rank), &bytes, REQUEST)
+            .map_err(|e| e.to_string())
+    }
+
+    fn owed_to(&self, me: Rank) -> Result<BTreeMap<Rank, Owed>, String> {
+        let prefix = owed_prefix(me);
+        let keys = self
+            .store
+            .keys(&prefix, REQUEST)
+            .map_err(|e| format!("cannot list the sends left for this rank: {e}"))?;
+        let mut out = BTreeMap::new();
+        for key in keys {
+            let Some(from) = key
+                .strip_prefix(&prefix)
+                .and_then(|r| r.parse::<Rank>().ok())
+            else {
+                return Err(format!("the store holds `{key}`, which names no rank"));
+            };
+            let bytes = self
+                .store
+                .get(&key, Duration::ZERO)
+                .map_err(|e| format!("cannot read `{key}`: {e}"))?
+                .ok_or_else(|| format!("`{key}` was listed but is gone"))?;
+            let counts: Vec<ChannelCount> = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("rank {from}'s counts do not decode: {e}"))?;
+            // Its trace names its calls; without it they are named from
+            // the counts.
+            let trace = match self.store.get(&trace_key(from), Duration::ZERO) {
+                Ok(Some(t)) => serde_json::from_slice::<Trace>(&t).ok(),
+                _ => None,
+            };
+            out.insert(from, Owed { counts, trace });
+        }
+        Ok(out)
     }
 
     fn left(&self, rank: Rank) {

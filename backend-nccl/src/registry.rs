@@ -656,79 +656,95 @@ impl Registry {
     }
 
     /// [`Registry::unreceived_at_end`] for the registry of one rank of a
-    /// process-per-rank job ([`Registry::for_rank`]): its sends, from its
-    /// counts `mine` ([`Registry::channel_counts`]), against the recvs each
-    /// peer it sent to issued, from the counts that peer posted as it
-    /// finished (`peers`). It names only this rank's sends:
-    /// each rank checks its own. `Err` says why it could not judge: a peer
-    /// it sent to whose counts are not in `peers`.
+    /// process-per-rank job ([`Registry::for_rank`]), the sender's side:
+    /// its sends, from its counts `mine` ([`Registry::channel_counts`]),
+    /// against the recvs each peer it sent to issued, from the counts that
+    /// peer posted as it finished (`peers`). It names only this rank's
+    /// sends, and judges only the channels to peers in `peers` (and to
+    /// itself, from its own calls): a peer still running when the sender's
+    /// wait ran out judges the rest as it finishes
+    /// ([`Registry::unreceived_from`]).
     pub fn unreceived_with(
         &self,
         mine: &[ChannelCount],
         peers: &std::collections::BTreeMap<Rank, Vec<ChannelCount>>,
-    ) -> Result<Option<Error>, String> {
+    ) -> Option<Error> {
         let Some(me) = self.only else {
-            return Ok(self.unreceived_at_end());
+            return self.unreceived_at_end();
         };
         let mut short = Vec::new();
         for c in mine.iter().filter(|c| c.from == me && c.sent > 0) {
             let received = if c.to == me {
                 c.received
             } else {
-                let theirs = peers
-                    .get(&c.to)
-                    .ok_or_else(|| format!("rank {}'s counts did not come", c.to))?;
-                theirs
-                    .iter()
-                    .find(|t| (t.comm, t.from, t.to) == (c.comm, c.from, c.to))
-                    .map_or(0, |t| t.received)
+                let Some(theirs) = peers.get(&c.to) else {
+                    continue;
+                };
+                received_of(theirs, c)
             };
             if c.sent > received {
                 short.push((*c, received));
             }
         }
-        let Some(&(first, received)) = short.first() else {
-            return Ok(None);
-        };
+        let &(first, received) = short.first()?;
         let count = first.sent - received;
-        let r = self.lock();
-        // A send folded into the trace's cut (a long run) has no call left
-        // to name: it is described from the counts, and its size from the
-        // cut's last sizes when it is among them. Known unreceived, it is
-        // reported all the same.
-        let op = r
-            .trace
-            .last_sends(first.comm, me, first.to, count, received)
-            .unwrap_or_else(|| {
-                let after_cut = r.trace.sends_in_calls(first.comm, me, first.to);
-                let bytes = r
-                    .trace
-                    .cuts
-                    .iter()
-                    .find(|c| c.rank == me)
-                    .and_then(|c| {
-                        c.recent
-                            .iter()
-                            .find(|(k, p, _)| (*k, *p) == (first.comm, first.to))
-                    })
-                    .and_then(|(_, _, sizes)| {
-                        let back = usize::try_from(count - after_cut).ok()?;
-                        sizes
-                            .len()
-                            .checked_sub(back)
-                            .and_then(|i| sizes.get(i))
-                            .copied()
-                    });
-                r.trace.folded_send(
-                    first.comm,
-                    me,
-                    first.to,
-                    bytes.map(|b| (b, duplex::DType::U8)),
-                    received,
-                    "(a call folded into the trace's cut: a long run keeps only its counts)",
-                )
-            });
-        Ok(Some(never_received(op, count, short.len() - 1)))
+        let op = unreceived_op(&self.lock().trace, first, count, received);
+        Some(never_received(op, count, short.len() - 1))
+    }
+
+    /// The receiver's side of [`Registry::unreceived_with`]: the sends that
+    /// ranks which finished before this one left for it to judge (`owed`,
+    /// [`crate::health::Health::post_owed`], each sender's counts on its
+    /// channels to this rank), against the recvs this rank issued, from its
+    /// counts `mine`. The `never-received` error of the first that no recv
+    /// of this rank took, named from the sender's published trace when
+    /// there is one, else from the counts. Whichever rank of a pair
+    /// finishes second judges: the sender when the receiver finished
+    /// within its wait, else the receiver.
+    pub fn unreceived_from(
+        &self,
+        mine: &[ChannelCount],
+        owed: &std::collections::BTreeMap<Rank, crate::health::Owed>,
+    ) -> Option<Error> {
+        let me = self.only?;
+        let mut short = Vec::new();
+        for (from, o) in owed {
+            for c in o
+                .counts
+                .iter()
+                .filter(|c| c.from == *from && c.to == me && c.sent > 0)
+            {
+                let received = received_of(mine, c);
+                if c.sent > received {
+                    short.push((*c, received, o));
+                }
+            }
+        }
+        let &(first, received, o) = short.first()?;
+        let count = first.sent - received;
+        let op = match &o.trace {
+            Some(t) => unreceived_op(t, first, count, received),
+            None => self.lock().trace.folded_send(
+                first.comm,
+                first.from,
+                me,
+                None,
+                received,
+                "(a call of a rank that finished first: it left its counts, not its calls)",
+            ),
+        };
+        let e = never_received(op, count, short.len() - 1);
+        let Error::Program { kind, message, ops } = e else {
+            return Some(e);
+        };
+        Some(Error::Program {
+            kind,
+            message: format!(
+                "{message} (rank {} finished first and left its sends for this rank, their receiver, to judge)",
+                first.from
+            ),
+            ops,
+        })
     }
 
     /// Sends or recvs that no op of the other side matched: at the end of
@@ -1039,6 +1055,54 @@ impl Registry {
     }
 }
 
+/// The recvs the receiver issued on `c`'s channel, from its counts
+/// `theirs` ([`Trace::channel_counts`]).
+fn received_of(theirs: &[ChannelCount], c: &ChannelCount) -> u64 {
+    theirs
+        .iter()
+        .find(|t| (t.comm, t.from, t.to) == (c.comm, c.from, c.to))
+        .map_or(0, |t| t.received)
+}
+
+/// The first of the `count` last sends on `first`'s channel, which no recv
+/// took (`received` recvs took those before), from the sender's `trace`:
+/// its call, or when a long run's cut folded it, described from the counts
+/// with its size from the cut's last sizes when it is among them. Known
+/// unreceived, it is reported all the same.
+fn unreceived_op(trace: &Trace, first: ChannelCount, count: u64, received: u64) -> OpInfo {
+    let (me, to) = (first.from, first.to);
+    trace
+        .last_sends(first.comm, me, to, count, received)
+        .unwrap_or_else(|| {
+            let after_cut = trace.sends_in_calls(first.comm, me, to);
+            let bytes = trace
+                .cuts
+                .iter()
+                .find(|c| c.rank == me)
+                .and_then(|c| {
+                    c.recent
+                        .iter()
+                        .find(|(k, p, _)| (*k, *p) == (first.comm, to))
+                })
+                .and_then(|(_, _, sizes)| {
+                    let back = usize::try_from(count.checked_sub(after_cut)?).ok()?;
+                    sizes
+                        .len()
+                        .checked_sub(back)
+                        .and_then(|i| sizes.get(i))
+                        .copied()
+                });
+            trace.folded_send(
+                first.comm,
+                me,
+                to,
+                bytes.map(|b| (b, duplex::DType::U8)),
+                received,
+                "(a call folded into the trace's cut: a long run keeps only its counts)",
+            )
+        })
+}
+
 /// The `never-received` error of `op`, the first of `count` sends on its
 /// channel that no recv took, with `more` other channels like it
 /// ([`Registry::unreceived_at_end`]).
@@ -1069,13 +1133,20 @@ fn never_received(op: OpInfo, count: u64, more: usize) -> Error {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use duplex::trace::TraceOp;
     use duplex::{DType, Dir};
 
     /// A launch of one `u8` op by trace thread `t` on communicator `comm`.
-    fn one_op(t: usize, dir: Dir, peer: u32, bytes: u64, comm: u32, stream: u32) -> TraceCall {
+    pub(crate) fn one_op(
+        t: usize,
+        dir: Dir,
+        peer: u32,
+        bytes: u64,
+        comm: u32,
+        stream: u32,
+    ) -> TraceCall {
         TraceCall {
             thread: t as u32,
             call: Call::Launch {
@@ -1096,7 +1167,7 @@ mod tests {
 
     /// Records `call` through the issue path; its FIFO position, or the
     /// error's text.
-    fn record(reg: &Registry, call: TraceCall) -> Result<u32, String> {
+    pub(crate) fn record(reg: &Registry, call: TraceCall) -> Result<u32, String> {
         let mut fifos = [u32::MAX];
         let r = reg.lock();
         reg.record_launch(r, call, &mut fifos)
@@ -1140,8 +1211,10 @@ mod tests {
     }
 
     /// Across processes each rank checks its own sends against the recv
-    /// counts of the ranks it sent to; without a peer's counts it says it
-    /// cannot judge. A message to itself is checked from its own calls.
+    /// counts of the ranks it sent to, and leaves a channel whose receiver
+    /// has not finished to that receiver, which judges it from the counts
+    /// the sender left (naming the call from the sender's trace when it
+    /// published one). A message to itself is checked from its own calls.
     #[test]
     fn a_rank_of_a_process_job_checks_its_sends_against_its_peers_counts() {
         let regs: Vec<Arc<Registry>> = (0..2)
@@ -1164,36 +1237,82 @@ mod tests {
         let counts =
             |r: Rank| std::collections::BTreeMap::from([(r, regs[r as usize].channel_counts())]);
         // Rank 1 checks nothing of its own.
-        assert!(matches!(
-            regs[1].unreceived_with(&regs[1].channel_counts(), &counts(0)),
-            Ok(None)
-        ));
+        assert!(
+            regs[1]
+                .unreceived_with(&regs[1].channel_counts(), &counts(0))
+                .is_none()
+        );
         let e = regs[0]
             .unreceived_with(&regs[0].channel_counts(), &counts(1))
-            .expect("judged")
             .expect("never-received");
         let Error::Program { ops, message, .. } = e else {
             panic!("{e}");
         };
         assert_eq!((ops[0].fifo, ops[0].op), (1, Dir::Send), "{message}");
         assert!(message.contains("1 more after it"), "{message}");
-        let missing = regs[0].unreceived_with(
-            &regs[0].channel_counts(),
-            &std::collections::BTreeMap::new(),
-        );
+        // Without rank 1's counts the sender leaves that channel to it.
         assert!(
-            missing
-                .as_ref()
-                .is_err_and(|w| w.contains("rank 1's counts")),
-            "{missing:?}"
+            regs[0]
+                .unreceived_with(
+                    &regs[0].channel_counts(),
+                    &std::collections::BTreeMap::new()
+                )
+                .is_none()
+        );
+        // Rank 1 judges what rank 0 left for it: rank 0's counts toward it,
+        // and its trace when it published one.
+        let owed = |trace: bool| {
+            std::collections::BTreeMap::from([(
+                0,
+                crate::health::Owed {
+                    counts: regs[0]
+                        .channel_counts()
+                        .into_iter()
+                        .filter(|c| c.to == 1)
+                        .collect(),
+                    trace: trace.then(|| regs[0].trace()),
+                },
+            )])
+        };
+        for with_trace in [true, false] {
+            let e = regs[1]
+                .unreceived_from(&regs[1].channel_counts(), &owed(with_trace))
+                .expect("never-received");
+            let Error::Program { ops, message, .. } = e else {
+                panic!("{e}");
+            };
+            assert_eq!(
+                (ops[0].rank, ops[0].peer, ops[0].fifo, ops[0].op),
+                (0, 1, 1, Dir::Send),
+                "{message}"
+            );
+            assert!(message.contains("1 more after it"), "{message}");
+            assert!(message.contains("rank 0 finished first"), "{message}");
+            assert_eq!(
+                message.contains("left its counts, not its calls"),
+                !with_trace,
+                "{message}"
+            );
+        }
+        // Rank 0 judges nothing of what others left for it.
+        assert!(
+            regs[0]
+                .unreceived_from(&regs[0].channel_counts(), &owed(true))
+                .is_none()
         );
         for _ in 0..2 {
             record(&regs[1], one_op(t1, Dir::Recv, 0, 4096, 0, s1)).expect("recorded");
         }
-        assert!(matches!(
-            regs[0].unreceived_with(&regs[0].channel_counts(), &counts(1)),
-            Ok(None)
-        ));
+        assert!(
+            regs[0]
+                .unreceived_with(&regs[0].channel_counts(), &counts(1))
+                .is_none()
+        );
+        assert!(
+            regs[1]
+                .unreceived_from(&regs[1].channel_counts(), &owed(true))
+                .is_none()
+        );
     }
 
     /// A send that no recv took, folded into the trace's cut by a long run
@@ -1240,7 +1359,6 @@ mod tests {
         let none_received = std::collections::BTreeMap::from([(1, Vec::new())]);
         let e = reg
             .unreceived_with(&reg.channel_counts(), &none_received)
-            .expect("judged")
             .expect("never-received");
         let Error::Program { ops, message, .. } = e else {
             panic!("{e}");

@@ -735,21 +735,11 @@ where
     let result = result.and_then(|()| handle.synchronize());
     let mut unreceived = None;
     if result.is_ok() {
-        // A rank that ended leaves what it issued for the others' hang
-        // analyses, so that a partner it never matched is named (a send
-        // whose recv this rank never issued); above a bound the trace is
-        // not worth the time it would add to every clean exit.
-        if health.remote() && registry.calls() <= PUBLISH_AT_EXIT_MAX {
-            health.publish(rank, &registry.trace());
-        }
-        let counts = health.remote().then(|| registry.channel_counts());
-        if let Some(counts) = &counts {
-            health.post_counts(rank, counts);
-        }
-        health.finished(rank);
-        if let Some(counts) = &counts {
-            unreceived = end_check(&registry, counts, health.as_ref(), rank, settings);
-            health.left(rank);
+        if health.remote() {
+            let wait = settings.opts.timeout + SILENCE;
+            unreceived = finish_remote(&registry, health.as_ref(), rank, wait);
+        } else {
+            health.finished(rank);
         }
     }
     outcome.posted.set(true);
@@ -803,38 +793,110 @@ where
     })
 }
 
+/// What a rank of a process-per-rank job does as it finishes cleanly: it
+/// leaves what it issued for the others (its trace for their hang
+/// analyses, its counts for their end checks), says it finished, runs its
+/// end check ([`end_check`], waiting up to `wait`) and says it is done
+/// with the store. The error is the end check's.
+fn finish_remote(
+    registry: &Registry,
+    health: &dyn Health,
+    rank: Rank,
+    wait: Duration,
+) -> Option<Error> {
+    // Its trace, so that a partner it never matched is named (a send whose
+    // recv this rank never issued); above a bound the trace is not worth
+    // the time it would add to every clean exit.
+    if registry.calls() <= PUBLISH_AT_EXIT_MAX {
+        health.publish(rank, &registry.trace());
+    }
+    let counts = registry.channel_counts();
+    health.post_counts(rank, &counts);
+    health.finished(rank);
+    let unreceived = end_check(registry, &counts, health, rank, wait);
+    health.left(rank);
+    unreceived
+}
+
 /// The end check of a rank of a process-per-rank job that finished
-/// cleanly: once each rank it sent to has finished, the `never-received`
-/// error of its first send that no recv took (`Registry::unreceived_with`),
-/// as a local run's end finds for every rank. Waits up to the deadline
-/// plus the silence that counts as death for those ranks to finish; when
-/// any rank failed meanwhile, nothing (the job fails, and says why
-/// elsewhere); when it cannot judge, a warning says why.
+/// cleanly, which posted its counts `mine` before: the `never-received`
+/// error of the first send that no recv took, as a local run's end finds
+/// for every rank. Whichever rank of a pair finishes second judges the
+/// pair's channels:
+///
+/// * as a receiver, this rank judges the sends that ranks which finished
+///   before it left for it ([`Registry::unreceived_from`]);
+/// * as a sender, it waits up to `wait` for the ranks it sent to to
+///   finish and judges its sends to them ([`Registry::unreceived_with`]);
+///   for a rank still running when the wait runs out, it leaves its sends
+///   to it for that rank to judge ([`Health::post_owed`]), then looks once
+///   more for that rank's counts.
+///
+/// Every post comes before the look it pairs with (the counts before the
+/// list of what was left, what was left before the last look for the
+/// counts), and the store serves requests one at a time, so of two ranks
+/// finishing at once at least one sees the other's. When any rank failed
+/// meanwhile, nothing (the job fails, and says why elsewhere); when it
+/// cannot judge, a warning says why.
 fn end_check(
     registry: &Registry,
     mine: &[duplex::trace::ChannelCount],
     health: &dyn Health,
     rank: Rank,
-    settings: &Settings,
+    wait: Duration,
 ) -> Option<Error> {
-    let peers = registry.sent_to(mine);
-    let counts = if peers.is_empty() {
-        Ok(Some(std::collections::BTreeMap::new()))
-    } else {
-        health.counts_of(rank, &peers, settings.opts.timeout + SILENCE)
-    };
-    let judged = match counts {
-        Ok(Some(counts)) => registry.unreceived_with(mine, &counts),
-        Ok(None) => Ok(None),
-        Err(why) => Err(why),
-    };
-    judged.unwrap_or_else(|why| {
+    let cannot = |why: &str| {
         tracing::warn!(
             rank,
             "whether every send of this rank was received could not be judged: {why}"
         );
-        None
-    })
+    };
+    let theirs = match health.owed_to(rank) {
+        Ok(owed) => registry.unreceived_from(mine, &owed),
+        Err(why) => {
+            tracing::warn!(
+                rank,
+                "whether every send to this rank was received could not be judged: {why}"
+            );
+            None
+        }
+    };
+    let peers = registry.sent_to(mine);
+    if peers.is_empty() {
+        return theirs;
+    }
+    let mut heard = match health.counts_of(rank, &peers, wait) {
+        Ok(Some(heard)) => heard,
+        Ok(None) => return theirs,
+        Err(why) => {
+            cannot(&why);
+            return theirs;
+        }
+    };
+    for peer in std::mem::take(&mut heard.missing) {
+        let toward: Vec<_> = mine
+            .iter()
+            .filter(|c| c.from == rank && c.to == peer)
+            .copied()
+            .collect();
+        if let Err(why) = health.post_owed(rank, peer, &toward) {
+            cannot(&format!(
+                "rank {peer} had not finished within {:.1} s, and this rank's sends to it could not be left for it: {why}",
+                wait.as_secs_f64()
+            ));
+            continue;
+        }
+        match health.counts_of(rank, &[peer], Duration::ZERO) {
+            Ok(Some(last)) if !last.counts.is_empty() => heard.counts.extend(last.counts),
+            _ => tracing::info!(
+                rank,
+                peer,
+                "rank {peer} had not finished within {:.1} s: it judges this rank's sends to it as it finishes",
+                wait.as_secs_f64()
+            ),
+        }
+    }
+    registry.unreceived_with(mine, &heard.counts).or(theirs)
 }
 
 /// Posts a rank's failure when dropped unless its outcome was posted: what
@@ -975,6 +1037,263 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two ranks of a process job on a store of their own: rank 0 sends
+    /// `sent` messages of 4 KiB to rank 1, which issues `received` recvs.
+    fn pair(sent: usize, received: usize) -> (Vec<Arc<Registry>>, [Arc<StoreHealth>; 2]) {
+        use crate::registry::tests::{one_op, record};
+        let secret = Secret::new("0123456789abcdef-end-check");
+        let addr = Store::serve("127.0.0.1", 0, vec![7; 8], secret.clone()).expect("serves");
+        let health =
+            |r| StoreHealth::start(Store::client("127.0.0.1", addr.port(), secret.clone()), r);
+        let regs: Vec<Arc<Registry>> = (0..2)
+            .map(|r| Registry::for_rank(2, Model::default(), r))
+            .collect();
+        for (r, reg) in regs.iter().enumerate() {
+            reg.comm(0, "world", &[0, 1], true);
+            let s = reg.stream(r as u32, "s");
+            let t = reg.thread(r as u32, "main");
+            let (dir, peer, n) = if r == 0 {
+                (duplex::Dir::Send, 1, sent)
+            } else {
+                (duplex::Dir::Recv, 0, received)
+            };
+            for _ in 0..n {
+                record(reg, one_op(t, dir, peer, 4096, 0, s)).expect("recorded");
+            }
+        }
+        (regs, [health(0), health(1)])
+    }
+
+    /// The message of `e`, which must be `never-received` naming rank 0's
+    /// send to rank 1 at FIFO position `fifo`.
+    fn never_received(e: Option<Error>, fifo: u32) -> String {
+        match e {
+            Some(Error::Program {
+                kind: duplex::ProgramErrorKind::NeverReceived,
+                message,
+                ops,
+            }) => {
+                assert_eq!(
+                    (ops[0].rank, ops[0].peer, ops[0].fifo),
+                    (0, 1, fifo),
+                    "{message}"
+                );
+                message
+            }
+            other => panic!("expected never-received, got {other:?}"),
+        }
+    }
+
+    /// Whichever rank of a pair finishes second judges its channels: the
+    /// sender, when its receiver finishes within its wait; else the
+    /// receiver, from the sends the sender left for it. A pair that matched
+    /// reports nothing either way.
+    #[test]
+    fn the_rank_of_a_pair_that_finishes_second_judges_an_unreceived_send() {
+        // The receiver finishes within the sender's wait: the sender judges.
+        let (regs, [h0, h1]) = pair(2, 1);
+        let late = {
+            let (reg, h1) = (regs[1].clone(), h1.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                finish_remote(&reg, h1.as_ref(), 1, Duration::from_secs(10))
+            })
+        };
+        let message = never_received(
+            finish_remote(&regs[0], h0.as_ref(), 0, Duration::from_secs(10)),
+            1,
+        );
+        assert!(!message.contains("finished first"), "{message}");
+        assert!(
+            late.join().expect("joins").is_none(),
+            "rank 1 finished first"
+        );
+        // The receiver finishes after the sender's wait: the receiver judges,
+        // naming the sender's call from its published trace.
+        let (regs, [h0, h1]) = pair(2, 1);
+        let wait = Duration::from_millis(100);
+        assert!(finish_remote(&regs[0], h0.as_ref(), 0, wait).is_none());
+        let message = never_received(finish_remote(&regs[1], h1.as_ref(), 1, wait), 1);
+        assert!(message.contains("rank 0 finished first"), "{message}");
+        assert!(message.contains("x.rs:1:1"), "the sender's call: {message}");
+        // Matched: nothing, in either order.
+        for receiver_late in [false, true] {
+            let (regs, hs) = pair(2, 2);
+            let order: [usize; 2] = if receiver_late { [0, 1] } else { [1, 0] };
+            for r in order {
+                let e = finish_remote(&regs[r], hs[r].as_ref(), r as Rank, wait);
+                assert!(e.is_none(), "rank {r}: {e:?}");
+            }
+        }
+    }
+
+    /// A rank's [`StoreHealth`] whose requests that the end check's
+    /// ordering rests on (posting counts, listing what was left, looking
+    /// for counts, leaving sends) wait for their turn in a schedule shared
+    /// with the other rank: `turns[k]` is the rank whose request is `k`-th.
+    /// A rank whose turns are over, or whose partner is done, goes freely.
+    #[derive(Debug)]
+    struct Scripted {
+        inner: Arc<StoreHealth>,
+        me: usize,
+        turns: Arc<(std::sync::Mutex<Turns>, std::sync::Condvar)>,
+    }
+
+    #[derive(Debug)]
+    struct Turns {
+        schedule: Vec<usize>,
+        next: usize,
+        done: [bool; 2],
+    }
+
+    impl Scripted {
+        fn gated<T>(&self, op: impl FnOnce() -> T) -> T {
+            let (lock, cv) = &*self.turns;
+            let mut t = lock.lock().unwrap();
+            loop {
+                // Skip the turns of a rank that is done.
+                while t.next < t.schedule.len() && t.done[t.schedule[t.next]] {
+                    t.next += 1;
+                }
+                if t.next >= t.schedule.len()
+                    || t.schedule[t.next] == self.me
+                    || t.done[1 - self.me]
+                {
+                    break;
+                }
+                t = cv.wait(t).unwrap();
+            }
+            // Held while the request runs: the other rank's turn comes
+            // after its answer.
+            let out = op();
+            t.next += 1;
+            cv.notify_all();
+            out
+        }
+
+        fn done(&self) {
+            let (lock, cv) = &*self.turns;
+            lock.lock().unwrap().done[self.me] = true;
+            cv.notify_all();
+        }
+    }
+
+    impl Health for Scripted {
+        fn fail(&self, rank: Rank, why: &str) {
+            self.inner.fail(rank, why)
+        }
+        fn failed(&self, me: Rank) -> Option<(Rank, String)> {
+            self.inner.failed(me)
+        }
+        fn remote(&self) -> bool {
+            true
+        }
+        fn publish(&self, rank: Rank, trace: &duplex::trace::Trace) {
+            self.inner.publish(rank, trace)
+        }
+        fn publish_early(&self, rank: Rank, trace: &duplex::trace::Trace) {
+            self.inner.publish_early(rank, trace)
+        }
+        fn gather(&self, ranks: u32, me: Rank, wait: Duration) -> crate::health::Gathered {
+            self.inner.gather(ranks, me, wait)
+        }
+        fn finished(&self, rank: Rank) {
+            self.inner.finished(rank)
+        }
+        fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
+            self.inner.finished_among(ranks)
+        }
+        fn failed_itself(&self, me: Rank) -> bool {
+            self.inner.failed_itself(me)
+        }
+        fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
+            self.inner.linger(ranks, me, wait, until_failure)
+        }
+        fn post_counts(&self, rank: Rank, counts: &[duplex::trace::ChannelCount]) {
+            self.gated(|| self.inner.post_counts(rank, counts))
+        }
+        fn counts_of(
+            &self,
+            me: Rank,
+            peers: &[Rank],
+            wait: Duration,
+        ) -> std::result::Result<Option<crate::health::Heard>, String> {
+            self.gated(|| self.inner.counts_of(me, peers, wait))
+        }
+        fn post_owed(
+            &self,
+            rank: Rank,
+            to: Rank,
+            counts: &[duplex::trace::ChannelCount],
+        ) -> std::result::Result<(), String> {
+            self.gated(|| self.inner.post_owed(rank, to, counts))
+        }
+        fn owed_to(
+            &self,
+            me: Rank,
+        ) -> std::result::Result<std::collections::BTreeMap<Rank, crate::health::Owed>, String>
+        {
+            self.gated(|| self.inner.owed_to(me))
+        }
+        fn left(&self, rank: Rank) {
+            self.inner.left(rank)
+        }
+    }
+
+    /// Of two ranks finishing at once, at least one sees the other's post,
+    /// however their requests interleave, even with no wait at all: every
+    /// order of the sender's five ordered requests (its counts, its list,
+    /// its look, leaving its sends, its last look) and the receiver's two
+    /// (its counts, its list) judges the unreceived send.
+    #[test]
+    fn an_unreceived_send_is_judged_however_two_finishing_ranks_interleave() {
+        let (sender, receiver) = (5, 2);
+        let mut orders = 0;
+        for mask in 0u32..1 << (sender + receiver) {
+            if mask.count_ones() != receiver {
+                continue;
+            }
+            orders += 1;
+            let schedule: Vec<usize> = (0..sender + receiver)
+                .map(|k| usize::from(mask >> k & 1 == 1))
+                .collect();
+            let (regs, hs) = pair(1, 0);
+            let turns = Arc::new((
+                std::sync::Mutex::new(Turns {
+                    schedule: schedule.clone(),
+                    next: 0,
+                    done: [false; 2],
+                }),
+                std::sync::Condvar::new(),
+            ));
+            let ends: Vec<_> = (0..2)
+                .map(|r| {
+                    let reg = regs[r].clone();
+                    let h = Scripted {
+                        inner: hs[r].clone(),
+                        me: r,
+                        turns: turns.clone(),
+                    };
+                    std::thread::spawn(move || {
+                        let e = finish_remote(&reg, &h, r as Rank, Duration::ZERO);
+                        h.done();
+                        e
+                    })
+                })
+                .collect();
+            let ends: Vec<Option<Error>> =
+                ends.into_iter().map(|t| t.join().expect("joins")).collect();
+            assert!(
+                ends.iter().any(Option::is_some),
+                "nobody judged under {schedule:?}"
+            );
+            for e in ends.into_iter().flatten() {
+                never_received(Some(e), 0);
+            }
+        }
+        assert_eq!(orders, 21);
+    }
 
     #[test]
     fn the_store_port_is_one_above_master_port_or_a_clear_error() {

@@ -164,7 +164,10 @@ const LIMITS: Limits = Limits {
     io_timeout: Duration::from_secs(10),
     max_connections: 4096,
     max_pending: 1 << 16,
-    max_keys: 4096,
+    // A rank stores up to five keys of its own (`done`, `counts`, `left`,
+    // its trace and its early snapshot) and one per rank it left sends for
+    // (`owed`): 4,096 keys stopped a job at about 800 ranks.
+    max_keys: 1 << 18,
     max_stored: 256 << 20,
     max_mail: 1 << 16,
 };
@@ -324,6 +327,33 @@ impl Shared {
         wait_for(&self.values, &self.stored, wait_ms, |v| {
             v.map.get(key).cloned()
         })
+    }
+
+    /// The reply to `KEYS prefix`: the hex of each stored key that starts
+    /// with `prefix`, ascending, separated by spaces; refused when it
+    /// would not fit in one value.
+    fn keys(&self, prefix: &str) -> Result<Vec<u8>, End> {
+        let v = self.values();
+        let mut keys: Vec<&str> = v
+            .map
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        let len: usize = keys.iter().map(|k| 2 * k.len() + 1).sum();
+        if len > proto::MAX_VALUE {
+            return Err(End::Refuse(format!(
+                "{} keys start with that prefix: too many to list",
+                keys.len()
+            )));
+        }
+        Ok(keys
+            .iter()
+            .map(|k| proto::hex(k.as_bytes()))
+            .collect::<Vec<_>>()
+            .join(" ")
+            .into_bytes())
     }
 
     fn inboxes(&self) -> std::sync::MutexGuard<'_, Inboxes> {
@@ -551,6 +581,10 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
             ranks.dedup();
             let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
             let body = text.join(",").into_bytes();
+            return send_value(conn, &body);
+        }
+        Request::Keys { prefix } => {
+            let body = shared.keys(&prefix)?;
             return send_value(conn, &body);
         }
         Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms) {
@@ -959,6 +993,38 @@ impl Store {
                     .collect()
             }
             (other, _) => Err(self.unexpected("an ended-ranks request", &other)),
+        }
+    }
+
+    /// The stored keys that start with `prefix` (1 to [`proto::MAX_KEY`]
+    /// bytes), in ascending order.
+    pub fn keys(&self, prefix: &str, timeout: Duration) -> Result<Vec<String>, Error> {
+        let request = Request::Keys {
+            prefix: prefix.into(),
+        };
+        match self.request_with(&request, &[], timeout)? {
+            (Response::Value(_), body) => {
+                let bad = |what: &str| {
+                    Error::Aborted(format!(
+                        "the duplex store at {} sent a key list that {what}",
+                        self.addr()
+                    ))
+                };
+                let text = String::from_utf8(body).map_err(|_| bad("is not text"))?;
+                text.split(' ')
+                    .filter(|w| !w.is_empty())
+                    .map(|w| {
+                        let key = proto::unhex(w).ok_or_else(|| bad("is not hex"))?;
+                        let key = String::from_utf8(key).map_err(|_| bad("is not utf-8"))?;
+                        if key.starts_with(prefix) {
+                            Ok(key)
+                        } else {
+                            Err(bad("holds a key without the prefix"))
+                        }
+                    })
+                    .collect()
+            }
+            (other, _) => Err(self.unexpected("a key list request", &other)),
         }
     }
 

@@ -17,6 +17,7 @@
 //!          / "MAIL" SP to SP len                   ; a message to a rank's inbox; len bytes follow
 //!          / "INBOX" SP rank SP millis             ; the oldest message of a rank's inbox
 //!          / "ENDED" SP millis                     ; the ranks that finished, posted a failure or fell silent
+//!          / "KEYS" SP prefix-hex                  ; the stored keys that start with prefix
 //! response = "OK" / "TIMEOUT" / "ID" SP id-hex / "ERROR" SP text
 //!          / "HEALTHY" / "FAILED" SP rank SP why-hex / "VALUE" SP len
 //! ```
@@ -30,7 +31,7 @@ use std::io::{BufRead, Read};
 use duplex::Rank;
 
 /// The protocol version a client presents in `AUTH`.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// The longest line, its newline included, in bytes.
 pub const MAX_LINE: usize = 4096;
 /// The longest token, in bytes (its hex is twice as long).
@@ -255,6 +256,14 @@ pub enum Request {
     Ended {
         /// The silence, in milliseconds, after which a rank counts as dead.
         silence_ms: u64,
+    },
+    /// Asks for the keys stored (`PUT`) that start with `prefix`. The reply
+    /// is a `VALUE` of their hex ([`hex`]), in ascending order, separated
+    /// by single spaces; a refusal when they would not fit in
+    /// [`MAX_VALUE`].
+    Keys {
+        /// The prefix, 1 to [`MAX_KEY`] bytes.
+        prefix: String,
     },
 }
 
@@ -549,6 +558,12 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 silence_ms: number("millis", args[0])?,
             })
         }
+        "KEYS" => {
+            arity("KEYS", args, 1)?;
+            Ok(Request::Keys {
+                prefix: text("prefix", args[0], MAX_KEY)?,
+            })
+        }
         "INBOX" => {
             arity("INBOX", args, 2)?;
             Ok(Request::Inbox {
@@ -606,6 +621,9 @@ pub fn encode_request(request: &Request) -> Result<Vec<u8>, ProtoError> {
         }
         Request::Inbox { me, wait_ms } => format!("INBOX {me} {wait_ms}\n"),
         Request::Ended { silence_ms } => format!("ENDED {silence_ms}\n"),
+        Request::Keys { prefix } => {
+            format!("KEYS {}\n", encode_text("prefix", prefix, MAX_KEY)?)
+        }
     };
     Ok(line.into_bytes())
 }
@@ -813,6 +831,12 @@ mod tests {
             Request::Ended { silence_ms: 3000 },
             Request::Ended {
                 silence_ms: u64::MAX,
+            },
+            Request::Keys {
+                prefix: "owed/1/".into(),
+            },
+            Request::Keys {
+                prefix: "k".repeat(MAX_KEY),
             },
         ]
     }
