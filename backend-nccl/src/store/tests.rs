@@ -635,3 +635,30 @@ fn once_reached_a_store_that_refuses_connections_fails_at_once() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert!(e.to_string().contains("connecting to"), "{e}");
 }
+
+/// A clean finish stores four keys per rank (`done`, `counts`, `left` and
+/// its trace): a job of 1,100 ranks fits under the default limits (4,096
+/// keys did not: its last ranks' `done` was refused, and they were taken
+/// for dead), and `KEYS` lists by prefix.
+#[test]
+fn a_thousand_ranks_finishing_fit_and_keys_list_by_prefix() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    for r in 0..1100 {
+        for key in ["done", "counts", "left", "trace"] {
+            store.put(&format!("{key}/{r}"), b"ok", t).unwrap();
+        }
+    }
+    store.put("owed/1/0", b"[]", t).unwrap();
+    store.put("owed/1/12", b"[]", t).unwrap();
+    store.put("owed/12/1", b"[]", t).unwrap();
+    assert_eq!(store.keys("owed/1/", t).unwrap(), ["owed/1/0", "owed/1/12"]);
+    assert_eq!(store.keys("owed/2/", t).unwrap(), Vec::<String>::new());
+    assert_eq!(store.keys("done/109", t).unwrap().len(), 11);
+    // Any bytes of a key survive the listing.
+    store.put("odd key/é", b"", t).unwrap();
+    assert_eq!(store.keys("odd", t).unwrap(), ["odd key/é"]);
+    // An empty prefix is refused by the client, before any request.
+    assert!(store.keys("", t).is_err());
+}
