@@ -1131,6 +1131,18 @@ pub fn unmatched_send_small<T: Transport>(t: &T) -> Result<()> {
     t.synchronize()
 }
 
+/// [`unmatched_send_small`] the other way: rank 1 sends 4 KiB to rank 0,
+/// which issues no recv and ends its code only `late` after starting it.
+pub fn unmatched_send_late_receiver<T: Transport>(t: &T, late: std::time::Duration) -> Result<()> {
+    if t.rank() == 1 {
+        let out = filled_with(t, 0, 13, 1024)?;
+        t.send(&out, 0)?;
+    } else {
+        std::thread::sleep(late);
+    }
+    t.synchronize()
+}
+
 /// Rank 0 sends a message that no rank receives.
 pub fn unmatched_send<T: Transport>(t: &T) -> Result<()> {
     if t.rank() == 0 {

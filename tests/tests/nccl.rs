@@ -383,8 +383,10 @@ fn the_suite_names_only_scenarios_it_has() {
 /// that must hang (one after 5,000
 /// exchanges, whose traces are cut where each rank is quiet, one through
 /// a communicator's split), one whose second rank's process dies, and one
-/// whose 4 KiB send no rank receives (its sender's end check must fail it).
-const PROCESS_JOBS: [&str; 12] = [
+/// whose 4 KiB send no rank receives (its sender's end check must fail it),
+/// and the same with the receiver finishing after the sender's end check
+/// gave up waiting for it (the receiver's end check must fail it).
+const PROCESS_JOBS: [&str; 13] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -397,12 +399,14 @@ const PROCESS_JOBS: [&str; 12] = [
     "comm/beside-send",
     "connect/beside-send",
     "unmatched-send/small",
+    "unmatched-send/late-receiver",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
 /// in `one_process_rank`.
-const PROCESS_OWN_JOBS: [&str; 4] = [
+const PROCESS_OWN_JOBS: [&str; 5] = [
     "peer-dies",
+    "unmatched-send/late-receiver",
     "long-then-seed/shared",
     "many-in-flight/copy",
     "never-buffered-late/copy",
@@ -477,6 +481,14 @@ fn one_process_rank(job: &str) {
         // chance (it failed 4 runs in 20 before the mend).
         "never-buffered-late/copy" => run_copy(Policy::PerDirection, true, |t| {
             duplex_tests::send_sync_recv_late(t, timeout() / 3)
+        }),
+        // `unmatched-send/small` the other way, to rank 0 (the store's
+        // host, which stays up), with rank 0 ending its code after rank 1's
+        // wait for it (the deadline plus the silence) ran out: rank 1
+        // leaves its counts for rank 0, which judges them as it finishes.
+        "unmatched-send/late-receiver" => run(Policy::PerDirection, |t| {
+            let late = timeout() + duplex_nccl::health::SILENCE + Duration::from_secs(2);
+            duplex_tests::unmatched_send_late_receiver(t, late)
         }),
         _ => match scenarios::<NcclRank>().into_iter().find(|s| s.name == job) {
             Some(s) => run_cold(s.policy, s.copy, s.cold, s.run),
@@ -677,6 +689,21 @@ fn job_verdict(job: &str, said: &[String], cycles: &[bool]) -> Option<bool> {
                 || (all_cold()
                     && (said[0] == "HANG" || said[0].contains("finished while"))
                     && said[1] == "OK")
+        }
+        // Rank 1's send completed into the channel's buffer; rank 0 was
+        // still in its code when rank 1's wait for it ran out, so rank 0
+        // judges as it finishes, naming rank 1's send, and rank 1 is fine.
+        // Cold, the send waits in its handshake for rank 0, which is not
+        // in NCCL: rank 1 hangs (or names rank 0 as finished), and rank 0
+        // ends with an error.
+        "unmatched-send/late-receiver" => {
+            (said[0].starts_with("ERROR")
+                && said[0].contains("message never received")
+                && said[0].contains("rank 1 finished first")
+                && said[1] == "OK")
+                || (all_cold()
+                    && (said[1] == "HANG" || said[1].contains("finished while"))
+                    && said[0].starts_with("ERROR"))
         }
         _ => return None,
     })
