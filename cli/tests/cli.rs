@@ -1197,3 +1197,50 @@ fn a_trace_is_written_for_a_hang_and_its_failures_are_said() {
     assert!(err.contains("cannot write the trace"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hang across many ranks lists 40 of its blocked calls and ops in the
+/// text, and says how many more there are and where they all are; the
+/// JSON keeps every one.
+#[test]
+fn a_hang_across_many_ranks_lists_forty_and_says_how_many_more() {
+    let ranks = 120;
+    let mut text = format!("ranks {ranks}\n");
+    for r in 0..ranks {
+        let peer = r ^ 1;
+        text.push_str(&format!(
+            "rank {r}:\n  send {peer} 256MiB\n  recv {peer} 256MiB\n"
+        ));
+    }
+    let dir = tempdir();
+    let file = dir.join("pairs.sched");
+    std::fs::write(&file, text).expect("writes");
+    let file = file.to_str().expect("utf-8 path");
+    let out = duplex(&["check", file]);
+    assert_eq!(out.status.code(), Some(1));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains(
+            "… 80 more not shown (all of them: the report's `blocked` list, `--format json`)"
+        ),
+        "{report}"
+    );
+    assert!(
+        report.contains(
+            "… 200 more not shown (all of them: the report's `ops` list, `--format json`)"
+        ),
+        "{report}"
+    );
+    let out = duplex(&["check", file, "--format", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        json["blocked"].as_array().map(Vec::len),
+        Some(ranks),
+        "{json}"
+    );
+    // Each rank's send and its recv, both pending.
+    assert_eq!(
+        json["ops"].as_array().map(Vec::len),
+        Some(2 * ranks),
+        "{json}"
+    );
+}
