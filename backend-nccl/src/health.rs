@@ -332,6 +332,9 @@ pub struct StoreHealth {
     unfinished: Mutex<Vec<Rank>>,
 }
 
+/// How often a lingering rank says which ranks it still waits for.
+const LINGER_SAY: Duration = Duration::from_secs(60);
+
 /// How long one store request of the monitor may take.
 const REQUEST: Duration = Duration::from_secs(1);
 
@@ -622,8 +625,11 @@ impl Health for StoreHealth {
     }
 
     fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
+        let start = Instant::now();
         let deadline = deadline_after(wait);
         let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
+        let mut failing_since: Option<Instant> = None;
+        let mut said = start;
         while !left.is_empty() && Instant::now() < deadline {
             let failed = self.failed(me).map(|(r, _)| r);
             if until_failure && failed.is_some() {
@@ -633,16 +639,34 @@ impl Health for StoreHealth {
             // silent (all of them, where `failed` knows the first), not
             // one per rank.
             match self.store.ended(SILENCE, REQUEST) {
-                Ok(done) => left.retain(|r| !done.contains(r) && failed != Some(*r)),
+                Ok(done) => {
+                    failing_since = None;
+                    left.retain(|r| !done.contains(r) && failed != Some(*r));
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot ask the store which ranks ended");
-                    if until_failure {
+                    // A store that stays unreadable (the host's own, gone)
+                    // ends the wait, however long it was to be.
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if until_failure || since.elapsed() >= SILENCE {
                         return;
                     }
                 }
             }
             if left.is_empty() {
                 break;
+            }
+            if said.elapsed() >= LINGER_SAY {
+                said = Instant::now();
+                tracing::info!(
+                    rank = me,
+                    waited_s = start.elapsed().as_secs(),
+                    "waiting for rank(s) {} to end (finish, fail or fall silent)",
+                    left.iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -681,9 +705,18 @@ impl Health for StoreHealth {
             // before it said so, and the next look finds them.
             if let Ok(ended) = self.store.ended(SILENCE, REQUEST) {
                 for r in left.iter().filter(|r| ended.contains(r)) {
-                    if self.counts_now(*r)?.is_none() {
-                        return Ok(None);
+                    if self.counts_now(*r)?.is_some() {
+                        continue;
                     }
+                    // It finished cleanly, yet its counts are not there
+                    // (the store refused them): no judgement, and a
+                    // warning. Otherwise it failed: the job is failing.
+                    return match self.store.get(&format!("done/{r}"), Duration::ZERO) {
+                        Ok(Some(_)) => Err(format!(
+                            "rank {r} finished, but its counts are not in the store"
+                        )),
+                        _ => Ok(None),
+                    };
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -975,6 +1008,44 @@ mod tests {
         let t0 = Instant::now();
         a.linger(4, 0, Duration::from_secs(30), false);
         assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    }
+
+    /// The store's host waits, without a bound, for a rank that is alive
+    /// (it beats) however long it runs, past the silence and past any
+    /// deadline; it stops once that rank ends.
+    #[test]
+    fn the_store_host_waits_for_a_rank_that_runs_long_after_it() {
+        let (port, secret) = store();
+        let host = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let other = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
+        let t0 = Instant::now();
+        let lingering = std::thread::spawn(move || {
+            host.linger(2, 0, Duration::MAX, false);
+            Instant::now()
+        });
+        std::thread::sleep(SILENCE + Duration::from_secs(1));
+        assert!(!lingering.is_finished(), "the host left a live rank");
+        other.finished(1);
+        let left = lingering.join().expect("joins");
+        let waited = left - t0;
+        assert!(
+            waited >= SILENCE + Duration::from_secs(1) && waited < SILENCE + Duration::from_secs(6),
+            "{waited:?}"
+        );
+        // A store that cannot be read ends the wait within the silence.
+        let (port, secret) = store();
+        let host = StoreHealth::start(
+            Store::client("127.0.0.1", port, Secret::new("wrong token, wrong")),
+            0,
+        );
+        let t0 = Instant::now();
+        host.linger(2, 0, Duration::MAX, false);
+        assert!(
+            t0.elapsed() < SILENCE + Duration::from_secs(5),
+            "{:?}",
+            t0.elapsed()
+        );
+        drop(secret);
     }
 
     #[test]

@@ -583,9 +583,12 @@ impl Process {
         );
         if self.rank == 0 {
             // The store lives in this process: it stays up until every other
-            // rank has finished or failed (bounded), so that their waits
-            // never read its end as rank 0's death.
-            health.linger(self.world, 0, self.settings.opts.timeout + SILENCE, false);
+            // rank has ended (finished, failed, or fallen silent: killed or
+            // frozen), however long they run, so that their waits never
+            // read its end as rank 0's death, and a rank that finishes late
+            // still has the store for its end check. A rank that is alive
+            // beats; one that is not falls silent within the silence.
+            health.linger(self.world, 0, Duration::MAX, false);
             // And until those that finished are done with their end checks
             // (they read each other's counts from it): a second or two.
             health.wait_left(self.world, 0, Duration::from_secs(5));
@@ -834,8 +837,10 @@ fn finish_remote(
 ///
 /// Every post comes before the look it pairs with (the counts before the
 /// list of what was left, what was left before the last look for the
-/// counts), and the store serves requests one at a time, so of two ranks
-/// finishing at once at least one sees the other's. When any rank failed
+/// counts); each request takes effect in the store, under its lock,
+/// before it is answered, and each rank makes its requests one after
+/// another, so of two ranks finishing at once at least one sees the
+/// other's. When any rank failed
 /// meanwhile, nothing (the job fails, and says why elsewhere); when it
 /// cannot judge, a warning says why.
 fn end_check(
@@ -888,6 +893,10 @@ fn end_check(
         }
         match health.counts_of(rank, &[peer], Duration::ZERO) {
             Ok(Some(last)) if !last.counts.is_empty() => heard.counts.extend(last.counts),
+            Err(why) => cannot(&format!(
+                "rank {peer} had not finished within {:.1} s, and the last look for its counts failed: {why}",
+                wait.as_secs_f64()
+            )),
             _ => tracing::info!(
                 rank,
                 peer,

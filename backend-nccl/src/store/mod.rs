@@ -143,6 +143,12 @@ fn deadline_after(t: Duration) -> Instant {
         .unwrap_or(now)
 }
 
+/// The longest reply to `KEYS`, in bytes: each is built for its request
+/// (a `GET` shares the stored value), so that connections at once cannot
+/// hold much. A rank lists the sends left for it (`owed/RANK/`), a few
+/// bytes per other rank.
+const MAX_KEYS_REPLY: usize = 1 << 20;
+
 /// The server's limits: the defaults, or short ones in tests.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
@@ -310,14 +316,16 @@ impl Shared {
 
     fn put(&self, key: String, value: Vec<u8>) -> Result<Response, End> {
         let mut v = self.values();
-        let old = v.map.get(&key).map_or(0, |x| x.len());
+        // A key's bytes count with its value's.
+        let old = v.map.get(&key).map_or(0, |x| key.len() + x.len());
+        let new = key.len() + value.len();
         if old == 0 && !v.map.contains_key(&key) && v.map.len() >= self.limits.max_keys {
             return Err(End::Refuse("too many stored values".into()));
         }
-        if v.bytes - old + value.len() > self.limits.max_stored {
+        if v.bytes - old + new > self.limits.max_stored {
             return Err(End::Refuse("the store is full".into()));
         }
-        v.bytes = v.bytes - old + value.len();
+        v.bytes = v.bytes - old + new;
         v.map.insert(key, Arc::new(value));
         self.stored.notify_all();
         Ok(Response::Ok)
@@ -342,7 +350,7 @@ impl Shared {
             .collect();
         keys.sort_unstable();
         let len: usize = keys.iter().map(|k| 2 * k.len() + 1).sum();
-        if len > proto::MAX_VALUE {
+        if len > MAX_KEYS_REPLY {
             return Err(End::Refuse(format!(
                 "{} keys start with that prefix: too many to list",
                 keys.len()

@@ -259,8 +259,8 @@ pub enum Request {
     },
     /// Asks for the keys stored (`PUT`) that start with `prefix`. The reply
     /// is a `VALUE` of their hex ([`hex`]), in ascending order, separated
-    /// by single spaces; a refusal when they would not fit in
-    /// [`MAX_VALUE`].
+    /// by single spaces; a refusal when that would be longer than the
+    /// store allows a listing (1 MiB).
     Keys {
         /// The prefix, 1 to [`MAX_KEY`] bytes.
         prefix: String,

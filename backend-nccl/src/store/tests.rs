@@ -662,3 +662,19 @@ fn a_thousand_ranks_finishing_fit_and_keys_list_by_prefix() {
     // An empty prefix is refused by the client, before any request.
     assert!(store.keys("", t).is_err());
 }
+
+/// A listing longer than the store allows (1 MiB) is refused with a reason,
+/// and the store keeps serving.
+#[test]
+fn a_listing_too_long_is_refused_and_the_store_keeps_serving() {
+    let addr = server(super::LIMITS);
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    let long = "k".repeat(proto::MAX_KEY - 8);
+    for i in 0..2100 {
+        store.put(&format!("{long}{i:08}"), b"", t).unwrap();
+    }
+    let e = store.keys("k", t).expect_err("too long").to_string();
+    assert!(e.contains("too many to list"), "{e}");
+    assert_eq!(store.keys(&format!("{long}0000000"), t).unwrap().len(), 10);
+}
