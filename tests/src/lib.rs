@@ -1131,6 +1131,26 @@ pub fn unmatched_send_small<T: Transport>(t: &T) -> Result<()> {
     t.synchronize()
 }
 
+/// Rank 0's code returns at once; every other rank works `late` longer,
+/// then exchanges a message with itself in a group and checks every
+/// element: the ranks that outlive rank 0 (the store's host, across
+/// processes) must not take its end for a failure.
+pub fn outlive_rank_0<T: Transport>(t: &T, late: std::time::Duration) -> Result<()> {
+    let me = t.rank();
+    if me == 0 {
+        return Ok(());
+    }
+    std::thread::sleep(late);
+    let out = filled(t, me, 14)?;
+    let mut inb = t.alloc::<u32>(len())?;
+    t.group(|| {
+        t.send(&out, me)?;
+        t.recv(&mut inb, me)
+    })?;
+    t.synchronize()?;
+    check(t, &inb, me, 14)
+}
+
 /// [`unmatched_send_small`] the other way: rank 1 sends 4 KiB to rank 0,
 /// which issues no recv and ends its code only `late` after starting it.
 pub fn unmatched_send_late_receiver<T: Transport>(t: &T, late: std::time::Duration) -> Result<()> {

@@ -385,8 +385,9 @@ fn the_suite_names_only_scenarios_it_has() {
 /// a communicator's split), one whose second rank's process dies, and one
 /// whose 4 KiB send no rank receives (its sender's end check must fail it),
 /// and the same with the receiver finishing after the sender's end check
-/// gave up waiting for it (the receiver's end check must fail it).
-const PROCESS_JOBS: [&str; 13] = [
+/// gave up waiting for it (the receiver's end check must fail it), and
+/// one whose rank 1 works on long after rank 0's code returned.
+const PROCESS_JOBS: [&str; 14] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -400,12 +401,14 @@ const PROCESS_JOBS: [&str; 13] = [
     "connect/beside-send",
     "unmatched-send/small",
     "unmatched-send/late-receiver",
+    "outlive-rank-0",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
 /// in `one_process_rank`.
-const PROCESS_OWN_JOBS: [&str; 5] = [
+const PROCESS_OWN_JOBS: [&str; 6] = [
     "peer-dies",
+    "outlive-rank-0",
     "unmatched-send/late-receiver",
     "long-then-seed/shared",
     "many-in-flight/copy",
@@ -481,6 +484,14 @@ fn one_process_rank(job: &str) {
         // chance (it failed 4 runs in 20 before the mend).
         "never-buffered-late/copy" => run_copy(Policy::PerDirection, true, |t| {
             duplex_tests::send_sync_recv_late(t, timeout() / 3)
+        }),
+        // Rank 1 works on, past rank 0's deadline and the silence, after
+        // rank 0's code returned, then exchanges with itself: rank 0's
+        // process keeps the store up for it (it used to leave after the
+        // deadline plus the silence, and rank 1 took it for dead).
+        "outlive-rank-0" => run(Policy::PerDirection, |t| {
+            let late = timeout() + duplex_nccl::health::SILENCE + Duration::from_secs(2);
+            duplex_tests::outlive_rank_0(t, late)
         }),
         // `unmatched-send/small` the other way, to rank 0 (the store's
         // host, which stays up), with rank 0 ending its code after rank 1's
