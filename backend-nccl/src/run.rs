@@ -211,6 +211,7 @@ impl Local {
                                 health,
                                 copy,
                                 across: false,
+                                world_made: Default::default(),
                             },
                             f,
                         )
@@ -563,6 +564,7 @@ impl Process {
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
         );
+        let world_made = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let result = rank_main(
             lib,
             self.rank,
@@ -578,6 +580,7 @@ impl Process {
                 // across processes by CUDA IPC (`crate::copy::ipc`).
                 copy: Vec::new(),
                 across: true,
+                world_made: world_made.clone(),
             },
             &f,
         );
@@ -587,8 +590,17 @@ impl Process {
             // frozen), however long they run, so that their waits never
             // read its end as rank 0's death, and a rank that finishes late
             // still has the store for its end check. A rank that is alive
-            // beats; one that is not falls silent within the silence.
-            health.linger(self.world, 0, Duration::MAX, false);
+            // beats; one that is not falls silent within the silence. Only
+            // once every rank joined the world communicator, though: before
+            // that a rank may never have started (a wrong `WORLD_SIZE`),
+            // and one that never beat never falls silent, so the wait is
+            // bounded by the deadline and the silence.
+            let wait = if world_made.load(std::sync::atomic::Ordering::Acquire) {
+                Duration::MAX
+            } else {
+                self.settings.opts.timeout + SILENCE
+            };
+            health.linger(self.world, 0, wait, false);
             // And until those that finished are done with their end checks
             // (they read each other's counts from it): a second or two.
             health.wait_left(self.world, 0, Duration::from_secs(5));
@@ -656,6 +668,9 @@ struct Links {
     copy: crate::ctx::CopyLanes,
     /// One rank per process: the rank makes its copy-engine lanes itself.
     across: bool,
+    /// Set once the world communicator is made: every rank of the job
+    /// joined it, so every one's monitor was beating.
+    world_made: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn rank_main<F>(
@@ -677,6 +692,7 @@ where
         health,
         mut copy,
         across,
+        world_made,
     } = links;
     // A panic outside the rank's code (its setup, its final synchronize)
     // ends the thread without a word: say the rank failed, so that the
@@ -698,6 +714,7 @@ where
         health.failed(rank)
     })
     .map_err(failed)?;
+    world_made.store(true, std::sync::atomic::Ordering::Release);
     let mut arena = None;
     if across && settings.policy == Policy::PerDirection && settings.opts.copy_from.is_some() {
         let (lanes, own) = ipc_arena_bytes()
