@@ -115,9 +115,12 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Waits (up to `wait`) until every other rank has finished or failed:
     /// for the rank that hosts the store, so that the store outlives them;
     /// and for a rank with lanes made on first use, whose lane service
-    /// serves the others meanwhile, which stops waiting as soon as any
-    /// rank is known to have failed (`until_failure`: the job is ending).
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool);
+    /// serves the others meanwhile. Once any other rank is known to have
+    /// failed (the job is ending), it waits at most `after_failure` more:
+    /// zero for the lane service, and for the store's host the time the
+    /// others' waits take to end on that failure (a rank busy outside
+    /// duplex does not keep a failed job's host up).
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, after_failure: Duration);
     /// Posts what `rank` issued on each channel as it finishes cleanly,
     /// for the end checks of the ranks that sent to it
     /// (`Registry::unreceived_with`). Nothing to do in one process, whose
@@ -291,11 +294,14 @@ impl Health for LocalHealth {
         f.first().is_some_and(|(r, _)| *r == me)
     }
 
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
-        let start = Instant::now();
-        while start.elapsed() < wait {
-            if until_failure && self.failed(me).is_some() {
-                return;
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, after_failure: Duration) {
+        let mut deadline = deadline_after(wait);
+        let mut failure_seen = false;
+        while Instant::now() < deadline {
+            if !failure_seen && self.failed(me).is_some() {
+                failure_seen = true;
+                deadline = deadline.min(deadline_after(after_failure));
+                continue;
             }
             let done = {
                 let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
@@ -342,6 +348,12 @@ impl StoreHealth {
     /// Starts the monitor of rank `me` on `store`; it stops when the
     /// returned handle is dropped.
     pub fn start(store: Store, me: Rank) -> Arc<StoreHealth> {
+        // One heartbeat before anything else: a rank that goes on to join
+        // the job has been seen alive, so that its death is noticed by its
+        // silence (the store counts as silent only a rank it has heard).
+        if let Err(e) = store.beat(me, REQUEST) {
+            tracing::debug!(rank = me, error = %e, "the first heartbeat did not reach the store");
+        }
         let health = Arc::new(StoreHealth {
             store,
             me,
@@ -624,16 +636,21 @@ impl Health for StoreHealth {
         me == self.me && self.failed_itself.load(Ordering::Acquire)
     }
 
-    fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
+    fn linger(&self, ranks: u32, me: Rank, wait: Duration, after_failure: Duration) {
         let start = Instant::now();
-        let deadline = deadline_after(wait);
+        let mut deadline = deadline_after(wait);
         let mut left: Vec<Rank> = (0..ranks).filter(|r| *r != me).collect();
         let mut failing_since: Option<Instant> = None;
+        let mut failure_seen = false;
         let mut said = start;
         while !left.is_empty() && Instant::now() < deadline {
             let failed = self.failed(me).map(|(r, _)| r);
-            if until_failure && failed.is_some() {
-                return;
+            if failed.is_some() && !failure_seen {
+                failure_seen = true;
+                deadline = deadline.min(deadline_after(after_failure));
+                if after_failure.is_zero() {
+                    return;
+                }
             }
             // One request for every rank that finished, failed or fell
             // silent (all of them, where `failed` knows the first), not
@@ -648,7 +665,7 @@ impl Health for StoreHealth {
                     // A store that stays unreadable (the host's own, gone)
                     // ends the wait, however long it was to be.
                     let since = *failing_since.get_or_insert_with(Instant::now);
-                    if until_failure || since.elapsed() >= SILENCE {
+                    if after_failure.is_zero() || since.elapsed() >= SILENCE {
                         return;
                     }
                 }
@@ -827,7 +844,7 @@ mod tests {
     fn a_local_rank_lingers_until_every_other_finished_or_failed() {
         let h = std::sync::Arc::new(LocalHealth::default());
         let t0 = Instant::now();
-        h.linger(3, 0, Duration::from_millis(50), false);
+        h.linger(3, 0, Duration::from_millis(50), Duration::from_millis(50));
         assert!(
             t0.elapsed() >= Duration::from_millis(50),
             "nobody finished yet"
@@ -840,7 +857,7 @@ mod tests {
             h2.fail(2, "hang");
         });
         let t0 = Instant::now();
-        h.linger(3, 0, Duration::from_secs(30), false);
+        h.linger(3, 0, Duration::from_secs(30), Duration::from_secs(30));
         let waited = t0.elapsed();
         assert!(
             waited >= Duration::from_millis(90) && waited < Duration::from_secs(10),
@@ -851,7 +868,7 @@ mod tests {
         let h = LocalHealth::default();
         h.fail(2, "hang");
         let t0 = Instant::now();
-        h.linger(3, 0, Duration::from_secs(30), true);
+        h.linger(3, 0, Duration::from_secs(30), Duration::ZERO);
         assert!(t0.elapsed() < Duration::from_secs(5));
     }
 
@@ -986,7 +1003,7 @@ mod tests {
         assert_eq!(a.failed(0), None);
         // And rank 0, hosting the store, does not wait for it.
         let start = Instant::now();
-        a.linger(2, 0, Duration::from_secs(5), false);
+        a.linger(2, 0, Duration::from_secs(5), Duration::from_secs(5));
         assert!(
             start.elapsed() < Duration::from_secs(2),
             "{:?}",
@@ -1006,7 +1023,7 @@ mod tests {
         c.fail(2, "its echo", REQUEST).expect("posts");
         let a = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
         let t0 = Instant::now();
-        a.linger(4, 0, Duration::from_secs(30), false);
+        a.linger(4, 0, Duration::from_secs(30), Duration::from_secs(30));
         assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     }
 
@@ -1020,7 +1037,7 @@ mod tests {
         let other = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
         let t0 = Instant::now();
         let lingering = std::thread::spawn(move || {
-            host.linger(2, 0, Duration::MAX, false);
+            host.linger(2, 0, Duration::MAX, Duration::from_secs(1));
             Instant::now()
         });
         std::thread::sleep(SILENCE + Duration::from_secs(1));
@@ -1032,6 +1049,21 @@ mod tests {
             waited >= SILENCE + Duration::from_secs(1) && waited < SILENCE + Duration::from_secs(6),
             "{waited:?}"
         );
+        // Once another rank failed, the wait ends `after_failure` later,
+        // whoever still runs (rank 1 here beats on).
+        let (port, secret) = store();
+        let host = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let _alive = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
+        Store::client("127.0.0.1", port, secret.clone())
+            .fail(2, "hang", REQUEST)
+            .expect("posts");
+        let t0 = Instant::now();
+        host.linger(3, 0, Duration::MAX, Duration::from_secs(1));
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_secs(1) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
         // A store that cannot be read ends the wait within the silence.
         let (port, secret) = store();
         let host = StoreHealth::start(
@@ -1039,13 +1071,31 @@ mod tests {
             0,
         );
         let t0 = Instant::now();
-        host.linger(2, 0, Duration::MAX, false);
+        host.linger(2, 0, Duration::MAX, Duration::from_secs(1));
         assert!(
             t0.elapsed() < SILENCE + Duration::from_secs(5),
             "{:?}",
             t0.elapsed()
         );
         drop(secret);
+    }
+
+    /// A rank is heard by the store before `StoreHealth::start` returns,
+    /// so one that dies at once (its monitor gone before its first tick)
+    /// still falls silent, and a lingering host does not wait for it for
+    /// ever.
+    #[test]
+    fn a_rank_is_heard_before_its_monitor_starts_so_its_death_is_seen() {
+        let (port, secret) = store();
+        drop(StoreHealth::start(
+            Store::client("127.0.0.1", port, secret.clone()),
+            1,
+        ));
+        let host = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
+        let t0 = Instant::now();
+        host.linger(2, 0, Duration::from_secs(60), Duration::from_secs(60));
+        let waited = t0.elapsed();
+        assert!(waited < SILENCE + Duration::from_secs(5), "{waited:?}");
     }
 
     #[test]
@@ -1059,7 +1109,7 @@ mod tests {
         c.beat(1, REQUEST).expect("beats");
         c.beat(2, REQUEST).expect("beats");
         let a = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
-        a.linger(3, 0, Duration::from_secs(60), false);
+        a.linger(3, 0, Duration::from_secs(60), Duration::from_secs(60));
         let took = t0.elapsed();
         assert!(took >= SILENCE, "{took:?}");
         assert!(took < SILENCE * 4, "{took:?}");

@@ -591,16 +591,21 @@ impl Process {
             // read its end as rank 0's death, and a rank that finishes late
             // still has the store for its end check. A rank that is alive
             // beats; one that is not falls silent within the silence. Only
-            // once every rank joined the world communicator, though: before
+            // once every rank joined the world communicator (each was heard
+            // by the store before it started), though: before
             // that a rank may never have started (a wrong `WORLD_SIZE`),
             // and one that never beat never falls silent, so the wait is
             // bounded by the deadline and the silence.
-            let wait = if world_made.load(std::sync::atomic::Ordering::Acquire) {
+            // Once the job has failed (this rank, or another as far as it
+            // knows), the others' waits end within the deadline and the
+            // silence: no longer than that.
+            let bound = self.settings.opts.timeout + SILENCE;
+            let wait = if world_made.load(std::sync::atomic::Ordering::Acquire) && result.is_ok() {
                 Duration::MAX
             } else {
-                self.settings.opts.timeout + SILENCE
+                bound
             };
-            health.linger(self.world, 0, wait, false);
+            health.linger(self.world, 0, wait, bound);
             // And until those that finished are done with their end checks
             // (they read each other's counts from it): a second or two.
             health.wait_left(self.world, 0, Duration::from_secs(5));
@@ -620,7 +625,7 @@ impl Process {
                 Store::client(self.host.clone(), self.port, self.secret.clone()),
                 0,
             );
-            health.linger(self.world, 0, timeout + SILENCE, false);
+            health.linger(self.world, 0, timeout + SILENCE, timeout + SILENCE);
         }
         e
     }
@@ -669,7 +674,8 @@ struct Links {
     /// One rank per process: the rank makes its copy-engine lanes itself.
     across: bool,
     /// Set once the world communicator is made: every rank of the job
-    /// joined it, so every one's monitor was beating.
+    /// joined it, so every one had been heard by the store (its monitor
+    /// beats once before the rank starts, `StoreHealth::start`).
     world_made: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -799,7 +805,7 @@ where
     // rank is known to have failed (the job is ending), or the deadline
     // and the silence that counts as death have passed.
     if result.is_ok() && settings.opts.lanes == crate::LaneMode::Lazy {
-        health.linger(world, rank, settings.opts.timeout + SILENCE, true);
+        health.linger(world, rank, settings.opts.timeout + SILENCE, Duration::ZERO);
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
     handle.teardown();
@@ -1233,8 +1239,8 @@ mod tests {
         fn failed_itself(&self, me: Rank) -> bool {
             self.inner.failed_itself(me)
         }
-        fn linger(&self, ranks: u32, me: Rank, wait: Duration, until_failure: bool) {
-            self.inner.linger(ranks, me, wait, until_failure)
+        fn linger(&self, ranks: u32, me: Rank, wait: Duration, after_failure: Duration) {
+            self.inner.linger(ranks, me, wait, after_failure)
         }
         fn post_counts(&self, rank: Rank, counts: &[duplex::trace::ChannelCount]) {
             self.gated(|| self.inner.post_counts(rank, counts))

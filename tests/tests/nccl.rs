@@ -485,12 +485,13 @@ fn one_process_rank(job: &str) {
         "never-buffered-late/copy" => run_copy(Policy::PerDirection, true, |t| {
             duplex_tests::send_sync_recv_late(t, timeout() / 3)
         }),
-        // Rank 1 works on, past rank 0's deadline and the silence, after
-        // rank 0's code returned, then exchanges with itself: rank 0's
-        // process keeps the store up for it (it used to leave after the
-        // deadline plus the silence, and rank 1 took it for dead).
+        // Rank 1 works on after rank 0's code returned, then exchanges with
+        // itself: rank 0's process keeps the store up for it. It used to
+        // leave after the deadline plus the silence, and rank 1 took it for
+        // dead a silence after that: rank 1 works past both, and 2 s more.
         "outlive-rank-0" => run(Policy::PerDirection, |t| {
-            let late = timeout() + duplex_nccl::health::SILENCE + Duration::from_secs(2);
+            let silence = duplex_nccl::health::SILENCE;
+            let late = timeout() + silence * 2 + Duration::from_secs(2);
             duplex_tests::outlive_rank_0(t, late)
         }),
         // `unmatched-send/small` the other way, to rank 0 (the store's
