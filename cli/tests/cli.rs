@@ -152,7 +152,32 @@ fn a_size_mismatch_names_both_ops() {
     assert_eq!(json["error"]["ops"].as_array().map(Vec::len), Some(2));
 }
 
+/// This test process's folder of files, shared by its tests (which run at
+/// once, so none can remove it): on its first use, the folders of earlier
+/// runs whose process is gone are removed (where `/proc` says so).
 fn tempdir() -> PathBuf {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| {
+        if !Path::new("/proc/self").exists() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(pid) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("duplex-cli-test-"))
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    });
     let dir = std::env::temp_dir().join(format!("duplex-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
