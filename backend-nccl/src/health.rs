@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use duplex::Rank;
 use duplex::trace::{ChannelCount, Trace};
 
-use crate::store::Store;
+use crate::store::{Store, deadline_after};
 
 /// How often a process's monitor sends a heartbeat and checks the others.
 pub const BEAT_EVERY: Duration = Duration::from_millis(200);
@@ -482,12 +482,22 @@ impl StoreHealth {
         value: &T,
         timeout: Duration,
     ) {
-        let result = serde_json::to_vec(value)
-            .map_err(|e| duplex::Error::Aborted(format!("encoding the {what}: {e}")))
-            .and_then(|bytes| self.store.put(key, &bytes, timeout));
-        if let Err(e) = result {
+        if let Err(e) = self.store_json(key, what, value, timeout) {
             tracing::warn!(rank, error = %e, "could not store this rank's {what}");
         }
+    }
+
+    /// Stores `value` (a rank's `what`) as JSON under `key`.
+    fn store_json<T: serde::Serialize + ?Sized>(
+        &self,
+        key: &str,
+        what: &str,
+        value: &T,
+        timeout: Duration,
+    ) -> Result<(), duplex::Error> {
+        let bytes = serde_json::to_vec(value)
+            .map_err(|e| duplex::Error::Aborted(format!("encoding the {what}: {e}")))?;
+        self.store.put(key, &bytes, timeout)
     }
 
     /// One heartbeat and one check; a failure comes with when the request
@@ -514,7 +524,7 @@ impl StoreHealth {
             lock(&self.finished) || lock(&self.unfinished)
         };
         for r in ended.into_iter().filter(|r| *r != self.me && !seen(r)) {
-            let into = match self.store.get(&format!("done/{r}"), Duration::ZERO) {
+            let into = match self.store.get(&done_key(r), Duration::ZERO) {
                 Ok(Some(_)) => &self.finished,
                 Ok(None) => &self.unfinished,
                 Err(_) => return,
@@ -538,12 +548,9 @@ impl Drop for StoreHealth {
     }
 }
 
-/// `wait` from now; a wait too long to add (`Duration::MAX`, say) ends in
-/// about 34 years.
-fn deadline_after(wait: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(wait)
-        .unwrap_or(now + Duration::from_secs(1 << 30))
+/// The key a rank stores as it finishes cleanly ([`Health::finished`]).
+fn done_key(rank: Rank) -> String {
+    format!("done/{rank}")
 }
 
 /// The key a rank's channel counts are posted under as it finishes
@@ -621,7 +628,7 @@ impl Health for StoreHealth {
     }
 
     fn finished(&self, rank: Rank) {
-        if let Err(e) = self.store.put(&format!("done/{rank}"), b"ok", REQUEST) {
+        if let Err(e) = self.store.put(&done_key(rank), b"ok", REQUEST) {
             tracing::debug!(rank, error = %e, "could not tell the store this rank finished");
         }
     }
@@ -728,7 +735,7 @@ impl Health for StoreHealth {
                     // It finished cleanly, yet its counts are not there
                     // (the store refused them): no judgement, and a
                     // warning. Otherwise it failed: the job is failing.
-                    return match self.store.get(&format!("done/{r}"), Duration::ZERO) {
+                    return match self.store.get(&done_key(*r), Duration::ZERO) {
                         Ok(Some(_)) => Err(format!(
                             "rank {r} finished, but its counts are not in the store"
                         )),
@@ -741,9 +748,7 @@ impl Health for StoreHealth {
     }
 
     fn post_owed(&self, rank: Rank, to: Rank, counts: &[ChannelCount]) -> Result<(), String> {
-        let bytes = serde_json::to_vec(counts).map_err(|e| format!("encoding the counts: {e}"))?;
-        self.store
-            .put(&owed_key(to, rank), &bytes, REQUEST)
+        self.store_json(&owed_key(to, rank), "counts", counts, REQUEST)
             .map_err(|e| e.to_string())
     }
 
@@ -789,10 +794,7 @@ impl Health for StoreHealth {
         let deadline = Instant::now() + wait;
         for r in (0..ranks).filter(|r| *r != me) {
             // Only a rank that finished cleanly does an end check.
-            if !matches!(
-                self.store.get(&format!("done/{r}"), Duration::ZERO),
-                Ok(Some(_))
-            ) {
+            if !matches!(self.store.get(&done_key(r), Duration::ZERO), Ok(Some(_))) {
                 continue;
             }
             let left = deadline.saturating_duration_since(Instant::now());

@@ -630,7 +630,7 @@ impl Registry {
                     "(a call folded into the trace's snapshot)",
                 )
             });
-        Some(never_received(op, u64::from(count), all.len() - 1))
+        Some(never_received(op, u64::from(count), all.len() - 1, ""))
     }
 
     /// What this registry's rank issued on each channel
@@ -689,7 +689,7 @@ impl Registry {
         let &(first, received) = short.first()?;
         let count = first.sent - received;
         let op = unreceived_op(&self.lock().trace, first, count, received);
-        Some(never_received(op, count, short.len() - 1))
+        Some(never_received(op, count, short.len() - 1, ""))
     }
 
     /// The receiver's side of [`Registry::unreceived_with`]: the sends that
@@ -733,18 +733,11 @@ impl Registry {
                 "(a call of a rank that finished first: it left its counts, not its calls)",
             ),
         };
-        let e = never_received(op, count, short.len() - 1);
-        let Error::Program { kind, message, ops } = e else {
-            return Some(e);
-        };
-        Some(Error::Program {
-            kind,
-            message: format!(
-                "{message} (rank {} finished first and left its sends for this rank, their receiver, to judge)",
-                first.from
-            ),
-            ops,
-        })
+        let judged = format!(
+            " (rank {} finished first and left its sends for this rank, their receiver, to judge)",
+            first.from
+        );
+        Some(never_received(op, count, short.len() - 1, &judged))
     }
 
     /// Sends or recvs that no op of the other side matched: at the end of
@@ -1105,8 +1098,9 @@ fn unreceived_op(trace: &Trace, first: ChannelCount, count: u64, received: u64) 
 
 /// The `never-received` error of `op`, the first of `count` sends on its
 /// channel that no recv took, with `more` other channels like it
-/// ([`Registry::unreceived_at_end`]).
-fn never_received(op: OpInfo, count: u64, more: usize) -> Error {
+/// ([`Registry::unreceived_at_end`]), and `judged` (who judged it, when
+/// that is not the sender) at its end.
+fn never_received(op: OpInfo, count: u64, more: usize, judged: &str) -> Error {
     let e = Error::from(duplex::machine::ProgramError::NeverReceived { send: Box::new(op) });
     let Error::Program { kind, message, ops } = e else {
         return e;
@@ -1126,7 +1120,7 @@ fn never_received(op: OpInfo, count: u64, more: usize) -> Error {
     Error::Program {
         kind,
         message: format!(
-            "{message}{also}: NCCL completed it into the channel's buffer (R5), and every rank finished without a recv for it, so its bytes reached no one"
+            "{message}{also}: NCCL completed it into the channel's buffer (R5), and every rank finished without a recv for it, so its bytes reached no one{judged}"
         ),
         ops,
     }

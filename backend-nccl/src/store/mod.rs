@@ -135,8 +135,9 @@ fn io(what: &str, e: std::io::Error) -> Error {
     }
 }
 
-/// `now + t`, or far in the future when that overflows.
-fn deadline_after(t: Duration) -> Instant {
+/// `now + t`, or far in the future when that overflows (`Duration::MAX`,
+/// say).
+pub(crate) fn deadline_after(t: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(t)
         .or_else(|| now.checked_add(MAX_WAIT * 365))
