@@ -590,13 +590,13 @@ impl Process {
             // frozen), however long they run, so that their waits never
             // read its end as rank 0's death, and a rank that finishes late
             // still has the store for its end check. A rank that is alive
-            // beats; one that is not falls silent within the silence. Only
-            // once every rank joined the world communicator (each was heard
-            // by the store before it started), though: before
-            // that a rank may never have started (a wrong `WORLD_SIZE`),
-            // and one that never beat never falls silent, so the wait is
-            // bounded by the deadline and the silence.
-            // Once the job has failed (this rank, or another as far as it
+            // beats; one that is not falls silent within the silence.
+            //
+            // Without a bound only once every rank joined the world
+            // communicator (each was heard by the store before it started):
+            // before that a rank may never have started (a wrong
+            // `WORLD_SIZE`), and one never heard never falls silent. And
+            // once the job has failed (this rank, or another as far as it
             // knows), the others' waits end within the deadline and the
             // silence: no longer than that.
             let bound = self.settings.opts.timeout + SILENCE;
