@@ -22,6 +22,12 @@ pub trait Board: Send + Sync + std::fmt::Debug {
     /// The oldest message of rank `me`'s inbox, waiting up to `timeout` for
     /// one.
     fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>, Error>;
+    /// How often a reader that has other work to poll between reads (a
+    /// lane service making a lane, [`crate::lanes`]) should read an inbox,
+    /// at most: zero for the in-process board, where a read is a lock.
+    fn inbox_every(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The board of a local run: counters under a mutex. A message is taken

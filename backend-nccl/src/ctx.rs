@@ -1478,11 +1478,17 @@ impl RankCtx {
         }
         let service = lock(&self.service).take();
         if let Some(s) = service {
+            let asked = Instant::now();
             // The service stops within a poll; an abandon that waits on the
             // device (P8) is what could keep it: never wait past the deadline.
             let stopped = poll(self.opts.timeout, || Ok(s.is_finished()));
             if matches!(stopped, Ok(true)) {
                 let _ = s.join();
+                tracing::debug!(
+                    rank = self.rank,
+                    ms = asked.elapsed().as_secs_f64() * 1e3,
+                    "the lane service stopped"
+                );
             } else {
                 tracing::warn!(
                     rank = self.rank,

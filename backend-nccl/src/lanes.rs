@@ -528,9 +528,36 @@ impl<K: LaneKit> LaneMaker<K> {
         }
     }
 
+    /// Handles the messages in this rank's inbox: the first read waits up
+    /// to `wait`, the rest (64 at most) only drain.
+    fn read_inbox(&self, mut wait: Duration, parts: &mut HashMap<u64, (LaneSpec, K::Part)>) {
+        for _ in 0..64 {
+            match self.board.inbox(self.me, wait) {
+                Ok(Some(m)) => self.handle(&m, parts),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(
+                        rank = self.me,
+                        "the lane service cannot read its inbox: {e}"
+                    );
+                    // Perhaps for a moment (a busy store): lanes in
+                    // progress go on, and fail at their deadlines if it
+                    // lasts; a dead store is a failed rank 0, which the
+                    // job's health reports.
+                    std::thread::sleep(ASKED);
+                    break;
+                }
+            }
+            wait = Duration::ZERO;
+        }
+    }
+
     /// The service: runs until [`LaneMaker::stop`].
     pub fn serve(&self) {
         let mut parts: HashMap<u64, (LaneSpec, K::Part)> = HashMap::new();
+        // When the inbox was last read: while parts are polled every
+        // `MAKING`, it is read no oftener than the board asks.
+        let mut read_at: Option<Instant> = None;
         loop {
             if self.stop.load(Ordering::Acquire) || self.kit.gone() {
                 for (_, (spec, part)) in parts.drain() {
@@ -555,31 +582,21 @@ impl<K: LaneKit> LaneMaker<K> {
                 .values()
                 .any(|s| matches!(s, State::Wanted(_) | State::Asked(_)));
             // Messages: the first read waits a little, the rest only drain.
-            let mut wait = if !parts.is_empty() {
+            let wait = if !parts.is_empty() {
                 MAKING
             } else if waiting {
                 ASKED
             } else {
                 IDLE
             };
-            for _ in 0..64 {
-                match self.board.inbox(self.me, wait) {
-                    Ok(Some(m)) => self.handle(&m, &mut parts),
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(
-                            rank = self.me,
-                            "the lane service cannot read its inbox: {e}"
-                        );
-                        // Perhaps for a moment (a busy store): lanes in
-                        // progress go on, and fail at their deadlines if it
-                        // lasts; a dead store is a failed rank 0, which the
-                        // job's health reports.
-                        std::thread::sleep(ASKED);
-                        break;
-                    }
-                }
-                wait = Duration::ZERO;
+            let due =
+                parts.is_empty() || read_at.is_none_or(|t| t.elapsed() >= self.board.inbox_every());
+            if due {
+                read_at = Some(Instant::now());
+                self.read_inbox(wait, &mut parts);
+            } else {
+                // The parts' progress only, at the pace a read's wait gives.
+                std::thread::sleep(MAKING);
             }
             // A `want` of this rank's own that never arrived (lost): as if
             // it had.

@@ -605,10 +605,15 @@ impl Process {
             } else {
                 bound
             };
+            let since = Instant::now();
             health.linger(self.world, 0, wait, bound);
             // And until those that finished are done with their end checks
             // (they read each other's counts from it): a second or two.
             health.wait_left(self.world, 0, Duration::from_secs(5));
+            tracing::debug!(
+                ms = since.elapsed().as_secs_f64() * 1e3,
+                "rank 0 kept the store up until the others had ended"
+            );
         }
         result
     }
@@ -808,7 +813,13 @@ where
         health.linger(world, rank, settings.opts.timeout + SILENCE, Duration::ZERO);
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
+    let ending = Instant::now();
     handle.teardown();
+    tracing::debug!(
+        rank,
+        ms = ending.elapsed().as_secs_f64() * 1e3,
+        "this rank's streams and lanes are torn down"
+    );
     // Lanes made on first use are in it too.
     let lanes = handle.lane_costs();
     drop(handle);

@@ -541,7 +541,18 @@ fn both_hang(said: &[String], cycles: &[bool]) -> bool {
 /// Runs `job` as two processes, one per GPU, through the TCP rendezvous, and
 /// judges what each printed: `PASS ...` or `FAIL ...`.
 fn two_processes(job: &str) -> String {
+    use std::io::Read;
     use std::process::Stdio;
+    // Each pipe of each rank is read to its end on a thread of its own.
+    fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    }
     let exe = std::env::current_exe().expect("the test binary");
     let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
         Ok(a) => a.port(),
@@ -569,9 +580,15 @@ fn two_processes(job: &str) -> String {
             // After LOCAL_RANK above: GPU 0 for every rank.
             cmd.envs(duplex_nccl::shared_gpu_env(rank, &port.to_string()));
         }
-        let child = cmd.spawn();
-        match child {
-            Ok(c) => children.push(c),
+        match cmd.spawn() {
+            Ok(mut c) => {
+                // Read as the rank runs: a rank that logs more than a
+                // pipe holds (DUPLEX_LOG=trace) would otherwise block on
+                // its next write and be killed as hung.
+                let out = drain(c.stdout.take());
+                let err = drain(c.stderr.take());
+                children.push((c, out, err));
+            }
             Err(e) => return format!("FAIL cannot start rank {rank}: {e}"),
         }
     }
@@ -582,7 +599,7 @@ fn two_processes(job: &str) -> String {
     // Whether each rank's hang report names the wait-for cycle across the
     // processes: a link on each rank, from what both ranks published.
     let mut cycles = Vec::new();
-    for (rank, mut c) in children.into_iter().enumerate() {
+    for (rank, (mut c, out, err)) in children.into_iter().enumerate() {
         loop {
             match c.try_wait() {
                 Ok(Some(_)) => break,
@@ -595,13 +612,15 @@ fn two_processes(job: &str) -> String {
                 }
             }
         }
-        let out = c.wait_with_output().expect("the rank's output");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let status = c.wait().ok().and_then(|s| s.code());
+        let stdout = out.join().unwrap_or_default();
+        let stderr = err.join().unwrap_or_default();
+        let stdout = String::from_utf8_lossy(&stdout);
+        let stderr = String::from_utf8_lossy(&stderr);
         let verdict = stdout
             .lines()
             .find_map(|l| l.split_once("RANK ").map(|(_, v)| v.to_string()))
-            .unwrap_or_else(|| format!("(none; exit {:?})", out.status.code()));
+            .unwrap_or_else(|| format!("(none; exit {status:?})"));
         let shown = if std::env::var_os("DUPLEX_LOG").is_some() {
             400
         } else {

@@ -622,3 +622,72 @@ fn lane_settings_parse_what_the_environment_may_say_and_name_the_rest() {
         "{e}"
     );
 }
+
+/// A board that counts its inbox reads and asks to be read every `every`,
+/// as the store does.
+#[derive(Debug)]
+struct Paced {
+    inner: LocalBoard,
+    every: Duration,
+    reads: AtomicU64,
+}
+
+impl Board for Paced {
+    fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<()> {
+        self.inner.post(from, to, tag)
+    }
+
+    fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool> {
+        self.inner.take(from, to, tag, timeout)
+    }
+
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<()> {
+        self.inner.mail(to, message)
+    }
+
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.inbox(me, timeout)
+    }
+
+    fn inbox_every(&self) -> Duration {
+        self.every
+    }
+}
+
+#[test]
+fn a_service_making_a_lane_reads_the_store_at_the_stores_pace() {
+    // The parts' progress is polled every 2 ms; across processes each
+    // inbox read is a connection to the store, which asks for one every
+    // 20 ms: two services making one lane for 600 ms read it some 60
+    // times, not some 600.
+    let board = Arc::new(Paced {
+        inner: LocalBoard::default(),
+        every: crate::store::STORE_INBOX_EVERY,
+        reads: AtomicU64::new(0),
+    });
+    let job = Arc::new(job_on(board.clone(), 2, Policy::PerDirection, T, &[0, 1]));
+    job.fabric.hold.store(true, Ordering::Release);
+    let j = job.clone();
+    let need = std::thread::spawn(move || j.need(0, Dir::Send, 1));
+    // Both parts started (each service read its `make` or `join`).
+    let start = Instant::now();
+    while job.fabric.starts.lock().expect("not poisoned").len() < 2 {
+        assert!(start.elapsed() < T, "the parts never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let before = board.reads.load(Ordering::Relaxed);
+    let held = Instant::now();
+    std::thread::sleep(Duration::from_millis(600));
+    let reads = board.reads.load(Ordering::Relaxed) - before;
+    let ms = held.elapsed().as_millis() as u64;
+    job.fabric.hold.store(false, Ordering::Release);
+    need.join().unwrap().expect("made once released");
+    // Each service: one read per 20 ms, and one more at each end.
+    let most = 2 * (ms / 20 + 2);
+    assert!(
+        reads <= most,
+        "{reads} inbox reads in {ms} ms while making: more than {most}"
+    );
+    Arc::try_unwrap(job).ok().expect("one owner").stop();
+}

@@ -267,6 +267,27 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// The request's first word on the wire (`GET`, `PUT`, ...), for logs.
+    pub fn verb(&self) -> &'static str {
+        match self {
+            Request::Auth { .. } => "AUTH",
+            Request::UniqueId => "ID",
+            Request::Post { .. } => "POST",
+            Request::Take { .. } => "TAKE",
+            Request::Fail { .. } => "FAIL",
+            Request::Beat { .. } => "BEAT",
+            Request::Health { .. } => "HEALTH",
+            Request::Put { .. } => "PUT",
+            Request::Get { .. } => "GET",
+            Request::Mail { .. } => "MAIL",
+            Request::Inbox { .. } => "INBOX",
+            Request::Ended { .. } => "ENDED",
+            Request::Keys { .. } => "KEYS",
+        }
+    }
+}
+
 /// What the store replies.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Response {
@@ -866,6 +887,9 @@ mod tests {
             let line = encode_request(&r).unwrap();
             assert!(line.len() <= MAX_LINE, "{r:?}");
             assert_eq!(parse_request(&line), Ok(r.clone()));
+            // The verb the logs give is the line's first word.
+            let word = line.split(|b| *b == b' ' || *b == b'\n').next();
+            assert_eq!(word, Some(r.verb().as_bytes()), "{r:?}");
             fuzz_parse(&line);
         }
         for r in responses() {
