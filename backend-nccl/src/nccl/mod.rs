@@ -526,14 +526,34 @@ impl CommApi for Nccl {
     }
 
     unsafe fn abort(&self, comm: RawComm) -> Result<(), Error> {
+        let started = std::time::Instant::now();
         // SAFETY: the trait's contract is `Nccl::abort`'s.
-        unsafe { Nccl::abort(self, comm.0) }
+        let r = unsafe { Nccl::abort(self, comm.0) };
+        aborted(1, started);
+        r
     }
 
     unsafe fn abort_many(&self, comms: &[RawComm]) -> Result<(), Error> {
         let raw: Vec<ncclComm_t> = comms.iter().map(|c| c.0).collect();
+        let started = std::time::Instant::now();
         // SAFETY: the trait's contract is `Nccl::abort_many`'s.
-        unsafe { Nccl::abort_many(self, &raw) }
+        let r = unsafe { Nccl::abort_many(self, &raw) };
+        aborted(raw.len(), started);
+        r
+    }
+}
+
+/// A debug event for `ncclCommAbort` calls that took long: an abort
+/// whose peer is gone may wait on NCCL's own teardown (its proxy, its
+/// sockets), on whichever thread frees the communicator.
+fn aborted(comms: usize, started: std::time::Instant) {
+    let took = started.elapsed();
+    if took >= std::time::Duration::from_millis(50) {
+        tracing::debug!(
+            comms,
+            ms = took.as_secs_f64() * 1e3,
+            "ncclCommAbort took long"
+        );
     }
 }
 
