@@ -104,8 +104,9 @@ def main():
             vb = ",".join(verdicts[mode]["B"].get(job, [])) or "-"
             failed_b |= "FAIL" in vb
             out.append(f"| {job} | {spread(a)} | {spread(b)} | {ratio} | {va} | {vb} |")
-        a_sum = [sum(t) for t in zip(*[times[mode]["A"][j] for j in jobs if j in times[mode]["A"] and j in times[mode]["B"]])] if jobs else []
-        b_sum = [sum(t) for t in zip(*[times[mode]["B"][j] for j in jobs if j in times[mode]["A"] and j in times[mode]["B"]])] if jobs else []
+        # Per round, the sum over the jobs both builds ran.
+        both = [j for j in jobs if j in times[mode]["A"] and j in times[mode]["B"]]
+        a_sum, b_sum = ([sum(t) for t in zip(*[times[mode][x][j] for j in both])] for x in "AB")
         if a_sum and b_sum:
             out.append(
                 f"| jobs of both, summed | {spread(a_sum)} | {spread(b_sum)} | "

@@ -211,7 +211,6 @@ impl Local {
                                 health,
                                 copy,
                                 across: false,
-                                world_made: Default::default(),
                             },
                             f,
                         )
@@ -564,7 +563,6 @@ impl Process {
             Store::client(self.host.clone(), self.port, self.secret.clone()),
             self.rank,
         );
-        let world_made = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let result = rank_main(
             lib,
             self.rank,
@@ -580,7 +578,6 @@ impl Process {
                 // across processes by CUDA IPC (`crate::copy::ipc`).
                 copy: Vec::new(),
                 across: true,
-                world_made: world_made.clone(),
             },
             &f,
         );
@@ -592,19 +589,16 @@ impl Process {
             // still has the store for its end check. A rank that is alive
             // beats; one that is not falls silent within the silence.
             //
-            // Without a bound only once every rank joined the world
-            // communicator (each was heard by the store before it started):
-            // before that a rank may never have started (a wrong
-            // `WORLD_SIZE`), and one never heard never falls silent. And
-            // once the job has failed (this rank, or another as far as it
-            // knows), the others' waits end within the deadline and the
-            // silence: no longer than that.
+            // Without a bound only when this rank's code returned cleanly,
+            // which it ran only once every rank had joined the world
+            // communicator (each was heard by the store before it started:
+            // its monitor beats once before the rank starts). Before that a
+            // rank may never have started (a wrong `WORLD_SIZE`), and one
+            // never heard never falls silent. And once the job has failed
+            // (this rank, or another as far as it knows), the others' waits
+            // end within the deadline and the silence: no longer than that.
             let bound = self.settings.opts.timeout + SILENCE;
-            let wait = if world_made.load(std::sync::atomic::Ordering::Acquire) && result.is_ok() {
-                Duration::MAX
-            } else {
-                bound
-            };
+            let wait = if result.is_ok() { Duration::MAX } else { bound };
             let since = Instant::now();
             health.linger(self.world, 0, wait, bound);
             // And until those that finished are done with their end checks
@@ -678,10 +672,6 @@ struct Links {
     copy: crate::ctx::CopyLanes,
     /// One rank per process: the rank makes its copy-engine lanes itself.
     across: bool,
-    /// Set once the world communicator is made: every rank of the job
-    /// joined it, so every one had been heard by the store (its monitor
-    /// beats once before the rank starts, `StoreHealth::start`).
-    world_made: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn rank_main<F>(
@@ -703,7 +693,6 @@ where
         health,
         mut copy,
         across,
-        world_made,
     } = links;
     // A panic outside the rank's code (its setup, its final synchronize)
     // ends the thread without a word: say the rank failed, so that the
@@ -725,7 +714,6 @@ where
         health.failed(rank)
     })
     .map_err(failed)?;
-    world_made.store(true, std::sync::atomic::Ordering::Release);
     let mut arena = None;
     if across && settings.policy == Policy::PerDirection && settings.opts.copy_from.is_some() {
         let (lanes, own) = ipc_arena_bytes()

@@ -1112,13 +1112,25 @@ pub fn self_unpaired<T: Transport>(t: &T) -> Result<()> {
             )));
         }
     }
+    self_exchange(t, &out, &mut inb, 12)?;
+    seed(t)
+}
+
+/// Rank `t`'s grouped exchange of `out` (filled with `tag`) with itself
+/// into `inb`, synchronized, and every element of `inb` checked.
+fn self_exchange<T: Transport>(
+    t: &T,
+    out: &T::Buffer<u32>,
+    inb: &mut T::Buffer<u32>,
+    tag: u32,
+) -> Result<()> {
+    let me = t.rank();
     t.group(|| {
-        t.send(&out, me)?;
-        t.recv(&mut inb, me)
+        t.send(out, me)?;
+        t.recv(inb, me)
     })?;
     t.synchronize()?;
-    check(t, &inb, me, 12)?;
-    seed(t)
+    check(t, inb, me, tag)
 }
 
 /// Rank 0 sends 4 KiB that no rank receives, and synchronizes; rank 1
@@ -1143,12 +1155,7 @@ pub fn outlive_rank_0<T: Transport>(t: &T, late: std::time::Duration) -> Result<
     std::thread::sleep(late);
     let out = filled(t, me, 14)?;
     let mut inb = t.alloc::<u32>(len())?;
-    t.group(|| {
-        t.send(&out, me)?;
-        t.recv(&mut inb, me)
-    })?;
-    t.synchronize()?;
-    check(t, &inb, me, 14)
+    self_exchange(t, &out, &mut inb, 14)
 }
 
 /// [`unmatched_send_small`] the other way: rank 1 sends 4 KiB to rank 0,
