@@ -10,15 +10,26 @@
 //!
 //! # Protocol
 //!
-//! A client opens one connection per request. Its first line is
-//! `AUTH <version> <token-hex>`; the store answers `OK` when the version is
-//! [`proto::VERSION`] and the token equals the job's secret (compared in
-//! constant time), and otherwise `ERROR <why>` and closes the connection.
-//! Then comes one request (`ID`, `POST`, `TAKE`; grammar in [`proto`]), one
-//! reply, and the store closes the connection. A line that does not parse,
-//! a request before `AUTH`, or a client silent for 10 s gets `ERROR <why>`
-//! and the connection is closed; the store goes on serving everyone else
-//! (a thread per connection, at most 4096 at once).
+//! A connection's first line is `AUTH <version> <token-hex>`; the store
+//! answers `OK` when the version is [`proto::VERSION`] and the token equals
+//! the job's secret (compared in constant time), and otherwise
+//! `ERROR <why>` and closes the connection. Then come requests (`ID`,
+//! `POST`, `TAKE`, ...; grammar in [`proto`]), each answered before the
+//! next is read. A line that does not parse, a request before `AUTH`, or a
+//! client silent for 10 s before its `AUTH` gets `ERROR <why>` and the
+//! connection is closed; a connection quiet for 10 s between requests is
+//! closed without a word. The store goes on serving everyone else (a
+//! thread per connection, at most 16,384 at once, and no more than the
+//! process's limit on open files allows, which the store raises to its
+//! hard limit; past that a new connection is told `ERROR busy`).
+//!
+//! A client ([`Store`]) keeps up to four connections open between its
+//! requests, each for at most 5 s unused: a rank's health monitor, which
+//! asks twice every 200 ms, then makes no new connection at all, where a
+//! connection per request cost the store a thread and the client a
+//! connect and an `AUTH` round trip each time. A kept connection the store
+//! has closed is found closed before any byte of a reply (the store
+//! answers every request it reads), and the request goes on a new one.
 //!
 //! # Environment
 //!
@@ -169,7 +180,9 @@ struct Limits {
 
 const LIMITS: Limits = Limits {
     io_timeout: Duration::from_secs(10),
-    max_connections: 4096,
+    // Clients keep connections open between requests, a few per rank:
+    // 1,024 ranks may hold some 3,000.
+    max_connections: 1 << 14,
     max_pending: 1 << 16,
     // A rank stores up to five keys of its own (`done`, `counts`, `left`,
     // its trace and its early snapshot) and one per rank it left sends for
@@ -535,7 +548,8 @@ fn send_value(conn: &TcpStream, bytes: &[u8]) -> Result<(), End> {
     c.write_all(bytes).map_err(|_| End::Gone)
 }
 
-/// One connection: `AUTH`, then one request.
+/// One connection: `AUTH`, then requests, each answered before the next
+/// is read, until the client closes it or falls quiet.
 fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
     let timeout = shared.limits.io_timeout;
     let mut reader = BufReader::with_capacity(
@@ -556,8 +570,32 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
         _ => return Err(End::Refuse("authenticate first (AUTH)".into())),
     }
     send(conn, &Response::Ok)?;
-    reader.get_mut().deadline = Instant::now() + timeout;
-    let response = match next_request(&mut reader)? {
+    loop {
+        reader.get_mut().deadline = Instant::now() + timeout;
+        let request = match next_request(&mut reader) {
+            Ok(r) => r,
+            // Between requests, a client that sends nothing for the I/O
+            // timeout is done with the connection (it keeps one idle for
+            // half as long): close it without a word.
+            Err(End::Refuse(_)) if Instant::now() >= reader.get_ref().deadline => {
+                return Err(End::Gone);
+            }
+            Err(e) => return Err(e),
+        };
+        serve_one(conn, &mut reader, shared, request)?;
+    }
+}
+
+/// Serves one request of an authenticated connection: its reply is sent
+/// when this returns `Ok`.
+fn serve_one(
+    conn: &TcpStream,
+    reader: &mut BufReader<DeadlineReader<'_>>,
+    shared: &Shared,
+    request: Request,
+) -> Result<(), End> {
+    let timeout = shared.limits.io_timeout;
+    let response = match request {
         Request::Auth { .. } => return Err(End::Refuse("already authenticated".into())),
         Request::UniqueId => Response::UniqueId(shared.id.clone()),
         Request::Post { from, to, tag } => shared.post((from, to, tag))?,
@@ -571,11 +609,11 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
         Request::Beat { rank } => shared.beat(rank)?,
         Request::Health { me, silence_ms } => shared.check(me, silence_ms),
         Request::Put { key, len } => {
-            let value = read_body(&mut reader, len, timeout)?;
+            let value = read_body(reader, len, timeout)?;
             shared.put(key, value)?
         }
         Request::Mail { to, len } => {
-            let message = read_body(&mut reader, len, timeout)?;
+            let message = read_body(reader, len, timeout)?;
             shared.mail(to, message)?
         }
         Request::Ended { silence_ms } => {
@@ -705,6 +743,80 @@ fn serve_on(
     Ok(addr)
 }
 
+/// Raises this process's limit on open files to its hard limit, as far as
+/// the system lets it; the soft limit after, if it can be read.
+fn raise_file_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit for getrlimit and setrlimit to read
+    // and write.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim.rlim_cur = lim.rlim_max;
+            }
+        }
+    }
+    Some(lim.rlim_cur)
+}
+
+/// The connections the store serves at once within a limit of `files`
+/// open files: the default, or fewer, leaving 256 for the rest of the
+/// process (a rank's own files, NCCL's sockets), so that a client past
+/// the limit is told the store is busy rather than left unaccepted.
+fn connections_within(files: Option<u64>) -> usize {
+    match files {
+        Some(f) => usize::try_from(f.saturating_sub(256))
+            .unwrap_or(usize::MAX)
+            .clamp(64, LIMITS.max_connections),
+        None => LIMITS.max_connections,
+    }
+}
+
+/// How many connections a client keeps open between requests.
+const KEPT: usize = 4;
+
+/// How long a client keeps a connection it does not use: the store closes
+/// one that has been quiet for its I/O timeout (10 s), and a client that
+/// reused it then would only find it closed.
+const KEPT_IDLE: Duration = Duration::from_secs(5);
+
+/// How an exchange on a connection failed.
+#[derive(Debug)]
+enum Exchange {
+    /// The connection was closed before any byte of the reply: the store
+    /// never read the request (on a connection kept idle, it closed it).
+    Unanswered(Error),
+    /// Anything else: the request may have been served.
+    Failed(Error),
+}
+
+impl Exchange {
+    fn error(self) -> Error {
+        match self {
+            Exchange::Unanswered(e) | Exchange::Failed(e) => e,
+        }
+    }
+}
+
+/// Whether `e` says the peer closed the connection.
+fn closed(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+    )
+}
+
 /// A client of the TCP store served by rank 0: the NCCL unique id and the
 /// message board.
 #[derive(Debug)]
@@ -717,6 +829,11 @@ pub struct Store {
     /// gone, and a request fails at once instead of retrying until its
     /// deadline.
     reached: Arc<AtomicBool>,
+    /// Connections past their `AUTH`, each with when its last exchange
+    /// ended, for the next requests (the last one kept is used first).
+    kept: Mutex<Vec<(TcpStream, Instant)>>,
+    /// How many it keeps at most: [`KEPT`].
+    keep_at_most: usize,
 }
 
 impl Store {
@@ -730,7 +847,19 @@ impl Store {
                 "{e}; rank 0 listens on MASTER_ADDR (or DUPLEX_STORE_BIND) at MASTER_PORT+1 (or DUPLEX_PORT): set DUPLEX_STORE_BIND to an address of this machine (0.0.0.0 for every interface), or DUPLEX_PORT to a free port"
             ),
         })?;
-        serve_on(listener, id, secret, LIMITS)
+        // Each connection is a descriptor of this process, and clients keep
+        // theirs open between requests: a few per rank.
+        let files = raise_file_limit();
+        let limits = Limits {
+            max_connections: connections_within(files),
+            ..LIMITS
+        };
+        tracing::debug!(
+            files = ?files,
+            max_connections = limits.max_connections,
+            "duplex store: serving"
+        );
+        serve_on(listener, id, secret, limits)
     }
 
     /// A client of the store at `host:port`, showing `secret`.
@@ -740,7 +869,18 @@ impl Store {
             port,
             secret,
             reached: Arc::new(AtomicBool::new(false)),
+            kept: Mutex::new(Vec::new()),
+            keep_at_most: KEPT,
         }
+    }
+
+    /// Keeps at most `n` connections open between requests (4 by
+    /// default); 0 opens one per request, as duplex did before version 5
+    /// of the protocol. For `examples/store.rs`, which compares the two.
+    #[doc(hidden)]
+    pub fn keep_connections(mut self, n: usize) -> Store {
+        self.keep_at_most = n;
+        self
     }
 
     fn addr(&self) -> String {
@@ -813,13 +953,62 @@ impl Store {
         result
     }
 
-    /// [`Store::request_with`]'s work: one connection, `AUTH`, the request.
+    /// [`Store::request_with`]'s work, on a connection kept from an earlier
+    /// request when there is one, else on a new one (`AUTH` first). A kept
+    /// connection that the store closed while it sat idle is left for
+    /// another (the request never reached the store: it answers every
+    /// request it reads, and closes only between requests).
     fn round_trip(
         &self,
         request: &Request,
         body: &[u8],
         timeout: Duration,
     ) -> Result<(Response, Vec<u8>), Error> {
+        let line = proto::encode_request(request).map_err(|e| Error::Invalid {
+            at: "the duplex rendezvous".into(),
+            message: format!("this request cannot be sent: {e}"),
+        })?;
+        let deadline = deadline_after(timeout);
+        loop {
+            let (conn, kept) = match self.kept() {
+                Some(c) => (c, true),
+                None => (self.open(deadline)?, false),
+            };
+            match self.exchange(&conn, &line, body, deadline) {
+                Ok(reply) => {
+                    self.keep(conn);
+                    return Ok(reply);
+                }
+                Err(Exchange::Unanswered(_)) if kept => continue,
+                Err(Exchange::Unanswered(e) | Exchange::Failed(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// The most recently used connection of those kept, if one was used
+    /// within [`KEPT_IDLE`]; older ones are closed.
+    fn kept(&self) -> Option<TcpStream> {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some((conn, since)) = kept.pop() {
+            if since.elapsed() < KEPT_IDLE {
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    /// Keeps `conn`, whose last exchange ended cleanly, for a later
+    /// request (at most [`KEPT`] connections; more are closed).
+    fn keep(&self, conn: TcpStream) {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        kept.retain(|(_, since)| since.elapsed() < KEPT_IDLE);
+        if kept.len() < self.keep_at_most {
+            kept.push((conn, Instant::now()));
+        }
+    }
+
+    /// A new connection to the store, past its `AUTH`.
+    fn open(&self, deadline: Instant) -> Result<TcpStream, Error> {
         let auth = proto::encode_request(&Request::Auth {
             version: VERSION,
             token: self.secret.clone(),
@@ -828,60 +1017,73 @@ impl Store {
             at: "DUPLEX_STORE_TOKEN".into(),
             message: format!("the store token cannot be sent: {e}"),
         })?;
-        let line = proto::encode_request(request).map_err(|e| Error::Invalid {
-            at: "the duplex rendezvous".into(),
-            message: format!("this request cannot be sent: {e}"),
-        })?;
-        let deadline = deadline_after(timeout);
         let conn = self.connect(deadline)?;
+        let reply = self
+            .exchange(&conn, &auth, &[], deadline)
+            .map_err(Exchange::error)?;
+        match reply.0 {
+            Response::Ok => Ok(conn),
+            Response::Error(why) => Err(Error::Unavailable {
+                what: format!("the duplex rendezvous at {}", self.addr()),
+                how: format!(
+                    "it refused this rank ({why}); every rank of a job needs the same DUPLEX_STORE_TOKEN (or, under torchrun, the same TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT and WORLD_SIZE)"
+                ),
+            }),
+            other => Err(self.unexpected("AUTH", &other)),
+        }
+    }
+
+    /// Sends `line` and `body` on `conn`; the reply, and the bytes that
+    /// follow a [`Response::Value`].
+    fn exchange(
+        &self,
+        conn: &TcpStream,
+        line: &[u8],
+        body: &[u8],
+        deadline: Instant,
+    ) -> Result<(Response, Vec<u8>), Exchange> {
         let patience = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
         conn.set_read_timeout(Some(patience))
             .and_then(|()| conn.set_write_timeout(Some(patience)))
-            .map_err(|e| io("configuring a connection", e))?;
-        let mut reader = BufReader::new(&conn);
-        let mut exchange = |line: &[u8], body: &[u8]| -> Result<Response, Error> {
-            (&conn)
-                .write_all(line)
-                .and_then(|()| (&conn).write_all(body))
-                .map_err(|e| io("sending a request", e))?;
-            let reply = proto::read_line(&mut reader).map_err(|e| io("reading a reply", e))?;
-            if reply.is_empty() {
-                return Err(Error::Aborted(format!(
-                    "the duplex store at {} closed the connection without replying",
-                    self.addr()
-                )));
+            .map_err(|e| Exchange::Failed(io("configuring a connection", e)))?;
+        // Until a byte of the reply came, a closed connection means the
+        // store never read the request.
+        let unanswered = |what: &str, e: std::io::Error| {
+            if closed(&e) {
+                Exchange::Unanswered(io(what, e))
+            } else {
+                Exchange::Failed(io(what, e))
             }
-            proto::parse_response(&reply).map_err(|e| {
-                Error::Aborted(format!(
-                    "the duplex store at {} sent a malformed reply: {e}",
-                    self.addr()
-                ))
-            })
         };
-        match exchange(&auth, &[])? {
-            Response::Ok => {}
-            Response::Error(why) => {
-                return Err(Error::Unavailable {
-                    what: format!("the duplex rendezvous at {}", self.addr()),
-                    how: format!(
-                        "it refused this rank ({why}); every rank of a job needs the same DUPLEX_STORE_TOKEN (or, under torchrun, the same TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT and WORLD_SIZE)"
-                    ),
-                });
-            }
-            other => return Err(self.unexpected("AUTH", &other)),
+        let mut w = conn;
+        w.write_all(line)
+            .and_then(|()| w.write_all(body))
+            .map_err(|e| unanswered("sending a request", e))?;
+        let mut reader = BufReader::new(conn);
+        let reply = proto::read_line(&mut reader).map_err(|e| unanswered("reading a reply", e))?;
+        if reply.is_empty() {
+            return Err(Exchange::Unanswered(Error::Aborted(format!(
+                "the duplex store at {} closed the connection without replying",
+                self.addr()
+            ))));
         }
-        let reply = exchange(&line, body)?;
+        let reply = proto::parse_response(&reply).map_err(|e| {
+            Exchange::Failed(Error::Aborted(format!(
+                "the duplex store at {} sent a malformed reply: {e}",
+                self.addr()
+            )))
+        })?;
         let mut value = Vec::new();
         if let Response::Value(len) = reply {
             let got = reader
                 .take(len as u64)
                 .read_to_end(&mut value)
-                .map_err(|e| io("reading a value", e))?;
+                .map_err(|e| Exchange::Failed(io("reading a value", e)))?;
             if got != len {
-                return Err(Error::Aborted(format!(
+                return Err(Exchange::Failed(Error::Aborted(format!(
                     "the duplex store at {} sent {got} of {len} bytes of a value",
                     self.addr()
-                )));
+                ))));
             }
         }
         Ok((reply, value))

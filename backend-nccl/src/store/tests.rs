@@ -332,7 +332,7 @@ fn a_huge_wait_is_capped_instead_of_overflowing() {
         wait_ms: u64::MAX,
     })
     .unwrap();
-    assert_eq!(raw(addr, &[auth(), take].concat(), false), "OK\nOK\n");
+    assert_eq!(raw(addr, &[auth(), take].concat(), true), "OK\nOK\n");
     c.post(0, 1, "t").unwrap();
     assert!(c.take(0, 1, "t", Duration::MAX).unwrap());
 }
@@ -677,4 +677,134 @@ fn a_listing_too_long_is_refused_and_the_store_keeps_serving() {
     let e = store.keys("k", t).expect_err("too long").to_string();
     assert!(e.contains("too many to list"), "{e}");
     assert_eq!(store.keys(&format!("{long}0000000"), t).unwrap().len(), 10);
+}
+
+/// The local address of the connection `c` keeps, if it keeps one.
+fn kept_port(c: &Store) -> Option<u16> {
+    let kept = c.kept.lock().unwrap();
+    kept.last()
+        .map(|(conn, _)| conn.local_addr().unwrap().port())
+}
+
+#[test]
+fn a_client_keeps_its_connection_for_the_next_requests() {
+    let addr = server(super::LIMITS);
+    let c = client(addr);
+    let t = Duration::from_secs(5);
+    c.beat(0, t).unwrap();
+    let first = kept_port(&c).expect("a connection kept");
+    // Every kind of request, 100 times over: one connection, the same one.
+    for i in 0..100u32 {
+        c.beat(i % 4, t).unwrap();
+        c.health(0, Duration::from_secs(3), t).unwrap();
+        c.put(&format!("k{i}"), b"v", t).unwrap();
+        assert_eq!(
+            c.get(&format!("k{i}"), Duration::ZERO).unwrap().as_deref(),
+            Some(&b"v"[..])
+        );
+        assert_eq!(c.get("absent", Duration::ZERO).unwrap(), None);
+        c.mail(1, b"m", t).unwrap();
+        assert_eq!(c.inbox(1, t).unwrap().as_deref(), Some(&b"m"[..]));
+        assert_eq!(c.unique_id(t).unwrap(), ID);
+    }
+    assert_eq!(kept_port(&c), Some(first));
+    assert_eq!(c.kept.lock().unwrap().len(), 1);
+    // Threads sharing a client use a connection each, kept for later.
+    let c = std::sync::Arc::new(c);
+    let threads: Vec<_> = (0..3)
+        .map(|r| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    c.beat(r, t).unwrap();
+                    assert_eq!(
+                        c.get("k1", Duration::ZERO).unwrap().as_deref(),
+                        Some(&b"v"[..])
+                    );
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().unwrap();
+    }
+    let kept = c.kept.lock().unwrap().len();
+    assert!((1..=super::KEPT).contains(&kept), "{kept}");
+}
+
+#[test]
+fn a_kept_connection_the_store_closed_is_replaced_and_the_request_served_once() {
+    // The store closes a connection quiet for its I/O timeout (200 ms
+    // here); the client, keeping it up to 5 s, finds it closed and sends
+    // the request on a new one: each message is posted once.
+    let addr = server(limits(200));
+    let c = client(addr);
+    let t = Duration::from_secs(5);
+    for round in 0..5 {
+        c.post(0, 1, "x").unwrap();
+        let before = kept_port(&c).expect("kept");
+        std::thread::sleep(Duration::from_millis(400));
+        c.post(0, 1, "x").unwrap();
+        assert_ne!(
+            kept_port(&c),
+            Some(before),
+            "round {round}: a new connection"
+        );
+        c.mail(2, b"once", t).unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(c.inbox(2, t).unwrap().as_deref(), Some(&b"once"[..]));
+        assert_eq!(c.inbox(2, Duration::ZERO).unwrap(), None, "round {round}");
+    }
+    for _ in 0..10 {
+        assert!(c.take(0, 1, "x", Duration::ZERO).unwrap());
+    }
+    assert!(
+        !c.take(0, 1, "x", Duration::ZERO).unwrap(),
+        "posted once each"
+    );
+}
+
+#[test]
+fn a_kept_connection_to_a_store_that_is_gone_fails_the_request_at_once() {
+    // A store that answers `AUTH` and one request, then its process is
+    // gone (its connections closed, nothing listening): the next request
+    // finds its kept connection closed, and a new one refused.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let fake = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        let mut reader = std::io::BufReader::new(&conn);
+        for _ in 0..2 {
+            let line = proto::read_line(&mut reader).unwrap();
+            assert!(!line.is_empty());
+            (&conn).write_all(b"OK\n").unwrap();
+        }
+        // The listener and the connection close together.
+    });
+    let c = Store::client("127.0.0.1", port, secret());
+    c.beat(0, Duration::from_secs(5)).unwrap();
+    fake.join().unwrap();
+    let t0 = Instant::now();
+    let e = c.beat(0, Duration::from_secs(5)).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(e.to_string().contains("connecting to"), "{e}");
+}
+
+#[test]
+fn the_store_serves_no_more_connections_than_the_open_files_allow() {
+    use super::connections_within;
+    assert_eq!(connections_within(None), super::LIMITS.max_connections);
+    assert_eq!(connections_within(Some(1024)), 768);
+    assert_eq!(connections_within(Some(100)), 64);
+    assert_eq!(connections_within(Some(1 << 20)), 1 << 14);
+    // The soft limit is raised to the hard one.
+    let files = super::raise_file_limit().expect("readable");
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid rlimit to write.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    assert_eq!(files, lim.rlim_cur);
+    assert_eq!(lim.rlim_cur, lim.rlim_max);
 }

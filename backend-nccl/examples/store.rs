@@ -1,0 +1,267 @@
+//! The rendezvous store's cost, with connections kept between requests
+//! (protocol version 5) against one connection per request (as before),
+//! side by side in one run, on the CPU (no GPU, no NCCL):
+//!
+//! ```text
+//! cargo run --release -p duplex-nccl --example store -- [--trials 3] [--monitors 1024] [--seconds 5]
+//! ```
+//!
+//! Two figures per mode, each the median [min–max] of `--trials` trials,
+//! the modes alternating within each trial:
+//!
+//! - **throughput**: 1, 4 and 16 clients, each a thread with its own
+//!   client, asking `BEAT` then `HEALTH` back to back (a health monitor's
+//!   poll with no pause): requests served per second.
+//! - **monitors**: `--monitors` threads, each polling as a rank's health
+//!   monitor does (`BEAT` and `HEALTH` every 200 ms) for `--seconds`: the
+//!   process's CPU time per second of wall time (the store and its clients
+//!   together, both in this process), the slowest poll (a rank silent for
+//!   3 s is taken for dead), and how many of the polls due were made.
+//!
+//! Client and store share this machine's cores, so the figures are the
+//! two sides' cost together; on a job, the store's side lands on rank 0's
+//! host.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use duplex_nccl::store::{Secret, Store};
+
+const ID: &[u8] = b"the unique id of a benchmark job";
+const BEAT_EVERY: Duration = Duration::from_millis(200);
+const REQUEST: Duration = Duration::from_secs(5);
+
+fn main() {
+    let mut trials = 3usize;
+    let mut monitors = 1024u32;
+    let mut seconds = 5u64;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| -> u64 {
+            args.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| fail(&format!("{name} takes a number")))
+        };
+        match a.as_str() {
+            "--trials" => trials = value("--trials").max(1) as usize,
+            "--monitors" => monitors = value("--monitors").clamp(1, 8192) as u32,
+            "--seconds" => seconds = value("--seconds").max(1),
+            other => fail(&format!(
+                "unknown argument {other:?} (--trials N, --monitors N, --seconds S)"
+            )),
+        }
+    }
+    let secret = Secret::new("a-benchmark-token-of-enough-bytes");
+    let addr = Store::serve("127.0.0.1", 0, ID.to_vec(), secret.clone())
+        .unwrap_or_else(|e| fail(&e.to_string()));
+    let client = |keep: bool| {
+        Store::client("127.0.0.1", addr.port(), secret.clone()).keep_connections(if keep {
+            4
+        } else {
+            0
+        })
+    };
+    let modes = [("kept", true), ("per request", false)];
+    println!("# duplex's store: connections kept against one per request ({trials} trials)\n");
+    println!("| clients | mode | requests/s | slowest request ms |");
+    println!("|---|---|---|---|");
+    for clients in [1u32, 4, 16] {
+        let mut figures: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); 2];
+        for t in 0..trials {
+            for i in 0..2 {
+                // The first mode of each trial switches, so drift falls on both.
+                let m = (i + t) % 2;
+                let (rate, worst) = throughput(clients, || client(modes[m].1));
+                figures[m].0.push(rate);
+                figures[m].1.push(worst * 1e3);
+            }
+        }
+        for (m, (rate, worst)) in figures.iter().enumerate() {
+            println!(
+                "| {clients} | {} | {} | {} |",
+                modes[m].0,
+                spread(rate, 0),
+                spread(worst, 1)
+            );
+        }
+        let ratio = median(&figures[0].0) / median(&figures[1].0);
+        println!("| {clients} | kept / per request | {ratio:.1}x | |");
+    }
+    println!(
+        "\n| monitors | mode | CPU s per s | slowest poll ms | polls (of those due) | failed |\n|---|---|---|---|---|---|"
+    );
+    let mut figures: Vec<(Vec<f64>, Vec<f64>, u64, u64)> = vec![Default::default(); 2];
+    let mut errors: Vec<Option<String>> = vec![None, None];
+    for t in 0..trials {
+        for i in 0..2 {
+            let m = (i + t) % 2;
+            let w = watch(monitors, Duration::from_secs(seconds), || {
+                client(modes[m].1)
+            });
+            figures[m].0.push(w.cpu);
+            figures[m].1.push(w.worst * 1e3);
+            figures[m].2 += w.polls;
+            figures[m].3 += w.failed;
+            if errors[m].is_none() {
+                errors[m] = w.error;
+            }
+            // The per-request mode's connections linger in TIME_WAIT and
+            // its server threads wind down: let them go before the next.
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    }
+    // Every 200 ms, for each monitor, in each trial.
+    let due = u64::from(monitors) * seconds * 5 * trials as u64;
+    for (m, (cpu, worst, polls, failed)) in figures.iter().enumerate() {
+        println!(
+            "| {monitors} | {} | {} | {} | {polls} ({:.0}%) | {failed} |",
+            modes[m].0,
+            spread(cpu, 2),
+            spread(worst, 1),
+            *polls as f64 * 100.0 / due as f64
+        );
+    }
+    println!(
+        "| {monitors} | per request / kept (CPU) | {:.1}x | | | |",
+        median(&figures[1].0) / median(&figures[0].0)
+    );
+    for (m, e) in errors.iter().enumerate() {
+        if let Some(e) = e {
+            println!("\nthe first failed poll, {}: {e}", modes[m].0);
+        }
+    }
+}
+
+/// `clients` threads asking `BEAT` and `HEALTH` back to back for 1 s:
+/// requests per second, and the slowest request in seconds.
+fn throughput(clients: u32, client: impl Fn() -> Store) -> (f64, f64) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|r| {
+            let (c, stop) = (client(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut n, mut worst) = (0u64, Duration::ZERO);
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    if let Err(e) = poll(&c, r) {
+                        fail(&format!("a request failed: {e}"));
+                    }
+                    worst = worst.max(t.elapsed() / 2);
+                    n += 2;
+                }
+                (n, worst)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    stop.store(true, Ordering::Relaxed);
+    let (mut n, mut worst) = (0, Duration::ZERO);
+    for t in threads {
+        let (k, w) = t.join().expect("a client thread");
+        n += k;
+        worst = worst.max(w);
+    }
+    (
+        n as f64 / start.elapsed().as_secs_f64(),
+        worst.as_secs_f64(),
+    )
+}
+
+/// `monitors` threads polling every 200 ms for `run`.
+fn watch(monitors: u32, run: Duration, client: impl Fn() -> Store) -> Watched {
+    let stop = Arc::new(AtomicBool::new(false));
+    let cpu0 = cpu_seconds();
+    let start = Instant::now();
+    let threads: Vec<_> = (0..monitors)
+        .map(|r| {
+            let (c, stop) = (client(), stop.clone());
+            std::thread::Builder::new()
+                .stack_size(128 << 10)
+                .spawn(move || {
+                    // Spread over the period, as ranks that started apart.
+                    std::thread::sleep(BEAT_EVERY * (r % 200) / 200);
+                    let (mut n, mut worst, mut failed) = (0u64, Duration::ZERO, 0u64);
+                    let mut said = None;
+                    while !stop.load(Ordering::Relaxed) {
+                        let t = Instant::now();
+                        if let Err(e) = poll(&c, r) {
+                            failed += 1;
+                            said.get_or_insert(e);
+                        }
+                        let took = t.elapsed();
+                        worst = worst.max(took);
+                        n += 1;
+                        std::thread::sleep(BEAT_EVERY.saturating_sub(took));
+                    }
+                    (n, worst, failed, said)
+                })
+                .unwrap_or_else(|e| fail(&format!("cannot start a monitor thread: {e}")))
+        })
+        .collect();
+    std::thread::sleep(run);
+    stop.store(true, Ordering::Relaxed);
+    let mut out = Watched::default();
+    for t in threads {
+        let (k, w, f, said) = t.join().expect("a monitor thread");
+        out.polls += k;
+        out.worst = out.worst.max(w.as_secs_f64());
+        out.failed += f;
+        if out.error.is_none() {
+            out.error = said;
+        }
+    }
+    out.cpu = (cpu_seconds() - cpu0) / start.elapsed().as_secs_f64();
+    out
+}
+
+/// What [`watch`] saw.
+#[derive(Default)]
+struct Watched {
+    /// CPU seconds of this process per wall second.
+    cpu: f64,
+    /// The slowest poll, in seconds.
+    worst: f64,
+    polls: u64,
+    /// Polls that failed, and the first one's error.
+    failed: u64,
+    error: Option<String>,
+}
+
+/// One poll of a health monitor: `BEAT`, then `HEALTH`; the error of a
+/// request that failed (a monitor would take the store's host for dead
+/// after 3 s of them).
+fn poll(c: &Store, rank: u32) -> Result<(), String> {
+    c.beat(rank, REQUEST)
+        .and_then(|()| c.health(rank, Duration::from_secs(3), REQUEST))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// User and system CPU time of this process so far, in seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+fn spread(v: &[f64], digits: usize) -> String {
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{:.digits$} [{min:.digits$}–{max:.digits$}]", median(v))
+}
+
+fn fail(what: &str) -> ! {
+    eprintln!("store benchmark: {what}");
+    std::process::exit(2)
+}
