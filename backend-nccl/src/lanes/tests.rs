@@ -658,7 +658,7 @@ impl Board for Paced {
 #[test]
 fn a_service_making_a_lane_reads_the_store_at_the_stores_pace() {
     // The parts' progress is polled every 2 ms; across processes each
-    // inbox read is a connection to the store, which asks for one every
+    // inbox read is a request to the store, which asks for one every
     // 20 ms: two services making one lane for 600 ms read it some 60
     // times, not some 600.
     let board = Arc::new(Paced {

@@ -53,7 +53,7 @@
 //! network.
 
 use std::collections::HashMap;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -572,16 +572,14 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
     send(conn, &Response::Ok)?;
     loop {
         reader.get_mut().deadline = Instant::now() + timeout;
-        let request = match next_request(&mut reader) {
-            Ok(r) => r,
-            // Between requests, a client that sends nothing for the I/O
-            // timeout is done with the connection (it keeps one idle for
-            // half as long): close it without a word.
-            Err(End::Refuse(_)) if Instant::now() >= reader.get_ref().deadline => {
-                return Err(End::Gone);
-            }
-            Err(e) => return Err(e),
-        };
+        // Between requests, a client that sends nothing for the I/O
+        // timeout is done with the connection (it keeps one unused for
+        // half as long), as is one that closed it: close it without a
+        // word. Once a byte of a request came, the request is answered.
+        if !matches!(reader.fill_buf(), Ok(b) if !b.is_empty()) {
+            return Err(End::Gone);
+        }
+        let request = next_request(&mut reader)?;
         serve_one(conn, &mut reader, shared, request)?;
     }
 }
@@ -730,12 +728,26 @@ fn serve_on(
                     }
                     continue;
                 };
+                // A connection lives as long as its client keeps it: a
+                // thread each. One that cannot start (a limit on threads or
+                // processes) is told so, rather than closed without a word.
+                let told = conn.try_clone();
                 let spawned = std::thread::Builder::new()
                     .name("duplex-store-conn".into())
                     .stack_size(256 << 10)
                     .spawn(move || handle(conn, &slot.0));
                 if let Err(e) = spawned {
-                    tracing::debug!("duplex store: cannot start a connection thread: {e}");
+                    tracing::warn!(
+                        "duplex store: cannot start a thread for a connection ({e}); it is refused"
+                    );
+                    if let Ok(c) = told {
+                        let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
+                        if let Ok(line) = proto::encode_response(&Response::error(
+                            "busy: cannot start a thread for this connection",
+                        )) {
+                            let _ = (&c).write_all(&line);
+                        }
+                    }
                 }
             }
         })
@@ -743,8 +755,12 @@ fn serve_on(
     Ok(addr)
 }
 
-/// Raises this process's limit on open files to its hard limit, as far as
-/// the system lets it; the soft limit after, if it can be read.
+/// Raises this process's limit on open files to what the store may need
+/// (its most connections and 1,024 more for the rest of the process), or
+/// to the hard limit if that is lower; never lowers it (a hard limit of a
+/// billion, as `LimitNOFILE=infinity` gives, would slow whatever closes
+/// every descriptor up to the limit, in this process and its children).
+/// The soft limit after, if it can be read.
 fn raise_file_limit() -> Option<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -756,13 +772,14 @@ fn raise_file_limit() -> Option<u64> {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
             return None;
         }
-        if lim.rlim_cur < lim.rlim_max {
+        let want = (LIMITS.max_connections as u64 + 1024).min(lim.rlim_max);
+        if lim.rlim_cur < want {
             let raised = libc::rlimit {
-                rlim_cur: lim.rlim_max,
+                rlim_cur: want,
                 rlim_max: lim.rlim_max,
             };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                lim.rlim_cur = lim.rlim_max;
+                lim.rlim_cur = want;
             }
         }
     }
@@ -811,10 +828,7 @@ impl Exchange {
 /// Whether `e` says the peer closed the connection.
 fn closed(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
-    matches!(
-        e.kind(),
-        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
-    )
+    matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe)
 }
 
 /// A client of the TCP store served by rank 0: the NCCL unique id and the
@@ -928,12 +942,13 @@ impl Store {
         }
     }
 
-    /// Sends `AUTH`, then `request`; the store's reply to it.
+    /// Sends `request`; the store's reply to it.
     fn request(&self, request: &Request, timeout: Duration) -> Result<Response, Error> {
         self.request_with(request, &[], timeout).map(|(r, _)| r)
     }
 
-    /// Sends `AUTH`, then `request` followed by `body`; the store's reply,
+    /// Sends `request` followed by `body` (on a kept connection, or a new
+    /// one after its `AUTH`); the store's reply,
     /// and the bytes that follow a [`Response::Value`]. Each request is a
     /// `trace` event with its verb and how long it took (`DUPLEX_LOG=trace`).
     fn request_with(
@@ -976,11 +991,22 @@ impl Store {
             };
             match self.exchange(&conn, &line, body, deadline) {
                 Ok(reply) => {
-                    self.keep(conn);
+                    // The store closes a connection after an `ERROR`.
+                    if !matches!(reply.0, Response::Error(_)) {
+                        self.keep(conn);
+                    }
                     return Ok(reply);
                 }
                 Err(Exchange::Unanswered(_)) if kept => continue,
-                Err(Exchange::Unanswered(e) | Exchange::Failed(e)) => return Err(e),
+                Err(Exchange::Unanswered(e)) => return Err(e),
+                Err(Exchange::Failed(e)) => {
+                    // A store that timed out (frozen, or its host gone)
+                    // would do the same on the others: the next request
+                    // connects anew, which fails at once when nothing
+                    // listens any more.
+                    self.kept.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                    return Err(e);
+                }
             }
         }
     }
@@ -1023,6 +1049,12 @@ impl Store {
             .map_err(Exchange::error)?;
         match reply.0 {
             Response::Ok => Ok(conn),
+            Response::Error(why) if why.starts_with("busy") => Err(Error::Unavailable {
+                what: format!("the duplex rendezvous at {}", self.addr()),
+                how: format!(
+                    "it refused this connection ({why}): rank 0's process serves no more connections than its limits on open files and threads allow; raise them there (ulimit -n, the job's pids limit)"
+                ),
+            }),
             Response::Error(why) => Err(Error::Unavailable {
                 what: format!("the duplex rendezvous at {}", self.addr()),
                 how: format!(
@@ -1060,10 +1092,22 @@ impl Store {
             .and_then(|()| w.write_all(body))
             .map_err(|e| unanswered("sending a request", e))?;
         let mut reader = BufReader::new(conn);
-        let reply = proto::read_line(&mut reader).map_err(|e| unanswered("reading a reply", e))?;
+        match reader.fill_buf() {
+            Ok([]) => {
+                return Err(Exchange::Unanswered(Error::Aborted(format!(
+                    "the duplex store at {} closed the connection without replying",
+                    self.addr()
+                ))));
+            }
+            Ok(_) => {}
+            Err(e) => return Err(unanswered("reading a reply", e)),
+        }
+        // A byte of the reply came: the request was read and served.
+        let reply = proto::read_line(&mut reader)
+            .map_err(|e| Exchange::Failed(io("reading a reply", e)))?;
         if reply.is_empty() {
-            return Err(Exchange::Unanswered(Error::Aborted(format!(
-                "the duplex store at {} closed the connection without replying",
+            return Err(Exchange::Failed(Error::Aborted(format!(
+                "the duplex store at {} closed the connection in a reply",
                 self.addr()
             ))));
         }
@@ -1273,9 +1317,10 @@ impl Store {
 }
 
 /// How often a lane service making a lane reads its inbox on the store
-/// ([`Board::inbox_every`]): each read is a connection to rank 0's process,
+/// ([`Board::inbox_every`]): each read is a request to rank 0's process,
 /// where its part's progress is polled every 2 ms (at that pace, 400
-/// requests a second for each rank making a lane, measured on one H200).
+/// requests a second for each rank making a lane, each a connection of its
+/// own before the store's version 5, seen on one H200).
 pub(crate) const STORE_INBOX_EVERY: Duration = Duration::from_millis(20);
 
 impl Board for Store {

@@ -732,6 +732,22 @@ fn a_client_keeps_its_connection_for_the_next_requests() {
     assert!((1..=super::KEPT).contains(&kept), "{kept}");
 }
 
+/// Waits until the store has closed the connection `c` kept last.
+fn closed_by_store(c: &Store) {
+    let conn = c
+        .kept
+        .lock()
+        .unwrap()
+        .last()
+        .expect("kept")
+        .0
+        .try_clone()
+        .unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(conn.peek(&mut [0u8; 1]).unwrap(), 0, "closed by the store");
+}
+
 #[test]
 fn a_kept_connection_the_store_closed_is_replaced_and_the_request_served_once() {
     // The store closes a connection quiet for its I/O timeout (200 ms
@@ -743,7 +759,7 @@ fn a_kept_connection_the_store_closed_is_replaced_and_the_request_served_once() 
     for round in 0..5 {
         c.post(0, 1, "x").unwrap();
         let before = kept_port(&c).expect("kept");
-        std::thread::sleep(Duration::from_millis(400));
+        closed_by_store(&c);
         c.post(0, 1, "x").unwrap();
         assert_ne!(
             kept_port(&c),
@@ -751,7 +767,7 @@ fn a_kept_connection_the_store_closed_is_replaced_and_the_request_served_once() 
             "round {round}: a new connection"
         );
         c.mail(2, b"once", t).unwrap();
-        std::thread::sleep(Duration::from_millis(400));
+        closed_by_store(&c);
         assert_eq!(c.inbox(2, t).unwrap().as_deref(), Some(&b"once"[..]));
         assert_eq!(c.inbox(2, Duration::ZERO).unwrap(), None, "round {round}");
     }
@@ -797,7 +813,8 @@ fn the_store_serves_no_more_connections_than_the_open_files_allow() {
     assert_eq!(connections_within(Some(1024)), 768);
     assert_eq!(connections_within(Some(100)), 64);
     assert_eq!(connections_within(Some(1 << 20)), 1 << 14);
-    // The soft limit is raised to the hard one.
+    // The soft limit is raised as far as the store needs, within the hard
+    // one, and never lowered.
     let files = super::raise_file_limit().expect("readable");
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -806,5 +823,43 @@ fn the_store_serves_no_more_connections_than_the_open_files_allow() {
     // SAFETY: a valid rlimit to write.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
     assert_eq!(files, lim.rlim_cur);
-    assert_eq!(lim.rlim_cur, lim.rlim_max);
+    assert!(lim.rlim_cur >= (super::LIMITS.max_connections as u64 + 1024).min(lim.rlim_max));
+    assert_eq!(super::raise_file_limit(), Some(files), "raised once");
+}
+
+#[test]
+fn a_request_that_times_out_drops_the_kept_connections() {
+    // A store that answers on one connection and never on a second (its
+    // process frozen as the second came): a request on the second times
+    // out, and the client keeps neither for the next (each would wait as
+    // long again).
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        let mut reader = std::io::BufReader::new(&conn);
+        for _ in 0..2 {
+            let line = proto::read_line(&mut reader).unwrap();
+            assert!(!line.is_empty());
+            (&conn).write_all(b"OK\n").unwrap();
+        }
+        let (_silent, _) = listener.accept().unwrap();
+        let _ = rx.recv();
+    });
+    let c = Store::client("127.0.0.1", port, secret());
+    c.beat(0, Duration::from_secs(5)).unwrap();
+    // A second kept connection, as another thread's would be; used first.
+    let second = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.kept.lock().unwrap().push((second, Instant::now()));
+    assert_eq!(c.kept.lock().unwrap().len(), 2);
+    let t0 = Instant::now();
+    assert!(c.beat(0, Duration::from_millis(200)).is_err());
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(
+        c.kept.lock().unwrap().is_empty(),
+        "a timed-out store's connections are dropped"
+    );
+    tx.send(()).unwrap();
+    fake.join().unwrap();
 }
