@@ -3,7 +3,7 @@
 //! side by side in one run, on the CPU (no GPU, no NCCL):
 //!
 //! ```text
-//! cargo run --release -p duplex-nccl --example store -- [--trials 3] [--monitors 1024] [--seconds 5]
+//! cargo run --release -p duplex-nccl --example store -- [--trials 3] [--monitors 1024] [--seconds 5] [--finished 0]
 //! ```
 //!
 //! Two figures per mode, each the median [min–max] of `--trials` trials,
@@ -18,6 +18,9 @@
 //!   together, both in this process), the slowest poll (a rank silent for
 //!   3 s is taken for dead), and how many polls each monitor made a second
 //!   (5 are due; a few more when a trial's end cuts into a period).
+//!
+//! `--finished N` first stores the four keys of N ranks that finished
+//! (`trace`, `counts`, `done`, `left`), as the end of a job does.
 //!
 //! Client and store share this machine's cores, so the figures are the
 //! two sides' cost together; on a job the clients run on the ranks' hosts
@@ -41,6 +44,7 @@ fn main() {
     let mut trials = 3usize;
     let mut monitors = 1024u32;
     let mut seconds = 5u64;
+    let mut finished = 0u32;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| -> u64 {
@@ -52,8 +56,9 @@ fn main() {
             "--trials" => trials = value("--trials").max(1) as usize,
             "--monitors" => monitors = value("--monitors").clamp(1, 8192) as u32,
             "--seconds" => seconds = value("--seconds").max(1),
+            "--finished" => finished = value("--finished").min(1 << 16) as u32,
             other => fail(&format!(
-                "unknown argument {other:?} (--trials N, --monitors N, --seconds S)"
+                "unknown argument {other:?} (--trials N, --monitors N, --seconds S, --finished N)"
             )),
         }
     }
@@ -67,8 +72,22 @@ fn main() {
             0
         })
     };
+    // Ranks that finished before the figures are taken, each with the
+    // four keys a clean finish stores (its trace a few KiB), numbered after
+    // the clients and monitors.
+    let c = client(true);
+    for r in 0..finished {
+        let rank = 1_000_000 + r;
+        for (key, len) in [("trace", 4096), ("counts", 64), ("done", 2), ("left", 2)] {
+            if let Err(e) = c.put(&format!("{key}/{rank}"), &vec![b'x'; len], REQUEST * 5) {
+                fail(&format!("storing rank {rank}'s {key}: {e}"));
+            }
+        }
+    }
     let modes = [("kept", true), ("per request", false)];
-    println!("# duplex's store: connections kept against one per request ({trials} trials)\n");
+    println!(
+        "# duplex's store: connections kept against one per request ({trials} trials; {finished} ranks finished before)\n"
+    );
     println!("| clients | mode | requests/s | slowest request ms |");
     println!("|---|---|---|---|");
     for clients in [1u32, 4, 16] {

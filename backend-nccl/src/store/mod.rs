@@ -206,6 +206,10 @@ struct Health {
 struct Values {
     map: HashMap<String, Arc<Vec<u8>>>,
     bytes: usize,
+    /// The ranks of the `done/RANK` keys in `map`, kept as they are stored:
+    /// every `HEALTH` and `ENDED` asks, and a scan of `map` would cost each
+    /// of them every key of the job (five or so per rank that finished).
+    finished: std::collections::BTreeSet<Rank>,
 }
 
 /// The store's state, shared by the connections' threads.
@@ -274,18 +278,15 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    /// The ranks that stored `done/RANK`: they finished cleanly.
+    /// The ranks that stored `done/RANK`, ascending: they finished cleanly.
     fn finished(&self) -> Vec<Rank> {
-        self.values()
-            .map
-            .keys()
-            .filter_map(|k| k.strip_prefix("done/")?.parse().ok())
-            .collect()
+        self.values().finished.iter().copied().collect()
     }
 
     /// The ranks that sent a heartbeat once and none for longer than
     /// `silence`, each with how long, except `me` and those that finished
-    /// cleanly (their silence is no failure).
+    /// cleanly (`finished`, ascending: their silence is no failure). Every
+    /// `HEALTH` asks, so the finished are looked up only for the silent.
     fn silent(
         h: &Health,
         me: Option<Rank>,
@@ -295,9 +296,10 @@ impl Shared {
         let now = Instant::now();
         h.beats
             .iter()
-            .filter(|(r, _)| Some(**r) != me && !finished.contains(r))
             .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
-            .filter(|(_, quiet)| *quiet > silence)
+            .filter(|(r, quiet)| {
+                *quiet > silence && Some(*r) != me && finished.binary_search(r).is_err()
+            })
             .collect()
     }
 
@@ -340,6 +342,12 @@ impl Shared {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;
+        if let Some(r) = key
+            .strip_prefix("done/")
+            .and_then(|r| r.parse::<Rank>().ok())
+        {
+            v.finished.insert(r);
+        }
         v.map.insert(key, Arc::new(value));
         self.stored.notify_all();
         Ok(Response::Ok)

@@ -583,6 +583,11 @@ fn the_store_says_which_ranks_ended_in_one_request() {
     store.put("done/3", b"ok", t).unwrap();
     store.put("done/0", b"ok", t).unwrap();
     store.put("trace/1", b"{}", t).unwrap();
+    // Only `done/RANK` says a rank finished, once however often stored.
+    store.put("done/3", b"again", t).unwrap();
+    store.put("done/x", b"ok", t).unwrap();
+    store.put("undone/4", b"ok", t).unwrap();
+    store.put("done/4/early", b"ok", t).unwrap();
     assert_eq!(store.ended(silence, t).unwrap(), vec![0, 3]);
     // Failed ranks have ended too, each once.
     store.fail(5, "panicked", t).unwrap();
