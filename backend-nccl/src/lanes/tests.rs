@@ -543,15 +543,19 @@ proptest::proptest! {
     }
 }
 
-/// A board that loses the first message of each kind in `lose` (`join`,
-/// `make`), as a store whose reader died with it would.
-#[derive(Debug)]
-struct Lossy {
+/// The in-process board, rigged for the tests below: it loses the first
+/// message of each kind in `lose` (`join`, `make`), as a store whose reader
+/// died with it would; it counts its inbox reads; and it asks to be read
+/// every `every`, as the store does.
+#[derive(Debug, Default)]
+struct Rigged {
     inner: LocalBoard,
     lose: Mutex<Vec<&'static str>>,
+    every: Duration,
+    reads: AtomicU64,
 }
 
-impl Board for Lossy {
+impl Board for Rigged {
     fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<()> {
         self.inner.post(from, to, tag)
     }
@@ -570,7 +574,12 @@ impl Board for Lossy {
     }
 
     fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
         self.inner.inbox(me, timeout)
+    }
+
+    fn inbox_every(&self) -> Duration {
+        self.every
     }
 }
 
@@ -582,9 +591,9 @@ fn a_lost_want_make_or_join_is_sent_again() {
         vec!["make", "join"],
         vec!["want"],
     ] {
-        let board = Arc::new(Lossy {
-            inner: LocalBoard::default(),
+        let board = Arc::new(Rigged {
             lose: Mutex::new(lose.clone()),
+            ..Rigged::default()
         });
         let job = job_on(board.clone(), 2, Policy::PerDirection, T, &[0, 1]);
         // Rank 1 (not the owner) needs lane 1->0: it asks with `make`, the
@@ -623,48 +632,15 @@ fn lane_settings_parse_what_the_environment_may_say_and_name_the_rest() {
     );
 }
 
-/// A board that counts its inbox reads and asks to be read every `every`,
-/// as the store does.
-#[derive(Debug)]
-struct Paced {
-    inner: LocalBoard,
-    every: Duration,
-    reads: AtomicU64,
-}
-
-impl Board for Paced {
-    fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<()> {
-        self.inner.post(from, to, tag)
-    }
-
-    fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool> {
-        self.inner.take(from, to, tag, timeout)
-    }
-
-    fn mail(&self, to: Rank, message: &[u8]) -> Result<()> {
-        self.inner.mail(to, message)
-    }
-
-    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.inbox(me, timeout)
-    }
-
-    fn inbox_every(&self) -> Duration {
-        self.every
-    }
-}
-
 #[test]
 fn a_service_making_a_lane_reads_the_store_at_the_stores_pace() {
     // The parts' progress is polled every 2 ms; across processes each
     // inbox read is a request to the store, which asks for one every
     // 20 ms: two services making one lane for 600 ms read it some 60
     // times, not some 600.
-    let board = Arc::new(Paced {
-        inner: LocalBoard::default(),
+    let board = Arc::new(Rigged {
         every: crate::store::STORE_INBOX_EVERY,
-        reads: AtomicU64::new(0),
+        ..Rigged::default()
     });
     let job = Arc::new(job_on(board.clone(), 2, Policy::PerDirection, T, &[0, 1]));
     job.fabric.hold.store(true, Ordering::Release);

@@ -20,8 +20,9 @@
 //! connection is closed; a connection quiet for 10 s between requests is
 //! closed without a word. The store goes on serving everyone else (a
 //! thread per connection, at most 16,384 at once, and no more than the
-//! process's limit on open files allows, which the store raises to its
-//! hard limit; past that a new connection is told `ERROR busy`).
+//! process's limit on open files allows, which the store raises as far as
+//! it needs within the hard limit; past that a new connection is told
+//! `ERROR busy`).
 //!
 //! A client ([`Store`]) keeps up to four connections open between its
 //! requests, each for at most 5 s unused: a rank's health monitor, which
@@ -728,12 +729,7 @@ fn serve_on(
                     }
                 };
                 let Some(slot) = Slot::take(&shared) else {
-                    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
-                    if let Ok(line) =
-                        proto::encode_response(&Response::error("busy: too many connections"))
-                    {
-                        let _ = (&conn).write_all(&line);
-                    }
+                    tell_busy(&conn, "too many connections");
                     continue;
                 };
                 // A connection lives as long as its client keeps it: a
@@ -749,18 +745,24 @@ fn serve_on(
                         "duplex store: cannot start a thread for a connection ({e}); it is refused"
                     );
                     if let Ok(c) = told {
-                        let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
-                        if let Ok(line) = proto::encode_response(&Response::error(
-                            "busy: cannot start a thread for this connection",
-                        )) {
-                            let _ = (&c).write_all(&line);
-                        }
+                        tell_busy(&c, "cannot start a thread for this connection");
                     }
                 }
             }
         })
         .map_err(|e| io("starting the store thread", e))?;
     Ok(addr)
+}
+
+/// Tells a connection the store will not serve `ERROR busy: why`, from the
+/// accepting thread: one write, waiting at most a second, no draining (as
+/// [`refuse`] does on a connection's own thread).
+fn tell_busy(conn: &TcpStream, why: &str) {
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+    if let Ok(line) = proto::encode_response(&Response::error(&format!("busy: {why}"))) {
+        let mut c = conn;
+        let _ = c.write_all(&line);
+    }
 }
 
 /// Raises this process's limit on open files to what the store may need
@@ -1110,15 +1112,10 @@ impl Store {
             Ok(_) => {}
             Err(e) => return Err(unanswered("reading a reply", e)),
         }
-        // A byte of the reply came: the request was read and served.
+        // A byte of the reply came: the request was read and served (a
+        // reply cut short fails to parse below).
         let reply = proto::read_line(&mut reader)
             .map_err(|e| Exchange::Failed(io("reading a reply", e)))?;
-        if reply.is_empty() {
-            return Err(Exchange::Failed(Error::Aborted(format!(
-                "the duplex store at {} closed the connection in a reply",
-                self.addr()
-            ))));
-        }
         let reply = proto::parse_response(&reply).map_err(|e| {
             Exchange::Failed(Error::Aborted(format!(
                 "the duplex store at {} sent a malformed reply: {e}",

@@ -785,6 +785,19 @@ fn a_kept_connection_the_store_closed_is_replaced_and_the_request_served_once() 
     );
 }
 
+/// As a store would, accepts a connection on `listener` and answers its
+/// `AUTH` and one request `OK`; the connection, still open.
+fn answer_auth_and_one(listener: &TcpListener) -> TcpStream {
+    let (conn, _) = listener.accept().unwrap();
+    let mut reader = std::io::BufReader::new(&conn);
+    for _ in 0..2 {
+        let line = proto::read_line(&mut reader).unwrap();
+        assert!(!line.is_empty());
+        (&conn).write_all(b"OK\n").unwrap();
+    }
+    conn
+}
+
 #[test]
 fn a_kept_connection_to_a_store_that_is_gone_fails_the_request_at_once() {
     // A store that answers `AUTH` and one request, then its process is
@@ -793,13 +806,7 @@ fn a_kept_connection_to_a_store_that_is_gone_fails_the_request_at_once() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let fake = std::thread::spawn(move || {
-        let (conn, _) = listener.accept().unwrap();
-        let mut reader = std::io::BufReader::new(&conn);
-        for _ in 0..2 {
-            let line = proto::read_line(&mut reader).unwrap();
-            assert!(!line.is_empty());
-            (&conn).write_all(b"OK\n").unwrap();
-        }
+        let _conn = answer_auth_and_one(&listener);
         // The listener and the connection close together.
     });
     let c = Store::client("127.0.0.1", port, secret());
@@ -842,13 +849,7 @@ fn a_request_that_times_out_drops_the_kept_connections() {
     let port = listener.local_addr().unwrap().port();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let fake = std::thread::spawn(move || {
-        let (conn, _) = listener.accept().unwrap();
-        let mut reader = std::io::BufReader::new(&conn);
-        for _ in 0..2 {
-            let line = proto::read_line(&mut reader).unwrap();
-            assert!(!line.is_empty());
-            (&conn).write_all(b"OK\n").unwrap();
-        }
+        let _answered = answer_auth_and_one(&listener);
         let (_silent, _) = listener.accept().unwrap();
         let _ = rx.recv();
     });
