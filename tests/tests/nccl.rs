@@ -326,6 +326,18 @@ fn a_hung_pair_needs_the_cycle_and_each_rank_ending_on_a_hang() {
     let echo =
         "ERROR aborted: rank 0 thread main: `synchronize` ended because rank 1 failed: hang: ...";
     assert!(both_hang(&s(&[echo, "HANG"]), &[false, true]));
+    // Seen cold on one H200 (comm/after-wait, rank 0 in a recv's handshake).
+    let cut = "ERROR aborted: rank 0 thread main: `recv`: rank 1 failed (hang: `comm(late)` (tests/src/lib.rs:972:11) did not return within its deadline of 5s), so rank 0's communicators were aborted (...)";
+    assert!(both_hang(&s(&[cut, "HANG"]), &[false, true]));
+    assert!(
+        !both_hang(&s(&[cut, "HANG"]), &[false, false]),
+        "no report names the cycle"
+    );
+    let dead = "ERROR aborted: rank 0 thread main: `recv`: rank 1 failed (no heartbeat for 3006 ms: ...), so rank 0's communicators were aborted (...)";
+    assert!(
+        !both_hang(&s(&[dead, "HANG"]), &[false, true]),
+        "not a hang"
+    );
     assert!(
         !both_hang(&s(&[echo, "HANG"]), &[false, false]),
         "no report names the cycle"
@@ -532,8 +544,14 @@ fn one_process_rank(job: &str) {
 fn both_hang(said: &[String], cycles: &[bool]) -> bool {
     let each = said.iter().zip(cycles).enumerate().all(|(rank, (v, c))| {
         let other = 1 - rank;
+        // A wait ends on the other's failure as `... ended because rank R
+        // failed: hang: ...`; an NCCL call cut short by the abort that
+        // followed (a host call in a connection handshake, cold) as
+        // `...: rank R failed (hang: ...), so ... were aborted`.
         (v == "HANG" && *c)
-            || (v.starts_with("ERROR") && v.contains(&format!("rank {other} failed: hang")))
+            || (v.starts_with("ERROR")
+                && (v.contains(&format!("rank {other} failed: hang"))
+                    || v.contains(&format!("rank {other} failed (hang"))))
     });
     each && said.iter().zip(cycles).any(|(v, c)| v == "HANG" && *c)
 }
