@@ -2,12 +2,16 @@
 """Two builds of the GPU suite side by side: each job's wall time, A against B.
 
     scripts/ab_suite.py A_SUITE B_SUITE [--rounds N] [--lanes eager,lazy] [--out FILE]
+                        [--job JOB]
 
 Runs `SUITE --ignored --nocapture --test-threads=1` (the suite's process
 jobs, with the environment it is given: DUPLEX_ONE_GPU=1 on a machine with
 one GPU) for each lane mode, N rounds, the two builds alternating and the
 first of each round switching, so that drift on a noisy machine falls on
-both. Each job's time is the one the suite prints (`PASS  process:JOB  T s`).
+both. With --job JOB (a process job, `peer-dies` say) each run is that job
+alone (DUPLEX_SCENARIO=process:JOB, the test every_scenario_on_nccl), so
+that many rounds of one job fit where a few of the whole suite would.
+Each job's time is the one the suite prints (`PASS  process:JOB  T s`).
 Writes a markdown table (per mode and job: each build's median [min-max] of
 the rounds, the ratio B/A of the medians, and each build's verdicts) to
 --out, and prints it. Exits 1 when any job of B failed.
@@ -22,15 +26,22 @@ import sys
 import time
 
 LINE = re.compile(r"^(PASS|FAIL)\s+(\S+)\s+([0-9.]+) s")
+# A job run alone (--job) says `RESULT PASS|FAIL T s; ...`, on the line
+# where the test harness wrote `test every_scenario_on_nccl ... `.
+ALONE = re.compile(r"RESULT (PASS|FAIL) ([0-9.]+) s")
 
 
-def run_suite(binary, lanes, limit):
+def run_suite(binary, lanes, limit, job=None):
     env = dict(os.environ, DUPLEX_LANES=lanes)
     env.setdefault("DUPLEX_TIMEOUT_MS", "5000")
+    argv = [binary, "--ignored", "--nocapture", "--test-threads=1"]
+    if job:
+        env["DUPLEX_SCENARIO"] = f"process:{job}"
+        argv.append("every_scenario_on_nccl")
     start = time.monotonic()
     try:
         p = subprocess.run(
-            [binary, "--ignored", "--nocapture", "--test-threads=1"],
+            argv,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -46,6 +57,9 @@ def run_suite(binary, lanes, limit):
         m = LINE.match(line)
         if m:
             jobs[m.group(2)] = (m.group(1), float(m.group(3)))
+        m = ALONE.search(line)
+        if m and job:
+            jobs[f"process:{job}"] = (m.group(1), float(m.group(2)))
     return jobs, time.monotonic() - start, text
 
 
@@ -64,6 +78,7 @@ def main():
     ap.add_argument("--limit", type=int, default=150)
     ap.add_argument("--out", default="ab.md")
     ap.add_argument("--logs", default=None, help="a folder for each run's output")
+    ap.add_argument("--job", default=None, help="one process job alone, each round")
     args = ap.parse_args()
     modes = [m for m in args.lanes.split(",") if m]
     # times[mode][build][job] = [seconds...]; verdicts likewise
@@ -75,7 +90,7 @@ def main():
             order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
             for build in order:
                 binary = args.a if build == "A" else args.b
-                jobs, wall, text = run_suite(binary, mode, args.limit)
+                jobs, wall, text = run_suite(binary, mode, args.limit, args.job)
                 if args.logs:
                     os.makedirs(args.logs, exist_ok=True)
                     with open(os.path.join(args.logs, f"{mode}-{build}-{r}.txt"), "w") as f:

@@ -37,6 +37,32 @@ class AbSuite(unittest.TestCase):
             self.assertIn("| process:y | - | 1.00 [1.00-1.00] | - | - | FAIL,FAIL |", table)
             self.assertIn("| jobs of both, summed | 4.00 [4.00-4.00] | 2.00 [2.00-2.00] | 0.50 | | |", table)
 
+    def test_one_job_alone(self):
+        with tempfile.TemporaryDirectory() as d:
+            # Each fake prints, as the suite does for one job, its result after
+            # the harness's words, with the scenario it was given and its
+            # last argument.
+            script = '#!/bin/sh\nfor a; do last=$a; done\necho "test every_scenario_on_nccl ... RESULT PASS 3.00 s; $DUPLEX_SCENARIO $last"\n'
+            paths = []
+            for name in "ab":
+                path = os.path.join(d, name)
+                with open(path, "w") as f:
+                    f.write(script)
+                os.chmod(path, 0o755)
+                paths.append(path)
+            out = os.path.join(d, "ab.md")
+            logs = os.path.join(d, "logs")
+            p = subprocess.run(
+                [sys.executable, os.path.join(HERE, "ab_suite.py"), *paths, "--rounds", "3", "--lanes", "lazy",
+                 "--job", "peer-dies", "--out", out, "--logs", logs],
+                capture_output=True,
+                text=True,
+            )
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn("| process:peer-dies | 3.00 [3.00-3.00] | 3.00 [3.00-3.00] | 1.00 | PASS,PASS,PASS | PASS,PASS,PASS |",
+                          open(out).read())
+            self.assertIn("process:peer-dies every_scenario_on_nccl", open(os.path.join(logs, "lazy-A-0.txt")).read())
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -695,6 +695,32 @@ pub(crate) struct RankCtx {
     pub(crate) device: Arc<Device>,
 }
 
+impl Drop for RankCtx {
+    /// Frees every communicator of the rank in one batch (P8 of
+    /// [`crate::guard`]: one `ncclGroupStart` around their
+    /// `ncclCommAbort`s), before the fields drop. Dropped one by one, each
+    /// `ncclCommAbort` ran its teardown alone, and the rank paid for the
+    /// sum; in a group NCCL runs each communicator's on a thread of its
+    /// own, and the rank pays for the slowest. With a peer gone each took
+    /// 0.5 to 1 s on one H200 (`peer-dies`, docs/gpu/ab-1gpu.md). Those a
+    /// teardown or the watchdog aborted are freed already and skipped;
+    /// any still held (a user thread inside a call) is freed as its
+    /// holder leaves (P4).
+    fn drop(&mut self) {
+        let all = self.all_comms();
+        let started = Instant::now();
+        let freed = abort_together(&all);
+        if !freed.is_empty() {
+            tracing::debug!(
+                rank = self.rank,
+                comms = freed.len(),
+                ms = started.elapsed().as_secs_f64() * 1e3,
+                "the rank's communicators are freed together"
+            );
+        }
+    }
+}
+
 /// The name of the communicator that user communicators are split from
 /// ([`RankCtx::splits`]), as lane costs report it.
 pub(crate) const SPLITS: &str = "splits (the parent of user communicators)";
