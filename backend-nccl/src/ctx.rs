@@ -703,9 +703,11 @@ impl Drop for RankCtx {
     /// sum; in a group NCCL runs each communicator's on a thread of its
     /// own, and the rank pays for the slowest. With a peer gone each took
     /// 0.5 to 1 s on one H200 (`peer-dies`, docs/gpu/ab-1gpu.md). Those a
-    /// teardown or the watchdog aborted are freed already and skipped;
-    /// any still held (a user thread inside a call) is freed as its
-    /// holder leaves (P4).
+    /// teardown or the watchdog aborted are freed already and skipped.
+    /// One still held (a lane service that did not stop, inside a call)
+    /// keeps the whole batch until its holder leaves (P4): freeing the
+    /// others first could wait on its kernel, whose abort flag nothing
+    /// else raises (P8), and the drop would hang where it now defers.
     fn drop(&mut self) {
         let all = self.all_comms();
         let started = Instant::now();

@@ -193,13 +193,60 @@ const LIMITS: Limits = Limits {
     max_mail: 1 << 16,
 };
 
-/// What the store knows of the ranks' health.
+/// What the store knows of the ranks' health. Every rank's monitor asks
+/// (`HEALTH`) several times a second, so an answer costs O(log ranks),
+/// not a walk over every rank: at N ranks a walk made the store's work
+/// grow as N² a second.
 #[derive(Debug, Default)]
 struct Health {
     /// Failures posted, in the order they came; one per rank.
     failures: Vec<(Rank, String)>,
     /// Each rank's last heartbeat.
     beats: HashMap<Rank, Instant>,
+    /// The last heartbeats of the ranks that have not finished, oldest
+    /// first: the ranks silent past any silence are a prefix of it.
+    by_beat: std::collections::BTreeSet<(Instant, Rank)>,
+    /// The ranks that stored `done/RANK` (they finished cleanly, and their
+    /// silence is no failure), kept as each is stored: a scan of the
+    /// stored keys would cost every request all of the job's keys.
+    finished: std::collections::BTreeSet<Rank>,
+}
+
+impl Health {
+    /// Rank `rank`'s heartbeat at `now`.
+    fn beat(&mut self, rank: Rank, now: Instant) {
+        if let Some(old) = self.beats.insert(rank, now) {
+            self.by_beat.remove(&(old, rank));
+        }
+        if !self.finished.contains(&rank) {
+            self.by_beat.insert((now, rank));
+        }
+    }
+
+    /// Rank `rank` finished cleanly: its silence from now on is no failure.
+    fn finish(&mut self, rank: Rank) {
+        if self.finished.insert(rank)
+            && let Some(at) = self.beats.get(&rank)
+        {
+            self.by_beat.remove(&(*at, rank));
+        }
+    }
+
+    /// The ranks that sent a heartbeat once and none for longer than
+    /// `silence`, except `me` and those that finished, longest silent
+    /// first (the lower rank first among equals), each with how long.
+    fn silent(
+        &self,
+        me: Option<Rank>,
+        silence: Duration,
+    ) -> impl Iterator<Item = (Rank, Duration)> + '_ {
+        let now = Instant::now();
+        self.by_beat
+            .iter()
+            .map(move |(at, r)| (*r, now.saturating_duration_since(*at)))
+            .take_while(move |(_, quiet)| *quiet > silence)
+            .filter(move |(r, _)| Some(*r) != me)
+    }
 }
 
 /// Values stored by `PUT`.
@@ -207,10 +254,6 @@ struct Health {
 struct Values {
     map: HashMap<String, Arc<Vec<u8>>>,
     bytes: usize,
-    /// The ranks of the `done/RANK` keys in `map`, kept as they are stored:
-    /// every `HEALTH` and `ENDED` asks, and a scan of `map` would cost each
-    /// of them every key of the job (five or so per rank that finished).
-    finished: std::collections::BTreeSet<Rank>,
 }
 
 /// The store's state, shared by the connections' threads.
@@ -275,40 +318,14 @@ impl Shared {
         if !h.beats.contains_key(&rank) && h.beats.len() >= 1 << 20 {
             return Err(End::Refuse("too many ranks".into()));
         }
-        h.beats.insert(rank, Instant::now());
+        h.beat(rank, Instant::now());
         Ok(Response::Ok)
-    }
-
-    /// The ranks that stored `done/RANK`, ascending: they finished cleanly.
-    fn finished(&self) -> Vec<Rank> {
-        self.values().finished.iter().copied().collect()
-    }
-
-    /// The ranks that sent a heartbeat once and none for longer than
-    /// `silence`, each with how long, except `me` and those that finished
-    /// cleanly (`finished`, ascending: their silence is no failure). Every
-    /// `HEALTH` asks, so the finished are looked up only for the silent.
-    fn silent(
-        h: &Health,
-        me: Option<Rank>,
-        finished: &[Rank],
-        silence: Duration,
-    ) -> Vec<(Rank, Duration)> {
-        let now = Instant::now();
-        h.beats
-            .iter()
-            .map(|(r, at)| (*r, now.saturating_duration_since(*at)))
-            .filter(|(r, quiet)| {
-                *quiet > silence && Some(*r) != me && finished.binary_search(r).is_err()
-            })
-            .collect()
     }
 
     /// The first failure of another rank than `me`, else the rank silent
     /// longest past `silence_ms` (a rank that stored `done/RANK` finished
     /// cleanly: its silence is no failure).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
-        let finished = self.finished();
         let h = self.health();
         if let Some((rank, why)) = h.failures.iter().find(|(r, _)| *r != me) {
             return Response::Failed {
@@ -316,9 +333,7 @@ impl Shared {
                 why: why.clone(),
             };
         }
-        let silent = Shared::silent(&h, Some(me), &finished, Duration::from_millis(silence_ms))
-            .into_iter()
-            .max_by_key(|(r, quiet)| (*quiet, std::cmp::Reverse(*r)));
+        let silent = h.silent(Some(me), Duration::from_millis(silence_ms)).next();
         match silent {
             Some((rank, quiet)) => Response::Failed {
                 rank,
@@ -343,14 +358,16 @@ impl Shared {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;
-        if let Some(r) = key
+        let done = key
             .strip_prefix("done/")
-            .and_then(|r| r.parse::<Rank>().ok())
-        {
-            v.finished.insert(r);
-        }
+            .and_then(|r| r.parse::<Rank>().ok());
         v.map.insert(key, Arc::new(value));
         self.stored.notify_all();
+        drop(v);
+        // The values' lock is let go first: no thread holds both.
+        if let Some(r) = done {
+            self.health().finish(r);
+        }
         Ok(Response::Ok)
     }
 
@@ -624,11 +641,12 @@ fn serve_one(
             shared.mail(to, message)?
         }
         Request::Ended { silence_ms } => {
-            let mut ranks = shared.finished();
             let h = shared.health();
-            let silence = Duration::from_millis(silence_ms);
-            let silent = Shared::silent(&h, None, &ranks, silence);
-            ranks.extend(silent.iter().map(|(r, _)| *r));
+            let mut ranks: Vec<Rank> = h.finished.iter().copied().collect();
+            ranks.extend(
+                h.silent(None, Duration::from_millis(silence_ms))
+                    .map(|(r, _)| r),
+            );
             ranks.extend(h.failures.iter().map(|(r, _)| *r));
             drop(h);
             ranks.sort_unstable();
@@ -765,6 +783,38 @@ fn tell_busy(conn: &TcpStream, why: &str) {
     }
 }
 
+/// The longest queue of connections not yet accepted that the store asks
+/// of the system, which caps it (Linux: `net.core.somaxconn`, 4,096 since
+/// 5.4). The system's own cap is the point: a job's ranks all connect at
+/// its start.
+const BACKLOG: libc::c_int = 1 << 16;
+
+/// Widens the queue of `listener`'s connections not yet accepted from the
+/// 128 that `std` gives every listener to [`BACKLOG`], as far as the
+/// system allows (a second `listen` on a listening socket sets only its
+/// queue's length). With 128, a job whose ranks connect at once overflows
+/// it: the system drops the connects past it, and their clients wait for
+/// a retransmission, a second or more, each (at 2,048 ranks on one
+/// machine: polls of more than a second, and failed ones,
+/// `examples/store.rs`). The system's cap where it can be read
+/// (`/proc/sys/net/core/somaxconn`), for the store's debug event.
+fn widen_backlog(listener: &TcpListener) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `listen` on a socket this process owns, which is listening:
+    // it only changes the length of its queue.
+    if unsafe { libc::listen(listener.as_raw_fd(), BACKLOG) } != 0 {
+        tracing::debug!(
+            "duplex store: cannot widen the listening queue: {}",
+            std::io::Error::last_os_error()
+        );
+        return None;
+    }
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map(|cap| cap.min(BACKLOG as u32))
+}
+
 /// Raises this process's limit on open files to what the store may need
 /// (its most connections and 1,024 more for the rest of the process), or
 /// to the hard limit if that is lower; never lowers it (a hard limit of a
@@ -871,6 +921,7 @@ impl Store {
                 "{e}; rank 0 listens on MASTER_ADDR (or DUPLEX_STORE_BIND) at MASTER_PORT+1 (or DUPLEX_PORT): set DUPLEX_STORE_BIND to an address of this machine (0.0.0.0 for every interface), or DUPLEX_PORT to a free port"
             ),
         })?;
+        let backlog = widen_backlog(&listener);
         // Each connection is a descriptor of this process, and clients keep
         // theirs open between requests: a few per rank.
         let files = raise_file_limit();
@@ -881,6 +932,7 @@ impl Store {
         tracing::debug!(
             files = ?files,
             max_connections = limits.max_connections,
+            backlog = ?backlog,
             "duplex store: serving"
         );
         serve_on(listener, id, secret, limits)

@@ -869,3 +869,75 @@ fn a_request_that_times_out_drops_the_kept_connections() {
     tx.send(()).unwrap();
     fake.join().unwrap();
 }
+
+#[test]
+fn health_finds_the_silent_ranks_in_its_beat_order() {
+    use std::time::Instant;
+    let mut h = super::Health::default();
+    let t0 = Instant::now() - Duration::from_secs(10);
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    h.beat(5, at(0));
+    h.beat(2, at(0));
+    h.beat(9, at(1));
+    h.beat(4, at(2));
+    let silent = |h: &super::Health, me, s| {
+        h.silent(me, Duration::from_millis(s))
+            .map(|(r, _)| r)
+            .collect::<Vec<_>>()
+    };
+    // Longest silent first, the lower rank first among equals.
+    assert_eq!(silent(&h, None, 0), vec![2, 5, 9, 4]);
+    assert_eq!(silent(&h, Some(2), 0), vec![5, 9, 4]);
+    // Silent past 8.5 s: only those that beat 10 and 9 s ago.
+    assert_eq!(silent(&h, None, 8_500), vec![2, 5, 9]);
+    assert_eq!(silent(&h, None, 9_500), vec![2, 5]);
+    assert_eq!(silent(&h, None, 60_000), Vec::<u32>::new());
+    // A rank that beats again is not silent; one that finished never is,
+    // whatever it does after.
+    h.beat(2, Instant::now());
+    h.finish(5);
+    assert_eq!(silent(&h, None, 0), vec![9, 4, 2]);
+    h.beat(5, at(0));
+    h.finish(5);
+    assert_eq!(silent(&h, None, 0), vec![9, 4, 2]);
+    // A rank that finished before it ever beat.
+    h.finish(11);
+    h.beat(11, at(0));
+    assert_eq!(silent(&h, None, 0), vec![9, 4, 2]);
+    // Every rank that beats and has not finished is in the order once.
+    assert_eq!(h.by_beat.len(), 3);
+    assert_eq!(h.beats.len(), 5);
+}
+
+#[test]
+fn the_store_queues_a_job_of_connects_at_once() {
+    // With std's queue of 128, connects past it are dropped until the
+    // store accepts: a job's ranks connecting at once waited a second or
+    // more each. Nothing accepts here, so the queue alone holds them.
+    let cap: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let n = cap.min(400);
+    if n <= 200 {
+        eprintln!("skipped: net.core.somaxconn is {cap}, which no listener can pass");
+        return;
+    }
+    let connects = |l: &TcpListener, n: usize| -> usize {
+        let at = l.local_addr().unwrap();
+        let mut held = Vec::new();
+        for _ in 0..n {
+            match TcpStream::connect_timeout(&at, Duration::from_millis(1500)) {
+                Ok(c) => held.push(c),
+                Err(_) => break,
+            }
+        }
+        held.len()
+    };
+    let narrow = TcpListener::bind("127.0.0.1:0").unwrap();
+    let queued = connects(&narrow, n);
+    assert!(queued < 200, "std's queue of 128 held {queued} connects");
+    let wide = TcpListener::bind("127.0.0.1:0").unwrap();
+    assert_eq!(super::widen_backlog(&wide), Some(cap.min(1 << 16) as u32));
+    assert_eq!(connects(&wide, n), n);
+}
