@@ -27,8 +27,9 @@ import time
 
 LINE = re.compile(r"^(PASS|FAIL)\s+(\S+)\s+([0-9.]+) s")
 # A job run alone (--job) says `RESULT PASS|FAIL T s; ...`, on the line
-# where the test harness wrote `test every_scenario_on_nccl ... `.
-ALONE = re.compile(r"RESULT (PASS|FAIL) ([0-9.]+) s")
+# where the test harness wrote `test every_scenario_on_nccl ... `; a
+# failure may come without the time (`RESULT FAIL no free port`).
+ALONE = re.compile(r"RESULT (PASS|FAIL)(?: ([0-9.]+) s)?")
 
 
 def run_suite(binary, lanes, limit, job=None):
@@ -59,8 +60,13 @@ def run_suite(binary, lanes, limit, job=None):
             jobs[m.group(2)] = (m.group(1), float(m.group(3)))
         m = ALONE.search(line)
         if m and job:
-            jobs[f"process:{job}"] = (m.group(1), float(m.group(2)))
-    return jobs, time.monotonic() - start, text
+            took = float(m.group(2)) if m.group(2) else time.monotonic() - start
+            jobs[f"process:{job}"] = (m.group(1), took)
+    wall = time.monotonic() - start
+    # A job alone that said nothing (a crash, the time limit) failed.
+    if job and f"process:{job}" not in jobs:
+        jobs[f"process:{job}"] = ("FAIL", wall)
+    return jobs, wall, text
 
 
 def spread(xs):

@@ -63,6 +63,28 @@ class AbSuite(unittest.TestCase):
                           open(out).read())
             self.assertIn("process:peer-dies every_scenario_on_nccl", open(os.path.join(logs, "lazy-A-0.txt")).read())
 
+    def test_one_job_alone_that_fails_without_a_time_or_says_nothing(self):
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a")
+            b = os.path.join(d, "b")
+            with open(a, "w") as f:
+                f.write('#!/bin/sh\necho "test every_scenario_on_nccl ... RESULT FAIL no free port: x"\n')
+            with open(b, "w") as f:
+                f.write("#!/bin/sh\nexit 3\n")
+            for path in (a, b):
+                os.chmod(path, 0o755)
+            out = os.path.join(d, "ab.md")
+            p = subprocess.run(
+                [sys.executable, os.path.join(HERE, "ab_suite.py"), a, b, "--rounds", "1", "--lanes", "eager",
+                 "--job", "peer-dies", "--out", out],
+                capture_output=True,
+                text=True,
+            )
+            self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+            row = [l for l in open(out).read().splitlines() if l.startswith("| process:peer-dies")]
+            self.assertEqual(len(row), 1, row)
+            self.assertTrue(row[0].endswith("| FAIL | FAIL |"), row)
+
 
 if __name__ == "__main__":
     unittest.main()

