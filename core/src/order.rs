@@ -239,8 +239,11 @@ pub struct Covered(Clock);
 /// in the order the rank made them.
 #[derive(Debug, Default)]
 pub struct Order {
-    /// The backend's stream number → index + 1 (0: not seen).
-    index: Vec<u32>,
+    /// The backend's stream number → index. A map, not a table by number:
+    /// a rank uses a few of a job's streams, whose numbers grow with the
+    /// job (the simulator's lanes of 1,024 ranks are numbered up to 2
+    /// million), and a table per rank cost O(ranks³) memory in all.
+    index: rustc_hash::FxHashMap<u32, u32>,
     /// Per stream index: its name.
     names: Vec<Box<str>>,
     /// Per stream index: its clock, and the host epoch it last took in.
@@ -249,8 +252,9 @@ pub struct Order {
     host: Clock,
     /// Bumped whenever `host` grows.
     epoch: u64,
-    /// The clock each event last recorded, by the backend's number.
-    events: Vec<Option<Clock>>,
+    /// The clock each event last recorded, by the backend's number (a
+    /// map, as `index`).
+    events: rustc_hash::FxHashMap<u32, Clock>,
     /// Accesses per buffer, by the backend's number.
     uses: rustc_hash::FxHashMap<u64, Uses>,
     /// Launches committed before they are on their streams
@@ -267,16 +271,12 @@ impl Order {
     }
 
     fn stream(&mut self, s: u32) -> usize {
-        let s = s as usize;
-        if self.index.len() <= s {
-            self.index.resize(s + 1, 0);
-        }
-        if self.index[s] == 0 {
+        let next = self.clocks.len() as u32;
+        let i = *self.index.entry(s).or_insert(next) as usize;
+        if i == self.clocks.len() {
             self.clocks.push((Clock::new(), 0));
             self.names.push("".into());
-            self.index[s] = self.clocks.len() as u32;
         }
-        let i = self.index[s] as usize - 1;
         // What the host knows complete precedes everything launched after.
         let epoch = self.epoch;
         let (clock, seen) = &mut self.clocks[i];
@@ -481,23 +481,19 @@ impl Order {
     /// has been ordered after so far.
     pub fn record(&mut self, event: u32, stream: u32) {
         let s = self.stream(stream);
-        let e = event as usize;
-        if self.events.len() <= e {
-            self.events.resize(e + 1, None);
-        }
-        let mut c = self.events[e].take().unwrap_or_default();
+        let mut c = self.events.remove(&event).unwrap_or_default();
         c.clone_from(self.visible(s));
         if !self.pending.is_empty() {
             self.without_pending(&mut c);
         }
-        self.events[e] = Some(c);
+        self.events.insert(event, c);
     }
 
     /// A stream waits for an event: its later launches run after what the
     /// event's record came after. An event never recorded orders nothing.
     pub fn wait(&mut self, event: u32, stream: u32) {
         let s = self.stream(stream);
-        if let Some(Some(c)) = self.events.get(event as usize) {
+        if let Some(c) = self.events.get(&event) {
             join(&mut self.clocks[s].0, c);
         }
     }
@@ -573,13 +569,9 @@ impl Order {
         // and every clock with what the host knows taken in (as the next
         // use of the stream will), so that one state reached in two orders
         // has one digest.
-        let seen: Vec<(u32, usize)> = self
-            .index
-            .iter()
-            .enumerate()
-            .filter(|(_, i)| **i != 0)
-            .map(|(n, i)| (n as u32, *i as usize - 1))
-            .collect();
+        let mut seen: Vec<(u32, usize)> =
+            self.index.iter().map(|(n, i)| (*n, *i as usize)).collect();
+        seen.sort_unstable();
         let clock = |c: &Clock, h: &mut dyn Hasher| {
             for &(_, l) in &seen {
                 h.write_u64(get(c, l).max(get(&self.host, l)));
@@ -590,11 +582,11 @@ impl Order {
             clock(&self.clocks[l].0, h);
         }
         clock(&Clock::new(), h);
-        for (e, c) in self.events.iter().enumerate() {
-            if let Some(c) = c {
-                h.write_usize(e);
-                clock(c, h);
-            }
+        let mut events: Vec<_> = self.events.iter().collect();
+        events.sort_unstable_by_key(|(e, _)| **e);
+        for (e, c) in events {
+            h.write_usize(*e as usize);
+            clock(c, h);
         }
         let number = |l: usize| {
             seen.iter()
@@ -907,6 +899,44 @@ mod tests {
         b.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
         b.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
         assert_eq!(digest(&a), digest(&b));
+    }
+
+    #[test]
+    fn streams_and_events_numbered_in_the_millions_are_ordered_and_digested() {
+        // A rank of a 1,024-rank simulated job uses lane streams numbered
+        // up to 2 million: looked up, not tabled (which cost O(ranks³)).
+        const FAR: u32 = 2_000_000;
+        let far = |dir| Access {
+            stream: FAR,
+            stream_name: "far",
+            ..op(dir, 0)
+        };
+        let mut a = Order::new();
+        a.launch(&[(X, far(Dir::Recv))]).unwrap();
+        a.record(4_000_000, FAR);
+        a.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        // Stream 1 waits for the event: its send of X comes after the recv.
+        a.wait(4_000_000, 1);
+        a.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+        assert!(a.index.len() == 2 && a.events.len() == 1);
+        // Without the wait, it races.
+        let mut b = Order::new();
+        b.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        b.launch(&[(X, far(Dir::Recv))]).unwrap();
+        b.record(4_000_000, FAR);
+        assert!(race(b.launch(&[(X, op(Dir::Send, 1))])).contains("far"));
+        // One state reached in two orders has one digest.
+        let mut c = Order::new();
+        c.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        c.launch(&[(X, far(Dir::Recv))]).unwrap();
+        c.record(4_000_000, FAR);
+        let mut d = Order::new();
+        d.launch(&[(X, far(Dir::Recv))]).unwrap();
+        d.record(4_000_000, FAR);
+        d.launch(&[(Y, op(Dir::Recv, 1))]).unwrap();
+        assert_eq!(digest(&c), digest(&d));
+        d.record(5, 1);
+        assert_ne!(digest(&c), digest(&d));
     }
 
     #[test]
