@@ -226,7 +226,7 @@ fn issue_error(
     grouped: bool,
     call: &TraceCall,
 ) -> Error {
-    let position = matcher.positions(rank, ops)[i];
+    let position = matcher.positions(rank, ops, grouped)[i];
     let op = &ops[i];
     let Some(partner) = position.partner else {
         return Error::Aborted(format!("the issue check refused `{}`", call.text));
@@ -1554,6 +1554,68 @@ pub(crate) mod tests {
         reg.settle();
         assert_eq!(reg.lock().applied, 4);
         assert!(reg.analyze().disagreements.is_empty());
+    }
+
+    /// A rank's send to itself and its recv from itself meet inside one
+    /// group (R12), and R3 compares them there: a group whose second pair
+    /// differs in size is refused before NCCL sees it, naming both ops
+    /// through the live machine, or from the issue check alone when the
+    /// machine is gone; a group whose pairs agree is recorded.
+    #[test]
+    fn a_message_to_itself_that_differs_in_size_is_refused_inside_its_group() {
+        for drop_model in [false, true] {
+            let reg = Registry::local(1, Model::default());
+            reg.comm(0, "world", &[0], true);
+            let s = reg.stream(0, "s");
+            let t = reg.thread(0, "main");
+            if drop_model {
+                reg.lock_live().machine = None;
+            }
+            let group = |sizes: [u64; 4]| {
+                let ops: Vec<TraceOp> = [Dir::Send, Dir::Recv, Dir::Send, Dir::Recv]
+                    .into_iter()
+                    .zip(sizes)
+                    .map(|(dir, bytes)| TraceOp {
+                        dir,
+                        peer: 0,
+                        bytes,
+                        dtype: DType::U8,
+                        comm: 0,
+                        stream: s,
+                    })
+                    .collect();
+                let mut fifos = [u32::MAX; 4];
+                let call = TraceCall {
+                    thread: t as u32,
+                    call: Call::Launch {
+                        ops: ops.into(),
+                        grouped: true,
+                    },
+                    text: format!("group {sizes:?}").into(),
+                    place: "x.rs:1:1".into(),
+                };
+                let r = reg.lock();
+                reg.record_launch(r, call, &mut fifos)
+                    .map(|()| fifos)
+                    .map_err(|e| e.to_string())
+            };
+            assert_eq!(group([1024, 1024, 4096, 4096]), Ok([0, 0, 1, 1]));
+            let e = group([1024, 1024, 4096, 8192]).expect_err("4 KiB sent, 8 KiB received");
+            assert!(
+                e.contains("size mismatch") && e.contains("refused to launch"),
+                "{e}"
+            );
+            if drop_model {
+                assert!(e.contains("8192 bytes against 4096"), "{e}");
+            } else {
+                assert!(
+                    e.contains("send → 0 4KiB") && e.contains("recv ← 0 8KiB"),
+                    "{e}"
+                );
+            }
+            assert_eq!(reg.calls(), 1, "the refused group is not recorded");
+            assert_eq!(group([8, 8, 16, 16]), Ok([2, 2, 3, 3]));
+        }
     }
 
     /// On a communicator connected on first use, a thread's second launch

@@ -29,8 +29,11 @@ pub struct RankReport {
     pub lanes: Vec<LaneCost>,
 }
 
-/// The default settings, with `DUPLEX_LANES` (`eager` or `lazy`) and
-/// `DUPLEX_LANE_CONNECT` (`both` or `one-way`) read from the environment.
+/// The default settings, with `DUPLEX_TIMEOUT_MS` (the deadline of every
+/// wait, in milliseconds, at least 1), `DUPLEX_LANES` (`eager` or `lazy`)
+/// and `DUPLEX_LANE_CONNECT` (`both` or `one-way`) read from the
+/// environment; a value that does not parse is an error naming the
+/// variable, not a silent default.
 fn options_from_env() -> Result<Options> {
     /// The setting in variable `name`, if set; an error naming it if it
     /// does not parse.
@@ -46,6 +49,9 @@ fn options_from_env() -> Result<Options> {
             .transpose()
     }
     let mut opts = Options::default();
+    if let Some(ms) = setting::<TimeoutMs>("DUPLEX_TIMEOUT_MS")? {
+        opts.timeout = Duration::from_millis(ms.0);
+    }
     if let Some(mode) = setting("DUPLEX_LANES")? {
         opts.lanes = mode;
     }
@@ -53,6 +59,22 @@ fn options_from_env() -> Result<Options> {
         opts.lane_connect = connect;
     }
     Ok(opts)
+}
+
+/// `DUPLEX_TIMEOUT_MS`: a whole number of milliseconds, at least 1.
+struct TimeoutMs(u64);
+
+impl std::str::FromStr for TimeoutMs {
+    type Err = String;
+
+    fn from_str(v: &str) -> std::result::Result<TimeoutMs, String> {
+        match v.trim().parse::<u64>() {
+            Ok(ms) if ms > 0 => Ok(TimeoutMs(ms)),
+            _ => Err(format!(
+                "`{v}` is not a deadline: give a whole number of milliseconds, at least 1 (the default is 10000)"
+            )),
+        }
+    }
 }
 
 /// How a run's lane settings are written in the store (`job/lanes`).
@@ -1324,6 +1346,34 @@ mod tests {
             }
         }
         assert_eq!(orders, 21);
+    }
+
+    /// `DUPLEX_TIMEOUT_MS` takes a whole number of milliseconds, at least
+    /// 1; anything else is refused with the value and what to give, where
+    /// it once fell back to 10 s without a word.
+    #[test]
+    fn a_deadline_that_is_not_a_whole_number_of_milliseconds_is_refused() {
+        for good in ["1", "250", " 5000 ", "600000"] {
+            assert_eq!(
+                good.parse::<TimeoutMs>().map(|t| t.0),
+                Ok(good.trim().parse().expect("a number"))
+            );
+        }
+        for bad in [
+            "",
+            "0",
+            "-5",
+            "1.5",
+            "10s",
+            "abc",
+            "99999999999999999999999",
+        ] {
+            let e = bad.parse::<TimeoutMs>().err().expect(bad);
+            assert!(
+                e.contains(&format!("`{bad}`")) && e.contains("milliseconds"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! duplex-sim: the explorer and the simulated transport, on the CPU.
 //!
 //! Everything here drives the one state machine of NCCL's rules,
-//! [`duplex::machine::Machine`] (R1–R11 of `docs/semantics.md`); nothing
+//! [`duplex::machine::Machine`] (R1–R12 of `docs/semantics.md`); nothing
 //! here knows a rule. Around it:
 //!
 //! * [`check`] explores every interleaving of a compiled schedule's host

@@ -45,7 +45,7 @@ impl fmt::Display for Policy {
     }
 }
 
-/// The model knobs of rules R2, R5, R6/R7 and R10.
+/// The model knobs of rules R2, R5, R6/R7, R8 and R10.
 ///
 /// The defaults are NCCL's documented contract (the strict mode): no eager
 /// capacity, channels connected before the program starts, communicator order

@@ -615,6 +615,127 @@ impl Trace {
         }
     }
 
+    /// Every index in the trace names a declaration: each call's thread,
+    /// streams, events and communicators, each ended thread, and each
+    /// cut's rank, communicators and peers. A trace that comes from
+    /// another process is checked before anything indexes by it (the
+    /// replay, [`Trace::merge`]); the first index that names nothing is
+    /// the error.
+    pub fn check_ids(&self) -> Result<(), Disagreement> {
+        let t = self;
+        let decl = |what: &str, rank: Rank| Disagreement {
+            rank,
+            thread: String::new(),
+            call: String::new(),
+            place: String::new(),
+            why: format!(
+                "{what} belongs to rank {rank}, but there are {} ranks",
+                t.ranks
+            ),
+        };
+        for (what, list) in [
+            ("a thread", &t.threads),
+            ("a stream", &t.streams),
+            ("an event", &t.events),
+        ] {
+            if let Some(o) = list.iter().find(|o| o.rank >= t.ranks) {
+                return Err(decl(what, o.rank));
+            }
+        }
+        if let Some(r) = t
+            .comms
+            .iter()
+            .flat_map(|c| &c.members)
+            .find(|r| **r >= t.ranks)
+        {
+            return Err(decl("a communicator member", *r));
+        }
+        let bad = |c: &TraceCall, why: String| Disagreement {
+            rank: t.threads.get(c.thread as usize).map_or(0, |x| x.rank),
+            thread: t
+                .threads
+                .get(c.thread as usize)
+                .map_or_else(|| format!("#{}", c.thread), |x| x.name.clone()),
+            call: c.text.to_string(),
+            place: c.place.to_string(),
+            why,
+        };
+        for c in t.calls.iter().chain(&t.blocked) {
+            if c.thread as usize >= t.threads.len() {
+                return Err(bad(c, format!("thread #{} was never declared", c.thread)));
+            }
+            let streams = match &c.call {
+                Call::Launch { ops, .. } => {
+                    if let Some(o) = ops.iter().find(|o| o.comm as usize >= t.comms.len()) {
+                        return Err(bad(
+                            c,
+                            format!("communicator #{} was never declared", o.comm),
+                        ));
+                    }
+                    ops.iter().map(|o| o.stream).collect()
+                }
+                Call::Record { event, stream } | Call::Wait { event, stream } => {
+                    if *event as usize >= t.events.len() {
+                        return Err(bad(c, format!("event #{event} was never declared")));
+                    }
+                    vec![*stream]
+                }
+                Call::Sync { stream } => stream.iter().copied().collect(),
+                Call::Join { thread } => {
+                    if *thread as usize >= t.threads.len() {
+                        return Err(bad(c, format!("thread #{thread} was never declared")));
+                    }
+                    vec![]
+                }
+                Call::Notify { .. } | Call::Await { .. } | Call::End => vec![],
+            };
+            if let Some(s) = streams.iter().find(|s| **s as usize >= t.streams.len()) {
+                return Err(bad(c, format!("stream #{s} was never declared")));
+            }
+        }
+        let whole = |why: String| Disagreement {
+            rank: 0,
+            thread: String::new(),
+            call: String::new(),
+            place: String::new(),
+            why,
+        };
+        if let Some(e) = t.ended.iter().find(|e| **e as usize >= t.threads.len()) {
+            return Err(whole(format!(
+                "thread #{e} ended, but it was never declared"
+            )));
+        }
+        for cut in &t.cuts {
+            if cut.rank >= t.ranks {
+                return Err(decl("a cut", cut.rank));
+            }
+            let channels = cut
+                .sent
+                .iter()
+                .chain(&cut.received)
+                .chain(&cut.rounds)
+                .map(|&(c, peer, _)| (c, peer))
+                .chain(cut.recent.iter().map(|(c, peer, _)| (*c, *peer)))
+                .chain(cut.sides.iter().map(|&(c, peer, _)| (c, peer)));
+            let peers = cut.notified.iter().chain(&cut.awaited).map(|(r, ..)| *r);
+            for (c, peer) in channels {
+                if c as usize >= t.comms.len() || peer >= t.ranks {
+                    return Err(whole(format!(
+                        "rank {}'s cut names communicator #{c} and peer {peer}, which do not exist",
+                        cut.rank
+                    )));
+                }
+            }
+            if let Some(r) = peers.into_iter().find(|r| *r >= t.ranks) {
+                return Err(whole(format!(
+                    "rank {}'s cut names rank {r} in a notify or await, which does not exist",
+                    cut.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Joins the traces of the ranks of one job (one per process): threads,
     /// streams and events are renumbered, the communicators must be the
     /// same in every part. Each part's calls keep their order.
@@ -635,6 +756,12 @@ impl Trace {
                 return Err(format!(
                     "trace part {i} declares other communicators than part 0: every rank must create communicators in the same order"
                 ));
+            }
+            // Each part is input from another process: its ids are checked
+            // before they are renumbered (which would otherwise overflow,
+            // or move a bad id onto another part's thread).
+            if let Err(d) = part.check_ids() {
+                return Err(format!("trace part {i}: {}", d.why));
             }
             let (t0, s0, e0) = (
                 out.threads.len() as u32,
@@ -852,16 +979,20 @@ fn push(list: &mut Vec<Owned>, rank: Rank, name: &str) -> u32 {
 }
 
 /// What the cuts of `trace` left behind, in the machine's terms (tags
-/// interned in `setup`).
+/// interned in `setup`). Cuts come from other processes: a count listed
+/// twice adds up without overflowing ([`Machine::settle_from`] refuses
+/// counts no run reaches).
 fn settled_of(trace: &Trace, setup: &mut Setup) -> crate::machine::Settled {
     let mut out = crate::machine::Settled::default();
     for cut in &trace.cuts {
         let me = cut.rank;
         for &(c, peer, n) in &cut.sent {
-            out.channels.entry((CommId(c), me, peer)).or_default().0 += n;
+            let e = &mut out.channels.entry((CommId(c), me, peer)).or_default().0;
+            *e = e.saturating_add(n);
         }
         for &(c, peer, n) in &cut.received {
-            out.channels.entry((CommId(c), peer, me)).or_default().1 += n;
+            let e = &mut out.channels.entry((CommId(c), peer, me)).or_default().1;
+            *e = e.saturating_add(n);
         }
         for (c, peer, sizes) in &cut.recent {
             out.recent.insert((CommId(*c), me, *peer), sizes.clone());
@@ -873,10 +1004,12 @@ fn settled_of(trace: &Trace, setup: &mut Setup) -> crate::machine::Settled {
             out.sides.insert((CommId(c), me, peer, d));
         }
         for (to, tag, n) in &cut.notified {
-            out.mail.entry((me, *to, setup.tag(tag))).or_default().0 += n;
+            let e = &mut out.mail.entry((me, *to, setup.tag(tag))).or_default().0;
+            *e = e.saturating_add(*n);
         }
         for (from, tag, n) in &cut.awaited {
-            out.mail.entry((*from, me, setup.tag(tag))).or_default().1 += n;
+            let e = &mut out.mail.entry((*from, me, setup.tag(tag))).or_default().1;
+            *e = e.saturating_add(*n);
         }
     }
     out
@@ -1040,80 +1173,9 @@ impl<'t> Replayer<'t> {
         self.seen = now;
     }
 
-    /// Every index in the trace names a declaration.
+    /// Every index in the trace names a declaration ([`Trace::check_ids`]).
     fn check_ids(&self) -> Result<(), Disagreement> {
-        let t = self.trace;
-        let decl = |what: &str, rank: Rank| Disagreement {
-            rank,
-            thread: String::new(),
-            call: String::new(),
-            place: String::new(),
-            why: format!(
-                "{what} belongs to rank {rank}, but there are {} ranks",
-                t.ranks
-            ),
-        };
-        for (what, list) in [
-            ("a thread", &t.threads),
-            ("a stream", &t.streams),
-            ("an event", &t.events),
-        ] {
-            if let Some(o) = list.iter().find(|o| o.rank >= t.ranks) {
-                return Err(decl(what, o.rank));
-            }
-        }
-        if let Some(r) = t
-            .comms
-            .iter()
-            .flat_map(|c| &c.members)
-            .find(|r| **r >= t.ranks)
-        {
-            return Err(decl("a communicator member", *r));
-        }
-        let bad = |c: &TraceCall, why: String| Disagreement {
-            rank: t.threads.get(c.thread as usize).map_or(0, |x| x.rank),
-            thread: t
-                .threads
-                .get(c.thread as usize)
-                .map_or_else(|| format!("#{}", c.thread), |x| x.name.clone()),
-            call: c.text.to_string(),
-            place: c.place.to_string(),
-            why,
-        };
-        for c in t.calls.iter().chain(&t.blocked) {
-            if c.thread as usize >= t.threads.len() {
-                return Err(bad(c, format!("thread #{} was never declared", c.thread)));
-            }
-            let streams = match &c.call {
-                Call::Launch { ops, .. } => {
-                    if let Some(o) = ops.iter().find(|o| o.comm as usize >= t.comms.len()) {
-                        return Err(bad(
-                            c,
-                            format!("communicator #{} was never declared", o.comm),
-                        ));
-                    }
-                    ops.iter().map(|o| o.stream).collect()
-                }
-                Call::Record { event, stream } | Call::Wait { event, stream } => {
-                    if *event as usize >= t.events.len() {
-                        return Err(bad(c, format!("event #{event} was never declared")));
-                    }
-                    vec![*stream]
-                }
-                Call::Sync { stream } => stream.iter().copied().collect(),
-                Call::Join { thread } => {
-                    if *thread as usize >= t.threads.len() {
-                        return Err(bad(c, format!("thread #{thread} was never declared")));
-                    }
-                    vec![]
-                }
-                Call::Notify { .. } | Call::Await { .. } | Call::End => vec![],
-            };
-            if let Some(s) = streams.iter().find(|s| **s as usize >= t.streams.len()) {
-                return Err(bad(c, format!("stream #{s} was never declared")));
-            }
-        }
-        Ok(())
+        self.trace.check_ids()
     }
 
     /// Keeps `e` as the replay's program error: the first met, but a

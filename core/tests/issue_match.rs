@@ -35,6 +35,7 @@ fn on_cold_communicators_issue_match_refuses_at_least_what_the_machine_refuses()
 fn compare(warm: bool) {
     let mut unreceived = 0;
     let mut refused = 0;
+    let mut refused_to_itself = 0;
     let mut accepted = 0;
     for seed in 1..600u64 {
         for one_sided in [false, true] {
@@ -60,7 +61,7 @@ fn compare(warm: bool) {
                 let rank = rng.next(3) as u32;
                 let n = 1 + rng.next(3) as usize;
                 let grouped = n > 1 || rng.next(2) == 0;
-                let ops: Vec<OpSpec> = (0..n)
+                let mut ops: Vec<OpSpec> = (0..n)
                     .map(|_| {
                         let peer = (rank + 1 + rng.next(2) as u32) % 3;
                         OpSpec {
@@ -78,6 +79,33 @@ fn compare(warm: bool) {
                         }
                     })
                     .collect();
+                // A message to itself, now and then: both sides in this
+                // launch (R12), which is where R3 compares them; their
+                // sizes and types agree only by chance.
+                let mut to_itself = false;
+                if rng.next(4) == 0 {
+                    let comm = comms[rng.next(3) as usize];
+                    let mut side = |dir| OpSpec {
+                        dir,
+                        peer: rank,
+                        bytes: [4, 8][rng.next(2) as usize],
+                        dtype: [DType::U8, DType::F32][rng.next(4).min(1) as usize],
+                        comm,
+                        stream: streams[rank as usize],
+                        origin: None,
+                    };
+                    let (a, b) = (side(Dir::Send), side(Dir::Recv));
+                    to_itself = (a.bytes, a.dtype) != (b.bytes, b.dtype);
+                    let at = rng.next(ops.len() as u64 + 1) as usize;
+                    if rng.next(2) == 0 {
+                        ops.insert(at, a);
+                        ops.push(b);
+                    } else {
+                        ops.insert(at, b);
+                        ops.push(a);
+                    }
+                }
+                let grouped = grouped || ops.len() > 1;
                 let spec = LaunchSpec {
                     ops,
                     grouped,
@@ -108,6 +136,15 @@ fn compare(warm: bool) {
                         bad.is_some() || machine.is_ok(),
                         "seed {seed}, one-sided {one_sided}: {spec:?}: {machine:?}"
                     );
+                }
+                if warm && to_itself {
+                    // The two disagree: both checks refuse, whatever else
+                    // the launch holds.
+                    assert!(
+                        bad.is_some() && machine.is_err(),
+                        "seed {seed}: a message to itself that disagrees: {spec:?}"
+                    );
+                    refused_to_itself += 1;
                 }
                 if bad.is_some() || machine.is_err() {
                     refused += 1;
@@ -154,6 +191,10 @@ fn compare(warm: bool) {
     assert!(
         !warm || unreceived > 100,
         "{unreceived} channels with unreceived sends"
+    );
+    assert!(
+        !warm || refused_to_itself > 100,
+        "{refused_to_itself} launches refused for a message to itself"
     );
     // Both answers occur often enough for the comparison to mean something.
     assert!(

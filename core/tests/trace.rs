@@ -204,6 +204,71 @@ fn a_trace_naming_what_was_never_declared_is_refused_not_a_panic() {
     );
 }
 
+/// What another process published is checked before anything indexes by
+/// it: an ended thread, a cut's rank, communicator or peer that names
+/// nothing is a disagreement of the analysis (not a panic), and `merge`
+/// refuses such a part before it renumbers its ids (which would overflow,
+/// or move the bad id onto another part's thread).
+#[test]
+fn a_published_trace_whose_ends_or_cuts_name_nothing_is_refused_not_a_panic() {
+    let part = |rank: u32| {
+        let mut t = Trace::new(2);
+        t.add_comm("world", &[0, 1], true);
+        t.add_thread(rank, "main");
+        t
+    };
+    let mut bad: Vec<(Trace, &str)> = Vec::new();
+    let mut t = part(0);
+    t.ended.push(7);
+    bad.push((t, "thread #7 ended"));
+    let mut t = part(0);
+    t.ended.push(u32::MAX);
+    bad.push((t, "ended"));
+    for (rank, comm, peer, what) in [
+        (9, 0, 1, "rank 9"),
+        (0, 3, 1, "communicator #3"),
+        (0, 0, 2, "peer 2"),
+    ] {
+        let mut t = part(0);
+        t.cuts.push(duplex::trace::Cut {
+            rank,
+            sent: vec![(comm, peer, u32::MAX)],
+            ..Default::default()
+        });
+        bad.push((t, what));
+    }
+    let mut t = part(0);
+    t.cuts.push(duplex::trace::Cut {
+        rank: 0,
+        notified: vec![(4, "go".into(), 1)],
+        ..Default::default()
+    });
+    bad.push((t, "rank 4"));
+    for (t, what) in &bad {
+        let a = t.analyze(duplex::Model::default());
+        assert!(
+            a.disagreements.len() == 1 && a.disagreements[0].why.contains(what),
+            "{what}: {:?}",
+            a.disagreements
+        );
+        assert!(a.stuck.is_none());
+        // As the second part of a job: refused by the merge, naming it.
+        let e = Trace::merge(&[part(1), t.clone()]).expect_err(what);
+        assert!(
+            e.contains("trace part 1") && e.contains(what),
+            "{what}: {e}"
+        );
+    }
+    // The same parts without the bad ids merge and replay.
+    let whole = Trace::merge(&[part(0), part(1)]).expect("well-formed parts");
+    assert!(
+        whole
+            .analyze(duplex::Model::default())
+            .disagreements
+            .is_empty()
+    );
+}
+
 /// Both ranks send to each other on copy-engine lanes, then synchronize:
 /// neither send completes before its recv is posted (C3), a cycle. A
 /// backend's trace holds a sync only while it is blocked, so what one

@@ -1107,13 +1107,27 @@ mod tests {
         assert_eq!(read_line(&mut r).unwrap(), b"");
     }
 
-    fn request() -> impl Strategy<Value = Request> {
-        let tag = prop_oneof![
-            ".{0,40}",
-            proptest::collection::vec(any::<char>(), 0..300)
+    /// Text of 1 to `max` bytes, ASCII or any characters.
+    fn text(max: usize) -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[ -~]{1,40}",
+            proptest::collection::vec(any::<char>(), 1..=max)
                 .prop_map(|c| c.into_iter().collect::<String>())
-                .prop_filter("within MAX_TAG", |t| t.len() <= MAX_TAG)
-        ];
+                .prop_map(move |t| {
+                    // Whole characters, within `max` bytes.
+                    let mut end = t.len().min(max);
+                    while !t.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    t[..end].to_string()
+                })
+                .prop_filter("not empty", |t| !t.is_empty())
+        ]
+    }
+
+    /// Every kind of request, each field anywhere in its range.
+    fn request() -> impl Strategy<Value = Request> {
+        let tag = prop_oneof![Just(String::new()), text(MAX_TAG)];
         prop_oneof![
             (
                 any::<u32>(),
@@ -1137,6 +1151,29 @@ mod tests {
                     wait_ms,
                 }
             }),
+            (any::<u32>(), text(MAX_WHY)).prop_map(|(rank, why)| Request::Fail { rank, why }),
+            any::<u32>().prop_map(|rank| Request::Beat { rank }),
+            (any::<u32>(), any::<u64>())
+                .prop_map(|(me, silence_ms)| Request::Health { me, silence_ms }),
+            (text(MAX_KEY), 0..=MAX_VALUE).prop_map(|(key, len)| Request::Put { key, len }),
+            (text(MAX_KEY), any::<u64>()).prop_map(|(key, wait_ms)| Request::Get { key, wait_ms }),
+            (any::<u32>(), 0..=MAX_MAIL).prop_map(|(to, len)| Request::Mail { to, len }),
+            (any::<u32>(), any::<u64>()).prop_map(|(me, wait_ms)| Request::Inbox { me, wait_ms }),
+            any::<u64>().prop_map(|silence_ms| Request::Ended { silence_ms }),
+            text(MAX_KEY).prop_map(|prefix| Request::Keys { prefix }),
+        ]
+    }
+
+    /// Every kind of response, each field anywhere in its range.
+    fn response() -> impl Strategy<Value = Response> {
+        prop_oneof![
+            Just(Response::Ok),
+            Just(Response::Timeout),
+            proptest::collection::vec(any::<u8>(), 1..=MAX_ID).prop_map(Response::UniqueId),
+            "[ -~]{1,512}".prop_map(Response::Error),
+            Just(Response::Healthy),
+            (any::<u32>(), text(MAX_WHY)).prop_map(|(rank, why)| Response::Failed { rank, why }),
+            (0..=MAX_VALUE).prop_map(Response::Value),
         ]
     }
 
@@ -1147,9 +1184,21 @@ mod tests {
             Just(b"ID".to_vec()),
             Just(b"POST".to_vec()),
             Just(b"TAKE".to_vec()),
+            Just(b"FAIL".to_vec()),
+            Just(b"BEAT".to_vec()),
+            Just(b"HEALTH".to_vec()),
+            Just(b"PUT".to_vec()),
+            Just(b"GET".to_vec()),
+            Just(b"MAIL".to_vec()),
+            Just(b"INBOX".to_vec()),
+            Just(b"ENDED".to_vec()),
+            Just(b"KEYS".to_vec()),
             Just(b"OK".to_vec()),
             Just(b"TIMEOUT".to_vec()),
             Just(b"ERROR".to_vec()),
+            Just(b"HEALTHY".to_vec()),
+            Just(b"FAILED".to_vec()),
+            Just(b"VALUE".to_vec()),
             Just(b"-".to_vec()),
             "[0-9a-f]{0,6}".prop_map(String::into_bytes),
             "[0-9]{1,21}".prop_map(String::into_bytes),
@@ -1178,6 +1227,14 @@ mod tests {
             let line = encode_request(&r).unwrap();
             prop_assert!(line.len() <= MAX_LINE);
             prop_assert_eq!(parse_request(&line), Ok(r));
+            fuzz_parse(&line);
+        }
+
+        #[test]
+        fn any_response_round_trips(r in response()) {
+            let line = encode_response(&r).unwrap();
+            prop_assert!(line.len() <= MAX_LINE);
+            prop_assert_eq!(parse_response(&line), Ok(r));
             fuzz_parse(&line);
         }
 

@@ -74,7 +74,9 @@ pub struct Sim {
     policy: Policy,
     copy_from: Option<u64>,
     model: Model,
-    max_executions: usize,
+    /// The bound of [`Sim::check`], or why `DUPLEX_MAX_EXECUTIONS` gives
+    /// none (reported by [`Sim::check`] as [`Failure::Setting`]).
+    max_executions: Result<usize, String>,
     reduce: bool,
     trace_to: Option<std::path::PathBuf>,
     user_code_limit: std::time::Duration,
@@ -134,6 +136,9 @@ pub enum Failure {
     },
     /// [`Sim::replay`] was given a schedule that does not fit the program.
     Schedule(String),
+    /// A setting from the environment does not parse
+    /// (`DUPLEX_MAX_EXECUTIONS`); nothing ran.
+    Setting(String),
 }
 
 impl Failure {
@@ -150,7 +155,7 @@ impl Failure {
         match self {
             Failure::Hang(h) => h.schedule.as_deref(),
             Failure::Program { schedule, .. } | Failure::Thread { schedule, .. } => Some(schedule),
-            Failure::Bound { .. } | Failure::Schedule(_) => None,
+            Failure::Bound { .. } | Failure::Schedule(_) | Failure::Setting(_) => None,
         }
     }
 }
@@ -206,6 +211,7 @@ impl fmt::Display for Failure {
                  raise the bound with Sim::max_executions(n) or DUPLEX_MAX_EXECUTIONS=n, or make the program smaller"
             ),
             Failure::Schedule(m) => write!(f, "cannot replay: {m}"),
+            Failure::Setting(m) => write!(f, "invalid setting: {m}"),
         }
     }
 }
@@ -343,13 +349,27 @@ impl Lanes {
     }
 }
 
+/// The bound of [`Sim::check`] that `DUPLEX_MAX_EXECUTIONS` (`value`)
+/// gives: [`DEFAULT_MAX_EXECUTIONS`] when unset, else a whole number of
+/// executions, at least 1; anything else is an error naming the value, not
+/// a silent default.
+fn max_executions_from(value: Option<&str>) -> Result<usize, String> {
+    let Some(v) = value else {
+        return Ok(DEFAULT_MAX_EXECUTIONS);
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "DUPLEX_MAX_EXECUTIONS=`{v}`: give a whole number of executions, at least 1 (the default is {DEFAULT_MAX_EXECUTIONS}), or bound the check with Sim::max_executions(n)"
+        )),
+    }
+}
+
 impl Sim {
     /// A world of `ranks` ranks, policy [`Policy::Shared`], the strict model.
     pub fn new(ranks: u32) -> Sim {
-        let max_executions = std::env::var("DUPLEX_MAX_EXECUTIONS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_MAX_EXECUTIONS);
+        let max_executions =
+            max_executions_from(std::env::var("DUPLEX_MAX_EXECUTIONS").ok().as_deref());
         Sim {
             ranks,
             policy: Policy::Shared,
@@ -400,7 +420,7 @@ impl Sim {
 
     /// Bounds [`Sim::check`] to `n` executions.
     pub fn max_executions(mut self, n: usize) -> Sim {
-        self.max_executions = n;
+        self.max_executions = Ok(n);
         self
     }
 
@@ -483,6 +503,7 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
+        let max_executions = self.max_executions.clone().map_err(Failure::Setting)?;
         let mut dfs = Dfs::default();
         let mut executions = 0;
         loop {
@@ -502,7 +523,7 @@ impl Sim {
                     trace,
                 });
             }
-            if executions >= self.max_executions {
+            if executions >= max_executions {
                 return Err(Failure::Bound {
                     executions,
                     states: dfs.states(),
@@ -692,5 +713,34 @@ impl Sim {
         let calls = std::mem::take(&mut w.calls);
         let trace = Trace::from_calls(w.machine.setup(), calls.iter().map(|(t, c)| (*t, c)));
         (ending, strategy, choices, trace)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DUPLEX_MAX_EXECUTIONS` takes a whole number, at least 1; anything
+    /// else is an error [`Sim::check`] reports, where it once fell back to
+    /// the default without a word.
+    #[test]
+    fn a_bound_that_is_not_a_whole_number_is_an_error() {
+        assert_eq!(max_executions_from(None), Ok(DEFAULT_MAX_EXECUTIONS));
+        assert_eq!(max_executions_from(Some("7")), Ok(7));
+        assert_eq!(max_executions_from(Some(" 100000 ")), Ok(100_000));
+        for bad in ["", "0", "-1", "1e6", "lots"] {
+            let e = max_executions_from(Some(bad)).expect_err(bad);
+            assert!(e.contains(&format!("`{bad}`")), "{e}");
+        }
+        let sim = Sim {
+            max_executions: max_executions_from(Some("lots")),
+            ..Sim::new(1)
+        };
+        let e = sim.check(|_| Ok(())).expect_err("an invalid setting");
+        assert!(matches!(e, Failure::Setting(_)), "{e}");
+        assert!(
+            e.to_string().contains("DUPLEX_MAX_EXECUTIONS=`lots`"),
+            "{e}"
+        );
     }
 }

@@ -124,33 +124,35 @@ impl IssueMatch {
         grouped && self.copy.binary_search(&comm).is_err()
     }
 
-    /// Where each op of a launch by `rank` stands: its FIFO position and
-    /// the partner issued there.
+    /// Where each op of a launch by `rank` (`grouped`: a group in the
+    /// sense of R8) stands: its FIFO position and the partner issued there,
+    /// by an earlier launch or, for a message to itself (R12), by an
+    /// earlier op of this one.
     /// (On the stack for launches of up to four ops: the NCCL backend asks
     /// this for every launch.)
-    pub fn positions(&self, rank: Rank, ops: &[OpSpec]) -> SmallVec<[Position; 4]> {
+    pub fn positions(&self, rank: Rank, ops: &[OpSpec], grouped: bool) -> SmallVec<[Position; 4]> {
         ops.iter()
             .enumerate()
             .map(|(i, o)| {
                 let earlier = earlier_on_channel(rank, ops, i);
-                let Some(q) = self.channels.get(&channel_key(rank, o)) else {
-                    return Position {
-                        fifo: earlier as u32,
-                        partner: None,
-                    };
+                let q = self.channels.get(&channel_key(rank, o));
+                let (matched, mine, theirs) = match q {
+                    None => (0, 0, 0),
+                    Some(q) if q.ahead == Some(o.dir) => (q.matched, q.ops.len(), 0),
+                    Some(q) if q.ahead.is_some() => (q.matched, 0, q.ops.len()),
+                    Some(q) => (q.matched, 0, 0),
                 };
-                let mine = if q.ahead == Some(o.dir) {
-                    q.ops.len()
+                let partner = if earlier < theirs {
+                    q.and_then(|q| q.ops.get(earlier).copied())
                 } else {
-                    0
-                };
-                let partner = if q.ahead == Some(o.dir.other()) {
-                    q.ops.get(earlier).copied()
-                } else {
-                    None
+                    super::partner_in_launch(rank, ops, i, mine + earlier - theirs).map(|j| Sig {
+                        bytes: ops[j].bytes,
+                        dtype: ops[j].dtype,
+                        grouped: self.grouped(o.comm, grouped),
+                    })
                 };
                 Position {
-                    fifo: q.matched + (mine + earlier) as u32,
+                    fifo: matched + (mine + earlier) as u32,
                     partner,
                 }
             })
@@ -166,7 +168,7 @@ impl IssueMatch {
         ops: &[OpSpec],
         grouped: bool,
     ) -> (Option<usize>, SmallVec<[u32; 4]>) {
-        let positions = self.positions(rank, ops);
+        let positions = self.positions(rank, ops, grouped);
         let bad = ops.iter().zip(&positions).position(|(o, p)| {
             p.partner.is_some_and(|partner| {
                 !agree(

@@ -1565,40 +1565,62 @@ impl Machine {
         let rank = self.rank_of(t);
         for (i, o) in spec.ops.iter().enumerate() {
             let key = channel_key(rank, o);
-            let Some(ch) = self.state.channels.get(&key) else {
-                continue;
+            let ch = self.state.channels.get(&key);
+            let (mine, theirs) = match (ch, o.dir) {
+                (None, _) => (0, 0),
+                (Some(ch), Dir::Send) => (ch.sends.len(), ch.recvs.len()),
+                (Some(ch), Dir::Recv) => (ch.recvs.len(), ch.sends.len()),
             };
-            let (mine, theirs) = match o.dir {
-                Dir::Send => (&ch.sends, &ch.recvs),
-                Dir::Recv => (&ch.recvs, &ch.sends),
-            };
-            let position = mine.len() + earlier_on_channel(rank, &spec.ops, i);
-            let Some(partner) = theirs.get(position) else {
-                continue;
-            };
-            if partner.ghost {
-                continue;
-            }
+            let position = mine + earlier_on_channel(rank, &spec.ops, i);
+            let delivered = ch.map_or(0, |ch| ch.delivered);
             let copy = self.setup.comms[o.comm.ix()].copy;
             let sig = |bytes, dtype, grouped| issue::Sig {
                 bytes,
                 dtype,
                 grouped,
             };
-            if issue::agree(
-                // A partner is on the same channel, so on the same kind of
-                // communicator.
-                &sig(partner.bytes, partner.dtype, partner.grouped && !copy),
-                &sig(o.bytes, o.dtype, self.setup.grouped(spec, o)),
-                self.setup.model.one_sided_groups,
-            ) {
+            let this_sig = sig(o.bytes, o.dtype, self.setup.grouped(spec, o));
+            // The partner at its position: issued by an earlier launch, or
+            // (a message to itself, R12) an earlier op of this one, whose
+            // grouping is this op's.
+            let partner = match ch {
+                Some(ch) if position < theirs => {
+                    let slot = match o.dir {
+                        Dir::Send => &ch.recvs[position],
+                        Dir::Recv => &ch.sends[position],
+                    };
+                    if slot.ghost {
+                        continue;
+                    }
+                    // A partner is on the same channel, so on the same
+                    // kind of communicator.
+                    Partner::Slot(slot)
+                }
+                _ => match partner_in_launch(rank, &spec.ops, i, position - theirs) {
+                    Some(j) => Partner::Launch(&spec.ops[j]),
+                    None => continue,
+                },
+            };
+            let partner_sig = match partner {
+                Partner::Slot(p) => sig(p.bytes, p.dtype, p.grouped && !copy),
+                Partner::Launch(p) => sig(p.bytes, p.dtype, this_sig.grouped),
+            };
+            if issue::agree(&partner_sig, &this_sig, self.setup.model.one_sided_groups) {
                 continue;
             }
+            let fifo = delivered + position as u32;
             let this = OpInfo {
                 state: crate::report::OpState::JustIssued,
-                ..self.issuing_view(t, o, spec, ch.delivered + position as u32)
+                ..self.issuing_view(t, o, spec, fifo)
             };
-            let that = self.slot_view(key, o.dir.other(), partner, ch.delivered);
+            let that = match partner {
+                Partner::Slot(p) => self.slot_view(key, o.dir.other(), p, delivered),
+                Partner::Launch(p) => OpInfo {
+                    state: crate::report::OpState::JustIssued,
+                    ..self.issuing_view(t, p, spec, fifo)
+                },
+            };
+            let partner = partner_sig;
             let (send, recv) = if o.dir == Dir::Send {
                 (this, that)
             } else {
@@ -1960,6 +1982,36 @@ fn earlier_on_channel(rank: Rank, ops: &[OpSpec], i: usize) -> usize {
         .iter()
         .filter(|p| p.dir == o.dir && channel_key(rank, p) == key)
         .count()
+}
+
+/// The op of a launch by `rank` that is op `i`'s partner on its channel
+/// (R3) when that partner is an earlier op of the same launch: the `k`-th
+/// earlier op of the other direction on op `i`'s channel, where `k` is op
+/// `i`'s position counted from the first position the channel's other
+/// side had not issued before the launch. Only a rank's message to itself
+/// has both sides of its channel in one launch (R12), so any other op has
+/// none. The one place both issue checks ([`Machine::match_check`] and
+/// [`IssueMatch`](issue::IssueMatch)) find it.
+pub(crate) fn partner_in_launch(rank: Rank, ops: &[OpSpec], i: usize, k: usize) -> Option<usize> {
+    let o = &ops[i];
+    if o.peer != rank {
+        return None;
+    }
+    let key = channel_key(rank, o);
+    ops[..i]
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.dir != o.dir && channel_key(rank, p) == key)
+        .nth(k)
+        .map(|(j, _)| j)
+}
+
+/// Where [`Machine::match_check`] found an op's partner.
+enum Partner<'a> {
+    /// In its channel, issued by an earlier launch.
+    Slot(&'a Slot),
+    /// An earlier op of the same launch (a message to itself).
+    Launch(&'a OpSpec),
 }
 
 /// An op's channel within its launch: communicator, peer, direction. Ops
