@@ -231,7 +231,7 @@ fn text(name: &str) -> Option<String> {
         "threads" => threads(n(1)?, n(2)?),
         "seed" => seed(parts.get(1)?),
         "deps" => dependent(n(1)?),
-        "simring" | "loom" => return None,
+        "simring" | "simtwo" | "loom" => return None,
         _ => return None,
     };
     Some(text)
@@ -275,6 +275,38 @@ fn child(name: &str, limit: f64) {
         };
         println!(
             "RESULT {verdict} {:.3} {:.0} {executions} - -",
+            start.elapsed().as_secs_f64(),
+            peak_mib()
+        );
+        return;
+    }
+    if let Some(rest) = name.strip_prefix("simtwo:") {
+        // Two ranks, each sends N messages of 4 KiB on its lane, then
+        // receives N, in one run (`Sim::run`: user code as `duplex run`
+        // drives it): the time per op must not grow with the ops in flight.
+        let n: usize = rest.parse().unwrap_or(1000);
+        let two = move |t: &duplex_sim::SimRank| -> duplex::Result<()> {
+            use duplex::Transport;
+            let peer = 1 - t.rank();
+            let mut bufs = Vec::with_capacity(2 * n);
+            for _ in 0..2 * n {
+                bufs.push(t.alloc::<u8>(4096)?);
+            }
+            let (sends, recvs) = bufs.split_at_mut(n);
+            for b in sends.iter() {
+                t.send(b, peer)?;
+            }
+            for b in recvs.iter_mut() {
+                t.recv(b, peer)?;
+            }
+            t.synchronize()
+        };
+        let r = duplex_sim::Sim::new(2)
+            .policy(duplex::Policy::PerDirection)
+            .run(0, two);
+        let verdict = if r.is_ok() { "ok" } else { "failed" };
+        println!(
+            "RESULT {verdict} {:.3} {:.0} 1 - -",
             start.elapsed().as_secs_f64(),
             peak_mib()
         );
@@ -394,6 +426,18 @@ fn main() {
         fam("threads:2:5", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("threads:4:4", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("simring:1024", "Sim::check < 2 s", 2.0, f64::MAX),
+        fam(
+            "simtwo:10000",
+            "Sim::run, time per op constant",
+            f64::MAX,
+            f64::MAX,
+        ),
+        fam(
+            "simtwo:40000",
+            "Sim::run, time per op constant",
+            f64::MAX,
+            f64::MAX,
+        ),
         fam(
             "deps:4",
             "dependent threads: ≥ 576 traces",

@@ -825,12 +825,20 @@ fn check_file(
     schedule: Option<&duplex_sim::explore::Schedule>,
 ) -> Result<Report, Failure> {
     let (mut program, source) = load_text(file)?;
-    place(&mut program, args.policy, args.copy_from)?;
+    // These depend on the file (its policy, its model): the error names
+    // it, as each file of several is checked on its own.
+    let about_file = |f: Failure| {
+        Failure {
+            message: format!("{file}: {}", f.message),
+            ..f
+        }
+        .at(file, None)
+    };
+    place(&mut program, args.policy, args.copy_from).map_err(about_file)?;
     for setting in &args.model {
-        program
-            .model
-            .set(setting)
-            .map_err(|e| Failure::invalid("usage", format!("--model {setting}: {e}")))?;
+        program.model.set(setting).map_err(|e| {
+            about_file(Failure::invalid("usage", format!("--model {setting}: {e}")))
+        })?;
     }
     if let Some(e) = args.eager {
         program.model.eager = e;

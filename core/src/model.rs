@@ -128,8 +128,8 @@ impl Model {
             "kernels" => {
                 self.kernels = match value {
                     "unbounded" => None,
-                    n => match n.parse::<u32>() {
-                        Ok(n) if n > 0 => Some(n),
+                    n => match crate::size::decimal::<u32>(n) {
+                        Some(n) if n > 0 => Some(n),
                         _ => {
                             return Err(format!(
                                 "`kernels` takes a positive number or `unbounded`, not `{n}`"

@@ -18,6 +18,15 @@ const UNITS: [(&str, u64); 4] = [
     ("B", 1),
 ];
 
+/// `text` as a decimal number written with digits alone (the format's
+/// integers: no sign, no spaces), if it is one that fits `T`.
+pub(crate) fn decimal<T: std::str::FromStr>(text: &str) -> Option<T> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
 impl Size {
     /// Parses `text` as a size; the error says what was expected.
     pub fn parse(text: &str) -> Result<Size, String> {
@@ -31,6 +40,11 @@ impl Size {
         let value: u64 = number
             .parse()
             .map_err(|_| format!("`{text}` is too large a size"))?;
+        if unit.starts_with(['.', ',']) && unit[1..].starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(format!(
+                "`{text}` is not a whole number of bytes: sizes take no fractions; write it in a smaller unit (1536KiB, not 1.5MiB)"
+            ));
+        }
         let scale = if unit.is_empty() {
             1
         } else {
@@ -71,6 +85,15 @@ impl fmt::Display for Size {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fraction_is_refused_with_what_to_write_instead() {
+        for text in ["1.5MiB", "0.5KiB", "2,5GiB", "1.0"] {
+            let e = Size::parse(text).expect_err(text);
+            assert!(e.contains("no fractions") && e.contains(text), "{e}");
+        }
+        assert!(Size::parse("1.MiB").is_err());
+    }
 
     #[test]
     fn parses_every_unit() {

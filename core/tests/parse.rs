@@ -162,6 +162,22 @@ const BAD: &[(&str, u32, &str)] = &[
     ("ranks 2\nmodel eager\n", 2, "KEY=VALUE"),
     ("ranks 2\nmodel eager=lots\n", 2, "not a size"),
     ("ranks 2\nmodel kernels=0\n", 2, "positive"),
+    ("ranks 2\nmodel kernels=+2\n", 2, "positive"),
+    ("ranks +2\n", 1, "not a rank count"),
+    ("ranks 2\nrank +0:\n", 2, "not a rank number"),
+    ("ranks 2\nrank 0:\n  send +1 4KiB\n", 3, "not a rank number"),
+    ("ranks 2\nrank 0:\n  send 1 1.5MiB\n", 3, "no fractions"),
+    (
+        "ranks 2\nrank 0: send 1 4KiB\n",
+        2,
+        "`send 1 4KiB` after it belongs on the next line",
+    ),
+    ("ranks 2\nrank:\n", 2, "the rank number is missing"),
+    (
+        "ranks 2\nrank 0:\n  rank:\n",
+        3,
+        "the rank number is missing",
+    ),
     ("ranks 2\nmodel\n", 2, "expected `model KEY=VALUE"),
     ("ranks 2\ncomm world 0 1\n", 2, "`world` always exists"),
     ("ranks 2\ncomm a 0 2\n", 2, "rank 2 does not exist"),
@@ -258,12 +274,13 @@ const BAD: &[(&str, u32, &str)] = &[
         3,
         "never closed",
     ),
-    // A group left open before the next block: the error is where the
-    // block starts, and names the group's line.
+    // A group left open before the next block: the error is at the
+    // group's line, as for a group left open at the end of the file, and
+    // names where the block starts.
     (
         "ranks 2\nrank 0:\n  group {\n    send 1 4KiB\nrank 1:\n  recv 0 4KiB\n",
-        5,
-        "`group {` of line 3 missing its `}`",
+        3,
+        "never closed with `}`: line 5 starts the next block",
     ),
     // Lines ended by CR alone read as one line: the error says so.
     ("ranks 2\rrank 0:\r  send 1 4KiB\r", 1, "ended by CR alone"),

@@ -657,8 +657,10 @@ impl Sim {
             explorer: strategy,
             reduce: self.reduce,
             buffers: Vec::new(),
+            buffer_bytes: 0,
             op_buffers: HashMap::new(),
             unsynced: HashMap::new(),
+            unsynced_by_buffer: HashMap::new(),
             sync_covers: HashMap::new(),
             orders: (0..self.ranks)
                 .map(|_| duplex::order::Order::new())

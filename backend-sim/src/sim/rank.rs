@@ -367,7 +367,7 @@ impl Transport for SimRank {
         // reason, what would run the machine out of memory (an allocation
         // failure aborts the process, and the kernel's OOM killer gives no
         // reason at all).
-        let held: u64 = w.buffers.iter().map(|b| b.bytes.len() as u64).sum();
+        let held = w.buffer_bytes;
         let available = available_memory();
         // Twice the buffer: what a rank writes into it is a host copy as
         // large (a schedule file's payload, say).
@@ -389,6 +389,7 @@ impl Transport for SimRank {
                 ),
             });
         };
+        w.buffer_bytes += bytes as u64;
         w.buffers.push(BufData {
             rank: self.rank,
             bytes: zeroed,

@@ -110,11 +110,17 @@ pub(crate) struct World {
     pub(crate) explorer: Strategy,
     pub(crate) reduce: bool,
     pub(crate) buffers: Vec<BufData>,
+    /// The bytes of every buffer in `buffers` (kept as they are made, so
+    /// that an `alloc` does not add them all up).
+    pub(crate) buffer_bytes: u64,
     /// Ops still to deliver, and the buffer each reads or writes.
     pub(crate) op_buffers: HashMap<OpRef, usize>,
     /// Ops whose completion no host synchronize has observed yet: their
     /// buffer, rank and stream. The host may not touch such a buffer.
     pub(crate) unsynced: HashMap<OpRef, (usize, Rank, duplex::machine::StreamId, String)>,
+    /// The ops of `unsynced` by buffer, in issue order: what a host read
+    /// or write looks up, without a walk over every op in flight.
+    pub(crate) unsynced_by_buffer: HashMap<usize, std::collections::BTreeSet<OpRef>>,
     /// For a thread in a `sync`: the ops that call covers, and what it
     /// orders on the device once it returns (D1).
     pub(crate) sync_covers: HashMap<ThreadId, (Vec<OpRef>, duplex::order::Covered)>,
@@ -372,7 +378,7 @@ impl World {
                         self.ctl[i] = Ctl::Returned(Ok(()));
                         if let Some((ops, covered)) = self.sync_covers.remove(&t) {
                             for op in ops {
-                                self.unsynced.remove(&op);
+                                self.forget_unsynced(op);
                             }
                             let rank = self.machine.setup().threads[i].rank;
                             self.orders[rank as usize].synced(covered);
@@ -490,6 +496,7 @@ impl World {
                         self.op_buffers.insert(op, u.buf);
                         self.unsynced
                             .insert(op, (u.buf, rank, o.stream, text.clone()));
+                        self.unsynced_by_buffer.entry(u.buf).or_default().insert(op);
                     }
                 }
                 HostCall::Sync { stream, .. } => {
@@ -563,11 +570,21 @@ impl World {
     /// host knows (no synchronize has returned since it was issued), with
     /// its description.
     pub(crate) fn user_of(&self, b: usize) -> Option<(OpRef, String)> {
-        self.unsynced
-            .iter()
-            .filter(|(_, (buf, ..))| *buf == b)
-            .map(|(op, (.., text))| (*op, text.clone()))
-            .min_by_key(|(op, _)| *op)
+        let op = *self.unsynced_by_buffer.get(&b)?.first()?;
+        let (.., text) = self.unsynced.get(&op)?;
+        Some((op, text.clone()))
+    }
+
+    /// Takes `op` out of the ops the host has not synchronized with.
+    fn forget_unsynced(&mut self, op: OpRef) {
+        if let Some((b, ..)) = self.unsynced.remove(&op)
+            && let Some(ops) = self.unsynced_by_buffer.get_mut(&b)
+        {
+            ops.remove(&op);
+            if ops.is_empty() {
+                self.unsynced_by_buffer.remove(&b);
+            }
+        }
     }
 
     /// The explorer's fingerprint of the state: the machine's, and each

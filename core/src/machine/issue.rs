@@ -23,7 +23,7 @@ use std::collections::{HashMap, VecDeque};
 
 use smallvec::SmallVec;
 
-use super::{ChannelKey, CommId, OpSpec, Rank, channel_key, earlier_on_channel, table::FxHasher};
+use super::{ChannelKey, CommId, LaunchChannels, OpSpec, Rank, channel_key, table::FxHasher};
 use crate::{DType, Dir};
 
 /// What R3 and R8 compare of an op.
@@ -131,10 +131,11 @@ impl IssueMatch {
     /// (On the stack for launches of up to four ops: the NCCL backend asks
     /// this for every launch.)
     pub fn positions(&self, rank: Rank, ops: &[OpSpec], grouped: bool) -> SmallVec<[Position; 4]> {
+        let launch = LaunchChannels::new(rank, ops);
         ops.iter()
             .enumerate()
             .map(|(i, o)| {
-                let earlier = earlier_on_channel(rank, ops, i);
+                let earlier = launch.earlier(i);
                 let q = self.channels.get(&channel_key(rank, o));
                 let (matched, mine, theirs) = match q {
                     None => (0, 0, 0),
@@ -145,7 +146,7 @@ impl IssueMatch {
                 let partner = if earlier < theirs {
                     q.and_then(|q| q.ops.get(earlier).copied())
                 } else {
-                    super::partner_in_launch(rank, ops, i, mine + earlier - theirs).map(|j| Sig {
+                    launch.partner(i, mine + earlier - theirs).map(|j| Sig {
                         bytes: ops[j].bytes,
                         dtype: ops[j].dtype,
                         grouped: self.grouped(o.comm, grouped),

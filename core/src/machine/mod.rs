@@ -1563,6 +1563,7 @@ impl Machine {
     /// nothing.
     fn match_check(&self, t: ThreadId, spec: &LaunchSpec) -> Result<(), ProgramError> {
         let rank = self.rank_of(t);
+        let launch = LaunchChannels::new(rank, &spec.ops);
         for (i, o) in spec.ops.iter().enumerate() {
             let key = channel_key(rank, o);
             let ch = self.state.channels.get(&key);
@@ -1571,7 +1572,7 @@ impl Machine {
                 (Some(ch), Dir::Send) => (ch.sends.len(), ch.recvs.len()),
                 (Some(ch), Dir::Recv) => (ch.recvs.len(), ch.sends.len()),
             };
-            let position = mine + earlier_on_channel(rank, &spec.ops, i);
+            let position = mine + launch.earlier(i);
             let delivered = ch.map_or(0, |ch| ch.delivered);
             let copy = self.setup.comms[o.comm.ix()].copy;
             let sig = |bytes, dtype, grouped| issue::Sig {
@@ -1596,7 +1597,7 @@ impl Machine {
                     // kind of communicator.
                     Partner::Slot(slot)
                 }
-                _ => match partner_in_launch(rank, &spec.ops, i, position - theirs) {
+                _ => match launch.partner(i, position - theirs) {
                     Some(j) => Partner::Launch(&spec.ops[j]),
                     None => continue,
                 },
@@ -1645,6 +1646,7 @@ impl Machine {
             return Vec::new();
         };
         let rank = self.rank_of(t);
+        let launch = LaunchChannels::new(rank, &spec.ops);
         (0..spec.ops.len())
             .map(|i| {
                 let o = &spec.ops[i];
@@ -1659,7 +1661,7 @@ impl Machine {
                                 Dir::Recv => ch.recvs.len(),
                             } as u32
                     });
-                issued + earlier_on_channel(rank, &spec.ops, i) as u32
+                issued + launch.earlier(i) as u32
             })
             .collect()
     }
@@ -1973,37 +1975,90 @@ pub fn self_unpaired_message(dir: Dir, rank: Rank, bytes: u64) -> String {
     )
 }
 
-/// Ops of a launch by `rank` before op `i` that go the same way on the
-/// same channel.
-fn earlier_on_channel(rank: Rank, ops: &[OpSpec], i: usize) -> usize {
-    let o = &ops[i];
-    let key = channel_key(rank, o);
-    ops[..i]
-        .iter()
-        .filter(|p| p.dir == o.dir && channel_key(rank, p) == key)
-        .count()
+/// The ops of one launch by a rank, by channel: for each op, how many ops
+/// of the launch before it go the same way on its channel, and which go the
+/// other way (only a rank's messages to itself have both sides of a channel
+/// in one launch, R12). Made in one sort, so that a launch of the most ops
+/// a launch may have ([`MAX_LAUNCH_OPS`]) costs n log n, not n²; kept
+/// inline for launches of a few ops (the NCCL backend makes one per launch).
+pub(crate) struct LaunchChannels {
+    /// The ops' indices sorted by channel, then direction, then index.
+    order: SmallVec<[u32; 4]>,
+    /// Per op: its place in `order`, and the start of its (channel,
+    /// direction) run there.
+    at: SmallVec<[(u32, u32); 4]>,
+    /// Per op: the run in `order` of the other direction on its channel
+    /// (start, length); empty when there is none.
+    other: SmallVec<[(u32, u32); 4]>,
 }
 
-/// The op of a launch by `rank` that is op `i`'s partner on its channel
-/// (R3) when that partner is an earlier op of the same launch: the `k`-th
-/// earlier op of the other direction on op `i`'s channel, where `k` is op
-/// `i`'s position counted from the first position the channel's other
-/// side had not issued before the launch. Only a rank's message to itself
-/// has both sides of its channel in one launch (R12), so any other op has
-/// none. The one place both issue checks ([`Machine::match_check`] and
-/// [`IssueMatch`](issue::IssueMatch)) find it.
-pub(crate) fn partner_in_launch(rank: Rank, ops: &[OpSpec], i: usize, k: usize) -> Option<usize> {
-    let o = &ops[i];
-    if o.peer != rank {
-        return None;
+impl LaunchChannels {
+    /// The channels of the ops `ops` of a launch by `rank`.
+    pub(crate) fn new(rank: Rank, ops: &[OpSpec]) -> LaunchChannels {
+        let n = ops.len();
+        let key = |i: u32| {
+            let o = &ops[i as usize];
+            (channel_key(rank, o), o.dir == Dir::Recv)
+        };
+        let mut order: SmallVec<[u32; 4]> = (0..n as u32).collect();
+        if n > 1 {
+            order.sort_by_key(|&i| (key(i), i));
+        }
+        let mut at: SmallVec<[(u32, u32); 4]> = smallvec::smallvec![(0, 0); n];
+        let mut other: SmallVec<[(u32, u32); 4]> = smallvec::smallvec![(0, 0); n];
+        // The runs, in order: (start, end) of each (channel, direction).
+        let mut runs: SmallVec<[(usize, usize); 4]> = SmallVec::new();
+        let mut g = 0;
+        while g < n {
+            let k = key(order[g]);
+            let mut e = g + 1;
+            while e < n && key(order[e]) == k {
+                e += 1;
+            }
+            runs.push((g, e));
+            g = e;
+        }
+        for (r, &(g, e)) in runs.iter().enumerate() {
+            let (channel, recv) = key(order[g]);
+            // Sends sort before recvs: the other direction's run is the
+            // next one (for sends) or the one before (for recvs), if it is
+            // on the same channel.
+            let neighbour = if recv {
+                r.checked_sub(1).map(|p| runs[p])
+            } else {
+                runs.get(r + 1).copied()
+            }
+            .filter(|&(og, _)| key(order[og]).0 == channel);
+            for j in g..e {
+                let i = order[j] as usize;
+                at[i] = (j as u32, g as u32);
+                other[i] = neighbour.map_or((0, 0), |(og, oe)| (og as u32, (oe - og) as u32));
+            }
+        }
+        LaunchChannels { order, at, other }
     }
-    let key = channel_key(rank, o);
-    ops[..i]
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.dir != o.dir && channel_key(rank, p) == key)
-        .nth(k)
-        .map(|(j, _)| j)
+
+    /// Ops of the launch before op `i` that go the same way on its channel.
+    pub(crate) fn earlier(&self, i: usize) -> usize {
+        let (j, g) = self.at[i];
+        (j - g) as usize
+    }
+
+    /// The op of the launch that is op `i`'s partner on its channel (R3)
+    /// when that partner is an earlier op of the launch: the `k`-th op of
+    /// the other direction on op `i`'s channel, where `k` is op `i`'s
+    /// position counted from the first position the channel's other side
+    /// had not issued before the launch. Only a message to itself can have
+    /// one. The one place both issue checks ([`Machine::match_check`] and
+    /// [`IssueMatch`](issue::IssueMatch)) find it.
+    pub(crate) fn partner(&self, i: usize, k: usize) -> Option<usize> {
+        let (start, len) = self.other[i];
+        if k >= len as usize {
+            return None;
+        }
+        let j = self.order[start as usize + k] as usize;
+        (j < i).then_some(j)
+    }
 }
 
 /// Where [`Machine::match_check`] found an op's partner.
@@ -2027,5 +2082,62 @@ fn channel_key(rank: Rank, op: &OpSpec) -> ChannelKey {
     match op.dir {
         Dir::Send => (op.comm, rank, op.peer),
         Dir::Recv => (op.comm, op.peer, rank),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`LaunchChannels`] gives, on random launches of up to 300 ops over
+    /// two communicators, three peers and the rank itself, what the two
+    /// definitions say op by op: the count of earlier ops the same way on
+    /// the channel, and the `k`-th earlier op the other way.
+    #[test]
+    fn launch_channels_agree_with_their_definitions() {
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let rank = 1;
+        let mut partners = 0;
+        for _ in 0..400 {
+            let n = 1 + next(300) as usize;
+            let ops: Vec<OpSpec> = (0..n)
+                .map(|_| OpSpec {
+                    dir: if next(2) == 0 { Dir::Send } else { Dir::Recv },
+                    peer: next(4) as Rank,
+                    bytes: 4,
+                    dtype: DType::U8,
+                    comm: CommId(next(2) as u32),
+                    stream: StreamId(0),
+                    origin: None,
+                })
+                .collect();
+            let l = LaunchChannels::new(rank, &ops);
+            for (i, o) in ops.iter().enumerate() {
+                let key = channel_key(rank, o);
+                let same = |p: &OpSpec| channel_key(rank, p) == key;
+                let earlier = ops[..i]
+                    .iter()
+                    .filter(|p| p.dir == o.dir && same(p))
+                    .count();
+                assert_eq!(l.earlier(i), earlier, "op {i} of {ops:?}");
+                let others: Vec<usize> = (0..i)
+                    .filter(|&j| ops[j].dir != o.dir && same(&ops[j]))
+                    .collect();
+                for k in 0..4 {
+                    assert_eq!(l.partner(i, k), others.get(k).copied(), "op {i}, k {k}");
+                }
+                partners += others.len().min(4);
+                if o.peer != rank {
+                    assert!(others.is_empty(), "only a message to itself has both sides");
+                }
+            }
+        }
+        assert!(partners > 1000, "{partners} partners met");
     }
 }

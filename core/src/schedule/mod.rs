@@ -11,7 +11,9 @@ mod parse;
 mod print;
 
 pub use execute::{execute, payload};
-pub use parse::{MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORD, ParseError, parse, parse_with};
+pub use parse::{
+    MAX_LINE_TOKENS, MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORD, ParseError, parse, parse_with,
+};
 
 use crate::{Model, Policy, Size};
 

@@ -251,8 +251,17 @@ fn err<T>(line: u32, message: impl Into<String>) -> Result<T> {
     })
 }
 
-/// Splits a line into tokens, making `{`, `}` and `;` tokens of their own.
-fn tokenize<'a>(line: &'a str, out: &mut Vec<&'a str>) {
+/// The most tokens a line may hold: more than a group of the most ops a
+/// launch may have ([`crate::machine::MAX_LAUNCH_OPS`]), each with both of
+/// its options, on one line. A longer line is refused as it is split, so
+/// that a hostile one (a gigabyte of `;`) costs no more than this many
+/// tokens of memory (16 MiB).
+pub const MAX_LINE_TOKENS: usize = 1 << 20;
+
+/// Splits a line into tokens, making `{`, `}` and `;` tokens of their own;
+/// false, with `out` cut short, when the line holds more than
+/// [`MAX_LINE_TOKENS`].
+fn tokenize<'a>(line: &'a str, out: &mut Vec<&'a str>) -> bool {
     out.clear();
     for word in line.split_whitespace() {
         let mut start = 0;
@@ -263,12 +272,19 @@ fn tokenize<'a>(line: &'a str, out: &mut Vec<&'a str>) {
                 }
                 out.push(&word[i..i + 1]);
                 start = i + 1;
+                if out.len() > MAX_LINE_TOKENS {
+                    return false;
+                }
             }
         }
         if start < word.len() {
             out.push(&word[start..]);
         }
+        if out.len() > MAX_LINE_TOKENS {
+            return false;
+        }
     }
+    true
 }
 
 fn is_name(s: &str) -> bool {
@@ -366,7 +382,15 @@ impl Parser {
                     },
                 );
             }
-            tokenize(code, &mut tokens);
+            if !tokenize(code, &mut tokens) {
+                return err(
+                    line,
+                    format!(
+                        "a line of more than {MAX_LINE_TOKENS} words: no statement is that long (a group holds at most {} ops); put its ops on lines of their own",
+                        crate::machine::MAX_LAUNCH_OPS
+                    ),
+                );
+            }
             if tokens.is_empty() {
                 continue;
             }
@@ -405,9 +429,7 @@ impl Parser {
                 let [_, n] = tokens else {
                     return err(line, "expected `ranks N`");
                 };
-                let n: u32 = n
-                    .parse()
-                    .ok()
+                let n: u32 = crate::size::decimal(n)
                     .filter(|n| (1..=MAX_RANKS).contains(n))
                     .ok_or_else(|| ParseError {
                         line,
@@ -477,6 +499,7 @@ impl Parser {
             }
             "comm" => self.comm(line, tokens),
             "rank" => self.rank_header(line, tokens),
+            "rank:" => err(line, "expected `rank R:`: the rank number is missing"),
             _ if !in_thread => err(
                 line,
                 format!(
@@ -538,13 +561,13 @@ impl Parser {
 
     fn rank_number(&self, line: u32, t: &str) -> Result<u32> {
         let n = self.ranks.unwrap_or(0);
-        match t.parse::<u32>() {
-            Ok(r) if r < n => Ok(r),
-            Ok(r) => err(
+        match crate::size::decimal::<u32>(t) {
+            Some(r) if r < n => Ok(r),
+            Some(r) => err(
                 line,
                 format!("rank {r} does not exist: ranks are 0 to {}", n - 1),
             ),
-            Err(_) => err(line, format!("`{t}` is not a rank number")),
+            None => err(line, format!("`{t}` is not a rank number")),
         }
     }
 
@@ -564,12 +587,24 @@ impl Parser {
             _ => false,
         };
         if !closed {
+            // `rank 0: send 1 4KiB`: the `:` is there, with a statement after
+            // it, which belongs on the next line.
+            if let Some(i) = words.iter().position(|w| w.ends_with(':')) {
+                return err(
+                    line,
+                    format!(
+                        "a rank block's header ends at its `:`; `{}` after it belongs on the next line",
+                        words[i + 1..].join(" ")
+                    ),
+                );
+            }
             return err(
                 line,
                 "a rank block starts with `rank R:` or `rank R thread NAME:` (missing `:`)",
             );
         }
         let (rank, name) = match words.as_slice() {
+            ["rank"] => return err(line, "expected `rank R:`: the rank number is missing"),
             ["rank", r] => (self.rank_number(line, r)?, None),
             ["rank", r, "thread", n] => {
                 (self.rank_number(line, r)?, Some(name(line, "thread", n)?))
@@ -692,6 +727,16 @@ impl Parser {
             if !op.is_empty() {
                 if !matches!(op[0], "send" | "recv") {
                     let start = self.group.as_ref().map_or(line, |(_, start)| *start);
+                    if op[0] == "rank" && start < line {
+                        // The next block starts inside the group: the group
+                        // is never closed, an error of its `group {` line.
+                        return err(
+                            start,
+                            format!(
+                                "`group {{` is never closed with `}}`: line {line} starts the next block inside it"
+                            ),
+                        );
+                    }
                     let hint = if start < line {
                         format!(": is the `group {{` of line {start} missing its `}}`?")
                     } else {
