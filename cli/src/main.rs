@@ -91,8 +91,8 @@ struct RunArgs {
     /// faster than NCCL lanes, print the measurement, and use that.
     #[arg(long, value_name = "SIZE|auto", value_parser = CopyFrom::parse)]
     copy_from: Option<CopyFrom>,
-    /// Deadline of every wait on GPUs, in milliseconds.
-    #[arg(long, default_value_t = 5000)]
+    /// Deadline of every wait on GPUs, in milliseconds (at least 1).
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
     /// With `--backend nccl`: make every lane at start (`eager`), or each
     /// lane when its pair first talks (`lazy`, by the two ranks' lane
@@ -154,8 +154,8 @@ impl CopyFrom {
 struct CalibrateArgs {
     /// The folder of schedule files.
     dir: String,
-    /// Deadline of every wait, in milliseconds.
-    #[arg(long, default_value_t = 3000)]
+    /// Deadline of every wait, in milliseconds (at least 1).
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
     /// Output format: markdown or json.
     #[arg(long, value_enum, default_value_t = TableFormat::Markdown)]
@@ -208,8 +208,8 @@ struct CheckArgs {
     /// wait-for cycle in red).
     #[arg(long, value_enum, default_value_t = CheckFormat::Text)]
     format: CheckFormat,
-    /// Give up (exit status 3) after this many distinct states.
-    #[arg(long, default_value_t = check::Options::default().max_states)]
+    /// Give up (exit status 3) after this many distinct states (at least 1).
+    #[arg(long, default_value_t = check::Options::default().max_states, value_parser = at_least_one)]
     max_states: usize,
     /// Give up (exit status 3, inconclusive) after this many seconds.
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
@@ -771,6 +771,15 @@ fn check_with_bar(
         b.finish_and_clear();
     }
     outcome
+}
+
+/// `--max-states`: a whole number, at least 1 (0 would give up before the
+/// first state).
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{v}` is not a number of states: give 1 or more")),
+    }
 }
 
 /// Applies the command line's `--policy` and `--copy-from` to a program:

@@ -236,6 +236,9 @@ fn bad_flags_exit_2() {
         vec!["check", seed, "--eager", "lots"],
         vec!["check", seed, "--model", "kernels=0"],
         vec!["check", seed, "--format", "xml"],
+        vec!["check", seed, "--max-states", "0"],
+        vec!["run", seed, "--timeout-ms", "0"],
+        vec!["calibrate", seed, "--timeout-ms", "0"],
         vec!["check"],
     ] {
         let out = duplex(&args);
