@@ -30,7 +30,9 @@ use duplex::compile;
 #[derive(Clone, Debug)]
 pub struct Options {
     /// The deadline of every wait: a sync, an `await_notify`, a `join`, a
-    /// communicator's setup. Default 10 s, or `DUPLEX_TIMEOUT_MS`.
+    /// communicator's setup. Default 10 s; the runners (`Local`,
+    /// `Process`) take `DUPLEX_TIMEOUT_MS` when it is set, and refuse a
+    /// value that is not a whole number of milliseconds of at least 1.
     pub timeout: Duration,
     /// Connect the world communicator, shared lanes and user communicators
     /// at creation (the schedule format's `lazy-connect=off`). Per-direction
@@ -131,12 +133,8 @@ impl Options {
 
 impl Default for Options {
     fn default() -> Self {
-        let ms = std::env::var("DUPLEX_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(10_000);
         Options {
-            timeout: Duration::from_millis(ms),
+            timeout: Duration::from_millis(10_000),
             warm: false,
             model: Model::default(),
             ctas: (None, None),

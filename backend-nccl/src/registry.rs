@@ -253,7 +253,7 @@ fn issue_error(
     Error::Program {
         kind,
         message: format!(
-            "{what}: rank {rank}'s `{}` ({}) {} {} rank {} meets, as message #{} of its channel, the {} issued there before",
+            "{what}: rank {rank}'s `{}` ({}) {} {} rank {} meets, as message #{} of its channel, the {} issued there",
             call.text,
             call.place,
             op.dir.name(),

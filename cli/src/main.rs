@@ -462,7 +462,7 @@ fn run_run(args: &RunArgs) -> ExitCode {
     };
     let auto_off = matches!(args.copy_from, Some(CopyFrom::Auto)) && copy_from.is_none();
     if let Err(f) = place(&mut program, args.policy, copy_from) {
-        return fail(&f, json, "outcome");
+        return fail(&about(&args.file, f), json, "outcome");
     }
     if auto_off {
         // Measured: copy-engine lanes are not faster at the largest size
@@ -773,6 +773,16 @@ fn check_with_bar(
     outcome
 }
 
+/// `f`, an error that this file's own settings cause (its policy, its
+/// model): named by the file, in the text and in the JSON's `file`.
+fn about(file: &str, f: Failure) -> Failure {
+    Failure {
+        message: format!("{file}: {}", f.message),
+        ..f
+    }
+    .at(file, None)
+}
+
 /// `--max-states`: a whole number, at least 1 (0 would give up before the
 /// first state).
 fn at_least_one(v: &str) -> Result<usize, String> {
@@ -836,13 +846,7 @@ fn check_file(
     let (mut program, source) = load_text(file)?;
     // These depend on the file (its policy, its model): the error names
     // it, as each file of several is checked on its own.
-    let about_file = |f: Failure| {
-        Failure {
-            message: format!("{file}: {}", f.message),
-            ..f
-        }
-        .at(file, None)
-    };
+    let about_file = |f: Failure| about(file, f);
     place(&mut program, args.policy, args.copy_from).map_err(about_file)?;
     for setting in &args.model {
         program.model.set(setting).map_err(|e| {

@@ -244,6 +244,40 @@ fn a_published_trace_whose_ends_or_cuts_name_nothing_is_refused_not_a_panic() {
         ..Default::default()
     });
     bad.push((t, "rank 4"));
+    // Counts in range but at the end of the message numbers: the next
+    // delivery would overflow them. Refused by the replay's settle (it
+    // names the channel), never a panic.
+    let mut t = part(0);
+    t.cuts.push(duplex::trace::Cut {
+        rank: 0,
+        sent: vec![(0, 1, u32::MAX)],
+        ..Default::default()
+    });
+    let mut u = part(1);
+    u.cuts.push(duplex::trace::Cut {
+        rank: 1,
+        received: vec![(0, 0, u32::MAX)],
+        ..Default::default()
+    });
+    let whole = Trace::merge(&[t, u]).expect("ids in range");
+    let a = whole.analyze(duplex::Model::default());
+    assert!(
+        a.disagreements.len() == 1 && a.disagreements[0].why.contains("numbered to"),
+        "{:?}",
+        a.disagreements
+    );
+    let mut t = part(0);
+    t.cuts.push(duplex::trace::Cut {
+        rank: 0,
+        rounds: vec![(0, 1, u32::MAX)],
+        ..Default::default()
+    });
+    let a = t.analyze(duplex::Model::default());
+    assert!(
+        a.disagreements.len() == 1 && a.disagreements[0].why.contains("setup rounds"),
+        "{:?}",
+        a.disagreements
+    );
     for (t, what) in &bad {
         let a = t.analyze(duplex::Model::default());
         assert!(

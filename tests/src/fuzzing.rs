@@ -119,11 +119,13 @@ pub fn program(data: &[u8]) {
     if well_formed {
         // The recipe may group one side of a message and not the other:
         // under `one-sided-groups=error` that is the program error R8
-        // names, and no other error is.
+        // names, between two ops of which exactly one is grouped, and no
+        // other error is.
         let one_sided = |v: &Verdict| {
-            matches!(v, Verdict::Error { error, .. }
-                if !p.model.one_sided_groups
-                    && error.kind() == duplex::ProgramErrorKind::GroupMismatch)
+            matches!(v, Verdict::Error {
+                error: duplex::machine::ProgramError::GroupMismatch { send, recv },
+                ..
+            } if !p.model.one_sided_groups && send.grouped != recv.grouped)
         };
         assert!(
             !matches!(verdict, Verdict::Error { .. }) || one_sided(&verdict),

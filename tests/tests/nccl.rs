@@ -44,12 +44,11 @@ fn outcome(result: duplex::Result<Vec<duplex_nccl::RankReport>>) -> Outcome {
 }
 
 fn timeout() -> Duration {
-    Duration::from_millis(
-        std::env::var("DUPLEX_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(3000),
-    )
+    Duration::from_millis(std::env::var("DUPLEX_TIMEOUT_MS").map_or(3000, |v| {
+        v.parse().ok().filter(|ms| *ms > 0).unwrap_or_else(|| {
+            panic!("DUPLEX_TIMEOUT_MS={v}: give a whole number of milliseconds, at least 1")
+        })
+    }))
 }
 
 /// Whether a job's communicators are connected on first use: the

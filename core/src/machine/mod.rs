@@ -1802,6 +1802,11 @@ pub fn connect_sides_of(
 /// ([`Machine::settle_from`]): each is a ghost in the state.
 pub const MAX_GHOSTS: u32 = 1 << 20;
 
+/// The most messages a settled channel may have counted
+/// ([`Machine::settle_from`]): half the message numbers, so that a run
+/// that goes on from there cannot overflow them.
+pub const MAX_SETTLED: u32 = u32::MAX / 2;
+
 /// What calls made before the ones a machine will see left behind, when
 /// every op they launched had completed and every host wait among them had
 /// returned (a rank's trace cut at such a point, `crate::trace::Cut`): only
@@ -1860,7 +1865,14 @@ impl Machine {
                 continue;
             }
             // Cuts come from other processes: a count no run reaches
-            // between two cuts is refused, not a memory blow-up.
+            // between two cuts is refused, not a memory blow-up, and so is
+            // one too close to the end of the message numbers for the run
+            // to go on counting (each delivery adds one).
+            if sends.max(recvs) > MAX_SETTLED {
+                return Err(format!(
+                    "a settled channel has {sends} sends and {recvs} recvs: more than the {MAX_SETTLED} messages a channel is numbered to"
+                ));
+            }
             if sends.abs_diff(recvs) > MAX_GHOSTS {
                 return Err(format!(
                     "a settled channel has {sends} sends and {recvs} recvs: more than {MAX_GHOSTS} messages apart"
@@ -1910,6 +1922,12 @@ impl Machine {
             // looks at it again.
             self.state.channels.insert((comm, src, dst), ch);
         }
+        if let Some((&(comm, a, b), n)) = settled.rounds.iter().find(|(_, n)| **n > MAX_SETTLED) {
+            return Err(format!(
+                "a settled channel of communicator #{} between ranks {a} and {b} has entered {n} setup rounds: more than {MAX_SETTLED}",
+                comm.0
+            ));
+        }
         self.state.rounds = settled.rounds.clone();
         self.state.sides = settled.sides.clone();
         for (&key, &(posted, consumed)) in &settled.mail {
@@ -1947,20 +1965,13 @@ pub fn launch_too_large(ops: usize) -> Option<String> {
 /// never waits for a later launch. One function for the model
 /// ([`Machine::check_call`]) and the NCCL backend's own check.
 pub fn unpaired_self_op(rank: Rank, ops: &[OpSpec]) -> Option<usize> {
-    let selfs = || ops.iter().enumerate().filter(|(_, o)| o.peer == rank);
-    selfs().find_map(|(i, o)| {
-        let same = |dir: Dir| {
-            selfs()
-                .filter(|(_, p)| p.comm == o.comm && p.dir == dir)
-                .count()
-        };
-        // The op beyond the count of its partners on its communicator.
-        let before = selfs()
-            .take_while(|(j, _)| *j < i)
-            .filter(|(_, p)| p.comm == o.comm && p.dir == o.dir)
-            .count();
-        (before >= same(o.dir.other())).then_some(i)
-    })
+    if !ops.iter().any(|o| o.peer == rank) {
+        return None;
+    }
+    // The op beyond the count of its partners on its communicator: in one
+    // sort, so that a group of many messages to itself is not quadratic.
+    let l = LaunchChannels::new(rank, ops);
+    (0..ops.len()).find(|&i| ops[i].peer == rank && l.earlier(i) >= l.other_len(i))
 }
 
 /// What a refusal of R12 says.
@@ -2042,6 +2053,12 @@ impl LaunchChannels {
     pub(crate) fn earlier(&self, i: usize) -> usize {
         let (j, g) = self.at[i];
         (j - g) as usize
+    }
+
+    /// How many ops of the launch go the other way on op `i`'s channel
+    /// (none unless it is a message to itself).
+    pub(crate) fn other_len(&self, i: usize) -> usize {
+        self.other[i].1 as usize
     }
 
     /// The op of the launch that is op `i`'s partner on its channel (R3)
@@ -2139,5 +2156,52 @@ mod tests {
             }
         }
         assert!(partners > 1000, "{partners} partners met");
+    }
+
+    /// R12's check in one sort gives what its definition says: the first
+    /// op to or from the rank itself beyond the count of its partners on
+    /// its communicator.
+    #[test]
+    fn unpaired_self_op_agrees_with_its_definition() {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let rank = 0;
+        let (mut found, mut none) = (0, 0);
+        for _ in 0..2000 {
+            let n = 1 + next(12) as usize;
+            let ops: Vec<OpSpec> = (0..n)
+                .map(|_| OpSpec {
+                    dir: if next(2) == 0 { Dir::Send } else { Dir::Recv },
+                    peer: next(2) as Rank,
+                    bytes: 4,
+                    dtype: DType::U8,
+                    comm: CommId(next(2) as u32),
+                    stream: StreamId(0),
+                    origin: None,
+                })
+                .collect();
+            let selfs = || ops.iter().enumerate().filter(|(_, o)| o.peer == rank);
+            let naive = selfs().find_map(|(i, o)| {
+                let others = selfs()
+                    .filter(|(_, p)| p.comm == o.comm && p.dir != o.dir)
+                    .count();
+                let before = selfs()
+                    .filter(|(j, p)| *j < i && p.comm == o.comm && p.dir == o.dir)
+                    .count();
+                (before >= others).then_some(i)
+            });
+            assert_eq!(unpaired_self_op(rank, &ops), naive, "{ops:?}");
+            if naive.is_some() {
+                found += 1;
+            } else {
+                none += 1;
+            }
+        }
+        assert!(found > 100 && none > 100, "{found} unpaired, {none} paired");
     }
 }

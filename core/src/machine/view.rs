@@ -63,7 +63,9 @@ impl Machine {
             o.stream,
             fifo,
             OpState::JustIssued,
-            spec.grouped,
+            // As R3 and R8 compared it, and as a slot keeps it: a group of
+            // one op is not a group.
+            spec.is_group(),
             o.origin.unwrap_or(spec.origin),
         )
     }

@@ -254,8 +254,9 @@ fn err<T>(line: u32, message: impl Into<String>) -> Result<T> {
 /// The most tokens a line may hold: more than a group of the most ops a
 /// launch may have ([`crate::machine::MAX_LAUNCH_OPS`]), each with both of
 /// its options, on one line. A longer line is refused as it is split, so
-/// that a hostile one (a gigabyte of `;`) costs no more than this many
-/// tokens of memory (16 MiB).
+/// that a hostile one (a gigabyte of `;`) costs no more than about this
+/// many tokens of memory (16 bytes each; the vector's last doubling may
+/// reserve up to 32 MiB).
 pub const MAX_LINE_TOKENS: usize = 1 << 20;
 
 /// Splits a line into tokens, making `{`, `}` and `;` tokens of their own;
