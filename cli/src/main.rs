@@ -846,11 +846,13 @@ fn check_file(
     let (mut program, source) = load_text(file)?;
     // These depend on the file (its policy, its model): the error names
     // it, as each file of several is checked on its own.
-    let about_file = |f: Failure| about(file, f);
-    place(&mut program, args.policy, args.copy_from).map_err(about_file)?;
+    place(&mut program, args.policy, args.copy_from).map_err(|f| about(file, f))?;
     for setting in &args.model {
         program.model.set(setting).map_err(|e| {
-            about_file(Failure::invalid("usage", format!("--model {setting}: {e}")))
+            about(
+                file,
+                Failure::invalid("usage", format!("--model {setting}: {e}")),
+            )
         })?;
     }
     if let Some(e) = args.eager {

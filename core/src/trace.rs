@@ -623,15 +623,20 @@ impl Trace {
     /// the error.
     pub fn check_ids(&self) -> Result<(), Disagreement> {
         let t = self;
-        let decl = |what: &str, rank: Rank| Disagreement {
-            rank,
+        // A disagreement of the trace as a whole, not of one call.
+        let whole = |why: String| Disagreement {
+            rank: 0,
             thread: String::new(),
             call: String::new(),
             place: String::new(),
-            why: format!(
+            why,
+        };
+        let decl = |what: &str, rank: Rank| Disagreement {
+            rank,
+            ..whole(format!(
                 "{what} belongs to rank {rank}, but there are {} ranks",
                 t.ranks
-            ),
+            ))
         };
         for (what, list) in [
             ("a thread", &t.threads),
@@ -693,13 +698,6 @@ impl Trace {
                 return Err(bad(c, format!("stream #{s} was never declared")));
             }
         }
-        let whole = |why: String| Disagreement {
-            rank: 0,
-            thread: String::new(),
-            call: String::new(),
-            place: String::new(),
-            why,
-        };
         if let Some(e) = t.ended.iter().find(|e| **e as usize >= t.threads.len()) {
             return Err(whole(format!(
                 "thread #{e} ended, but it was never declared"
@@ -717,7 +715,7 @@ impl Trace {
                 .map(|&(c, peer, _)| (c, peer))
                 .chain(cut.recent.iter().map(|(c, peer, _)| (*c, *peer)))
                 .chain(cut.sides.iter().map(|&(c, peer, _)| (c, peer)));
-            let peers = cut.notified.iter().chain(&cut.awaited).map(|(r, ..)| *r);
+            let mut peers = cut.notified.iter().chain(&cut.awaited).map(|(r, ..)| *r);
             for (c, peer) in channels {
                 if c as usize >= t.comms.len() || peer >= t.ranks {
                     return Err(whole(format!(
@@ -726,7 +724,7 @@ impl Trace {
                     )));
                 }
             }
-            if let Some(r) = peers.into_iter().find(|r| *r >= t.ranks) {
+            if let Some(r) = peers.find(|r| *r >= t.ranks) {
                 return Err(whole(format!(
                     "rank {}'s cut names rank {r} in a notify or await, which does not exist",
                     cut.rank

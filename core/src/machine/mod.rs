@@ -1610,18 +1610,11 @@ impl Machine {
                 continue;
             }
             let fifo = delivered + position as u32;
-            let this = OpInfo {
-                state: crate::report::OpState::JustIssued,
-                ..self.issuing_view(t, o, spec, fifo)
-            };
+            let this = self.issuing_view(t, o, spec, fifo);
             let that = match partner {
                 Partner::Slot(p) => self.slot_view(key, o.dir.other(), p, delivered),
-                Partner::Launch(p) => OpInfo {
-                    state: crate::report::OpState::JustIssued,
-                    ..self.issuing_view(t, p, spec, fifo)
-                },
+                Partner::Launch(p) => self.issuing_view(t, p, spec, fifo),
             };
-            let partner = partner_sig;
             let (send, recv) = if o.dir == Dir::Send {
                 (this, that)
             } else {
@@ -1629,7 +1622,10 @@ impl Machine {
             };
             let (send, recv) = (Box::new(send), Box::new(recv));
             return Err(
-                match issue::mismatch_kind((partner.bytes, partner.dtype), (o.bytes, o.dtype)) {
+                match issue::mismatch_kind(
+                    (partner_sig.bytes, partner_sig.dtype),
+                    (o.bytes, o.dtype),
+                ) {
                     ProgramErrorKind::SizeMismatch => ProgramError::SizeMismatch { send, recv },
                     ProgramErrorKind::TypeMismatch => ProgramError::TypeMismatch { send, recv },
                     _ => ProgramError::GroupMismatch { send, recv },
@@ -1995,9 +1991,9 @@ pub fn self_unpaired_message(dir: Dir, rank: Rank, bytes: u64) -> String {
 pub(crate) struct LaunchChannels {
     /// The ops' indices sorted by channel, then direction, then index.
     order: SmallVec<[u32; 4]>,
-    /// Per op: its place in `order`, and the start of its (channel,
-    /// direction) run there.
-    at: SmallVec<[(u32, u32); 4]>,
+    /// Per op: how many ops before it in the launch go the same way on
+    /// its channel (its place in its run of `order`).
+    earlier: SmallVec<[u32; 4]>,
     /// Per op: the run in `order` of the other direction on its channel
     /// (start, length); empty when there is none.
     other: SmallVec<[(u32, u32); 4]>,
@@ -2015,7 +2011,7 @@ impl LaunchChannels {
         if n > 1 {
             order.sort_by_key(|&i| (key(i), i));
         }
-        let mut at: SmallVec<[(u32, u32); 4]> = smallvec::smallvec![(0, 0); n];
+        let mut earlier: SmallVec<[u32; 4]> = smallvec::smallvec![0; n];
         let mut other: SmallVec<[(u32, u32); 4]> = smallvec::smallvec![(0, 0); n];
         // The runs, in order: (start, end) of each (channel, direction).
         let mut runs: SmallVec<[(usize, usize); 4]> = SmallVec::new();
@@ -2042,17 +2038,20 @@ impl LaunchChannels {
             .filter(|&(og, _)| key(order[og]).0 == channel);
             for j in g..e {
                 let i = order[j] as usize;
-                at[i] = (j as u32, g as u32);
+                earlier[i] = (j - g) as u32;
                 other[i] = neighbour.map_or((0, 0), |(og, oe)| (og as u32, (oe - og) as u32));
             }
         }
-        LaunchChannels { order, at, other }
+        LaunchChannels {
+            order,
+            earlier,
+            other,
+        }
     }
 
     /// Ops of the launch before op `i` that go the same way on its channel.
     pub(crate) fn earlier(&self, i: usize) -> usize {
-        let (j, g) = self.at[i];
-        (j - g) as usize
+        self.earlier[i] as usize
     }
 
     /// How many ops of the launch go the other way on op `i`'s channel
@@ -2106,34 +2105,44 @@ fn channel_key(rank: Rank, op: &OpSpec) -> ChannelKey {
 mod tests {
     use super::*;
 
+    /// A seeded xorshift: each call gives a number below its argument.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        }
+    }
+
+    /// `n` ops of 4 bytes, each a send or a recv, to one of `peers` ranks
+    /// (from 0), on one of two communicators.
+    fn random_ops(next: &mut impl FnMut(u64) -> u64, n: usize, peers: u64) -> Vec<OpSpec> {
+        (0..n)
+            .map(|_| OpSpec {
+                dir: if next(2) == 0 { Dir::Send } else { Dir::Recv },
+                peer: next(peers) as Rank,
+                bytes: 4,
+                dtype: DType::U8,
+                comm: CommId(next(2) as u32),
+                stream: StreamId(0),
+                origin: None,
+            })
+            .collect()
+    }
+
     /// [`LaunchChannels`] gives, on random launches of up to 300 ops over
     /// two communicators, three peers and the rank itself, what the two
     /// definitions say op by op: the count of earlier ops the same way on
     /// the channel, and the `k`-th earlier op the other way.
     #[test]
     fn launch_channels_agree_with_their_definitions() {
-        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         let rank = 1;
         let mut partners = 0;
         for _ in 0..400 {
             let n = 1 + next(300) as usize;
-            let ops: Vec<OpSpec> = (0..n)
-                .map(|_| OpSpec {
-                    dir: if next(2) == 0 { Dir::Send } else { Dir::Recv },
-                    peer: next(4) as Rank,
-                    bytes: 4,
-                    dtype: DType::U8,
-                    comm: CommId(next(2) as u32),
-                    stream: StreamId(0),
-                    origin: None,
-                })
-                .collect();
+            let ops = random_ops(&mut next, n, 4);
             let l = LaunchChannels::new(rank, &ops);
             for (i, o) in ops.iter().enumerate() {
                 let key = channel_key(rank, o);
@@ -2163,28 +2172,12 @@ mod tests {
     /// its communicator.
     #[test]
     fn unpaired_self_op_agrees_with_its_definition() {
-        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         let rank = 0;
         let (mut found, mut none) = (0, 0);
         for _ in 0..2000 {
             let n = 1 + next(12) as usize;
-            let ops: Vec<OpSpec> = (0..n)
-                .map(|_| OpSpec {
-                    dir: if next(2) == 0 { Dir::Send } else { Dir::Recv },
-                    peer: next(2) as Rank,
-                    bytes: 4,
-                    dtype: DType::U8,
-                    comm: CommId(next(2) as u32),
-                    stream: StreamId(0),
-                    origin: None,
-                })
-                .collect();
+            let ops = random_ops(&mut next, n, 2);
             let selfs = || ops.iter().enumerate().filter(|(_, o)| o.peer == rank);
             let naive = selfs().find_map(|(i, o)| {
                 let others = selfs()
