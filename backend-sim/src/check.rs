@@ -20,9 +20,12 @@
 //! a persistent set: exploring only them reaches every stuck state and every
 //! error that the full search reaches (Godefroid's persistent sets; the state
 //! graph is acyclic, so state caching loses nothing). [`Options::reduce`]
-//! turns this off, and the tests check that both searches agree. Not under
-//! a kernel-slot bound (R10, `kernels=N`): there a step of one rank can make
-//! a launch of another rank ready (a message delivered, a copy completed)
+//! turns this off, and the tests check that both searches agree. Under a
+//! kernel-slot bound (R10, `kernels=N`) this holds only on ranks whose
+//! launches take slots in issue order whatever the timing
+//! ([`Machine::slots_in_issue_order`]: one slot, no copy-engine lane) or
+//! that cannot reach the bound. Elsewhere a step of one rank can make a
+//! launch of another rank ready (a message delivered, a copy completed)
 //! while that rank's own next step issues a launch for the same slot, and
 //! the order decides which gets it; such programs are searched without the
 //! reduction across ranks (an independent exhaustive search,
@@ -442,23 +445,32 @@ fn decide(c: &Compiled, m: &Machine, run: &mut Runnable, reduce_steps: bool) -> 
 }
 
 /// Whether host steps of different ranks commute in `m`, as the reduction
-/// assumes: not under a kernel-slot bound (R10), where a step of one rank
-/// can make a launch of another rank ready (a message delivered, a copy
-/// completed) while a step of that other rank issues a launch that would
-/// take the same slot, and which one gets it depends on their order.
-/// Those programs are searched without the reduction (a `notify` or a
-/// `join`, which touches no device state, still goes alone).
+/// assumes: not under a kernel-slot bound (R10) in general, where a step
+/// of one rank can make a launch of another rank ready (a message
+/// delivered, a copy completed) while a step of that other rank issues a
+/// launch that would take the same slot, and which one gets it depends on
+/// their order. Those programs are searched without the reduction (a
+/// `notify` or a `join`, which touches no device state, still goes alone).
 ///
-/// Where the remaining calls are known, a bound no rank can reach changes
-/// nothing: if on every rank the launches in flight and those still to
-/// come take at most the bound's slots, no launch ever waits for one
-/// (R10 never blocks), and the program runs as without a bound.
+/// Two kinds of rank have no such race, and when every rank is one of
+/// them the steps commute as without a bound:
+/// * a rank whose launches take slots in issue order whatever the timing
+///   ([`Machine::slots_in_issue_order`]: `kernels=1` and no copy-engine
+///   lane): a launch starts exactly when the launches its rank issued
+///   before it have completed, which no order of other ranks' steps
+///   changes;
+/// * where the remaining calls are known, a rank that cannot reach the
+///   bound: its launches in flight and those still to come take at most
+///   the bound's slots, so none ever waits for one (R10 never blocks).
 fn ranks_commute(m: &Machine, threads: &dyn Threads) -> bool {
     let Some(k) = m.setup().model.kernels else {
         return true;
     };
     let setup = m.setup();
     (0..setup.ranks).all(|r| {
+        if m.slots_in_issue_order(r) {
+            return true;
+        }
         let to_come = setup
             .threads_of(r)
             .map(|t| threads.slots_to_come(m, t))

@@ -47,67 +47,151 @@ fn examples() -> Vec<(String, Compiled)> {
     out
 }
 
+/// Steps every pair of threads of different ranks that can step, in both
+/// orders, in every reachable state of `c` (and same-rank pairs where one
+/// is a `notify` or a `join`): the pairs compared, and the first that does
+/// not commute or disables the other, described.
+fn commuting_pairs(c: &Compiled) -> (usize, Option<String>) {
+    let mut pairs = 0usize;
+    let mut seen = HashSet::new();
+    let mut stack = vec![c.machine()];
+    while let Some(m) = stack.pop() {
+        if !seen.insert(fingerprint(&m)) {
+            continue;
+        }
+        let threads: Vec<_> = runnable(c, &m);
+        for &a in &threads {
+            for &b in &threads {
+                let (ra, rb) = (
+                    m.setup().threads[a.0 as usize].rank,
+                    m.setup().threads[b.0 as usize].rank,
+                );
+                let local = |t: ThreadId| {
+                    matches!(
+                        c.call(t, m.calls(t)),
+                        Some(HostCall::Notify { .. } | HostCall::Join { .. })
+                    ) && m.next(t) == Next::Call
+                };
+                if a >= b || (ra == rb && !local(a) && !local(b)) {
+                    continue;
+                }
+                let mut ab = m.clone();
+                let ea = step(c, &mut ab, a).is_err();
+                if !(ea || matches!(ab.next(b), Next::Call | Next::Resume)) {
+                    return (
+                        pairs,
+                        Some(format!("a step of rank {ra} disabled rank {rb}")),
+                    );
+                }
+                let eab = ea || step(c, &mut ab, b).is_err();
+                let mut ba = m.clone();
+                let eb = step(c, &mut ba, b).is_err();
+                if !(eb || matches!(ba.next(a), Next::Call | Next::Resume)) {
+                    return (
+                        pairs,
+                        Some(format!("a step of rank {rb} disabled rank {ra}")),
+                    );
+                }
+                let eba = eb || step(c, &mut ba, a).is_err();
+                if eab != eba {
+                    return (pairs, Some("an error in one order only".into()));
+                }
+                if !eab && ab.state() != ba.state() {
+                    return (
+                        pairs,
+                        Some(format!(
+                            "steps of ranks {ra} and {rb} do not commute\n{:#?}\n{:#?}",
+                            ab.state(),
+                            ba.state()
+                        )),
+                    );
+                }
+                pairs += 1;
+            }
+        }
+        for t in threads {
+            let mut next: Machine = m.clone();
+            if step(c, &mut next, t).is_ok() {
+                stack.push(next);
+            }
+        }
+    }
+    (pairs, None)
+}
+
 #[test]
 fn steps_of_different_ranks_commute_and_do_not_disable_each_other() {
     let mut pairs = 0usize;
     for (name, c) in examples() {
-        let mut seen = HashSet::new();
-        let mut stack = vec![c.machine()];
-        while let Some(m) = stack.pop() {
-            if !seen.insert(fingerprint(&m)) {
-                continue;
-            }
-            let threads: Vec<_> = runnable(&c, &m);
-            for &a in &threads {
-                for &b in &threads {
-                    let (ra, rb) = (
-                        m.setup().threads[a.0 as usize].rank,
-                        m.setup().threads[b.0 as usize].rank,
-                    );
-                    let local = |t: ThreadId| {
-                        matches!(
-                            c.call(t, m.calls(t)),
-                            Some(HostCall::Notify { .. } | HostCall::Join { .. })
-                        ) && m.next(t) == Next::Call
-                    };
-                    if a >= b || (ra == rb && !local(a) && !local(b)) {
-                        continue;
-                    }
-                    let mut ab = m.clone();
-                    let ea = step(&c, &mut ab, a).is_err();
-                    assert!(
-                        ea || matches!(ab.next(b), Next::Call | Next::Resume),
-                        "{name}: a step of rank {ra} disabled rank {rb}"
-                    );
-                    let eab = ea || step(&c, &mut ab, b).is_err();
-                    let mut ba = m.clone();
-                    let eb = step(&c, &mut ba, b).is_err();
-                    assert!(
-                        eb || matches!(ba.next(a), Next::Call | Next::Resume),
-                        "{name}: a step of rank {rb} disabled rank {ra}"
-                    );
-                    let eba = eb || step(&c, &mut ba, a).is_err();
-                    assert_eq!(eab, eba, "{name}: an error in one order only");
-                    if !eab {
-                        assert!(
-                            ab.state() == ba.state(),
-                            "{name}: steps of ranks {ra} and {rb} do not commute\n{:#?}\n{:#?}",
-                            ab.state(),
-                            ba.state()
-                        );
-                    }
-                    pairs += 1;
-                }
-            }
-            for t in threads {
-                let mut next: Machine = m.clone();
-                if step(&c, &mut next, t).is_ok() {
-                    stack.push(next);
-                }
-            }
-        }
+        let (n, bad) = commuting_pairs(&c);
+        assert!(bad.is_none(), "{name}: {}", bad.unwrap_or_default());
+        pairs += n;
     }
     assert!(pairs > 1000, "only {pairs} pairs were checked");
+}
+
+/// `c` under the model knob `kernels=k`.
+fn with_kernels(c: &Compiled, k: u32) -> Compiled {
+    let mut out = c.clone();
+    let mut setup = (*c.setup).clone();
+    setup.model.kernels = Some(k);
+    out.setup = std::sync::Arc::new(setup);
+    out
+}
+
+/// Under `kernels=1` a rank without a copy-engine lane runs its launches
+/// one at a time in issue order whatever the timing
+/// (`Machine::slots_in_issue_order`), so steps of different ranks still
+/// commute: every example without copy lanes, checked under `kernels=1`
+/// in every reachable state. Under `kernels=2` they do not (one
+/// completion can make two launches ready while a later one took a slot at
+/// its issue), nor under `kernels=1` with a copy lane (a launch waits
+/// behind a copy, which holds no slot): the check finds a pair that does
+/// not commute there, so it can fail.
+#[test]
+fn under_one_kernel_slot_without_copy_lanes_steps_of_different_ranks_commute() {
+    let mut pairs = 0usize;
+    let mut checked = 0;
+    for (name, c) in examples() {
+        if c.setup.comms.iter().any(|k| k.copy) {
+            continue;
+        }
+        let one = with_kernels(&c, 1);
+        assert!((0..one.setup.ranks).all(|r| one.machine().slots_in_issue_order(r)));
+        let (n, bad) = commuting_pairs(&one);
+        assert!(
+            bad.is_none(),
+            "{name} under kernels=1: {}",
+            bad.unwrap_or_default()
+        );
+        pairs += n;
+        checked += 1;
+    }
+    assert!(
+        checked > 40 && pairs > 1000,
+        "{checked} examples, {pairs} pairs"
+    );
+    let program = |text: &str| compile(&duplex::schedule::parse(text).expect("valid"));
+    // Rank 1's recv on stream a holds one of two slots; its sends on
+    // streams c and d wait for it (an event); its recv on stream b is ready
+    // when issued. If rank 1 issues it first, it takes the free slot and
+    // rank 0's send, completing the recv on a, readies one send; the other
+    // way round, both sends take the slots and the recv on b waits.
+    let two = program(
+        "ranks 2\nmodel kernels=2\ncomm c1 0 1\ncomm c2 0 1\ncomm c3 0 1\ncomm w 0 1\nrank 0:\n  send 1 4KiB comm=w\n  recv 1 4KiB comm=c1\n  recv 1 4KiB comm=c2\n  send 1 4KiB comm=c3\nrank 1:\n  recv 0 4KiB comm=w stream=a\n  record e stream=a\n  wait e stream=c\n  wait e stream=d\n  send 0 4KiB comm=c1 stream=c\n  send 0 4KiB comm=c2 stream=d\n  recv 0 4KiB comm=c3 stream=b\n",
+    );
+    assert!(!two.machine().slots_in_issue_order(1));
+    let (_, bad) = commuting_pairs(&two);
+    assert!(bad.is_some(), "kernels=2: every pair commuted");
+    let copy = program(
+        "ranks 2\npolicy per-direction copy-from=16KiB\nmodel kernels=1\ncomm c 0 1\nrank 1:\n  recv 0 16KiB\n  recv 0 4KiB\n  recv 0 4KiB comm=c\nrank 0:\n  send 1 16KiB\n  send 1 4KiB comm=c\n  send 1 4KiB\n",
+    );
+    assert!(!copy.machine().slots_in_issue_order(1));
+    let (_, bad) = commuting_pairs(&copy);
+    assert!(
+        bad.is_some(),
+        "kernels=1 with a copy lane: every pair commuted"
+    );
 }
 
 #[test]
@@ -233,7 +317,7 @@ fn what_the_oracle_found_gets_its_verdicts() {
 /// Under a kernel-slot bound no rank can reach (its launches in flight and
 /// to come fit under it), steps of different ranks commute as without a
 /// bound, and the checker reduces across them again; where a rank can
-/// reach it, it does not (the oracle's programs above).
+/// reach a bound of two, it does not.
 #[test]
 fn a_kernel_bound_no_rank_can_reach_keeps_the_reduction() {
     let (_, c) = examples()
@@ -246,13 +330,28 @@ fn a_kernel_bound_no_rank_can_reach_keeps_the_reduction() {
     assert_eq!(full.verdict.kind(), "ok");
     assert_eq!(reduced.stats.executions, 1, "{:?}", reduced.stats);
     assert!(full.stats.executions > 1, "{:?}", full.stats);
-    // Two NCCL launches on a rank under kernels=1 can contend: the same
-    // threads with a slot each too few are searched without it.
-    let mut bounded = threads(3, 1, false);
-    let mut setup = (*bounded.setup).clone();
-    setup.model.kernels = Some(1);
-    bounded.setup = std::sync::Arc::new(setup);
+    // Under kernels=2 three launches on a rank contend for two slots, and
+    // which two run depends on steps of both ranks: the same threads are
+    // searched without the reduction across ranks.
+    let bounded = with_kernels(&threads(3, 1, false), 2);
+    assert!(!bounded.machine().slots_in_issue_order(0));
     let (reduced, full) = reduced_and_full(&bounded);
     assert_eq!(reduced.verdict.kind(), full.verdict.kind());
     assert!(reduced.stats.executions > 1, "{:?}", reduced.stats);
+}
+
+/// Under `kernels=1` without copy lanes each rank runs its launches in
+/// issue order, so the reduction across ranks stays on: a program of three
+/// ranks, rank 0 with two threads, that took 2,374 branching states when
+/// any reachable bound turned it off takes a handful, with the verdict of
+/// the full search.
+#[test]
+fn one_kernel_slot_keeps_the_reduction_across_ranks() {
+    let text = "ranks 3\nmodel kernels=1\npolicy per-direction\nrank 0 thread a:\n  recv 1 1MiB\n  recv 1 1MiB\nrank 0 thread b:\n  send 2 1MiB\n  send 2 1MiB\n  send 2 1MiB\nrank 1:\n  send 0 1MiB\n  send 0 1MiB\n  send 2 1MiB\n  send 2 1MiB\nrank 2:\n  recv 0 1MiB\n  recv 0 1MiB\n  recv 0 1MiB\n  recv 1 1MiB\n  recv 1 1MiB\n";
+    let c = compile(&duplex::schedule::parse(text).expect("valid"));
+    let (reduced, full) = reduced_and_full(&c);
+    assert_eq!(reduced.verdict.kind(), "ok");
+    assert_eq!(full.verdict.kind(), "ok");
+    assert!(reduced.stats.states <= 10, "{:?}", reduced.stats);
+    assert!(full.stats.states > 1000, "{:?}", full.stats);
 }

@@ -825,6 +825,23 @@ fn a_simulated_run_reports_its_hang_as_data() {
     let text = json.to_string();
     assert!(text.contains("line 3") && text.contains("line 6"), "{json}");
     assert!(!text.contains("execute.rs"), "{json}");
+    // A rank with no block in the file still ends with a synchronize,
+    // reported as that, and the schedule printed is the simulator's, not
+    // one for `duplex check --replay`.
+    let file = write(
+        "run-hang-3.sched",
+        "ranks 3\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let out = duplex(&["run", &file, "--seed", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains(".rs:"), "{text}");
+    assert!(
+        text.contains("synchronize (the end of rank 2, which has no block in the file)"),
+        "{text}"
+    );
+    assert!(text.contains("simulator schedule: v1:"), "{text}");
+    assert!(text.contains(&format!("duplex run {file} --seed 1")), "{text}");
     let file = write(
         "run-mismatch.sched",
         "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",

@@ -153,7 +153,8 @@ pub struct Hang {
     pub stuck: Stuck,
     /// The host steps that lead there, where known (numbered, one a line).
     pub steps: Vec<String>,
-    /// The encoded schedule that reproduces it, where there is one.
+    /// The simulator's encoded schedule that reproduces it (`Sim::replay` of
+    /// `duplex-sim`; not a `duplex check --replay` schedule), where there is one.
     pub schedule: Option<String>,
     /// The exact call or command that replays it.
     pub replay: Option<String>,
@@ -187,7 +188,10 @@ impl fmt::Display for Hang {
             }
         }
         if let Some(s) = &self.schedule {
-            writeln!(f, "schedule: {s}")?;
+            writeln!(
+                f,
+                "simulator schedule: {s} (`Sim::replay`; not a `duplex check --replay` schedule)"
+            )?;
         }
         if let Some(r) = &self.replay {
             writeln!(f, "replay it with: {r}")?;

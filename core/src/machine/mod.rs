@@ -702,6 +702,40 @@ impl Machine {
         self.setup.comms[self.state.launches[&lref].comm().ix()].copy
     }
 
+    /// Whether `rank`'s launches take kernel slots (R10) in the order they
+    /// were issued whatever the timing: true under `kernels=1` when no
+    /// copy-engine lane of the rank exists (and always without a bound).
+    ///
+    /// Why: with one slot and no copy lane, a launch of the rank holds the
+    /// slot from its start to its completion, and whatever keeps an
+    /// unstarted launch from starting (R1: an entry ahead of it on a
+    /// stream; R2: an earlier launch on its communicator; R9: a `wait` for
+    /// a `record` issued before it) was issued before it. So while the slot
+    /// is free, the oldest unfinished launch is ready and starts first
+    /// (slots go to ready launches in issue order), and a launch starts
+    /// exactly when every launch its rank issued before it has completed:
+    /// a condition that, once true, stays true. Device progress is then
+    /// monotone, as without a bound, and host steps of different ranks
+    /// commute (the checker's reduction relies on this). With two slots,
+    /// one completion can make two launches ready while a third, issued
+    /// later, took the other slot at its issue; with a copy lane, a launch
+    /// can wait behind a copy, which holds no slot, while a later launch
+    /// takes the slot. There the order of host steps across ranks decides
+    /// which launch runs.
+    pub fn slots_in_issue_order(&self, rank: Rank) -> bool {
+        match self.setup.model.kernels {
+            None => true,
+            Some(k) => {
+                k == 1
+                    && !self
+                        .setup
+                        .comms
+                        .iter()
+                        .any(|c| c.copy && c.members.contains(&rank))
+            }
+        }
+    }
+
     /// Under a kernel-slot bound (R10): the NCCL launches of `rank` issued
     /// and not completed, each of which holds or waits for a slot.
     pub fn slots_wanted(&self, rank: Rank) -> usize {

@@ -120,8 +120,17 @@ pub fn execute<T: Transport>(program: &Arc<Program>, t: &T) -> Result<()> {
     }
     // A rank without a main thread still ends with its streams drained,
     // unless a thread already failed (that wait would only add a deadline).
+    // Reported as that, not at this file's line: the file has no block to
+    // point at.
     if main.is_none() && results.iter().all(Result::is_ok) {
-        results.push(t.synchronize());
+        let what = if program.threads.iter().any(|th| th.rank == rank) {
+            format!(
+                "the end of rank {rank}, which has no `rank {rank}:` block, once its threads have ended"
+            )
+        } else {
+            format!("the end of rank {rank}, which has no block in the file")
+        };
+        results.push(at_site(&what, || t.synchronize()));
     }
     // One thread's hang aborts what the others wait on: report the hang,
     // not the echoes (`Error::severity`).
