@@ -1,7 +1,10 @@
 //! The fault matrix of duplex-nccl on two GPUs: each case runs a job of two
 //! ranks, injects one fault (a rank killed with SIGKILL before, during or
 //! after a 256 MiB transfer, frozen with SIGSTOP, returning early, panicking,
-//! rank 0 killed, a wrong `WORLD_SIZE`, NCCL missing on one rank) and judges
+//! rank 0 killed, a wrong `WORLD_SIZE`, NCCL missing on one rank), or of
+//! four ranks on GPU 0 (a ring with one rank killed, frozen or panicking;
+//! two pairs, one rank of one pair killed, so the other pair hears of it
+//! only through the store), and judges
 //! what the surviving ranks did: every one must exit by itself with an
 //! error that names the failed rank, within its deadline plus a bounded
 //! grace after the fault; no process may be left running; no rank may
@@ -36,8 +39,10 @@ const LEN: usize = 64 << 20;
 /// One case of the matrix.
 struct Case {
     name: &'static str,
-    /// Run as two processes (else: one process, a thread per rank).
+    /// Run as a process per rank (else: one process, a thread per rank).
     processes: bool,
+    /// Ranks in the job.
+    world: u32,
     /// The rank whose fault it is.
     victim: u32,
     /// What the driver does when the victim prints `MARK`.
@@ -57,6 +62,7 @@ const CASES: &[Case] = &[
     Case {
         name: "kill-before",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::Kill,
         env: &[],
@@ -64,6 +70,7 @@ const CASES: &[Case] = &[
     Case {
         name: "kill-during",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::Kill,
         env: &[],
@@ -71,6 +78,7 @@ const CASES: &[Case] = &[
     Case {
         name: "kill-after",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::Kill,
         env: &[],
@@ -78,6 +86,7 @@ const CASES: &[Case] = &[
     Case {
         name: "stop-during",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::Stop,
         env: &[],
@@ -85,6 +94,7 @@ const CASES: &[Case] = &[
     Case {
         name: "early-return",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[],
@@ -92,6 +102,7 @@ const CASES: &[Case] = &[
     Case {
         name: "panic",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[],
@@ -99,6 +110,7 @@ const CASES: &[Case] = &[
     Case {
         name: "rank0-killed",
         processes: true,
+        world: 2,
         victim: 0,
         action: Action::Kill,
         env: &[],
@@ -106,6 +118,7 @@ const CASES: &[Case] = &[
     Case {
         name: "wrong-world-size",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[("WORLD_SIZE", "3")],
@@ -113,6 +126,7 @@ const CASES: &[Case] = &[
     Case {
         name: "nccl-missing",
         processes: true,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[("DUPLEX_NCCL_LIBRARY", "/bin/true")],
@@ -120,6 +134,7 @@ const CASES: &[Case] = &[
     Case {
         name: "early-return",
         processes: false,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[],
@@ -127,11 +142,54 @@ const CASES: &[Case] = &[
     Case {
         name: "panic",
         processes: false,
+        world: 2,
         victim: 1,
         action: Action::None,
         env: &[],
     },
+    // Four ranks, a process each. A failure must reach every rank, not
+    // only those that wait on the failed one: in `ring4-*` each rank sends
+    // to the next and receives from the one before; in `pairs4-kill`
+    // ranks 0 and 1 exchange only with each other, 2 and 3 likewise, and
+    // rank 3 dies, so ranks 0 and 1 learn of it only through the store.
+    Case {
+        name: "ring4-kill-during",
+        processes: true,
+        world: 4,
+        victim: 2,
+        action: Action::Kill,
+        env: &[],
+    },
+    Case {
+        name: "ring4-stop-during",
+        processes: true,
+        world: 4,
+        victim: 2,
+        action: Action::Stop,
+        env: &[],
+    },
+    Case {
+        name: "ring4-panic",
+        processes: true,
+        world: 4,
+        victim: 2,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
+        name: "pairs4-kill",
+        processes: true,
+        world: 4,
+        victim: 3,
+        action: Action::Kill,
+        env: &[],
+    },
 ];
+
+/// The case of this name.
+fn case_named(name: &str) -> Option<&'static Case> {
+    CASES.iter().find(|c| c.name == name)
+}
 
 fn pattern(src: u32, i: usize) -> u32 {
     (i as u32).wrapping_mul(2_654_435_761) ^ (src << 28) ^ 0x5a5a
@@ -145,20 +203,26 @@ fn exchange(t: &NcclRank) -> duplex::Result<()> {
 /// One 256 MiB exchange with `peer` (this rank itself included) as a group
 /// of a send and a recv, every byte checked.
 fn exchange_with(t: &NcclRank, peer: u32) -> duplex::Result<()> {
+    shift(t, peer, peer)
+}
+
+/// Sends 256 MiB to `to` and receives 256 MiB from `from` in one group,
+/// every received byte checked.
+fn shift(t: &NcclRank, to: u32, from: u32) -> duplex::Result<()> {
     let mut out = t.alloc::<u32>(LEN)?;
     let data: Vec<u32> = (0..LEN).map(|i| pattern(t.rank(), i)).collect();
     t.write(&mut out, &data)?;
     let mut inb = t.alloc::<u32>(LEN)?;
     t.group(|| {
-        t.send(&out, peer)?;
-        t.recv(&mut inb, peer)
+        t.send(&out, to)?;
+        t.recv(&mut inb, from)
     })?;
     t.synchronize()?;
     let got = t.read(&inb)?;
-    if let Some(i) = (0..LEN).find(|i| got[*i] != pattern(peer, *i)) {
+    if let Some(i) = (0..LEN).find(|i| got[*i] != pattern(from, *i)) {
         println!("WRONG-DATA at element {i}");
         return Err(Error::User(format!(
-            "wrong data from rank {peer} at element {i}"
+            "wrong data from rank {from} at element {i}"
         )));
     }
     Ok(())
@@ -172,7 +236,8 @@ fn mark() {
 /// The rank code of a case.
 fn rank_code(case: &str, t: &NcclRank) -> duplex::Result<()> {
     let me = t.rank();
-    let victim = if case == "rank0-killed" { 0 } else { 1 };
+    let victim = case_named(case).map_or(1, |c| c.victim);
+    let n = t.world_size();
     match case {
         "kill-before" => {
             if me == victim {
@@ -219,6 +284,27 @@ fn rank_code(case: &str, t: &NcclRank) -> duplex::Result<()> {
                 panic!("rank {me} panics on purpose");
             }
             exchange(t)
+        }
+        "ring4-kill-during" | "ring4-stop-during" | "ring4-panic" => {
+            for i in 0..200 {
+                if me == victim && i == 1 {
+                    if case == "ring4-panic" {
+                        panic!("rank {me} panics on purpose");
+                    }
+                    mark();
+                }
+                shift(t, (me + 1) % n, (me + n - 1) % n)?;
+            }
+            Ok(())
+        }
+        "pairs4-kill" => {
+            for i in 0..200 {
+                if me == victim && i == 1 {
+                    mark();
+                }
+                exchange_with(t, me ^ 1)?;
+            }
+            Ok(())
         }
         // Setup fails on the victim; the other rank would exchange.
         _ => exchange(t),
@@ -312,19 +398,25 @@ fn run_case(
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or(29_517);
-    let ranks: Vec<u32> = if case.processes { vec![0, 1] } else { vec![0] };
+    let ranks: Vec<u32> = if case.processes {
+        (0..case.world).collect()
+    } else {
+        vec![0]
+    };
     for &rank in &ranks {
         let mut cmd = Command::new(exe);
         if case.processes {
             cmd.args(["rank", case.name])
                 .env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
+                .env("WORLD_SIZE", case.world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("DUPLEX_PORT", port.to_string())
                 .env("DUPLEX_STORE_TOKEN", format!("duplex-faults-{port}-token"));
-            if duplex_nccl::one_gpu_asked() {
+            // More ranks than two share GPU 0 on any machine: these cases
+            // check behaviour, not speed.
+            if duplex_nccl::one_gpu_asked() || case.world > 2 {
                 cmd.envs(duplex_nccl::shared_gpu_env(rank, &port.to_string()));
             }
             if rank == case.victim {
@@ -441,6 +533,25 @@ fn run_case(
     )
 }
 
+/// The first rank a verdict names as a cause, `rank N failed`, `rank N
+/// panicked` or `rank N finished`, with the word.
+fn first_cause(verdict: &str) -> Option<(u32, &'static str)> {
+    let mut rest = verdict;
+    while let Some(i) = rest.find("rank ") {
+        rest = &rest[i + "rank ".len()..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        let Ok(rank) = rest[..digits].parse::<u32>() else {
+            continue;
+        };
+        for word in ["failed", "panicked", "finished"] {
+            if rest[digits..].starts_with(&format!(" {word}")) {
+                return Some((rank, word));
+            }
+        }
+    }
+    None
+}
+
 /// Judges a case: every survivor ended by itself, with an error naming the
 /// failed rank, within deadline + grace of the fault; no wrong data.
 fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String) {
@@ -473,15 +584,16 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
             ));
         }
         // Named as the cause, and the right one, not merely mentioned (an
-        // op "to rank 1" is no naming): a rank that returned early
-        // finished; any other victim failed.
+        // op "to rank 1" is no naming, nor a chain whose first cause is
+        // another rank's echo: "rank 3 failed: ... because rank 2 failed"):
+        // a rank that returned early finished; any other victim failed.
         let v = case.victim;
-        let causes: &[String] = if case.name == "early-return" {
-            &[format!("rank {v} finished")]
+        let named = first_cause(&s.verdict);
+        let names = if case.name == "early-return" {
+            named == Some((v, "finished"))
         } else {
-            &[format!("rank {v} failed"), format!("rank {v} panicked")]
+            matches!(named, Some((r, "failed" | "panicked")) if r == v)
         };
-        let names = causes.iter().any(|n| s.verdict.contains(n.as_str()));
         if !s.verdict.starts_with("ERROR") || !names {
             pass = false;
             notes.push(format!(
@@ -496,7 +608,7 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
 fn drive(out: Option<&str>, only: Option<&str>, logs: Option<&str>) {
     let exe = std::env::current_exe().expect("this binary");
     let mut table = String::from(
-        "| case | mode | fault after (s) | rank 0 | rank 1 | result |\n|---|---|---|---|---|---|\n",
+        "| case | mode | fault after (s) | rank 0 | rank 1 | ranks 2, 3 | result |\n|---|---|---|---|---|---|---|\n",
     );
     let (mut failed, mut ran, mut skipped) = (0, 0, 0);
     for case in CASES.iter().filter(|c| only.is_none_or(|o| o == c.name)) {
@@ -506,10 +618,10 @@ fn drive(out: Option<&str>, only: Option<&str>, logs: Option<&str>) {
             continue;
         }
         ran += 1;
-        let mode = if case.processes {
-            "2 processes"
-        } else {
-            "local"
+        let mode = match (case.processes, case.world) {
+            (false, _) => "local".to_string(),
+            (true, 2) => "2 processes".to_string(),
+            (true, n) => format!("{n} processes, GPU 0"),
         };
         eprintln!("== {} ({mode})", case.name);
         let started = Instant::now();
@@ -530,12 +642,14 @@ fn drive(out: Option<&str>, only: Option<&str>, logs: Option<&str>) {
                 format!("{t}: {}", v.replace('|', "/"))
             })
         };
+        let rest = (2..seen.len()).map(cell).collect::<Vec<_>>().join("; ");
         let row = format!(
-            "| {} | {mode} | {:.1} | {} | {} | {}{} |\n",
+            "| {} | {mode} | {:.1} | {} | {} | {} | {}{} |\n",
             case.name,
             to_fault.as_secs_f64(),
             cell(0),
             cell(1),
+            if rest.is_empty() { "-" } else { &rest },
             if pass { "PASS" } else { "FAIL" },
             if notes.is_empty() {
                 String::new()
@@ -564,9 +678,10 @@ fn drive(out: Option<&str>, only: Option<&str>, logs: Option<&str>) {
     );
     if skipped > 0 {
         summary.push_str(&format!(
-            "DUPLEX_ONE_GPU=1: both ranks of each process case on GPU 0, over loopback sockets (behaviour, not speed); the {skipped} local cases need two GPUs and did not run.\n"
+            "DUPLEX_ONE_GPU=1: every rank of each process case on GPU 0, over loopback sockets (behaviour, not speed); the {skipped} local cases need two GPUs and did not run.\n"
         ));
     }
+    summary.push_str("The 4-rank cases always put every rank on GPU 0, over loopback sockets.\n");
     table.push_str(&summary);
     match out {
         Some(path) => {

@@ -841,7 +841,10 @@ fn a_simulated_run_reports_its_hang_as_data() {
         "{text}"
     );
     assert!(text.contains("simulator schedule: v1:"), "{text}");
-    assert!(text.contains(&format!("duplex run {file} --seed 1")), "{text}");
+    assert!(
+        text.contains(&format!("duplex run {file} --seed 1")),
+        "{text}"
+    );
     let file = write(
         "run-mismatch.sched",
         "ranks 2\nrank 0:\n  send 1 4KiB\nrank 1:\n  recv 0 8KiB\n",

@@ -48,6 +48,16 @@ pub struct TraceComm {
     pub copy: bool,
 }
 
+impl TraceComm {
+    /// A placeholder for a communicator this part of a trace has not
+    /// declared (a lane another rank made on first use): no name, no
+    /// members. [`Trace::merge`] takes the declaration from a part that has
+    /// it.
+    pub fn is_undeclared(&self) -> bool {
+        self.name.is_empty() && self.members.is_empty()
+    }
+}
+
 /// A host thread, stream or event: the rank it belongs to and its name.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Owned {
@@ -735,14 +745,17 @@ impl Trace {
     }
 
     /// Joins the traces of the ranks of one job (one per process): threads,
-    /// streams and events are renumbered, the communicators must be the
-    /// same in every part. Each part's calls keep their order.
+    /// streams and events are renumbered; communicator `k` must be the same
+    /// in every part that declares it. A part may leave some undeclared
+    /// (shorter, or a placeholder, [`TraceComm::is_undeclared`]): a lane
+    /// made on first use is declared only by the ranks that made it, and a
+    /// rank that returned early made none. Each part's calls keep their
+    /// order.
     pub fn merge(parts: &[Trace]) -> Result<Trace, String> {
         let Some(first) = parts.first() else {
             return Ok(Trace::default());
         };
         let mut out = Trace::new(first.ranks);
-        out.comms = first.comms.clone();
         for (i, part) in parts.iter().enumerate() {
             if part.ranks != first.ranks {
                 return Err(format!(
@@ -750,10 +763,17 @@ impl Trace {
                     part.ranks, first.ranks
                 ));
             }
-            if part.comms != first.comms {
-                return Err(format!(
-                    "trace part {i} declares other communicators than part 0: every rank must create communicators in the same order"
-                ));
+            for (k, c) in part.comms.iter().enumerate() {
+                if k == out.comms.len() {
+                    out.comms.push(c.clone());
+                } else if out.comms[k].is_undeclared() {
+                    out.comms[k] = c.clone();
+                } else if !c.is_undeclared() && *c != out.comms[k] {
+                    return Err(format!(
+                        "trace part {i} declares communicator #{k} as {} of ranks {:?}, an earlier part as {} of ranks {:?}: every rank must create communicators in the same order",
+                        c.name, c.members, out.comms[k].name, out.comms[k].members
+                    ));
+                }
             }
             // Each part is input from another process: its ids are checked
             // before they are renumbered (which would otherwise overflow,

@@ -685,3 +685,75 @@ fn a_split_every_rank_reached_stays_at_its_last_await() {
     }
     assert!(!a.finished, "the threads are inside their split");
 }
+
+/// Lanes made on first use are declared by the ranks that made them only:
+/// a rank that returned early before making any publishes a trace with
+/// fewer communicators, or placeholders where another rank's lanes are.
+/// The parts still join (seen on one H200 with lanes made on first use:
+/// "trace part 1 declares other communicators than part 0", and the
+/// analysis fell back to one rank's calls), and the replay names the recv
+/// that rank 1 will never issue; two parts that declare one communicator
+/// differently are still refused.
+#[test]
+fn parts_that_declared_different_lanes_made_on_first_use_still_join() {
+    let mut t0 = Trace::new(2);
+    t0.add_comm("world", &[0, 1], true);
+    // A lane rank 1 made and rank 0 did not: a placeholder on rank 0.
+    t0.add_comm("", &[], true);
+    let lane01 = t0.add_comm("lane:0->1", &[0, 1], false);
+    let main = t0.add_thread(0, "main");
+    let s = t0.add_stream(0, "lane:0->1");
+    let send = TraceCall {
+        thread: main,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir: duplex::Dir::Send,
+                peer: 1,
+                bytes: 4096,
+                dtype: duplex::DType::U8,
+                comm: lane01,
+                stream: s,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: "send 4096 x u8 to rank 1".into(),
+        place: "main.rs:3".into(),
+    };
+    t0.push(send);
+    let sync = TraceCall {
+        thread: main,
+        call: Call::Sync { stream: None },
+        text: "synchronize".into(),
+        place: "main.rs:4".into(),
+    };
+    t0.block(main, Some(sync));
+    // Rank 1 returned at once: only the world communicator.
+    let mut t1 = Trace::new(2);
+    t1.add_comm("world", &[0, 1], true);
+    let main1 = t1.add_thread(1, "main");
+    t1.end(main1);
+    for parts in [[t0.clone(), t1.clone()], [t1.clone(), t0.clone()]] {
+        let whole = Trace::merge(&parts).expect("the parts join");
+        assert_eq!(whole.comms.len(), 3);
+        assert_eq!(whole.comms[2].name, "lane:0->1");
+        assert!(whole.comms[1].is_undeclared());
+        let a = whole.analyze(duplex::Model::default());
+        assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
+        let stuck = a.stuck.expect("rank 0's send is never received");
+        let text = format!("{stuck}");
+        assert!(
+            text.contains("lane:0->1") && text.contains("never"),
+            "{text}"
+        );
+    }
+    // One communicator declared two ways is refused, naming both.
+    let mut other = t1.clone();
+    other.add_comm("", &[], true);
+    other.add_comm("lane:1->0", &[0, 1], false);
+    let e = Trace::merge(&[t0, other]).expect_err("conflicting declarations");
+    assert!(
+        e.contains("communicator #2") && e.contains("lane:0->1") && e.contains("lane:1->0"),
+        "{e}"
+    );
+}

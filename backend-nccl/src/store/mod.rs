@@ -199,8 +199,8 @@ const LIMITS: Limits = Limits {
 /// grow as N² a second.
 #[derive(Debug, Default)]
 struct Health {
-    /// Failures posted, in the order they came; one per rank.
-    failures: Vec<(Rank, String)>,
+    /// Failures posted, in the order they came, with when; one per rank.
+    failures: Vec<(Rank, String, Instant)>,
     /// Each rank's last heartbeat.
     beats: HashMap<Rank, Instant>,
     /// The last heartbeats of the ranks that have not finished, oldest
@@ -307,8 +307,8 @@ impl Shared {
 
     fn fail(&self, rank: Rank, why: String) -> Response {
         let mut h = self.health();
-        if !h.failures.iter().any(|(r, _)| *r == rank) && h.failures.len() < 1 << 16 {
-            h.failures.push((rank, why));
+        if !h.failures.iter().any(|(r, _, _)| *r == rank) && h.failures.len() < 1 << 16 {
+            h.failures.push((rank, why, Instant::now()));
         }
         Response::Ok
     }
@@ -322,18 +322,34 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    /// The first failure of another rank than `me`, else the rank silent
-    /// longest past `silence_ms` (a rank that stored `done/RANK` finished
-    /// cleanly: its silence is no failure).
+    /// The first failure of another rank than `me`: the first one posted,
+    /// or the rank silent longest past `silence_ms` when its silence passed
+    /// that mark before the first post came (a rank that stored
+    /// `done/RANK` finished cleanly: its silence is no failure).
+    ///
+    /// A rank killed or frozen posts nothing; the ranks that learn of its
+    /// silence fail in turn and post their failures, which name it as
+    /// their cause. Reporting posts before silence would name such an
+    /// echo to a rank that asks a moment later, as the failed rank
+    /// (seen with four ranks in a ring on one H200: "rank 3 failed:
+    /// ... because rank 2 failed"), where the silent rank failed first.
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
         let h = self.health();
-        if let Some((rank, why)) = h.failures.iter().find(|(r, _)| *r != me) {
+        let silence = Duration::from_millis(silence_ms);
+        let posted = h.failures.iter().find(|(r, _, _)| *r != me);
+        let silent = h.silent(Some(me), silence).next();
+        let silent_first = match (posted, silent) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            // Silent past the mark since `now - (quiet - silence)`.
+            (Some((_, _, at)), Some((_, quiet))) => quiet.saturating_sub(silence) >= at.elapsed(),
+        };
+        if !silent_first && let Some((rank, why, _)) = posted {
             return Response::Failed {
                 rank: *rank,
                 why: why.clone(),
             };
         }
-        let silent = h.silent(Some(me), Duration::from_millis(silence_ms)).next();
         match silent {
             Some((rank, quiet)) => Response::Failed {
                 rank,
@@ -648,7 +664,7 @@ fn serve_one(
                 h.silent(None, Duration::from_millis(silence_ms))
                     .map(|(r, _)| r),
             );
-            ranks.extend(h.failures.iter().map(|(r, _)| *r));
+            ranks.extend(h.failures.iter().map(|(r, _, _)| *r));
             drop(h);
             ranks.sort_unstable();
             ranks.dedup();

@@ -470,6 +470,50 @@ fn failures_and_silent_ranks_are_reported_to_the_others() {
 }
 
 #[test]
+fn a_silent_rank_is_named_before_the_echoes_of_its_death() {
+    let t = Duration::from_secs(5);
+    let silence = Duration::from_millis(300);
+    // Four ranks; rank 2 dies (stops beating). Rank 3 learns of it from its
+    // silence, fails in turn and posts that; rank 0, asking after, must
+    // hear of rank 2, which failed first, not of rank 3's echo.
+    let store = client(server(super::LIMITS));
+    for r in 0..4 {
+        store.beat(r, t).unwrap();
+    }
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(100));
+        for r in [0, 1, 3] {
+            store.beat(r, t).unwrap();
+        }
+    }
+    let (rank, why) = store
+        .health(3, silence, t)
+        .unwrap()
+        .expect("rank 2 is silent");
+    assert_eq!(rank, 2, "{why}");
+    store
+        .fail(3, "aborted: `synchronize` ended because rank 2 failed", t)
+        .unwrap();
+    let (rank, why) = store.health(0, silence, t).unwrap().expect("a failure");
+    assert_eq!(rank, 2, "{why}");
+    assert!(why.contains("no heartbeat"), "{why}");
+    // A failure posted before any rank fell silent is the one named.
+    let store = client(server(super::LIMITS));
+    for r in 0..3 {
+        store.beat(r, t).unwrap();
+    }
+    store.fail(1, "panicked", t).unwrap();
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(100));
+        store.beat(0, t).unwrap();
+    }
+    assert_eq!(
+        store.health(0, silence, t).unwrap(),
+        Some((1, "panicked".to_string()))
+    );
+}
+
+#[test]
 fn values_round_trip_and_get_waits_for_them() {
     let addr = server(super::LIMITS);
     let store = client(addr);
