@@ -355,3 +355,38 @@ fn one_kernel_slot_keeps_the_reduction_across_ranks() {
     assert!(reduced.stats.states <= 10, "{:?}", reduced.stats);
     assert!(full.stats.states > 1000, "{:?}", full.stats);
 }
+
+/// The simulated transport declares its copy-engine lanes before the run
+/// and gives each its members when a rank first uses it: a lane not yet
+/// opened may be any rank's, so under `kernels=1` it keeps the reduction
+/// across ranks off as an opened one does. Found by review: the reduced
+/// `Sim::check` answered ok (70 executions) on this program, which hangs
+/// when rank 0's first send comes after rank 1's last recv (rank 1's lane
+/// recv waits behind its copy recv while the recv on stream b takes the
+/// one slot); the checker, whose lanes have members from the start, and
+/// both full searches say deadlock.
+#[test]
+fn the_simulator_counts_copy_lanes_not_yet_opened() {
+    use duplex_sim::{Failure, Sim};
+    let text = "ranks 3\npolicy per-direction copy-from=16KiB\nmodel kernels=1\nrank 0:\n  send 1 4KiB comm=world\n  await 2 done\n  send 1 4KiB comm=world stream=b\nrank 1:\n  recv 0 4KiB comm=world\n  recv 2 4KiB\n  await 2 go\n  recv 2 16KiB\n  recv 2 4KiB\n  recv 0 4KiB comm=world stream=b\nrank 2:\n  send 1 4KiB\n  send 1 16KiB\n  notify 1 go\n  send 1 4KiB\n  sync\n  notify 0 done\n";
+    let p = duplex::schedule::parse(text).expect("valid");
+    let (reduced, full) = reduced_and_full(&compile(&p));
+    assert_eq!(reduced.verdict.kind(), "deadlock");
+    assert_eq!(full.verdict.kind(), "deadlock");
+    let program = std::sync::Arc::new(p.clone());
+    for reduce in [true, false] {
+        let mut sim = Sim::new(p.ranks)
+            .policy(p.policy)
+            .copy_from(p.copy_from)
+            .model(p.model);
+        if !reduce {
+            sim = sim.without_reduction();
+        }
+        let got = sim.check(|t| duplex::schedule::execute(&program, t));
+        assert!(
+            matches!(got, Err(Failure::Hang(_))),
+            "Sim::check (reduce={reduce}): {:?}",
+            got.map(|r| r.executions)
+        );
+    }
+}

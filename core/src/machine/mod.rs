@@ -704,7 +704,9 @@ impl Machine {
 
     /// Whether `rank`'s launches take kernel slots (R10) in the order they
     /// were issued whatever the timing: true under `kernels=1` when no
-    /// copy-engine lane of the rank exists (and always without a bound).
+    /// copy-engine lane of the rank exists, or may come to exist (a lane
+    /// the simulated transport has declared and not opened yet has no
+    /// members, and may be the rank's), and always without a bound.
     ///
     /// Why: with one slot and no copy lane, a launch of the rank holds the
     /// slot from its start to its completion, and whatever keeps an
@@ -731,7 +733,7 @@ impl Machine {
                         .setup
                         .comms
                         .iter()
-                        .any(|c| c.copy && c.members.contains(&rank))
+                        .any(|c| c.copy && (c.members.is_empty() || c.members.contains(&rank)))
             }
         }
     }
