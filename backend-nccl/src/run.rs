@@ -68,9 +68,9 @@ impl std::str::FromStr for TimeoutMs {
     type Err = String;
 
     fn from_str(v: &str) -> std::result::Result<TimeoutMs, String> {
-        match v.trim().parse::<u64>() {
-            Ok(ms) if ms > 0 => Ok(TimeoutMs(ms)),
-            _ => Err(format!(
+        match duplex::positive_count(v) {
+            Some(ms) => Ok(TimeoutMs(ms)),
+            None => Err(format!(
                 "`{v}` is not a deadline: give a whole number of milliseconds, at least 1 (the default is 10000)"
             )),
         }

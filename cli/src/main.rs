@@ -92,7 +92,7 @@ struct RunArgs {
     #[arg(long, value_name = "SIZE|auto", value_parser = CopyFrom::parse)]
     copy_from: Option<CopyFrom>,
     /// Deadline of every wait on GPUs, in milliseconds (at least 1).
-    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 5000, value_parser = milliseconds)]
     timeout_ms: u64,
     /// With `--backend nccl`: make every lane at start (`eager`), or each
     /// lane when its pair first talks (`lazy`, by the two ranks' lane
@@ -155,7 +155,7 @@ struct CalibrateArgs {
     /// The folder of schedule files.
     dir: String,
     /// Deadline of every wait, in milliseconds (at least 1).
-    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 3000, value_parser = milliseconds)]
     timeout_ms: u64,
     /// Output format: markdown or json.
     #[arg(long, value_enum, default_value_t = TableFormat::Markdown)]
@@ -783,12 +783,20 @@ fn about(file: &str, f: Failure) -> Failure {
     .at(file, None)
 }
 
+/// `--timeout-ms`: a whole number of milliseconds, at least 1, as
+/// `DUPLEX_TIMEOUT_MS` takes it ([`duplex::positive_count`]).
+fn milliseconds(v: &str) -> Result<u64, String> {
+    duplex::positive_count(v).ok_or_else(|| {
+        format!("`{v}` is not a deadline: give a whole number of milliseconds, at least 1")
+    })
+}
+
 /// `--max-states`: a whole number, at least 1 (0 would give up before the
 /// first state).
 fn at_least_one(v: &str) -> Result<usize, String> {
-    match v.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("`{v}` is not a number of states: give 1 or more")),
+    match duplex::positive_count(v).and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(n),
+        None => Err(format!("`{v}` is not a number of states: give 1 or more")),
     }
 }
 

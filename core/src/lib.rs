@@ -35,5 +35,5 @@ pub use element::{DType, Element};
 pub use error::{Error, Hang, ProgramErrorKind, Result};
 pub use model::{Model, Policy};
 pub use schedule::Dir;
-pub use size::Size;
+pub use size::{Size, positive_count};
 pub use transport::{Lane, Place, Rank, Transport};

@@ -27,6 +27,15 @@ pub(crate) fn decimal<T: std::str::FromStr>(text: &str) -> Option<T> {
     text.parse().ok()
 }
 
+/// A setting's count (a deadline in milliseconds, a bound on states or
+/// executions): a whole number of at least 1, written with digits alone,
+/// space around it ignored (an environment variable's value may carry
+/// some). `None` for anything else, `0`, `+5` and `5ms` included: one rule
+/// for the command line and the environment.
+pub fn positive_count(text: &str) -> Option<u64> {
+    decimal::<u64>(text.trim()).filter(|n| *n > 0)
+}
+
 impl Size {
     /// Parses `text` as a size; the error says what was expected.
     pub fn parse(text: &str) -> Result<Size, String> {
@@ -85,6 +94,16 @@ impl fmt::Display for Size {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_is_digits_alone_and_at_least_one() {
+        assert_eq!(positive_count("1"), Some(1));
+        assert_eq!(positive_count(" 5000\n"), Some(5000));
+        assert_eq!(positive_count("18446744073709551615"), Some(u64::MAX));
+        for bad in ["", "0", "+5", "-1", "5ms", "1e3", "1 000", "18446744073709551616", "٣"] {
+            assert_eq!(positive_count(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_fraction_is_refused_with_what_to_write_instead() {

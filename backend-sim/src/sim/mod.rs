@@ -357,9 +357,9 @@ fn max_executions_from(value: Option<&str>) -> Result<usize, String> {
     let Some(v) = value else {
         return Ok(DEFAULT_MAX_EXECUTIONS);
     };
-    match v.trim().parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!(
+    match duplex::positive_count(v).and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(n),
+        None => Err(format!(
             "DUPLEX_MAX_EXECUTIONS=`{v}`: give a whole number of executions, at least 1 (the default is {DEFAULT_MAX_EXECUTIONS}), or bound the check with Sim::max_executions(n)"
         )),
     }
