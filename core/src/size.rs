@@ -100,7 +100,17 @@ mod tests {
         assert_eq!(positive_count("1"), Some(1));
         assert_eq!(positive_count(" 5000\n"), Some(5000));
         assert_eq!(positive_count("18446744073709551615"), Some(u64::MAX));
-        for bad in ["", "0", "+5", "-1", "5ms", "1e3", "1 000", "18446744073709551616", "٣"] {
+        for bad in [
+            "",
+            "0",
+            "+5",
+            "-1",
+            "5ms",
+            "1e3",
+            "1 000",
+            "18446744073709551616",
+            "٣",
+        ] {
             assert_eq!(positive_count(bad), None, "{bad:?}");
         }
     }

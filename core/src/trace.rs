@@ -829,6 +829,45 @@ impl Trace {
                 out.cuts.push(cut.clone());
             }
         }
+        // A communicator no part declared is a placeholder whatever flags
+        // its parts gave it (the result does not depend on their order, and
+        // a part cannot make it a copy lane), and nothing may use it: an op
+        // on it would be charged to its rank as a program error.
+        for c in out.comms.iter_mut().filter(|c| c.is_undeclared()) {
+            c.warm = true;
+            c.copy = false;
+        }
+        let undeclared = |k: u32| {
+            out.comms
+                .get(k as usize)
+                .is_some_and(TraceComm::is_undeclared)
+        };
+        for call in out.calls.iter().chain(&out.blocked) {
+            if let Call::Launch { ops, .. } = &call.call
+                && let Some(o) = ops.iter().find(|o| undeclared(o.comm))
+            {
+                return Err(format!(
+                    "`{}` ({}) is on communicator #{}, which no rank's trace declares",
+                    call.text, call.place, o.comm
+                ));
+            }
+        }
+        for cut in &out.cuts {
+            let mut channels = cut
+                .sent
+                .iter()
+                .chain(&cut.received)
+                .chain(&cut.rounds)
+                .map(|&(c, _, _)| c)
+                .chain(cut.recent.iter().map(|(c, _, _)| *c))
+                .chain(cut.sides.iter().map(|&(c, _, _)| c));
+            if let Some(c) = channels.find(|c| undeclared(*c)) {
+                return Err(format!(
+                    "rank {}'s cut counts messages on communicator #{c}, which no rank's trace declares",
+                    cut.rank
+                ));
+            }
+        }
         Ok(out)
     }
 

@@ -747,6 +747,52 @@ fn parts_that_declared_different_lanes_made_on_first_use_still_join() {
             "{text}"
         );
     }
+    // An op on a communicator that no part declares is refused, naming
+    // it, not charged to its rank as a program error (found by review).
+    let mut stray = t1.clone();
+    let ghost = stray.add_comm("", &[], false);
+    let s1 = stray.add_stream(1, "s");
+    stray.push(TraceCall {
+        thread: main1,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir: duplex::Dir::Recv,
+                peer: 0,
+                bytes: 4096,
+                dtype: duplex::DType::U8,
+                comm: ghost,
+                stream: s1,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: "recv 4096 x u8 from rank 0".into(),
+        place: "main.rs:9".into(),
+    });
+    let mut only_world = Trace::new(2);
+    only_world.add_comm("world", &[0, 1], true);
+    only_world.add_thread(0, "main");
+    let e = Trace::merge(&[only_world.clone(), stray]).expect_err("an op on no communicator");
+    assert!(
+        e.contains("communicator #1") && e.contains("main.rs:9"),
+        "{e}"
+    );
+    let mut cut = t1.clone();
+    cut.add_comm("", &[], true);
+    cut.cuts.push(duplex::trace::Cut {
+        rank: 1,
+        received: vec![(1, 0, 3)],
+        ..Default::default()
+    });
+    let e = Trace::merge(&[only_world, cut]).expect_err("a cut on no communicator");
+    assert!(e.contains("communicator #1") && e.contains("cut"), "{e}");
+    // A placeholder's flags do not depend on which part came first.
+    let mut copyish = t1.clone();
+    copyish.add_copy_lane("", &[]);
+    let a = Trace::merge(&[copyish.clone(), t1.clone()]).expect("joins");
+    let b = Trace::merge(&[t1.clone(), copyish]).expect("joins");
+    assert_eq!(a.comms, b.comms);
+    assert!(!a.comms[1].copy);
     // One communicator declared two ways is refused, naming both.
     let mut other = t1.clone();
     other.add_comm("", &[], true);

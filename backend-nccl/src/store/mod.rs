@@ -199,13 +199,18 @@ const LIMITS: Limits = Limits {
 /// grow as N² a second.
 #[derive(Debug, Default)]
 struct Health {
-    /// Failures posted, in the order they came, with when; one per rank.
+    /// Failures, posted or silences recorded by [`Shared::check`], in the
+    /// order they happened, with when; one per rank.
     failures: Vec<(Rank, String, Instant)>,
     /// Each rank's last heartbeat.
     beats: HashMap<Rank, Instant>,
     /// The last heartbeats of the ranks that have not finished, oldest
     /// first: the ranks silent past any silence are a prefix of it.
     by_beat: std::collections::BTreeSet<(Instant, Rank)>,
+    /// The ranks in `failures`: their silence no longer matters, and they
+    /// are kept out of `by_beat`, so that the longest-silent rank there is
+    /// one not yet recorded.
+    failed: std::collections::HashSet<Rank>,
     /// The ranks that stored `done/RANK` (they finished cleanly, and their
     /// silence is no failure), kept as each is stored: a scan of the
     /// stored keys would cost every request all of the job's keys.
@@ -218,8 +223,22 @@ impl Health {
         if let Some(old) = self.beats.insert(rank, now) {
             self.by_beat.remove(&(old, rank));
         }
-        if !self.finished.contains(&rank) {
+        if !self.finished.contains(&rank) && !self.failed.contains(&rank) {
             self.by_beat.insert((now, rank));
+        }
+    }
+
+    /// Records that `rank` failed at `at`, why, in the order failures
+    /// happened; only a rank's first failure counts, and at most 2^16.
+    fn record(&mut self, rank: Rank, why: String, at: Instant) {
+        if self.failed.contains(&rank) || self.failures.len() >= 1 << 16 {
+            return;
+        }
+        let i = self.failures.partition_point(|(_, _, t)| *t <= at);
+        self.failures.insert(i, (rank, why, at));
+        self.failed.insert(rank);
+        if let Some(b) = self.beats.get(&rank) {
+            self.by_beat.remove(&(*b, rank));
         }
     }
 
@@ -306,10 +325,7 @@ impl Shared {
     }
 
     fn fail(&self, rank: Rank, why: String) -> Response {
-        let mut h = self.health();
-        if !h.failures.iter().any(|(r, _, _)| *r == rank) && h.failures.len() < 1 << 16 {
-            h.failures.push((rank, why, Instant::now()));
-        }
+        self.health().record(rank, why, Instant::now());
         Response::Ok
     }
 
@@ -322,41 +338,40 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    /// The first failure of another rank than `me`: the first one posted,
-    /// or the rank silent longest past `silence_ms` when its silence passed
-    /// that mark before the first post came (a rank that stored
+    /// The first failure of another rank than `me`, in the order the
+    /// failures happened: a posted failure at its post, a silent rank at
+    /// the moment its silence passed `silence_ms` (a rank that stored
     /// `done/RANK` finished cleanly: its silence is no failure).
     ///
     /// A rank killed or frozen posts nothing; the ranks that learn of its
     /// silence fail in turn and post their failures, which name it as
-    /// their cause. Reporting posts before silence would name such an
-    /// echo to a rank that asks a moment later, as the failed rank
-    /// (seen with four ranks in a ring on one H200: "rank 3 failed:
-    /// ... because rank 2 failed"), where the silent rank failed first.
+    /// their cause. Reporting posts before silence named such an echo as
+    /// the failed rank to a rank that asked a moment later (seen with four
+    /// ranks in a ring on one H200: "rank 3 failed: ... because rank 2
+    /// failed"). So the first ask that finds a rank silent records its
+    /// silence as a failure, dated when the silence passed the mark, among
+    /// the posted ones: every later ask gets the same answer, even if the
+    /// rank beats again (a frozen process resumed: the job has failed by
+    /// then).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
-        let h = self.health();
+        let mut h = self.health();
         let silence = Duration::from_millis(silence_ms);
-        let posted = h.failures.iter().find(|(r, _, _)| *r != me);
-        let silent = h.silent(Some(me), silence).next();
-        let silent_first = match (posted, silent) {
-            (_, None) => false,
-            (None, Some(_)) => true,
-            // Silent past the mark since `now - (quiet - silence)`.
-            (Some((_, _, at)), Some((_, quiet))) => quiet.saturating_sub(silence) >= at.elapsed(),
-        };
-        if !silent_first && let Some((rank, why, _)) = posted {
-            return Response::Failed {
+        // Recorded ranks are out of the beat order: the longest silent is
+        // one not yet recorded, found in O(log ranks).
+        let longest = h.silent(Some(me), silence).next();
+        if let Some((rank, quiet)) = longest {
+            let now = Instant::now();
+            let at = now.checked_sub(quiet - silence).unwrap_or(now);
+            let why = format!(
+                "no heartbeat for {} ms: the process was killed, crashed or is frozen",
+                quiet.as_millis()
+            );
+            h.record(rank, why, at);
+        }
+        match h.failures.iter().find(|(r, _, _)| *r != me) {
+            Some((rank, why, _)) => Response::Failed {
                 rank: *rank,
                 why: why.clone(),
-            };
-        }
-        match silent {
-            Some((rank, quiet)) => Response::Failed {
-                rank,
-                why: format!(
-                    "no heartbeat for {} ms: the process was killed, crashed or is frozen",
-                    quiet.as_millis()
-                ),
             },
             None => Response::Healthy,
         }

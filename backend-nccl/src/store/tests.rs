@@ -466,7 +466,13 @@ fn failures_and_silent_ranks_are_reported_to_the_others() {
         .expect("rank 1 is silent");
     assert_eq!(rank, 1);
     assert!(why.contains("no heartbeat"), "{why}");
-    assert_eq!(store.health(0, Duration::from_secs(60), t).unwrap(), None);
+    // Once found silent, it stays the failed rank for every asker, whatever
+    // silence that one asks about, and if it beats again.
+    store.beat(1, t).unwrap();
+    assert_eq!(
+        store.health(0, Duration::from_secs(60), t).unwrap(),
+        Some((rank, why))
+    );
 }
 
 #[test]
@@ -497,6 +503,12 @@ fn a_silent_rank_is_named_before_the_echoes_of_its_death() {
     let (rank, why) = store.health(0, silence, t).unwrap().expect("a failure");
     assert_eq!(rank, 2, "{why}");
     assert!(why.contains("no heartbeat"), "{why}");
+    // Rank 2 resumes (a frozen process continued): every asker still hears
+    // of rank 2, not of the echo.
+    store.beat(2, t).unwrap();
+    assert_eq!(store.health(1, silence, t).unwrap().map(|f| f.0), Some(2));
+    // Rank 3's echo was recorded after rank 2's silence.
+    assert_eq!(store.health(2, silence, t).unwrap().map(|f| f.0), Some(3));
     // A failure posted before any rank fell silent is the one named.
     let store = client(server(super::LIMITS));
     for r in 0..3 {
