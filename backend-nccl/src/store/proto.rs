@@ -213,7 +213,9 @@ pub enum Request {
         rank: Rank,
     },
     /// Asks whether another rank than `me` failed, or has sent no heartbeat
-    /// for `silence_ms`.
+    /// for `silence_ms`: the first failure in the order failures happened
+    /// (a silence counts from when it passed `silence_ms`, and once found
+    /// it is kept, so every asker hears of the same rank).
     Health {
         /// The asking rank (never reported to itself).
         me: Rank,
