@@ -75,24 +75,22 @@ fn commuting_pairs(c: &Compiled) -> (usize, Option<String>) {
                 if a >= b || (ra == rb && !local(a) && !local(b)) {
                     continue;
                 }
-                let mut ab = m.clone();
-                let ea = step(c, &mut ab, a).is_err();
-                if !(ea || matches!(ab.next(b), Next::Call | Next::Resume)) {
-                    return (
-                        pairs,
-                        Some(format!("a step of rank {ra} disabled rank {rb}")),
-                    );
-                }
-                let eab = ea || step(c, &mut ab, b).is_err();
-                let mut ba = m.clone();
-                let eb = step(c, &mut ba, b).is_err();
-                if !(eb || matches!(ba.next(a), Next::Call | Next::Resume)) {
-                    return (
-                        pairs,
-                        Some(format!("a step of rank {rb} disabled rank {ra}")),
-                    );
-                }
-                let eba = eb || step(c, &mut ba, a).is_err();
+                // `x` then `y`: the machine after, and whether either step
+                // erred; an error if `x`'s step disabled `y`.
+                let in_order = |x: ThreadId, y: ThreadId, rx: u32, ry: u32| {
+                    let mut after = m.clone();
+                    let ex = step(c, &mut after, x).is_err();
+                    if !(ex || matches!(after.next(y), Next::Call | Next::Resume)) {
+                        return Err(format!("a step of rank {rx} disabled rank {ry}"));
+                    }
+                    let exy = ex || step(c, &mut after, y).is_err();
+                    Ok((after, exy))
+                };
+                let orders = (in_order(a, b, ra, rb), in_order(b, a, rb, ra));
+                let ((ab, eab), (ba, eba)) = match orders {
+                    (Ok(ab), Ok(ba)) => (ab, ba),
+                    (Err(why), _) | (_, Err(why)) => return (pairs, Some(why)),
+                };
                 if eab != eba {
                     return (pairs, Some("an error in one order only".into()));
                 }

@@ -218,6 +218,18 @@ pub struct Cut {
 impl Cut {
     /// How many send sizes a cut keeps per channel ([`Cut::recent`]).
     pub const RECENT: usize = 64;
+
+    /// Every channel the cut names, `(communicator, peer)`, as often as it
+    /// names it (what [`Trace::check_ids`] and [`Trace::merge`] check).
+    fn channels(&self) -> impl Iterator<Item = (u32, Rank)> + '_ {
+        self.sent
+            .iter()
+            .chain(&self.received)
+            .chain(&self.rounds)
+            .map(|&(c, peer, _)| (c, peer))
+            .chain(self.recent.iter().map(|(c, peer, _)| (*c, *peer)))
+            .chain(self.sides.iter().map(|&(c, peer, _)| (c, peer)))
+    }
 }
 
 /// The value of `(a, b)` in a list of `(a, b, value)` kept sorted by
@@ -717,16 +729,8 @@ impl Trace {
             if cut.rank >= t.ranks {
                 return Err(decl("a cut", cut.rank));
             }
-            let channels = cut
-                .sent
-                .iter()
-                .chain(&cut.received)
-                .chain(&cut.rounds)
-                .map(|&(c, peer, _)| (c, peer))
-                .chain(cut.recent.iter().map(|(c, peer, _)| (*c, *peer)))
-                .chain(cut.sides.iter().map(|&(c, peer, _)| (c, peer)));
             let mut peers = cut.notified.iter().chain(&cut.awaited).map(|(r, ..)| *r);
-            for (c, peer) in channels {
+            for (c, peer) in cut.channels() {
                 if c as usize >= t.comms.len() || peer >= t.ranks {
                     return Err(whole(format!(
                         "rank {}'s cut names communicator #{c} and peer {peer}, which do not exist",
@@ -853,15 +857,7 @@ impl Trace {
             }
         }
         for cut in &out.cuts {
-            let mut channels = cut
-                .sent
-                .iter()
-                .chain(&cut.received)
-                .chain(&cut.rounds)
-                .map(|&(c, _, _)| c)
-                .chain(cut.recent.iter().map(|(c, _, _)| *c))
-                .chain(cut.sides.iter().map(|&(c, _, _)| c));
-            if let Some(c) = channels.find(|c| undeclared(*c)) {
+            if let Some((c, _)) = cut.channels().find(|(c, _)| undeclared(*c)) {
                 return Err(format!(
                     "rank {}'s cut counts messages on communicator #{c}, which no rank's trace declares",
                     cut.rank
