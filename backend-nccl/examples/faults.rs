@@ -7,7 +7,8 @@
 //! only through the store), and judges
 //! what the surviving ranks did: every one must exit by itself with an
 //! error that names the failed rank, within its deadline plus a bounded
-//! grace after the fault; no process may be left running; no rank may
+//! grace after the fault (a partner that returned early, before its
+//! deadline: its unmatched op is known); no process may be left running; no rank may
 //! report success for bytes that did not arrive (every transfer's bytes are
 //! checked).
 //!
@@ -599,6 +600,19 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
             notes.push(format!(
                 "rank {rank} did not end with an error naming rank {}",
                 case.victim
+            ));
+        }
+        // A partner that returned early leaves an op that can never be
+        // matched: the wait for it ends once that is known (the survivor
+        // says the op is never matched), before its deadline (which
+        // begins after the case's start), not at it.
+        if case.name == "early-return"
+            && !s.verdict.contains("is never matched")
+            && s.verdict_after.is_none_or(|t| t >= DEADLINE)
+        {
+            pass = false;
+            notes.push(format!(
+                "rank {rank} waited for its deadline, though its partner had finished without matching its op"
             ));
         }
     }

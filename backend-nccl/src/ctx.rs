@@ -3,13 +3,14 @@
 //! settings of a run, and the small handle types of streams, events and
 //! communicators. [`crate::rank`] builds the per-thread handle on it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use duplex::report::OpInfo;
+use duplex::trace::ChannelCount;
 use duplex::transport::check;
 use duplex::{DType, Dir, Error, Model, Policy, Rank, Result};
 
@@ -684,6 +685,10 @@ pub(crate) struct RankCtx {
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
+    /// The counts each peer posted as it finished, read once from the
+    /// store ([`RankCtx::unmatchable`]); `None` when they could not be
+    /// read or decoded (not asked again).
+    pub(crate) finished_counts: Mutex<BTreeMap<Rank, Option<Arc<Vec<ChannelCount>>>>>,
     /// Two device bytes that every connecting exchange uses
     /// ([`exchange_byte`]): made at creation, freed with the context after
     /// every communicator (a free synchronizes the device, P8 of
@@ -1065,6 +1070,7 @@ impl RankCtx {
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
             costs: Mutex::new(costs),
+            finished_counts: Mutex::new(BTreeMap::new()),
             device,
             opts,
         });
@@ -1321,6 +1327,104 @@ impl RankCtx {
         } else {
             None
         }
+    }
+
+    /// A pending op of this rank that can never complete, and why: its
+    /// peer finished cleanly without issuing what would match it (a recv
+    /// past the sends the peer issued on its channel, or a send past its
+    /// recvs: [`crate::health::unmatched_by`]). Reads what the health
+    /// monitor knows of finished ranks (across processes, asking starts
+    /// its watch), then each such peer's counts: in one process the
+    /// registry's, across processes those the peer posted as it finished
+    /// (one store request per peer, kept). A send NCCL may have completed
+    /// into its channel's buffer (R5) without its recv is judged only
+    /// once the rank's completion fences are flushed: one still pending
+    /// then waits for its recv.
+    pub(crate) fn unmatchable(&self) -> Option<String> {
+        let pending = self.pending();
+        let mut peers: Vec<Rank> = pending
+            .iter()
+            .map(|op| op.meta.peer)
+            .filter(|p| *p != self.rank)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers.retain(|p| self.health.finished_among(&[*p]).is_some());
+        if peers.is_empty() {
+            return None;
+        }
+        let local = (!self.health.remote()).then(|| self.registry.channel_counts());
+        let mut found = None;
+        for op in &pending {
+            let m = &op.meta;
+            if !peers.contains(&m.peer) {
+                continue;
+            }
+            let posted;
+            let theirs: &[ChannelCount] = match &local {
+                Some(all) => all,
+                None => match self.counts_posted_by(m.peer) {
+                    Some(c) => {
+                        posted = c;
+                        &posted
+                    }
+                    None => continue,
+                },
+            };
+            if let Some(issued) =
+                crate::health::unmatched_by(self.rank, m.peer, m.dir, m.logical(), m.fifo, theirs)
+            {
+                found = Some((op.clone(), issued));
+                break;
+            }
+        }
+        let (op, issued) = found?;
+        if op.meta.dir == Dir::Send {
+            self.flush_fences(Duration::from_millis(20));
+            if !self.pending().iter().any(|p| Arc::ptr_eq(p, &op)) {
+                return None;
+            }
+        }
+        let m = &op.meta;
+        let (theirs, mine) = match m.dir {
+            Dir::Send => ("recvs from", "send"),
+            Dir::Recv => ("sends to", "recv"),
+        };
+        Some(format!(
+            "rank {peer} finished having issued {issued} {theirs} rank {me} on {comm}, so `{text}` ({at}), {mine} {n} of rank {me} there, is never matched",
+            peer = m.peer,
+            me = self.rank,
+            comm = m.comm_name(),
+            text = m.text(),
+            at = m.place(),
+            n = u64::from(m.fifo) + 1,
+        ))
+    }
+
+    /// The counts `peer` posted as it finished, read from the store once.
+    fn counts_posted_by(&self, peer: Rank) -> Option<Arc<Vec<ChannelCount>>> {
+        if let Some(known) = lock(&self.finished_counts).get(&peer) {
+            return known.clone();
+        }
+        let read = match self.health.counts_of(self.rank, &[peer], Duration::ZERO) {
+            // Not there yet (it posts them before it says it finished, so
+            // only a moment), or a failure is known: asked again later.
+            Ok(None) => return None,
+            Ok(Some(mut heard)) => match heard.counts.remove(&peer) {
+                Some(c) => Some(Arc::new(c)),
+                None => return None,
+            },
+            Err(why) => {
+                tracing::debug!(
+                    rank = self.rank,
+                    peer,
+                    "cannot read the counts of a rank that finished: {why}"
+                );
+                None
+            }
+        };
+        lock(&self.finished_counts).insert(peer, read.clone());
+        read
     }
 
     /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is

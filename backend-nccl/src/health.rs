@@ -244,6 +244,40 @@ pub fn culprit(
         .map(|r| (r, PeerCause::Finished))
 }
 
+/// Whether an op of `me` can never be matched by `peer`, which finished
+/// cleanly having issued what `theirs` counts (the counts it posted as it
+/// finished, [`Health::post_counts`]; in one process, the registry's
+/// counts of every rank): the op is `dir` toward `peer` on communicator
+/// `comm` (its number in the registry), message `fifo` (from 0) of its
+/// channel. A finished rank issues nothing more, and a channel matches in
+/// order, so a recv past the sends `peer` issued on the channel, or a send
+/// past its recvs, is never matched: the number of those `peer` issued,
+/// when so.
+pub fn unmatched_by(
+    me: Rank,
+    peer: Rank,
+    dir: duplex::Dir,
+    comm: u32,
+    fifo: u32,
+    theirs: &[ChannelCount],
+) -> Option<u64> {
+    if peer == me {
+        return None;
+    }
+    let (from, to) = match dir {
+        duplex::Dir::Send => (me, peer),
+        duplex::Dir::Recv => (peer, me),
+    };
+    let issued = theirs
+        .iter()
+        .find(|c| (c.comm, c.from, c.to) == (comm, from, to))
+        .map_or(0, |c| match dir {
+            duplex::Dir::Send => c.received,
+            duplex::Dir::Recv => c.sent,
+        });
+    (u64::from(fifo) >= issued).then_some(issued)
+}
+
 /// The health of a local run: one list for all its ranks.
 #[derive(Debug, Default)]
 pub struct LocalHealth {
@@ -872,6 +906,45 @@ mod tests {
         let t0 = Instant::now();
         h.linger(3, 0, Duration::from_secs(30), Duration::ZERO);
         assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn an_op_past_what_a_finished_peer_issued_on_its_channel_is_never_matched() {
+        use duplex::Dir::{Recv, Send};
+        let count = |comm, from, to, sent, received| ChannelCount {
+            comm,
+            from,
+            to,
+            sent,
+            received,
+        };
+        // Rank 1 finished after 2 sends to rank 0 and 1 recv from it on
+        // communicator 3, nothing on communicator 4.
+        let theirs = [count(3, 1, 0, 2, 0), count(3, 0, 1, 0, 1)];
+        // Rank 0's recvs 0 and 1 from rank 1 are matched, its third not.
+        assert_eq!(unmatched_by(0, 1, Recv, 3, 0, &theirs), None);
+        assert_eq!(unmatched_by(0, 1, Recv, 3, 1, &theirs), None);
+        assert_eq!(unmatched_by(0, 1, Recv, 3, 2, &theirs), Some(2));
+        // Its first send is received, its second not.
+        assert_eq!(unmatched_by(0, 1, Send, 3, 0, &theirs), None);
+        assert_eq!(unmatched_by(0, 1, Send, 3, 1, &theirs), Some(1));
+        // A channel the peer never used matches nothing.
+        assert_eq!(unmatched_by(0, 1, Recv, 4, 0, &theirs), Some(0));
+        assert_eq!(unmatched_by(0, 1, Send, 4, 0, &theirs), Some(0));
+        // A third rank's counts on the channel are not the peer's.
+        assert_eq!(
+            unmatched_by(0, 2, Recv, 3, 0, &theirs),
+            Some(0),
+            "rank 2 sent nothing"
+        );
+        // In one process the counts hold both sides of each channel: the
+        // peer's side is read, never this rank's.
+        let both = [count(3, 1, 0, 1, 5), count(3, 0, 1, 5, 1)];
+        assert_eq!(unmatched_by(0, 1, Recv, 3, 0, &both), None);
+        assert_eq!(unmatched_by(0, 1, Recv, 3, 1, &both), Some(1));
+        assert_eq!(unmatched_by(0, 1, Send, 3, 1, &both), Some(1));
+        // An op to itself is never judged this way.
+        assert_eq!(unmatched_by(0, 0, Recv, 3, 9, &both), None);
     }
 
     #[test]

@@ -34,6 +34,16 @@ const GATHER_WAIT: Duration = Duration::from_secs(2);
 /// complete (`RankCtx::flush_fences`): an idle stream's does at once.
 const HANG_FLUSH: Duration = Duration::from_millis(20);
 
+/// How long a wait lasts before it looks for an op that can never complete
+/// because its peer finished without issuing its match
+/// ([`RankCtx::unmatchable`]): a fifth of the deadline, from half a second
+/// to 30 s. Across processes the first look starts the health monitor's
+/// watch for finished ranks, one more store request a heartbeat: a wait
+/// that ends sooner never costs it.
+fn unmatched_look(timeout: Duration) -> Duration {
+    (timeout / 5).clamp(Duration::from_millis(500), Duration::from_secs(30))
+}
+
 /// What a hang's analysis replayed, in the report's words: what every
 /// rank issued, or (across processes) what was missing from it, so that
 /// a report never claims another rank will not issue what it only does
@@ -1031,6 +1041,9 @@ impl NcclRank {
             .registry
             .blocked(self.thread_id, Some(blocked.clone()));
         let mut checks = 0u32;
+        let start = std::time::Instant::now();
+        let look_after = unmatched_look(self.ctx.opts.timeout);
+        let mut unmatched = None;
         let result = poll(self.ctx.opts.timeout, || {
             if done()? {
                 return Ok(true);
@@ -1039,6 +1052,15 @@ impl NcclRank {
                 return Err(self.peer_failed(call, r, &why));
             }
             if checks.is_multiple_of(256) {
+                // A wait that lasts: is it for an op whose peer finished
+                // without issuing its match? Then it ends now, not at the
+                // deadline.
+                if start.elapsed() >= look_after
+                    && let Some(why) = self.ctx.unmatchable()
+                {
+                    unmatched = Some(why);
+                    return Ok(true);
+                }
                 // A failed communicator (a peer that died, say) is an error now.
                 for op in self.ctx.pending() {
                     let checked = match &op.meta.copy {
@@ -1062,10 +1084,11 @@ impl NcclRank {
             }
             Ok(false)
         });
-        let result = match result {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(self.hang(call, at, Some(blocked))),
-            Err(e) => Err(e),
+        let result = match (result, unmatched) {
+            (Ok(true), Some(why)) => Err(self.hang_because(call, at, Some(blocked), Some(&why))),
+            (Ok(true), None) => Ok(()),
+            (Ok(false), _) => Err(self.hang(call, at, Some(blocked))),
+            (Err(e), _) => Err(e),
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result
@@ -1256,7 +1279,27 @@ impl NcclRank {
     /// analysis where every rank's ops are known, and the communicators
     /// involved aborted so that no device work stays stuck.
     fn hang(&self, call: &str, at: &str, blocked: Option<Blocked>) -> Error {
+        self.hang_because(call, at, blocked, None)
+    }
+
+    /// [`NcclRank::hang`] of a wait that ended before its deadline
+    /// because, `early` says, an op of this rank can never complete
+    /// ([`RankCtx::unmatchable`]); `None`: its deadline expired.
+    fn hang_because(
+        &self,
+        call: &str,
+        at: &str,
+        blocked: Option<Blocked>,
+        early: Option<&str>,
+    ) -> Error {
         let ctx = &self.ctx;
+        let ended = match early {
+            Some(why) => format!("can never return: {why}"),
+            None => format!(
+                "did not return within its deadline of {:?}",
+                ctx.opts.timeout
+            ),
+        };
         // The report lists what is not complete: open fences are recorded
         // first, and given a moment, so that ops that did complete leave.
         ctx.flush_fences(HANG_FLUSH);
@@ -1277,13 +1320,8 @@ impl NcclRank {
         }
         // Say so first, so that the other ranks' waits end and (across
         // processes) they publish what they issued for the analysis below.
-        ctx.health.fail(
-            ctx.rank,
-            &format!(
-                "hang: `{call}` ({at}) did not return within its deadline of {:?}",
-                ctx.opts.timeout
-            ),
-        );
+        ctx.health
+            .fail(ctx.rank, &format!("hang: `{call}` ({at}) {ended}"));
         let r = &ctx.registry;
         let (analysis, missing) = if ctx.health.remote() {
             ctx.health.publish(ctx.rank, &r.trace());
@@ -1340,7 +1378,10 @@ impl NcclRank {
                         call: call.to_string(),
                         at: at.to_string(),
                         line: None,
-                        waits_for: format!("its deadline of {:?} expired", ctx.opts.timeout),
+                        waits_for: match early {
+                            Some(why) => why.to_string(),
+                            None => format!("its deadline of {:?} expired", ctx.opts.timeout),
+                        },
                     }],
                     ops: mine.clone(),
                     mismatched_setups: Vec::new(),
@@ -1356,7 +1397,7 @@ impl NcclRank {
                 && c.lane.aborted().is_none()
             {
                 c.lane.abort(&format!(
-                    "rank {} thread {}: `{call}` did not return within its deadline",
+                    "rank {} thread {}: `{call}` {ended}",
                     ctx.rank, self.thread
                 ));
                 aborted.push(c.name.clone());
@@ -1374,8 +1415,11 @@ impl NcclRank {
         // pending: the likely reason (the model's report names the op it
         // never issued).
         let finished = match ctx.health.finished_among(&peers) {
-            Some(r) => format!("; {}", crate::ctx::finished_before(r, ctx.rank)),
-            None => String::new(),
+            // An early end names the rank that finished already.
+            Some(r) if early.is_none() => {
+                format!("; {}", crate::ctx::finished_before(r, ctx.rank))
+            }
+            _ => String::new(),
         };
         // A host thread waiting for a lane made on first use has not issued
         // its op yet, so the model sees it as running: say so.
@@ -1390,10 +1434,9 @@ impl NcclRank {
             )
         };
         let context = format!(
-            "rank {} thread {}: `{call}` did not return within its deadline of {:?}; {note}; aborted communicators: {}{finished}{lanes}",
+            "rank {} thread {}: `{call}` {ended}; {note}; aborted communicators: {}{finished}{lanes}",
             ctx.rank,
             self.thread,
-            ctx.opts.timeout,
             if aborted.is_empty() {
                 "none".to_string()
             } else {
