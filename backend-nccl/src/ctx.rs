@@ -1371,9 +1371,18 @@ impl RankCtx {
                     None => continue,
                 },
             };
-            if let Some(issued) =
-                crate::health::unmatched_by(self.rank, m.peer, m.dir, m.logical(), m.fifo, theirs)
-            {
+            let unmatched =
+                crate::health::unmatched_by(self.rank, m.peer, m.dir, m.logical(), m.fifo, theirs);
+            tracing::debug!(
+                rank = self.rank,
+                peer = m.peer,
+                op = %m.text(),
+                comm = m.logical(),
+                fifo = m.fifo,
+                ?unmatched,
+                "a pending op whose peer finished"
+            );
+            if let Some(issued) = unmatched {
                 found = Some((op.clone(), issued));
                 break;
             }
@@ -1382,6 +1391,10 @@ impl RankCtx {
         if op.meta.dir == Dir::Send {
             self.flush_fences(Duration::from_millis(20));
             if !self.pending().iter().any(|p| Arc::ptr_eq(p, &op)) {
+                tracing::debug!(
+                    rank = self.rank,
+                    "the unmatched send completed into its channel's buffer"
+                );
                 return None;
             }
         }
@@ -1603,7 +1616,13 @@ impl RankCtx {
     /// so that no kernel stays stuck, waits briefly for the aborted work to
     /// stop, and leaks the buffers of what is still not complete rather than
     /// free memory a kernel may use. Never blocks past the deadline.
-    pub(crate) fn teardown(&self) {
+    ///
+    /// A rank that `failed` has posted its failure, and every other rank
+    /// ends its work with it on learning of that: its ops not complete
+    /// within [`TEARDOWN_AFTER_FAILURE`] never will, and are aborted then,
+    /// not at the deadline (a rank whose wait ended on an error from NCCL,
+    /// a peer's closed connection say, left its ops pending).
+    pub(crate) fn teardown(&self, failed: bool) {
         let _ = self.device.bind();
         // What the ops' fences say is all the waits below know.
         self.flush_fences(Duration::ZERO);
@@ -1631,10 +1650,12 @@ impl RankCtx {
                 );
             }
         }
-        if matches!(
-            poll(self.opts.timeout, || Ok(self.pending().is_empty())),
-            Ok(true)
-        ) {
+        let settle = if failed {
+            TEARDOWN_AFTER_FAILURE.min(self.opts.timeout)
+        } else {
+            self.opts.timeout
+        };
+        if matches!(poll(settle, || Ok(self.pending().is_empty())), Ok(true)) {
             return;
         }
         tracing::warn!(
@@ -1655,6 +1676,10 @@ impl RankCtx {
         }
     }
 }
+
+/// How long the end of a rank that failed waits for its ops to complete
+/// before it aborts them ([`RankCtx::teardown`]).
+pub(crate) const TEARDOWN_AFTER_FAILURE: Duration = Duration::from_millis(100);
 
 /// Aborts `comms` together (P8 of [`crate::guard`]): every abort flag is
 /// raised before any communicator is freed. The names of those this call

@@ -46,6 +46,11 @@
 //! accepting connections fails each request at once, so the monitor
 //! learns rank 0's death in [`SILENCE`], not in a request timeout more.
 //!
+//! A rank that finished cleanly is no failure, but an op of another rank
+//! that waits for its match then never completes: a wait that lasts looks
+//! for one ([`unmatched_by`], from the counts the finished rank posted) and
+//! ends with the hang report then, not at its deadline.
+//!
 //! A waiting rank names the first failure it learned of. Lingering ranks
 //! (the store's host, and ranks whose lane service serves the others) ask
 //! the store instead for every rank that has ended (`ENDED`: finished,

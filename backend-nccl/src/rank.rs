@@ -260,8 +260,8 @@ impl NcclRank {
     }
 
     /// See [`RankCtx::teardown`].
-    pub(crate) fn teardown(&self) {
-        self.ctx.teardown();
+    pub(crate) fn teardown(&self, failed: bool) {
+        self.ctx.teardown(failed);
     }
 
     fn req<E: Element>(

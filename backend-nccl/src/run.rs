@@ -824,7 +824,7 @@ where
     }
     // Whatever happened, nothing of this rank stays stuck on the device.
     let ending = Instant::now();
-    handle.teardown();
+    handle.teardown(result.is_err());
     tracing::debug!(
         rank,
         ms = ending.elapsed().as_secs_f64() * 1e3,
