@@ -1,6 +1,7 @@
 //! The fault matrix of duplex-nccl on two GPUs: each case runs a job of two
 //! ranks, injects one fault (a rank killed with SIGKILL before, during or
-//! after a 256 MiB transfer, frozen with SIGSTOP, returning early, panicking,
+//! after a 256 MiB transfer, frozen with SIGSTOP, returning early (its
+//! partner waiting for a transfer, or for a notify), panicking,
 //! rank 0 killed, a wrong `WORLD_SIZE`, NCCL missing on one rank), or of
 //! four ranks on GPU 0 (a ring with one rank killed, frozen or panicking;
 //! two pairs, one rank of one pair killed, so the other pair hears of it
@@ -101,6 +102,14 @@ const CASES: &[Case] = &[
         env: &[],
     },
     Case {
+        name: "early-return-await",
+        processes: true,
+        world: 2,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
         name: "panic",
         processes: true,
         world: 2,
@@ -134,6 +143,14 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "early-return",
+        processes: false,
+        world: 2,
+        victim: 1,
+        action: Action::None,
+        env: &[],
+    },
+    Case {
+        name: "early-return-await",
         processes: false,
         world: 2,
         victim: 1,
@@ -278,6 +295,14 @@ fn rank_code(case: &str, t: &NcclRank) -> duplex::Result<()> {
                 Ok(())
             } else {
                 exchange(t)
+            }
+        }
+        "early-return-await" => {
+            if me == victim {
+                Ok(())
+            } else {
+                // A notify the victim, which returns at once, never sends.
+                t.await_notify(victim, "never")
             }
         }
         "panic" => {
@@ -590,7 +615,7 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
         // a rank that returned early finished; any other victim failed.
         let v = case.victim;
         let named = first_cause(&s.verdict);
-        let names = if case.name == "early-return" {
+        let names = if case.name.starts_with("early-return") {
             named == Some((v, "finished"))
         } else {
             matches!(named, Some((r, "failed" | "panicked")) if r == v)
@@ -606,7 +631,7 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
         // matched: the wait for it ends once that is known (the survivor
         // says the op is never matched), before its deadline (which
         // begins after the case's start), not at it.
-        if case.name == "early-return"
+        if case.name.starts_with("early-return")
             && !s.verdict.contains("is never matched")
             && s.verdict_after.is_none_or(|t| t >= DEADLINE)
         {

@@ -36,7 +36,8 @@ const HANG_FLUSH: Duration = Duration::from_millis(20);
 
 /// How long a wait lasts before it looks for an op that can never complete
 /// because its peer finished without issuing its match
-/// ([`RankCtx::unmatchable`]): a fifth of the deadline, from half a second
+/// ([`RankCtx::unmatchable`]), or an `await_notify` for a peer that
+/// finished without notifying: a fifth of the deadline, from half a second
 /// to 30 s. Across processes the first look starts the health monitor's
 /// watch for finished ranks, one more store request a heartbeat: a wait
 /// that ends sooner never costs it.
@@ -2148,7 +2149,10 @@ impl Transport for NcclRank {
             )),
         );
         // In slices, so that another rank's failure ends the wait early.
-        let deadline = std::time::Instant::now() + self.ctx.opts.timeout;
+        let start = std::time::Instant::now();
+        let deadline = start + self.ctx.opts.timeout;
+        let look_after = unmatched_look(self.ctx.opts.timeout);
+        let mut never = None;
         let got = loop {
             if let Some((r, why)) = self.ctx.health.failed(self.ctx.rank) {
                 break Err(self.peer_failed(&what, r, &why));
@@ -2160,13 +2164,38 @@ impl Transport for NcclRank {
                 .take(peer, self.ctx.rank, tag, left.min(AWAIT_SLICE))
                 .map_err(|e| self.board_error(&what, e))
             {
-                Ok(false) if !left.is_zero() => continue,
+                Ok(false) if !left.is_zero() => {
+                    // A peer that finished cleanly notifies no more: what
+                    // it posted before it finished is on the board now, so
+                    // one more look that finds nothing finds it never
+                    // will (as `RankCtx::unmatchable` for ops).
+                    if start.elapsed() >= look_after
+                        && self.ctx.health.finished_among(&[peer]).is_some()
+                    {
+                        match self
+                            .ctx
+                            .board
+                            .take(peer, self.ctx.rank, tag, Duration::ZERO)
+                            .map_err(|e| self.board_error(&what, e))
+                        {
+                            Ok(false) => {
+                                never = Some(format!(
+                                    "rank {peer} finished without notifying rank {} with tag `{tag}` (any more)",
+                                    self.ctx.rank
+                                ));
+                                break Ok(false);
+                            }
+                            other => break other,
+                        }
+                    }
+                    continue;
+                }
                 other => break other,
             }
         };
         let result = match got {
             Ok(true) => Ok(()),
-            Ok(false) => Err(self.hang(
+            Ok(false) => Err(self.hang_because(
                 &what,
                 &check::place(at),
                 Some(Blocked::Await(
@@ -2174,6 +2203,7 @@ impl Transport for NcclRank {
                     tag.to_string(),
                     (what.clone(), check::place(at)),
                 )),
+                never.as_deref(),
             )),
             Err(e) => Err(e),
         };
