@@ -602,6 +602,10 @@ impl OpMeta {
     }
 }
 
+/// The counts a finished peer posted ([`RankCtx::unmatchable`]), or when
+/// a read of them failed.
+pub(crate) type PostedCounts = std::result::Result<Arc<Vec<ChannelCount>>, Instant>;
+
 /// What the host threads of one rank share.
 #[derive(Debug)]
 pub(crate) struct RankCtx {
@@ -686,9 +690,9 @@ pub(crate) struct RankCtx {
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
     /// The counts each peer posted as it finished, read once from the
-    /// store ([`RankCtx::unmatchable`]); `None` when they could not be
-    /// read or decoded (not asked again).
-    pub(crate) finished_counts: Mutex<BTreeMap<Rank, Option<Arc<Vec<ChannelCount>>>>>,
+    /// store ([`RankCtx::unmatchable`]); `Err` with when a read of them
+    /// failed (asked again a second later).
+    pub(crate) finished_counts: Mutex<BTreeMap<Rank, PostedCounts>>,
     /// Two device bytes that every connecting exchange uses
     /// ([`exchange_byte`]): made at creation, freed with the context after
     /// every communicator (a free synchronizes the device, P8 of
@@ -1329,7 +1333,9 @@ impl RankCtx {
         }
     }
 
-    /// A pending op of this rank that can never complete, and why: its
+    /// A pending op of this rank (of any of its threads: the rank's end
+    /// waits for it, so the rank is stuck whichever op a wait is for) that
+    /// can never complete, and why: its
     /// peer finished cleanly without issuing what would match it (a recv
     /// past the sends the peer issued on its channel, or a send past its
     /// recvs: [`crate::health::unmatched_by`]). Reads what the health
@@ -1353,16 +1359,23 @@ impl RankCtx {
         if peers.is_empty() {
             return None;
         }
-        let local = (!self.health.remote()).then(|| self.registry.channel_counts());
         let mut found = None;
         for op in &pending {
             let m = &op.meta;
             if !peers.contains(&m.peer) {
                 continue;
             }
+            let (from, to) = match m.dir {
+                Dir::Send => (self.rank, m.peer),
+                Dir::Recv => (m.peer, self.rank),
+            };
             let posted;
-            let theirs: &[ChannelCount] = match &local {
-                Some(all) => all,
+            let theirs: &[ChannelCount] = match self.registry.issued_on(m.logical(), from, to) {
+                // One process: the registry's issue check counts both sides.
+                Some(c) => {
+                    posted = Arc::new(vec![c]);
+                    &posted
+                }
                 None => match self.counts_posted_by(m.peer) {
                     Some(c) => {
                         posted = c;
@@ -1404,9 +1417,10 @@ impl RankCtx {
             Dir::Recv => ("sends to", "recv"),
         };
         Some(format!(
-            "rank {peer} finished having issued {issued} {theirs} rank {me} on {comm}, so `{text}` ({at}), {mine} {n} of rank {me} there, is never matched",
+            "rank {peer} finished having issued {issued} {theirs} rank {me} on {comm}, so `{text}` ({at}, thread {thread}), {mine} {n} of rank {me} there, is never matched and rank {me} can never finish",
             peer = m.peer,
             me = self.rank,
+            thread = m.thread,
             comm = m.comm_name(),
             text = m.text(),
             at = m.place(),
@@ -1414,17 +1428,21 @@ impl RankCtx {
         ))
     }
 
-    /// The counts `peer` posted as it finished, read from the store once.
+    /// The counts `peer` posted as it finished, read from the store once
+    /// (a read that failed is tried again a second later, not at every
+    /// look: it may have waited for the store's I/O timeout).
     fn counts_posted_by(&self, peer: Rank) -> Option<Arc<Vec<ChannelCount>>> {
-        if let Some(known) = lock(&self.finished_counts).get(&peer) {
-            return known.clone();
+        match lock(&self.finished_counts).get(&peer) {
+            Some(Ok(c)) => return Some(c.clone()),
+            Some(Err(at)) if at.elapsed() < Duration::from_secs(1) => return None,
+            _ => {}
         }
         let read = match self.health.counts_of(self.rank, &[peer], Duration::ZERO) {
             // Not there yet (it posts them before it says it finished, so
             // only a moment), or a failure is known: asked again later.
             Ok(None) => return None,
             Ok(Some(mut heard)) => match heard.counts.remove(&peer) {
-                Some(c) => Some(Arc::new(c)),
+                Some(c) => Ok(Arc::new(c)),
                 None => return None,
             },
             Err(why) => {
@@ -1433,11 +1451,11 @@ impl RankCtx {
                     peer,
                     "cannot read the counts of a rank that finished: {why}"
                 );
-                None
+                Err(Instant::now())
             }
         };
         lock(&self.finished_counts).insert(peer, read.clone());
-        read
+        read.ok()
     }
 
     /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is
@@ -1618,10 +1636,11 @@ impl RankCtx {
     /// free memory a kernel may use. Never blocks past the deadline.
     ///
     /// A rank that `failed` has posted its failure, and every other rank
-    /// ends its work with it on learning of that: its ops not complete
-    /// within [`TEARDOWN_AFTER_FAILURE`] never will, and are aborted then,
-    /// not at the deadline (a rank whose wait ended on an error from NCCL,
-    /// a peer's closed connection say, left its ops pending).
+    /// ends its work with it on learning of that, so whether its ops
+    /// complete no longer matters: those not complete within
+    /// [`TEARDOWN_AFTER_FAILURE`] are aborted then, not at the deadline (a
+    /// rank whose wait ended on an error from NCCL, a peer's closed
+    /// connection say, left its ops pending, some of which never would).
     pub(crate) fn teardown(&self, failed: bool) {
         let _ = self.device.bind();
         // What the ops' fences say is all the waits below know.

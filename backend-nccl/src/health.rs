@@ -48,7 +48,9 @@
 //!
 //! A rank that finished cleanly is no failure, but an op of another rank
 //! that waits for its match then never completes: a wait that lasts looks
-//! for one ([`unmatched_by`], from the counts the finished rank posted) and
+//! for one among its rank's pending ops ([`unmatched_by`]; across
+//! processes from the counts the finished rank posted, in one process from
+//! the registry's issue check, which counts every op of every rank) and
 //! ends with the hang report then, not at its deadline.
 //!
 //! A waiting rank names the first failure it learned of. Lingering ranks

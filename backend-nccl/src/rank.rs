@@ -1086,7 +1086,12 @@ impl NcclRank {
             Ok(false)
         });
         let result = match (result, unmatched) {
-            (Ok(true), Some(why)) => Err(self.hang_because(call, at, Some(blocked), Some(&why))),
+            (Ok(true), Some(why)) => Err(self.hang_because(
+                call,
+                at,
+                Some(blocked),
+                Some(&format!("ended before its deadline: {why}")),
+            )),
             (Ok(true), None) => Ok(()),
             (Ok(false), _) => Err(self.hang(call, at, Some(blocked))),
             (Err(e), _) => Err(e),
@@ -1284,8 +1289,9 @@ impl NcclRank {
     }
 
     /// [`NcclRank::hang`] of a wait that ended before its deadline
-    /// because, `early` says, an op of this rank can never complete
-    /// ([`RankCtx::unmatchable`]); `None`: its deadline expired.
+    /// because an op of this rank, or the notify it waits for, can never
+    /// come ([`RankCtx::unmatchable`]): `early` says how the call ended
+    /// and why; `None`: its deadline expired.
     fn hang_because(
         &self,
         call: &str,
@@ -1295,7 +1301,7 @@ impl NcclRank {
     ) -> Error {
         let ctx = &self.ctx;
         let ended = match early {
-            Some(why) => format!("can never return: {why}"),
+            Some(ended) => ended.to_string(),
             None => format!(
                 "did not return within its deadline of {:?}",
                 ctx.opts.timeout
@@ -2203,7 +2209,9 @@ impl Transport for NcclRank {
                     tag.to_string(),
                     (what.clone(), check::place(at)),
                 )),
-                never.as_deref(),
+                never
+                    .map(|why| format!("can never return: {why}"))
+                    .as_deref(),
             )),
             Err(e) => Err(e),
         };

@@ -640,6 +640,29 @@ impl Registry {
         self.lock().trace.channel_counts()
     }
 
+    /// What was issued on the channel from `from` to `to` on communicator
+    /// `comm` (sends by `from`, recvs by `to`), for the registry of every
+    /// rank (a local run): from its issue check, which counts every op
+    /// however long the run, where [`Registry::channel_counts`] sees only
+    /// the calls the trace still holds once the live model has compacted
+    /// it. `None` for the registry of one rank, which sees one side.
+    pub fn issued_on(&self, comm: u32, from: Rank, to: Rank) -> Option<ChannelCount> {
+        if self.only.is_some() {
+            return None;
+        }
+        let (sent, received) = self
+            .lock()
+            .matcher
+            .issued(duplex::machine::CommId(comm), from, to);
+        Some(ChannelCount {
+            comm,
+            from,
+            to,
+            sent,
+            received,
+        })
+    }
+
     /// The peers this registry's rank sent to, from its counts `mine`
     /// ([`Registry::channel_counts`]), for its end check
     /// ([`Registry::unreceived_with`]).

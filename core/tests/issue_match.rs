@@ -233,3 +233,56 @@ fn a_check_of_one_rank_counts_other_ranks_channels_and_compares_its_own() {
     let (bad, _) = mine.check(0, &[op(Dir::Recv, 0, 5)], false);
     assert_eq!(bad, Some(0));
 }
+
+/// `IssueMatch::issued` counts every op issued on a channel, both sides,
+/// however many it has forgotten as matched: what the NCCL backend reads
+/// for a rank that finished in one process (a wait whose op that rank
+/// never matches ends early), where the trace keeps only recent calls.
+#[test]
+fn issued_counts_both_sides_of_a_channel_whatever_was_forgotten() {
+    let op = |dir, peer, comm| OpSpec {
+        dir,
+        peer,
+        bytes: 4,
+        dtype: DType::U8,
+        comm: duplex::machine::CommId(comm),
+        stream: duplex::machine::StreamId(0),
+        origin: None,
+    };
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut m = IssueMatch::new(false);
+    // (sent, received) per (comm, from, to), counted by hand.
+    let mut want = std::collections::HashMap::<(u32, u32, u32), (u64, u64)>::new();
+    for _ in 0..20_000 {
+        let rank = rng.next(3) as u32;
+        let peer = rng.next(3) as u32;
+        let comm = rng.next(2) as u32;
+        let dir = if rng.next(2) == 0 {
+            Dir::Send
+        } else {
+            Dir::Recv
+        };
+        if peer == rank {
+            continue;
+        }
+        let o = op(dir, peer, comm);
+        m.issue(rank, &[o], false);
+        match dir {
+            Dir::Send => want.entry((comm, rank, peer)).or_default().0 += 1,
+            Dir::Recv => want.entry((comm, peer, rank)).or_default().1 += 1,
+        }
+    }
+    assert!(want.values().any(|(s, r)| s != r), "some channel one-sided");
+    for comm in 0..3 {
+        for from in 0..3 {
+            for to in 0..3 {
+                let expect = want.get(&(comm, from, to)).copied().unwrap_or((0, 0));
+                assert_eq!(
+                    m.issued(duplex::machine::CommId(comm), from, to),
+                    expect,
+                    "comm {comm}, {from} -> {to}"
+                );
+            }
+        }
+    }
+}

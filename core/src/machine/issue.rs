@@ -203,6 +203,25 @@ impl IssueMatch {
         out
     }
 
+    /// How many sends and recvs were issued on the channel from `from` to
+    /// `to` on `comm`: the pairs both sides issued and the ops one side
+    /// issued beyond the other. Exact for every channel this check sees
+    /// both sides of, however long the run (it forgets ops, never counts);
+    /// under [`IssueMatch::one_rank`], the other rank's side of a channel
+    /// counts what this rank issued.
+    pub fn issued(&self, comm: CommId, from: Rank, to: Rank) -> (u64, u64) {
+        let Some(q) = self.channels.get(&(comm, from, to)) else {
+            return (0, 0);
+        };
+        let both = u64::from(q.matched);
+        let ahead = q.ops.len() as u64;
+        match q.ahead {
+            Some(Dir::Send) => (both + ahead, both),
+            Some(Dir::Recv) => (both, both + ahead),
+            None => (both, both),
+        }
+    }
+
     /// Records a launch by `rank` as issued.
     pub fn issue(&mut self, rank: Rank, ops: &[OpSpec], grouped: bool) {
         for o in ops {
