@@ -606,6 +606,16 @@ impl OpMeta {
 /// a read of them failed.
 pub(crate) type PostedCounts = std::result::Result<Arc<Vec<ChannelCount>>, Instant>;
 
+/// A rank's threads started by `Transport::spawn` ([`RankCtx::spawned`]).
+#[derive(Debug, Default)]
+pub(crate) struct Spawned {
+    /// Those running, by registry number, with their names.
+    pub(crate) running: Vec<(usize, String)>,
+    /// Those that ended with an error while nobody held their handle to
+    /// join them: name and error.
+    pub(crate) failed_unjoined: Vec<(String, Error)>,
+}
+
 /// What the host threads of one rank share.
 #[derive(Debug)]
 pub(crate) struct RankCtx {
@@ -677,6 +687,11 @@ pub(crate) struct RankCtx {
     /// ([`Issued::check_delivery`]): every later wait of the rank fails
     /// naming the first.
     pub(crate) lost: Mutex<Vec<String>>,
+    /// The threads started by `Transport::spawn` still running, and the
+    /// errors of those that ended with nobody to join them: the rank's end
+    /// waits for the first and fails with the second
+    /// (`NcclRank::wait_spawned`), as the simulator's execution does.
+    pub(crate) spawned: Mutex<Spawned>,
     /// Set when a wait of this rank ended because another rank failed, and
     /// published this rank's trace then (`NcclRank::peer_failed`): that
     /// trace, with the interrupted call still blocked, is what the failed
@@ -1070,6 +1085,7 @@ impl RankCtx {
             user_comms: AtomicUsize::new(0),
             first_user_logical: logical,
             lost: Mutex::new(Vec::new()),
+            spawned: Mutex::new(Spawned::default()),
             published_for_peer: AtomicBool::new(false),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),

@@ -260,6 +260,46 @@ impl NcclRank {
         self.ctx.registry.ended(self.thread_id);
     }
 
+    /// The end of the rank's code: waits for the threads it started and
+    /// never joined, as the simulator's execution does (a rank has
+    /// finished once all its threads have, and only then may its peers
+    /// take what it issued for all it will issue), bounded as a `join` is;
+    /// fails with the error of one that failed, since nobody else will
+    /// see it, or when one is still running at the bound. A failure of
+    /// another rank ends the wait (those threads' own waits end on it).
+    pub(crate) fn wait_spawned(&self) -> Result<()> {
+        let ctx = &self.ctx;
+        let limit = ctx.opts.timeout + ctx.opts.timeout / 2 + Duration::from_secs(1);
+        let mut checks = 0u32;
+        let mut failed = None;
+        let all_ended = poll(limit, || {
+            if let Some(f) = ctx.failed_peer(&mut checks) {
+                failed = Some(f);
+                return Ok(true);
+            }
+            Ok(lock(&ctx.spawned).running.is_empty())
+        })?;
+        if let Some((r, why)) = failed {
+            return Err(self.peer_failed("the end of the rank's code", r, &why));
+        }
+        let s = lock(&ctx.spawned);
+        if let Some((name, e)) = s.failed_unjoined.first() {
+            return Err(Error::Aborted(format!(
+                "thread {name} of rank {}, which nobody joined, failed: {e}",
+                ctx.rank
+            )));
+        }
+        if !all_ended {
+            let names: Vec<&str> = s.running.iter().map(|(_, n)| n.as_str()).collect();
+            return Err(Error::Aborted(format!(
+                "the code of rank {} returned while threads it started and never joined still ran ({}), and they did not end within {limit:?}",
+                ctx.rank,
+                names.join(", ")
+            )));
+        }
+        Ok(())
+    }
+
     /// See [`RankCtx::teardown`].
     pub(crate) fn teardown(&self, failed: bool) {
         self.ctx.teardown(failed);
@@ -2226,6 +2266,10 @@ impl Transport for NcclRank {
         let handle = NcclRank::new(self.ctx.clone(), name);
         let registry_id = handle.thread_id;
         let (tx, rx) = std::sync::mpsc::channel();
+        lock(&self.ctx.spawned)
+            .running
+            .push((registry_id, name.to_string()));
+        let thread_name = name.to_string();
         let os = std::thread::Builder::new()
             .name(format!("duplex rank {} {name}", self.ctx.rank))
             .spawn(move || {
@@ -2239,9 +2283,22 @@ impl Transport for NcclRank {
                         })
                 });
                 handle.end();
-                let _ = tx.send(r);
+                // Told before the thread counts as ended, so that the
+                // rank's end (`wait_spawned`) sees the error of a thread
+                // nobody joins once it sees the thread gone.
+                let unjoined = tx.send(r.clone()).is_err();
+                let mut s = lock(&handle.ctx.spawned);
+                if unjoined && let Err(e) = r {
+                    s.failed_unjoined.push((thread_name, e));
+                }
+                s.running.retain(|(id, _)| *id != registry_id);
             })
-            .map_err(|e| Error::Aborted(format!("cannot start a thread: {e}")))?;
+            .map_err(|e| {
+                lock(&self.ctx.spawned)
+                    .running
+                    .retain(|(id, _)| *id != registry_id);
+                Error::Aborted(format!("cannot start a thread: {e}"))
+            })?;
         Ok(NcclThread {
             name: name.to_string(),
             registry_id,

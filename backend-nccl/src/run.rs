@@ -770,10 +770,13 @@ where
                 panic_text(&p)
             )))
         });
-    // The end of a rank's code waits for its streams, as a real program's
-    // final synchronize (and as the simulator's end of thread).
+    // The end of a rank's code waits for the threads it started and never
+    // joined, then for its streams, as a real program's final synchronize
+    // (and as the simulator's end of execution).
     handle.end();
-    let result = result.and_then(|()| handle.synchronize());
+    let result = result
+        .and_then(|()| handle.wait_spawned())
+        .and_then(|()| handle.synchronize());
     let mut unreceived = None;
     if result.is_ok() {
         if health.remote() {

@@ -349,6 +349,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             Completes,
             comm_beside_send::<T>,
         ),
+        s(
+            "spawn/unjoined",
+            "rank 0 starts a thread that sends to rank 1 a moment later, and returns without joining it: a rank has finished once all its threads have, so the message arrives",
+            2,
+            PerDirection,
+            Completes,
+            unjoined_sender::<T>,
+        ),
         Scenario {
             cold: true,
             ..s(
@@ -694,6 +702,28 @@ pub fn seed_rpc<T: Transport>(t: &T) -> Result<()> {
     })?;
     t.join(tx)?;
     t.join(rx)
+}
+
+/// Rank 0's code starts a thread that sends to rank 1 a moment later and
+/// returns without joining it. A rank has finished once every thread of it
+/// has (the simulator's execution waits for them; the NCCL backend's end
+/// of a rank does too), so the send is made and rank 1 receives it.
+pub fn unjoined_sender<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    if t.rank() == 0 {
+        let _never_joined = t.spawn("late", move |t: &T| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let out = filled(t, peer, 7)?;
+            t.send(&out, peer)?;
+            t.synchronize()
+        })?;
+        Ok(())
+    } else {
+        let mut inb = t.alloc::<u32>(len())?;
+        t.recv(&mut inb, peer)?;
+        t.synchronize()?;
+        check(t, &inb, peer, 7)
+    }
 }
 
 /// Rank 0 receives first and sends second; rank 1 waits on the host for

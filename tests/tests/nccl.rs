@@ -398,8 +398,9 @@ fn the_suite_names_only_scenarios_it_has() {
 /// whose 4 KiB send no rank receives (its sender's end check must fail it),
 /// and the same with the receiver finishing after the sender's end check
 /// gave up waiting for it (the receiver's end check must fail it), and
-/// one whose rank 1 works on long after rank 0's code returned.
-const PROCESS_JOBS: [&str; 14] = [
+/// one whose rank 1 works on long after rank 0's code returned, and one
+/// whose rank 0 returns without joining the thread that sends.
+const PROCESS_JOBS: [&str; 15] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -414,6 +415,7 @@ const PROCESS_JOBS: [&str; 14] = [
     "unmatched-send/small",
     "unmatched-send/late-receiver",
     "outlive-rank-0",
+    "spawn/unjoined",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
