@@ -231,6 +231,10 @@ pub trait Transport: Sized + Send + 'static {
     fn await_notify(&self, peer: Rank, tag: &str) -> Result<()>;
 
     /// Starts another host thread of this rank, running `f` with its own handle.
+    /// A rank has finished once all its threads have: one never joined is
+    /// waited for when the rank's code returns (on the simulator, by the
+    /// end of the execution; on GPUs, as long as a `join` would wait), and
+    /// its error, which nobody else sees, is the rank's.
     fn spawn<F>(&self, name: &str, f: F) -> Result<Self::Thread>
     where
         F: FnOnce(&Self) -> Result<()> + Send + 'static;
