@@ -606,14 +606,82 @@ impl OpMeta {
 /// a read of them failed.
 pub(crate) type PostedCounts = std::result::Result<Arc<Vec<ChannelCount>>, Instant>;
 
-/// A rank's threads started by `Transport::spawn` ([`RankCtx::spawned`]).
+/// A rank's threads started by `Transport::spawn` ([`RankCtx::spawned`]),
+/// shared with each of them and their handles (`NcclThread`): a thread
+/// leaves `running` only once its own hold on the rank is gone, so that
+/// the rank is never torn down from a thread of its own after its end.
 #[derive(Debug, Default)]
 pub(crate) struct Spawned {
-    /// Those running, by registry number, with their names.
-    pub(crate) running: Vec<(usize, String)>,
-    /// Those that ended with an error while nobody held their handle to
-    /// join them: name and error.
+    /// Those running, by registry number, with their names and what
+    /// became of their handles.
+    pub(crate) running: Vec<(usize, String, Handle)>,
+    /// Those that ended with an error nobody will see through a `join`
+    /// (their handle dropped unjoined): name and error.
     pub(crate) failed_unjoined: Vec<(String, Error)>,
+}
+
+impl Spawned {
+    /// Thread `id` (`name`) ended with `r`, its hold on the rank gone:
+    /// the result goes to its handle while one is held (`tx`), else an
+    /// error stays as the rank's. Called under the lock its handle's drop
+    /// takes ([`Spawned::handle_dropped`]).
+    pub(crate) fn thread_ended(
+        &mut self,
+        id: usize,
+        name: &str,
+        r: Result<()>,
+        tx: &std::sync::mpsc::Sender<Result<()>>,
+    ) {
+        let at = self.running.iter().position(|t| t.0 == id);
+        let state = at.map_or(Handle::Dropped, |i| self.running.remove(i).2);
+        match state {
+            // The handle is alive (its drop waits for this lock): the
+            // result is its.
+            Handle::Held => {
+                let _ = tx.send(r);
+            }
+            Handle::Dropped => {
+                if let Err(e) = r {
+                    self.failed_unjoined.push((name.to_string(), e));
+                }
+            }
+            Handle::Joined => {}
+        }
+    }
+
+    /// Thread `id`'s handle was dropped (`joined`: after a `join` took
+    /// its result, or gave up on it): a thread still running is told; one
+    /// that ended left its result in `rx`, whose error stays as the
+    /// rank's unless a join took it.
+    pub(crate) fn handle_dropped(
+        &mut self,
+        id: usize,
+        name: &str,
+        joined: bool,
+        rx: &std::sync::mpsc::Receiver<Result<()>>,
+    ) {
+        let state = if joined {
+            Handle::Joined
+        } else {
+            Handle::Dropped
+        };
+        if let Some(t) = self.running.iter_mut().find(|t| t.0 == id) {
+            t.2 = state;
+        } else if !joined && let Ok(Err(e)) = rx.try_recv() {
+            self.failed_unjoined.push((name.to_string(), e));
+        }
+    }
+}
+
+/// What became of a running thread's handle ([`Spawned::running`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handle {
+    /// Held: the thread's result goes to it.
+    Held,
+    /// Dropped without a join: the thread's error is the rank's.
+    Dropped,
+    /// Given up by a `join` that timed out (which reported a hang).
+    Joined,
 }
 
 /// What the host threads of one rank share.
@@ -691,7 +759,7 @@ pub(crate) struct RankCtx {
     /// errors of those that ended with nobody to join them: the rank's end
     /// waits for the first and fails with the second
     /// (`NcclRank::wait_spawned`), as the simulator's execution does.
-    pub(crate) spawned: Mutex<Spawned>,
+    pub(crate) spawned: Arc<Mutex<Spawned>>,
     /// Set when a wait of this rank ended because another rank failed, and
     /// published this rank's trace then (`NcclRank::peer_failed`): that
     /// trace, with the interrupted call still blocked, is what the failed
@@ -1085,7 +1153,7 @@ impl RankCtx {
             user_comms: AtomicUsize::new(0),
             first_user_logical: logical,
             lost: Mutex::new(Vec::new()),
-            spawned: Mutex::new(Spawned::default()),
+            spawned: Arc::default(),
             published_for_peer: AtomicBool::new(false),
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
@@ -1848,6 +1916,66 @@ pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::SplitTurns;
+
+    /// A spawned thread's error reaches exactly one place, whichever of
+    /// its end and its handle's drop (or join) comes first: the joiner, or
+    /// the rank as an unjoined thread's error; never both, never neither.
+    /// Each round races a thread's end against its handle's drop on two
+    /// OS threads, under the protocol `NcclRank::spawn` and
+    /// `NcclThread`'s drop follow.
+    #[test]
+    fn a_spawned_threads_error_is_seen_once_however_its_end_and_its_handle_race() {
+        use super::{Handle, Spawned};
+        use duplex::Error;
+        use std::sync::{Arc, Mutex, mpsc};
+        for round in 0..2_000usize {
+            let spawned = Arc::new(Mutex::new(Spawned::default()));
+            let failing = round % 3 != 0;
+            let join = round % 4 == 0;
+            let (tx, rx) = mpsc::channel();
+            spawned
+                .lock()
+                .unwrap()
+                .running
+                .push((round, "t".into(), Handle::Held));
+            let s2 = spawned.clone();
+            let ender = std::thread::spawn(move || {
+                if round % 2 == 0 {
+                    std::thread::yield_now();
+                }
+                let r = if failing {
+                    Err(Error::User(format!("round {round}")))
+                } else {
+                    Ok(())
+                };
+                s2.lock().unwrap().thread_ended(round, "t", r, &tx);
+            });
+            let mut seen_by_join = None;
+            if join {
+                // A join waits for the result, then drops the handle.
+                seen_by_join = Some(rx.recv().expect("the result"));
+            } else if round % 2 == 1 {
+                std::thread::yield_now();
+            }
+            spawned
+                .lock()
+                .unwrap()
+                .handle_dropped(round, "t", join, &rx);
+            drop(rx);
+            ender.join().unwrap();
+            let s = spawned.lock().unwrap();
+            assert!(s.running.is_empty(), "round {round}: the thread ended");
+            let left = s.failed_unjoined.len();
+            match (failing, join) {
+                (true, true) => {
+                    assert!(matches!(seen_by_join, Some(Err(_))), "round {round}");
+                    assert_eq!(left, 0, "round {round}: the joiner saw it");
+                }
+                (true, false) => assert_eq!(left, 1, "round {round}: the rank sees it"),
+                (false, _) => assert_eq!(left, 0, "round {round}"),
+            }
+        }
+    }
 
     /// A launch in its handshake holds back other threads' launches on
     /// its parts, not its own thread's, nor launches on other parts, and

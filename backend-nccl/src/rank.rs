@@ -94,7 +94,23 @@ pub struct NcclThread {
     name: String,
     registry_id: usize,
     result: std::sync::mpsc::Receiver<Result<()>>,
-    handle: std::thread::JoinHandle<()>,
+    handle: Option<std::thread::JoinHandle<()>>,
+    /// The rank's spawned threads, where a handle dropped unjoined leaves
+    /// its thread's error (`Drop`).
+    spawned: Arc<Mutex<crate::ctx::Spawned>>,
+    /// Whether a `join` took it (its result is the joiner's).
+    joined: bool,
+}
+
+impl Drop for NcclThread {
+    /// A handle dropped without a join leaves its thread's error to the
+    /// rank (`NcclRank::wait_spawned`): taken from the channel if the
+    /// thread has ended, else left for the thread to leave as it ends;
+    /// both under the lock the thread ends under, so no error is lost
+    /// between them.
+    fn drop(&mut self) {
+        lock(&self.spawned).handle_dropped(self.registry_id, &self.name, self.joined, &self.result);
+    }
 }
 
 /// One host thread's handle on a rank.
@@ -284,13 +300,18 @@ impl NcclRank {
         }
         let s = lock(&ctx.spawned);
         if let Some((name, e)) = s.failed_unjoined.first() {
-            return Err(Error::Aborted(format!(
-                "thread {name} of rank {}, which nobody joined, failed: {e}",
-                ctx.rank
-            )));
+            // Its own kind of error, so that the most telling one of a job
+            // is chosen as the simulator would; the thread named where the
+            // error does not say it.
+            tracing::warn!(rank = ctx.rank, thread = %name, "a thread nobody joined failed: {e}");
+            return Err(match e {
+                Error::User(m) => Error::User(format!("thread {name} (never joined): {m}")),
+                Error::Aborted(m) => Error::Aborted(format!("thread {name} (never joined): {m}")),
+                other => other.clone(),
+            });
         }
         if !all_ended {
-            let names: Vec<&str> = s.running.iter().map(|(_, n)| n.as_str()).collect();
+            let names: Vec<&str> = s.running.iter().map(|(_, n, _)| n.as_str()).collect();
             return Err(Error::Aborted(format!(
                 "the code of rank {} returned while threads it started and never joined still ran ({}), and they did not end within {limit:?}",
                 ctx.rank,
@@ -2266,10 +2287,11 @@ impl Transport for NcclRank {
         let handle = NcclRank::new(self.ctx.clone(), name);
         let registry_id = handle.thread_id;
         let (tx, rx) = std::sync::mpsc::channel();
-        lock(&self.ctx.spawned)
+        let spawned = self.ctx.spawned.clone();
+        lock(&spawned)
             .running
-            .push((registry_id, name.to_string()));
-        let thread_name = name.to_string();
+            .push((registry_id, name.to_string(), crate::ctx::Handle::Held));
+        let (thread_name, shared) = (name.to_string(), spawned.clone());
         let os = std::thread::Builder::new()
             .name(format!("duplex rank {} {name}", self.ctx.rank))
             .spawn(move || {
@@ -2283,32 +2305,28 @@ impl Transport for NcclRank {
                         })
                 });
                 handle.end();
-                // Told before the thread counts as ended, so that the
-                // rank's end (`wait_spawned`) sees the error of a thread
-                // nobody joins once it sees the thread gone.
-                let unjoined = tx.send(r.clone()).is_err();
-                let mut s = lock(&handle.ctx.spawned);
-                if unjoined && let Err(e) = r {
-                    s.failed_unjoined.push((thread_name, e));
-                }
-                s.running.retain(|(id, _)| *id != registry_id);
+                // Its hold on the rank goes before it counts as ended: the
+                // rank's end (`wait_spawned`) then never leaves the last
+                // hold, and the rank's teardown, to this thread.
+                drop(handle);
+                lock(&shared).thread_ended(registry_id, &thread_name, r, &tx);
             })
             .map_err(|e| {
-                lock(&self.ctx.spawned)
-                    .running
-                    .retain(|(id, _)| *id != registry_id);
+                lock(&spawned).running.retain(|t| t.0 != registry_id);
                 Error::Aborted(format!("cannot start a thread: {e}"))
             })?;
         Ok(NcclThread {
             name: name.to_string(),
             registry_id,
             result: rx,
-            handle: os,
+            handle: Some(os),
+            spawned,
+            joined: false,
         })
     }
 
     #[track_caller]
-    fn join(&self, thread: NcclThread) -> Result<()> {
+    fn join(&self, mut thread: NcclThread) -> Result<()> {
         let at = Location::caller();
         let what = format!("join({})", thread.name);
         self.ctx.registry.blocked(
@@ -2322,9 +2340,14 @@ impl Transport for NcclRank {
         let r = thread.result.recv_timeout(
             self.ctx.opts.timeout + self.ctx.opts.timeout / 2 + Duration::from_secs(1),
         );
+        // Its result is this join's, or this join's hang: never left to
+        // the rank as an unjoined thread's.
+        thread.joined = true;
         let result = match r {
             Ok(result) => {
-                let _ = thread.handle.join();
+                if let Some(h) = thread.handle.take() {
+                    let _ = h.join();
+                }
                 result
             }
             Err(_) => Err(self.hang(
