@@ -1453,12 +1453,12 @@ impl RankCtx {
                 Dir::Send => (self.rank, m.peer),
                 Dir::Recv => (m.peer, self.rank),
             };
-            let posted;
+            let (one, posted);
             let theirs: &[ChannelCount] = match self.registry.issued_on(m.logical(), from, to) {
                 // One process: the registry's issue check counts both sides.
                 Some(c) => {
-                    posted = Arc::new(vec![c]);
-                    &posted
+                    one = [c];
+                    &one
                 }
                 None => match self.counts_posted_by(m.peer) {
                     Some(c) => {
@@ -1540,6 +1540,26 @@ impl RankCtx {
         };
         lock(&self.finished_counts).insert(peer, read.clone());
         read.ok()
+    }
+
+    /// [`poll`] of `done` for up to `limit`, ended early by another rank's
+    /// failure, asked as every wait asks ([`RankCtx::failed_peer`]):
+    /// `Ok(Err(failure))` then, else whether `done` held in time.
+    pub(crate) fn poll_unless_failed(
+        &self,
+        limit: Duration,
+        mut done: impl FnMut() -> Result<bool>,
+    ) -> Result<std::result::Result<bool, (Rank, String)>> {
+        let mut checks = 0u32;
+        let mut failed = None;
+        let held = poll(limit, || {
+            if let Some(f) = self.failed_peer(&mut checks) {
+                failed = Some(f);
+                return Ok(true);
+            }
+            done()
+        })?;
+        Ok(failed.map_or(Ok(held), Err))
     }
 
     /// Cuts the registry's trace ([`Registry::cut_if_long`]) when it is

@@ -45,6 +45,14 @@ fn unmatched_look(timeout: Duration) -> Duration {
     (timeout / 5).clamp(Duration::from_millis(500), Duration::from_secs(30))
 }
 
+/// How long a `join` waits for its thread, and the end of a rank for the
+/// threads it never joined (`NcclRank::wait_spawned`): the thread's own
+/// waits expire first (each at `timeout`), so half as long again and a
+/// second more.
+fn join_limit(timeout: Duration) -> Duration {
+    timeout + timeout / 2 + Duration::from_secs(1)
+}
+
 /// What a hang's analysis replayed, in the report's words: what every
 /// rank issued, or (across processes) what was missing from it, so that
 /// a report never claims another rank will not issue what it only does
@@ -285,19 +293,14 @@ impl NcclRank {
     /// another rank ends the wait (those threads' own waits end on it).
     pub(crate) fn wait_spawned(&self) -> Result<()> {
         let ctx = &self.ctx;
-        let limit = ctx.opts.timeout + ctx.opts.timeout / 2 + Duration::from_secs(1);
-        let mut checks = 0u32;
-        let mut failed = None;
-        let all_ended = poll(limit, || {
-            if let Some(f) = ctx.failed_peer(&mut checks) {
-                failed = Some(f);
-                return Ok(true);
-            }
-            Ok(lock(&ctx.spawned).running.is_empty())
-        })?;
-        if let Some((r, why)) = failed {
-            return Err(self.peer_failed("the end of the rank's code", r, &why));
-        }
+        let limit = join_limit(ctx.opts.timeout);
+        let all_ended =
+            match ctx.poll_unless_failed(limit, || Ok(lock(&ctx.spawned).running.is_empty()))? {
+                Ok(all) => all,
+                Err((r, why)) => {
+                    return Err(self.peer_failed("the end of the rank's code", r, &why));
+                }
+            };
         let s = lock(&ctx.spawned);
         if let Some((name, e)) = s.failed_unjoined.first() {
             // Its own kind of error, so that the most telling one of a job
@@ -1063,18 +1066,12 @@ impl NcclRank {
         let _unblock = Unblock(&ctx.registry, self.thread_id);
         loop {
             let left = ctx.opts.timeout.saturating_sub(start.elapsed());
-            let mut checks = 0u32;
-            let mut failed = None;
-            let free = poll(left, || {
-                if let Some(f) = ctx.failed_peer(&mut checks) {
-                    failed = Some(f);
-                    return Ok(true);
-                }
-                Ok(!ctx.handshakes.holds(parts, self.thread_id))
-            })?;
-            if let Some((r, why)) = failed {
-                return Err(self.peer_failed(call, r, &why));
-            }
+            let free = match ctx
+                .poll_unless_failed(left, || Ok(!ctx.handshakes.holds(parts, self.thread_id)))?
+            {
+                Ok(free) => free,
+                Err((r, why)) => return Err(self.peer_failed(call, r, &why)),
+            };
             if !free {
                 return Err(self.hang(call, at, Some(launch.clone())));
             }
@@ -2336,10 +2333,9 @@ impl Transport for NcclRank {
                 (what.clone(), check::place(at)),
             )),
         );
-        // The joined thread's own waits expire first; allow for them.
-        let r = thread.result.recv_timeout(
-            self.ctx.opts.timeout + self.ctx.opts.timeout / 2 + Duration::from_secs(1),
-        );
+        let r = thread
+            .result
+            .recv_timeout(join_limit(self.ctx.opts.timeout));
         // Its result is this join's, or this join's hang: never left to
         // the rank as an unjoined thread's.
         thread.joined = true;
