@@ -3,7 +3,7 @@
 //! settings of a run, and the small handle types of streams, events and
 //! communicators. [`crate::rank`] builds the per-thread handle on it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -602,10 +602,6 @@ impl OpMeta {
     }
 }
 
-/// The counts a finished peer posted ([`RankCtx::unmatchable`]), or when
-/// a read of them failed.
-pub(crate) type PostedCounts = std::result::Result<Arc<Vec<ChannelCount>>, Instant>;
-
 /// A rank's threads started by `Transport::spawn` ([`RankCtx::spawned`]),
 /// shared with each of them and their handles (`NcclThread`): a thread
 /// leaves `running` only once its own hold on the rank is gone, so that
@@ -772,10 +768,6 @@ pub(crate) struct RankCtx {
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
-    /// The counts each peer posted as it finished, read once from the
-    /// store ([`RankCtx::unmatchable`]); `Err` with when a read of them
-    /// failed (asked again a second later).
-    pub(crate) finished_counts: Mutex<BTreeMap<Rank, PostedCounts>>,
     /// Two device bytes that every connecting exchange uses
     /// ([`exchange_byte`]): made at creation, freed with the context after
     /// every communicator (a free synchronizes the device, P8 of
@@ -1158,7 +1150,6 @@ impl RankCtx {
             fired: AtomicBool::new(false),
             fired_for_peer: AtomicBool::new(false),
             costs: Mutex::new(costs),
-            finished_counts: Mutex::new(BTreeMap::new()),
             device,
             opts,
         });
@@ -1425,8 +1416,9 @@ impl RankCtx {
     /// recvs: [`crate::health::unmatched_by`]). Reads what the health
     /// monitor knows of finished ranks (across processes, asking starts
     /// its watch), then each such peer's counts: in one process the
-    /// registry's, across processes those the peer posted as it finished
-    /// (one store request per peer, kept). A send NCCL may have completed
+    /// registry's, across processes those the peer posted as it finished,
+    /// as the monitor read them ([`Health::finished_counts`]: no store
+    /// request here, so a wait never blocks on the store). A send NCCL may have completed
     /// into its channel's buffer (R5) without its recv is judged only
     /// once the rank's completion fences are flushed: one still pending
     /// then waits for its recv.
@@ -1460,7 +1452,7 @@ impl RankCtx {
                     one = [c];
                     &one
                 }
-                None => match self.counts_posted_by(m.peer) {
+                None => match self.health.finished_counts(m.peer) {
                     Some(c) => {
                         posted = c;
                         &posted
@@ -1510,36 +1502,6 @@ impl RankCtx {
             at = m.place(),
             n = u64::from(m.fifo) + 1,
         ))
-    }
-
-    /// The counts `peer` posted as it finished, read from the store once
-    /// (a read that failed is tried again a second later, not at every
-    /// look: it may have waited for the store's I/O timeout).
-    fn counts_posted_by(&self, peer: Rank) -> Option<Arc<Vec<ChannelCount>>> {
-        match lock(&self.finished_counts).get(&peer) {
-            Some(Ok(c)) => return Some(c.clone()),
-            Some(Err(at)) if at.elapsed() < Duration::from_secs(1) => return None,
-            _ => {}
-        }
-        let read = match self.health.counts_of(self.rank, &[peer], Duration::ZERO) {
-            // Not there yet (it posts them before it says it finished, so
-            // only a moment), or a failure is known: asked again later.
-            Ok(None) => return None,
-            Ok(Some(mut heard)) => match heard.counts.remove(&peer) {
-                Some(c) => Ok(Arc::new(c)),
-                None => return None,
-            },
-            Err(why) => {
-                tracing::debug!(
-                    rank = self.rank,
-                    peer,
-                    "cannot read the counts of a rank that finished: {why}"
-                );
-                Err(Instant::now())
-            }
-        };
-        lock(&self.finished_counts).insert(peer, read.clone());
-        read.ok()
     }
 
     /// [`poll`] of `done` for up to `limit`, ended early by another rank's

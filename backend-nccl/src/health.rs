@@ -115,6 +115,15 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// the monitor's watch for finished ranks, so a caller that polls sees
     /// them within a heartbeat or two).
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank>;
+    /// The counts `rank` posted as it finished ([`Health::post_counts`]),
+    /// once the monitor has read them: like [`Health::finished_among`], it
+    /// never waits and makes no request (across processes the monitor
+    /// reads them within a heartbeat of seeing `rank` finished). `None`
+    /// in one process, whose registry counts every rank.
+    fn finished_counts(&self, rank: Rank) -> Option<Arc<Vec<ChannelCount>>> {
+        let _ = rank;
+        None
+    }
     /// Whether `me` posted a failure of its own ([`Health::fail`]) before
     /// any other rank's failure was known: its later errors are its own,
     /// not another rank's.
@@ -372,8 +381,10 @@ pub struct StoreHealth {
     /// Whether someone asked which ranks finished: the monitor then looks
     /// each heartbeat ([`Health::finished_among`]).
     watch_finished: AtomicBool,
-    /// The ranks the monitor saw finished cleanly.
-    finished: Mutex<Vec<Rank>>,
+    /// The ranks the monitor saw finished cleanly, each with the counts
+    /// it posted as it finished once the monitor has read them
+    /// ([`Health::finished_counts`]).
+    finished: Mutex<BTreeMap<Rank, Option<Arc<Vec<ChannelCount>>>>>,
     /// The ranks the monitor saw end without finishing (failed, silent):
     /// not asked about again.
     unfinished: Mutex<Vec<Rank>>,
@@ -402,7 +413,7 @@ impl StoreHealth {
             stop: AtomicBool::new(false),
             failed_itself: AtomicBool::new(false),
             watch_finished: AtomicBool::new(false),
-            finished: Mutex::new(Vec::new()),
+            finished: Mutex::new(BTreeMap::new()),
             unfinished: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&health);
@@ -554,23 +565,57 @@ impl StoreHealth {
 
     /// Learns which of the ranks that ended finished cleanly (they stored
     /// `done/RANK`): one request, and one per rank newly ended, each asked
-    /// about once (a rank that ended without finishing never will).
+    /// about once (a rank that ended without finishing never will); then
+    /// reads the counts each finished rank posted, one request per rank
+    /// until they are read (a rank posts them before it says it finished,
+    /// so normally at once), so that a wait reads them from memory
+    /// ([`Health::finished_counts`]) and never waits on the store.
     fn look_for_finished(&self) {
         let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
             return;
         };
+        let lock_finished = || self.finished.lock().unwrap_or_else(|e| e.into_inner());
         let seen = |r: &Rank| {
-            let lock =
-                |m: &Mutex<Vec<Rank>>| m.lock().unwrap_or_else(|e| e.into_inner()).contains(r);
-            lock(&self.finished) || lock(&self.unfinished)
+            lock_finished().contains_key(r)
+                || self
+                    .unfinished
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains(r)
         };
         for r in ended.into_iter().filter(|r| *r != self.me && !seen(r)) {
-            let into = match self.store.get(&done_key(r), Duration::ZERO) {
-                Ok(Some(_)) => &self.finished,
-                Ok(None) => &self.unfinished,
+            match self.store.get(&done_key(r), Duration::ZERO) {
+                Ok(Some(_)) => {
+                    lock_finished().insert(r, None);
+                }
+                Ok(None) => self
+                    .unfinished
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(r),
                 Err(_) => return,
-            };
-            into.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+            }
+        }
+        let unread: Vec<Rank> = lock_finished()
+            .iter()
+            .filter(|(_, c)| c.is_none())
+            .map(|(r, _)| *r)
+            .collect();
+        for r in unread {
+            match self.counts_now(r) {
+                Ok(Some(c)) => {
+                    lock_finished().insert(r, Some(Arc::new(c)));
+                }
+                // Not there (the store refused them): asked again next beat.
+                Ok(None) => {}
+                Err(why) => {
+                    tracing::debug!(
+                        rank = self.me,
+                        peer = r,
+                        "cannot read the counts of a rank that finished: {why}"
+                    );
+                }
+            }
         }
     }
 
@@ -677,7 +722,13 @@ impl Health for StoreHealth {
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
         self.watch_finished.store(true, Ordering::Release);
         let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
-        ranks.iter().copied().find(|r| finished.contains(r))
+        ranks.iter().copied().find(|r| finished.contains_key(r))
+    }
+
+    fn finished_counts(&self, rank: Rank) -> Option<Arc<Vec<ChannelCount>>> {
+        self.watch_finished.store(true, Ordering::Release);
+        let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        finished.get(&rank).cloned().flatten()
     }
 
     fn failed_itself(&self, me: Rank) -> bool {
@@ -1213,6 +1264,57 @@ mod tests {
         }
         assert_eq!(a.finished_among(&[1, 2, 3]), Some(3));
         assert_eq!(a.finished_among(&[1, 2]), None);
+    }
+
+    #[test]
+    fn the_monitor_reads_a_finished_ranks_counts_so_a_wait_never_asks_the_store() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 1);
+        let c = Store::client("127.0.0.1", port, secret);
+        let counts = vec![ChannelCount {
+            comm: 1,
+            from: 1,
+            to: 0,
+            sent: 3,
+            received: 2,
+        }];
+        b.post_counts(1, &counts);
+        b.finished(1);
+        // Rank 2 finished without its counts (the store refused them):
+        // finished, counts unknown, until they come.
+        c.put("done/2", b"ok", REQUEST).expect("stores");
+        // Asking starts the watch; the answer never waits.
+        assert_eq!(a.finished_counts(1), None);
+        let start = Instant::now();
+        while a.finished_counts(1).is_none() {
+            assert!(start.elapsed() < Duration::from_secs(5), "never read");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(a.finished_counts(1).as_deref(), Some(&counts));
+        assert_eq!(a.finished_among(&[2]), Some(2));
+        assert_eq!(a.finished_counts(2), None);
+        assert_eq!(a.finished_counts(3), None);
+        // Posted late, read on a later beat.
+        let late = vec![ChannelCount {
+            comm: 0,
+            from: 2,
+            to: 0,
+            sent: 0,
+            received: 7,
+        }];
+        c.put("counts/2", &serde_json::to_vec(&late).unwrap(), REQUEST)
+            .expect("stores");
+        let start = Instant::now();
+        while a.finished_counts(2).is_none() {
+            assert!(start.elapsed() < Duration::from_secs(5), "never read");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(a.finished_counts(2).as_deref(), Some(&late));
+        // One process: the registry counts every rank, none here.
+        let local = LocalHealth::default();
+        local.finished(1);
+        assert_eq!(local.finished_counts(1), None);
     }
 
     #[test]

@@ -1260,6 +1260,9 @@ mod tests {
         fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
             self.inner.finished_among(ranks)
         }
+        fn finished_counts(&self, rank: Rank) -> Option<Arc<Vec<duplex::trace::ChannelCount>>> {
+            self.inner.finished_counts(rank)
+        }
         fn failed_itself(&self, me: Rank) -> bool {
             self.inner.failed_itself(me)
         }
