@@ -606,21 +606,29 @@ impl OpMeta {
 /// shared with each of them and their handles (`NcclThread`): a thread
 /// leaves `running` only once its own hold on the rank is gone, so that
 /// the rank is never torn down from a thread of its own after its end.
+/// A thread's error is the rank's whether or not it is joined (a `join`
+/// returns it too), as on the simulator, where a thread's failure ends
+/// the execution: the rank's code may go on after a join that failed,
+/// but the rank does not end `Ok` ([`NcclRank::wait_spawned`]).
+///
+/// [`NcclRank::wait_spawned`]: crate::rank::NcclRank::wait_spawned
 #[derive(Debug, Default)]
 pub(crate) struct Spawned {
     /// Those running, by registry number, with their names and what
     /// became of their handles.
     pub(crate) running: Vec<(usize, String, Handle)>,
-    /// Those that ended with an error nobody will see through a `join`
-    /// (their handle dropped unjoined): name and error.
-    pub(crate) failed_unjoined: Vec<(String, Error)>,
+    /// Those that ended with an error, in the order they ended: name,
+    /// error, and what had become of the handle then (one held got the
+    /// error too: a `join` may have returned it to the rank's code).
+    pub(crate) failed: Vec<(String, Error, Handle)>,
 }
 
 impl Spawned {
-    /// Thread `id` (`name`) ended with `r`, its hold on the rank gone:
-    /// the result goes to its handle while one is held (`tx`), else an
-    /// error stays as the rank's. Called under the lock its handle's drop
-    /// takes ([`Spawned::handle_dropped`]).
+    /// Thread `id` (`name`) ended with `r`, its hold on the rank gone: an
+    /// error is recorded as the rank's, and the result goes to its handle
+    /// while one is held (`tx`). Called under the lock its handle's drop
+    /// takes ([`Spawned::handle_dropped`]), so a handle dropped meanwhile
+    /// never misses a result it waits for.
     pub(crate) fn thread_ended(
         &mut self,
         id: usize,
@@ -630,32 +638,18 @@ impl Spawned {
     ) {
         let at = self.running.iter().position(|t| t.0 == id);
         let state = at.map_or(Handle::Dropped, |i| self.running.remove(i).2);
-        match state {
-            // The handle is alive (its drop waits for this lock): the
-            // result is its.
-            Handle::Held => {
-                let _ = tx.send(r);
-            }
-            Handle::Dropped => {
-                if let Err(e) = r {
-                    self.failed_unjoined.push((name.to_string(), e));
-                }
-            }
-            Handle::Joined => {}
+        if let Err(e) = &r {
+            self.failed.push((name.to_string(), e.clone(), state));
+        }
+        if state == Handle::Held {
+            let _ = tx.send(r);
         }
     }
 
     /// Thread `id`'s handle was dropped (`joined`: after a `join` took
-    /// its result, or gave up on it): a thread still running is told; one
-    /// that ended left its result in `rx`, whose error stays as the
-    /// rank's unless a join took it.
-    pub(crate) fn handle_dropped(
-        &mut self,
-        id: usize,
-        name: &str,
-        joined: bool,
-        rx: &std::sync::mpsc::Receiver<Result<()>>,
-    ) {
+    /// its result, or gave up on it): a thread still running is told, so
+    /// that its result goes to no handle.
+    pub(crate) fn handle_dropped(&mut self, id: usize, joined: bool) {
         let state = if joined {
             Handle::Joined
         } else {
@@ -663,8 +657,6 @@ impl Spawned {
         };
         if let Some(t) = self.running.iter_mut().find(|t| t.0 == id) {
             t.2 = state;
-        } else if !joined && let Ok(Err(e)) = rx.try_recv() {
-            self.failed_unjoined.push((name.to_string(), e));
         }
     }
 }
@@ -674,7 +666,7 @@ impl Spawned {
 pub(crate) enum Handle {
     /// Held: the thread's result goes to it.
     Held,
-    /// Dropped without a join: the thread's error is the rank's.
+    /// Dropped without a join.
     Dropped,
     /// Given up by a `join` that timed out (which reported a hang).
     Joined,
@@ -1899,14 +1891,13 @@ pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 mod tests {
     use super::SplitTurns;
 
-    /// A spawned thread's error reaches exactly one place, whichever of
-    /// its end and its handle's drop (or join) comes first: the joiner, or
-    /// the rank as an unjoined thread's error; never both, never neither.
-    /// Each round races a thread's end against its handle's drop on two
-    /// OS threads, under the protocol `NcclRank::spawn` and
-    /// `NcclThread`'s drop follow.
+    /// A spawned thread's error is the rank's exactly once, whichever of
+    /// its end and its handle's drop (or join) comes first, and reaches a
+    /// join that waits for it. Each round races a thread's end against its
+    /// handle's drop on two OS threads, under the protocol
+    /// `NcclRank::spawn` and `NcclThread`'s drop follow.
     #[test]
-    fn a_spawned_threads_error_is_seen_once_however_its_end_and_its_handle_race() {
+    fn a_spawned_threads_error_is_the_ranks_once_however_its_end_and_its_handle_race() {
         use super::{Handle, Spawned};
         use duplex::Error;
         use std::sync::{Arc, Mutex, mpsc};
@@ -1939,22 +1930,19 @@ mod tests {
             } else if round % 2 == 1 {
                 std::thread::yield_now();
             }
-            spawned
-                .lock()
-                .unwrap()
-                .handle_dropped(round, "t", join, &rx);
+            spawned.lock().unwrap().handle_dropped(round, join);
             drop(rx);
             ender.join().unwrap();
             let s = spawned.lock().unwrap();
             assert!(s.running.is_empty(), "round {round}: the thread ended");
-            let left = s.failed_unjoined.len();
             match (failing, join) {
                 (true, true) => {
                     assert!(matches!(seen_by_join, Some(Err(_))), "round {round}");
-                    assert_eq!(left, 0, "round {round}: the joiner saw it");
+                    assert_eq!(s.failed.len(), 1, "round {round}: and the rank");
+                    assert_eq!(s.failed[0].2, Handle::Held, "round {round}: to the handle");
                 }
-                (true, false) => assert_eq!(left, 1, "round {round}: the rank sees it"),
-                (false, _) => assert_eq!(left, 0, "round {round}"),
+                (true, false) => assert_eq!(s.failed.len(), 1, "round {round}: the rank sees it"),
+                (false, _) => assert!(s.failed.is_empty(), "round {round}"),
             }
         }
     }

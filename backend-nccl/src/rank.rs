@@ -17,8 +17,8 @@ use smallvec::{SmallVec, smallvec};
 use crate::comm::{self, Comm, poll};
 use crate::copy::Ticket;
 use crate::ctx::{
-    BufState, CopyEnd, EventInner, Issued, LaneCost, LastRecv, NcclComm, NcclEvent, NcclStream,
-    OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
+    BufState, CopyEnd, EventInner, Handle, Issued, LaneCost, LastRecv, NcclComm, NcclEvent,
+    NcclStream, OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, HOST_COPY_LIMIT, Memory, Stream};
 use crate::fence::Fences;
@@ -117,7 +117,7 @@ impl Drop for NcclThread {
     /// both under the lock the thread ends under, so no error is lost
     /// between them.
     fn drop(&mut self) {
-        lock(&self.spawned).handle_dropped(self.registry_id, &self.name, self.joined, &self.result);
+        lock(&self.spawned).handle_dropped(self.registry_id, self.joined);
     }
 }
 
@@ -288,9 +288,11 @@ impl NcclRank {
     /// never joined, as the simulator's execution does (a rank has
     /// finished once all its threads have, and only then may its peers
     /// take what it issued for all it will issue), bounded as a `join` is;
-    /// fails with the error of one that failed, since nobody else will
-    /// see it, or when one is still running at the bound. A failure of
-    /// another rank ends the wait (those threads' own waits end on it).
+    /// fails with the error of the first of its threads that failed,
+    /// joined or not (a thread's failure is the rank's, as on the
+    /// simulator: [`crate::ctx::Spawned`]), or when one is still running
+    /// at the bound. A failure of another rank ends the wait (those
+    /// threads' own waits end on it).
     pub(crate) fn wait_spawned(&self) -> Result<()> {
         let ctx = &self.ctx;
         let limit = join_limit(ctx.opts.timeout);
@@ -302,14 +304,19 @@ impl NcclRank {
                 }
             };
         let s = lock(&ctx.spawned);
-        if let Some((name, e)) = s.failed_unjoined.first() {
+        if let Some((name, e, handle)) = s.failed.first() {
             // Its own kind of error, so that the most telling one of a job
             // is chosen as the simulator would; the thread named where the
             // error does not say it.
-            tracing::warn!(rank = ctx.rank, thread = %name, "a thread nobody joined failed: {e}");
+            let how = match handle {
+                Handle::Held => "joined, and the rank's code returned Ok after its error",
+                Handle::Dropped => "never joined",
+                Handle::Joined => "a join gave up on it",
+            };
+            tracing::warn!(rank = ctx.rank, thread = %name, "thread {name} {how}: {e}");
             return Err(match e {
-                Error::User(m) => Error::User(format!("thread {name} (never joined): {m}")),
-                Error::Aborted(m) => Error::Aborted(format!("thread {name} (never joined): {m}")),
+                Error::User(m) => Error::User(format!("thread {name} ({how}): {m}")),
+                Error::Aborted(m) => Error::Aborted(format!("thread {name} ({how}): {m}")),
                 other => other.clone(),
             });
         }

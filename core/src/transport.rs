@@ -233,12 +233,17 @@ pub trait Transport: Sized + Send + 'static {
     /// Starts another host thread of this rank, running `f` with its own handle.
     /// A rank has finished once all its threads have: one never joined is
     /// waited for when the rank's code returns (on the simulator, by the
-    /// end of the execution; on GPUs, as long as a `join` would wait), and
-    /// its error, which nobody else sees, is the rank's.
+    /// end of the execution; on GPUs, as long as a `join` would wait). A
+    /// thread's error is the rank's, joined or not: [`Transport::join`]
+    /// returns it so that the code can stop, but a rank whose code goes
+    /// on and returns `Ok` still fails with it (on the simulator a
+    /// thread's failure ends the execution at once). An error of a thread
+    /// cannot be swallowed into a run that reports success.
     fn spawn<F>(&self, name: &str, f: F) -> Result<Self::Thread>
     where
         F: FnOnce(&Self) -> Result<()> + Send + 'static;
-    /// Waits for a thread started by [`Transport::spawn`] and returns its result.
+    /// Waits for a thread started by [`Transport::spawn`] and returns its
+    /// result (an error is the rank's too: see [`Transport::spawn`]).
     fn join(&self, thread: Self::Thread) -> Result<()>;
 }
 

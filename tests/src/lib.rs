@@ -66,6 +66,9 @@ pub enum Expect {
     /// that does not buffer it (the model's contract, eager capacity 0)
     /// must report the hang, naming the missing partner.
     Unreceived,
+    /// A thread's own error, whose text contains this, must be the run's:
+    /// never `Ok`, whatever the rank's code did with it.
+    ThreadFails(&'static str),
 }
 
 /// One scenario.
@@ -170,6 +173,7 @@ pub fn verify<T: Transport>(
                 ))
             }
         }
+        (Expect::ThreadFails(text), Outcome::Failed(Error::User(m))) if m.contains(text) => Ok(()),
         (Expect::Fails(kind), Outcome::Failed(Error::Program { kind: k, ops, .. }))
             if *k == kind =>
         {
@@ -356,6 +360,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             PerDirection,
             Completes,
             unjoined_sender::<T>,
+        ),
+        s(
+            "spawn/swallowed",
+            "rank 0's thread sends to rank 1, then fails its own check; rank 0's code joins it, ignores the error and returns Ok: a thread's error is the rank's, so the run fails with it, never Ok",
+            2,
+            PerDirection,
+            ThreadFails(SWALLOWED),
+            swallowed_error::<T>,
         ),
         Scenario {
             cold: true,
@@ -723,6 +735,32 @@ pub fn unjoined_sender<T: Transport>(t: &T) -> Result<()> {
         t.recv(&mut inb, peer)?;
         t.synchronize()?;
         check(t, &inb, peer, 7)
+    }
+}
+
+/// What the thread of `spawn/swallowed` fails with.
+pub const SWALLOWED: &str = "thread checker's own check failed on purpose";
+
+/// Rank 0 starts a thread that sends to rank 1 and then fails; rank 0's
+/// code joins it, ignores its error and returns `Ok`. The error is the
+/// rank's all the same (`Transport::spawn`).
+pub fn swallowed_error<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    if t.rank() == 0 {
+        let checker = t.spawn("checker", move |t: &T| {
+            let out = filled(t, peer, 9)?;
+            t.send(&out, peer)?;
+            t.synchronize()?;
+            Err(Error::User(SWALLOWED.into()))
+        })?;
+        // What a careless caller does: the error is dropped here.
+        let _ignored = t.join(checker);
+        Ok(())
+    } else {
+        let mut inb = t.alloc::<u32>(len())?;
+        t.recv(&mut inb, peer)?;
+        t.synchronize()?;
+        check(t, &inb, peer, 9)
     }
 }
 
