@@ -3,7 +3,7 @@
 //! side by side in one run, on the CPU (no GPU, no NCCL):
 //!
 //! ```text
-//! cargo run --release -p duplex-nccl --example store -- [--trials 3] [--monitors 1024] [--seconds 5] [--finished 0]
+//! cargo run --release -p duplex-nccl --example store -- [--trials 3] [--monitors 1024] [--seconds 5] [--finished 0] [--watching]
 //! ```
 //!
 //! Two figures per mode, each the median [min–max] of `--trials` trials,
@@ -21,6 +21,12 @@
 //!
 //! `--finished N` first stores the four keys of N ranks that finished
 //! (`trace`, `counts`, `done`, `left`), as the end of a job does.
+//!
+//! `--watching` adds a third monitor mode, beside the two: connections
+//! kept, each poll also asking `ENDED`, as the monitor of a rank does once
+//! one of its waits has lasted a fifth of its deadline (it watches for
+//! ranks that finished, to end a wait whose op they never matched); its
+//! figures against plain "kept" are that watch's cost to the store.
 //!
 //! Client and store share this machine's cores, so the figures are the
 //! two sides' cost together; on a job the clients run on the ranks' hosts
@@ -45,6 +51,7 @@ fn main() {
     let mut monitors = 1024u32;
     let mut seconds = 5u64;
     let mut finished = 0u32;
+    let mut watching = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| -> u64 {
@@ -57,8 +64,9 @@ fn main() {
             "--monitors" => monitors = value("--monitors").clamp(1, 8192) as u32,
             "--seconds" => seconds = value("--seconds").max(1),
             "--finished" => finished = value("--finished").min(1 << 16) as u32,
+            "--watching" => watching = true,
             other => fail(&format!(
-                "unknown argument {other:?} (--trials N, --monitors N, --seconds S, --finished N)"
+                "unknown argument {other:?} (--trials N, --monitors N, --seconds S, --finished N, --watching)"
             )),
         }
     }
@@ -85,6 +93,13 @@ fn main() {
         }
     }
     let modes = [("kept", true), ("per request", false)];
+    // The monitor modes: the two, and with --watching a third, connections
+    // kept and `ENDED` asked at every poll.
+    let mut monitor_modes = vec![("kept", true, false), ("per request", false, false)];
+    if watching {
+        monitor_modes.push(("kept, watching finished ranks", true, true));
+    }
+    let nm = monitor_modes.len();
     println!(
         "# duplex's store: connections kept against one per request ({trials} trials; {finished} ranks finished before)\n"
     );
@@ -96,7 +111,7 @@ fn main() {
             for i in 0..2 {
                 // The first mode of each trial switches, so drift falls on both.
                 let m = (i + t) % 2;
-                let (rate, worst) = throughput(clients, || client(modes[m].1));
+                let (rate, worst) = throughput(clients, || client(modes[m].1), false);
                 figures[m].0.push(rate);
                 figures[m].1.push(worst * 1e3);
             }
@@ -115,13 +130,15 @@ fn main() {
     println!(
         "\n| monitors | mode | CPU s per s | slowest poll ms | polls | per monitor per s (5 due) | failed |\n|---|---|---|---|---|---|---|"
     );
-    let mut figures: Vec<(Vec<f64>, Vec<f64>, u64, u64)> = vec![Default::default(); 2];
-    let mut errors: Vec<Option<String>> = vec![None, None];
+    let mut figures: Vec<(Vec<f64>, Vec<f64>, u64, u64)> = vec![Default::default(); nm];
+    let mut errors: Vec<Option<String>> = vec![None; nm];
     for t in 0..trials {
-        for i in 0..2 {
-            let m = (i + t) % 2;
-            let w = watch(monitors, Duration::from_secs(seconds), || {
-                client(modes[m].1)
+        for i in 0..nm {
+            // Each trial starts with another mode, so drift falls on all.
+            let m = (i + t) % nm;
+            let (_, keep, ended) = monitor_modes[m];
+            let w = watch(monitors, Duration::from_secs(seconds), ended, || {
+                client(keep)
             });
             figures[m].0.push(w.cpu);
             figures[m].1.push(w.worst * 1e3);
@@ -140,7 +157,7 @@ fn main() {
     for (m, (cpu, worst, polls, failed)) in figures.iter().enumerate() {
         println!(
             "| {monitors} | {} | {} | {} | {polls} | {:.2} | {failed} |",
-            modes[m].0,
+            monitor_modes[m].0,
             spread(cpu, 2),
             spread(worst, 1),
             *polls as f64 / monitor_seconds
@@ -150,16 +167,23 @@ fn main() {
         "| {monitors} | per request / kept (CPU) | {:.1}x | | | | |",
         median(&figures[1].0) / median(&figures[0].0)
     );
+    if watching {
+        println!(
+            "| {monitors} | watching / kept (CPU) | {:.2}x | | | | |",
+            median(&figures[2].0) / median(&figures[0].0)
+        );
+    }
     for (m, e) in errors.iter().enumerate() {
         if let Some(e) = e {
-            println!("\nthe first failed poll, {}: {e}", modes[m].0);
+            println!("\nthe first failed poll, {}: {e}", monitor_modes[m].0);
         }
     }
 }
 
-/// `clients` threads asking `BEAT` and `HEALTH` back to back for 1 s:
-/// requests per second, and the slowest request in seconds.
-fn throughput(clients: u32, client: impl Fn() -> Store) -> (f64, f64) {
+/// `clients` threads asking `BEAT` and `HEALTH` (and `ENDED`, when
+/// `ended`) back to back for 1 s: requests per second, and the slowest
+/// request in seconds.
+fn throughput(clients: u32, client: impl Fn() -> Store, ended: bool) -> (f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let threads: Vec<_> = (0..clients)
@@ -169,11 +193,12 @@ fn throughput(clients: u32, client: impl Fn() -> Store) -> (f64, f64) {
                 let (mut n, mut worst) = (0u64, Duration::ZERO);
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
-                    if let Err(e) = poll(&c, r) {
+                    if let Err(e) = poll(&c, r, ended) {
                         fail(&format!("a request failed: {e}"));
                     }
-                    worst = worst.max(t.elapsed() / 2);
-                    n += 2;
+                    let asked = if ended { 3 } else { 2 };
+                    worst = worst.max(t.elapsed() / asked);
+                    n += u64::from(asked);
                 }
                 (n, worst)
             })
@@ -193,8 +218,9 @@ fn throughput(clients: u32, client: impl Fn() -> Store) -> (f64, f64) {
     )
 }
 
-/// `monitors` threads polling every 200 ms for `run`.
-fn watch(monitors: u32, run: Duration, client: impl Fn() -> Store) -> Watched {
+/// `monitors` threads polling every 200 ms for `run` (asking `ENDED` too
+/// when `ended`).
+fn watch(monitors: u32, run: Duration, ended: bool, client: impl Fn() -> Store) -> Watched {
     let stop = Arc::new(AtomicBool::new(false));
     let cpu0 = cpu_seconds();
     let start = Instant::now();
@@ -210,7 +236,7 @@ fn watch(monitors: u32, run: Duration, client: impl Fn() -> Store) -> Watched {
                     let mut said = None;
                     while !stop.load(Ordering::Relaxed) {
                         let t = Instant::now();
-                        if let Err(e) = poll(&c, r) {
+                        if let Err(e) = poll(&c, r, ended) {
                             failed += 1;
                             said.get_or_insert(e);
                         }
@@ -253,13 +279,18 @@ struct Watched {
     error: Option<String>,
 }
 
-/// One poll of a health monitor: `BEAT`, then `HEALTH`; the error of a
-/// request that failed (a monitor would take the store's host for dead
-/// after 3 s of them).
-fn poll(c: &Store, rank: u32) -> Result<(), String> {
+/// One poll of a health monitor: `BEAT`, then `HEALTH`, then (`ended`:
+/// watching for finished ranks) `ENDED`; the error of a request that
+/// failed (a monitor would take the store's host for dead after 3 s of
+/// them).
+fn poll(c: &Store, rank: u32, ended: bool) -> Result<(), String> {
+    let silence = Duration::from_secs(3);
     c.beat(rank, REQUEST)
-        .and_then(|()| c.health(rank, Duration::from_secs(3), REQUEST))
-        .map(|_| ())
+        .and_then(|()| c.health(rank, silence, REQUEST))
+        .and_then(|_| match ended {
+            true => c.ended(silence, REQUEST).map(|_| ()),
+            false => Ok(()),
+        })
         .map_err(|e| e.to_string())
 }
 

@@ -388,7 +388,21 @@ pub struct StoreHealth {
     /// The ranks the monitor saw end without finishing (failed, silent):
     /// not asked about again.
     unfinished: Mutex<Vec<Rank>>,
+    /// The ranks whose finish someone asked about: the only ones the
+    /// monitor looks up.
+    asked: Mutex<std::collections::BTreeSet<Rank>>,
+    /// The ranks whose counts a wait asked for, each with when to read
+    /// them next and the interval after that ([`COUNTS_RETRY_MAX`]).
+    wanted: Mutex<BTreeMap<Rank, (Instant, Duration)>>,
 }
+
+/// How long the monitor may spend a beat on looking for finished ranks
+/// before it sends its next heartbeat ([`StoreHealth::look_for_finished`]).
+const LOOK_BUDGET: Duration = Duration::from_millis(100);
+
+/// The longest interval between two reads of the counts of a finished rank
+/// that are missing from the store.
+const COUNTS_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// How often a lingering rank says which ranks it still waits for.
 const LINGER_SAY: Duration = Duration::from_secs(60);
@@ -415,6 +429,8 @@ impl StoreHealth {
             watch_finished: AtomicBool::new(false),
             finished: Mutex::new(BTreeMap::new()),
             unfinished: Mutex::new(Vec::new()),
+            asked: Mutex::new(Default::default()),
+            wanted: Mutex::new(BTreeMap::new()),
         });
         let weak = Arc::downgrade(&health);
         let _ = std::thread::Builder::new()
@@ -426,6 +442,7 @@ impl StoreHealth {
                     if h.stop.load(Ordering::Acquire) {
                         return;
                     }
+                    let beat = Instant::now();
                     match h.poll_once() {
                         Ok(found) => {
                             unreachable_since = None;
@@ -433,7 +450,7 @@ impl StoreHealth {
                                 h.learn(f);
                             }
                             if h.watch_finished.load(Ordering::Acquire) {
-                                h.look_for_finished();
+                                h.look_for_finished(beat.max(Instant::now()) + LOOK_BUDGET);
                             }
                         }
                         Err((asked, e)) if h.me != 0 => {
@@ -563,58 +580,79 @@ impl StoreHealth {
             .map_err(|e| (asked, e))
     }
 
-    /// Learns which of the ranks that ended finished cleanly (they stored
-    /// `done/RANK`): one request, and one per rank newly ended, each asked
-    /// about once (a rank that ended without finishing never will); then
-    /// reads the counts each finished rank posted, one request per rank
-    /// until they are read (a rank posts them before it says it finished,
-    /// so normally at once), so that a wait reads them from memory
-    /// ([`Health::finished_counts`]) and never waits on the store.
-    fn look_for_finished(&self) {
+    /// Learns which of the ranks asked about ([`Health::finished_among`])
+    /// that ended finished cleanly (they stored `done/RANK`): one request,
+    /// and one per such rank newly ended, each asked about once (a rank
+    /// that ended without finishing never will); then reads the counts of
+    /// each finished rank whose counts a wait asked for
+    /// ([`Health::finished_counts`]), one request per rank until they are
+    /// read (a rank posts them before it says it finished, so normally at
+    /// once; a rank whose counts are missing is asked again at growing
+    /// intervals, up to [`COUNTS_RETRY_MAX`]), so that a wait reads them
+    /// from memory and never waits on the store. Stops making requests at
+    /// `until` and goes on at the next beat: the heartbeat, sent from the
+    /// same thread, never waits long behind it (a live rank late with its
+    /// beats by [`SILENCE`] would be taken as dead).
+    fn look_for_finished(&self, until: Instant) {
         let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
             return;
         };
         let lock_finished = || self.finished.lock().unwrap_or_else(|e| e.into_inner());
-        let seen = |r: &Rank| {
-            lock_finished().contains_key(r)
-                || self
-                    .unfinished
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .contains(r)
+        let lock_unfinished = || self.unfinished.lock().unwrap_or_else(|e| e.into_inner());
+        let new: Vec<Rank> = {
+            let asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+            ended
+                .into_iter()
+                .filter(|r| *r != self.me && asked.contains(r))
+                .collect()
         };
-        for r in ended.into_iter().filter(|r| *r != self.me && !seen(r)) {
+        for r in new {
+            if lock_finished().contains_key(&r) || lock_unfinished().contains(&r) {
+                continue;
+            }
+            if Instant::now() >= until {
+                return;
+            }
             match self.store.get(&done_key(r), Duration::ZERO) {
                 Ok(Some(_)) => {
                     lock_finished().insert(r, None);
                 }
-                Ok(None) => self
-                    .unfinished
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(r),
+                Ok(None) => lock_unfinished().push(r),
                 Err(_) => return,
             }
         }
-        let unread: Vec<Rank> = lock_finished()
-            .iter()
-            .filter(|(_, c)| c.is_none())
-            .map(|(r, _)| *r)
-            .collect();
-        for r in unread {
-            match self.counts_now(r) {
-                Ok(Some(c)) => {
-                    lock_finished().insert(r, Some(Arc::new(c)));
-                }
-                // Not there (the store refused them): asked again next beat.
-                Ok(None) => {}
-                Err(why) => {
-                    tracing::debug!(
-                        rank = self.me,
-                        peer = r,
-                        "cannot read the counts of a rank that finished: {why}"
-                    );
-                }
+        let now = Instant::now();
+        let due: Vec<Rank> = {
+            let finished = lock_finished();
+            let wanted = self.wanted.lock().unwrap_or_else(|e| e.into_inner());
+            wanted
+                .iter()
+                .filter(|(r, (next, _))| *next <= now && matches!(finished.get(r), Some(None)))
+                .map(|(r, _)| *r)
+                .collect()
+        };
+        for r in due {
+            if Instant::now() >= until {
+                return;
+            }
+            let read = self.counts_now(r);
+            if let Ok(Some(c)) = read {
+                lock_finished().insert(r, Some(Arc::new(c)));
+                continue;
+            }
+            if let Err(why) = read {
+                tracing::debug!(
+                    rank = self.me,
+                    peer = r,
+                    "cannot read the counts of a rank that finished: {why}"
+                );
+            }
+            // Not there (the store refused them), or not readable: asked
+            // again later, less and less often.
+            let mut wanted = self.wanted.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((next, wait)) = wanted.get_mut(&r) {
+                *wait = (*wait * 2).min(COUNTS_RETRY_MAX);
+                *next = Instant::now() + *wait;
             }
         }
     }
@@ -721,14 +759,35 @@ impl Health for StoreHealth {
 
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank> {
         self.watch_finished.store(true, Ordering::Release);
+        self.asked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(ranks.iter().copied());
         let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
         ranks.iter().copied().find(|r| finished.contains_key(r))
     }
 
     fn finished_counts(&self, rank: Rank) -> Option<Arc<Vec<ChannelCount>>> {
         self.watch_finished.store(true, Ordering::Release);
-        let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
-        finished.get(&rank).cloned().flatten()
+        self.asked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(rank);
+        let counts = self
+            .finished
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&rank)
+            .cloned()
+            .flatten();
+        if counts.is_none() {
+            self.wanted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(rank)
+                .or_insert((Instant::now(), BEAT_EVERY));
+        }
+        counts
     }
 
     fn failed_itself(&self, me: Rank) -> bool {
@@ -1286,8 +1345,9 @@ mod tests {
         c.put("done/2", b"ok", REQUEST).expect("stores");
         // Asking starts the watch; the answer never waits.
         assert_eq!(a.finished_counts(1), None);
+        assert_eq!(a.finished_counts(2), None);
         let start = Instant::now();
-        while a.finished_counts(1).is_none() {
+        while a.finished_counts(1).is_none() || a.finished_among(&[2]).is_none() {
             assert!(start.elapsed() < Duration::from_secs(5), "never read");
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -1315,6 +1375,51 @@ mod tests {
         let local = LocalHealth::default();
         local.finished(1);
         assert_eq!(local.finished_counts(1), None);
+    }
+
+    /// The watch for finished ranks looks up only the ranks asked about,
+    /// stops at its time budget (the heartbeat goes out from the same
+    /// thread), and asks for missing counts less and less often.
+    #[test]
+    fn the_watch_for_finished_ranks_keeps_to_its_budget_and_backs_off() {
+        let (port, secret) = store();
+        let c = Store::client("127.0.0.1", port, secret.clone());
+        for r in 1..=50 {
+            c.put(&format!("done/{r}"), b"ok", REQUEST).expect("stores");
+        }
+        let h = StoreHealth::start(Store::client("127.0.0.1", port, secret), 0);
+        // Stop the monitor's own looks: this test makes them.
+        h.stop.store(true, Ordering::Release);
+        std::thread::sleep(BEAT_EVERY * 2);
+        let finished = |h: &StoreHealth| h.finished.lock().unwrap().len();
+        // Nobody asked: nothing is looked up.
+        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        assert_eq!(finished(&h), 0);
+        let ranks: Vec<Rank> = (1..=50).collect();
+        assert_eq!(h.finished_among(&ranks), None);
+        // Out of time before the first lookup: none made.
+        h.look_for_finished(Instant::now());
+        assert_eq!(finished(&h), 0);
+        // With time, every rank asked about and finished is learned.
+        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        assert_eq!(finished(&h), 50);
+        assert_eq!(h.finished_among(&[7]), Some(7));
+        // Counts missing from the store: asked for, tried, and put off.
+        assert_eq!(h.finished_counts(7), None);
+        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        let (next, wait) = h.wanted.lock().unwrap()[&7];
+        assert_eq!(wait, BEAT_EVERY * 2);
+        assert!(next > Instant::now(), "the next read is later");
+        for _ in 0..10 {
+            h.wanted.lock().unwrap().get_mut(&7).unwrap().0 = Instant::now();
+            h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        }
+        assert_eq!(h.wanted.lock().unwrap()[&7].1, COUNTS_RETRY_MAX);
+        // Once there, they are read at the next due look.
+        c.put("counts/7", b"[]", REQUEST).expect("stores");
+        h.wanted.lock().unwrap().get_mut(&7).unwrap().0 = Instant::now();
+        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        assert_eq!(h.finished_counts(7).as_deref(), Some(&Vec::new()));
     }
 
     #[test]
