@@ -548,6 +548,31 @@ impl Read for DeadlineReader<'_> {
     }
 }
 
+/// The writing side of [`DeadlineReader`]: each write waits only for what
+/// is left of one deadline, so a peer that reads a byte at a time cannot
+/// stretch a request past it.
+struct DeadlineWriter<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Write for DeadlineWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_write_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let mut stream = self.stream;
+        stream.flush()
+    }
+}
+
 /// How a connection ends early.
 #[derive(Debug)]
 enum End {
@@ -1169,10 +1194,10 @@ impl Store {
         body: &[u8],
         deadline: Instant,
     ) -> Result<(Response, Vec<u8>), Exchange> {
-        let patience = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
-        conn.set_read_timeout(Some(patience))
-            .and_then(|()| conn.set_write_timeout(Some(patience)))
-            .map_err(|e| Exchange::Failed(io("configuring a connection", e)))?;
+        // One deadline for the whole exchange, not a timeout per read: a
+        // store (or whatever answers at its address) that sends its reply
+        // a byte at a time cannot keep a request going past it.
+        let until = deadline.max(Instant::now()) + Duration::from_secs(1);
         // Until a byte of the reply came, a closed connection means the
         // store never read the request.
         let unanswered = |what: &str, e: std::io::Error| {
@@ -1182,11 +1207,17 @@ impl Store {
                 Exchange::Failed(io(what, e))
             }
         };
-        let mut w = conn;
+        let mut w = DeadlineWriter {
+            stream: conn,
+            deadline: until,
+        };
         w.write_all(line)
             .and_then(|()| w.write_all(body))
             .map_err(|e| unanswered("sending a request", e))?;
-        let mut reader = BufReader::new(conn);
+        let mut reader = BufReader::new(DeadlineReader {
+            stream: conn,
+            deadline: until,
+        });
         match reader.fill_buf() {
             Ok([]) => {
                 return Err(Exchange::Unanswered(Error::Aborted(format!(

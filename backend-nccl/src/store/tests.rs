@@ -1004,3 +1004,41 @@ fn the_store_queues_a_job_of_connects_at_once() {
     assert_eq!(super::widen_backlog(&wide), Some(cap.min(1 << 16) as u32));
     assert_eq!(connects(&wide, n), n);
 }
+
+/// A store (or whatever answers at its address) that sends its reply a
+/// byte at a time cannot hold a request past its timeout: the client's
+/// reads share one deadline, not a timeout each.
+#[test]
+fn a_reply_sent_a_byte_at_a_time_ends_at_the_requests_deadline() {
+    use std::io::{BufRead, BufReader};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+    let port = listener.local_addr().expect("an address").port();
+    std::thread::spawn(move || {
+        let Ok((c, _)) = listener.accept() else {
+            return;
+        };
+        let mut r = BufReader::new(c.try_clone().expect("clones"));
+        let mut w = c;
+        let mut line = String::new();
+        let _ = r.read_line(&mut line); // AUTH
+        let _ = w.write_all(b"OK\n");
+        line.clear();
+        let _ = r.read_line(&mut line); // HEALTH
+        for b in b"HEALTHY\n" {
+            if w.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(700));
+        }
+    });
+    let c = Store::client("127.0.0.1", port, secret());
+    let t = Instant::now();
+    let r = c.health(1, Duration::from_secs(3), Duration::from_secs(1));
+    let took = t.elapsed();
+    assert!(
+        r.is_err(),
+        "a reply cut off by the deadline is no answer: {r:?}"
+    );
+    // The request's second, and the exchange's second of grace.
+    assert!(took < Duration::from_millis(3_000), "took {took:?}");
+}
