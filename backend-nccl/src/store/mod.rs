@@ -273,6 +273,10 @@ impl Health {
 struct Values {
     map: HashMap<String, Arc<Vec<u8>>>,
     bytes: usize,
+    /// The bytes of `PUT` bodies being read ([`Shared::reserve`]): they
+    /// count against the store's limit before they are read, so bodies in
+    /// flight on many connections cannot hold more than it.
+    reserved: usize,
 }
 
 /// The store's state, shared by the connections' threads.
@@ -375,6 +379,25 @@ impl Shared {
             },
             None => Response::Healthy,
         }
+    }
+
+    /// Reserves room for a `PUT` of `len` bytes under `key` before its body
+    /// is read: refused as a full store when the stored values, the bodies
+    /// being read and this one would pass the limit (a key's value that it
+    /// replaces counts as freed). The room is given back when the returned
+    /// guard drops, once the body is stored or refused.
+    fn reserve(&self, key: &str, len: usize) -> Result<Reserved<'_>, End> {
+        let mut v = self.values();
+        let old = v.map.get(key).map_or(0, |x| key.len() + x.len());
+        let new = key.len() + len;
+        if (v.bytes + v.reserved).saturating_sub(old) + new > self.limits.max_stored {
+            return Err(End::Refuse("the store is full".into()));
+        }
+        v.reserved += new;
+        Ok(Reserved {
+            shared: self,
+            bytes: new,
+        })
     }
 
     fn put(&self, key: String, value: Vec<u8>) -> Result<Response, End> {
@@ -602,6 +625,20 @@ fn send(conn: &TcpStream, response: &Response) -> Result<(), End> {
     conn.write_all(&line).map_err(|_| End::Gone)
 }
 
+/// Room for a `PUT` body being read ([`Shared::reserve`]), given back on
+/// drop.
+struct Reserved<'a> {
+    shared: &'a Shared,
+    bytes: usize,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        let mut v = self.shared.values();
+        v.reserved = v.reserved.saturating_sub(self.bytes);
+    }
+}
+
 /// The `len` bytes that follow a `PUT` or `MAIL` line: exactly that many,
 /// under a fresh deadline, never more.
 fn read_body(
@@ -690,7 +727,10 @@ fn serve_one(
         Request::Beat { rank } => shared.beat(rank)?,
         Request::Health { me, silence_ms } => shared.check(me, silence_ms),
         Request::Put { key, len } => {
+            let room = shared.reserve(&key, len)?;
             let value = read_body(reader, len, timeout)?;
+            // Given back first: the value's bytes count as stored now.
+            drop(room);
             shared.put(key, value)?
         }
         Request::Mail { to, len } => {

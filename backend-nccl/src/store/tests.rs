@@ -1042,3 +1042,57 @@ fn a_reply_sent_a_byte_at_a_time_ends_at_the_requests_deadline() {
     // The request's second, and the exchange's second of grace.
     assert!(took < Duration::from_millis(3_000), "took {took:?}");
 }
+
+/// The bytes of `PUT` bodies still being read count against the store's
+/// limit before they are read: a second body that would not fit beside
+/// one in flight is refused at once, not read into memory first.
+#[test]
+fn put_bodies_in_flight_count_against_the_stores_limit() {
+    let addr = server(Limits {
+        max_stored: 1 << 20,
+        ..limits(5_000)
+    });
+    let put = |key: &str, len: usize| {
+        proto::encode_request(&Request::Put {
+            key: key.into(),
+            len,
+        })
+        .unwrap()
+    };
+    // A body of 800 KB, held one byte short.
+    let mut first = TcpStream::connect(addr).unwrap();
+    first.write_all(&auth()).unwrap();
+    first.write_all(&put("a", 800_000)).unwrap();
+    first.write_all(&vec![7u8; 799_999]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // A second that would not fit beside it: refused before its body.
+    let mut second = auth();
+    second.extend(put("b", 800_000));
+    let reply = raw(addr, &second, false);
+    assert!(reply.contains("full"), "{reply}");
+    // A small one fits beside it.
+    client(addr)
+        .put("c", &[1; 100], Duration::from_secs(5))
+        .expect("fits");
+    // The first completes and is stored; its room is then its value's.
+    first.write_all(&[7]).unwrap();
+    first
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    // The AUTH's reply, then the PUT's.
+    let mut reply = [0u8; 6];
+    first.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply, b"OK\nOK\n");
+    let store = client(addr);
+    assert_eq!(
+        store
+            .get("a", Duration::from_secs(1))
+            .unwrap()
+            .map(|v| v.len()),
+        Some(800_000)
+    );
+    // Replacing a value frees its room first.
+    store
+        .put("a", &vec![2; 900_000], Duration::from_secs(5))
+        .expect("replaces");
+}
