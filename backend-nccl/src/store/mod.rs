@@ -16,13 +16,17 @@
 //! `ERROR <why>` and closes the connection. Then come requests (`ID`,
 //! `POST`, `TAKE`, ...; grammar in [`proto`]), each answered before the
 //! next is read. A line that does not parse, a request before `AUTH`, or a
-//! client silent for 10 s before its `AUTH` gets `ERROR <why>` and the
+//! client silent for 3 s before its `AUTH` gets `ERROR <why>` and the
 //! connection is closed; a connection quiet for 10 s between requests is
 //! closed without a word. The store goes on serving everyone else (a
-//! thread per connection, at most 16,384 at once, and no more than the
-//! process's limit on open files allows, which the store raises as far as
-//! it needs within the hard limit; past that a new connection is told
-//! `ERROR busy`).
+//! thread per connection, at most 16,384 at once past their `AUTH`, and no
+//! more than the process's limit on open files allows, which the store
+//! raises as far as it needs within the hard limit; past that a new
+//! connection is told `ERROR busy`). Connections not yet past their `AUTH`
+//! have a pool of their own (4,096 at once, 256 from one host; past that
+//! `ERROR busy`), so that whatever can reach the port without the secret
+//! cannot take the places of the job's ranks. A `PUT`'s bytes count
+//! against the store's limit on stored bytes before they are read.
 //!
 //! A client ([`Store`]) keeps up to four connections open between its
 //! requests, each for at most 5 s unused: a rank's health monitor, which
@@ -167,8 +171,16 @@ const MAX_KEYS_REPLY: usize = 1 << 20;
 struct Limits {
     /// How long a client may take to send each line.
     io_timeout: Duration,
-    /// Connections served at once; more are refused.
+    /// Connections served at once past their `AUTH`; more are refused.
     max_connections: usize,
+    /// Connections not yet past their `AUTH`, in all and from one host:
+    /// they have a pool of their own ([`PreAuth`]), so connections that
+    /// never authenticate (anything that can reach the port) cannot take
+    /// the slots of the job's ranks.
+    max_unauthenticated: usize,
+    max_unauthenticated_per_host: usize,
+    /// How long a new connection may take to send its `AUTH` line.
+    auth_timeout: Duration,
     /// Distinct (from, to, tag) with messages waiting; more are refused.
     max_pending: usize,
     /// Keys `PUT` may create; more are refused.
@@ -184,6 +196,11 @@ const LIMITS: Limits = Limits {
     // Clients keep connections open between requests, a few per rank:
     // 1,024 ranks may hold some 3,000.
     max_connections: 1 << 14,
+    // A job's ranks connect at once at its start, each sending its AUTH
+    // as soon as it is connected: a host of 8 ranks opens a few dozen.
+    max_unauthenticated: 4096,
+    max_unauthenticated_per_host: 256,
+    auth_timeout: Duration::from_secs(3),
     max_pending: 1 << 16,
     // A rank stores up to five keys of its own (`done`, `counts`, `left`,
     // its trace and its early snapshot) and one per rank it left sends for
@@ -288,6 +305,8 @@ struct Shared {
     counts: Mutex<HashMap<(Rank, Rank, String), u64>>,
     arrived: Condvar,
     active: AtomicUsize,
+    /// Connections not yet past their `AUTH`, by the client's address.
+    unauthenticated: Mutex<HashMap<std::net::IpAddr, usize>>,
     health: Mutex<Health>,
     values: Mutex<Values>,
     stored: Condvar,
@@ -551,6 +570,55 @@ impl Drop for Slot {
     }
 }
 
+/// A slot of a connection not yet past its `AUTH`, from `host`: taken at
+/// accept, given back on drop, once the connection authenticated (it then
+/// takes a [`Slot`]) or ended. Bounded in all and per host
+/// ([`Limits::max_unauthenticated`]), apart from the slots of
+/// authenticated connections.
+struct PreAuth {
+    shared: Arc<Shared>,
+    host: std::net::IpAddr,
+}
+
+impl PreAuth {
+    /// A slot for a connection from `host`, or why there is none.
+    fn take(shared: &Arc<Shared>, host: std::net::IpAddr) -> Result<PreAuth, &'static str> {
+        let mut u = shared
+            .unauthenticated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let all: usize = u.values().sum();
+        if all >= shared.limits.max_unauthenticated {
+            return Err("too many connections not yet authenticated");
+        }
+        let here = u.entry(host).or_insert(0);
+        if *here >= shared.limits.max_unauthenticated_per_host {
+            return Err("too many connections not yet authenticated from this host");
+        }
+        *here += 1;
+        Ok(PreAuth {
+            shared: shared.clone(),
+            host,
+        })
+    }
+}
+
+impl Drop for PreAuth {
+    fn drop(&mut self) {
+        let mut u = self
+            .shared
+            .unauthenticated
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = u.get_mut(&self.host) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                u.remove(&self.host);
+            }
+        }
+    }
+}
+
 /// Reads a stream until a deadline: each read waits only for what is left,
 /// so a client that trickles bytes cannot hold a thread past it.
 #[derive(Debug)]
@@ -668,15 +736,16 @@ fn send_value(conn: &TcpStream, bytes: &[u8]) -> Result<(), End> {
     c.write_all(bytes).map_err(|_| End::Gone)
 }
 
-/// One connection: `AUTH`, then requests, each answered before the next
-/// is read, until the client closes it or falls quiet.
-fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
+/// One connection: `AUTH` (within [`Limits::auth_timeout`], holding
+/// `pre`), then, holding a [`Slot`] in its place, requests, each answered
+/// before the next is read, until the client closes it or falls quiet.
+fn session(conn: &TcpStream, shared: &Arc<Shared>, pre: PreAuth) -> Result<(), End> {
     let timeout = shared.limits.io_timeout;
     let mut reader = BufReader::with_capacity(
         proto::MAX_LINE + 1,
         DeadlineReader {
             stream: conn,
-            deadline: Instant::now() + timeout,
+            deadline: Instant::now() + shared.limits.auth_timeout.min(timeout),
         },
     );
     match next_request(&mut reader)? {
@@ -689,6 +758,10 @@ fn session(conn: &TcpStream, shared: &Shared) -> Result<(), End> {
         Request::Auth { .. } => return Err(End::Refuse("bad token".into())),
         _ => return Err(End::Refuse("authenticate first (AUTH)".into())),
     }
+    let Some(_slot) = Slot::take(shared) else {
+        return Err(End::Refuse("busy: too many connections".into()));
+    };
+    drop(pre);
     send(conn, &Response::Ok)?;
     loop {
         reader.get_mut().deadline = Instant::now() + timeout;
@@ -791,10 +864,11 @@ fn refuse(conn: &TcpStream, text: &str) {
     }
 }
 
-fn handle(conn: TcpStream, shared: &Shared) {
+fn handle(conn: TcpStream, pre: PreAuth) {
+    let shared = pre.shared.clone();
     let _ = conn.set_write_timeout(Some(shared.limits.io_timeout));
     let _ = conn.set_nodelay(true);
-    if let Err(End::Refuse(text)) = session(&conn, shared) {
+    if let Err(End::Refuse(text)) = session(&conn, &shared, pre) {
         // The text says what was wrong with the request; it never holds the
         // secret or the unique id.
         tracing::debug!(peer = ?conn.peer_addr().ok(), "duplex store: refused a request: {text}");
@@ -824,6 +898,7 @@ fn serve_on(
         counts: Mutex::new(HashMap::new()),
         arrived: Condvar::new(),
         active: AtomicUsize::new(0),
+        unauthenticated: Mutex::new(HashMap::new()),
         health: Mutex::new(Health::default()),
         values: Mutex::new(Values::default()),
         stored: Condvar::new(),
@@ -843,9 +918,16 @@ fn serve_on(
                         continue;
                     }
                 };
-                let Some(slot) = Slot::take(&shared) else {
-                    tell_busy(&conn, "too many connections");
-                    continue;
+                let host = match conn.peer_addr() {
+                    Ok(a) => a.ip(),
+                    Err(_) => continue,
+                };
+                let pre = match PreAuth::take(&shared, host) {
+                    Ok(p) => p,
+                    Err(why) => {
+                        tell_busy(&conn, why);
+                        continue;
+                    }
                 };
                 // A connection lives as long as its client keeps it: a
                 // thread each. One that cannot start (a limit on threads or
@@ -854,7 +936,7 @@ fn serve_on(
                 let spawned = std::thread::Builder::new()
                     .name("duplex-store-conn".into())
                     .stack_size(256 << 10)
-                    .spawn(move || handle(conn, &slot.0));
+                    .spawn(move || handle(conn, pre));
                 if let Err(e) = spawned {
                     tracing::warn!(
                         "duplex store: cannot start a thread for a connection ({e}); it is refused"

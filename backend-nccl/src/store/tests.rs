@@ -279,13 +279,26 @@ fn too_many_connections_are_refused_and_their_places_come_back() {
         max_connections: 2,
         ..limits(500)
     });
-    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(raw(addr, b"", false), "ERROR busy: too many connections\n");
+    // Two connections past their AUTH hold the two places.
+    let idle: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut c = TcpStream::connect(addr).unwrap();
+            c.write_all(&auth()).unwrap();
+            let mut ok = [0u8; 3];
+            c.read_exact(&mut ok).unwrap();
+            assert_eq!(&ok, b"OK\n");
+            c
+        })
+        .collect();
+    assert_eq!(
+        raw(addr, &auth(), false),
+        "ERROR busy: too many connections\n"
+    );
     for mut c in idle {
+        // Closed without a word once quiet for the I/O timeout.
         let mut s = String::new();
         c.read_to_string(&mut s).unwrap();
-        assert!(s.contains("timed out"), "{s}");
+        assert_eq!(s, "");
     }
     // The idle connections' places come back once the store has closed them.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -299,6 +312,63 @@ fn too_many_connections_are_refused_and_their_places_come_back() {
             Err(e) => panic!("{e}"),
         }
     }
+}
+
+/// Connections that never authenticate (anything that can reach the
+/// port) have a pool of their own: they cannot take the places of the
+/// job's ranks, are bounded in all and per host, and are closed after the
+/// AUTH timeout.
+#[test]
+fn connections_that_never_authenticate_cannot_take_the_ranks_places() {
+    let addr = server(Limits {
+        max_connections: 2,
+        max_unauthenticated: 8,
+        max_unauthenticated_per_host: 8,
+        auth_timeout: Duration::from_millis(1_500),
+        ..limits(5_000)
+    });
+    let mut silent: Vec<TcpStream> = (0..6).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // Beside six silent connections, two clients that authenticate take
+    // both places of authenticated connections.
+    let (a, b) = (client(addr), client(addr));
+    assert_eq!(a.unique_id(Duration::from_secs(5)).unwrap(), ID);
+    assert_eq!(b.unique_id(Duration::from_secs(5)).unwrap(), ID);
+    // The pool of connections not yet authenticated fills, and is full.
+    silent.extend((0..2).map(|_| TcpStream::connect(addr).unwrap()));
+    std::thread::sleep(Duration::from_millis(100));
+    let reply = raw(addr, b"", false);
+    assert!(
+        reply.starts_with("ERROR busy: too many connections not yet authenticated"),
+        "{reply}"
+    );
+    // Served on their kept connections all along.
+    assert_eq!(a.unique_id(Duration::from_secs(5)).unwrap(), ID);
+    // The silent ones are closed at their AUTH timeout, and their places
+    // come back.
+    for mut c in silent {
+        let mut s = String::new();
+        c.read_to_string(&mut s).unwrap();
+        assert!(s.contains("timed out"), "{s}");
+    }
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut s = String::new();
+    let _ = c.read_to_string(&mut s);
+    assert!(s.contains("timed out"), "{s}");
+    // Per host too.
+    let addr = server(Limits {
+        max_unauthenticated_per_host: 2,
+        auth_timeout: Duration::from_millis(500),
+        ..limits(5_000)
+    });
+    let _held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let reply = raw(addr, b"", false);
+    assert!(
+        reply.starts_with("ERROR busy: too many connections not yet authenticated from this host"),
+        "{reply}"
+    );
 }
 
 #[test]
