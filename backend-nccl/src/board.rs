@@ -85,6 +85,12 @@ impl Board for LocalBoard {
                 && *n > 0
             {
                 *n -= 1;
+                // A tag none of whose messages wait holds no memory (the
+                // store's board does the same): a tag per step would
+                // otherwise grow the board for ever.
+                if *n == 0 {
+                    counts.remove(&key);
+                }
                 return Ok(true);
             }
             if deadline.expired() {
@@ -137,6 +143,14 @@ mod tests {
             !b.take(1, 0, "meta", Duration::ZERO).unwrap(),
             "direction matters"
         );
+        // A tag per step holds no memory once its messages are taken.
+        for step in 0..10_000 {
+            let tag = format!("step {step}");
+            b.post(0, 1, &tag).unwrap();
+            assert!(b.take(0, 1, &tag, Duration::ZERO).unwrap());
+        }
+        b.post(1, 0, "left").unwrap();
+        assert_eq!(b.lock().len(), 1, "only the tag with a message waiting");
     }
 
     #[test]

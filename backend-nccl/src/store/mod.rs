@@ -431,9 +431,11 @@ impl Shared {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;
+        // Only the key a rank stores as it finishes (`done/RANK`, the rank
+        // in decimal as written): `done/+1` or `done/01` finish no rank.
         let done = key
             .strip_prefix("done/")
-            .and_then(|r| r.parse::<Rank>().ok());
+            .and_then(|r| r.parse::<Rank>().ok().filter(|n| n.to_string() == r));
         v.map.insert(key, Arc::new(value));
         drop(v);
         // The values' lock is let go first: no thread holds both. Waiters

@@ -714,6 +714,9 @@ fn the_store_says_which_ranks_ended_in_one_request() {
     store.put("done/x", b"ok", t).unwrap();
     store.put("undone/4", b"ok", t).unwrap();
     store.put("done/4/early", b"ok", t).unwrap();
+    // Nor does a rank written otherwise than in plain decimal.
+    store.put("done/+1", b"ok", t).unwrap();
+    store.put("done/01", b"ok", t).unwrap();
     assert_eq!(store.ended(silence, t).unwrap(), vec![0, 3]);
     // Failed ranks have ended too, each once.
     store.fail(5, "panicked", t).unwrap();
