@@ -22,11 +22,14 @@
 //! `--finished N` first stores the four keys of N ranks that finished
 //! (`trace`, `counts`, `done`, `left`), as the end of a job does.
 //!
-//! `--watching` adds a third monitor mode, beside the two: connections
-//! kept, each poll also asking `ENDED`, as the monitor of a rank does once
-//! one of its waits has lasted a fifth of its deadline (it watches for
-//! ranks that finished, to end a wait whose op they never matched); its
-//! figures against plain "kept" are that watch's cost to the store.
+//! `--watching` adds two monitor modes, beside the two, connections kept:
+//! what the monitor of a rank adds once one of its waits has lasted a
+//! fifth of its deadline (it watches for ranks that finished, to end a
+//! wait whose op they never matched). "Watching its peers": each poll
+//! also looks up `done/PEER` of two peers (a wait's peers, up to 8, are
+//! looked up one by one). "Watching every rank": every fifth poll also
+//! asks `ENDED` (an analysis asks about every rank). Their figures
+//! against plain "kept" are the watch's cost to the store.
 //!
 //! Client and store share this machine's cores, so the figures are the
 //! two sides' cost together; on a job the clients run on the ranks' hosts
@@ -95,9 +98,13 @@ fn main() {
     let modes = [("kept", true), ("per request", false)];
     // The monitor modes: the two, and with --watching a third, connections
     // kept and `ENDED` asked at every poll.
-    let mut monitor_modes = vec![("kept", true, false), ("per request", false, false)];
+    let mut monitor_modes = vec![
+        ("kept", true, Watch::None),
+        ("per request", false, Watch::None),
+    ];
     if watching {
-        monitor_modes.push(("kept, watching finished ranks", true, true));
+        monitor_modes.push(("kept, watching its peers", true, Watch::Peers));
+        monitor_modes.push(("kept, watching every rank", true, Watch::All));
     }
     let nm = monitor_modes.len();
     println!(
@@ -111,7 +118,7 @@ fn main() {
             for i in 0..2 {
                 // The first mode of each trial switches, so drift falls on both.
                 let m = (i + t) % 2;
-                let (rate, worst) = throughput(clients, || client(modes[m].1), false);
+                let (rate, worst) = throughput(clients, || client(modes[m].1));
                 figures[m].0.push(rate);
                 figures[m].1.push(worst * 1e3);
             }
@@ -136,10 +143,8 @@ fn main() {
         for i in 0..nm {
             // Each trial starts with another mode, so drift falls on all.
             let m = (i + t) % nm;
-            let (_, keep, ended) = monitor_modes[m];
-            let w = watch(monitors, Duration::from_secs(seconds), ended, || {
-                client(keep)
-            });
+            let (_, keep, how) = monitor_modes[m];
+            let w = watch(monitors, Duration::from_secs(seconds), how, || client(keep));
             figures[m].0.push(w.cpu);
             figures[m].1.push(w.worst * 1e3);
             figures[m].2 += w.polls;
@@ -167,11 +172,13 @@ fn main() {
         "| {monitors} | per request / kept (CPU) | {:.1}x | | | | |",
         median(&figures[1].0) / median(&figures[0].0)
     );
-    if watching {
-        println!(
-            "| {monitors} | watching / kept (CPU) | {:.2}x | | | | |",
-            median(&figures[2].0) / median(&figures[0].0)
-        );
+    for (m, (name, _, how)) in monitor_modes.iter().enumerate() {
+        if *how != Watch::None {
+            println!(
+                "| {monitors} | {name} / kept (CPU) | {:.2}x | | | | |",
+                median(&figures[m].0) / median(&figures[0].0)
+            );
+        }
     }
     for (m, e) in errors.iter().enumerate() {
         if let Some(e) = e {
@@ -180,10 +187,9 @@ fn main() {
     }
 }
 
-/// `clients` threads asking `BEAT` and `HEALTH` (and `ENDED`, when
-/// `ended`) back to back for 1 s: requests per second, and the slowest
-/// request in seconds.
-fn throughput(clients: u32, client: impl Fn() -> Store, ended: bool) -> (f64, f64) {
+/// `clients` threads asking `BEAT` and `HEALTH` back to back for 1 s:
+/// requests per second, and the slowest request in seconds.
+fn throughput(clients: u32, client: impl Fn() -> Store) -> (f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let threads: Vec<_> = (0..clients)
@@ -193,12 +199,11 @@ fn throughput(clients: u32, client: impl Fn() -> Store, ended: bool) -> (f64, f6
                 let (mut n, mut worst) = (0u64, Duration::ZERO);
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
-                    if let Err(e) = poll(&c, r, ended) {
+                    if let Err(e) = poll(&c, r, Watch::None, 0) {
                         fail(&format!("a request failed: {e}"));
                     }
-                    let asked = if ended { 3 } else { 2 };
-                    worst = worst.max(t.elapsed() / asked);
-                    n += u64::from(asked);
+                    worst = worst.max(t.elapsed() / 2);
+                    n += 2;
                 }
                 (n, worst)
             })
@@ -218,9 +223,9 @@ fn throughput(clients: u32, client: impl Fn() -> Store, ended: bool) -> (f64, f6
     )
 }
 
-/// `monitors` threads polling every 200 ms for `run` (asking `ENDED` too
-/// when `ended`).
-fn watch(monitors: u32, run: Duration, ended: bool, client: impl Fn() -> Store) -> Watched {
+/// `monitors` threads polling every 200 ms for `run`, watching for
+/// finished ranks as `how` says.
+fn watch(monitors: u32, run: Duration, how: Watch, client: impl Fn() -> Store) -> Watched {
     let stop = Arc::new(AtomicBool::new(false));
     let cpu0 = cpu_seconds();
     let start = Instant::now();
@@ -236,7 +241,7 @@ fn watch(monitors: u32, run: Duration, ended: bool, client: impl Fn() -> Store) 
                     let mut said = None;
                     while !stop.load(Ordering::Relaxed) {
                         let t = Instant::now();
-                        if let Err(e) = poll(&c, r, ended) {
+                        if let Err(e) = poll(&c, r, how, n) {
                             failed += 1;
                             said.get_or_insert(e);
                         }
@@ -279,17 +284,33 @@ struct Watched {
     error: Option<String>,
 }
 
-/// One poll of a health monitor: `BEAT`, then `HEALTH`, then (`ended`:
-/// watching for finished ranks) `ENDED`; the error of a request that
-/// failed (a monitor would take the store's host for dead after 3 s of
-/// them).
-fn poll(c: &Store, rank: u32, ended: bool) -> Result<(), String> {
+/// How a monitor watches for finished ranks ([`StoreHealth`]'s watch).
+///
+/// [`StoreHealth`]: duplex_nccl::health::StoreHealth
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Watch {
+    /// Not at all.
+    None,
+    /// `done/PEER` of its two neighbours, each poll.
+    Peers,
+    /// `ENDED` every fifth poll.
+    All,
+}
+
+/// Poll `n` of a health monitor: `BEAT`, then `HEALTH`, then what `how`
+/// watches; the error of a request that failed (a monitor would take the
+/// store's host for dead after 3 s of them).
+fn poll(c: &Store, rank: u32, how: Watch, n: u64) -> Result<(), String> {
     let silence = Duration::from_secs(3);
     c.beat(rank, REQUEST)
         .and_then(|()| c.health(rank, silence, REQUEST))
-        .and_then(|_| match ended {
-            true => c.ended(silence, REQUEST).map(|_| ()),
-            false => Ok(()),
+        .and_then(|_| match how {
+            Watch::None => Ok(()),
+            Watch::Peers => [rank.wrapping_sub(1), rank + 1]
+                .iter()
+                .try_for_each(|p| c.get(&format!("done/{p}"), Duration::ZERO).map(|_| ())),
+            Watch::All if n.is_multiple_of(5) => c.ended(silence, REQUEST).map(|_| ()),
+            Watch::All => Ok(()),
         })
         .map_err(|e| e.to_string())
 }

@@ -391,10 +391,21 @@ pub struct StoreHealth {
     /// The ranks whose finish someone asked about: the only ones the
     /// monitor looks up.
     asked: Mutex<std::collections::BTreeSet<Rank>>,
+    /// How many times the monitor looked for finished ranks.
+    looks: std::sync::atomic::AtomicU32,
     /// The ranks whose counts a wait asked for, each with when to read
     /// them next and the interval after that ([`COUNTS_RETRY_MAX`]).
     wanted: Mutex<BTreeMap<Rank, (Instant, Duration)>>,
 }
+
+/// At most this many ranks asked about and not yet known to have ended
+/// are looked up one by one ([`StoreHealth::look_for_finished`]); more
+/// through one `ENDED` every [`ENDED_EVERY`] beats.
+const FEW_ASKED: usize = 8;
+
+/// How many beats apart the monitor asks `ENDED` when it watches many
+/// ranks.
+const ENDED_EVERY: u32 = 5;
 
 /// How long the monitor may spend a beat on looking for finished ranks
 /// before it sends its next heartbeat ([`StoreHealth::look_for_finished`]).
@@ -430,6 +441,7 @@ impl StoreHealth {
             finished: Mutex::new(BTreeMap::new()),
             unfinished: Mutex::new(Vec::new()),
             asked: Mutex::new(Default::default()),
+            looks: Default::default(),
             wanted: Mutex::new(BTreeMap::new()),
         });
         let weak = Arc::downgrade(&health);
@@ -581,35 +593,53 @@ impl StoreHealth {
     }
 
     /// Learns which of the ranks asked about ([`Health::finished_among`])
-    /// that ended finished cleanly (they stored `done/RANK`): one request,
-    /// and one per such rank newly ended, each asked about once (a rank
-    /// that ended without finishing never will); then reads the counts of
-    /// each finished rank whose counts a wait asked for
-    /// ([`Health::finished_counts`]), one request per rank until they are
-    /// read (a rank posts them before it says it finished, so normally at
-    /// once; a rank whose counts are missing is asked again at growing
-    /// intervals, up to [`COUNTS_RETRY_MAX`]), so that a wait reads them
-    /// from memory and never waits on the store. Stops making requests at
-    /// `until` and goes on at the next beat: the heartbeat, sent from the
-    /// same thread, never waits long behind it (a live rank late with its
-    /// beats by [`SILENCE`] would be taken as dead).
+    /// finished cleanly (they stored `done/RANK`): a few such ranks not
+    /// yet known to have ended are looked up one by one, every beat; many,
+    /// through one `ENDED` every [`ENDED_EVERY`] beats, then one lookup
+    /// per rank newly ended (a rank that ended without finishing is not
+    /// asked about again). Then reads the counts of each finished rank
+    /// whose counts a wait asked for ([`Health::finished_counts`]), one
+    /// request per rank until they are read (a rank posts them before it
+    /// says it finished, so normally at once; a rank whose counts are
+    /// missing is asked again at growing intervals, up to
+    /// [`COUNTS_RETRY_MAX`]), so that a wait reads them from memory and
+    /// never waits on the store. Stops making requests at `until` and goes
+    /// on at the next beat: the heartbeat, sent from the same thread, never
+    /// waits long behind it (a live rank late with its beats by [`SILENCE`]
+    /// would be taken as dead).
     fn look_for_finished(&self, until: Instant) {
-        let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
-            return;
-        };
         let lock_finished = || self.finished.lock().unwrap_or_else(|e| e.into_inner());
         let lock_unfinished = || self.unfinished.lock().unwrap_or_else(|e| e.into_inner());
-        let new: Vec<Rank> = {
+        let unknown: Vec<Rank> = {
             let asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
-            ended
-                .into_iter()
-                .filter(|r| *r != self.me && asked.contains(r))
+            let (finished, unfinished) = (lock_finished(), lock_unfinished());
+            asked
+                .iter()
+                .copied()
+                .filter(|r| *r != self.me && !finished.contains_key(r) && !unfinished.contains(r))
                 .collect()
         };
-        for r in new {
-            if lock_finished().contains_key(&r) || lock_unfinished().contains(&r) {
-                continue;
+        // A few ranks asked about (a wait's peers): one small request for
+        // each, every beat. Many (an analysis asks about every member):
+        // one `ENDED`, whose answer lists every rank that ended, every
+        // [`ENDED_EVERY`] beats (each costs the store a walk over those
+        // ranks: at 1,024 ranks, 1,024 monitors asking it every beat took
+        // 4x the store's CPU, `examples/store.rs --watching`).
+        let candidates = if unknown.len() <= FEW_ASKED {
+            unknown
+        } else {
+            let n = self.looks.fetch_add(1, Ordering::Relaxed);
+            if !n.is_multiple_of(ENDED_EVERY) {
+                Vec::new()
+            } else {
+                let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
+                    return;
+                };
+                ended.into_iter().filter(|r| unknown.contains(r)).collect()
             }
+        };
+        let few = candidates.len() <= FEW_ASKED;
+        for r in candidates {
             if Instant::now() >= until {
                 return;
             }
@@ -617,6 +647,8 @@ impl StoreHealth {
                 Ok(Some(_)) => {
                     lock_finished().insert(r, None);
                 }
+                // Still running, or (from `ENDED`) ended without finishing.
+                Ok(None) if few => {}
                 Ok(None) => lock_unfinished().push(r),
                 Err(_) => return,
             }
@@ -1392,16 +1424,30 @@ mod tests {
         h.stop.store(true, Ordering::Release);
         std::thread::sleep(BEAT_EVERY * 2);
         let finished = |h: &StoreHealth| h.finished.lock().unwrap().len();
+        let later = || Instant::now() + Duration::from_secs(10);
         // Nobody asked: nothing is looked up.
-        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        h.look_for_finished(later());
         assert_eq!(finished(&h), 0);
+        // A few ranks asked about: looked up at once.
+        assert_eq!(h.finished_among(&[3, 4]), None);
+        h.look_for_finished(later());
+        assert_eq!(finished(&h), 2);
+        // Many: through `ENDED`, every few beats.
         let ranks: Vec<Rank> = (1..=50).collect();
-        assert_eq!(h.finished_among(&ranks), None);
+        assert_eq!(h.finished_among(&ranks), Some(3), "known already");
+        let first = h.looks.load(Ordering::Relaxed);
+        let to_ended = (ENDED_EVERY - first % ENDED_EVERY) % ENDED_EVERY;
+        for _ in 0..to_ended {
+            h.look_for_finished(later());
+            assert_eq!(finished(&h), 2, "no ENDED on this beat");
+        }
         // Out of time before the first lookup: none made.
         h.look_for_finished(Instant::now());
-        assert_eq!(finished(&h), 0);
+        assert_eq!(finished(&h), 2);
         // With time, every rank asked about and finished is learned.
-        h.look_for_finished(Instant::now() + Duration::from_secs(10));
+        for _ in 0..ENDED_EVERY {
+            h.look_for_finished(later());
+        }
         assert_eq!(finished(&h), 50);
         assert_eq!(h.finished_among(&[7]), Some(7));
         // Counts missing from the store: asked for, tried, and put off.
