@@ -608,8 +608,9 @@ impl OpMeta {
 /// the rank is never torn down from a thread of its own after its end.
 /// A thread's error is the rank's whether or not it is joined (a `join`
 /// returns it too), as on the simulator, where a thread's failure ends
-/// the execution: the rank's code may go on after a join that failed,
-/// but the rank does not end `Ok` ([`NcclRank::wait_spawned`]).
+/// the execution: the failure is posted as the rank's when the thread
+/// ends (so the other ranks' waits end on it), and the rank does not end
+/// `Ok` ([`NcclRank::wait_spawned`]).
 ///
 /// [`NcclRank::wait_spawned`]: crate::rank::NcclRank::wait_spawned
 #[derive(Debug, Default)]
@@ -617,10 +618,11 @@ pub(crate) struct Spawned {
     /// Those running, by registry number, with their names and what
     /// became of their handles.
     pub(crate) running: Vec<(usize, String, Handle)>,
-    /// Those that ended with an error, in the order they ended: name,
-    /// error, and what had become of the handle then (one held got the
-    /// error too: a `join` may have returned it to the rank's code).
-    pub(crate) failed: Vec<(String, Error, Handle)>,
+    /// Those that ended with an error, in the order they ended: registry
+    /// number, name, error, and what became of the handle (kept up to
+    /// date after the thread's end: a handle held then may be joined or
+    /// dropped later).
+    pub(crate) failed: Vec<(usize, String, Error, Handle)>,
 }
 
 impl Spawned {
@@ -639,37 +641,71 @@ impl Spawned {
         let at = self.running.iter().position(|t| t.0 == id);
         let state = at.map_or(Handle::Dropped, |i| self.running.remove(i).2);
         if let Err(e) = &r {
-            self.failed.push((name.to_string(), e.clone(), state));
+            self.failed.push((id, name.to_string(), e.clone(), state));
         }
         if state == Handle::Held {
             let _ = tx.send(r);
         }
     }
 
-    /// Thread `id`'s handle was dropped (`joined`: after a `join` took
-    /// its result, or gave up on it): a thread still running is told, so
-    /// that its result goes to no handle.
-    pub(crate) fn handle_dropped(&mut self, id: usize, joined: bool) {
-        let state = if joined {
-            Handle::Joined
-        } else {
-            Handle::Dropped
+    /// What became of thread `id`'s handle: `state`, unless a join already
+    /// gave up on it (its hang was reported then).
+    pub(crate) fn handle_now(&mut self, id: usize, state: Handle) {
+        let slot = match self.running.iter_mut().find(|t| t.0 == id) {
+            Some(t) => &mut t.2,
+            None => match self.failed.iter_mut().find(|t| t.0 == id) {
+                Some(t) => &mut t.3,
+                None => return,
+            },
         };
-        if let Some(t) = self.running.iter_mut().find(|t| t.0 == id) {
-            t.2 = state;
+        if *slot != Handle::GaveUp {
+            *slot = state;
         }
+    }
+
+    /// Thread `id`'s handle was dropped (`joined`: after a `join` took
+    /// its result): a thread still running is told, so that its result
+    /// goes to no handle, and the error of one that ended says so.
+    pub(crate) fn handle_dropped(&mut self, id: usize, joined: bool) {
+        self.handle_now(
+            id,
+            if joined {
+                Handle::Joined
+            } else {
+                Handle::Dropped
+            },
+        );
+    }
+
+    /// The first error of a thread that ended, as the rank's: its own kind
+    /// (so that the most telling error of a job is chosen as the simulator
+    /// would), the thread named where the error does not say it.
+    pub(crate) fn first_error(&self) -> Option<Error> {
+        let (_, name, e, handle) = self.failed.first()?;
+        let how = match handle {
+            Handle::Joined => "joined, and the rank's code went on after its error",
+            Handle::Held | Handle::Dropped => "never joined",
+            Handle::GaveUp => "a join gave up on it",
+        };
+        Some(match e {
+            Error::User(m) => Error::User(format!("thread {name} ({how}): {m}")),
+            Error::Aborted(m) => Error::Aborted(format!("thread {name} ({how}): {m}")),
+            other => other.clone(),
+        })
     }
 }
 
-/// What became of a running thread's handle ([`Spawned::running`]).
+/// What became of a thread's handle ([`Spawned`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Handle {
     /// Held: the thread's result goes to it.
     Held,
     /// Dropped without a join.
     Dropped,
-    /// Given up by a `join` that timed out (which reported a hang).
+    /// Dropped after a `join` took the thread's result.
     Joined,
+    /// Given up by a `join` that timed out (which reported a hang).
+    GaveUp,
 }
 
 /// What the host threads of one rank share.
@@ -1939,12 +1975,59 @@ mod tests {
                 (true, true) => {
                     assert!(matches!(seen_by_join, Some(Err(_))), "round {round}");
                     assert_eq!(s.failed.len(), 1, "round {round}: and the rank");
-                    assert_eq!(s.failed[0].2, Handle::Held, "round {round}: to the handle");
+                    assert_eq!(s.failed[0].3, Handle::Joined, "round {round}");
                 }
-                (true, false) => assert_eq!(s.failed.len(), 1, "round {round}: the rank sees it"),
+                (true, false) => {
+                    assert_eq!(s.failed.len(), 1, "round {round}: the rank sees it");
+                    assert_eq!(
+                        s.failed[0].3,
+                        Handle::Dropped,
+                        "round {round}: never joined"
+                    );
+                }
                 (false, _) => assert!(s.failed.is_empty(), "round {round}"),
             }
         }
+    }
+
+    /// A thread that ends after its handle was dropped unjoined, or after a
+    /// join gave up on it, is reported as such; one whose handle was held
+    /// as it ended is reported as its handle went later (a join took its
+    /// result, or it was dropped unjoined).
+    #[test]
+    fn a_failed_threads_report_says_what_became_of_its_handle() {
+        use super::{Handle, Spawned};
+        use duplex::Error;
+        let fail = || Err(Error::User("boom".into()));
+        let how = |s: &Spawned| s.first_error().unwrap().to_string();
+        for (joined, says) in [
+            (false, "never joined"),
+            (true, "joined, and the rank's code went on"),
+        ] {
+            let mut s = Spawned::default();
+            let (tx, rx) = std::sync::mpsc::channel();
+            s.running.push((1, "t".into(), Handle::Held));
+            s.thread_ended(1, "t", fail(), &tx);
+            assert!(rx.try_recv().is_ok(), "the held handle got it");
+            s.handle_dropped(1, joined);
+            assert!(how(&s).contains(says), "{}", how(&s));
+        }
+        // Dropped before the end.
+        let mut s = Spawned::default();
+        let (tx, _rx) = std::sync::mpsc::channel();
+        s.running.push((1, "t".into(), Handle::Held));
+        s.handle_dropped(1, false);
+        s.thread_ended(1, "t", fail(), &tx);
+        assert!(how(&s).contains("never joined"), "{}", how(&s));
+        // A join that gave up, then the thread's end and the handle's drop.
+        let mut s = Spawned::default();
+        let (tx, _rx) = std::sync::mpsc::channel();
+        s.running.push((1, "t".into(), Handle::Held));
+        s.handle_now(1, Handle::GaveUp);
+        s.thread_ended(1, "t", fail(), &tx);
+        s.handle_dropped(1, true);
+        assert!(how(&s).contains("a join gave up on it"), "{}", how(&s));
+        assert!(how(&s).contains("thread t") && how(&s).contains("boom"));
     }
 
     /// A launch in its handshake holds back other threads' launches on

@@ -17,8 +17,8 @@ use smallvec::{SmallVec, smallvec};
 use crate::comm::{self, Comm, poll};
 use crate::copy::Ticket;
 use crate::ctx::{
-    BufState, CopyEnd, EventInner, Handle, Issued, LaneCost, LastRecv, NcclComm, NcclEvent,
-    NcclStream, OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
+    BufState, CopyEnd, EventInner, Issued, LaneCost, LastRecv, NcclComm, NcclEvent, NcclStream,
+    OpEvent, OpMeta, RankCtx, StreamInner, Users, lock, panic_text,
 };
 use crate::cuda::{Event, HOST_COPY_LIMIT, Memory, Stream};
 use crate::fence::Fences;
@@ -103,19 +103,19 @@ pub struct NcclThread {
     registry_id: usize,
     result: std::sync::mpsc::Receiver<Result<()>>,
     handle: Option<std::thread::JoinHandle<()>>,
-    /// The rank's spawned threads, where a handle dropped unjoined leaves
-    /// its thread's error (`Drop`).
+    /// The rank's spawned threads, told what became of this handle
+    /// (`Drop`).
     spawned: Arc<Mutex<crate::ctx::Spawned>>,
-    /// Whether a `join` took it (its result is the joiner's).
+    /// Whether a `join` took its result.
     joined: bool,
 }
 
 impl Drop for NcclThread {
-    /// A handle dropped without a join leaves its thread's error to the
-    /// rank (`NcclRank::wait_spawned`): taken from the channel if the
-    /// thread has ended, else left for the thread to leave as it ends;
-    /// both under the lock the thread ends under, so no error is lost
-    /// between them.
+    /// Tells the rank's record of its threads whether this handle was
+    /// joined, under the lock the thread ends under: a thread still
+    /// running then sends its result to no handle, and the error of one
+    /// that ended says whether the rank's code saw it
+    /// (`Spawned::first_error`).
     fn drop(&mut self) {
         lock(&self.spawned).handle_dropped(self.registry_id, self.joined);
     }
@@ -304,21 +304,9 @@ impl NcclRank {
                 }
             };
         let s = lock(&ctx.spawned);
-        if let Some((name, e, handle)) = s.failed.first() {
-            // Its own kind of error, so that the most telling one of a job
-            // is chosen as the simulator would; the thread named where the
-            // error does not say it.
-            let how = match handle {
-                Handle::Held => "joined, and the rank's code returned Ok after its error",
-                Handle::Dropped => "never joined",
-                Handle::Joined => "a join gave up on it",
-            };
-            tracing::warn!(rank = ctx.rank, thread = %name, "thread {name} {how}: {e}");
-            return Err(match e {
-                Error::User(m) => Error::User(format!("thread {name} ({how}): {m}")),
-                Error::Aborted(m) => Error::Aborted(format!("thread {name} ({how}): {m}")),
-                other => other.clone(),
-            });
+        if let Some(e) = s.first_error() {
+            tracing::warn!(rank = ctx.rank, "a thread of the rank failed: {e}");
+            return Err(e);
         }
         if !all_ended {
             let names: Vec<&str> = s.running.iter().map(|(_, n, _)| n.as_str()).collect();
@@ -329,6 +317,12 @@ impl NcclRank {
             )));
         }
         Ok(())
+    }
+
+    /// The first error of a thread of this rank that has ended
+    /// ([`crate::ctx::Spawned::first_error`]).
+    pub(crate) fn first_thread_error(&self) -> Option<Error> {
+        lock(&self.ctx.spawned).first_error()
     }
 
     /// See [`RankCtx::teardown`].
@@ -1237,6 +1231,18 @@ impl NcclRank {
     /// replaces (the failed rank's analysis may read the trace at any time
     /// after, and a later one would show this rank past the call, at the
     /// end of its thread, say).
+    /// Posts `why` as this rank's failure, and, across processes, its
+    /// trace for the others' analyses (unless a wait already published it
+    /// as another rank's failure ended that wait), as the rank's end does
+    /// for an error of its code.
+    pub(crate) fn post_own_failure(&self, why: &str) {
+        let ctx = &self.ctx;
+        ctx.health.fail(ctx.rank, why);
+        if ctx.health.remote() && !ctx.published_for_peer.load(Ordering::Acquire) {
+            ctx.health.publish(ctx.rank, &ctx.registry.trace());
+        }
+    }
+
     fn peer_failed(&self, call: &str, r: Rank, why: &str) -> Error {
         let ctx = &self.ctx;
         if ctx.health.remote() && !ctx.published_for_peer.swap(true, Ordering::AcqRel) {
@@ -2309,6 +2315,12 @@ impl Transport for NcclRank {
                         })
                 });
                 handle.end();
+                // A thread's failure is the rank's (`Spawned`): posted now,
+                // as the simulator ends the execution at it, so the other
+                // ranks' waits end on it rather than at their deadlines.
+                if let Err(e) = &r {
+                    handle.post_own_failure(&format!("thread {thread_name} failed: {e}"));
+                }
                 // Its hold on the rank goes before it counts as ended: the
                 // rank's end (`wait_spawned`) then never leaves the last
                 // hold, and the rank's teardown, to this thread.
@@ -2343,24 +2355,27 @@ impl Transport for NcclRank {
         let r = thread
             .result
             .recv_timeout(join_limit(self.ctx.opts.timeout));
-        // Its result is this join's, or this join's hang: never left to
-        // the rank as an unjoined thread's.
-        thread.joined = true;
         let result = match r {
             Ok(result) => {
+                thread.joined = true;
                 if let Some(h) = thread.handle.take() {
                     let _ = h.join();
                 }
                 result
             }
-            Err(_) => Err(self.hang(
-                &what,
-                &check::place(at),
-                Some(Blocked::Join(
-                    thread.registry_id,
-                    (what.clone(), check::place(at)),
-                )),
-            )),
+            Err(_) => {
+                // Given up before the analysis: a thread that ends during
+                // it has no joiner any more.
+                lock(&thread.spawned).handle_now(thread.registry_id, crate::ctx::Handle::GaveUp);
+                Err(self.hang(
+                    &what,
+                    &check::place(at),
+                    Some(Blocked::Join(
+                        thread.registry_id,
+                        (what.clone(), check::place(at)),
+                    )),
+                ))
+            }
         };
         self.ctx.registry.blocked(self.thread_id, None);
         result

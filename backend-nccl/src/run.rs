@@ -770,13 +770,20 @@ where
                 panic_text(&p)
             )))
         });
+    // A thread of the rank that failed before its code returned failed
+    // first: where the code returned an error too (after it, or because
+    // of it), the more telling of the two is the rank's, the thread's of
+    // equals, as the simulator's execution ends at the thread's failure.
+    let thread_first = handle.first_thread_error();
     // The end of a rank's code waits for the threads it started and never
     // joined, then for its streams, as a real program's final synchronize
     // (and as the simulator's end of execution).
     handle.end();
-    let result = result
-        .and_then(|()| handle.wait_spawned())
-        .and_then(|()| handle.synchronize());
+    let result = match (result, thread_first) {
+        (Err(code), Some(thread)) => Err(Error::most_telling([thread, code]).expect("two errors")),
+        (result, _) => result.and_then(|()| handle.wait_spawned()),
+    }
+    .and_then(|()| handle.synchronize());
     let mut unreceived = None;
     if result.is_ok() {
         if health.remote() {

@@ -234,11 +234,12 @@ pub trait Transport: Sized + Send + 'static {
     /// A rank has finished once all its threads have: one never joined is
     /// waited for when the rank's code returns (on the simulator, by the
     /// end of the execution; on GPUs, as long as a `join` would wait). A
-    /// thread's error is the rank's, joined or not: [`Transport::join`]
-    /// returns it so that the code can stop, but a rank whose code goes
-    /// on and returns `Ok` still fails with it (on the simulator a
-    /// thread's failure ends the execution at once). An error of a thread
-    /// cannot be swallowed into a run that reports success.
+    /// thread's error is the rank's, joined or not, from the moment the
+    /// thread ends (on the simulator it ends the execution; on GPUs the
+    /// other ranks' waits end on it): [`Transport::join`] returns it so
+    /// that the code can stop, but a rank whose code goes on still fails
+    /// with it. An error of a thread cannot be swallowed into a run that
+    /// reports success.
     fn spawn<F>(&self, name: &str, f: F) -> Result<Self::Thread>
     where
         F: FnOnce(&Self) -> Result<()> + Send + 'static;

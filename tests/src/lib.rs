@@ -369,6 +369,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             ThreadFails(SWALLOWED),
             swallowed_error::<T>,
         ),
+        s(
+            "spawn/swallowed-then-wait",
+            "rank 0's thread fails before it notifies rank 1; rank 0's code joins it, ignores the error and waits for rank 1's reply, which rank 1 sends only once notified: the thread's failure is the rank's at once, so both ranks end with it (the simulator ends the execution there), not at their deadlines",
+            2,
+            PerDirection,
+            ThreadFails(SWALLOWED),
+            swallowed_then_wait::<T>,
+        ),
         Scenario {
             cold: true,
             ..s(
@@ -761,6 +769,29 @@ pub fn swallowed_error<T: Transport>(t: &T) -> Result<()> {
         t.recv(&mut inb, peer)?;
         t.synchronize()?;
         check(t, &inb, peer, 9)
+    }
+}
+
+/// The check of `spawn/swallowed-then-wait`'s thread, which fails.
+fn failing_check() -> Result<()> {
+    Err(Error::User(SWALLOWED.into()))
+}
+
+/// Rank 0 starts a thread that fails before it notifies rank 1; rank 0's
+/// code joins it, ignores its error and waits for rank 1's reply, which
+/// rank 1 sends once notified. The thread's failure is rank 0's at once
+/// (`Transport::spawn`): no rank waits for its deadline.
+pub fn swallowed_then_wait<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let checker = t.spawn("checker", move |t: &T| {
+            failing_check()?;
+            t.notify(1, "go")
+        })?;
+        let _ignored = t.join(checker);
+        t.await_notify(1, "reply")
+    } else {
+        t.await_notify(0, "go")?;
+        t.notify(0, "reply")
     }
 }
 

@@ -400,7 +400,7 @@ fn the_suite_names_only_scenarios_it_has() {
 /// gave up waiting for it (the receiver's end check must fail it), and
 /// one whose rank 1 works on long after rank 0's code returned, and one
 /// whose rank 0 returns without joining the thread that sends.
-const PROCESS_JOBS: [&str; 16] = [
+const PROCESS_JOBS: [&str; 17] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -417,6 +417,7 @@ const PROCESS_JOBS: [&str; 16] = [
     "outlive-rank-0",
     "spawn/unjoined",
     "spawn/swallowed",
+    "spawn/swallowed-then-wait",
 ];
 
 /// The process jobs that are no scenario of the suite: their rank code is
@@ -771,6 +772,17 @@ fn job_verdict(job: &str, said: &[String], cycles: &[bool]) -> Option<bool> {
                 && said[0].contains(duplex_tests::SWALLOWED)
                 && (said[1] == "OK"
                     || (said[1].starts_with("ERROR") && said[1].contains("rank 0 failed")))
+        }
+        // Rank 0's thread failed before it notified rank 1, and rank 0's
+        // code went on to wait for rank 1's reply: the failure is posted
+        // as the thread ends, so rank 1's wait ends naming rank 0, rank
+        // 0's wait on rank 1 then ends, and rank 0 fails with its
+        // thread's error; neither waits for its deadline.
+        "spawn/swallowed-then-wait" => {
+            said[0].starts_with("ERROR")
+                && said[0].contains(duplex_tests::SWALLOWED)
+                && said[1].starts_with("ERROR")
+                && said[1].contains("rank 0 failed")
         }
         _ => return None,
     })
