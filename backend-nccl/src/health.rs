@@ -112,8 +112,9 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// The first of `ranks` known to have finished cleanly
     /// ([`Health::finished`]), if any. Never waits and makes no request:
     /// across processes it reads what the monitor learned (asking starts
-    /// the monitor's watch for finished ranks, so a caller that polls sees
-    /// them within a heartbeat or two).
+    /// the monitor's watch for the ranks asked about: a caller that polls
+    /// about a few sees them within a heartbeat or two, about more than 8
+    /// within five or six; `StoreHealth::look_for_finished`).
     fn finished_among(&self, ranks: &[Rank]) -> Option<Rank>;
     /// The counts `rank` posted as it finished ([`Health::post_counts`]),
     /// once the monitor has read them: like [`Health::finished_among`], it
@@ -407,6 +408,17 @@ const FEW_ASKED: usize = 8;
 /// ranks.
 const ENDED_EVERY: u32 = 5;
 
+/// `ranks` from the `n`-th on, then the first ones: each look of the
+/// watch for finished ranks starts at another, so that one its budget cut
+/// off comes first in a later look.
+fn in_turn(mut ranks: Vec<Rank>, n: u32) -> Vec<Rank> {
+    if !ranks.is_empty() {
+        let at = n as usize % ranks.len();
+        ranks.rotate_left(at);
+    }
+    ranks
+}
+
 /// How long the monitor may spend a beat on looking for finished ranks
 /// before it sends its next heartbeat ([`StoreHealth::look_for_finished`]).
 const LOOK_BUDGET: Duration = Duration::from_millis(100);
@@ -527,9 +539,9 @@ impl StoreHealth {
     }
 
     /// The counts rank `r` posted as it finished, if it has
-    /// ([`Health::post_counts`]).
-    fn counts_now(&self, r: Rank) -> Result<Option<Vec<ChannelCount>>, String> {
-        match self.store.get(&counts_key(r), Duration::ZERO) {
+    /// ([`Health::post_counts`]); the request fails past `timeout`.
+    fn counts_now(&self, r: Rank, timeout: Duration) -> Result<Option<Vec<ChannelCount>>, String> {
+        match self.store.peek(&counts_key(r), timeout) {
             Ok(Some(bytes)) => serde_json::from_slice(&bytes)
                 .map(Some)
                 .map_err(|e| format!("rank {r}'s counts do not decode: {e}")),
@@ -625,25 +637,25 @@ impl StoreHealth {
         // [`ENDED_EVERY`] beats (each costs the store a walk over those
         // ranks: at 1,024 ranks, 1,024 monitors asking it every beat took
         // 4x the store's CPU, `examples/store.rs --watching`).
-        let candidates = if unknown.len() <= FEW_ASKED {
-            unknown
+        let n = self.looks.fetch_add(1, Ordering::Relaxed);
+        let few = unknown.len() <= FEW_ASKED;
+        let candidates = if few {
+            in_turn(unknown, n)
+        } else if !n.is_multiple_of(ENDED_EVERY) {
+            Vec::new()
         } else {
-            let n = self.looks.fetch_add(1, Ordering::Relaxed);
-            if !n.is_multiple_of(ENDED_EVERY) {
-                Vec::new()
-            } else {
-                let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
-                    return;
-                };
-                ended.into_iter().filter(|r| unknown.contains(r)).collect()
-            }
+            let Ok(ended) = self.store.ended(SILENCE, REQUEST) else {
+                return;
+            };
+            // Each ended rank is looked up once (it is then known either
+            // way): a look cut off by its budget goes on at the next.
+            ended.into_iter().filter(|r| unknown.contains(r)).collect()
         };
-        let few = candidates.len() <= FEW_ASKED;
         for r in candidates {
             if Instant::now() >= until {
                 return;
             }
-            match self.store.get(&done_key(r), Duration::ZERO) {
+            match self.store.peek(&done_key(r), REQUEST) {
                 Ok(Some(_)) => {
                     lock_finished().insert(r, None);
                 }
@@ -667,7 +679,7 @@ impl StoreHealth {
             if Instant::now() >= until {
                 return;
             }
-            let read = self.counts_now(r);
+            let read = self.counts_now(r, REQUEST);
             if let Ok(Some(c)) = read {
                 lock_finished().insert(r, Some(Arc::new(c)));
                 continue;
@@ -893,7 +905,7 @@ impl Health for StoreHealth {
             }
             let mut still = Vec::new();
             for r in left {
-                match self.counts_now(r)? {
+                match self.counts_now(r, REQUEST * 5)? {
                     Some(c) => {
                         out.insert(r, c);
                     }
@@ -912,7 +924,7 @@ impl Health for StoreHealth {
             // before it said so, and the next look finds them.
             if let Ok(ended) = self.store.ended(SILENCE, REQUEST) {
                 for r in left.iter().filter(|r| ended.contains(r)) {
-                    if self.counts_now(*r)?.is_some() {
+                    if self.counts_now(*r, REQUEST * 5)?.is_some() {
                         continue;
                     }
                     // It finished cleanly, yet its counts are not there
@@ -1435,19 +1447,22 @@ mod tests {
         // Many: through `ENDED`, every few beats.
         let ranks: Vec<Rank> = (1..=50).collect();
         assert_eq!(h.finished_among(&ranks), Some(3), "known already");
-        let first = h.looks.load(Ordering::Relaxed);
-        let to_ended = (ENDED_EVERY - first % ENDED_EVERY) % ENDED_EVERY;
-        for _ in 0..to_ended {
+        h.looks.store(1, Ordering::Relaxed);
+        for _ in 1..ENDED_EVERY {
             h.look_for_finished(later());
             assert_eq!(finished(&h), 2, "no ENDED on this beat");
         }
-        // Out of time before the first lookup: none made.
+        // Out of time before the first lookup: none made (the fifth beat's
+        // ENDED came, and was cut off).
+        assert!(h.looks.load(Ordering::Relaxed).is_multiple_of(ENDED_EVERY));
         h.look_for_finished(Instant::now());
         assert_eq!(finished(&h), 2);
-        // With time, every rank asked about and finished is learned.
-        for _ in 0..ENDED_EVERY {
+        for _ in 1..ENDED_EVERY {
             h.look_for_finished(later());
+            assert_eq!(finished(&h), 2, "no ENDED on this beat");
         }
+        // With time, every rank asked about and finished is learned.
+        h.look_for_finished(later());
         assert_eq!(finished(&h), 50);
         assert_eq!(h.finished_among(&[7]), Some(7));
         // Counts missing from the store: asked for, tried, and put off.
@@ -1466,6 +1481,21 @@ mod tests {
         h.wanted.lock().unwrap().get_mut(&7).unwrap().0 = Instant::now();
         h.look_for_finished(Instant::now() + Duration::from_secs(10));
         assert_eq!(h.finished_counts(7).as_deref(), Some(&Vec::new()));
+    }
+
+    /// Each look of a few ranks starts at another, so none is starved by
+    /// a budget that cuts looks short.
+    #[test]
+    fn the_watch_takes_a_few_ranks_in_turn() {
+        assert_eq!(in_turn(vec![1, 2, 3], 0), vec![1, 2, 3]);
+        assert_eq!(in_turn(vec![1, 2, 3], 1), vec![2, 3, 1]);
+        assert_eq!(in_turn(vec![1, 2, 3], 5), vec![3, 1, 2]);
+        assert_eq!(in_turn(vec![], 7), Vec::<Rank>::new());
+        // Over any three looks each rank comes first once.
+        let firsts: Vec<Rank> = (10..13).map(|n| in_turn(vec![4, 5, 6], n)[0]).collect();
+        let mut sorted = firsts.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![4, 5, 6], "{firsts:?}");
     }
 
     #[test]

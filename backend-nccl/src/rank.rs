@@ -39,8 +39,10 @@ const HANG_FLUSH: Duration = Duration::from_millis(20);
 /// ([`RankCtx::unmatchable`]), or an `await_notify` for a peer that
 /// finished without notifying: a fifth of the deadline, from half a second
 /// to 30 s. Across processes the first look starts the health monitor's
-/// watch for finished ranks, one more store request a heartbeat: a wait
-/// that ends sooner never costs it.
+/// watch for the wait's peers, a small store request per peer a heartbeat
+/// until each is known to have finished (at 1,024 ranks 1.4x the plain
+/// monitors' cost to the store, BENCHMARKS.md): a wait that ends sooner
+/// never costs it.
 fn unmatched_look(timeout: Duration) -> Duration {
     (timeout / 5).clamp(Duration::from_millis(500), Duration::from_secs(30))
 }

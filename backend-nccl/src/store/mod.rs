@@ -1445,24 +1445,37 @@ impl Store {
 
     /// The value under `key`, waiting up to `wait` for it to be stored.
     pub fn get(&self, key: &str, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
-        self.value_within(wait, "a get", |wait_ms| Request::Get {
+        self.value_within(wait, Duration::from_secs(5), "a get", |wait_ms| {
+            Request::Get {
+                key: key.into(),
+                wait_ms,
+            }
+        })
+    }
+
+    /// The value stored under `key` now, if any, without waiting for one:
+    /// the request fails past `timeout` (and a second's grace), where
+    /// [`Store::get`] gives the store 5 s more.
+    pub fn peek(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, Error> {
+        self.value_within(Duration::ZERO, timeout, "a get", |wait_ms| Request::Get {
             key: key.into(),
             wait_ms,
         })
     }
 
     /// The bytes of a `VALUE` reply to the request `request` makes of a
-    /// wait of up to `wait` (at most [`MAX_WAIT`]); `None` when the store
-    /// answered `TIMEOUT`.
+    /// wait of up to `wait` (at most [`MAX_WAIT`]), given `grace` more to
+    /// answer; `None` when the store answered `TIMEOUT`.
     fn value_within(
         &self,
         wait: Duration,
+        grace: Duration,
         what: &str,
         request: impl FnOnce(u64) -> Request,
     ) -> Result<Option<Vec<u8>>, Error> {
         let wait = wait.min(MAX_WAIT);
         let request = request(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
-        match self.request_with(&request, &[], wait + Duration::from_secs(5))? {
+        match self.request_with(&request, &[], wait + grace)? {
             (Response::Value(_), value) => Ok(Some(value)),
             (Response::Timeout, _) => Ok(None),
             (other, _) => Err(self.unexpected(what, &other)),
@@ -1485,7 +1498,7 @@ impl Store {
     /// The oldest message of rank `me`'s inbox, waiting up to `wait` for
     /// one.
     pub fn inbox(&self, me: Rank, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
-        self.value_within(wait, "an inbox read", |wait_ms| Request::Inbox {
+        self.value_within(wait, Duration::from_secs(5), "an inbox read", |wait_ms| Request::Inbox {
             me,
             wait_ms,
         })
