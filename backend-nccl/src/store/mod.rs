@@ -1498,9 +1498,8 @@ impl Store {
     /// The oldest message of rank `me`'s inbox, waiting up to `wait` for
     /// one.
     pub fn inbox(&self, me: Rank, wait: Duration) -> Result<Option<Vec<u8>>, Error> {
-        self.value_within(wait, Duration::from_secs(5), "an inbox read", |wait_ms| Request::Inbox {
-            me,
-            wait_ms,
+        self.value_within(wait, Duration::from_secs(5), "an inbox read", |wait_ms| {
+            Request::Inbox { me, wait_ms }
         })
     }
 
