@@ -22,11 +22,14 @@
 //! thread per connection, at most 16,384 at once past their `AUTH`, and no
 //! more than the process's limit on open files allows, which the store
 //! raises as far as it needs within the hard limit; past that a new
-//! connection is told `ERROR busy`). Connections not yet past their `AUTH`
-//! have a pool of their own (4,096 at once, 256 from one host; past that
-//! `ERROR busy`), so that whatever can reach the port without the secret
-//! cannot take the places of the job's ranks. A `PUT`'s bytes count
-//! against the store's limit on stored bytes before they are read.
+//! connection is told `ERROR busy`, and a client asks again until its
+//! request's deadline). Connections not yet past their `AUTH` have a pool
+//! of their own (4,096 at once, 256 from one host; past that `ERROR
+//! busy`), so that whatever can reach the port without the secret cannot
+//! take the places of the ranks' connections (it can still delay new ones
+//! while it fills that pool). A `PUT`'s bytes count against the store's
+//! limit on stored bytes before they are read; a `PUT` refused as too big
+//! for it has its bytes read and dropped, so its client reads the refusal.
 //!
 //! A client ([`Store`]) keeps up to four connections open between its
 //! requests, each for at most 5 s unused: a rank's health monitor, which
@@ -731,6 +734,22 @@ fn read_body(
     Ok(value)
 }
 
+/// Reads and drops the `len` bytes that follow a request refused before
+/// its body was read, under a fresh deadline, holding none of them.
+fn skip_body(
+    reader: &mut BufReader<DeadlineReader<'_>>,
+    len: usize,
+    timeout: Duration,
+) -> Result<(), End> {
+    reader.get_mut().deadline = Instant::now() + timeout;
+    let skipped = std::io::copy(&mut reader.by_ref().take(len as u64), &mut std::io::sink())
+        .map_err(|_| End::Gone)?;
+    if skipped as usize != len {
+        return Err(End::Gone);
+    }
+    Ok(())
+}
+
 /// A `VALUE` reply: the line, then the bytes.
 fn send_value(conn: &TcpStream, bytes: &[u8]) -> Result<(), End> {
     send(conn, &Response::Value(bytes.len()))?;
@@ -802,7 +821,16 @@ fn serve_one(
         Request::Beat { rank } => shared.beat(rank)?,
         Request::Health { me, silence_ms } => shared.check(me, silence_ms),
         Request::Put { key, len } => {
-            let room = shared.reserve(&key, len)?;
+            let room = match shared.reserve(&key, len) {
+                Ok(room) => room,
+                Err(full) => {
+                    // Its bytes are read and dropped (none kept), so the
+                    // client, still sending them, reads the refusal
+                    // rather than a broken connection.
+                    skip_body(reader, len, timeout)?;
+                    return Err(full);
+                }
+            };
             let value = read_body(reader, len, timeout)?;
             // Given back first: the value's bytes count as stored now.
             drop(room);
@@ -1277,7 +1305,11 @@ impl Store {
         }
     }
 
-    /// A new connection to the store, past its `AUTH`.
+    /// A new connection to the store, past its `AUTH`. A store that says
+    /// it is busy (its connections at their limit, or its pool of
+    /// connections not yet authenticated full: many ranks of a host
+    /// connecting at once) is asked again, less and less often, until
+    /// `deadline`.
     fn open(&self, deadline: Instant) -> Result<TcpStream, Error> {
         let auth = proto::encode_request(&Request::Auth {
             version: VERSION,
@@ -1287,25 +1319,45 @@ impl Store {
             at: "DUPLEX_STORE_TOKEN".into(),
             message: format!("the store token cannot be sent: {e}"),
         })?;
-        let conn = self.connect(deadline)?;
-        let reply = self
-            .exchange(&conn, &auth, &[], deadline)
-            .map_err(Exchange::error)?;
-        match reply.0 {
-            Response::Ok => Ok(conn),
-            Response::Error(why) if why.starts_with("busy") => Err(Error::Unavailable {
-                what: format!("the duplex rendezvous at {}", self.addr()),
-                how: format!(
-                    "it refused this connection ({why}): rank 0's process serves no more connections than its limits on open files and threads allow; raise them there (ulimit -n, the job's pids limit)"
-                ),
-            }),
-            Response::Error(why) => Err(Error::Unavailable {
-                what: format!("the duplex rendezvous at {}", self.addr()),
-                how: format!(
-                    "it refused this rank ({why}); every rank of a job needs the same DUPLEX_STORE_TOKEN (or, under torchrun, the same TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT and WORLD_SIZE)"
-                ),
-            }),
-            other => Err(self.unexpected("AUTH", &other)),
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let conn = self.connect(deadline)?;
+            let reply = self
+                .exchange(&conn, &auth, &[], deadline)
+                .map_err(Exchange::error)?;
+            match reply.0 {
+                Response::Ok => return Ok(conn),
+                Response::Error(why) if why.starts_with("busy") => {
+                    if Instant::now() + pause < deadline {
+                        tracing::debug!("duplex store: {why}; asking again in {pause:?}");
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                        continue;
+                    }
+                    let how = if why.contains("not yet authenticated") {
+                        format!(
+                            "it refused this connection until the request's deadline ({why}): the store takes at most 4,096 connections at once that have not shown the job's secret, 256 from one host; many ranks of one host connecting at once, or something else holding connections to its port without the secret (look for it on rank 0's host: ss -tn sport = :PORT)"
+                        )
+                    } else {
+                        format!(
+                            "it refused this connection until the request's deadline ({why}): rank 0's process serves no more connections than its limits on open files and threads allow; raise them there (ulimit -n, the job's pids limit)"
+                        )
+                    };
+                    return Err(Error::Unavailable {
+                        what: format!("the duplex rendezvous at {}", self.addr()),
+                        how,
+                    });
+                }
+                Response::Error(why) => {
+                    return Err(Error::Unavailable {
+                        what: format!("the duplex rendezvous at {}", self.addr()),
+                        how: format!(
+                            "it refused this rank ({why}); every rank of a job needs the same DUPLEX_STORE_TOKEN (or, under torchrun, the same TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT and WORLD_SIZE)"
+                        ),
+                    });
+                }
+                other => return Err(self.unexpected("AUTH", &other)),
+            }
         }
     }
 

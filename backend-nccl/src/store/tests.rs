@@ -1138,11 +1138,20 @@ fn put_bodies_in_flight_count_against_the_stores_limit() {
     first.write_all(&put("a", 800_000)).unwrap();
     first.write_all(&vec![7u8; 799_999]).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    // A second that would not fit beside it: refused before its body.
+    // A second that would not fit beside it: refused, its body read and
+    // dropped (none of it kept), and the refusal read by its client.
     let mut second = auth();
     second.extend(put("b", 800_000));
+    second.extend(vec![0u8; 800_000]);
     let reply = raw(addr, &second, false);
     assert!(reply.contains("full"), "{reply}");
+    let e = client(addr)
+        .put("b", &vec![0u8; 8 << 20], Duration::from_secs(5))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("the store is full"),
+        "the client reads the refusal, not a broken pipe: {e}"
+    );
     // A small one fits beside it.
     client(addr)
         .put("c", &[1; 100], Duration::from_secs(5))
@@ -1168,4 +1177,37 @@ fn put_bodies_in_flight_count_against_the_stores_limit() {
     store
         .put("a", &vec![2; 900_000], Duration::from_secs(5))
         .expect("replaces");
+}
+
+/// A store that says it is busy is asked again until the request's
+/// deadline: a rank that connects while its host's other ranks do, or
+/// while the store's places are taken for a moment, is served once one is
+/// free; past the deadline it is told why, and what to look at.
+#[test]
+fn a_busy_store_is_asked_again_until_the_deadline() {
+    let addr = server(Limits {
+        max_connections: 1,
+        ..limits(700)
+    });
+    let mut held = TcpStream::connect(addr).unwrap();
+    held.write_all(&auth()).unwrap();
+    let mut ok = [0u8; 3];
+    held.read_exact(&mut ok).unwrap();
+    // Past a short deadline: told why.
+    let e = client(addr)
+        .unique_id(Duration::from_millis(200))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("until the request's deadline") && e.to_string().contains("busy"),
+        "{e}"
+    );
+    // Within a longer one: served once the idle connection is closed.
+    let t = Instant::now();
+    assert_eq!(client(addr).unique_id(Duration::from_secs(5)).unwrap(), ID);
+    assert!(
+        t.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(held);
 }
