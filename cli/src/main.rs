@@ -289,7 +289,12 @@ fn usage_error(e: clap::Error) -> ExitCode {
     ) {
         e.exit()
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `args_os`: an argument that is not UTF-8 (which clap may be refusing)
+    // must not panic here.
+    let args: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let json = args
         .windows(2)
         .any(|w| w[0] == "--format" && w[1] == "json")

@@ -1295,3 +1295,29 @@ fn a_hang_across_many_ranks_lists_forty_and_says_how_many_more() {
         "{json}"
     );
 }
+
+/// An argument that is not UTF-8 (a Latin-1 file name, say) gets clap's
+/// error and status 2, in text and in JSON, never a panic.
+#[test]
+fn an_argument_that_is_not_utf8_is_refused_without_a_panic() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    for args in [
+        vec![OsStr::new("check"), OsStr::from_bytes(b"caf\xe9.sched")],
+        vec![
+            OsStr::new("check"),
+            OsStr::new("--format"),
+            OsStr::new("json"),
+            OsStr::from_bytes(b"caf\xe9.sched"),
+        ],
+        vec![OsStr::from_bytes(b"\xff")],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(&args)
+            .output()
+            .expect("the duplex binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -692,7 +692,22 @@ impl Sim {
                     self.policy,
                     lanes.clone(),
                 );
-                scope.spawn(move || rank::run_thread(handle, |t| f(t)));
+                let started = std::thread::Builder::new()
+                    .name(format!("duplex-sim rank {r}"))
+                    .spawn_scoped(scope, move || rank::run_thread(handle, |t| f(t)));
+                if let Err(e) = started {
+                    // The ranks started so far wait for their turn: ending
+                    // the execution lets them go, and says why.
+                    let mut w = shared.lock();
+                    w.end(world::Ending::Thread {
+                        thread: ThreadId(r),
+                        error: format!(
+                            "cannot start the OS thread of rank {r} ({e}): the simulator runs an OS thread per rank and per spawned thread; raise the limit on threads (ulimit -u, a container's pids limit) or on memory (ulimit -v: each thread has its stack), or run fewer ranks"
+                        ),
+                    });
+                    w.wake();
+                    return;
+                }
             }
             let mut w = shared.lock();
             w.schedule();

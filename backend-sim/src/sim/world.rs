@@ -336,7 +336,7 @@ impl World {
         format!("rank {} thread {}", info.rank, info.name)
     }
 
-    fn end(&mut self, ending: Ending) {
+    pub(crate) fn end(&mut self, ending: Ending) {
         if self.ending.is_none() {
             self.ending = Some(ending);
         }
