@@ -226,11 +226,16 @@ pub fn repairs(program: &Program, source: Option<&str>, stuck: &Stuck) -> Vec<Re
     if program.policy == Policy::Shared {
         let mut p = program.clone();
         p.policy = Policy::PerDirection;
-        candidates.push((
-            "give each direction its own lane (a communicator and a stream per ordered pair of ranks)".into(),
-            p,
-            vec![policy_edit(source)],
-        ));
+        let title = "give each direction its own lane (a communicator and a stream per ordered pair of ranks)";
+        candidates.push(match policy_edit(source) {
+            Some(edit) => (title.into(), p, vec![edit]),
+            // The file says so already: the command line overrode it.
+            None => (
+                format!("{title}: the file's `policy per-direction` does, once the command line's `--policy shared` no longer overrides it"),
+                p,
+                Vec::new(),
+            ),
+        });
     }
     let ranks: Vec<u32> = {
         let mut r: Vec<u32> = stuck
@@ -430,31 +435,44 @@ fn edit_line(e: &Edit) -> u32 {
 }
 
 /// The edit that sets `policy per-direction`: replaces the file's `policy`
-/// line, or inserts one after `ranks`.
-fn policy_edit(source: Option<&str>) -> Edit {
+/// line, or inserts one after `ranks`; `None` when the file's line says
+/// so already (a `--policy` on the command line overrode it).
+fn policy_edit(source: Option<&str>) -> Option<Edit> {
     let lines: Vec<(u32, &str)> = source
         .map(|s| {
             s.lines()
                 .enumerate()
-                .map(|(i, l)| (i as u32 + 1, l.split('#').next().unwrap_or("").trim()))
+                .map(|(i, l)| {
+                    // A byte-order mark, which the parser skips, is not
+                    // text of the first line.
+                    let l = if i == 0 {
+                        l.trim_start_matches('\u{feff}')
+                    } else {
+                        l
+                    };
+                    (i as u32 + 1, l.split('#').next().unwrap_or("").trim())
+                })
                 .collect()
         })
         .unwrap_or_default();
     if let Some((n, l)) = lines.iter().find(|(_, l)| l.starts_with("policy")) {
-        return Edit::Replace {
+        if l.split_whitespace().collect::<Vec<_>>() == ["policy", "per-direction"] {
+            return None;
+        }
+        return Some(Edit::Replace {
             line: *n,
             old: l.to_string(),
             new: "policy per-direction".into(),
-        };
+        });
     }
     let after = lines
         .iter()
         .find(|(_, l)| l.starts_with("ranks"))
         .map_or(0, |(n, _)| *n);
-    Edit::Insert {
+    Some(Edit::Insert {
         after,
         new: "policy per-direction".into(),
-    }
+    })
 }
 
 /// For explicitly placed traffic between two ranks that shares one

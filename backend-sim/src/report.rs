@@ -343,7 +343,10 @@ impl fmt::Display for Report {
                 "repairs the checker verified (each alone makes the program ok, with no new error):"
             )?;
             for (i, r) in self.repairs.iter().enumerate() {
-                writeln!(f, "  {}. {}:", i + 1, r.title)?;
+                // A repair with no edit to the file (the command line
+                // overrode it) says so in its title, without a colon.
+                let colon = if r.edits.is_empty() { "" } else { ":" };
+                writeln!(f, "  {}. {}{colon}", i + 1, r.title)?;
                 for e in r.edits.iter().take(duplex::report::LISTED) {
                     writeln!(f, "       {e}")?;
                 }

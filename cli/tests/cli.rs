@@ -1321,3 +1321,35 @@ fn an_argument_that_is_not_utf8_is_refused_without_a_panic() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// The repair that sets `policy per-direction` puts its line after
+/// `ranks` in a file that starts with a byte-order mark (not at the top,
+/// where the parser refuses it), and is no edit at all where the file
+/// says so already and only `--policy shared` overrode it.
+#[test]
+fn the_policy_repair_fits_a_byte_order_mark_and_a_policy_given_on_the_command_line() {
+    let dir = std::env::temp_dir().join(format!("duplex-policy-repair-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let seed = "rank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n";
+    let bom = dir.join("bom.sched");
+    std::fs::write(&bom, format!("\u{feff}ranks 2\n{seed}")).unwrap();
+    let out = duplex(&["check", bom.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("after line 1: insert `policy per-direction`"),
+        "{text}"
+    );
+    let said = dir.join("said.sched");
+    std::fs::write(&said, format!("ranks 2\npolicy per-direction\n{seed}")).unwrap();
+    let out = duplex(&["check", said.to_str().unwrap(), "--policy", "shared"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("once the command line's `--policy shared` no longer overrides it"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("with `policy per-direction`"),
+        "a replacement that changes nothing: {text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
