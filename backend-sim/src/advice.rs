@@ -17,6 +17,8 @@
 //! printed repair never trades one problem for another. Each is a list of
 //! concrete edits to the file, by line.
 
+use std::time::Instant;
+
 use duplex::compile::compile_under;
 use duplex::report::Stuck;
 use duplex::schedule::{CommDecl, Dir, Line, P2p, Program, Stmt, StmtKind};
@@ -96,21 +98,66 @@ pub struct Repair {
     pub verdict: VerdictKind,
 }
 
-fn check_quick(p: &Program) -> Verdict {
-    check_quick_under(p, p.model)
+/// What the advice's checks may spend: each check at most `max_states`
+/// (and never more than 200,000, the bound of one candidate), all of
+/// them together until
+/// `deadline`. `duplex check` gives its own `--max-states` and what is
+/// left of its `--time-limit`, so that the command as a whole keeps to it.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    /// The most branching states of each check.
+    pub max_states: usize,
+    /// When the advice stops checking: candidates not checked by then are
+    /// not offered, and latent hangs not found by then not reported
+    /// ([`Budget::spent`] says so).
+    pub deadline: Option<Instant>,
 }
 
-/// [`check_quick`] of `p` under `model` instead of its own.
-fn check_quick_under(p: &Program, model: duplex::Model) -> Verdict {
-    check::check(
-        &compile_under(p, model),
-        &Options {
+impl Default for Budget {
+    fn default() -> Budget {
+        Budget {
             max_states: CANDIDATE_STATES,
+            deadline: None,
+        }
+    }
+}
+
+impl Budget {
+    /// The options of one check, or `None` once the deadline has passed.
+    fn options(&self) -> Option<Options> {
+        let time_limit = match self.deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return None;
+                }
+                Some(left)
+            }
+            None => None,
+        };
+        Some(Options {
+            max_states: self.max_states.min(CANDIDATE_STATES),
             reduce: true,
-            ..Options::default()
-        },
-    )
-    .verdict
+            time_limit,
+        })
+    }
+
+    /// Whether the deadline has passed.
+    pub fn spent(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+}
+
+/// [`check_quick_under`] of `p` under its own model.
+fn check_quick(p: &Program, budget: &Budget) -> Option<Verdict> {
+    check_quick_under(p, p.model, budget)
+}
+
+/// The verdict of `p` under `model` instead of its own, within `budget`:
+/// `None` once its deadline has passed (inconclusive past it otherwise).
+fn check_quick_under(p: &Program, model: duplex::Model, budget: &Budget) -> Option<Verdict> {
+    let options = budget.options()?;
+    Some(check::check(&compile_under(p, model), &options).verdict)
 }
 
 /// Whether `lazy-connect=on` can change how `program` runs: some op is on
@@ -138,7 +185,7 @@ fn lazy_connect_matters(program: &Program) -> bool {
 /// how the program runs (every op on a per-direction lane). When both are
 /// wanted they run at once, the first on a thread of its own (serially
 /// where a thread cannot start).
-pub fn latent(program: &Program) -> Vec<Latent> {
+pub fn latent(program: &Program, budget: &Budget) -> Vec<Latent> {
     let mut strict = program.model;
     strict.eager = Size(0);
     // New communicators under R6 as written: the strictest reading.
@@ -183,17 +230,17 @@ pub fn latent(program: &Program) -> Vec<Latent> {
             .map(|w| {
                 let model = w.3;
                 let run = std::thread::Builder::new()
-                    .spawn_scoped(scope, move || check_quick_under(program, model));
+                    .spawn_scoped(scope, move || check_quick_under(program, model, budget));
                 (*w, run)
             })
             .collect();
-        let here = last.map(|w| (*w, check_quick_under(program, w.3)));
+        let here = last.map(|w| (*w, check_quick_under(program, w.3, budget)));
         started
             .into_iter()
             .map(|(w, run)| {
                 let verdict = match run {
                     Ok(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
-                    Err(_) => check_quick_under(program, w.3),
+                    Err(_) => check_quick_under(program, w.3, budget),
                 };
                 (w, verdict)
             })
@@ -203,7 +250,7 @@ pub fn latent(program: &Program) -> Vec<Latent> {
     verdicts
         .into_iter()
         .filter_map(|((knob, setting, meaning, _), verdict)| match verdict {
-            Verdict::Deadlock { stuck, .. } => Some(Latent {
+            Some(Verdict::Deadlock { stuck, .. }) => Some(Latent {
                 knob,
                 setting: (*setting).into(),
                 meaning,
@@ -221,7 +268,12 @@ const MAX_SWAPS: usize = 8;
 /// The repairs of a program that can hang, each verified to make it `ok`.
 /// `source` is the file's text (to place a `policy` line); `stuck` is the
 /// hang found.
-pub fn repairs(program: &Program, source: Option<&str>, stuck: &Stuck) -> Vec<Repair> {
+pub fn repairs(
+    program: &Program,
+    source: Option<&str>,
+    stuck: &Stuck,
+    budget: &Budget,
+) -> Vec<Repair> {
     let mut candidates: Vec<(String, Program, Vec<Edit>)> = Vec::new();
     if program.policy == Policy::Shared {
         let mut p = program.clone();
@@ -363,7 +415,7 @@ pub fn repairs(program: &Program, source: Option<&str>, stuck: &Stuck) -> Vec<Re
     }
     candidates
         .into_iter()
-        .filter(|(_, p, _)| matches!(check_quick(p), Verdict::Ok))
+        .filter(|(_, p, _)| matches!(check_quick(p, budget), Some(Verdict::Ok)))
         .map(|(title, _, mut edits)| {
             edits.sort_by_key(edit_line);
             Repair {
@@ -599,16 +651,21 @@ mod tests {
         )
         .expect("valid");
         assert!(
-            latent(&cold).iter().any(|l| l.knob == "lazy-connect"),
+            latent(&cold, &Budget::default())
+                .iter()
+                .any(|l| l.knob == "lazy-connect"),
             "{:?}",
-            latent(&cold).iter().map(|l| l.knob).collect::<Vec<_>>()
+            latent(&cold, &Budget::default())
+                .iter()
+                .map(|l| l.knob)
+                .collect::<Vec<_>>()
         );
     }
 
     fn stuck_of(src: &str) -> (Program, Stuck) {
         let p = duplex::schedule::parse(src).expect("valid");
-        match check_quick(&p) {
-            Verdict::Deadlock { stuck, .. } => (p, *stuck),
+        match check_quick(&p, &Budget::default()) {
+            Some(Verdict::Deadlock { stuck, .. }) => (p, *stuck),
             other => panic!("expected a deadlock, got {other:?}"),
         }
     }
@@ -617,7 +674,7 @@ mod tests {
     fn the_seed_gets_lanes_grouping_and_a_reordered_rank_all_verified() {
         let src = "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck);
+        let r = repairs(&p, Some(src), &stuck, &Budget::default());
         let titles: Vec<&str> = r.iter().map(|r| r.title.as_str()).collect();
         assert!(titles.iter().any(|t| t.contains("own lane")), "{titles:?}");
         assert!(titles.iter().any(|t| t.contains("group")), "{titles:?}");
@@ -651,7 +708,7 @@ mod tests {
         // order helps, and nothing is suggested.
         let src = "ranks 2\nrank 0:\n  recv 1 4KiB\n  sync\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  sync\n  send 0 4KiB\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck);
+        let r = repairs(&p, Some(src), &stuck, &Budget::default());
         assert!(
             r.is_empty(),
             "per-direction does not fix recv; sync; send, and nothing else was tried: {:?}",
@@ -663,7 +720,7 @@ mod tests {
     fn an_explicit_ring_gets_a_verified_grouping_or_a_separate_communicator() {
         let src = "ranks 2\ncomm c 0 1\nrank 0:\n  send 1 4KiB comm=c stream=s\n  recv 1 4KiB comm=c stream=s\nrank 1:\n  send 0 4KiB comm=c stream=s\n  recv 0 4KiB comm=c stream=s\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck);
+        let r = repairs(&p, Some(src), &stuck, &Budget::default());
         assert!(r.iter().any(|r| r.title.contains("group")), "{r:?}");
         assert!(r.iter().all(|r| r.verdict == VerdictKind::Ok));
         let own = r
@@ -684,15 +741,18 @@ mod tests {
             "ranks 2\nmodel eager=64MiB\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
         )
         .expect("valid");
-        assert!(matches!(check_quick(&eager), Verdict::Ok));
-        let l = latent(&eager);
+        assert!(matches!(
+            check_quick(&eager, &Budget::default()),
+            Some(Verdict::Ok)
+        ));
+        let l = latent(&eager, &Budget::default());
         assert!(l.iter().any(|l| l.knob == "eager"), "{l:?}");
         assert!(l.iter().all(|l| !l.stuck.cycle.is_empty()));
         let strict = duplex::schedule::parse(
             "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  recv 0 4KiB\n  send 0 4KiB\n",
         )
         .expect("valid");
-        assert!(latent(&strict).is_empty());
+        assert!(latent(&strict, &Budget::default()).is_empty());
     }
 
     /// A program that completes only because `cold-channels=mismatched`
@@ -703,11 +763,18 @@ mod tests {
         let file = include_str!("../../examples/r6-without-a-mismatched-round.sched");
         let mut p = duplex::schedule::parse(file).expect("valid");
         p.model.cold_mismatched_only = true;
-        assert!(matches!(check_quick(&p), Verdict::Ok));
-        let l = latent(&p);
+        assert!(matches!(
+            check_quick(&p, &Budget::default()),
+            Some(Verdict::Ok)
+        ));
+        let l = latent(&p, &Budget::default());
         assert!(l.iter().any(|l| l.knob == "cold-channels"), "{l:?}");
         // Under the default there is nothing of the kind to say.
         p.model.cold_mismatched_only = false;
-        assert!(latent(&p).iter().all(|l| l.knob != "cold-channels"));
+        assert!(
+            latent(&p, &Budget::default())
+                .iter()
+                .all(|l| l.knob != "cold-channels")
+        );
     }
 }

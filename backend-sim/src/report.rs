@@ -60,6 +60,11 @@ pub struct Report {
     /// For a deadlock: repairs the checker verified ([`crate::advice::repairs`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub repairs: Vec<Repair>,
+    /// Whether the advice (repairs, latent hangs) ran out of the time the
+    /// command was given before it had checked every candidate: what it
+    /// lists is then what it verified in time, not all there is.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub advice_cut: bool,
     /// Search statistics.
     pub stats: Stats,
 }
@@ -193,19 +198,31 @@ impl Report {
             replayed: false,
             latent: Vec::new(),
             repairs: Vec::new(),
+            advice_cut: false,
             stats: outcome.stats,
         }
     }
 
     /// Adds the advice of [`crate::advice`]: for a deadlock, the repairs
     /// the checker verified; for `ok`, the hangs a knob hides. `source` is
-    /// the file's text, to place edits by line.
-    pub fn advise(mut self, program: &Program, source: Option<&str>) -> Report {
+    /// the file's text, to place edits by line; `budget` bounds the
+    /// advice's checks (a command's `--max-states` and what is left of its
+    /// `--time-limit`), and [`Report::advice_cut`] says when it ran out.
+    pub fn advise(
+        mut self,
+        program: &Program,
+        source: Option<&str>,
+        budget: &advice::Budget,
+    ) -> Report {
         match (&self.verdict, &self.stuck) {
             (VerdictKind::Deadlock, Some(stuck)) => {
-                self.repairs = advice::repairs(program, source, stuck);
+                self.repairs = advice::repairs(program, source, stuck, budget);
+                self.advice_cut = budget.spent();
             }
-            (VerdictKind::Ok, _) => self.latent = advice::latent(program),
+            (VerdictKind::Ok, _) => {
+                self.latent = advice::latent(program, budget);
+                self.advice_cut = budget.spent();
+            }
             _ => {}
         }
         self
@@ -352,6 +369,13 @@ impl fmt::Display for Report {
                 }
                 duplex::report::more(f, "       ", r.edits.len(), "edits")?;
             }
+        }
+        if self.advice_cut {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "the advice stopped at the time limit (--time-limit): repairs and latent hangs it had not checked by then are not listed"
+            )?;
         }
         if self.verdict == VerdictKind::Inconclusive {
             let (bound, how) = match self.stats.stopped {

@@ -7,7 +7,7 @@ mod common;
 use common::examples;
 
 use duplex::compile::compile;
-use duplex_sim::advice::{apply, latent, repairs};
+use duplex_sim::advice::{Budget, apply, latent, repairs};
 use duplex_sim::check::{self, Options, Verdict};
 
 fn verdict(text: &str) -> Verdict {
@@ -25,7 +25,7 @@ fn every_printed_repair_applied_to_its_file_gives_an_ok_program() {
             continue;
         };
         hangs += 1;
-        for r in repairs(&p, Some(&text), &stuck) {
+        for r in repairs(&p, Some(&text), &stuck, &Budget::default()) {
             let fixed = apply(&text, &r.edits)
                 .unwrap_or_else(|e| panic!("{name}: `{}` does not apply: {e}", r.title));
             assert!(
@@ -54,7 +54,7 @@ fn the_seed_is_repaired_by_lanes_and_its_eager_form_has_a_latent_hang() {
     let Verdict::Deadlock { stuck, .. } = verdict(&seed) else {
         panic!("the seed hangs")
     };
-    let r = repairs(&p, Some(&seed), &stuck);
+    let r = repairs(&p, Some(&seed), &stuck, &Budget::default());
     assert!(r[0].title.contains("own lane"), "{r:?}");
     // With eager capacity above the messages, the seed completes, but only
     // because of it.
@@ -62,7 +62,10 @@ fn the_seed_is_repaired_by_lanes_and_its_eager_form_has_a_latent_hang() {
         .replace("256MiB", "4KiB")
         .replacen("ranks 2", "ranks 2\nmodel eager=64MiB", 1);
     assert!(matches!(verdict(&small), Verdict::Ok));
-    let l = latent(&duplex::schedule::parse(&small).expect("valid"));
+    let l = latent(
+        &duplex::schedule::parse(&small).expect("valid"),
+        &Budget::default(),
+    );
     // It hangs under NCCL's contract, and on new communicators (whose
     // first message is a rendezvous).
     let settings: Vec<&str> = l.iter().map(|l| l.setting.as_str()).collect();

@@ -877,6 +877,14 @@ fn check_file(
         reduce: !args.no_reduction,
         time_limit: args.time_limit.map(std::time::Duration::from_secs_f64),
     };
+    // The advice after the search (repairs, latent hangs) keeps to the
+    // same time limit, counted from here, and to the same state bound.
+    let budget = duplex_sim::advice::Budget {
+        max_states: args.max_states,
+        deadline: options
+            .time_limit
+            .and_then(|t| std::time::Instant::now().checked_add(t)),
+    };
     let outcome = match schedule {
         None => check_with_bar(file, &compiled, &options),
         Some(s) => {
@@ -939,6 +947,6 @@ fn check_file(
     Ok(if schedule.is_some() {
         report.replayed()
     } else {
-        report.advise(&program, Some(&source))
+        report.advise(&program, Some(&source), &budget)
     })
 }

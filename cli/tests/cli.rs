@@ -1353,3 +1353,55 @@ fn the_policy_repair_fits_a_byte_order_mark_and_a_policy_given_on_the_command_li
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--time-limit` bounds the whole command, the advice after the search
+/// included: a ring of 256 ranks of 4 threads each, with a seed pair that
+/// hangs, whose repairs took 158 s to check under `--time-limit 1` when
+/// each candidate had its own bound (6 s here: a debug build's search
+/// needs more than 1 to find the hang); the report says the advice
+/// stopped.
+#[test]
+fn the_time_limit_bounds_the_advice_too() {
+    let dir = std::env::temp_dir().join(format!("duplex-advice-limit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The seed pair first (ranks 0 and 1), so that the search finds its
+    // hang at once; then the ring, on ranks 2 and up.
+    let ring = 256u32;
+    let mut text = format!(
+        "ranks {}\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+        ring + 2
+    );
+    for r in 0..ring {
+        for t in 0..4 {
+            text += &format!(
+                "rank {} thread t{t}:\n  send {} 4KiB\n  recv {} 4KiB\n",
+                r + 2,
+                (r + 1) % ring + 2,
+                (r + ring - 1) % ring + 2
+            );
+        }
+    }
+    let file = dir.join("ring-plus-seed.sched");
+    std::fs::write(&file, text).unwrap();
+    let start = std::time::Instant::now();
+    let out = duplex(&[
+        "check",
+        file.to_str().unwrap(),
+        "--time-limit",
+        "6",
+        "--format",
+        "json",
+    ]);
+    let took = start.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        took < std::time::Duration::from_secs(30),
+        "took {took:?}: {stdout}"
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    let report = &v["reports"][0];
+    let report = if report.is_null() { &v } else { report };
+    assert_eq!(report["verdict"], "deadlock", "{stdout}");
+    assert_eq!(report["advice_cut"], true, "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
