@@ -33,7 +33,7 @@
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and, for lane memory (issue 12, item 3), a third,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
-# (the suite has 51 jobs: 34 with a thread per rank, 17 with a process
+# (the suite has 52 jobs: 35 with a thread per rank, 17 with a process
 # per rank, and 6 more process jobs with DUPLEX_IPC_COPY=1; it had 21
 # when it last ran on two GPUs, in 111 s, so SUITE_S may need
 # raising), and for lanes made on first use (issue 12, item 3) a fourth,
