@@ -106,8 +106,8 @@ impl From<&ProgramError> for ErrorReport {
 }
 
 /// `word` as one shell word: as it is when it needs no quoting, else in
-/// single quotes.
-fn shell_word(word: &str) -> String {
+/// single quotes (for commands a report prints to be run again).
+pub fn shell_word(word: &str) -> String {
     let plain = !word.is_empty()
         && word
             .chars()

@@ -477,12 +477,13 @@ fn run_run(args: &RunArgs) -> ExitCode {
     let mut ran = match args.backend {
         Backend::Sim => {
             // The same command with its seed follows the same schedule.
-            let mut again = format!("duplex run {} --seed {}", args.file, args.seed);
+            let word = duplex_sim::report::shell_word;
+            let mut again = format!("duplex run {} --seed {}", word(&args.file), args.seed);
             if let Some(p) = args.policy {
                 again.push_str(&format!(" --policy {p}"));
             }
             for m in &args.model {
-                again.push_str(&format!(" --model {m}"));
+                again.push_str(&format!(" --model {}", word(m)));
             }
             if let Some(CopyFrom::At(size)) = args.copy_from {
                 again.push_str(&format!(" --copy-from {size}"));

@@ -1405,3 +1405,26 @@ fn the_time_limit_bounds_the_advice_too() {
     assert_eq!(report["advice_cut"], true, "{stdout}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The command `duplex run` prints to replay a failure is one a shell
+/// runs as it is: a path with a space is quoted, as `check` quotes it.
+#[test]
+fn run_quotes_the_path_in_its_replay_command() {
+    let dir = std::env::temp_dir().join(format!("duplex run quoting {}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("seed it.sched");
+    std::fs::write(
+        &file,
+        "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n",
+    )
+    .unwrap();
+    let out = duplex(&["run", file.to_str().unwrap()]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let quoted = format!("replay it with: duplex run '{}' --seed 0", file.display());
+    assert!(text.contains(&quoted), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
