@@ -301,7 +301,9 @@ pub fn repairs(
         r
     };
     // Per rank of the hang: the first adjacent send/recv pair of plain,
-    // one-line statements on one thread, with at least one of them pending.
+    // one-line statements on one thread that starts at a pending op (the
+    // op the rank is stuck at and the one after it), else the first that
+    // ends at one.
     let pending_lines: Vec<(u32, u32)> = stuck
         .ops
         .iter()
@@ -313,16 +315,18 @@ pub fn repairs(
             if t.rank != *rank {
                 continue;
             }
-            for i in 0..t.body.len().saturating_sub(1) {
-                let (a, b) = (&t.body[i], &t.body[i + 1]);
-                if let (StmtKind::Op(x), StmtKind::Op(y)) = (&a.kind, &b.kind)
-                    && x.dir != y.dir
-                    && (pending_lines.contains(&(*rank, a.line.0))
-                        || pending_lines.contains(&(*rank, b.line.0)))
-                {
-                    pairs.push((ti, i));
-                    break 'thread;
-                }
+            let pending = |s: &Stmt| pending_lines.contains(&(*rank, s.line.0));
+            let opposite = |i: usize| {
+                matches!((&t.body[i].kind, &t.body[i + 1].kind),
+                    (StmtKind::Op(x), StmtKind::Op(y)) if x.dir != y.dir)
+            };
+            let n = t.body.len().saturating_sub(1);
+            let first = (0..n)
+                .find(|&i| opposite(i) && pending(&t.body[i]))
+                .or_else(|| (0..n).find(|&i| opposite(i) && pending(&t.body[i + 1])));
+            if let Some(i) = first {
+                pairs.push((ti, i));
+                break 'thread;
             }
         }
     }
@@ -668,6 +672,36 @@ mod tests {
             Some(Verdict::Deadlock { stuck, .. }) => (p, *stuck),
             other => panic!("expected a deadlock, got {other:?}"),
         }
+    }
+
+    /// Where a rank's pending op follows an op of the other direction,
+    /// the pair to group or swap is the one that starts at the stuck op,
+    /// not the one that ends at it (a review: only the lanes and one swap
+    /// were offered, both grouping and rank 0's swap were missed).
+    #[test]
+    fn the_pair_repaired_starts_at_the_op_a_rank_is_stuck_at() {
+        let src = "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  recv 0 4KiB\n  send 0 4KiB\n  send 0 4KiB\n  recv 0 4KiB\n";
+        let (p, stuck) = stuck_of(src);
+        let r = repairs(&p, Some(src), &stuck, &Budget::default());
+        let titles: Vec<&str> = r.iter().map(|r| r.title.as_str()).collect();
+        assert!(
+            titles.iter().any(|t| t.starts_with("group the send")),
+            "{titles:?}"
+        );
+        assert!(
+            titles.contains(&"let rank 0 receive before it sends"),
+            "{titles:?}"
+        );
+        assert!(
+            titles.contains(&"let rank 1 receive before it sends"),
+            "{titles:?}"
+        );
+        let group = r.iter().find(|r| r.title.starts_with("group")).unwrap();
+        assert!(
+            matches!(group.edits[0], Edit::Replace { line: 5, .. }),
+            "{:?}",
+            group.edits
+        );
     }
 
     #[test]
