@@ -369,17 +369,21 @@ impl Transport for SimRank {
         // reason at all).
         let held = w.buffer_bytes;
         let available = available_memory();
-        // Twice the buffer: what a rank writes into it is a host copy as
-        // large (a schedule file's payload, say).
+        // Twice the buffers: what a rank writes into one, and what a recv
+        // moves into one, is a host copy as large (a schedule file's
+        // payload, say), and a run's ranks hold theirs at once (a review
+        // measured 4.2 GB for one 1 GiB message, a send's buffer and a
+        // recv's; and a run that reserved one copy per buffer killed by the
+        // OOM killer at 24 GB for buffers of 32 GiB).
         let zeroed = match available {
-            Some(free) if held + 2 * bytes as u64 > free => None,
+            Some(free) if 2 * (held + bytes as u64) > free => None,
             _ => zeroed(bytes),
         };
         let Some(zeroed) = zeroed else {
             return Err(Error::Invalid {
                 at: check::place(at),
                 message: format!(
-                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, and {} more (twice that while it is written) on top of the {} this run holds is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
+                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} this run holds, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
                     E::DTYPE,
                     duplex::Size(bytes as u64),
                     duplex::Size(held),
@@ -771,9 +775,15 @@ fn available_memory() -> Option<u64> {
                 .parse()
                 .ok()
         };
-        // "max" (no limit) does not parse: no cgroup bound.
-        let cgroup =
-            read("memory.max").map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)));
+        // "max" (no limit) does not parse: no cgroup bound. Under cgroup
+        // v1, the memory controller's limit (a huge number when unset).
+        let cgroup = read("memory.max")
+            .map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)))
+            .or_else(|| {
+                read("memory/memory.limit_in_bytes").map(|max| {
+                    max.saturating_sub(read("memory/memory.usage_in_bytes").unwrap_or(0))
+                })
+            });
         match (machine, cgroup) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
