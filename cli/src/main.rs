@@ -356,6 +356,30 @@ fn load_text(file: &str) -> Result<(duplex::schedule::Program, String), Failure>
             .take(MAX_FILE_BYTES + 1)
             .read_to_end(&mut bytes)
     } else {
+        // A regular file larger than the bound, or a device (which may
+        // never end: /dev/zero), is refused before it is read; a pipe is
+        // read up to the bound.
+        use std::os::unix::fs::FileTypeExt;
+        if let Ok(m) = std::fs::metadata(file) {
+            let t = m.file_type();
+            if t.is_char_device() || t.is_block_device() {
+                return Err(Failure::invalid(
+                    "read",
+                    format!("{file} is a device, not a schedule file"),
+                )
+                .at(file, None));
+            }
+            if t.is_file() && m.len() > MAX_FILE_BYTES {
+                return Err(Failure::invalid(
+                    "read",
+                    format!(
+                        "{file} is larger than {}, more than any schedule duplex reads (a generated file of that size would take the checker far longer than it is worth: cut it into smaller programs)",
+                        duplex::Size(MAX_FILE_BYTES)
+                    ),
+                )
+                .at(file, None));
+            }
+        }
         std::fs::File::open(file).and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
     };
     if bytes.len() as u64 > MAX_FILE_BYTES {
@@ -668,6 +692,13 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             let f = Failure::invalid("usage", format!("--model {setting}: {e}"));
             return fail(&f, json, "verdict");
         }
+    }
+    if args.files.iter().filter(|f| *f == "-").count() > 1 {
+        let f = Failure::invalid(
+            "usage",
+            "`-` (standard input) is given more than once: it can be read only once",
+        );
+        return fail(&f, json, "verdict");
     }
     let schedule = match &args.replay {
         None => None,

@@ -1428,3 +1428,18 @@ fn run_quotes_the_path_in_its_replay_command() {
     assert!(text.contains(&quoted), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A device is refused before it is read (`/dev/zero` never ends: it was
+/// read up to the 1 GiB bound first), and standard input given twice is a
+/// usage error rather than an empty second program.
+#[test]
+fn a_device_and_standard_input_twice_are_refused_at_once() {
+    let out = duplex(&["check", "/dev/zero"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is a device"), "{stderr}");
+    let out = duplex(&["check", "-", "-"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("more than once"), "{stderr}");
+}
