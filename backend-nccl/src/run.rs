@@ -319,10 +319,17 @@ pub struct Process {
     settings: Settings,
 }
 
+/// A launcher's variable: one that is missing, or not text, is a wrong
+/// launcher environment (`Error::Invalid`, which `duplex run` reports as
+/// `environment`, status 2), named with how to set it.
 fn env_var(name: &str) -> Result<String> {
-    std::env::var(name).map_err(|_| Error::Unavailable {
-        what: format!("the environment variable {name}"),
-        how: "run under torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun does".into(),
+    const HOW: &str = "run under torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun does";
+    std::env::var(name).map_err(|e| Error::Invalid {
+        at: name.into(),
+        message: match e {
+            std::env::VarError::NotPresent => format!("{name} is not set: {HOW}"),
+            std::env::VarError::NotUnicode(_) => format!("{name} is not UTF-8 text: {HOW}"),
+        },
     })
 }
 

@@ -741,15 +741,19 @@ fn a_job_of_processes_that_cannot_start_says_which_rank_and_why() {
         text.contains("WORLD_SIZE=3 but the file's program has 2 ranks"),
         "{text}"
     );
-    // Without a launcher's environment: what is missing and how to set it.
+    // Without a launcher's environment: what is missing and how to set it,
+    // a wrong environment (status 2), as a malformed RANK is.
     let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
         .args(["run", seed, "--backend", "nccl", "--from-env"])
         .env_remove("RANK")
         .output()
         .expect("the duplex binary runs");
-    assert_eq!(out.status.code(), Some(4));
+    assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stderr);
-    assert!(text.contains("RANK") && text.contains("torchrun"), "{text}");
+    assert!(
+        text.contains("RANK is not set") && text.contains("torchrun"),
+        "{text}"
+    );
     // What cannot work with a process per rank is refused before anything
     // starts.
     for (args, says) in [

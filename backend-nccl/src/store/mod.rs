@@ -87,6 +87,15 @@ const HOW_TO_SET: &str = "set DUPLEX_STORE_TOKEN to the same random value (16 to
 /// The job's secret, from the environment: `DUPLEX_STORE_TOKEN`, else one
 /// derived from torchrun's `TORCHELASTIC_RUN_ID` (see the module docs).
 pub fn secret_from_env() -> Result<Secret, Error> {
+    // A variable that is set but not text is an error, not an unset one.
+    for name in ["DUPLEX_STORE_TOKEN", "TORCHELASTIC_RUN_ID"] {
+        if let Err(std::env::VarError::NotUnicode(_)) = std::env::var(name) {
+            return Err(Error::Invalid {
+                at: name.into(),
+                message: format!("{name} is not UTF-8 text; {HOW_TO_SET}"),
+            });
+        }
+    }
     secret_from(|name| std::env::var(name).ok())
 }
 
@@ -104,9 +113,11 @@ fn secret_from(get: impl Fn(&str) -> Option<String>) -> Result<Secret, Error> {
         }
         return Ok(Secret::new(token));
     }
-    let unavailable = |how: String| Error::Unavailable {
-        what: "a secret for the duplex rendezvous".into(),
-        how,
+    // No secret is a wrong launcher environment, as a missing RANK is
+    // (`duplex run` says `environment`, status 2).
+    let unavailable = |how: String| Error::Invalid {
+        at: "DUPLEX_STORE_TOKEN".into(),
+        message: format!("no secret for the duplex rendezvous: {how}"),
     };
     match get("TORCHELASTIC_RUN_ID") {
         Some(run) if !run.is_empty() && run != "none" => {
