@@ -38,15 +38,21 @@ fn options_from_env() -> Result<Options> {
     /// The setting in variable `name`, if set; an error naming it if it
     /// does not parse.
     fn setting<T: std::str::FromStr<Err = String>>(name: &str) -> Result<Option<T>> {
-        std::env::var(name)
-            .ok()
-            .map(|v| {
-                v.parse().map_err(|message| Error::Invalid {
+        let v = match std::env::var(name) {
+            Ok(v) => v,
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            // Set, but not text: an error, not the default.
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(Error::Invalid {
                     at: name.into(),
-                    message,
-                })
-            })
-            .transpose()
+                    message: format!("{name} is not UTF-8 text"),
+                });
+            }
+        };
+        v.parse().map(Some).map_err(|message| Error::Invalid {
+            at: name.into(),
+            message,
+        })
     }
     let mut opts = Options::default();
     if let Some(ms) = setting::<TimeoutMs>("DUPLEX_TIMEOUT_MS")? {
