@@ -321,10 +321,12 @@ impl NcclRank {
         Ok(())
     }
 
-    /// The first error of a thread of this rank that has ended
-    /// ([`crate::ctx::Spawned::first_error`]).
-    pub(crate) fn first_thread_error(&self) -> Option<Error> {
-        lock(&self.ctx.spawned).first_error()
+    /// The first error of a thread of this rank that has ended, as the
+    /// rank's ([`crate::ctx::Spawned::first_error`]), and as the thread
+    /// returned it (what a `join` returned to the rank's code).
+    pub(crate) fn first_thread_error(&self) -> Option<(Error, Error)> {
+        let s = lock(&self.ctx.spawned);
+        Some((s.first_error()?, s.failed.first()?.2.clone()))
     }
 
     /// See [`RankCtx::teardown`].
@@ -1226,6 +1228,19 @@ impl NcclRank {
         }
     }
 
+    /// Posts `why` (a thread's failure) as this rank's failure, and,
+    /// across processes, a snapshot of its trace for the others' analyses
+    /// ([`crate::health::Health::publish_early`]: it stands in only until
+    /// the rank's own trace comes, at the end of its code or at a wait
+    /// that another rank's failure ends, and never replaces it).
+    pub(crate) fn post_own_failure(&self, why: &str) {
+        let ctx = &self.ctx;
+        ctx.health.fail(ctx.rank, why);
+        if ctx.health.remote() {
+            ctx.health.publish_early(ctx.rank, &ctx.registry.trace());
+        }
+    }
+
     /// The error of a wait that ends because rank `r` of the job failed:
     /// this rank's trace goes to the others' analyses first (in a
     /// process-per-rank run), while its blocked call is still recorded;
@@ -1233,18 +1248,6 @@ impl NcclRank {
     /// replaces (the failed rank's analysis may read the trace at any time
     /// after, and a later one would show this rank past the call, at the
     /// end of its thread, say).
-    /// Posts `why` as this rank's failure, and, across processes, its
-    /// trace for the others' analyses (unless a wait already published it
-    /// as another rank's failure ended that wait), as the rank's end does
-    /// for an error of its code.
-    pub(crate) fn post_own_failure(&self, why: &str) {
-        let ctx = &self.ctx;
-        ctx.health.fail(ctx.rank, why);
-        if ctx.health.remote() && !ctx.published_for_peer.load(Ordering::Acquire) {
-            ctx.health.publish(ctx.rank, &ctx.registry.trace());
-        }
-    }
-
     fn peer_failed(&self, call: &str, r: Rank, why: &str) -> Error {
         let ctx = &self.ctx;
         if ctx.health.remote() && !ctx.published_for_peer.swap(true, Ordering::AcqRel) {

@@ -325,6 +325,27 @@ pub struct Process {
     settings: Settings,
 }
 
+/// The error of a rank whose code returned `code` after a thread of it
+/// failed (`thread`: the thread's error as the rank's, and as the thread
+/// returned it): the code's own where it is the thread's error, returned
+/// through a join (`join(t)?`); else the more telling of the two, the
+/// thread's of equals (it came first).
+fn after_thread_failed(code: Error, thread: (Error, Error)) -> Error {
+    let (as_ranks, raw) = thread;
+    if code.to_string() == raw.to_string() {
+        return code;
+    }
+    Error::most_telling([as_ranks, code]).expect("two errors")
+}
+
+/// The error of variable `name`, set to bytes that are not UTF-8.
+fn not_text(name: &str) -> Error {
+    Error::Invalid {
+        at: name.into(),
+        message: format!("{name} is not UTF-8 text"),
+    }
+}
+
 /// A launcher's variable: one that is missing, or not text, is a wrong
 /// launcher environment (`Error::Invalid`, which `duplex run` reports as
 /// `environment`, status 2), named with how to set it.
@@ -419,7 +440,8 @@ impl Process {
                 at: "DUPLEX_PORT".into(),
                 message: format!("DUPLEX_PORT={p} is not a port"),
             })?,
-            Err(_) => store_port(env_num("MASTER_PORT")?)?,
+            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text("DUPLEX_PORT")),
+            Err(std::env::VarError::NotPresent) => store_port(env_num("MASTER_PORT")?)?,
         };
         if rank >= world {
             return Err(Error::Invalid {
@@ -428,10 +450,11 @@ impl Process {
             });
         }
         let secret = secret_from_env()?;
-        let bind = std::env::var("DUPLEX_STORE_BIND")
-            .ok()
-            .filter(|b| !b.is_empty())
-            .unwrap_or_else(|| addr.clone());
+        let bind = match std::env::var("DUPLEX_STORE_BIND") {
+            Ok(b) if !b.is_empty() => b,
+            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text("DUPLEX_STORE_BIND")),
+            _ => addr.clone(),
+        };
         let lib = nccl().and_then(|lib| cuda::init().map(|_| lib));
         Ok(Process {
             rank,
@@ -793,7 +816,7 @@ where
     // (and as the simulator's end of execution).
     handle.end();
     let result = match (result, thread_first) {
-        (Err(code), Some(thread)) => Err(Error::most_telling([thread, code]).expect("two errors")),
+        (Err(code), Some(thread)) => Err(after_thread_failed(code, thread)),
         (result, _) => result.and_then(|()| handle.wait_spawned()),
     }
     .and_then(|()| handle.synchronize());
@@ -1112,6 +1135,32 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
 
 #[cfg(test)]
 mod tests {
+    use super::after_thread_failed;
+
+    /// A thread's error that the code returned through `join(t)?` is the
+    /// rank's as it is; one the code went on from yields to the code's
+    /// error only when that says more.
+    #[test]
+    fn a_rank_that_failed_after_its_thread_says_the_first_and_most_telling() {
+        use duplex::Error;
+        let raw = Error::User("boom".into());
+        let labelled = Error::User(
+            "thread t (joined, and the rank's code went on after its error): boom".into(),
+        );
+        let e = after_thread_failed(raw.clone(), (labelled.clone(), raw.clone()));
+        assert_eq!(e.to_string(), "boom");
+        let echo = Error::Aborted("rank 1 failed".into());
+        let e = after_thread_failed(echo, (labelled.clone(), raw.clone()));
+        assert_eq!(e.to_string(), labelled.to_string());
+        let own = Error::User("the code's own check".into());
+        let e = after_thread_failed(own, (labelled.clone(), raw));
+        assert_eq!(
+            e.to_string(),
+            labelled.to_string(),
+            "equals: the thread's, first"
+        );
+    }
+
     use super::*;
 
     /// Two ranks of a process job on a store of their own: rank 0 sends

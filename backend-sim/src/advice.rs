@@ -98,28 +98,17 @@ pub struct Repair {
     pub verdict: VerdictKind,
 }
 
-/// What the advice's checks may spend: each check at most `max_states`
-/// (and never more than 200,000, the bound of one candidate), all of
-/// them together until
-/// `deadline`. `duplex check` gives its own `--max-states` and what is
-/// left of its `--time-limit`, so that the command as a whole keeps to it.
-#[derive(Clone, Copy, Debug)]
+/// What the advice's checks may spend: all of them together until
+/// `deadline` (each also at most 200,000 branching states, whatever the
+/// search's own bound: a repair is offered only once its whole program is
+/// checked). `duplex check` gives what is left of its `--time-limit`, so
+/// that the command as a whole keeps to it.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Budget {
-    /// The most branching states of each check.
-    pub max_states: usize,
     /// When the advice stops checking: candidates not checked by then are
     /// not offered, and latent hangs not found by then not reported
     /// ([`Budget::spent`] says so).
     pub deadline: Option<Instant>,
-}
-
-impl Default for Budget {
-    fn default() -> Budget {
-        Budget {
-            max_states: CANDIDATE_STATES,
-            deadline: None,
-        }
-    }
 }
 
 impl Budget {
@@ -136,7 +125,7 @@ impl Budget {
             None => None,
         };
         Some(Options {
-            max_states: self.max_states.min(CANDIDATE_STATES),
+            max_states: CANDIDATE_STATES,
             reduce: true,
             time_limit,
         })

@@ -206,8 +206,8 @@ impl Report {
     /// Adds the advice of [`crate::advice`]: for a deadlock, the repairs
     /// the checker verified; for `ok`, the hangs a knob hides. `source` is
     /// the file's text, to place edits by line; `budget` bounds the
-    /// advice's checks (a command's `--max-states` and what is left of its
-    /// `--time-limit`), and [`Report::advice_cut`] says when it ran out.
+    /// advice's checks (what is left of a command's `--time-limit`), and
+    /// [`Report::advice_cut`] says when it ran out.
     pub fn advise(
         mut self,
         program: &Program,

@@ -910,9 +910,8 @@ fn check_file(
         time_limit: args.time_limit.map(std::time::Duration::from_secs_f64),
     };
     // The advice after the search (repairs, latent hangs) keeps to the
-    // same time limit, counted from here, and to the same state bound.
+    // same time limit, counted from here.
     let budget = duplex_sim::advice::Budget {
-        max_states: args.max_states,
         deadline: options
             .time_limit
             .and_then(|t| std::time::Instant::now().checked_add(t)),

@@ -87,13 +87,18 @@ const HOW_TO_SET: &str = "set DUPLEX_STORE_TOKEN to the same random value (16 to
 /// The job's secret, from the environment: `DUPLEX_STORE_TOKEN`, else one
 /// derived from torchrun's `TORCHELASTIC_RUN_ID` (see the module docs).
 pub fn secret_from_env() -> Result<Secret, Error> {
-    // A variable that is set but not text is an error, not an unset one.
+    // A variable that is set but not text is an error, not an unset one;
+    // the run id only where no token takes precedence over it.
     for name in ["DUPLEX_STORE_TOKEN", "TORCHELASTIC_RUN_ID"] {
-        if let Err(std::env::VarError::NotUnicode(_)) = std::env::var(name) {
-            return Err(Error::Invalid {
-                at: name.into(),
-                message: format!("{name} is not UTF-8 text; {HOW_TO_SET}"),
-            });
+        match std::env::var(name) {
+            Ok(_) => break,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(Error::Invalid {
+                    at: name.into(),
+                    message: format!("{name} is not UTF-8 text; {HOW_TO_SET}"),
+                });
+            }
+            Err(std::env::VarError::NotPresent) => {}
         }
     }
     secret_from(|name| std::env::var(name).ok())
