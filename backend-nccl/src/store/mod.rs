@@ -648,13 +648,20 @@ struct DeadlineReader<'a> {
     deadline: Instant,
 }
 
+/// What is left until `deadline`, as a socket timeout: `TimedOut` once it
+/// has passed (a zero timeout would mean none at all).
+fn time_left(deadline: Instant) -> std::io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    Ok(left)
+}
+
 impl Read for DeadlineReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        self.stream.set_read_timeout(Some(left))?;
+        self.stream
+            .set_read_timeout(Some(time_left(self.deadline)?))?;
         let mut stream = self.stream;
         stream.read(buf)
     }
@@ -670,11 +677,8 @@ struct DeadlineWriter<'a> {
 
 impl Write for DeadlineWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        self.stream.set_write_timeout(Some(left))?;
+        self.stream
+            .set_write_timeout(Some(time_left(self.deadline)?))?;
         let mut stream = self.stream;
         stream.write(buf)
     }
