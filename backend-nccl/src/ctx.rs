@@ -780,8 +780,8 @@ pub(crate) struct RankCtx {
     /// naming the first.
     pub(crate) lost: Mutex<Vec<String>>,
     /// The threads started by `Transport::spawn` still running, and the
-    /// errors of those that ended with nobody to join them: the rank's end
-    /// waits for the first and fails with the second
+    /// errors of those that ended, joined or not ([`Spawned`]): the rank's
+    /// end waits for the first and fails with the second
     /// (`NcclRank::wait_spawned`), as the simulator's execution does.
     pub(crate) spawned: Arc<Mutex<Spawned>>,
     /// Set when a wait of this rank ended because another rank failed, and

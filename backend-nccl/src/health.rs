@@ -466,7 +466,6 @@ impl StoreHealth {
                     if h.stop.load(Ordering::Acquire) {
                         return;
                     }
-                    let beat = Instant::now();
                     match h.poll_once() {
                         Ok(found) => {
                             unreachable_since = None;
@@ -474,7 +473,7 @@ impl StoreHealth {
                                 h.learn(f);
                             }
                             if h.watch_finished.load(Ordering::Acquire) {
-                                h.look_for_finished(beat.max(Instant::now()) + LOOK_BUDGET);
+                                h.look_for_finished(Instant::now() + LOOK_BUDGET);
                             }
                         }
                         Err((asked, e)) if h.me != 0 => {

@@ -42,12 +42,7 @@ fn options_from_env() -> Result<Options> {
             Ok(v) => v,
             Err(std::env::VarError::NotPresent) => return Ok(None),
             // Set, but not text: an error, not the default.
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(Error::Invalid {
-                    at: name.into(),
-                    message: format!("{name} is not UTF-8 text"),
-                });
-            }
+            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text(name)),
         };
         v.parse().map(Some).map_err(|message| Error::Invalid {
             at: name.into(),
@@ -1135,8 +1130,6 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
 
 #[cfg(test)]
 mod tests {
-    use super::after_thread_failed;
-
     /// A thread's error that the code returned through `join(t)?` is the
     /// rank's as it is; one the code went on from yields to the code's
     /// error only when that says more.
