@@ -128,6 +128,7 @@ impl Budget {
             max_states: CANDIDATE_STATES,
             reduce: true,
             time_limit,
+            snapshot_memory: None,
         })
     }
 

@@ -23,6 +23,7 @@
 pub mod advice;
 pub mod check;
 pub mod explore;
+mod memory;
 pub mod perfetto;
 pub mod report;
 pub mod sim;

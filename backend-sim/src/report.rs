@@ -412,7 +412,23 @@ impl fmt::Display for Report {
             counted(self.stats.transitions as u64, "host step"),
             counted(self.stats.states as u64, "branching state"),
             self.stats.elapsed.as_secs_f64()
-        )
+        )?;
+        if self.stats.replayed > 0 {
+            let again = counted(self.stats.replayed as u64, "host step");
+            if self.stats.snapshot_every > 1 {
+                writeln!(
+                    f,
+                    "to stay within its snapshot memory (--snapshot-memory) it kept a snapshot at one decision point in {} at most, and took {again} again from them",
+                    self.stats.snapshot_every,
+                )?;
+            } else {
+                writeln!(
+                    f,
+                    "a snapshot of the state was larger than the snapshot memory (--snapshot-memory): it kept none, and took {again} again from the start"
+                )?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -214,6 +214,12 @@ struct CheckArgs {
     /// Give up (exit status 3, inconclusive) after this many seconds.
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     time_limit: Option<f64>,
+    /// The most memory the search may keep in snapshots of the state at
+    /// the decision points of its path, e.g. 2GiB (default: half of the
+    /// memory available). Past it, it keeps fewer and re-executes from the
+    /// nearest one on a backtrack: the same verdict, found more slowly.
+    #[arg(long, value_name = "SIZE", value_parser = Size::parse)]
+    snapshot_memory: Option<Size>,
     /// Explore every interleaving without the partial-order reduction
     /// (slower; for cross-checking the reduction).
     #[arg(long)]
@@ -908,6 +914,9 @@ fn check_file(
         max_states: args.max_states,
         reduce: !args.no_reduction,
         time_limit: args.time_limit.map(std::time::Duration::from_secs_f64),
+        snapshot_memory: args
+            .snapshot_memory
+            .map(|s| usize::try_from(s.0).unwrap_or(usize::MAX)),
     };
     // The advice after the search (repairs, latent hangs) keeps to the
     // same time limit, counted from here.
@@ -929,6 +938,8 @@ fn check_file(
                     transitions: steps,
                     executions: 1,
                     depth: 0,
+                    replayed: 0,
+                    snapshot_every: 1,
                     stopped: None,
                     elapsed: start.elapsed(),
                 },

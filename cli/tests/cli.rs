@@ -997,6 +997,38 @@ fn a_time_limit_makes_a_long_check_inconclusive_and_says_how_far_it_got() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// A snapshot budget too small for the search's path re-executes instead
+/// of resuming: the same verdict and counts, and the report says what it
+/// took again; a budget that is not a size is refused.
+#[test]
+fn a_small_snapshot_memory_gives_the_same_verdict_and_says_what_it_redid() {
+    let file = shared_comm("snapshots.sched", 4);
+    let f = file.as_str();
+    let json = |extra: &[&str]| {
+        let mut args = vec!["check", f, "--format", "json"];
+        args.extend(extra);
+        let out = duplex(&args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("json")
+    };
+    let full = json(&[]);
+    let small = json(&["--snapshot-memory", "1KiB"]);
+    assert_eq!(small["verdict"], full["verdict"]);
+    for key in ["states", "transitions", "executions", "depth"] {
+        assert_eq!(small["stats"][key], full["stats"][key], "{key}");
+    }
+    assert!(full["stats"].get("replayed").is_none(), "{full}");
+    assert!(
+        small["stats"]["replayed"].as_u64().is_some_and(|n| n > 0),
+        "{small}"
+    );
+    let out = duplex(&["check", f, "--snapshot-memory", "1KiB"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("again from"), "{text}");
+    let out = duplex(&["check", f, "--snapshot-memory", "lots"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
 /// A hang after a long run: the text shows the start and the end of the
 /// interleaving, and the schedule is the compact `v3:` form (the ranks have
 /// one thread each, so the search had no choice to record), which replays

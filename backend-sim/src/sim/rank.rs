@@ -368,7 +368,7 @@ impl Transport for SimRank {
         // failure aborts the process, and the kernel's OOM killer gives no
         // reason at all).
         let held = w.buffer_bytes;
-        let available = available_memory();
+        let available = crate::memory::available();
         // Twice the buffers: what a rank writes into one, and what a recv
         // moves into one, is a host copy as large (a schedule file's
         // payload, say), and a run's ranks hold theirs at once (a review
@@ -753,42 +753,6 @@ impl Transport for SimRank {
             .flatten()
             .unwrap_or(Ok(()))
     }
-}
-
-/// The memory this process had available when first asked, if known: the
-/// most a simulated run's buffers may hold. Linux's `MemAvailable`, and
-/// under a cgroup v2 limit (a container) what the limit leaves
-/// (`memory.max` less `memory.current`), whichever is less.
-fn available_memory() -> Option<u64> {
-    static AVAILABLE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let machine = (|| {
-            let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-            let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            kib.checked_mul(1024)
-        })();
-        let read = |f: &str| -> Option<u64> {
-            std::fs::read_to_string(format!("/sys/fs/cgroup/{f}"))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()
-        };
-        // "max" (no limit) does not parse: no cgroup bound. Under cgroup
-        // v1, the memory controller's limit (a huge number when unset).
-        let cgroup = read("memory.max")
-            .map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)))
-            .or_else(|| {
-                read("memory/memory.limit_in_bytes").map(|max| {
-                    max.saturating_sub(read("memory/memory.usage_in_bytes").unwrap_or(0))
-                })
-            });
-        match (machine, cgroup) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    })
 }
 
 /// `bytes` zeroed bytes, or `None` when the allocator cannot give them
