@@ -2055,6 +2055,11 @@ impl Transport for NcclRank {
             return f();
         }
         *self.group.borrow_mut() = Some(Reqs::new());
+        // A panic in `f` that the code catches closes the group, dropping
+        // its ops (nothing was issued: NCCL's group calls come at the
+        // end), rather than leaving every later op in a group that is
+        // never launched.
+        let _close = check::OnDrop(|| drop(self.group.borrow_mut().take()));
         let result = f();
         let reqs = self.group.borrow_mut().take().unwrap_or_default();
         let value = result?;
@@ -2074,9 +2079,9 @@ impl Transport for NcclRank {
             );
         }
         self.scoped.borrow_mut().push(stream.clone());
-        let r = f();
-        self.scoped.borrow_mut().pop();
-        r
+        // Popped however `f` ends, a caught panic included.
+        let _pop = check::OnDrop(|| drop(self.scoped.borrow_mut().pop()));
+        f()
     }
 
     fn event(&self) -> Result<NcclEvent> {

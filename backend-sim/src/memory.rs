@@ -37,3 +37,45 @@ pub(crate) fn available() -> Option<u64> {
         }
     })
 }
+
+/// Bytes the simulator's buffers hold in this process, every run at once.
+static HELD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The bytes the simulator's buffers hold in this process.
+pub(crate) fn held() -> u64 {
+    HELD.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts `bytes` more held, if twice what would then be held fits in
+/// `available` (or nothing is known of it); else returns what is held.
+pub(crate) fn hold(bytes: u64, available: Option<u64>) -> Result<(), u64> {
+    use std::sync::atomic::Ordering;
+    HELD.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+        let after = held.checked_add(bytes)?;
+        match available {
+            Some(free) if after.saturating_mul(2) > free => None,
+            _ => Some(after),
+        }
+    })
+    .map(drop)
+}
+
+/// Counts `bytes` fewer held (a run's buffers, as its world drops).
+pub(crate) fn release(bytes: u64) {
+    HELD.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_is_held_is_counted_and_twice_it_must_fit() {
+        // Twice 1 TiB more than anything held never fits in 1 TiB.
+        assert!(hold(1 << 40, Some(1 << 40)).is_err());
+        // Without a known limit, anything that adds up is held.
+        assert!(hold(1 << 20, None).is_ok());
+        assert!(held() >= 1 << 20);
+        release(1 << 20);
+    }
+}

@@ -962,10 +962,16 @@ fn check_file(
             Some(s) => {
                 let trace = check::trace_of(&compiled, &s)
                     .map_err(|e| Failure::invalid("replay", e).at(file, None))?;
-                let json = duplex_sim::perfetto::chrome_trace(&trace.timeline(program.model), file);
+                let timeline = trace.timeline(program.model);
+                drop(trace);
                 // The check is done: its report still comes; the trace
                 // that could not be written is said on standard error.
-                if let Err(e) = std::fs::write(&path, json.to_string()) {
+                let written = duplex_sim::perfetto::write_chrome_trace_to(
+                    &timeline,
+                    file,
+                    std::path::Path::new(&path),
+                );
+                if let Err(e) = written {
                     eprintln!("duplex: {file}: cannot write the trace to {path}: {e}");
                 }
             }

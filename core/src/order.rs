@@ -234,6 +234,19 @@ fn join(into: &mut Clock, from: &Clock) {
 #[derive(Clone, Debug, Default)]
 pub struct Covered(Clock);
 
+impl Covered {
+    /// Feeds what it covers to `h`, for an explorer's record of states
+    /// seen (two syncs that cover the same have one digest, zeros at the
+    /// end aside).
+    pub fn digest(&self, h: &mut impl Hasher) {
+        let end = self.0.iter().rposition(|x| *x != 0).map_or(0, |i| i + 1);
+        h.write_usize(end);
+        for x in &self.0[..end] {
+            h.write_u64(*x);
+        }
+    }
+}
+
 /// One rank's device order (module docs). Drive it with every launch,
 /// event `record` and `wait`, completed sync, and host access of a buffer,
 /// in the order the rank made them.

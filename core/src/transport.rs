@@ -384,6 +384,24 @@ pub mod check {
         })
     }
 
+    /// Runs its closure when dropped, unwinding included: what a backend's
+    /// `group` and `with_stream` undo however their closure ends (a panic
+    /// the rank code catches must not leave its later ops in a group that
+    /// is never launched, or on the scoped stream).
+    pub struct OnDrop<F: FnMut()>(pub F);
+
+    impl<F: FnMut()> Drop for OnDrop<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+
+    impl<F: FnMut()> std::fmt::Debug for OnDrop<F> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("OnDrop")
+        }
+    }
+
     /// An invalid-call error at `at`.
     pub fn invalid<T>(at: &Location<'_>, message: String) -> Result<T> {
         Err(Error::Invalid {

@@ -418,10 +418,26 @@ impl Sim {
         self
     }
 
-    /// Bounds [`Sim::check`] to `n` executions.
+    /// Bounds [`Sim::check`] to `n` executions, at least 1 (0 is
+    /// reported by [`Sim::check`] as [`Failure::Setting`], as
+    /// `DUPLEX_MAX_EXECUTIONS=0` is).
     pub fn max_executions(mut self, n: usize) -> Sim {
-        self.max_executions = Ok(n);
+        self.max_executions = if n == 0 {
+            Err("Sim::max_executions(0): a check runs at least one execution".into())
+        } else {
+            Ok(n)
+        };
         self
+    }
+
+    /// Refuses a world without ranks, before anything runs.
+    fn valid(&self) -> Result<(), Failure> {
+        if self.ranks == 0 {
+            return Err(Failure::Setting(
+                "Sim::new(0): a world has at least one rank".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// When a run fails, writes its execution as a Chrome/Perfetto trace
@@ -451,9 +467,23 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
-        let (ending, _, choices, trace) = self.execute(strategy, f);
+        self.valid()?;
+        let (ending, strategy, choices, trace) = self.execute(strategy, f);
         self.conclude(ending, &choices, &trace)
             .inspect_err(|_| self.write_trace(&trace))?;
+        // A replayed schedule that names more choices than the execution
+        // made is not this program's.
+        if let Strategy::Replay(r) = &strategy
+            && r.left() > 0
+        {
+            return Err(Failure::Schedule(format!(
+                "{} left when the execution ended",
+                match r.left() {
+                    1 => "1 choice is".to_string(),
+                    n => format!("{n} choices are"),
+                }
+            )));
+        }
         Ok(Run {
             executions: 1,
             states: 0,
@@ -503,6 +533,7 @@ impl Sim {
     where
         F: Fn(&SimRank) -> duplex::Result<()> + Sync,
     {
+        self.valid()?;
         let max_executions = self.max_executions.clone().map_err(Failure::Setting)?;
         let mut dfs = Dfs::default();
         let mut executions = 0;
@@ -535,8 +566,8 @@ impl Sim {
     /// Writes a failed execution's timeline where [`Sim::trace_to`] says.
     fn write_trace(&self, trace: &Trace) {
         let Some(path) = &self.trace_to else { return };
-        let json = crate::perfetto::chrome_trace(&trace.timeline(self.model), "duplex-sim");
-        if let Err(e) = std::fs::write(path, json.to_string()) {
+        let timeline = trace.timeline(self.model);
+        if let Err(e) = crate::perfetto::write_chrome_trace_to(&timeline, "duplex-sim", path) {
             tracing::warn!(path = %path.display(), error = %e, "cannot write the trace");
         }
     }
@@ -647,7 +678,9 @@ impl Sim {
         let lanes = Arc::new(lanes);
         let mut machine = Machine::new(Arc::new(setup));
         machine.record_deliveries();
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let world = World {
+            run: RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             machine,
             ctl: (0..self.ranks).map(|_| Ctl::Starting).collect(),
             turns: (0..self.ranks).map(|_| Arc::new(Condvar::new())).collect(),
@@ -666,6 +699,7 @@ impl Sim {
                 .map(|_| duplex::order::Order::new())
                 .collect(),
             snapshots: HashMap::new(),
+            observed: Vec::new(),
             origins: HashMap::new(),
             steps: Vec::new(),
             choices: Vec::new(),

@@ -16,9 +16,14 @@ use duplex::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, T
 #[derive(Debug)]
 pub struct SimBuffer<E> {
     id: usize,
+    /// The execution that made it ([`World::run`]).
+    run: u64,
     len: usize,
     _e: PhantomData<fn() -> E>,
 }
+
+/// Why a buffer of another execution is refused.
+const STALE: &str = "the buffer was made by another run or execution of the simulator (each execution starts with no buffers: allocate them in the rank code)";
 
 impl<E> DeviceBuffer for SimBuffer<E> {
     fn len(&self) -> usize {
@@ -184,6 +189,9 @@ impl SimRank {
             if w.over {
                 return Err(w.abort_error());
             }
+            if buf.run != w.run {
+                return check::invalid(at, format!("{what}: {STALE}"));
+            }
             if w.buffers.get(buf.id).is_none_or(|b| b.rank != self.rank) {
                 return check::invalid(at, format!("{what}: the buffer belongs to another rank"));
             }
@@ -291,7 +299,8 @@ impl SimRank {
         Ok(())
     }
 
-    fn buffer_users(&self, at: &Location<'_>, id: usize, what: &str) -> Result<()> {
+    fn buffer_users<E>(&self, at: &Location<'_>, buf: &SimBuffer<E>, what: &str) -> Result<()> {
+        let id = buf.id;
         if let Some(ops) = self.group.borrow().as_ref()
             && let Some((_, _, text)) = ops.iter().find(|(_, u, _)| u.buf == id)
         {
@@ -300,6 +309,9 @@ impl SimRank {
         let mut w = self.shared.lock();
         if w.over {
             return Err(w.abort_error());
+        }
+        if buf.run != w.run {
+            return check::invalid(at, format!("{what}: {STALE}"));
         }
         match w.buffers.get(id) {
             Some(b) if b.rank == self.rank => {}
@@ -311,6 +323,9 @@ impl SimRank {
             } else {
                 "has not completed"
             };
+            // Whether an access races, and how, depends on the
+            // interleaving: code that goes on after the error was told it.
+            w.observe(self.thread, state.as_bytes());
             return Err(Error::Race {
                 at: check::place(at),
                 message: format!(
@@ -353,6 +368,9 @@ impl Transport for SimRank {
         // Taken here: a closure does not pass on `track_caller`.
         let at = Location::caller();
         let mut w = self.shared.lock();
+        if w.over {
+            return Err(w.abort_error());
+        }
         let bytes = len
             .checked_mul(E::DTYPE.size())
             .filter(|b| *b <= 1 << 34)
@@ -367,39 +385,51 @@ impl Transport for SimRank {
         // reason, what would run the machine out of memory (an allocation
         // failure aborts the process, and the kernel's OOM killer gives no
         // reason at all).
-        let held = w.buffer_bytes;
-        let available = crate::memory::available();
         // Twice the buffers: what a rank writes into one, and what a recv
         // moves into one, is a host copy as large (a schedule file's
         // payload, say), and a run's ranks hold theirs at once (a review
         // measured 4.2 GB for one 1 GiB message, a send's buffer and a
         // recv's; and a run that reserved one copy per buffer killed by the
-        // OOM killer at 24 GB for buffers of 32 GiB).
-        let zeroed = match available {
-            Some(free) if 2 * (held + bytes as u64) > free => None,
-            _ => zeroed(bytes),
+        // OOM killer at 24 GB for buffers of 32 GiB). Counted over every
+        // run of the process: `cargo test` runs tests in parallel.
+        let available = crate::memory::available();
+        let zeroed = match crate::memory::hold(bytes as u64, available) {
+            Ok(()) => zeroed(bytes).ok_or(None).inspect_err(|_| {
+                crate::memory::release(bytes as u64);
+            }),
+            Err(held) => Err(Some(held)),
         };
-        let Some(zeroed) = zeroed else {
-            return Err(Error::Invalid {
-                at: check::place(at),
-                message: format!(
-                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} this run holds, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
-                    E::DTYPE,
-                    duplex::Size(bytes as u64),
-                    duplex::Size(held),
-                    available
-                        .map(|a| format!(" ({} available when the run started)", duplex::Size(a)))
-                        .unwrap_or_default()
-                ),
-            });
+        let zeroed = match zeroed {
+            Ok(z) => z,
+            Err(held) => {
+                return Err(Error::Invalid {
+                    at: check::place(at),
+                    message: format!(
+                        "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} the simulator's runs in this process hold, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
+                        E::DTYPE,
+                        duplex::Size(bytes as u64),
+                        duplex::Size(held.unwrap_or_else(crate::memory::held)),
+                        available
+                            .map(|a| format!(
+                                " ({} available when the process first asked)",
+                                duplex::Size(a)
+                            ))
+                            .unwrap_or_default()
+                    ),
+                });
+            }
         };
         w.buffer_bytes += bytes as u64;
+        let key = w.next_buffer_key(self.thread);
         w.buffers.push(BufData {
             rank: self.rank,
             bytes: zeroed,
+            key,
+            digest: None,
         });
         Ok(SimBuffer {
             id: w.buffers.len() - 1,
+            run: w.run,
             len,
             _e: PhantomData,
         })
@@ -409,26 +439,31 @@ impl Transport for SimRank {
     fn write<E: Element>(&self, buf: &mut SimBuffer<E>, data: &[E]) -> Result<()> {
         let at = Location::caller();
         check::write_len(at, data.len(), buf.len)?;
-        self.buffer_users(at, buf.id, "write")?;
+        self.buffer_users(at, buf, "write")?;
         let mut bytes = Vec::with_capacity(buf.len * E::DTYPE.size());
         for x in data {
             x.to_le(&mut bytes);
         }
-        self.shared.lock().buffers[buf.id].bytes = bytes;
+        self.shared.lock().buffers[buf.id].set(bytes);
         Ok(())
     }
 
     #[track_caller]
     fn read<E: Element>(&self, buf: &SimBuffer<E>) -> Result<Vec<E>> {
         let at = Location::caller();
-        self.buffer_users(at, buf.id, "read")?;
-        let w = self.shared.lock();
+        self.buffer_users(at, buf, "read")?;
+        let mut w = self.shared.lock();
         let size = E::DTYPE.size();
-        Ok(w.buffers[buf.id]
+        let out = w.buffers[buf.id]
             .bytes
             .chunks_exact(size)
             .map(E::from_le)
-            .collect())
+            .collect();
+        // What the code reads is what it may branch on.
+        let bytes = std::mem::take(&mut w.buffers[buf.id].bytes);
+        w.observe(self.thread, &bytes);
+        w.buffers[buf.id].bytes = bytes;
+        Ok(out)
     }
 
     fn stream(&self, name: &str) -> Result<SimStream> {
@@ -545,6 +580,10 @@ impl Transport for SimRank {
             return f(); // nested groups flatten, as in NCCL
         }
         *self.group.borrow_mut() = Some(Vec::new());
+        // A panic in `f` that the code catches closes the group, dropping
+        // its ops, rather than leaving every later op in a group that is
+        // never launched.
+        let _close = check::OnDrop(|| drop(self.group.borrow_mut().take()));
         let result = f();
         let ops = self.group.borrow_mut().take().unwrap_or_default();
         let value = result?;
@@ -569,9 +608,11 @@ impl Transport for SimRank {
     fn with_stream<R>(&self, stream: &SimStream, f: impl FnOnce() -> Result<R>) -> Result<R> {
         self.check_stream(Location::caller(), stream)?;
         self.scoped.borrow_mut().push(stream.id);
-        let result = f();
-        self.scoped.borrow_mut().pop();
-        result
+        // Popped however `f` ends, a caught panic included.
+        let _pop = check::OnDrop(|| {
+            self.scoped.borrow_mut().pop();
+        });
+        f()
     }
 
     fn event(&self) -> Result<SimEvent> {

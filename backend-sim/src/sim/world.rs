@@ -77,6 +77,27 @@ impl Use {
 pub(crate) struct BufData {
     pub(crate) rank: Rank,
     pub(crate) bytes: Vec<u8>,
+    /// The thread that allocated it and how many buffers that thread had
+    /// allocated before: its name in the explorer's fingerprint, the same
+    /// whichever order threads allocate in.
+    pub(crate) key: (ThreadId, u32),
+    /// The hash of `bytes`, `None` after they change (computed when the
+    /// explorer next takes a fingerprint).
+    pub(crate) digest: Option<u128>,
+}
+
+impl BufData {
+    /// Sets its bytes.
+    pub(crate) fn set(&mut self, bytes: Vec<u8>) {
+        self.bytes = bytes;
+        self.digest = None;
+    }
+
+    fn digest(&mut self) -> u128 {
+        *self
+            .digest
+            .get_or_insert_with(|| xxhash_rust::xxh3::xxh3_128(&self.bytes))
+    }
 }
 
 /// How an execution ended, if it failed.
@@ -98,6 +119,10 @@ pub(crate) enum Ending {
 }
 
 pub(crate) struct World {
+    /// This execution's number, unique in the process: a buffer made by
+    /// another execution (kept in a static, say) is refused, not taken for
+    /// one of this execution's with the same index.
+    pub(crate) run: u64,
     pub(crate) machine: Machine,
     pub(crate) ctl: Vec<Ctl>,
     /// Per thread: the condition variable it waits for its turn on (one
@@ -128,6 +153,13 @@ pub(crate) struct World {
     pub(crate) orders: Vec<duplex::order::Order>,
     /// Bytes of sends that completed into a channel's buffer (R5).
     pub(crate) snapshots: HashMap<OpRef, Vec<u8>>,
+    /// Per thread: a hash of everything the transport told its code that
+    /// depends on the interleaving (the data it read, a race it was
+    /// refused for), and the buffers it allocated. The rank code is a
+    /// function of what it was told, so two executions that told a thread
+    /// the same things and reached the same machine state continue alike;
+    /// where the data differ, the explorer must not take them for one.
+    pub(crate) observed: Vec<(u128, u32)>,
     /// Interned origins.
     pub(crate) origins: HashMap<(String, String), Origin>,
     /// The host steps taken, described.
@@ -170,6 +202,12 @@ impl std::fmt::Debug for World {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) world: Mutex<World>,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        crate::memory::release(self.buffer_bytes);
+    }
 }
 
 /// The machine's view of the parked calls.
@@ -557,9 +595,10 @@ impl World {
                             .map(|b| self.buffers[b].bytes.clone()),
                     };
                     if let (Some(data), Some(b)) = (data, self.op_buffers.remove(&recv)) {
-                        let dst = &mut self.buffers[b].bytes;
-                        let n = dst.len().min(data.len());
-                        dst[..n].copy_from_slice(&data[..n]);
+                        let buf = &mut self.buffers[b];
+                        let n = buf.bytes.len().min(data.len());
+                        buf.bytes[..n].copy_from_slice(&data[..n]);
+                        buf.digest = None;
                     }
                 }
             }
@@ -587,14 +626,114 @@ impl World {
         }
     }
 
-    /// The explorer's fingerprint of the state: the machine's, and each
-    /// rank's device order, which decides which later launches race.
-    fn fingerprint(&self) -> u128 {
-        use std::hash::Hasher;
+    /// Records, for thread `t`'s code, something the transport told it
+    /// that depends on the interleaving ([`World::observed`]).
+    pub(crate) fn observe(&mut self, t: ThreadId, what: &[u8]) {
+        let slot = self.observed_mut(t);
+        let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+        h.update(&slot.0.to_le_bytes());
+        h.update(&(what.len() as u64).to_le_bytes());
+        h.update(what);
+        slot.0 = h.digest128();
+    }
+
+    /// Thread `t`'s next buffer's key ([`BufData::key`]).
+    pub(crate) fn next_buffer_key(&mut self, t: ThreadId) -> (ThreadId, u32) {
+        let slot = self.observed_mut(t);
+        slot.1 += 1;
+        (t, slot.1 - 1)
+    }
+
+    fn observed_mut(&mut self, t: ThreadId) -> &mut (u128, u32) {
+        let i = t.0 as usize;
+        if self.observed.len() <= i {
+            self.observed.resize(i + 1, (0, 0));
+        }
+        &mut self.observed[i]
+    }
+
+    /// The explorer's fingerprint of the state: the machine's; each
+    /// rank's device order, which decides which later launches race; and
+    /// the data: every buffer's bytes, which buffer each op in flight
+    /// reads or writes, the bytes of buffered sends, the ops the host has
+    /// not synchronized with (a later access of their buffers is a race),
+    /// and what each thread's code was told ([`World::observed`]). Without
+    /// the data, two executions that delivered different bytes looked like
+    /// one, and the search pruned the second: a program that fails only
+    /// when one thread's message arrives before another's passed.
+    fn fingerprint(&mut self) -> u128 {
+        use std::hash::{Hash, Hasher};
         let mut h = xxhash_rust::xxh3::Xxh3Default::new();
         h.write_u128(fingerprint(&self.machine));
         for o in &self.orders {
             o.digest(&mut h);
+        }
+        // Buffers by their keys, not by the order they were made in.
+        let mut keyed: Vec<((u32, u32), Rank, u128)> = self
+            .buffers
+            .iter_mut()
+            .map(|b| ((b.key.0.0, b.key.1), b.rank, b.digest()))
+            .collect();
+        keyed.sort_unstable();
+        h.write_usize(keyed.len());
+        for (key, rank, digest) in keyed {
+            h.write_u32(key.0);
+            h.write_u32(key.1);
+            h.write_u32(rank);
+            h.write_u128(digest);
+        }
+        let key = |b: usize| {
+            self.buffers
+                .get(b)
+                .map_or((u32::MAX, 0), |b| (b.key.0.0, b.key.1))
+        };
+        let mut ops: Vec<(OpRef, (u32, u32))> = self
+            .op_buffers
+            .iter()
+            .map(|(op, b)| (*op, key(*b)))
+            .collect();
+        ops.sort_unstable();
+        h.write_usize(ops.len());
+        for (op, b) in ops {
+            op.hash(&mut h);
+            h.write_u32(b.0);
+            h.write_u32(b.1);
+        }
+        let mut unsynced: Vec<OpRef> = self.unsynced.keys().copied().collect();
+        unsynced.sort_unstable();
+        h.write_usize(unsynced.len());
+        for op in unsynced {
+            op.hash(&mut h);
+        }
+        let mut buffered: Vec<(OpRef, u128)> = self
+            .snapshots
+            .iter()
+            .map(|(op, bytes)| (*op, xxhash_rust::xxh3::xxh3_128(bytes)))
+            .collect();
+        buffered.sort_unstable();
+        h.write_usize(buffered.len());
+        for (op, digest) in buffered {
+            op.hash(&mut h);
+            h.write_u128(digest);
+        }
+        let mut syncs: Vec<_> = self.sync_covers.iter().collect();
+        syncs.sort_unstable_by_key(|(t, _)| **t);
+        h.write_usize(syncs.len());
+        for (t, (ops, covered)) in syncs {
+            h.write_u32(t.0);
+            let mut ops = ops.clone();
+            ops.sort_unstable();
+            for op in ops {
+                op.hash(&mut h);
+            }
+            covered.digest(&mut h);
+        }
+        for (i, (seen, allocs)) in self.observed.iter().enumerate() {
+            if (*seen, *allocs) != (0, 0) {
+                h.write_usize(i);
+                h.write_u128(*seen);
+                h.write_u32(*allocs);
+            }
         }
         h.digest128()
     }

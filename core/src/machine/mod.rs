@@ -524,7 +524,11 @@ pub enum ProgramError {
         recv: Box<OpInfo>,
     },
     /// R3: the k-th send and the k-th recv of a channel disagree on type.
-    #[error("type mismatch (R3): {send} is matched with {recv}")]
+    #[error(
+        "type mismatch (R3): {send} is matched with {recv} (the send's elements are {}, the recv's {})",
+        send.dtype,
+        recv.dtype
+    )]
     TypeMismatch {
         /// The send.
         send: Box<OpInfo>,
