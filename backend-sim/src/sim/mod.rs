@@ -22,7 +22,9 @@
 //!
 //! Three ways to run: [`Sim::run`] follows one seeded random schedule;
 //! [`Sim::check`] explores every interleaving that matters (depth-first, by
-//! re-execution, with the checker's reduction and state caching);
+//! re-execution, with the checker's reduction and state caching: a state is
+//! the machine's, each rank's device order, and the data, so that two
+//! executions that gave the code different bytes are never taken for one);
 //! [`Sim::replay`] follows a schedule string printed by a failure. A hang of
 //! the transport never hangs the test: every blocked call returns
 //! [`duplex::Error::Hang`] with the same report as `duplex check`, and the
