@@ -109,6 +109,8 @@ pub struct Budget {
     /// not offered, and latent hangs not found by then not reported
     /// ([`Budget::spent`] says so).
     pub deadline: Option<Instant>,
+    /// The snapshot memory of each check ([`Options::snapshot_memory`]).
+    pub snapshot_memory: Option<usize>,
 }
 
 impl Budget {
@@ -128,7 +130,7 @@ impl Budget {
             max_states: CANDIDATE_STATES,
             reduce: true,
             time_limit,
-            snapshot_memory: None,
+            snapshot_memory: self.snapshot_memory,
         })
     }
 

@@ -86,7 +86,7 @@ pub struct Options {
     /// Past it the search keeps a snapshot at every second decision point,
     /// then every fourth, and so on, and a backtrack re-executes from the
     /// nearest one it kept: the verdict is the same, found more slowly
-    /// ([`Stats::replayed`]).
+    /// ([`Stats::snapshots`]).
     pub snapshot_memory: Option<usize>,
 }
 
@@ -175,15 +175,10 @@ pub struct Stats {
     pub executions: usize,
     /// The most decision points on one path.
     pub depth: usize,
-    /// Host steps taken again from an earlier snapshot because the one at
-    /// the decision point a backtrack returned to was not kept, to stay
-    /// within [`Options::snapshot_memory`] (not counted in `transitions`).
-    #[serde(skip_serializing_if = "is_zero")]
-    pub replayed: usize,
-    /// Past the snapshot budget, a snapshot was kept at every this many
-    /// decision points at most (1: at every one).
-    #[serde(skip_serializing_if = "is_one")]
-    pub snapshot_every: usize,
+    /// How the search kept within [`Options::snapshot_memory`], when the
+    /// budget made it keep fewer snapshots than decision points.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshots: Option<Thinned>,
     /// Which bound stopped an inconclusive search.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped: Option<Bound>,
@@ -202,12 +197,19 @@ pub enum Bound {
     Time,
 }
 
-fn is_zero(n: &usize) -> bool {
-    *n == 0
-}
-
-fn is_one(n: &usize) -> bool {
-    *n == 1
+/// How a search kept within its snapshot budget ([`Stats::snapshots`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Thinned {
+    /// The widest spacing of the snapshots it kept: one decision point in
+    /// this many at most.
+    pub every: usize,
+    /// Whether it kept none at all (one snapshot was larger than the
+    /// budget): every backtrack re-executed from the start.
+    pub kept_none: bool,
+    /// Host steps taken again, from a kept snapshot or the start, because
+    /// the snapshot of the decision point a backtrack returned to was not
+    /// kept (not counted in [`Stats::transitions`]).
+    pub replayed: usize,
 }
 
 fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -941,18 +943,20 @@ struct Snapshot {
 /// budget of bytes. Decision point `d` keeps its snapshot when `d` is a
 /// multiple of `every`; when the next one would not fit, `every` doubles
 /// and the snapshots in between are dropped, so a path of any depth fits,
-/// and a backtrack re-executes from the nearest kept snapshot at most
-/// `every` decision points up the path. When backtracks have shortened the
-/// path to a quarter of the budget, `every` halves again.
+/// and a backtrack re-executes from the nearest kept snapshot before the
+/// decision point it returns to. When backtracks have shortened the path
+/// so that the kept snapshots take less than a quarter of the budget,
+/// `every` halves (down to 1) for the snapshots taken from then on.
 struct Snapshots {
-    /// Per decision point of the current path, its snapshot if kept.
-    at: Vec<Option<Snapshot>>,
+    /// Per decision point of the current path, its snapshot if kept
+    /// (boxed: a point without one costs a word).
+    at: Vec<Option<Box<Snapshot>>>,
     /// The estimated bytes of the kept snapshots.
     bytes: usize,
     budget: usize,
     every: usize,
-    /// The largest `every` reached.
-    most_every: usize,
+    /// What the budget did so far, when it made a difference.
+    thinned: Option<Thinned>,
 }
 
 impl Snapshots {
@@ -962,7 +966,7 @@ impl Snapshots {
             bytes: 0,
             budget,
             every: 1,
-            most_every: 1,
+            thinned: None,
         }
     }
 
@@ -970,6 +974,16 @@ impl Snapshots {
     /// take a snapshot now: it has none, and it is a multiple of `every`.
     fn wants(&self, depth: usize) -> bool {
         depth.is_multiple_of(self.every) && self.at.get(depth).is_none_or(|s| s.is_none())
+    }
+
+    /// Notes that the budget made a difference.
+    fn thinned(&mut self) -> &mut Thinned {
+        let kept_none = self.bytes == 0;
+        self.thinned.get_or_insert(Thinned {
+            every: 1,
+            kept_none,
+            replayed: 0,
+        })
     }
 
     /// Offers decision point `depth`'s snapshot (at most one past the
@@ -982,13 +996,17 @@ impl Snapshots {
         if !self.wants(depth) {
             return;
         }
+        // One larger than the whole budget is refused without dropping
+        // the others for it.
+        if bytes > self.budget {
+            self.thinned();
+            return;
+        }
         while self.bytes + bytes > self.budget {
-            if self.every >= self.at.len() {
-                return; // only the first is left, or none
-            }
             self.every *= 2;
-            self.most_every = self.most_every.max(self.every);
             let every = self.every;
+            let thinned = self.thinned();
+            thinned.every = thinned.every.max(every);
             for (d, slot) in self.at.iter_mut().enumerate() {
                 if !d.is_multiple_of(every)
                     && let Some(s) = slot.take()
@@ -1002,7 +1020,10 @@ impl Snapshots {
         }
         let snapshot = make();
         self.bytes += snapshot.bytes;
-        self.at[depth] = Some(snapshot);
+        self.at[depth] = Some(Box::new(snapshot));
+        if let Some(t) = &mut self.thinned {
+            t.kept_none = false;
+        }
     }
 
     /// Forgets the decision points past `depth`; returns the nearest kept
@@ -1018,7 +1039,7 @@ impl Snapshots {
             .iter()
             .enumerate()
             .rev()
-            .find_map(|(d, s)| s.as_ref().map(|s| (d, s)))
+            .find_map(|(d, s)| s.as_deref().map(|s| (d, s)))
     }
 }
 
@@ -1050,16 +1071,18 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
     // re-execute.
     let mut redo: Option<usize> = None;
     let mut replayed = 0usize;
-    let stats = |dfs: &Dfs, transitions, executions, depth, stopped, replayed, every| Stats {
-        states: dfs.states(),
-        transitions,
-        executions,
-        depth,
-        replayed,
-        snapshot_every: every,
-        stopped,
-        elapsed: start.elapsed(),
-    };
+    let stats =
+        |dfs: &Dfs, transitions, executions, depth, stopped, replayed, thinned: Option<Thinned>| {
+            Stats {
+                states: dfs.states(),
+                transitions,
+                executions,
+                depth,
+                snapshots: thinned.map(|t| Thinned { replayed, ..t }),
+                stopped,
+                elapsed: start.elapsed(),
+            }
+        };
     loop {
         executions += 1;
         // One execution, from the current machine and path.
@@ -1119,10 +1142,11 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                 stopped = Some(Bound::States);
                 break Some(Verdict::Inconclusive);
             }
-            // Every 16 steps: a step of a program with thousands of host
-            // threads can take milliseconds (its reduction compares them
-            // pairwise), and the time limit must still hold.
-            if transitions.is_multiple_of(16) {
+            // Every 16 steps, re-executed ones included: a step of a
+            // program with thousands of host threads can take milliseconds
+            // (its reduction compares them pairwise), and the time limit
+            // must still hold.
+            if (transitions + replayed).is_multiple_of(16) {
                 let now = Instant::now();
                 if options
                     .time_limit
@@ -1140,7 +1164,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                         depth,
                         None,
                         replayed,
-                        snapshots.most_every,
+                        snapshots.thinned,
                     ));
                 }
             }
@@ -1155,7 +1179,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                     depth,
                     stopped,
                     replayed,
-                    snapshots.most_every,
+                    snapshots.thinned,
                 ),
             };
         }
@@ -1169,7 +1193,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                     depth,
                     None,
                     replayed,
-                    snapshots.most_every,
+                    snapshots.thinned,
                 ),
             };
         };

@@ -413,18 +413,23 @@ impl fmt::Display for Report {
             counted(self.stats.states as u64, "branching state"),
             self.stats.elapsed.as_secs_f64()
         )?;
-        if self.stats.replayed > 0 {
-            let again = counted(self.stats.replayed as u64, "host step");
-            if self.stats.snapshot_every > 1 {
+        if let Some(t) = self.stats.snapshots {
+            let again = counted(t.replayed as u64, "host step");
+            if t.kept_none {
                 writeln!(
                     f,
-                    "to stay within its snapshot memory (--snapshot-memory) it kept a snapshot at one decision point in {} at most, and took {again} again from them",
-                    self.stats.snapshot_every,
+                    "a snapshot of the state was larger than the snapshot memory (--snapshot-memory): it kept none, and took {again} again from the start"
+                )?;
+            } else if t.every == 1 {
+                writeln!(
+                    f,
+                    "some snapshots of the state were larger than the snapshot memory (--snapshot-memory) and were not kept: it took {again} again"
                 )?;
             } else {
                 writeln!(
                     f,
-                    "a snapshot of the state was larger than the snapshot memory (--snapshot-memory): it kept none, and took {again} again from the start"
+                    "to stay within its snapshot memory (--snapshot-memory) it kept a snapshot at one decision point in {} at most, and took {again} again",
+                    t.every,
                 )?;
             }
         }

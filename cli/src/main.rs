@@ -919,11 +919,12 @@ fn check_file(
             .map(|s| usize::try_from(s.0).unwrap_or(usize::MAX)),
     };
     // The advice after the search (repairs, latent hangs) keeps to the
-    // same time limit, counted from here.
+    // same time limit, counted from here, and the same snapshot memory.
     let budget = duplex_sim::advice::Budget {
         deadline: options
             .time_limit
             .and_then(|t| std::time::Instant::now().checked_add(t)),
+        snapshot_memory: options.snapshot_memory,
     };
     let outcome = match schedule {
         None => check_with_bar(file, &compiled, &options),
@@ -938,8 +939,7 @@ fn check_file(
                     transitions: steps,
                     executions: 1,
                     depth: 0,
-                    replayed: 0,
-                    snapshot_every: 1,
+                    snapshots: None,
                     stopped: None,
                     elapsed: start.elapsed(),
                 },

@@ -1017,14 +1017,22 @@ fn a_small_snapshot_memory_gives_the_same_verdict_and_says_what_it_redid() {
     for key in ["states", "transitions", "executions", "depth"] {
         assert_eq!(small["stats"][key], full["stats"][key], "{key}");
     }
-    assert!(full["stats"].get("replayed").is_none(), "{full}");
+    assert!(full["stats"].get("snapshots").is_none(), "{full}");
+    let thinned = &small["stats"]["snapshots"];
     assert!(
-        small["stats"]["replayed"].as_u64().is_some_and(|n| n > 0),
+        thinned["replayed"].as_u64().is_some_and(|n| n > 0),
         "{small}"
     );
+    assert_eq!(thinned["kept_none"], true, "{small}");
     let out = duplex(&["check", f, "--snapshot-memory", "1KiB"]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("again from"), "{text}");
+    assert!(text.contains("it kept none"), "{text}");
+    // Room for a few snapshots: some kept, the others taken again.
+    let some = json(&["--snapshot-memory", "8KiB"]);
+    assert_eq!(some["stats"]["states"], full["stats"]["states"]);
+    let thinned = &some["stats"]["snapshots"];
+    assert_eq!(thinned["kept_none"], false, "{some}");
+    assert!(thinned["every"].as_u64().is_some_and(|n| n > 1), "{some}");
     let out = duplex(&["check", f, "--snapshot-memory", "lots"]);
     assert_eq!(out.status.code(), Some(2));
 }

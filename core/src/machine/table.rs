@@ -55,8 +55,18 @@ impl Hasher for FxHasher {
 
 /// A hash map with a deterministic hasher whose [`Hash`] does not depend on
 /// the order entries were inserted in.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(super) struct Table<K, V>(HashMap<K, V, BuildHasherDefault<FxHasher>>);
+
+/// A clone sized to the entries: a derived clone keeps every bucket the
+/// map ever needed, so the checker's snapshot of a machine whose launches
+/// came in a burst and completed held 234 times what its entries take
+/// (a review measured 314,496 bytes for a table of a few launches).
+impl<K: Clone + Eq + Hash, V: Clone> Clone for Table<K, V> {
+    fn clone(&self) -> Self {
+        Table(self.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+}
 
 impl<K, V> Default for Table<K, V> {
     fn default() -> Self {
