@@ -1043,6 +1043,15 @@ impl Snapshots {
     }
 }
 
+/// What a search has counted so far ([`Stats`]).
+#[derive(Default)]
+struct Counts {
+    transitions: usize,
+    executions: usize,
+    depth: usize,
+    replayed: usize,
+}
+
 /// Explores every interleaving of the program's host threads that matters.
 pub fn check(c: &Compiled, options: &Options) -> Outcome {
     check_with(c, options, &mut |_| {})
@@ -1053,7 +1062,6 @@ pub fn check(c: &Compiled, options: &Options) -> Outcome {
 pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Stats)) -> Outcome {
     let start = Instant::now();
     let mut last_report = start;
-    let mut depth = 0usize;
     let mut dfs = Dfs::default();
     let mut snapshots = Snapshots::new(
         options
@@ -1063,28 +1071,26 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
     let mut m = c.machine();
     let mut run = Runnable::new(c, &mut m);
     let mut path: Vec<ThreadId> = Vec::new();
-    let mut transitions = 0usize;
-    let mut executions = 0usize;
+    let mut n = Counts::default();
     let mut stopped: Option<Bound> = None;
     // After a backtrack that restored a snapshot before the decision
     // point it changed: that point, which the steps up to it only
     // re-execute.
     let mut redo: Option<usize> = None;
-    let mut replayed = 0usize;
-    let stats =
-        |dfs: &Dfs, transitions, executions, depth, stopped, replayed, thinned: Option<Thinned>| {
-            Stats {
-                states: dfs.states(),
-                transitions,
-                executions,
-                depth,
-                snapshots: thinned.map(|t| Thinned { replayed, ..t }),
-                stopped,
-                elapsed: start.elapsed(),
-            }
-        };
+    let stats = |dfs: &Dfs, n: &Counts, stopped, snapshots: &Snapshots| Stats {
+        states: dfs.states(),
+        transitions: n.transitions,
+        executions: n.executions,
+        depth: n.depth,
+        snapshots: snapshots.thinned.map(|t| Thinned {
+            replayed: n.replayed,
+            ..t
+        }),
+        stopped,
+        elapsed: start.elapsed(),
+    };
     loop {
-        executions += 1;
+        n.executions += 1;
         // One execution, from the current machine and path.
         let verdict = loop {
             let t = match decide(c, &m, &mut run, options.reduce) {
@@ -1118,10 +1124,10 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                 }
             };
             if redo.is_some_and(|d| dfs.cursor() <= d) {
-                replayed += 1;
+                n.replayed += 1;
             } else {
                 redo = None;
-                transitions += 1;
+                n.transitions += 1;
             }
             path.push(t);
             if step(c, &mut m, t).is_err() {
@@ -1137,7 +1143,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                 });
             }
             run.update(c, &mut m);
-            depth = depth.max(dfs.depth());
+            n.depth = n.depth.max(dfs.depth());
             if dfs.states() >= options.max_states {
                 stopped = Some(Bound::States);
                 break Some(Verdict::Inconclusive);
@@ -1146,7 +1152,7 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
             // program with thousands of host threads can take milliseconds
             // (its reduction compares them pairwise), and the time limit
             // must still hold.
-            if (transitions + replayed).is_multiple_of(16) {
+            if (n.transitions + n.replayed).is_multiple_of(16) {
                 let now = Instant::now();
                 if options
                     .time_limit
@@ -1157,44 +1163,20 @@ pub fn check_with(c: &Compiled, options: &Options, progress: &mut dyn FnMut(&Sta
                 }
                 if now.duration_since(last_report) >= Duration::from_millis(100) {
                     last_report = now;
-                    progress(&stats(
-                        &dfs,
-                        transitions,
-                        executions,
-                        depth,
-                        None,
-                        replayed,
-                        snapshots.thinned,
-                    ));
+                    progress(&stats(&dfs, &n, None, &snapshots));
                 }
             }
         };
         if let Some(v) = verdict {
             return Outcome {
                 verdict: v,
-                stats: stats(
-                    &dfs,
-                    transitions,
-                    executions,
-                    depth,
-                    stopped,
-                    replayed,
-                    snapshots.thinned,
-                ),
+                stats: stats(&dfs, &n, stopped, &snapshots),
             };
         }
         let Some(d) = dfs.backtrack() else {
             return Outcome {
                 verdict: Verdict::Ok,
-                stats: stats(
-                    &dfs,
-                    transitions,
-                    executions,
-                    depth,
-                    None,
-                    replayed,
-                    snapshots.thinned,
-                ),
+                stats: stats(&dfs, &n, None, &snapshots),
             };
         };
         redo = match snapshots.back_to(d) {

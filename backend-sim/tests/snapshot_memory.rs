@@ -7,7 +7,8 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::path::Path;
+
+mod common;
 
 use duplex::compile::{Compiled, compile};
 use duplex::schedule::parse;
@@ -47,19 +48,10 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOC: Counting = Counting;
 
 fn examples() -> Vec<(String, Compiled)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("examples/") {
-        let path = entry.expect("entry").path();
-        if path.extension().is_none_or(|e| e != "sched") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).expect("readable");
-        let program = parse(&text).expect("valid example");
-        out.push((path.display().to_string(), compile(&program)));
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
+    common::examples()
+        .into_iter()
+        .map(|(name, text)| (name, compile(&parse(&text).expect("valid example"))))
+        .collect()
 }
 
 /// A ring of `n` ranks, `t` host threads each, every thread sending to the
