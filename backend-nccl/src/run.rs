@@ -38,11 +38,8 @@ fn options_from_env() -> Result<Options> {
     /// The setting in variable `name`, if set; an error naming it if it
     /// does not parse.
     fn setting<T: std::str::FromStr<Err = String>>(name: &str) -> Result<Option<T>> {
-        let v = match std::env::var(name) {
-            Ok(v) => v,
-            Err(std::env::VarError::NotPresent) => return Ok(None),
-            // Set, but not text: an error, not the default.
-            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text(name)),
+        let Some(v) = optional_env(name)? else {
+            return Ok(None);
         };
         v.parse().map(Some).map_err(|message| Error::Invalid {
             at: name.into(),
@@ -333,11 +330,16 @@ fn after_thread_failed(code: Error, thread: (Error, Error)) -> Error {
     Error::most_telling([as_ranks, code]).expect("two errors")
 }
 
-/// The error of variable `name`, set to bytes that are not UTF-8.
-fn not_text(name: &str) -> Error {
-    Error::Invalid {
-        at: name.into(),
-        message: format!("{name} is not UTF-8 text"),
+/// Variable `name`, `None` when it is not set; set to bytes that are not
+/// UTF-8, an error, not the default.
+fn optional_env(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::Invalid {
+            at: name.into(),
+            message: format!("{name} is not UTF-8 text"),
+        }),
     }
 }
 
@@ -430,13 +432,12 @@ impl Process {
         let world = env_num("WORLD_SIZE")?;
         let device = env_num("LOCAL_RANK")? as i32;
         let addr = env_var("MASTER_ADDR")?;
-        let port = match std::env::var("DUPLEX_PORT") {
-            Ok(p) => p.parse::<u16>().map_err(|_| Error::Invalid {
+        let port = match optional_env("DUPLEX_PORT")? {
+            Some(p) => p.parse::<u16>().map_err(|_| Error::Invalid {
                 at: "DUPLEX_PORT".into(),
                 message: format!("DUPLEX_PORT={p} is not a port"),
             })?,
-            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text("DUPLEX_PORT")),
-            Err(std::env::VarError::NotPresent) => store_port(env_num("MASTER_PORT")?)?,
+            None => store_port(env_num("MASTER_PORT")?)?,
         };
         if rank >= world {
             return Err(Error::Invalid {
@@ -445,11 +446,9 @@ impl Process {
             });
         }
         let secret = secret_from_env()?;
-        let bind = match std::env::var("DUPLEX_STORE_BIND") {
-            Ok(b) if !b.is_empty() => b,
-            Err(std::env::VarError::NotUnicode(_)) => return Err(not_text("DUPLEX_STORE_BIND")),
-            _ => addr.clone(),
-        };
+        let bind = optional_env("DUPLEX_STORE_BIND")?
+            .filter(|b| !b.is_empty())
+            .unwrap_or_else(|| addr.clone());
         let lib = nccl().and_then(|lib| cuda::init().map(|_| lib));
         Ok(Process {
             rank,
