@@ -838,13 +838,9 @@ pub fn replay_schedule(c: &Compiled, schedule: &Schedule) -> Result<Replayed, St
             )
         }
     })?;
-    if replayer.left() > 0 {
+    if let Some(left) = replayer.left_over() {
         return Err(format!(
-            "the schedule `{schedule}` does not fit this program: {} left when no thread can step",
-            match replayer.left() {
-                1 => "1 choice is".to_string(),
-                n => format!("{n} choices are"),
-            }
+            "the schedule `{schedule}` does not fit this program: {left} left when no thread can step"
         ));
     }
     let (m, steps, result) = replay(c, &path);

@@ -279,6 +279,17 @@ impl Replay {
         self.choices.len()
     }
 
+    /// The choices not used yet, in words (`1 choice is`, `3 choices
+    /// are`), when there are any: a schedule that has them left when its
+    /// execution ends is not the program's.
+    pub fn left_over(&self) -> Option<String> {
+        match self.left() {
+            0 => None,
+            1 => Some("1 choice is".into()),
+            n => Some(format!("{n} choices are")),
+        }
+    }
+
     /// Takes the next recorded choice (for a driver that has checked
     /// itself that more than one thread can step).
     pub fn take_next(&mut self) -> Option<ThreadId> {

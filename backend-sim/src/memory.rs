@@ -47,8 +47,8 @@ pub(crate) fn held() -> u64 {
 }
 
 /// Counts `bytes` more held, if twice what would then be held fits in
-/// `available` (or nothing is known of it); else returns what is held.
-pub(crate) fn hold(bytes: u64, available: Option<u64>) -> Result<(), u64> {
+/// `available` (or nothing is known of it).
+fn hold(bytes: u64, available: Option<u64>) -> bool {
     use std::sync::atomic::Ordering;
     HELD.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
         let after = held.checked_add(bytes)?;
@@ -57,7 +57,40 @@ pub(crate) fn hold(bytes: u64, available: Option<u64>) -> Result<(), u64> {
             _ => Some(after),
         }
     })
-    .map(drop)
+    .is_ok()
+}
+
+/// A simulated buffer's `bytes` zeroed bytes, counted as held, when twice
+/// what would then be held fits in `available` and the allocator gives
+/// them; `None` otherwise, nothing counted.
+pub(crate) fn held_zeroed(bytes: usize, available: Option<u64>) -> Option<Vec<u8>> {
+    if !hold(bytes as u64, available) {
+        return None;
+    }
+    let out = zeroed(bytes);
+    if out.is_none() {
+        release(bytes as u64);
+    }
+    out
+}
+
+/// `bytes` zeroed bytes, or `None` when the allocator cannot give them
+/// (where `vec![0; bytes]` would abort the process). Zeroed by the
+/// allocator, so that pages the run never touches cost nothing.
+fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    if bytes == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
+    // SAFETY: `layout` has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of
+    // `bytes` `u8`s (align 1), and all `bytes` of them are initialized
+    // (zero), so it is a valid `Vec<u8>` of that length and capacity.
+    Some(unsafe { Vec::from_raw_parts(p, bytes, bytes) })
 }
 
 /// Counts `bytes` fewer held (a run's buffers, as its world drops).
@@ -72,9 +105,10 @@ mod tests {
     #[test]
     fn what_is_held_is_counted_and_twice_it_must_fit() {
         // Twice 1 TiB more than anything held never fits in 1 TiB.
-        assert!(hold(1 << 40, Some(1 << 40)).is_err());
+        assert!(!hold(1 << 40, Some(1 << 40)));
+        assert!(held_zeroed(1 << 40, Some(1 << 40)).is_none());
         // Without a known limit, anything that adds up is held.
-        assert!(hold(1 << 20, None).is_ok());
+        assert!(hold(1 << 20, None));
         assert!(held() >= 1 << 20);
         release(1 << 20);
     }

@@ -476,14 +476,10 @@ impl Sim {
         // A replayed schedule that names more choices than the execution
         // made is not this program's.
         if let Strategy::Replay(r) = &strategy
-            && r.left() > 0
+            && let Some(left) = r.left_over()
         {
             return Err(Failure::Schedule(format!(
-                "{} left when the execution ended",
-                match r.left() {
-                    1 => "1 choice is".to_string(),
-                    n => format!("{n} choices are"),
-                }
+                "{left} left when the execution ended"
             )));
         }
         Ok(Run {

@@ -393,31 +393,22 @@ impl Transport for SimRank {
         // OOM killer at 24 GB for buffers of 32 GiB). Counted over every
         // run of the process: `cargo test` runs tests in parallel.
         let available = crate::memory::available();
-        let zeroed = match crate::memory::hold(bytes as u64, available) {
-            Ok(()) => zeroed(bytes).ok_or(None).inspect_err(|_| {
-                crate::memory::release(bytes as u64);
-            }),
-            Err(held) => Err(Some(held)),
-        };
-        let zeroed = match zeroed {
-            Ok(z) => z,
-            Err(held) => {
-                return Err(Error::Invalid {
-                    at: check::place(at),
-                    message: format!(
-                        "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} the simulator's runs in this process hold, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
-                        E::DTYPE,
-                        duplex::Size(bytes as u64),
-                        duplex::Size(held.unwrap_or_else(crate::memory::held)),
-                        available
-                            .map(|a| format!(
-                                " ({} available when the process first asked)",
-                                duplex::Size(a)
-                            ))
-                            .unwrap_or_default()
-                    ),
-                });
-            }
+        let Some(zeroed) = crate::memory::held_zeroed(bytes, available) else {
+            return Err(Error::Invalid {
+                at: check::place(at),
+                message: format!(
+                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} the simulator's runs in this process hold, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
+                    E::DTYPE,
+                    duplex::Size(bytes as u64),
+                    duplex::Size(crate::memory::held()),
+                    available
+                        .map(|a| format!(
+                            " ({} available when the process first asked)",
+                            duplex::Size(a)
+                        ))
+                        .unwrap_or_default()
+                ),
+            });
         };
         w.buffer_bytes += bytes as u64;
         let key = w.next_buffer_key(self.thread);
@@ -459,10 +450,10 @@ impl Transport for SimRank {
             .chunks_exact(size)
             .map(E::from_le)
             .collect();
-        // What the code reads is what it may branch on.
-        let bytes = std::mem::take(&mut w.buffers[buf.id].bytes);
-        w.observe(self.thread, &bytes);
-        w.buffers[buf.id].bytes = bytes;
+        // What the code reads is what it may branch on: the bytes' hash,
+        // which the explorer's fingerprint takes of the buffer anyway.
+        let digest = w.buffers[buf.id].digest();
+        w.observe(self.thread, &digest.to_le_bytes());
         Ok(out)
     }
 
@@ -794,23 +785,4 @@ impl Transport for SimRank {
             .flatten()
             .unwrap_or(Ok(()))
     }
-}
-
-/// `bytes` zeroed bytes, or `None` when the allocator cannot give them
-/// (where `vec![0; bytes]` would abort the process). Zeroed by the
-/// allocator, so that pages the run never touches cost nothing.
-fn zeroed(bytes: usize) -> Option<Vec<u8>> {
-    if bytes == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
-    // SAFETY: `layout` has a non-zero size.
-    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: `p` comes from the global allocator with the layout of
-    // `bytes` `u8`s (align 1), and all `bytes` of them are initialized
-    // (zero), so it is a valid `Vec<u8>` of that length and capacity.
-    Some(unsafe { Vec::from_raw_parts(p, bytes, bytes) })
 }

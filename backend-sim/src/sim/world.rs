@@ -89,11 +89,17 @@ pub(crate) struct BufData {
 impl BufData {
     /// Sets its bytes.
     pub(crate) fn set(&mut self, bytes: Vec<u8>) {
-        self.bytes = bytes;
-        self.digest = None;
+        *self.bytes_mut() = bytes;
     }
 
-    fn digest(&mut self) -> u128 {
+    /// Its bytes, to change (their hash is taken again when next asked).
+    pub(crate) fn bytes_mut(&mut self) -> &mut Vec<u8> {
+        self.digest = None;
+        &mut self.bytes
+    }
+
+    /// The hash of its bytes, taken once per change.
+    pub(crate) fn digest(&mut self) -> u128 {
         *self
             .digest
             .get_or_insert_with(|| xxhash_rust::xxh3::xxh3_128(&self.bytes))
@@ -595,10 +601,9 @@ impl World {
                             .map(|b| self.buffers[b].bytes.clone()),
                     };
                     if let (Some(data), Some(b)) = (data, self.op_buffers.remove(&recv)) {
-                        let buf = &mut self.buffers[b];
-                        let n = buf.bytes.len().min(data.len());
-                        buf.bytes[..n].copy_from_slice(&data[..n]);
-                        buf.digest = None;
+                        let dst = self.buffers[b].bytes_mut();
+                        let n = dst.len().min(data.len());
+                        dst[..n].copy_from_slice(&data[..n]);
                     }
                 }
             }
