@@ -683,11 +683,12 @@ impl Process {
 }
 
 /// The size of each rank's copy-lane arena across processes:
-/// `DUPLEX_IPC_ARENA_MIB` MiB, 4096 by default.
+/// `DUPLEX_IPC_ARENA_MIB` MiB, 4096 by default (when unset; set to bytes
+/// that are not UTF-8, an error, as its siblings are).
 fn ipc_arena_bytes() -> Result<usize> {
-    match std::env::var("DUPLEX_IPC_ARENA_MIB") {
-        Err(_) => Ok(4096 << 20),
-        Ok(v) => match v.trim().parse::<usize>() {
+    match optional_env("DUPLEX_IPC_ARENA_MIB")? {
+        None => Ok(4096 << 20),
+        Some(v) => match v.trim().parse::<usize>() {
             Ok(m) if m > 0 && m < (1 << 24) => Ok(m << 20),
             _ => Err(Error::Invalid {
                 at: "DUPLEX_IPC_ARENA_MIB".into(),
