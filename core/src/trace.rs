@@ -984,6 +984,7 @@ impl Trace {
             return Timeline::default();
         }
         r.timeline = Some(Timeline::default());
+        r.m.record_changed_launches();
         r.run();
         // A handshake that finished with the last call enqueued its ops.
         let step = r.timeline.as_ref().map_or(0, |t| t.steps);
@@ -1084,8 +1085,8 @@ struct Replayer<'t> {
     waits: HashMap<ThreadId, Vec<HostCall>>,
     /// When recording: what happened at each step.
     timeline: Option<Timeline>,
-    /// When recording: each live op's index in the timeline.
-    seen: HashMap<crate::machine::OpRef, usize>,
+    /// When recording: per live launch, its ops' indices in the timeline.
+    seen: HashMap<crate::machine::LaunchRef, Vec<usize>>,
 }
 
 impl<'t> Replayer<'t> {
@@ -1186,44 +1187,58 @@ impl<'t> Replayer<'t> {
             });
         }
         t.steps = step + 1;
-        let live = self.m.live_ops();
-        let mut now: HashMap<crate::machine::OpRef, usize> = HashMap::new();
-        for (r, info) in live {
-            let k = match self.seen.get(&r) {
-                Some(k) => *k,
-                None => {
-                    t.ops.push(OpSpan {
-                        op: info.clone(),
-                        issued: step,
-                        started: None,
-                        completed: None,
-                    });
-                    t.ops.len() - 1
+        // Only the launches the step touched can have changed; an op's
+        // view changes only in its state.
+        for lref in self.m.take_changed_launches() {
+            let Some(n) = self.m.launch_ops(lref) else {
+                // Completed since the last step (one that came and went
+                // within a step was never seen, and is not recorded).
+                for k in self.seen.remove(&lref).unwrap_or_default() {
+                    let span = &mut t.ops[k];
+                    span.started.get_or_insert(step);
+                    if span.completed.is_none() {
+                        span.completed = Some(step);
+                        span.op.state = crate::report::OpState::Done;
+                    }
                 }
+                continue;
             };
-            let span = &mut t.ops[k];
-            let state = info.state;
-            if span.started.is_none() && !matches!(state, crate::report::OpState::NotStarted) {
-                span.started = Some(step);
-            }
-            if span.completed.is_none() && state == crate::report::OpState::Done {
-                span.completed = Some(step);
-            }
-            span.op = info;
-            now.insert(r, k);
-        }
-        // Ops whose launch completed since the last step.
-        for (r, k) in &self.seen {
-            if !now.contains_key(r) {
-                let span = &mut t.ops[*k];
-                span.started.get_or_insert(step);
-                if span.completed.is_none() {
-                    span.completed = Some(step);
-                    span.op.state = crate::report::OpState::Done;
+            let spans = self.seen.entry(lref).or_insert_with(|| {
+                (0..n)
+                    .filter_map(|i| {
+                        let op = crate::machine::OpRef {
+                            launch: lref,
+                            index: i as u16,
+                        };
+                        let info = self.m.describe_op(op)?;
+                        t.ops.push(OpSpan {
+                            op: info,
+                            issued: step,
+                            started: None,
+                            completed: None,
+                        });
+                        Some(t.ops.len() - 1)
+                    })
+                    .collect()
+            });
+            for (i, &k) in spans.iter().enumerate() {
+                let op = crate::machine::OpRef {
+                    launch: lref,
+                    index: i as u16,
+                };
+                let Some(state) = self.m.op_state(op) else {
+                    continue;
+                };
+                let span = &mut t.ops[k];
+                if span.started.is_none() && !matches!(state, crate::report::OpState::NotStarted) {
+                    span.started = Some(step);
                 }
+                if span.completed.is_none() && state == crate::report::OpState::Done {
+                    span.completed = Some(step);
+                }
+                span.op.state = state;
             }
         }
-        self.seen = now;
     }
 
     /// Every index in the trace names a declaration ([`Trace::check_ids`]).

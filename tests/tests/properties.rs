@@ -784,3 +784,72 @@ proptest! {
         prop_assert!(a.mismatched_setups.is_empty(), "{:?}\n{}", a.mismatched_setups, p);
     }
 }
+
+// What a timeline looks at -----------------------------------------------------
+
+/// Every live op and its state (what a timeline shows of it).
+fn live_states(
+    m: &duplex::machine::Machine,
+) -> HashMap<duplex::machine::OpRef, duplex::report::OpState> {
+    m.live_ops()
+        .into_iter()
+        .map(|(r, info)| (r, info.state))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// A timeline (`duplex check --trace`) looks after each step only at
+    /// the launches the machine says changed
+    /// (`Machine::take_changed_launches`), not at every live op. On one
+    /// random path of each generated program, every op that appeared,
+    /// changed state or completed at a step must be in a launch the step
+    /// named. Catches: a place in the machine that issues, starts, moves
+    /// or completes an op without noting its launch (the timeline would
+    /// show an op started or completed late, or never).
+    #[test]
+    fn every_step_names_the_launches_whose_ops_it_changed(
+        p in strategies::programs(Shape::default().with_copy_lanes()),
+        picks in vec(any::<u8>(), 64),
+    ) {
+        use duplex::machine::Next;
+        let c = compile(&p);
+        let mut m = c.machine();
+        m.record_changed_launches();
+        let mut before = live_states(&m);
+        let mut steps = 0usize;
+        loop {
+            let runnable = m.runnable(&duplex::compile::Remaining(&c));
+            if runnable.is_empty() || steps > 10_000 {
+                break;
+            }
+            let t = runnable[usize::from(picks[steps % picks.len()]) % runnable.len()];
+            let stepped = match m.next(t) {
+                Next::Resume => m.resume(t),
+                Next::Call => {
+                    let call = c.call(t, m.calls(t)).cloned().unwrap_or(duplex::machine::HostCall::End);
+                    m.apply(t, &call)
+                }
+                Next::Blocked | Next::Finished => unreachable!("runnable"),
+            };
+            if stepped.is_err() {
+                break;
+            }
+            steps += 1;
+            let after = live_states(&m);
+            let named: BTreeSet<_> = m.take_changed_launches().into_iter().collect();
+            for op in before.keys().chain(after.keys()) {
+                if before.get(op) != after.get(op) {
+                    prop_assert!(
+                        named.contains(&op.launch),
+                        "step {}: op {:?} went from {:?} to {:?}, its launch not named ({:?})\n{}",
+                        steps, op, before.get(op), after.get(op), named, p
+                    );
+                }
+            }
+            before = after;
+        }
+        prop_assert!(steps > 0, "no step taken\n{}", p);
+    }
+}

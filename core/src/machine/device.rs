@@ -131,6 +131,7 @@ impl Machine {
         }
         let mut swept = self.clone();
         swept.deliveries = None;
+        swept.changed = None;
         swept.progress_sweep();
         debug_assert!(
             swept.state == self.state,
@@ -203,6 +204,7 @@ impl Machine {
             .expect("head launch is live");
         launch.started = true;
         let rank = launch.rank;
+        self.launch_changed(lref);
         if !self.is_copy(lref) {
             self.state.ranks[rank as usize].running += 1;
         }
@@ -390,6 +392,7 @@ impl Machine {
     }
 
     fn set_status(&mut self, op: OpRef, status: OpStatus) {
+        self.launch_changed(op.launch);
         if let Some(l) = self.state.launches.get_mut(&op.launch) {
             let slot = &mut l.ops[op.index as usize].status;
             match (*slot == OpStatus::Done, status == OpStatus::Done) {
@@ -407,6 +410,7 @@ impl Machine {
         let Some(launch) = self.state.launches.remove(&lref) else {
             return;
         };
+        self.launch_changed(lref);
         let comm = launch.comm();
         let copy = self.setup.comms[comm.ix()].copy;
         let rank = &mut self.state.ranks[launch.rank as usize];

@@ -931,6 +931,11 @@ pub struct Machine {
     /// Message movements since the last [`Machine::take_deliveries`], when
     /// recording is on (not part of the state).
     deliveries: Option<Vec<Delivery>>,
+    /// Launches issued, started, with an op that changed, or completed
+    /// since the last [`Machine::take_changed_launches`], when recording is
+    /// on (not part of the state): a timeline looks at these, not at every
+    /// live op after every step.
+    changed: Option<Vec<LaunchRef>>,
     /// What device progress still has to look at, and which ranks a step
     /// touched (not part of the state: empty between steps, except for
     /// the parked streams and the touched ranks, which are caches).
@@ -956,6 +961,7 @@ impl Machine {
             setup,
             state,
             deliveries: None,
+            changed: None,
             work: device::Work::default(),
         };
         m.sync_setup();
@@ -973,6 +979,38 @@ impl Machine {
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()
+    }
+
+    /// Starts recording which launches change ([`Machine::take_changed_launches`]).
+    pub fn record_changed_launches(&mut self) {
+        self.changed.get_or_insert_with(Vec::new);
+    }
+
+    /// The launches issued, started, with an op whose status changed, or
+    /// completed since the last call (each once, in key order, as
+    /// [`Machine::live_ops`] lists them); empty unless recording is on.
+    pub fn take_changed_launches(&mut self) -> Vec<LaunchRef> {
+        let mut v = self
+            .changed
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Notes that launch `lref` changed, when recording.
+    fn launch_changed(&mut self, lref: LaunchRef) {
+        if let Some(c) = self.changed.as_mut() {
+            c.push(lref);
+        }
+    }
+
+    /// How many ops launch `lref` has, `None` once it completed (or if it
+    /// was never issued).
+    pub fn launch_ops(&self, lref: LaunchRef) -> Option<usize> {
+        self.state.launches.get(&lref).map(|l| l.ops.len())
     }
 
     /// True once op `op` has completed (or was never issued by a live launch).
@@ -1777,6 +1815,7 @@ impl Machine {
                 Ok(i) => r.on_comm[i].1.push_back(lref),
                 Err(i) => r.on_comm.insert(i, (comm, VecDeque::from([lref]))),
             }
+            self.launch_changed(lref);
             self.state.launches.insert(
                 lref,
                 Launch {

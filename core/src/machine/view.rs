@@ -6,6 +6,17 @@ use crate::schedule::Dir;
 
 use super::{ChannelKey, LaunchRef, Machine, OpStatus, Origin, OriginInfo, Setup, Slot};
 
+/// The state of an op of status `status` in a launch that has `started` or
+/// not.
+fn op_state(status: OpStatus, started: bool) -> OpState {
+    match (status, started) {
+        (OpStatus::Done, _) => OpState::Done,
+        (_, false) => OpState::NotStarted,
+        (OpStatus::Waiting, true) => OpState::BehindInGroup,
+        (OpStatus::Active, true) => OpState::Started,
+    }
+}
+
 /// `line 4` or a source location, for a call's origin.
 pub fn describe_origin(setup: &Setup, origin: Origin) -> String {
     match setup.origins.get(origin.ix()) {
@@ -19,12 +30,7 @@ impl Machine {
     pub(super) fn op_view(&self, lref: LaunchRef, index: usize) -> OpInfo {
         let launch = &self.state.launches[&lref];
         let op = &launch.ops[index];
-        let state = match (op.status, launch.started) {
-            (OpStatus::Done, _) => OpState::Done,
-            (_, false) => OpState::NotStarted,
-            (OpStatus::Waiting, true) => OpState::BehindInGroup,
-            (OpStatus::Active, true) => OpState::Started,
-        };
+        let state = op_state(op.status, launch.started);
         self.view(
             lref,
             op.spec.dir,
@@ -38,6 +44,15 @@ impl Machine {
             launch.grouped,
             op.spec.origin.unwrap_or(launch.origin),
         )
+    }
+
+    /// How far op `op` of a live launch got ([`OpInfo::state`], which is
+    /// all of an op's view that changes while it lives), `None` once its
+    /// launch completed.
+    pub fn op_state(&self, op: super::OpRef) -> Option<OpState> {
+        let launch = self.state.launches.get(&op.launch)?;
+        let status = launch.ops.get(usize::from(op.index))?.status;
+        Some(op_state(status, launch.started))
     }
 
     /// The view of op `o` of a launch that thread `t` is issuing.
