@@ -30,6 +30,11 @@
 //! while it fills that pool). A `PUT`'s bytes count against the store's
 //! limit on stored bytes before they are read; a `PUT` refused as too big
 //! for it has its bytes read and dropped, so its client reads the refusal.
+//! A request that waits (`TAKE`, `GET`, `INBOX`) looks every 200 ms
+//! whether its client is still there: once the client has closed the
+//! connection (or only its sending side) the wait ends with `TIMEOUT` and
+//! takes nothing, so no message is taken for a client that left, and the
+//! connection's place comes back at once, not at the end of the wait.
 //!
 //! A client ([`Store`]) keeps up to four connections open between its
 //! requests, each for at most 5 s unused: a rank's health monitor, which
@@ -466,8 +471,8 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    fn get(&self, key: &str, wait_ms: u64) -> Option<Arc<Vec<u8>>> {
-        wait_for(&self.values, &self.stored, wait_ms, |v| {
+    fn get(&self, key: &str, wait_ms: u64, gone: &dyn Fn() -> bool) -> Option<Arc<Vec<u8>>> {
+        wait_for(&self.values, &self.stored, wait_ms, gone, |v| {
             v.map.get(key).cloned()
         })
     }
@@ -514,8 +519,8 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    fn inbox(&self, me: Rank, wait_ms: u64) -> Option<Vec<u8>> {
-        wait_for(&self.mail, &self.mailed, wait_ms, |m| {
+    fn inbox(&self, me: Rank, wait_ms: u64, gone: &dyn Fn() -> bool) -> Option<Vec<u8>> {
+        wait_for(&self.mail, &self.mailed, wait_ms, gone, |m| {
             let q = m.boxes.get_mut(&me)?;
             let message = q.pop_front()?;
             if q.is_empty() {
@@ -526,8 +531,8 @@ impl Shared {
         })
     }
 
-    fn take(&self, key: (Rank, Rank, String), wait_ms: u64) -> Response {
-        let taken = wait_for(&self.counts, &self.arrived, wait_ms, |counts| {
+    fn take(&self, key: (Rank, Rank, String), wait_ms: u64, gone: &dyn Fn() -> bool) -> Response {
+        let taken = wait_for(&self.counts, &self.arrived, wait_ms, gone, |counts| {
             let n = counts.get_mut(&key).filter(|n| **n > 0)?;
             *n -= 1;
             if *n == 0 {
@@ -542,16 +547,24 @@ impl Shared {
     }
 }
 
+/// How often a waiting request looks whether its client is still there.
+const GONE_EVERY: Duration = Duration::from_millis(200);
+
 /// Waits on `cv` until `take` finds what it looks for in the state under
-/// `m`, or `wait_ms` (at most [`MAX_WAIT`]) has passed.
+/// `m`, or `wait_ms` (at most [`MAX_WAIT`]) has passed, or `gone` says the
+/// client left (asked every [`GONE_EVERY`], without the lock): then `None`,
+/// and nothing was taken.
 fn wait_for<S, T>(
     m: &Mutex<S>,
     cv: &Condvar,
     wait_ms: u64,
+    gone: &dyn Fn() -> bool,
     mut take: impl FnMut(&mut S) -> Option<T>,
 ) -> Option<T> {
+    let lock = || m.lock().unwrap_or_else(|e| e.into_inner());
     let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
-    let mut state = m.lock().unwrap_or_else(|e| e.into_inner());
+    let mut look = Instant::now() + GONE_EVERY;
+    let mut state = lock();
     loop {
         if let Some(t) = take(&mut state) {
             return Some(t);
@@ -560,11 +573,41 @@ fn wait_for<S, T>(
         if now >= deadline {
             return None;
         }
+        if now >= look {
+            drop(state);
+            if gone() {
+                return None;
+            }
+            look = now + GONE_EVERY;
+            state = lock();
+            continue;
+        }
         state = cv
-            .wait_timeout(state, deadline - now)
+            .wait_timeout(state, deadline.min(look) - now)
             .map(|(g, _)| g)
             .unwrap_or_else(|e| e.into_inner().0);
     }
+}
+
+/// Whether the client of `conn` has closed the connection, or its sending
+/// side, or the connection broke: looked at without blocking and without
+/// reading (bytes the client sent ahead stay for its next request).
+fn client_gone(conn: &TcpStream) -> bool {
+    if conn.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut byte = [0u8; 1];
+    let gone = match conn.peek(&mut byte) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+        ),
+    };
+    // Back to blocking reads (with their deadlines) for the next request;
+    // a socket that cannot be is of no more use.
+    gone | conn.set_nonblocking(false).is_err()
 }
 
 /// A connection's place among [`Limits::max_connections`], given back on
@@ -827,6 +870,7 @@ fn serve_one(
     request: Request,
 ) -> Result<(), End> {
     let timeout = shared.limits.io_timeout;
+    let gone = || client_gone(conn);
     let response = match request {
         Request::Auth { .. } => return Err(End::Refuse("already authenticated".into())),
         Request::UniqueId => Response::UniqueId(shared.id.clone()),
@@ -836,7 +880,7 @@ fn serve_one(
             to,
             tag,
             wait_ms,
-        } => shared.take((from, to, tag), wait_ms),
+        } => shared.take((from, to, tag), wait_ms, &gone),
         Request::Fail { rank, why } => shared.fail(rank, why),
         Request::Beat { rank } => shared.beat(rank)?,
         Request::Health { me, silence_ms } => shared.check(me, silence_ms),
@@ -879,13 +923,13 @@ fn serve_one(
             let body = shared.keys(&prefix)?;
             return send_value(conn, &body);
         }
-        Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms) {
+        Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms, &gone) {
             Some(message) => {
                 return send_value(conn, &message);
             }
             None => Response::Timeout,
         },
-        Request::Get { key, wait_ms } => match shared.get(&key, wait_ms) {
+        Request::Get { key, wait_ms } => match shared.get(&key, wait_ms, &gone) {
             Some(value) => {
                 return send_value(conn, &value);
             }

@@ -1211,3 +1211,101 @@ fn a_busy_store_is_asked_again_until_the_deadline() {
     );
     drop(held);
 }
+
+/// A connection past its `AUTH` that sent `request`, a wait, and is then
+/// closed before any reply: its client left mid-wait.
+fn leave_during(addr: SocketAddr, request: &Request) {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(&auth()).unwrap();
+    let mut ok = [0u8; 3];
+    c.read_exact(&mut ok).unwrap();
+    assert_eq!(&ok, b"OK\n");
+    c.write_all(&proto::encode_request(request).unwrap())
+        .unwrap();
+    // The store has read the request and is waiting.
+    std::thread::sleep(Duration::from_millis(100));
+    drop(c);
+}
+
+/// A `TAKE` whose client closed the connection mid-wait takes nothing: a
+/// notify posted after it left is there for the next `TAKE`, where the
+/// store used to keep waiting for the whole wait, take the notify when it
+/// came, and lose it in a reply to nobody.
+#[test]
+fn a_wait_whose_client_left_takes_nothing() {
+    let addr = server(super::LIMITS);
+    leave_during(
+        addr,
+        &Request::Take {
+            from: 0,
+            to: 1,
+            tag: "t".into(),
+            wait_ms: 60_000,
+        },
+    );
+    // Past a look or two of the store at the connection.
+    std::thread::sleep(3 * super::GONE_EVERY);
+    let c = client(addr);
+    c.post(0, 1, "t").unwrap();
+    assert!(
+        c.take(0, 1, "t", Duration::ZERO).unwrap(),
+        "the notify went to the client that left"
+    );
+    // A message in an inbox, likewise.
+    leave_during(
+        addr,
+        &Request::Inbox {
+            me: 3,
+            wait_ms: 60_000,
+        },
+    );
+    std::thread::sleep(3 * super::GONE_EVERY);
+    c.mail(3, b"kept", Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        c.inbox(3, Duration::ZERO).unwrap().as_deref(),
+        Some(&b"kept"[..])
+    );
+}
+
+/// A connection whose client left mid-wait gives its place back within a
+/// look or two, not at the end of its wait: with one place, the next
+/// client is served.
+#[test]
+fn a_wait_whose_client_left_gives_its_place_back() {
+    let addr = server(Limits {
+        max_connections: 1,
+        ..super::LIMITS
+    });
+    leave_during(
+        addr,
+        &Request::Get {
+            key: "never".into(),
+            wait_ms: 60_000,
+        },
+    );
+    let start = Instant::now();
+    let id = client(addr).unique_id(Duration::from_secs(5));
+    assert_eq!(id.unwrap(), ID, "served after {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// A client that waits and stays is not taken for one that left: its wait
+/// runs past many looks and ends with what it waited for.
+#[test]
+fn a_client_that_stays_keeps_waiting() {
+    let addr = server(super::LIMITS);
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(5 * super::GONE_EVERY);
+        client(addr).post(0, 1, "late").unwrap();
+    });
+    assert!(
+        client(addr)
+            .take(0, 1, "late", Duration::from_secs(10))
+            .unwrap()
+    );
+    later.join().unwrap();
+}
