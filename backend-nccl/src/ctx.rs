@@ -325,6 +325,19 @@ impl BufState {
         self.mem.as_ref().map(|m| m.ptr()).unwrap_or(0)
     }
 
+    /// The rank's device order says that a host sync covered every access
+    /// of this buffer (`duplex::order::Order::idle`), though an op on it
+    /// may not know it yet: a sync of stream B covers a recv on stream A
+    /// that an event recorded on A and waited for on B orders before it,
+    /// while the recv's fence on A may still be open (nothing recorded it).
+    /// Its ops are told so.
+    pub(crate) fn host_knows_done(&self) {
+        let users = lock(&self.users);
+        for op in users.ops.iter().filter_map(std::sync::Weak::upgrade) {
+            op.known_done.store(true, Ordering::Release);
+        }
+    }
+
     /// The first op on this buffer that has not completed.
     pub(crate) fn busy(&self) -> Option<Arc<Issued>> {
         let mut users = lock(&self.users);
@@ -417,6 +430,10 @@ pub(crate) struct Issued {
     /// Whether its delivery was checked once its stream passed it
     /// ([`Issued::check_delivery`]).
     pub(crate) checked: AtomicBool,
+    /// A host sync covered it while its fence was still open: a sync of
+    /// another stream that an event ordered after it (D1,
+    /// [`BufState::host_knows_done`]).
+    pub(crate) known_done: AtomicBool,
 }
 
 /// One end of a copy-engine lane: the lane, shared with the rank at its
@@ -460,7 +477,7 @@ impl Issued {
     /// answered with its error by the waits
     /// (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
-        let done = self.event.done();
+        let done = self.known_done.load(Ordering::Acquire) || self.event.done();
         if done {
             self.check_delivery();
         }

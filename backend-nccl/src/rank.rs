@@ -714,6 +714,7 @@ impl NcclRank {
                 ctx: ticket.as_ref().map(|_| Arc::downgrade(ctx)),
                 ticket,
                 checked: std::sync::atomic::AtomicBool::new(false),
+                known_done: std::sync::atomic::AtomicBool::new(false),
             });
             {
                 let mut users = lock(&issued.buf.users);
@@ -1552,10 +1553,16 @@ impl NcclRank {
             return check::in_open_group(at, what, &r.meta.text());
         }
         if let Some(op) = buf.busy() {
+            // A sync may have covered it through an event all the same.
+            if lock(&self.ctx.order).idle(buf.id) {
+                buf.host_knows_done();
+                return Ok(());
+            }
             return Err(Error::Race {
                 at: check::place(at),
                 message: format!(
-                    "{what} of a buffer that {} still uses: synchronize its stream first",
+                    "{what} of a buffer that `{}` still uses ({}): synchronize its stream first",
+                    op.meta.text(),
                     op.meta.info()
                 ),
             });

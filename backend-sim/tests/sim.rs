@@ -803,3 +803,145 @@ fn alloc_after_a_failed_execution_fails() {
         "alloc went on after the failure"
     );
 }
+
+/// A dropped buffer's bytes are freed, so that code that makes and drops a
+/// large buffer per step runs in the memory of one (1 GiB, 64 times: far
+/// past what this machine has, where every buffer was kept to the end of
+/// the run).
+#[test]
+fn a_dropped_buffer_frees_its_bytes() {
+    let r = Sim::new(1).run(0, |t| {
+        for step in 0..64 {
+            let b = t
+                .alloc::<u8>(1 << 30)
+                .map_err(|e| Error::User(format!("step {step}: {e}")))?;
+            drop(b);
+        }
+        Ok(())
+    });
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}
+
+/// A buffer dropped while an op of its is in flight keeps its bytes until
+/// the op is done with them: the send delivers what was written, and a
+/// recv into a dropped buffer still completes.
+#[test]
+fn a_buffer_dropped_in_flight_still_delivers() {
+    Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t| {
+            if t.rank() == 0 {
+                for value in [7, 8] {
+                    let mut out = t.alloc::<u32>(64)?;
+                    t.write(&mut out, &[value; 64])?;
+                    t.send(&out, 1)?;
+                    drop(out);
+                }
+                t.synchronize()
+            } else {
+                let mut spare = t.alloc::<u32>(64)?;
+                t.recv(&mut spare, 0)?;
+                drop(spare);
+                let mut inb = t.alloc::<u32>(64)?;
+                t.recv(&mut inb, 0)?;
+                t.synchronize()?;
+                let got = t.read(&inb)?;
+                if got != [8; 64] {
+                    return Err(Error::User(format!("got {got:?}")));
+                }
+                Ok(())
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|f| panic!("{f}"));
+}
+
+/// The host may read a buffer once a sync covers its op through an event:
+/// a recv on A, an event recorded on A and waited for on B, then a sync of
+/// B (CUDA orders it, and the GPU backend allows it). Without the wait,
+/// the sync of B covers nothing on A, and the read is a race.
+#[test]
+fn a_sync_covers_what_events_ordered_before_its_stream() {
+    for chained in [true, false] {
+        let r = Sim::new(2).policy(Policy::PerDirection).check(move |t| {
+            let mut b = t.alloc::<u32>(4)?;
+            if t.rank() == 0 {
+                t.write(&mut b, &[5; 4])?;
+                t.send(&b, 1)?;
+                return t.synchronize();
+            }
+            let a = t.lane(0, Dir::Recv)?.stream;
+            let s = t.stream("consumer")?;
+            let e = t.event()?;
+            t.recv_on(&mut b, 0, &Place::stream(&a))?;
+            t.record(&e, &a)?;
+            if chained {
+                t.wait(&e, &s)?;
+            }
+            t.sync_stream(&s)?;
+            let got = t.read(&b);
+            if chained {
+                let got = got?;
+                if got != [5; 4] {
+                    return Err(Error::User(format!("got {got:?}")));
+                }
+            } else {
+                match got {
+                    Err(Error::Race { message, .. }) => {
+                        assert!(message.contains("recv 4 x u32 from rank 0"), "{message}")
+                    }
+                    other => panic!("expected a race, got {other:?}"),
+                }
+            }
+            t.synchronize()
+        });
+        assert!(r.is_ok(), "chained {chained}: {}", r.unwrap_err());
+    }
+}
+
+/// Rank code that retries a failed wait (as it may on GPUs, where a hang is
+/// a deadline that passed) is ended once the execution is over, where it
+/// spun for ever: the run returns the hang.
+#[test]
+fn a_thread_that_retries_after_the_end_is_ended() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = Sim::new(2).run(0, |t| {
+            if t.rank() == 0 {
+                while t.await_notify(1, "go").is_err() {}
+            }
+            Ok(()) // rank 1 never notifies
+        });
+        let _ = tx.send(r.map(drop).map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("Sim::run returned");
+    let e = r.expect_err("a hang");
+    assert!(e.contains("`await 1 go`"), "{e}");
+    assert!(e.contains("will ever `notify 0 go`"), "{e}");
+}
+
+/// The same loop in a correct program, explored: executions that the
+/// search cuts short end its threads too, and the check completes.
+#[test]
+fn a_retry_loop_in_a_correct_program_is_explored_to_the_end() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = Sim::new(2).check(|t| {
+            let peer = 1 - t.rank();
+            let a = t.spawn("a", move |t: &SimRank| {
+                while t.await_notify(peer, "go").is_err() {}
+                Ok(())
+            })?;
+            let b = t.spawn("b", move |t: &SimRank| t.notify(peer, "go"))?;
+            t.join(a)?;
+            t.join(b)
+        });
+        let _ = tx.send(r.map(|r| r.executions).map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("Sim::check returned");
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}

@@ -548,6 +548,15 @@ impl Order {
         });
     }
 
+    /// Whether the host knows every device access of `buffer` complete: a
+    /// completed sync covered each one (on its stream, or through events
+    /// ordered before the synced stream), or the host accessed the buffer
+    /// after them. A launch not yet on its streams
+    /// ([`Order::commit_pending`]) keeps its buffers' accesses.
+    pub fn idle(&self, buffer: u64) -> bool {
+        !self.uses.contains_key(&buffer)
+    }
+
     /// The host read or wrote `buffer` after finding no op using it: every
     /// earlier access is complete.
     /// An access of a launch not yet on its streams stays: the launch may
@@ -788,6 +797,33 @@ mod tests {
         o.record(3, 0);
         o.wait(3, 1);
         o.launch(&[(X, op(Dir::Send, 1))]).unwrap();
+    }
+
+    /// What a host read asks: a sync of stream 1 covers a recv on stream
+    /// 0 once stream 1 waits for an event recorded after it, not before;
+    /// a pending launch keeps its buffer busy whatever is synced.
+    #[test]
+    fn a_buffer_is_idle_once_a_sync_covers_its_ops_through_events() {
+        let mut o = Order::new();
+        assert!(o.idle(X));
+        o.launch(&[(X, op(Dir::Recv, 0))]).unwrap();
+        assert!(!o.idle(X));
+        o.record(3, 0);
+        let c = o.covers(Some(1));
+        o.synced(c);
+        assert!(!o.idle(X), "stream 1 does not wait for the event yet");
+        o.wait(3, 1);
+        let c = o.covers(Some(1));
+        o.synced(c);
+        assert!(o.idle(X));
+        let key = o.commit_pending(&[(X, op(Dir::Recv, 0))]);
+        let c = o.covers(None);
+        o.synced(c);
+        assert!(!o.idle(X), "a launch not yet on its stream");
+        o.landed(key);
+        let c = o.covers(None);
+        o.synced(c);
+        assert!(o.idle(X));
     }
 
     #[test]

@@ -330,6 +330,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             events_missing::<T>,
         ),
         s(
+            "events/host-read",
+            "a recv on one stream, an event recorded there and waited for on another stream, then a sync of that other stream: the host may read the received bytes (CUDA orders them); a sync of the other stream without the wait covers nothing, and the read is refused with a race",
+            2,
+            PerDirection,
+            Completes,
+            events_host_read::<T>,
+        ),
+        s(
             "group/same-buffer",
             "a group that sends a buffer and receives into it is refused with a race (a group's ops run at once); with two buffers it completes",
             2,
@@ -1034,6 +1042,37 @@ pub fn events_missing<T: Transport>(t: &T) -> Result<()> {
     } else {
         relay_across_streams(t, true)
     }
+}
+
+/// Rank 0 sends a message to rank 1, which receives it on stream `a` and
+/// records an event there. A sync of stream `b` before `b` waits for the
+/// event covers nothing on `a`: the host read is refused with a race
+/// naming the recv. Once `b` waits for the event, a sync of `b` covers the
+/// recv (D1), and the read returns the message.
+pub fn events_host_read<T: Transport>(t: &T) -> Result<()> {
+    if t.rank() == 0 {
+        let out = filled(t, 1, 9)?;
+        t.send(&out, 1)?;
+        return t.synchronize();
+    }
+    let a = t.stream("a")?;
+    let b = t.stream("b")?;
+    let e = t.event()?;
+    let mut buf = t.alloc::<u32>(len())?;
+    let from0 = t.lane(0, Dir::Recv)?;
+    t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
+    t.record(&e, &a)?;
+    t.sync_stream(&b)?;
+    expect_race(
+        t,
+        t.read(&buf).map(drop),
+        "a host read after a sync of a stream that does not wait for the recv's event",
+        &format!("recv {} x u32 from rank 0", len()),
+    )?;
+    t.wait(&e, &b)?;
+    t.sync_stream(&b)?;
+    check(t, &buf, 0, 9)?;
+    t.synchronize()
 }
 
 /// A group that sends a buffer and receives into the same buffer: its ops

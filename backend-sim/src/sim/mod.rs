@@ -29,7 +29,11 @@
 //! the transport never hangs the test: every blocked call returns
 //! [`duplex::Error::Hang`] with the same report as `duplex check`, and the
 //! run returns a [`Failure`] that prints the schedule and the call that
-//! replays it.
+//! replays it. Once an execution is over, every call fails at once with its
+//! error; a thread that goes on calling regardless (a loop that retries a
+//! failed wait, as it may on GPUs) is ended at its 1,000th such call, by
+//! unwinding its code, so that the run returns. Dropping a [`SimBuffer`]
+//! frees its bytes once the ops in flight on it are done with them.
 //!
 //! User code must be deterministic given what its transport calls return
 //! (as loom and shuttle require): the explorer re-executes it. Host memory
@@ -709,6 +713,7 @@ impl Sim {
             describe: format!("policy {}, model {}", self.policy, self.model),
             replay_hint: self.replay_hint(),
             progress: 0,
+            late_calls: Vec::new(),
             user_code_limit: self.user_code_limit,
         };
         let shared = Arc::new(Shared {

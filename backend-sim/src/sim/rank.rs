@@ -13,13 +13,29 @@ use super::world::{BufData, Ctl, Shared, Use};
 use duplex::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
 
 /// A buffer of simulated device memory (host memory; real bytes move).
+/// Dropping it frees its bytes once the ops in flight on it are done with
+/// them, as the GPU backend frees a dropped buffer's device memory.
 #[derive(Debug)]
 pub struct SimBuffer<E> {
     id: usize,
     /// The execution that made it ([`World::run`]).
     run: u64,
     len: usize,
+    /// The execution's world, to free the bytes on drop (weak: a buffer
+    /// kept past its execution keeps nothing alive).
+    world: std::sync::Weak<Shared>,
     _e: PhantomData<fn() -> E>,
+}
+
+impl<E> Drop for SimBuffer<E> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.world.upgrade() {
+            let mut w = shared.lock();
+            if w.run == self.run {
+                w.drop_buffer(self.id);
+            }
+        }
+    }
 }
 
 /// Why a buffer of another execution is refused.
@@ -130,7 +146,7 @@ impl SimRank {
     fn origin(&self, at: &Location<'_>, text: String) -> Result<duplex::machine::Origin> {
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         Ok(w.origin(check::place(at), text))
     }
@@ -187,7 +203,7 @@ impl SimRank {
         {
             let w = self.shared.lock();
             if w.over {
-                return Err(w.abort_error());
+                return Err(self.shared.ended(w, self.thread));
             }
             if buf.run != w.run {
                 return check::invalid(at, format!("{what}: {STALE}"));
@@ -308,7 +324,7 @@ impl SimRank {
         }
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         if buf.run != w.run {
             return check::invalid(at, format!("{what}: {STALE}"));
@@ -318,6 +334,13 @@ impl SimRank {
             _ => return check::invalid(at, format!("{what}: the buffer belongs to another rank")),
         }
         if let Some((op, text)) = w.user_of(id) {
+            // A sync may have covered its ops through an event all the
+            // same (as the GPU backend asks, `BufState::host_knows_done`).
+            if w.orders[self.rank as usize].idle(id as u64) {
+                w.host_knows_done(id);
+                w.orders[self.rank as usize].host_access(id as u64);
+                return Ok(());
+            }
             let state = if w.machine.op_done(op) {
                 "has completed on the device, but no synchronize has waited for it"
             } else {
@@ -369,7 +392,7 @@ impl Transport for SimRank {
         let at = Location::caller();
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         let bytes = len
             .checked_mul(E::DTYPE.size())
@@ -397,7 +420,7 @@ impl Transport for SimRank {
             return Err(Error::Invalid {
                 at: check::place(at),
                 message: format!(
-                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} the simulator's runs in this process hold, twice over, is more than this machine has{}; run it with smaller messages (`duplex check` needs no memory for them)",
+                    "alloc of {len} x {}: the simulator holds every buffer's bytes in host memory, with a host copy as large of what is written into it, and {} more on top of the {} the simulator's runs in this process hold, twice over, is more than this machine has{}; run it with smaller messages, or drop buffers it no longer uses (a dropped buffer's bytes are freed once its ops are done with them; `duplex check` needs no memory for messages)",
                     E::DTYPE,
                     duplex::Size(bytes as u64),
                     duplex::Size(crate::memory::held()),
@@ -412,16 +435,12 @@ impl Transport for SimRank {
         };
         w.buffer_bytes += bytes as u64;
         let key = w.next_buffer_key(self.thread);
-        w.buffers.push(BufData {
-            rank: self.rank,
-            bytes: zeroed,
-            key,
-            digest: None,
-        });
+        w.buffers.push(BufData::new(self.rank, zeroed, key));
         Ok(SimBuffer {
             id: w.buffers.len() - 1,
             run: w.run,
             len,
+            world: Arc::downgrade(&self.shared),
             _e: PhantomData,
         })
     }
@@ -460,7 +479,7 @@ impl Transport for SimRank {
     fn stream(&self, name: &str) -> Result<SimStream> {
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         let id = w.machine.setup_mut().add_stream(self.rank, name);
         w.machine.sync_setup();
@@ -477,7 +496,7 @@ impl Transport for SimRank {
         let (k, id) = {
             let mut w = self.shared.lock();
             if w.over {
-                return Err(w.abort_error());
+                return Err(self.shared.ended(w, self.thread));
             }
             let k = w.comm_calls[self.rank as usize];
             w.comm_calls[self.rank as usize] += 1;
@@ -609,7 +628,7 @@ impl Transport for SimRank {
     fn event(&self) -> Result<SimEvent> {
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         let n = w.machine.setup().events.len();
         let id = w
@@ -745,7 +764,7 @@ impl Transport for SimRank {
     {
         let mut w = self.shared.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.shared.ended(w, self.thread));
         }
         let id = w.machine.setup_mut().add_thread(self.rank, name);
         w.machine.sync_setup();

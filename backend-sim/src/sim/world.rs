@@ -84,6 +84,13 @@ pub(crate) struct BufData {
     /// The hash of `bytes`, `None` after they change (computed when the
     /// explorer next takes a fingerprint).
     pub(crate) digest: Option<u128>,
+    /// Ops still to deliver that read or write it (entries of
+    /// [`World::op_buffers`]).
+    pub(crate) in_flight: u32,
+    /// Its [`crate::SimBuffer`] was dropped: its bytes are freed once no op
+    /// in flight uses them (at once if none does), as the GPU backend
+    /// frees a dropped buffer's memory once its ops have completed.
+    pub(crate) dropped: bool,
 }
 
 impl BufData {
@@ -104,6 +111,18 @@ impl BufData {
             .digest
             .get_or_insert_with(|| xxhash_rust::xxh3::xxh3_128(&self.bytes))
     }
+
+    /// A buffer made by `alloc`.
+    pub(crate) fn new(rank: Rank, bytes: Vec<u8>, key: (ThreadId, u32)) -> BufData {
+        BufData {
+            rank,
+            bytes,
+            key,
+            digest: None,
+            in_flight: 0,
+            dropped: false,
+        }
+    }
 }
 
 /// How an execution ended, if it failed.
@@ -123,6 +142,10 @@ pub(crate) enum Ending {
     /// A replayed schedule does not fit the program.
     Mismatch,
 }
+
+/// How many calls a thread may make once its execution is over before
+/// the simulator ends it ([`Shared::ended`]).
+pub(crate) const LATE_CALLS: u32 = 1000;
 
 pub(crate) struct World {
     /// This execution's number, unique in the process: a buffer made by
@@ -147,7 +170,9 @@ pub(crate) struct World {
     /// Ops still to deliver, and the buffer each reads or writes.
     pub(crate) op_buffers: HashMap<OpRef, usize>,
     /// Ops whose completion no host synchronize has observed yet: their
-    /// buffer, rank and stream. The host may not touch such a buffer.
+    /// buffer, rank and stream. The host may not touch such a buffer,
+    /// unless the rank's device order says that a sync covered them all
+    /// through events ([`duplex::order::Order::idle`]).
     pub(crate) unsynced: HashMap<OpRef, (usize, Rank, duplex::machine::StreamId, String)>,
     /// The ops of `unsynced` by buffer, in issue order: what a host read
     /// or write looks up, without a walk over every op in flight.
@@ -189,6 +214,9 @@ pub(crate) struct World {
     /// at every transport call and every thread's start and end, the
     /// waiting threads' sign of progress.
     pub(crate) progress: u64,
+    /// Per thread: the calls it made once the execution was over
+    /// ([`Shared::ended`]).
+    pub(crate) late_calls: Vec<u32>,
     /// How long the running thread may go without `progress`
     /// ([`crate::Sim::user_code_limit`]).
     pub(crate) user_code_limit: std::time::Duration,
@@ -247,10 +275,11 @@ impl Shared {
         call: HostCall,
         bufs: Vec<Use>,
     ) -> Result<(), Error> {
-        let mut w = self.lock();
+        let w = self.lock();
         if w.over {
-            return Err(w.abort_error());
+            return Err(self.ended(w, t));
         }
+        let mut w = w;
         if let Err(e) = w.machine.check_call(t, &call) {
             return Err(e.into());
         }
@@ -259,6 +288,40 @@ impl Shared {
         w.schedule();
         w.wake();
         self.wait_turn(w, t)
+    }
+
+    /// The error of a call thread `t` made once the execution was over:
+    /// the execution's own error. A thread that goes on calling after it
+    /// (rank code that retries a failed wait, as it may on GPUs, where
+    /// [`Error::Hang`] means that a deadline passed) would spin for ever
+    /// and keep the run from returning, since every call now fails at once
+    /// and each counts as progress. Its [`LATE_CALLS`]th call after the end
+    /// therefore ends the thread instead, by unwinding its code (as a
+    /// panic does, which [`super::rank::run_thread`] catches); the
+    /// execution's outcome, decided before, stays as it was.
+    #[allow(clippy::print_stderr)]
+    pub(crate) fn ended(&self, mut w: MutexGuard<'_, World>, t: ThreadId) -> Error {
+        let error = w.abort_error();
+        let i = t.0 as usize;
+        if w.late_calls.len() <= i {
+            w.late_calls.resize(i + 1, 0);
+        }
+        w.late_calls[i] += 1;
+        if w.late_calls[i] < LATE_CALLS {
+            return error;
+        }
+        let message = format!(
+            "{} made {LATE_CALLS} transport calls after the execution had ended, each of which failed at once with its error ({error}); the simulator ends the thread here. Rank code that retries a failed call must stop on an error that says the run is over (Error::Hang, Error::Aborted)",
+            w.thread_name(t)
+        );
+        // Said at once where the execution failed (a pruned execution's
+        // threads end this way as a matter of course).
+        let failed = !matches!(w.ending, None | Some(Ending::Pruned));
+        drop(w);
+        if failed {
+            eprintln!("duplex-sim: {message}");
+        }
+        std::panic::resume_unwind(Box::new(message))
     }
 
     /// Waits until `t` may run again; returns the result of its call.
@@ -538,6 +601,7 @@ impl World {
                     let refs = Machine::op_refs(t, seq, spec);
                     for ((u, o), op) in bufs.iter().zip(&spec.ops).zip(refs) {
                         self.op_buffers.insert(op, u.buf);
+                        self.buffers[u.buf].in_flight += 1;
                         self.unsynced
                             .insert(op, (u.buf, rank, o.stream, text.clone()));
                         self.unsynced_by_buffer.entry(u.buf).or_default().insert(op);
@@ -590,24 +654,62 @@ impl World {
                 Delivery::Buffered { send } => {
                     if let Some(b) = self.op_buffers.remove(&send) {
                         self.snapshots.insert(send, self.buffers[b].bytes.clone());
+                        self.landed(b);
                     }
                 }
                 Delivery::Delivered { send, recv } => {
                     let data = match self.snapshots.remove(&send) {
                         Some(d) => Some(d),
-                        None => self
-                            .op_buffers
-                            .remove(&send)
-                            .map(|b| self.buffers[b].bytes.clone()),
+                        None => self.op_buffers.remove(&send).map(|b| {
+                            let data = self.buffers[b].bytes.clone();
+                            self.landed(b);
+                            data
+                        }),
                     };
-                    if let (Some(data), Some(b)) = (data, self.op_buffers.remove(&recv)) {
+                    let recv = self.op_buffers.remove(&recv);
+                    if let (Some(data), Some(b)) = (data, recv) {
                         let dst = self.buffers[b].bytes_mut();
                         let n = dst.len().min(data.len());
                         dst[..n].copy_from_slice(&data[..n]);
                     }
+                    if let Some(b) = recv {
+                        self.landed(b);
+                    }
                 }
             }
         }
+    }
+
+    /// An op in flight on buffer `b` is done with it: a dropped buffer
+    /// that no op uses any more is freed.
+    fn landed(&mut self, b: usize) {
+        let buf = &mut self.buffers[b];
+        buf.in_flight -= 1;
+        if buf.dropped && buf.in_flight == 0 {
+            self.free(b);
+        }
+    }
+
+    /// The [`crate::SimBuffer`] of buffer `b` was dropped: its bytes go
+    /// now, or once the last op in flight on it is done with them.
+    pub(crate) fn drop_buffer(&mut self, b: usize) {
+        let Some(buf) = self.buffers.get_mut(b) else {
+            return;
+        };
+        buf.dropped = true;
+        if buf.in_flight == 0 {
+            self.free(b);
+        }
+    }
+
+    /// Frees buffer `b`'s bytes (it stays in `buffers`, empty, so that the
+    /// indices of the others hold, and in the fingerprint as freed).
+    fn free(&mut self, b: usize) {
+        let buf = &mut self.buffers[b];
+        let n = std::mem::take(&mut buf.bytes).len() as u64;
+        buf.digest = None;
+        self.buffer_bytes -= n;
+        crate::memory::release(n);
     }
 
     /// The first op (by issue) that may still use buffer `b` as far as the
@@ -620,6 +722,19 @@ impl World {
     }
 
     /// Takes `op` out of the ops the host has not synchronized with.
+    /// The host knows every op on buffer `b` complete (a sync covered them
+    /// through events, [`duplex::order::Order::idle`]): they are forgotten.
+    pub(crate) fn host_knows_done(&mut self, b: usize) {
+        let ops: Vec<OpRef> = self
+            .unsynced_by_buffer
+            .get(&b)
+            .map(|ops| ops.iter().copied().collect())
+            .unwrap_or_default();
+        for op in ops {
+            self.forget_unsynced(op);
+        }
+    }
+
     fn forget_unsynced(&mut self, op: OpRef) {
         if let Some((b, ..)) = self.unsynced.remove(&op)
             && let Some(ops) = self.unsynced_by_buffer.get_mut(&b)
@@ -674,17 +789,18 @@ impl World {
             o.digest(&mut h);
         }
         // Buffers by their keys, not by the order they were made in.
-        let mut keyed: Vec<((u32, u32), Rank, u128)> = self
+        let mut keyed: Vec<((u32, u32), Rank, bool, u128)> = self
             .buffers
             .iter_mut()
-            .map(|b| ((b.key.0.0, b.key.1), b.rank, b.digest()))
+            .map(|b| ((b.key.0.0, b.key.1), b.rank, b.dropped, b.digest()))
             .collect();
         keyed.sort_unstable();
         h.write_usize(keyed.len());
-        for (key, rank, digest) in keyed {
+        for (key, rank, dropped, digest) in keyed {
             h.write_u32(key.0);
             h.write_u32(key.1);
             h.write_u32(rank);
+            h.write_u8(dropped.into());
             h.write_u128(digest);
         }
         let key = |b: usize| {
