@@ -257,24 +257,49 @@ pub fn latent(program: &Program, budget: &Budget) -> Vec<Latent> {
 /// tries, for the first ranks of the hang.
 const MAX_SWAPS: usize = 8;
 
+/// The command line set the program's policy (`duplex check --policy`),
+/// which overrides the file's: an edit of the file's `policy` line changes
+/// nothing then, so the policy repair is the flag.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PolicyFlag {
+    /// The file's own `copy-from=` (which `--policy shared` set aside), or
+    /// the command line's `--copy-from`: what `--policy per-direction`
+    /// would check with.
+    pub copy_from: Option<duplex::Size>,
+}
+
 /// The repairs of a program that can hang, each verified to make it `ok`.
 /// `source` is the file's text (to place a `policy` line); `stuck` is the
-/// hang found.
+/// hang found; `flag` says that the command line set the policy.
 pub fn repairs(
     program: &Program,
     source: Option<&str>,
     stuck: &Stuck,
     budget: &Budget,
+    flag: Option<&PolicyFlag>,
 ) -> Vec<Repair> {
     let mut candidates: Vec<(String, Program, Vec<Edit>)> = Vec::new();
     if program.policy == Policy::Shared {
         let mut p = program.clone();
         p.policy = Policy::PerDirection;
         let title = "give each direction its own lane (a communicator and a stream per ordered pair of ranks)";
-        candidates.push(match policy_edit(source) {
-            Some(edit) => (title.into(), p, vec![edit]),
+        let edit = match flag {
+            Some(flag) => {
+                p.copy_from = flag.copy_from;
+                Err(format!(
+                    "{title}: check it with `--policy per-direction` in place of the command line's `--policy shared`, which overrides the file's policy{}",
+                    flag.copy_from
+                        .map(|c| format!(" (ops of {c} and more then go on copy-engine lanes, as the file's `copy-from={c}` says)"))
+                        .unwrap_or_default()
+                ))
+            }
+            None => Ok(policy_edit(source)),
+        };
+        candidates.push(match edit {
+            Err(title) => (title, p, Vec::new()),
+            Ok(Some(edit)) => (title.into(), p, vec![edit]),
             // The file says so already: the command line overrode it.
-            None => (
+            Ok(None) => (
                 format!("{title}: the file's `policy per-direction` does, once the command line's `--policy shared` no longer overrides it"),
                 p,
                 Vec::new(),
@@ -674,7 +699,7 @@ mod tests {
     fn the_pair_repaired_starts_at_the_op_a_rank_is_stuck_at() {
         let src = "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  recv 0 4KiB\n  send 0 4KiB\n  send 0 4KiB\n  recv 0 4KiB\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck, &Budget::default());
+        let r = repairs(&p, Some(src), &stuck, &Budget::default(), None);
         let titles: Vec<&str> = r.iter().map(|r| r.title.as_str()).collect();
         assert!(
             titles.iter().any(|t| t.starts_with("group the send")),
@@ -700,7 +725,7 @@ mod tests {
     fn the_seed_gets_lanes_grouping_and_a_reordered_rank_all_verified() {
         let src = "ranks 2\nrank 0:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1:\n  send 0 4KiB\n  recv 0 4KiB\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck, &Budget::default());
+        let r = repairs(&p, Some(src), &stuck, &Budget::default(), None);
         let titles: Vec<&str> = r.iter().map(|r| r.title.as_str()).collect();
         assert!(titles.iter().any(|t| t.contains("own lane")), "{titles:?}");
         assert!(titles.iter().any(|t| t.contains("group")), "{titles:?}");
@@ -734,7 +759,7 @@ mod tests {
         // order helps, and nothing is suggested.
         let src = "ranks 2\nrank 0:\n  recv 1 4KiB\n  sync\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  sync\n  send 0 4KiB\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck, &Budget::default());
+        let r = repairs(&p, Some(src), &stuck, &Budget::default(), None);
         assert!(
             r.is_empty(),
             "per-direction does not fix recv; sync; send, and nothing else was tried: {:?}",
@@ -746,7 +771,7 @@ mod tests {
     fn an_explicit_ring_gets_a_verified_grouping_or_a_separate_communicator() {
         let src = "ranks 2\ncomm c 0 1\nrank 0:\n  send 1 4KiB comm=c stream=s\n  recv 1 4KiB comm=c stream=s\nrank 1:\n  send 0 4KiB comm=c stream=s\n  recv 0 4KiB comm=c stream=s\n";
         let (p, stuck) = stuck_of(src);
-        let r = repairs(&p, Some(src), &stuck, &Budget::default());
+        let r = repairs(&p, Some(src), &stuck, &Budget::default(), None);
         assert!(r.iter().any(|r| r.title.contains("group")), "{r:?}");
         assert!(r.iter().all(|r| r.verdict == VerdictKind::Ok));
         let own = r

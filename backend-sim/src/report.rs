@@ -38,9 +38,10 @@ pub struct Report {
     /// For an error: what and which ops.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorReport>,
-    /// For a deadlock or an error: the host steps that lead there.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub steps: Vec<Step>,
+    /// For a deadlock or an error: the host steps that lead there (empty
+    /// where the program is stuck or wrong before any step).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<Vec<Step>>,
     /// For a deadlock or an error: the schedule that replays it
     /// (`duplex check FILE --replay SCHEDULE`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -122,7 +123,13 @@ pub fn shell_word(word: &str) -> String {
 /// The command that replays `schedule` of `file` with the command line's
 /// `flags`, each quoted as a shell word.
 fn replay_command(file: &str, flags: &[String], schedule: &str) -> String {
-    let mut words = vec!["duplex".to_string(), "check".into(), shell_word(file)];
+    // A file name that starts with `-` would be taken for an option.
+    let file = if file.starts_with('-') && file != "-" {
+        format!("./{file}")
+    } else {
+        file.to_string()
+    };
+    let mut words = vec!["duplex".to_string(), "check".into(), shell_word(&file)];
     words.extend(flags.iter().map(|f| shell_word(f)));
     words.extend(["--replay".into(), schedule.to_string()]);
     words.join(" ")
@@ -158,8 +165,8 @@ impl Report {
     /// Builds the report of `outcome` for `file`.
     pub fn new(file: &str, policy: Policy, model: Model, outcome: &Outcome) -> Report {
         let (verdict, stuck, error, steps, schedule) = match &outcome.verdict {
-            Verdict::Ok => (VerdictKind::Ok, None, None, vec![], None),
-            Verdict::Inconclusive => (VerdictKind::Inconclusive, None, None, vec![], None),
+            Verdict::Ok => (VerdictKind::Ok, None, None, None, None),
+            Verdict::Inconclusive => (VerdictKind::Inconclusive, None, None, None, None),
             Verdict::Deadlock {
                 stuck,
                 trace,
@@ -168,7 +175,7 @@ impl Report {
                 VerdictKind::Deadlock,
                 Some((**stuck).clone()),
                 None,
-                trace.clone(),
+                Some(trace.clone()),
                 Some(schedule.to_string()),
             ),
             Verdict::Error {
@@ -179,7 +186,7 @@ impl Report {
                 VerdictKind::Error,
                 None,
                 Some(error.into()),
-                trace.clone(),
+                Some(trace.clone()),
                 Some(schedule.to_string()),
             ),
         };
@@ -207,16 +214,18 @@ impl Report {
     /// the checker verified; for `ok`, the hangs a knob hides. `source` is
     /// the file's text, to place edits by line; `budget` bounds the
     /// advice's checks (what is left of a command's `--time-limit`), and
-    /// [`Report::advice_cut`] says when it ran out.
+    /// [`Report::advice_cut`] says when it ran out. `flag` says that the
+    /// command line set the policy ([`advice::PolicyFlag`]).
     pub fn advise(
         mut self,
         program: &Program,
         source: Option<&str>,
         budget: &advice::Budget,
+        flag: Option<&advice::PolicyFlag>,
     ) -> Report {
         match (&self.verdict, &self.stuck) {
             (VerdictKind::Deadlock, Some(stuck)) => {
-                self.repairs = advice::repairs(program, source, stuck, budget);
+                self.repairs = advice::repairs(program, source, stuck, budget, flag);
                 self.advice_cut = budget.spent();
             }
             (VerdictKind::Ok, _) => {
@@ -302,16 +311,23 @@ impl fmt::Display for Report {
             writeln!(f)?;
             write!(f, "{stuck}")?;
         }
-        if !self.steps.is_empty() {
+        if self.steps.as_ref().is_some_and(Vec::is_empty) {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "interleaving that leads there: none (reached before the first host step)"
+            )?;
+        }
+        if let Some(steps) = self.steps.as_ref().filter(|s| !s.is_empty()) {
             writeln!(f)?;
             writeln!(
                 f,
                 "interleaving that leads there ({}):",
-                counted(self.steps.len() as u64, "host step")
+                counted(steps.len() as u64, "host step")
             )?;
             // A long interleaving shows its start and the steps into the
             // hang; all of them are in `--format json`.
-            let n = self.steps.len();
+            let n = steps.len();
             let (head, tail) = if n > SHOWN_HEAD + SHOWN_TAIL + 1 {
                 (SHOWN_HEAD, SHOWN_TAIL)
             } else {
@@ -324,7 +340,7 @@ impl fmt::Display for Report {
                     s.step, s.rank, s.thread, s.action
                 )
             };
-            for s in &self.steps[..head] {
+            for s in &steps[..head] {
                 line(f, s)?;
             }
             if tail > 0 {
@@ -333,7 +349,7 @@ impl fmt::Display for Report {
                     "  … {} not shown (all of them: --format json; as a timeline: --trace FILE) …",
                     counted((n - head - tail) as u64, "host step")
                 )?;
-                for s in &self.steps[n - tail..] {
+                for s in &steps[n - tail..] {
                     line(f, s)?;
                 }
             }

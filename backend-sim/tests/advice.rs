@@ -25,7 +25,7 @@ fn every_printed_repair_applied_to_its_file_gives_an_ok_program() {
             continue;
         };
         hangs += 1;
-        for r in repairs(&p, Some(&text), &stuck, &Budget::default()) {
+        for r in repairs(&p, Some(&text), &stuck, &Budget::default(), None) {
             let fixed = apply(&text, &r.edits)
                 .unwrap_or_else(|e| panic!("{name}: `{}` does not apply: {e}", r.title));
             assert!(
@@ -54,7 +54,7 @@ fn the_seed_is_repaired_by_lanes_and_its_eager_form_has_a_latent_hang() {
     let Verdict::Deadlock { stuck, .. } = verdict(&seed) else {
         panic!("the seed hangs")
     };
-    let r = repairs(&p, Some(&seed), &stuck, &Budget::default());
+    let r = repairs(&p, Some(&seed), &stuck, &Budget::default(), None);
     assert!(r[0].title.contains("own lane"), "{r:?}");
     // With eager capacity above the messages, the seed completes, but only
     // because of it.

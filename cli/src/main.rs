@@ -23,6 +23,7 @@ use duplex::compile;
 use duplex::{Policy, Size};
 use duplex_sim::{check, report::Report};
 use failure::{FOUND, Failure, OK};
+use std::collections::HashMap;
 
 /// `duplex --help`'s last words: the exit statuses.
 const EXIT_STATUSES: &str = "\
@@ -31,7 +32,8 @@ Exit status:
      every example agrees (calibrate)
   1  a hang or a program error was found (check); the run hung or failed (run);
      some example disagrees or could not run with its launch (calibrate)
-  2  a file or the command line is invalid: nothing was checked or run
+  2  a file or the command line is invalid: nothing was checked or run; or the report
+     could not be written to standard output (stderr says why)
   3  the search reached --max-states or --time-limit before deciding (check)
   4  the backend is unavailable: no NCCL, CUDA driver or enough GPUs (run --backend nccl,
      calibrate)
@@ -275,11 +277,15 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    match cli.command {
+    let status = match cli.command {
         Command::Check(args) => run_check(&args),
         Command::Run(args) => run_run(&args),
         Command::Calibrate(args) => run_calibrate(&args),
+    };
+    if OUTPUT_LOST.load(std::sync::atomic::Ordering::Relaxed) {
+        return ExitCode::from(2);
     }
+    status
 }
 
 /// A command line clap refuses: its own message, or, when the command line
@@ -430,9 +436,19 @@ fn load_text(file: &str) -> Result<(duplex::schedule::Program, String), Failure>
 
 fn print(text: &str) {
     let mut out = std::io::stdout().lock();
-    // A closed pipe (`duplex ... | head`) is not an error of the command.
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    // A closed pipe (`duplex ... | head`) is not an error of the command;
+    // any other failure to write (a full disk) is, or a script would take
+    // the missing report for a verdict: said once, and `main` exits 2.
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+        && !OUTPUT_LOST.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        eprintln!("duplex: cannot write the report to standard output: {e}");
+    }
 }
+
+/// Set once writing to standard output failed ([`print`]).
+static OUTPUT_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A report as JSON: one line.
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, Failure> {
@@ -690,6 +706,16 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     ExitCode::from(if disagree { FOUND } else { OK })
 }
 
+/// Where `--trace OUT` writes the trace of `file`: `OUT` itself, or with
+/// several files `OUT.<the file's path, / as _>`.
+fn trace_path(out: &str, file: &str, several: bool) -> String {
+    if several {
+        format!("{out}.{}", file.replace(['/', '\\'], "_"))
+    } else {
+        out.to_string()
+    }
+}
+
 fn run_check(args: &CheckArgs) -> ExitCode {
     let json = matches!(args.format, CheckFormat::Json);
     // What applies to every file is checked once, before any file is read.
@@ -705,6 +731,21 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             "`-` (standard input) is given more than once: it can be read only once",
         );
         return fail(&f, json, "verdict");
+    }
+    if let Some(out) = &args.trace {
+        let mut seen: HashMap<String, &str> = HashMap::new();
+        for file in &args.files {
+            let path = trace_path(out, file, args.files.len() > 1);
+            if let Some(other) = seen.insert(path.clone(), file) {
+                let f = Failure::invalid(
+                    "usage",
+                    format!(
+                        "--trace: the traces of {other} and {file} would both go to {path}; check them with separate commands"
+                    ),
+                );
+                return fail(&f, json, "verdict");
+            }
+        }
     }
     let schedule = match &args.replay {
         None => None,
@@ -895,6 +936,11 @@ fn check_file(
     schedule: Option<&duplex_sim::explore::Schedule>,
 ) -> Result<Report, Failure> {
     let (mut program, source) = load_text(file)?;
+    // What `--policy per-direction` in place of the command line's policy
+    // would check with (the policy repair, `advice::PolicyFlag`).
+    let flag = args.policy.map(|_| duplex_sim::advice::PolicyFlag {
+        copy_from: args.copy_from.or(program.copy_from),
+    });
     // These depend on the file (its policy, its model): the error names
     // it, as each file of several is checked on its own.
     place(&mut program, args.policy, args.copy_from).map_err(|f| about(file, f))?;
@@ -953,11 +999,7 @@ fn check_file(
             }
             _ => schedule.cloned(),
         };
-        let path = if args.files.len() > 1 {
-            format!("{out}.{}", file.replace(['/', '\\'], "_"))
-        } else {
-            out.clone()
-        };
+        let path = trace_path(out, file, args.files.len() > 1);
         match found {
             Some(s) => {
                 let trace = check::trace_of(&compiled, &s)
@@ -995,6 +1037,6 @@ fn check_file(
     Ok(if schedule.is_some() {
         report.replayed()
     } else {
-        report.advise(&program, Some(&source), &budget)
+        report.advise(&program, Some(&source), &budget, flag.as_ref())
     })
 }

@@ -1388,7 +1388,7 @@ fn the_policy_repair_fits_a_byte_order_mark_and_a_policy_given_on_the_command_li
     let out = duplex(&["check", said.to_str().unwrap(), "--policy", "shared"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("once the command line's `--policy shared` no longer overrides it"),
+        text.contains("check it with `--policy per-direction` in place of the command line's `--policy shared`"),
         "{text}"
     );
     assert!(
@@ -1486,4 +1486,125 @@ fn a_device_and_standard_input_twice_are_refused_at_once() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("more than once"), "{stderr}");
+}
+
+fn example(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples")
+        .join(name)
+        .to_str()
+        .expect("utf-8 path")
+        .to_string()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Under `--policy shared` on the command line, an edit of the file's
+/// `policy` line would change nothing: the policy repair is the flag, and
+/// the flag does make the program ok.
+#[test]
+fn a_policy_given_on_the_command_line_is_repaired_by_the_flag() {
+    for name in ["seed.sched", "copy-lanes-seed.sched"] {
+        let file = example(name);
+        let out = duplex(&["check", &file, "--policy", "shared", "--format", "json"]);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        let json = json_of(&out);
+        let first = &json["repairs"][0];
+        let title = first["title"].as_str().expect("a title");
+        assert!(
+            title.contains("check it with `--policy per-direction`"),
+            "{name}: {title}"
+        );
+        assert_eq!(first["edits"].as_array().map(Vec::len), Some(0), "{name}");
+        let out = duplex(&["check", &file, "--policy", "per-direction"]);
+        assert_eq!(out.status.code(), Some(0), "{name}");
+    }
+}
+
+/// A hang there before the first host step has an interleaving of no
+/// steps: `steps` is `[]` in JSON, as for any deadlock, and the text says so.
+#[test]
+fn a_hang_before_any_step_has_an_empty_interleaving() {
+    let dir = tempdir();
+    let file = dir.join("awaits.sched");
+    std::fs::write(
+        &file,
+        "ranks 2\nrank 0:\n  await 1 x\nrank 1:\n  await 0 y\n",
+    )
+    .expect("write");
+    let file = file.to_str().expect("utf-8");
+    let out = duplex(&["check", file, "--format", "json"]);
+    let json = json_of(&out);
+    assert_eq!(json["verdict"], "deadlock");
+    assert_eq!(json["steps"], serde_json::json!([]), "{json}");
+    let text = String::from_utf8_lossy(&duplex(&["check", file]).stdout).into_owned();
+    assert!(
+        text.contains("interleaving that leads there: none"),
+        "{text}"
+    );
+}
+
+/// The replay command a report prints runs as printed, even for a file
+/// whose name starts with `-`.
+#[test]
+fn the_replay_command_of_a_dash_file_runs() {
+    let dir = tempdir().join("dash");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::copy(example("seed.sched"), dir.join("-seed.sched")).expect("copy");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("runs")
+    };
+    let json = json_of(&run(&["check", "--format", "json", "--", "-seed.sched"]));
+    let replay = json["replay"].as_str().expect("a replay command");
+    let words: Vec<&str> = replay.split(' ').collect();
+    assert_eq!(
+        &words[..3],
+        ["duplex", "check", "./-seed.sched"],
+        "{replay}"
+    );
+    let out = run(&words[1..]);
+    assert_eq!(out.status.code(), Some(1), "{replay}: {out:?}");
+}
+
+/// Two files whose traces would go to one file are refused before any is
+/// checked, where the second trace overwrote the first.
+#[test]
+fn traces_that_would_collide_are_refused() {
+    let dir = tempdir().join("collide");
+    std::fs::create_dir_all(dir.join("a")).expect("dir");
+    std::fs::copy(example("seed.sched"), dir.join("a/b.sched")).expect("copy");
+    std::fs::copy(example("seed.sched"), dir.join("a_b.sched")).expect("copy");
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["check", "a/b.sched", "a_b.sched", "--trace", "t.json"])
+        .current_dir(&dir)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would both go to t.json.a_b.sched"), "{err}");
+    assert!(!dir.join("t.json.a_b.sched").exists());
+}
+
+/// A report that cannot be written is an error (status 2, said on stderr),
+/// not a silent verdict.
+#[test]
+fn a_report_that_cannot_be_written_is_an_error() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return; // no /dev/full here: nothing to show
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["check", &example("seed.sched")])
+        .stdout(full)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot write the report"), "{err}");
 }

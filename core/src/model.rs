@@ -132,7 +132,8 @@ impl Model {
                         Some(n) if n > 0 => Some(n),
                         _ => {
                             return Err(format!(
-                                "`kernels` takes a positive number or `unbounded`, not `{n}`"
+                                "`kernels` takes a whole number from 1 to {} or `unbounded`, not `{n}`",
+                                u32::MAX
                             ));
                         }
                     },
@@ -214,7 +215,9 @@ mod tests {
     fn bad_settings_say_what_is_expected() {
         let mut m = Model::default();
         assert!(m.set("eager").unwrap_err().contains("KEY=VALUE"));
-        assert!(m.set("kernels=0").unwrap_err().contains("positive"));
+        assert!(m.set("kernels=0").unwrap_err().contains("from 1 to 4294967295"));
+        let e = m.set("kernels=4294967296").unwrap_err();
+        assert!(e.contains("from 1 to 4294967295"), "{e}");
         assert!(
             m.set("lazy-connect=yes")
                 .unwrap_err()
