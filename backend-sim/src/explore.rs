@@ -313,6 +313,9 @@ impl Scheduler for Replay {
 struct Frame {
     options: Vec<ThreadId>,
     next: usize,
+    /// The state's fingerprint when the frame was made (checked on replay
+    /// by a verifying search, [`Dfs::verifying`]).
+    fingerprint: u128,
 }
 
 /// Depth-first search over executions: each execution follows the choices
@@ -326,9 +329,34 @@ pub struct Dfs {
     stack: Vec<Frame>,
     depth: usize,
     visited: HashSet<u128>,
+    /// Whether a replayed decision must find the state it recorded.
+    verify: bool,
+    /// The first replayed decision that did not ([`Dfs::diverged`]).
+    diverged: Option<usize>,
 }
 
 impl Dfs {
+    /// A search that checks, at every decision it replays on the way to the
+    /// next untried choice, that the state and the threads to choose from
+    /// are those it recorded there; where they are not, it stops with
+    /// [`Choice::Mismatch`] and [`Dfs::diverged`] says where. For a driver
+    /// that re-executes code which must be deterministic (the simulated
+    /// transport's rank code) and passes the real fingerprint at every
+    /// decision; a driver that passes none on replay (the schedule
+    /// checker, whose machine is deterministic) uses the default search.
+    pub fn verifying() -> Dfs {
+        Dfs {
+            verify: true,
+            ..Dfs::default()
+        }
+    }
+
+    /// The first decision (0-based) at which a verifying search found,
+    /// replaying, another state than it had recorded there.
+    pub fn diverged(&self) -> Option<usize> {
+        self.diverged
+    }
+
     /// Moves to the next execution; returns the depth (decision index) of
     /// the frame whose choice changed, or `None` when every option was
     /// tried. The next execution starts from the beginning; a driver that
@@ -373,6 +401,10 @@ impl Scheduler for Dfs {
         let d = self.depth;
         self.depth += 1;
         if let Some(frame) = self.stack.get(d) {
+            if self.verify && (frame.fingerprint != fingerprint || frame.options != options) {
+                self.diverged = Some(d);
+                return Choice::Mismatch;
+            }
             return Choice::Take(frame.options[frame.next]);
         }
         if !self.visited.insert(fingerprint) {
@@ -381,6 +413,7 @@ impl Scheduler for Dfs {
         self.stack.push(Frame {
             options: options.to_vec(),
             next: 0,
+            fingerprint,
         });
         Choice::Take(options[0])
     }

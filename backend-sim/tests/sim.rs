@@ -945,3 +945,41 @@ fn a_retry_loop_in_a_correct_program_is_explored_to_the_end() {
         .expect("Sim::check returned");
     assert!(r.is_ok(), "{}", r.unwrap_err());
 }
+
+/// Rank code that does something else when run again (here a counter kept
+/// across executions; a clock, randomness or a HashMap's order do the
+/// same) cannot be searched: `Sim::check` says so, where it returned Ok.
+#[test]
+fn rank_code_that_changes_between_executions_is_reported() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static EXECUTIONS: AtomicUsize = AtomicUsize::new(0);
+    let r = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t: &SimRank| {
+            if t.rank() == 0 {
+                let a = t.spawn("tx", |t: &SimRank| {
+                    let b = t.alloc::<u8>(1)?;
+                    t.send(&b, 1)
+                })?;
+                let c = t.spawn("rx", |t: &SimRank| {
+                    let mut b = t.alloc::<u8>(1)?;
+                    t.recv(&mut b, 1)
+                })?;
+                t.join(a)?;
+                t.join(c)
+            } else {
+                if EXECUTIONS.fetch_add(1, Ordering::Relaxed) >= 2 {
+                    t.notify(0, "only-sometimes")?;
+                }
+                let mut a = t.alloc::<u8>(1)?;
+                let b = t.alloc::<u8>(1)?;
+                t.recv(&mut a, 0)?;
+                t.send(&b, 0)?;
+                t.synchronize()
+            }
+        });
+    match r {
+        Err(Failure::Nondeterministic(m)) => assert!(m.contains("same first"), "{m}"),
+        other => panic!("expected the nondeterminism found, got {other:?}"),
+    }
+}

@@ -215,7 +215,11 @@ mod tests {
     fn bad_settings_say_what_is_expected() {
         let mut m = Model::default();
         assert!(m.set("eager").unwrap_err().contains("KEY=VALUE"));
-        assert!(m.set("kernels=0").unwrap_err().contains("from 1 to 4294967295"));
+        assert!(
+            m.set("kernels=0")
+                .unwrap_err()
+                .contains("from 1 to 4294967295")
+        );
         let e = m.set("kernels=4294967296").unwrap_err();
         assert!(e.contains("from 1 to 4294967295"), "{e}");
         assert!(

@@ -36,7 +36,9 @@
 //! frees its bytes once the ops in flight on it are done with them.
 //!
 //! User code must be deterministic given what its transport calls return
-//! (as loom and shuttle require): the explorer re-executes it. Host memory
+//! (as loom and shuttle require): the explorer re-executes it, and
+//! [`Sim::check`] checks, at every decision it replays, that the state is
+//! the one it recorded there ([`Failure::Nondeterministic`] if not). Host memory
 //! that several host threads share outside the transport is not a scheduling
 //! point and is not explored. And a wait outside the transport (a lock, a
 //! channel or a `std::sync::Barrier` that rank threads share) is invisible
@@ -142,6 +144,10 @@ pub enum Failure {
     },
     /// [`Sim::replay`] was given a schedule that does not fit the program.
     Schedule(String),
+    /// [`Sim::check`] ran the rank code again along a path it had taken
+    /// and it did something else: the code is not deterministic given
+    /// what the transport returns, so the search cannot cover it.
+    Nondeterministic(String),
     /// A setting from the environment does not parse
     /// (`DUPLEX_MAX_EXECUTIONS`); nothing ran.
     Setting(String),
@@ -161,7 +167,10 @@ impl Failure {
         match self {
             Failure::Hang(h) => h.schedule.as_deref(),
             Failure::Program { schedule, .. } | Failure::Thread { schedule, .. } => Some(schedule),
-            Failure::Bound { .. } | Failure::Schedule(_) | Failure::Setting(_) => None,
+            Failure::Bound { .. }
+            | Failure::Schedule(_)
+            | Failure::Nondeterministic(_)
+            | Failure::Setting(_) => None,
         }
     }
 }
@@ -217,6 +226,7 @@ impl fmt::Display for Failure {
                  raise the bound with Sim::max_executions(n) or DUPLEX_MAX_EXECUTIONS=n, or make the program smaller"
             ),
             Failure::Schedule(m) => write!(f, "cannot replay: {m}"),
+            Failure::Nondeterministic(m) => write!(f, "the rank code is not deterministic: {m}"),
             Failure::Setting(m) => write!(f, "invalid setting: {m}"),
         }
     }
@@ -537,7 +547,7 @@ impl Sim {
     {
         self.valid()?;
         let max_executions = self.max_executions.clone().map_err(Failure::Setting)?;
-        let mut dfs = Dfs::default();
+        let mut dfs = Dfs::verifying();
         let mut executions = 0;
         loop {
             executions += 1;
@@ -546,6 +556,12 @@ impl Sim {
                 unreachable!("the strategy comes back as it went")
             };
             dfs = back;
+            if let (Some(Ending::Mismatch), Some(d)) = (&ending, dfs.diverged()) {
+                return Err(Failure::Nondeterministic(format!(
+                    "execution {executions} of the rank code, made with the same first {} as an earlier one, reached another state there (its threads were told other data, made other calls, or allocated otherwise): Sim::check runs the code again for every interleaving it explores, and needs it to do the same given what the transport returns (no clock, randomness, iteration order of a HashMap, or state kept across executions in a static)",
+                    duplex::report::counted(d as u64, "choice")
+                )));
+            }
             self.conclude(ending, &choices, &trace)
                 .inspect_err(|_| self.write_trace(&trace))?;
             if dfs.backtrack().is_none() {
