@@ -983,3 +983,48 @@ fn rank_code_that_changes_between_executions_is_reported() {
         other => panic!("expected the nondeterminism found, got {other:?}"),
     }
 }
+
+/// Half-precision buffers move their bits, and a bf16 send met by an f16
+/// recv of as many bytes is a type mismatch, as on NCCL (which moves
+/// `ncclBfloat16` and `ncclFloat16`).
+#[test]
+fn half_precision_moves_and_its_two_kinds_are_told_apart() {
+    use duplex::{Bf16, F16};
+    Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t| {
+            if t.rank() == 0 {
+                let mut out = t.alloc::<Bf16>(8)?;
+                t.write(&mut out, &[Bf16(0x3fc0); 8])?;
+                t.send(&out, 1)?;
+                t.synchronize()
+            } else {
+                let mut inb = t.alloc::<Bf16>(8)?;
+                t.recv(&mut inb, 0)?;
+                t.synchronize()?;
+                let got = t.read(&inb)?;
+                if got != [Bf16(0x3fc0); 8] {
+                    return Err(Error::User(format!("got {got:?}")));
+                }
+                Ok(())
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|f| panic!("{f}"));
+    let f = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .check(|t| {
+            if t.rank() == 0 {
+                let out = t.alloc::<Bf16>(8)?;
+                t.send(&out, 1)?;
+            } else {
+                let mut inb = t.alloc::<F16>(8)?;
+                t.recv(&mut inb, 0)?;
+            }
+            t.synchronize()
+        })
+        .expect_err("a type mismatch");
+    let text = f.to_string();
+    assert!(text.contains("bf16") && text.contains("f16"), "{text}");
+    assert!(matches!(f, Failure::Program { .. }), "{text}");
+}

@@ -31,7 +31,7 @@ mod size;
 pub mod trace;
 pub mod transport;
 
-pub use element::{DType, Element};
+pub use element::{Bf16, DType, Element, F16};
 pub use error::{Error, Hang, ProgramErrorKind, Result};
 pub use model::{Model, Policy};
 pub use schedule::Dir;

@@ -338,6 +338,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             events_host_read::<T>,
         ),
         s(
+            "dtype/half",
+            "bf16 and f16 buffers (ncclBfloat16, ncclFloat16) each way on per-direction lanes: every element's bits arrive",
+            2,
+            PerDirection,
+            Completes,
+            half_precision::<T>,
+        ),
+        s(
             "group/same-buffer",
             "a group that sends a buffer and receives into it is refused with a race (a group's ops run at once); with two buffers it completes",
             2,
@@ -1073,6 +1081,51 @@ pub fn events_host_read<T: Transport>(t: &T) -> Result<()> {
     t.sync_stream(&b)?;
     check(t, &buf, 0, 9)?;
     t.synchronize()
+}
+
+/// Each rank sends the other a bf16 and an f16 message (bit patterns that
+/// name the sender and the element) and checks every element it receives.
+pub fn half_precision<T: Transport>(t: &T) -> Result<()> {
+    use duplex::{Bf16, F16};
+    let peer = 1 - t.rank();
+    let n = len();
+    let bits = |r: Rank, kind: u16, i: usize| (r as u16) << 15 | kind << 14 | (i as u16 & 0x3fff);
+    let mut bf = t.alloc::<Bf16>(n)?;
+    let mut hf = t.alloc::<F16>(n)?;
+    t.write(
+        &mut bf,
+        &(0..n)
+            .map(|i| Bf16(bits(t.rank(), 0, i)))
+            .collect::<Vec<_>>(),
+    )?;
+    t.write(
+        &mut hf,
+        &(0..n)
+            .map(|i| F16(bits(t.rank(), 1, i)))
+            .collect::<Vec<_>>(),
+    )?;
+    let mut bf_in = t.alloc::<Bf16>(n)?;
+    let mut hf_in = t.alloc::<F16>(n)?;
+    t.group(|| {
+        t.send(&bf, peer)?;
+        t.send(&hf, peer)?;
+        t.recv(&mut bf_in, peer)?;
+        t.recv(&mut hf_in, peer)
+    })?;
+    t.synchronize()?;
+    let got_bf = t.read(&bf_in)?;
+    let got_hf = t.read(&hf_in)?;
+    for i in 0..n {
+        if got_bf[i] != Bf16(bits(peer, 0, i)) || got_hf[i] != F16(bits(peer, 1, i)) {
+            return Err(Error::User(format!(
+                "rank {} got wrong half-precision data from rank {peer} at element {i}: {:?} {:?}",
+                t.rank(),
+                got_bf[i],
+                got_hf[i]
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A group that sends a buffer and receives into the same buffer: its ops
