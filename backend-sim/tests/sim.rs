@@ -135,6 +135,30 @@ fn hitting_the_bound_is_an_error_that_says_what_to_do() {
     assert!(text.contains("DUPLEX_MAX_EXECUTIONS"), "{text}");
 }
 
+/// A time limit stops the search after the execution under way (here at
+/// once: the limit is zero), with an error that names the limit.
+#[test]
+fn a_time_limit_stops_the_search_and_says_so() {
+    let e = Sim::new(2)
+        .policy(Policy::PerDirection)
+        .time_limit(Duration::ZERO)
+        .check(rpc)
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(
+            e,
+            Failure::Bound {
+                executions: 1,
+                time_limit: Some(Duration::ZERO),
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(text.contains("Sim::time_limit"), "{text}");
+}
+
 #[test]
 fn reading_a_buffer_with_a_pending_recv_is_a_data_race() {
     let f = Sim::new(2).policy(Policy::PerDirection).check(|t| {

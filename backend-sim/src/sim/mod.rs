@@ -71,6 +71,20 @@ use world::{Ctl, Ending, Shared, World};
 /// `DUPLEX_MAX_EXECUTIONS` says otherwise.
 pub const DEFAULT_MAX_EXECUTIONS: usize = 20_000;
 
+/// How often a long [`Sim::check`] says on stderr how far it got.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A long [`Sim::check`]'s line on stderr, so that a search of minutes is
+/// not taken for a hung test (`cargo test -- --nocapture` shows it; cargo
+/// shows it for a test that fails).
+#[allow(clippy::print_stderr)]
+fn progress(executions: usize, states: usize, elapsed: std::time::Duration) {
+    eprintln!(
+        "duplex-sim: Sim::check still exploring after {:.0} s: {executions} executions, {states} states (bounds: Sim::max_executions, Sim::time_limit)",
+        elapsed.as_secs_f64()
+    );
+}
+
 /// The default of [`Sim::user_code_limit`].
 pub const DEFAULT_USER_CODE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -88,6 +102,8 @@ pub struct Sim {
     reduce: bool,
     trace_to: Option<std::path::PathBuf>,
     user_code_limit: std::time::Duration,
+    /// [`Sim::time_limit`].
+    time_limit: Option<std::time::Duration>,
 }
 
 /// What a successful run explored.
@@ -135,12 +151,16 @@ pub enum Failure {
         /// How to replay it.
         replay: String,
     },
-    /// [`Sim::check`] ran out of executions before it explored everything.
+    /// [`Sim::check`] ran out of executions, or of time, before it
+    /// explored everything.
     Bound {
         /// Executions run.
         executions: usize,
         /// States seen.
         states: usize,
+        /// The time limit it reached ([`Sim::time_limit`]); `None`: the
+        /// bound on executions.
+        time_limit: Option<std::time::Duration>,
     },
     /// [`Sim::replay`] was given a schedule that does not fit the program.
     Schedule(String),
@@ -220,10 +240,23 @@ impl fmt::Display for Failure {
                 writeln!(f, "schedule: {schedule}")?;
                 writeln!(f, "replay it with: {replay}")
             }
-            Failure::Bound { executions, states } => write!(
+            Failure::Bound {
+                executions,
+                states,
+                time_limit: None,
+            } => write!(
                 f,
                 "the exploration stopped after {executions} executions ({states} states) without covering every interleaving; \
                  raise the bound with Sim::max_executions(n) or DUPLEX_MAX_EXECUTIONS=n, or make the program smaller"
+            ),
+            Failure::Bound {
+                executions,
+                states,
+                time_limit: Some(limit),
+            } => write!(
+                f,
+                "the exploration reached its time limit of {limit:?} after {executions} executions ({states} states) without covering every interleaving; \
+                 raise it with Sim::time_limit, or make the program smaller (fewer host threads, iterations or ranks)"
             ),
             Failure::Schedule(m) => write!(f, "cannot replay: {m}"),
             Failure::Nondeterministic(m) => write!(f, "the rank code is not deterministic: {m}"),
@@ -395,6 +428,7 @@ impl Sim {
             reduce: true,
             trace_to: None,
             user_code_limit: DEFAULT_USER_CODE_LIMIT,
+            time_limit: None,
         }
     }
 
@@ -431,6 +465,15 @@ impl Sim {
     /// stops the process; `Duration::MAX` turns the check off.
     pub fn user_code_limit(mut self, limit: std::time::Duration) -> Sim {
         self.user_code_limit = limit;
+        self
+    }
+
+    /// Bounds [`Sim::check`] in time: past `limit`, counted from its start,
+    /// it stops after the execution under way with [`Failure::Bound`]
+    /// (default: no limit; the bound on executions still holds). A search
+    /// that runs longer than 30 s says every 30 s on stderr how far it got.
+    pub fn time_limit(mut self, limit: std::time::Duration) -> Sim {
+        self.time_limit = Some(limit);
         self
     }
 
@@ -549,6 +592,8 @@ impl Sim {
         let max_executions = self.max_executions.clone().map_err(Failure::Setting)?;
         let mut dfs = Dfs::verifying();
         let mut executions = 0;
+        let start = std::time::Instant::now();
+        let mut said = start;
         loop {
             executions += 1;
             let (ending, strategy, choices, trace) = self.execute(Strategy::Dfs(dfs), &f);
@@ -576,7 +621,21 @@ impl Sim {
                 return Err(Failure::Bound {
                     executions,
                     states: dfs.states(),
+                    time_limit: None,
                 });
+            }
+            if let Some(limit) = self.time_limit
+                && start.elapsed() >= limit
+            {
+                return Err(Failure::Bound {
+                    executions,
+                    states: dfs.states(),
+                    time_limit: Some(limit),
+                });
+            }
+            if said.elapsed() >= PROGRESS_EVERY {
+                said = std::time::Instant::now();
+                progress(executions, dfs.states(), start.elapsed());
             }
         }
     }
