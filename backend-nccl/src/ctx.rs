@@ -3,6 +3,7 @@
 //! settings of a run, and the small handle types of streams, events and
 //! communicators. [`crate::rank`] builds the per-thread handle on it.
 
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -325,24 +326,20 @@ impl BufState {
         self.mem.as_ref().map(|m| m.ptr()).unwrap_or(0)
     }
 
-    /// The rank's device order says that a host sync covered every access
-    /// of this buffer (`duplex::order::Order::idle`), though an op on it
-    /// may not know it yet: a sync of stream B covers a recv on stream A
-    /// that an event recorded on A and waited for on B orders before it,
-    /// while the recv's fence on A may still be open (nothing recorded it).
-    /// Its ops are told so.
-    pub(crate) fn host_knows_done(&self) {
-        let users = lock(&self.users);
-        for op in users.ops.iter().filter_map(std::sync::Weak::upgrade) {
-            op.known_done.store(true, Ordering::Release);
-        }
-    }
-
-    /// The first op on this buffer that has not completed.
-    pub(crate) fn busy(&self) -> Option<Arc<Issued>> {
+    /// The ops on this buffer that the host does not know complete, in
+    /// launch order: neither their fence says so nor a host sync covered
+    /// them ([`Issued::known_done`]).
+    pub(crate) fn busy_ops(&self) -> SmallVec<[Arc<Issued>; 2]> {
         let mut users = lock(&self.users);
-        users.ops.retain(|w| w.upgrade().is_some_and(|i| !i.done()));
-        users.ops.first().and_then(std::sync::Weak::upgrade)
+        users.ops.retain(|w| {
+            w.upgrade()
+                .is_some_and(|i| !i.done() && !i.known_done.load(Ordering::Acquire))
+        });
+        users
+            .ops
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
     }
 }
 
@@ -430,9 +427,12 @@ pub(crate) struct Issued {
     /// Whether its delivery was checked once its stream passed it
     /// ([`Issued::check_delivery`]).
     pub(crate) checked: AtomicBool,
-    /// A host sync covered it while its fence was still open: a sync of
-    /// another stream that an event ordered after it (D1,
-    /// [`BufState::host_knows_done`]).
+    /// A host sync covered it while its fence may still be open: a sync
+    /// of another stream that an event ordered after it (D1,
+    /// `NcclRank::check_users`). Only its buffer's host accesses read it
+    /// ([`BufState::busy_ops`]): the fence, and with it the ledger's
+    /// pruning and the buffer's memory, stays with the device, since the
+    /// fence is shared with later ops of its stream that nothing covered.
     pub(crate) known_done: AtomicBool,
 }
 
@@ -477,7 +477,7 @@ impl Issued {
     /// answered with its error by the waits
     /// (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {
-        let done = self.known_done.load(Ordering::Acquire) || self.event.done();
+        let done = self.event.done();
         if done {
             self.check_delivery();
         }

@@ -1552,10 +1552,19 @@ impl NcclRank {
         {
             return check::in_open_group(at, what, &r.meta.text());
         }
-        if let Some(op) = buf.busy() {
-            // A sync may have covered it through an event all the same.
+        // The ops taken before the order is asked: an op launched on the
+        // buffer after the question is not among them (its access is in
+        // the order before it is in the buffer's list), so it is never
+        // marked for one that a sync covered.
+        let busy = buf.busy_ops();
+        if let Some(op) = busy.first() {
+            // A sync may have covered them through an event all the same
+            // (D1: a sync of a stream that waited for an event recorded
+            // after them on theirs).
             if lock(&self.ctx.order).idle(buf.id) {
-                buf.host_knows_done();
+                for op in &busy {
+                    op.known_done.store(true, Ordering::Release);
+                }
                 return Ok(());
             }
             return Err(Error::Race {

@@ -1052,3 +1052,28 @@ fn half_precision_moves_and_its_two_kinds_are_told_apart() {
     assert!(text.contains("bf16") && text.contains("f16"), "{text}");
     assert!(matches!(f, Failure::Program { .. }), "{text}");
 }
+
+/// A thread ended for calling after the end unwinds its code; a `Drop` on
+/// the way that calls the transport again gets the error, and the process
+/// does not abort (a second unwind from a destructor would).
+#[test]
+fn calls_from_a_drop_while_the_thread_is_ended_get_errors() {
+    struct SyncOnDrop<'a>(&'a SimRank);
+    impl Drop for SyncOnDrop<'_> {
+        fn drop(&mut self) {
+            for _ in 0..300 {
+                let _ = self.0.synchronize();
+            }
+        }
+    }
+    let e = Sim::new(2)
+        .run(0, |t| {
+            if t.rank() == 0 {
+                let _guard = SyncOnDrop(t);
+                while t.await_notify(1, "go").is_err() {}
+            }
+            Ok(())
+        })
+        .expect_err("a hang");
+    assert!(e.to_string().contains("`await 1 go`"), "{e}");
+}

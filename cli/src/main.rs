@@ -733,15 +733,25 @@ fn run_check(args: &CheckArgs) -> ExitCode {
         return fail(&f, json, "verdict");
     }
     if let Some(out) = &args.trace {
+        // Two files whose traces would go to one file, or a trace that
+        // would overwrite a file given: refused before anything is checked
+        // (the same file given twice writes the same trace twice).
         let mut seen: HashMap<String, &str> = HashMap::new();
         for file in &args.files {
             let path = trace_path(out, file, args.files.len() > 1);
-            if let Some(other) = seen.insert(path.clone(), file) {
+            let clash = match seen.insert(path.clone(), file) {
+                Some(other) if other != file => Some(format!(
+                    "the traces of {other} and {file} would both go to {path}"
+                )),
+                _ => args
+                    .files
+                    .contains(&path)
+                    .then(|| format!("the trace of {file} would overwrite {path}, a file given")),
+            };
+            if let Some(clash) = clash {
                 let f = Failure::invalid(
                     "usage",
-                    format!(
-                        "--trace: the traces of {other} and {file} would both go to {path}; check them with separate commands"
-                    ),
+                    format!("--trace: {clash}; check them with separate commands"),
                 );
                 return fail(&f, json, "verdict");
             }

@@ -1590,6 +1590,23 @@ fn traces_that_would_collide_are_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("would both go to t.json.a_b.sched"), "{err}");
     assert!(!dir.join("t.json.a_b.sched").exists());
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("runs")
+    };
+    // A trace that would overwrite a file given is refused too.
+    std::fs::copy(example("seed.sched"), dir.join("t.a_b.sched")).expect("copy");
+    let out = run(&["check", "a_b.sched", "t.a_b.sched", "--trace", "t"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would overwrite t.a_b.sched"), "{err}");
+    // The same file twice writes the same trace twice: no clash.
+    let out = run(&["check", "a_b.sched", "a_b.sched", "--trace", "t2"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(dir.join("t2.a_b.sched").exists());
 }
 
 /// A report that cannot be written is an error (status 2, said on stderr),

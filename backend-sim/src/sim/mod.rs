@@ -31,7 +31,7 @@
 //! run returns a [`Failure`] that prints the schedule and the call that
 //! replays it. Once an execution is over, every call fails at once with its
 //! error; a thread that goes on calling regardless (a loop that retries a
-//! failed wait, as it may on GPUs) is ended at its 1,000th such call, by
+//! failed wait, as it may on GPUs) is ended at its 100th such call, by
 //! unwinding its code, so that the run returns. Dropping a [`SimBuffer`]
 //! frees its bytes once the ops in flight on it are done with them.
 //!

@@ -9,7 +9,7 @@ use duplex::transport::{DeviceBuffer, check};
 use duplex::{Dir, Element, Error, Lane, Place, Policy, Rank, Result, Transport};
 
 use super::Lanes;
-use super::world::{BufData, Ctl, Shared, Use};
+use super::world::{BufData, Ctl, Ending, Shared, Use};
 use duplex::machine::{CommId, EventId, HostCall, LaunchSpec, OpSpec, StreamId, ThreadId};
 
 /// A buffer of simulated device memory (host memory; real bytes move).
@@ -779,12 +779,35 @@ impl Transport for SimRank {
             self.policy,
             self.lanes.clone(),
         );
-        let os = std::thread::Builder::new()
+        // Started without the world's lock: a closure that cannot start is
+        // dropped inside `spawn`, and the buffers it holds take the lock
+        // as they drop. The new thread waits for its turn, which this one
+        // holds.
+        drop(w);
+        let started = std::thread::Builder::new()
             .name(format!("duplex-sim rank {} {name}", self.rank))
-            .spawn(move || run_thread(handle, f))
-            .map_err(|e| Error::Aborted(format!("cannot start an OS thread: {e}")))?;
-        w.os_threads.push(os);
-        Ok(SimThread { id })
+            .spawn(move || run_thread(handle, f));
+        let mut w = self.shared.lock();
+        match started {
+            Ok(os) => {
+                w.os_threads.push(os);
+                Ok(SimThread { id })
+            }
+            Err(e) => {
+                // The thread will never make its calls: the execution ends
+                // with the reason, rather than wait for it.
+                let error = format!(
+                    "cannot start the OS thread of `{name}` ({e}): the simulator runs an OS thread per spawned thread; raise the limit on threads (ulimit -u, a container's pids limit) or on memory, or spawn fewer"
+                );
+                w.ctl[id.0 as usize] = Ctl::Done;
+                w.end(Ending::Thread {
+                    thread: self.thread,
+                    error: error.clone(),
+                });
+                w.wake();
+                Err(Error::Aborted(error))
+            }
+        }
     }
 
     #[track_caller]
