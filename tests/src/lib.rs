@@ -331,7 +331,7 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
         ),
         s(
             "events/host-read",
-            "a recv on one stream, an event recorded there and waited for on another stream, then a sync of that other stream: the host may read the received bytes (CUDA orders them); a sync of the other stream without the wait covers nothing, and the read is refused with a race",
+            "a recv on one stream, an event recorded there and waited for on another stream, then a sync of that other stream: the host may read the received bytes (CUDA orders them); a sync of the other stream without the wait covers nothing, nor does it cover a second recv launched after the record: those reads are refused with a race",
             2,
             PerDirection,
             Completes,
@@ -1052,34 +1052,52 @@ pub fn events_missing<T: Transport>(t: &T) -> Result<()> {
     }
 }
 
-/// Rank 0 sends a message to rank 1, which receives it on stream `a` and
-/// records an event there. A sync of stream `b` before `b` waits for the
-/// event covers nothing on `a`: the host read is refused with a race
-/// naming the recv. Once `b` waits for the event, a sync of `b` covers the
-/// recv (D1), and the read returns the message.
+/// Rank 0 sends two messages to rank 1, which receives the first on
+/// stream `a`, records an event there, and receives the second on `a`
+/// after it. A sync of stream `b` before `b` waits for the event covers
+/// nothing on `a`: a host read of the first buffer is refused with a race
+/// naming its recv. Once `b` waits for the event, a sync of `b` covers the
+/// first recv (D1) and the read returns the message; it does not cover the
+/// second, launched after the record, whose read stays refused until a
+/// sync of `a` (on a GPU both recvs share one completion fence of `a`
+/// until it is recorded: the first being covered says nothing of the
+/// second).
 pub fn events_host_read<T: Transport>(t: &T) -> Result<()> {
     if t.rank() == 0 {
-        let out = filled(t, 1, 9)?;
-        t.send(&out, 1)?;
+        let first = filled(t, 1, 9)?;
+        let second = filled(t, 1, 10)?;
+        t.send(&first, 1)?;
+        t.send(&second, 1)?;
         return t.synchronize();
     }
     let a = t.stream("a")?;
     let b = t.stream("b")?;
     let e = t.event()?;
-    let mut buf = t.alloc::<u32>(len())?;
+    let mut first = t.alloc::<u32>(len())?;
+    let mut second = t.alloc::<u32>(len())?;
     let from0 = t.lane(0, Dir::Recv)?;
-    t.recv_on(&mut buf, 0, &Place::on(&from0.comm, &a))?;
+    let recv_text = format!("recv {} x u32 from rank 0", len());
+    t.recv_on(&mut first, 0, &Place::on(&from0.comm, &a))?;
     t.record(&e, &a)?;
+    t.recv_on(&mut second, 0, &Place::on(&from0.comm, &a))?;
     t.sync_stream(&b)?;
     expect_race(
         t,
-        t.read(&buf).map(drop),
+        t.read(&first).map(drop),
         "a host read after a sync of a stream that does not wait for the recv's event",
-        &format!("recv {} x u32 from rank 0", len()),
+        &recv_text,
     )?;
     t.wait(&e, &b)?;
     t.sync_stream(&b)?;
-    check(t, &buf, 0, 9)?;
+    check(t, &first, 0, 9)?;
+    expect_race(
+        t,
+        t.read(&second).map(drop),
+        "a host read of a recv launched after the event that the sync covered",
+        &recv_text,
+    )?;
+    t.sync_stream(&a)?;
+    check(t, &second, 0, 10)?;
     t.synchronize()
 }
 
