@@ -330,16 +330,15 @@ impl BufState {
     /// launch order: neither their fence says so nor a host sync covered
     /// them ([`Issued::known_done`]).
     pub(crate) fn busy_ops(&self) -> SmallVec<[Arc<Issued>; 2]> {
-        let mut users = lock(&self.users);
-        users.ops.retain(|w| {
-            w.upgrade()
-                .is_some_and(|i| !i.done() && !i.known_done.load(Ordering::Acquire))
+        let mut busy = SmallVec::new();
+        lock(&self.users).ops.retain(|w| match w.upgrade() {
+            Some(i) if !i.done() && !i.known_done.load(Ordering::Acquire) => {
+                busy.push(i);
+                true
+            }
+            _ => false,
         });
-        users
-            .ops
-            .iter()
-            .filter_map(std::sync::Weak::upgrade)
-            .collect()
+        busy
     }
 }
 

@@ -283,28 +283,31 @@ pub fn repairs(
         let mut p = program.clone();
         p.policy = Policy::PerDirection;
         let title = "give each direction its own lane (a communicator and a stream per ordered pair of ranks)";
-        let edit = match flag {
+        let (title, edits) = match flag {
             Some(flag) => {
                 p.copy_from = flag.copy_from;
-                Err(format!(
-                    "{title}: check it with `--policy per-direction` in place of the command line's `--policy shared`, which overrides the file's policy{}",
-                    flag.copy_from
-                        .map(|c| format!(" (ops of {c} and more then go on copy-engine lanes, as the file's `copy-from={c}` says)"))
-                        .unwrap_or_default()
-                ))
+                (
+                    format!(
+                        "{title}: check it with `--policy per-direction` in place of the command line's `--policy shared`, which overrides the file's policy{}",
+                        flag.copy_from
+                            .map(|c| format!(" (ops of {c} and more then go on copy-engine lanes, as the file's `copy-from={c}` says)"))
+                            .unwrap_or_default()
+                    ),
+                    Vec::new(),
+                )
             }
-            None => Ok(policy_edit(source)),
+            None => match policy_edit(source) {
+                Some(edit) => (title.to_string(), vec![edit]),
+                // The file says so already: the command line overrode it.
+                None => (
+                    format!(
+                        "{title}: the file's `policy per-direction` does, once the command line's `--policy shared` no longer overrides it"
+                    ),
+                    Vec::new(),
+                ),
+            },
         };
-        candidates.push(match edit {
-            Err(title) => (title, p, Vec::new()),
-            Ok(Some(edit)) => (title.into(), p, vec![edit]),
-            // The file says so already: the command line overrode it.
-            Ok(None) => (
-                format!("{title}: the file's `policy per-direction` does, once the command line's `--policy shared` no longer overrides it"),
-                p,
-                Vec::new(),
-            ),
-        });
+        candidates.push((title, p, edits));
     }
     let ranks: Vec<u32> = {
         let mut r: Vec<u32> = stuck

@@ -1528,14 +1528,11 @@ fn a_policy_given_on_the_command_line_is_repaired_by_the_flag() {
 /// steps: `steps` is `[]` in JSON, as for any deadlock, and the text says so.
 #[test]
 fn a_hang_before_any_step_has_an_empty_interleaving() {
-    let dir = tempdir();
-    let file = dir.join("awaits.sched");
-    std::fs::write(
-        &file,
+    let file = write(
+        "awaits.sched",
         "ranks 2\nrank 0:\n  await 1 x\nrank 1:\n  await 0 y\n",
-    )
-    .expect("write");
-    let file = file.to_str().expect("utf-8");
+    );
+    let file = file.as_str();
     let out = duplex(&["check", file, "--format", "json"]);
     let json = json_of(&out);
     assert_eq!(json["verdict"], "deadlock");

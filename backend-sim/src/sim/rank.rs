@@ -335,26 +335,25 @@ impl SimRank {
         }
         if let Some((op, text)) = w.user_of(id) {
             // A sync may have covered its ops through an event all the
-            // same (as the GPU backend asks, `BufState::host_knows_done`).
+            // same (as the GPU backend asks, `NcclRank::check_users`).
             if w.orders[self.rank as usize].idle(id as u64) {
                 w.host_knows_done(id);
-                w.orders[self.rank as usize].host_access(id as u64);
-                return Ok(());
-            }
-            let state = if w.machine.op_done(op) {
-                "has completed on the device, but no synchronize has waited for it"
             } else {
-                "has not completed"
-            };
-            // Whether an access races, and how, depends on the
-            // interleaving: code that goes on after the error was told it.
-            w.observe(self.thread, state.as_bytes());
-            return Err(Error::Race {
-                at: check::place(at),
-                message: format!(
-                    "{what} of a buffer that `{text}` uses: the op {state}; synchronize its stream first"
-                ),
-            });
+                let state = if w.machine.op_done(op) {
+                    "has completed on the device, but no synchronize has waited for it"
+                } else {
+                    "has not completed"
+                };
+                // Whether an access races, and how, depends on the
+                // interleaving: code that goes on after the error was told it.
+                w.observe(self.thread, state.as_bytes());
+                return Err(Error::Race {
+                    at: check::place(at),
+                    message: format!(
+                        "{what} of a buffer that `{text}` uses: the op {state}; synchronize its stream first"
+                    ),
+                });
+            }
         }
         // No op uses it as far as the host knows: the device accesses
         // before are complete (D1).

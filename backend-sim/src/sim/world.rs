@@ -707,9 +707,7 @@ impl World {
     /// Frees buffer `b`'s bytes (it stays in `buffers`, empty, so that the
     /// indices of the others hold, and in the fingerprint as freed).
     fn free(&mut self, b: usize) {
-        let buf = &mut self.buffers[b];
-        let n = std::mem::take(&mut buf.bytes).len() as u64;
-        buf.digest = None;
+        let n = std::mem::take(self.buffers[b].bytes_mut()).len() as u64;
         self.buffer_bytes -= n;
         crate::memory::release(n);
     }
@@ -723,20 +721,15 @@ impl World {
         Some((op, text.clone()))
     }
 
-    /// Takes `op` out of the ops the host has not synchronized with.
     /// The host knows every op on buffer `b` complete (a sync covered them
     /// through events, [`duplex::order::Order::idle`]): they are forgotten.
     pub(crate) fn host_knows_done(&mut self, b: usize) {
-        let ops: Vec<OpRef> = self
-            .unsynced_by_buffer
-            .get(&b)
-            .map(|ops| ops.iter().copied().collect())
-            .unwrap_or_default();
-        for op in ops {
-            self.forget_unsynced(op);
+        for op in self.unsynced_by_buffer.remove(&b).unwrap_or_default() {
+            self.unsynced.remove(&op);
         }
     }
 
+    /// Takes `op` out of the ops the host has not synchronized with.
     fn forget_unsynced(&mut self, op: OpRef) {
         if let Some((b, ..)) = self.unsynced.remove(&op)
             && let Some(ops) = self.unsynced_by_buffer.get_mut(&b)
