@@ -237,6 +237,72 @@ fn text(name: &str) -> Option<String> {
     Some(text)
 }
 
+/// A pipeline of `stages` ranks, each with a forward and a backward
+/// thread that pass `micro` messages on their own lanes.
+fn sim_pipeline(
+    stages: u32,
+    micro: usize,
+) -> impl Fn(&duplex_sim::SimRank) -> duplex::Result<()> + Sync {
+    use duplex::{Dir, Transport};
+    move |t: &duplex_sim::SimRank| {
+        let stage = move |t: &duplex_sim::SimRank, up: bool| -> duplex::Result<()> {
+            let r = t.rank();
+            let (from, to) = if up {
+                (r.checked_sub(1), (r + 1 < stages).then_some(r + 1))
+            } else {
+                ((r + 1 < stages).then_some(r + 1), r.checked_sub(1))
+            };
+            let mut b = t.alloc::<u32>(64)?;
+            for _ in 0..micro {
+                if let Some(p) = from {
+                    t.recv(&mut b, p)?;
+                    t.sync_stream(&t.lane(p, Dir::Recv)?.stream)?;
+                }
+                if let Some(p) = to {
+                    t.send(&b, p)?;
+                    t.sync_stream(&t.lane(p, Dir::Send)?.stream)?;
+                }
+            }
+            Ok(())
+        };
+        let up = t.spawn("up", move |t| stage(t, true))?;
+        let down = t.spawn("down", move |t| stage(t, false))?;
+        t.join(up)?;
+        t.join(down)
+    }
+}
+
+/// Two ranks of `threads` threads that each launch one group (a send and
+/// a recv) on the world communicator and one stream.
+fn sim_deps(threads: usize) -> impl Fn(&duplex_sim::SimRank) -> duplex::Result<()> + Sync {
+    use duplex::{Place, Transport};
+    move |t: &duplex_sim::SimRank| {
+        let peer = 1 - t.rank();
+        let s = t.stream("s")?;
+        let mut hs = Vec::new();
+        for i in 0..threads {
+            let s = s.clone();
+            hs.push(t.spawn(&format!("t{i}"), move |t: &duplex_sim::SimRank| {
+                let out = t.alloc::<u8>(16)?;
+                let mut inb = t.alloc::<u8>(16)?;
+                let at = Place {
+                    comm: Some(t.world()),
+                    stream: Some(s),
+                };
+                t.group(|| {
+                    t.send_on(&out, peer, &at)?;
+                    t.recv_on(&mut inb, peer, &at)
+                })?;
+                t.synchronize()
+            })?);
+        }
+        for h in hs {
+            t.join(h)?;
+        }
+        Ok(())
+    }
+}
+
 /// Peak resident memory of this process, MiB (Linux).
 fn peak_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
@@ -269,6 +335,47 @@ fn child(name: &str, limit: f64) {
         let r = duplex_sim::Sim::new(n)
             .policy(duplex::Policy::PerDirection)
             .check(ring);
+        let (verdict, executions) = match r {
+            Ok(run) => ("ok", run.executions),
+            Err(_) => ("failed", 0),
+        };
+        println!(
+            "RESULT {verdict} {:.3} {:.0} {executions} - -",
+            start.elapsed().as_secs_f64(),
+            peak_mib()
+        );
+        return;
+    }
+    if let Some(rest) = name.strip_prefix("simpipe:") {
+        // simpipe:STAGES:MICRO: `Sim::check` of a pipeline whose stages
+        // each run a forward and a backward thread, each on its own lanes
+        // (`backend-sim/tests/sim.rs`, `pipeline`): their steps touch
+        // nothing in common, so the search needs one execution.
+        let mut it = rest.split(':').map(|x| x.parse::<u32>().unwrap_or(2));
+        let (stages, micro) = (it.next().unwrap_or(4), it.next().unwrap_or(2));
+        let r = duplex_sim::Sim::new(stages)
+            .policy(duplex::Policy::PerDirection)
+            .check(sim_pipeline(stages, micro as usize));
+        let (verdict, executions) = match r {
+            Ok(run) => ("ok", run.executions),
+            Err(_) => ("failed", 0),
+        };
+        println!(
+            "RESULT {verdict} {:.3} {:.0} {executions} - -",
+            start.elapsed().as_secs_f64(),
+            peak_mib()
+        );
+        return;
+    }
+    if let Some(rest) = name.strip_prefix("simdeps:") {
+        // simdeps:T: `Sim::check` of 2 ranks × T threads that each launch
+        // one group on one communicator and stream (the `deps` family as
+        // rank code): every order of each rank's launches matters.
+        let threads: usize = rest.parse().unwrap_or(3);
+        let r = duplex_sim::Sim::new(2)
+            .policy(duplex::Policy::PerDirection)
+            .max_executions(10_000_000)
+            .check(sim_deps(threads));
         let (verdict, executions) = match r {
             Ok(run) => ("ok", run.executions),
             Err(_) => ("failed", 0),
@@ -426,6 +533,14 @@ fn main() {
         fam("threads:2:5", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("threads:4:4", "< 10 s, < 1 GB", 10.0, 1024.0),
         fam("simring:1024", "Sim::check < 2 s", 2.0, f64::MAX),
+        fam("simpipe:4:2", "Sim::check, 1 execution", f64::MAX, f64::MAX),
+        fam("simpipe:8:4", "Sim::check, 1 execution", f64::MAX, f64::MAX),
+        fam(
+            "simdeps:3",
+            "Sim::check, dependent threads: ≥ 36 traces",
+            f64::MAX,
+            f64::MAX,
+        ),
         fam(
             "simtwo:10000",
             "Sim::run, time per op constant",

@@ -575,41 +575,23 @@ pub fn expand(c: &Compiled, m: &Machine, reduce_steps: bool) -> Vec<ThreadId> {
     }
 }
 
-/// A persistent set of the enabled threads (module docs):
-///
-/// * a thread whose next call is a `notify` or a `join` alone: those calls
-///   change nothing another step reads, commute with every step and disable
-///   none;
-/// * else the enabled threads of the rank with fewest of them among the
-///   ranks whose every other thread cannot step before one of these does:
-///   it has ended, or it waits in a `join` for such a thread; when that is
-///   one thread, it alone;
-/// * else one enabled thread whose step commutes with every call the other
-///   threads of its rank may still make ([`Machine::commute`], through
-///   [`Threads::may_conflict`]; the checker knows each thread's remaining
-///   calls): with steps of other ranks commuting too, that step alone is a
-///   persistent set;
-/// * else that rank's enabled threads, or all of `enabled`.
-pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<ThreadId> {
-    if enabled.len() <= 1 {
-        return enabled.to_vec();
-    }
+/// The enabled threads of the rank with fewest of them among the ranks
+/// whose every other thread cannot step before one of these does (it has
+/// ended, or it waits in a chain of `join`s that ends at one of these): a
+/// persistent set where steps of different ranks commute
+/// ([`ranks_commute`]). The search of rank code takes it when it is one
+/// thread ([`crate::dpor`]): that thread's user code cannot meet another
+/// thread of its rank either, since none can run before it.
+pub(crate) fn closed_rank(
+    m: &Machine,
+    enabled: &[ThreadId],
+    threads: &dyn Threads,
+) -> Option<Vec<ThreadId>> {
+    let setup = m.setup();
     let next = |t: ThreadId| match m.next(t) {
         Next::Call => threads.next_call(m, t),
         _ => None,
     };
-    if let Some(t) = enabled.iter().copied().find(|t| {
-        matches!(
-            next(*t),
-            Some(HostCall::Notify { .. } | HostCall::Join { .. })
-        )
-    }) {
-        return vec![t];
-    }
-    let setup = m.setup();
-    if !ranks_commute(m, threads) {
-        return enabled.to_vec();
-    }
     let mut best: Option<Vec<ThreadId>> = None;
     let mut by_rank: std::collections::BTreeMap<u32, Vec<ThreadId>> = Default::default();
     for t in enabled {
@@ -646,6 +628,45 @@ pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<T
             }
         }
     }
+    best
+}
+
+/// A persistent set of the enabled threads (module docs):
+///
+/// * a thread whose next call is a `notify` or a `join` alone: those calls
+///   change nothing another step reads, commute with every step and disable
+///   none;
+/// * else the enabled threads of the rank with fewest of them among the
+///   ranks whose every other thread cannot step before one of these does:
+///   it has ended, or it waits in a `join` for such a thread; when that is
+///   one thread, it alone;
+/// * else one enabled thread whose step commutes with every call the other
+///   threads of its rank may still make ([`Machine::commute`], through
+///   [`Threads::may_conflict`]; the checker knows each thread's remaining
+///   calls): with steps of other ranks commuting too, that step alone is a
+///   persistent set;
+/// * else that rank's enabled threads, or all of `enabled`.
+pub fn reduce(m: &Machine, enabled: &[ThreadId], threads: &dyn Threads) -> Vec<ThreadId> {
+    if enabled.len() <= 1 {
+        return enabled.to_vec();
+    }
+    let next = |t: ThreadId| match m.next(t) {
+        Next::Call => threads.next_call(m, t),
+        _ => None,
+    };
+    if let Some(t) = enabled.iter().copied().find(|t| {
+        matches!(
+            next(*t),
+            Some(HostCall::Notify { .. } | HostCall::Join { .. })
+        )
+    }) {
+        return vec![t];
+    }
+    let setup = m.setup();
+    if !ranks_commute(m, threads) {
+        return enabled.to_vec();
+    }
+    let best = closed_rank(m, enabled, threads);
     if let Some(b) = &best
         && b.len() == 1
     {

@@ -22,7 +22,11 @@
 //!   2010): random thread priorities and `depth - 1` random points where the
 //!   running thread's priority drops, which finds any bug of depth `d` with
 //!   probability at least 1/(n·k^(d-1));
-//! * [`Replay`]: follows a [`Schedule`].
+//! * [`Replay`]: follows a [`Schedule`];
+//! * [`crate::dpor::Dpor`]: the simulated transport's search of rank code,
+//!   whose future calls are unknown: dynamic partial-order reduction, which
+//!   learns from the steps it runs which orders matter. It decides in the
+//!   simulated transport's world, which tells it what each step used.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -431,6 +435,9 @@ pub enum Strategy {
     Replay(Replay),
     /// [`Dfs`].
     Dfs(Dfs),
+    /// [`crate::dpor::Dpor`]: the simulated transport's search, which
+    /// decides in the world itself.
+    Dpor(Box<crate::dpor::Dpor>),
 }
 
 impl Scheduler for Strategy {
@@ -440,6 +447,8 @@ impl Scheduler for Strategy {
             Strategy::Pct(e) => e.choose(enabled, options, fp),
             Strategy::Replay(e) => e.choose(enabled, options, fp),
             Strategy::Dfs(e) => e.choose(enabled, options, fp),
+            // Decides in `World::schedule` (it needs the uses of each step).
+            Strategy::Dpor(_) => Choice::Take(options[0]),
         }
     }
 }

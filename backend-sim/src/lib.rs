@@ -12,7 +12,8 @@
 //!   [`check`] and [`sim`] use;
 //! * [`report`] prints that as text or JSON (what `duplex check` shows);
 //! * [`sim`] runs user code written against [`duplex::Transport`] through
-//!   the same machine: [`Sim`] is the simulated transport.
+//!   the same machine: [`Sim`] is the simulated transport, and [`dpor`] its
+//!   search of every interleaving that matters.
 //!
 //! Start reading at [`check::check`], then [`sim`]'s module docs. The
 //! property-test strategies and fuzz harnesses that exercise this crate live
@@ -22,6 +23,7 @@
 
 pub mod advice;
 pub mod check;
+pub mod dpor;
 pub mod explore;
 mod memory;
 pub mod perfetto;

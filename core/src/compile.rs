@@ -524,38 +524,15 @@ impl waitfor::Threads for Remaining<'_> {
         )
     }
 
-    fn may_conflict(&self, m: &Machine, t: ThreadId, other: ThreadId, call: &HostCall) -> bool {
+    fn may_conflict(&self, m: &Machine, t: ThreadId, _: ThreadId, call: &HostCall) -> bool {
         if m.ended(t) {
             return false;
         }
-        // A thread's end drains what its rank issued before it; when it
-        // drains is seen only by a `join` of that thread (and a stuck
-        // state stays stuck whichever it is): without one, an end commutes
-        // with the launches of the rank's other threads.
-        let joined = |x: ThreadId| {
-            m.setup()
-                .threads_of(m.setup().threads[x.0 as usize].rank)
-                .any(|w| {
-                    self.0.scripts[w.0 as usize]
-                        .iter()
-                        .skip(m.calls(w) as usize)
-                        .any(|c| matches!(c, HostCall::Join { thread, .. } if *thread == x))
-                })
-        };
         let rest = &self.0.scripts[t.0 as usize];
         m.call_in_progress(t)
             .iter()
             .chain(rest.iter().skip(m.calls(t) as usize))
-            .any(|c| {
-                if m.commute(call, c) {
-                    return false;
-                }
-                match (call, c) {
-                    (HostCall::End, HostCall::Launch(_)) => joined(other),
-                    (HostCall::Launch(_), HostCall::End) => joined(t),
-                    _ => true,
-                }
-            })
+            .any(|c| !m.commute(call, c))
     }
 }
 

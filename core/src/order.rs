@@ -532,20 +532,28 @@ impl Order {
     }
 
     /// A host sync returned: what it covered ([`Order::covers`], taken when
-    /// it was made) is complete.
-    pub fn synced(&mut self, covered: Covered) {
+    /// it was made) is complete. Returns the buffers some of whose
+    /// accesses it completed (an explorer's record of what the sync
+    /// changed).
+    pub fn synced(&mut self, covered: Covered) -> Vec<u64> {
         join(&mut self.host, &covered.0);
         self.epoch += 1;
         // Accesses the host knows complete order everything after them.
         let host = &self.host;
         let done = |e: &Stamped| get(host, e.stream) >= e.seq;
-        self.uses.retain(|_, u| {
+        let mut changed = Vec::new();
+        self.uses.retain(|b, u| {
+            let before = (u.write.is_some(), u.reads.len());
             if u.write.as_ref().is_some_and(done) {
                 u.write = None;
             }
             u.reads.retain(|r| !done(r));
+            if before != (u.write.is_some(), u.reads.len()) {
+                changed.push(*b);
+            }
             !u.is_empty()
         });
+        changed
     }
 
     /// Whether the host knows every device access of `buffer` complete: a

@@ -46,7 +46,7 @@ pub enum Rule {
     /// An `await` waits for a `notify`.
     #[serde(rename = "await")]
     Await,
-    /// A `join` waits for a thread to finish.
+    /// A `join` waits for a thread to end.
     #[serde(rename = "join")]
     Join,
 }

@@ -130,7 +130,7 @@ pub enum Call {
         /// The tag.
         tag: String,
     },
-    /// Waiting for another host thread of the rank to finish.
+    /// Waiting for another host thread of the rank to end.
     Join {
         /// The thread.
         thread: u32,

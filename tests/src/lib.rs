@@ -378,6 +378,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             unjoined_sender::<T>,
         ),
         s(
+            "spawn/join-before-drain",
+            "rank 0's thread rx waits for a message that rank 1 sends only once rank 0's code has joined another thread, which ended at once: a join waits for the thread's end, not for the rank's streams to drain, so the message arrives (the model's join waited for the drain until 2026-12-05 and reported a hang here)",
+            2,
+            PerDirection,
+            Completes,
+            join_before_drain::<T>,
+        ),
+        s(
             "spawn/swallowed",
             "rank 0's thread sends to rank 1, then fails its own check; rank 0's code joins it, ignores the error and returns Ok: a thread's error is the rank's, so the run fails with it, never Ok",
             2,
@@ -759,6 +767,33 @@ pub fn unjoined_sender<T: Transport>(t: &T) -> Result<()> {
         t.recv(&mut inb, peer)?;
         t.synchronize()?;
         check(t, &inb, peer, 7)
+    }
+}
+
+/// Rank 0 starts `rx`, which receives from rank 1, and `early`, which
+/// ends at once; it joins `early`, then tells rank 1 to send, then joins
+/// `rx`. A `join` waits for the thread's end, not for the rank's streams
+/// to drain (the NCCL backend's `join` waits for the thread's result), so
+/// `rx`'s recv, waiting for the message the notify releases, holds
+/// nothing up.
+pub fn join_before_drain<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    if t.rank() == 0 {
+        let rx = t.spawn("rx", move |t: &T| {
+            let mut inb = t.alloc::<u32>(len())?;
+            t.recv(&mut inb, peer)?;
+            t.sync_stream(&t.lane(peer, duplex::Dir::Recv)?.stream)?;
+            check(t, &inb, peer, 11)
+        })?;
+        let early = t.spawn("early", |_: &T| Ok(()))?;
+        t.join(early)?;
+        t.notify(peer, "go")?;
+        t.join(rx)
+    } else {
+        t.await_notify(peer, "go")?;
+        let out = filled(t, peer, 11)?;
+        t.send(&out, peer)?;
+        t.synchronize()
     }
 }
 

@@ -400,7 +400,7 @@ fn the_suite_names_only_scenarios_it_has() {
 /// gave up waiting for it (the receiver's end check must fail it), and
 /// one whose rank 1 works on long after rank 0's code returned, and one
 /// whose rank 0 returns without joining the thread that sends.
-const PROCESS_JOBS: [&str; 19] = [
+const PROCESS_JOBS: [&str; 20] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -418,6 +418,7 @@ const PROCESS_JOBS: [&str; 19] = [
     "unmatched-send/late-receiver",
     "outlive-rank-0",
     "spawn/unjoined",
+    "spawn/join-before-drain",
     "spawn/swallowed",
     "spawn/swallowed-then-wait",
 ];

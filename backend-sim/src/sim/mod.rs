@@ -22,9 +22,12 @@
 //!
 //! Three ways to run: [`Sim::run`] follows one seeded random schedule;
 //! [`Sim::check`] explores every interleaving that matters (depth-first, by
-//! re-execution, with the checker's reduction and state caching: a state is
-//! the machine's, each rank's device order, and the data, so that two
-//! executions that gave the code different bytes are never taken for one);
+//! re-execution, with dynamic partial-order reduction, [`crate::dpor`]:
+//! it learns from the steps it runs which of them depend on each other, so
+//! threads that touch nothing in common are explored in one execution;
+//! and with state caching: a state is the machine's, each rank's device
+//! order, and the data, so that two executions that gave the code
+//! different bytes are never taken for one);
 //! [`Sim::replay`] follows a schedule string printed by a failure. A hang of
 //! the transport never hangs the test: every blocked call returns
 //! [`duplex::Error::Hang`] with the same report as `duplex check`, and the
@@ -63,6 +66,7 @@ use duplex::{Dir, Error, Hang, Model, Policy, Rank};
 
 pub use rank::{SimBuffer, SimComm, SimEvent, SimRank, SimStream, SimThread};
 
+use crate::dpor::Dpor;
 use crate::explore::{Dfs, Pct, Random, Replay, Schedule, Strategy};
 use duplex::machine::{CommId, Machine, Setup, StreamId, ThreadId};
 use world::{Ctl, Ending, Shared, World};
@@ -104,6 +108,50 @@ pub struct Sim {
     user_code_limit: std::time::Duration,
     /// [`Sim::time_limit`].
     time_limit: Option<std::time::Duration>,
+}
+
+/// The search of [`Sim::check`], between executions.
+enum Search {
+    Dfs(Dfs),
+    Dpor(Box<Dpor>),
+}
+
+impl Search {
+    fn strategy(self) -> Strategy {
+        match self {
+            Search::Dfs(d) => Strategy::Dfs(d),
+            Search::Dpor(d) => Strategy::Dpor(d),
+        }
+    }
+
+    fn back(s: Strategy) -> Search {
+        match s {
+            Strategy::Dfs(d) => Search::Dfs(d),
+            Strategy::Dpor(d) => Search::Dpor(d),
+            _ => unreachable!("the strategy comes back as it went"),
+        }
+    }
+
+    fn diverged(&self) -> Option<usize> {
+        match self {
+            Search::Dfs(d) => d.diverged(),
+            Search::Dpor(d) => d.diverged(),
+        }
+    }
+
+    fn backtrack(&mut self) -> Option<usize> {
+        match self {
+            Search::Dfs(d) => d.backtrack(),
+            Search::Dpor(d) => d.backtrack(),
+        }
+    }
+
+    fn states(&self) -> usize {
+        match self {
+            Search::Dfs(d) => d.states(),
+            Search::Dpor(d) => d.states(),
+        }
+    }
 }
 
 /// What a successful run explored.
@@ -590,18 +638,23 @@ impl Sim {
     {
         self.valid()?;
         let max_executions = self.max_executions.clone().map_err(Failure::Setting)?;
-        let mut dfs = Dfs::verifying();
+        // Where steps of different ranks commute (no kernel-slot bound),
+        // the search learns which steps of one rank's threads depend on
+        // each other as it runs them (`crate::dpor`); else it searches
+        // each rank's threads' orders with the checker's reduction.
+        let mut search = if self.reduce && self.model.kernels.is_none() {
+            Search::Dpor(Box::new(Dpor::new()))
+        } else {
+            Search::Dfs(Dfs::verifying())
+        };
         let mut executions = 0;
         let start = std::time::Instant::now();
         let mut said = start;
         loop {
             executions += 1;
-            let (ending, strategy, choices, trace) = self.execute(Strategy::Dfs(dfs), &f);
-            let Strategy::Dfs(back) = strategy else {
-                unreachable!("the strategy comes back as it went")
-            };
-            dfs = back;
-            if let (Some(Ending::Mismatch), Some(d)) = (&ending, dfs.diverged()) {
+            let (ending, strategy, choices, trace) = self.execute(search.strategy(), &f);
+            search = Search::back(strategy);
+            if let (Some(Ending::Mismatch), Some(d)) = (&ending, search.diverged()) {
                 return Err(Failure::Nondeterministic(format!(
                     "execution {executions} of the rank code, made with the same first {} as an earlier one, reached another state there (its threads were told other data, made other calls, or allocated otherwise): Sim::check runs the code again for every interleaving it explores, and needs it to do the same given what the transport returns (no clock, randomness, iteration order of a HashMap, or state kept across executions in a static; an `alloc` refused for memory in one execution and not in another also counts, since the simulator's cap on memory is shared by the tests that run at once)",
                     duplex::report::counted(d as u64, "choice")
@@ -609,10 +662,10 @@ impl Sim {
             }
             self.conclude(ending, &choices, &trace)
                 .inspect_err(|_| self.write_trace(&trace))?;
-            if dfs.backtrack().is_none() {
+            if search.backtrack().is_none() {
                 return Ok(Run {
                     executions,
-                    states: dfs.states(),
+                    states: search.states(),
                     schedule: Schedule::v1(choices.clone()).to_string(),
                     trace,
                 });
@@ -620,7 +673,7 @@ impl Sim {
             if executions >= max_executions {
                 return Err(Failure::Bound {
                     executions,
-                    states: dfs.states(),
+                    states: search.states(),
                     time_limit: None,
                 });
             }
@@ -629,13 +682,13 @@ impl Sim {
             {
                 return Err(Failure::Bound {
                     executions,
-                    states: dfs.states(),
+                    states: search.states(),
                     time_limit: Some(limit),
                 });
             }
             if said.elapsed() >= PROGRESS_EVERY {
                 said = std::time::Instant::now();
-                progress(executions, dfs.states(), start.elapsed());
+                progress(executions, search.states(), start.elapsed());
             }
         }
     }
@@ -753,6 +806,12 @@ impl Sim {
     {
         let (setup, lanes) = self.setup();
         let lanes = Arc::new(lanes);
+        let setup_base = (
+            setup.threads.len(),
+            setup.streams.len(),
+            setup.comms.len(),
+            setup.events.len(),
+        );
         let mut machine = Machine::new(Arc::new(setup));
         machine.record_deliveries();
         static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -790,6 +849,7 @@ impl Sim {
             progress: 0,
             late_calls: Vec::new(),
             user_code_limit: self.user_code_limit,
+            setup_base,
         };
         let shared = Arc::new(Shared {
             world: Mutex::new(world),

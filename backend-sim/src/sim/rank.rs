@@ -453,7 +453,9 @@ impl Transport for SimRank {
         for x in data {
             x.to_le(&mut bytes);
         }
-        self.shared.lock().buffers[buf.id].set(bytes);
+        let mut w = self.shared.lock();
+        w.buffers[buf.id].set(bytes);
+        w.note_buffer(self.thread, buf.id, duplex::machine::Mode::Write);
         Ok(())
     }
 
@@ -472,6 +474,7 @@ impl Transport for SimRank {
         // which the explorer's fingerprint takes of the buffer anyway.
         let digest = w.buffers[buf.id].digest();
         w.observe(self.thread, &digest.to_le_bytes());
+        w.note_buffer(self.thread, buf.id, duplex::machine::Mode::HostRead);
         Ok(out)
     }
 
@@ -499,6 +502,11 @@ impl Transport for SimRank {
             }
             let k = w.comm_calls[self.rank as usize];
             w.comm_calls[self.rank as usize] += 1;
+            w.note(
+                self.thread,
+                crate::dpor::Obj::Comms,
+                duplex::machine::Mode::Write,
+            );
             let id = match w.user_comms.get(k) {
                 Some((n, m, id)) if n == name && m == members => *id,
                 Some((n, m, _)) => {

@@ -15,10 +15,13 @@ use duplex::report::Stuck;
 use duplex::{Error, Hang, Rank};
 
 use crate::check::fingerprint;
+use crate::dpor::Obj;
 use crate::explore::{Choice, Schedule, Scheduler, Strategy};
+use duplex::machine::Mode;
 use duplex::machine::{
     Delivery, HostCall, Machine, Next, OpRef, Origin, OriginInfo, Status, ThreadId, Unknown,
 };
+use smallvec::SmallVec;
 
 /// What a host thread is doing.
 #[derive(Debug)]
@@ -220,6 +223,10 @@ pub(crate) struct World {
     /// How long the running thread may go without `progress`
     /// ([`crate::Sim::user_code_limit`]).
     pub(crate) user_code_limit: std::time::Duration,
+    /// How many threads, streams, communicators and events the setup had
+    /// before the rank code ran (the same in every execution): those made
+    /// after are the fingerprint's too.
+    pub(crate) setup_base: (usize, usize, usize, usize),
 }
 
 impl std::fmt::Debug for World {
@@ -483,14 +490,27 @@ impl World {
                     _ => false,
                 };
                 if wake {
+                    if let Strategy::Dpor(d) = &mut self.explorer {
+                        d.ran(t);
+                    }
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
                         if let Some((ops, covered)) = self.sync_covers.remove(&t) {
+                            let rank = self.machine.setup().threads[i].rank;
+                            // What the sync completes, for the search:
+                            // the buffers of the ops it covers.
+                            let mut bufs: Vec<usize> = ops
+                                .iter()
+                                .filter_map(|op| self.unsynced.get(op).map(|u| u.0))
+                                .collect();
                             for op in ops {
                                 self.forget_unsynced(op);
                             }
-                            let rank = self.machine.setup().threads[i].rank;
-                            self.orders[rank as usize].synced(covered);
+                            let done = self.orders[rank as usize].synced(covered);
+                            bufs.extend(done.into_iter().map(|b| b as usize));
+                            for b in bufs {
+                                self.note_buffer(t, b, Mode::Write);
+                            }
                         }
                     }
                     self.running = Some(t);
@@ -508,6 +528,15 @@ impl World {
             let threads = Unknown(&next_call);
             let enabled = self.machine.runnable(&threads);
             if enabled.is_empty() {
+                if matches!(self.explorer, Strategy::Dpor(_)) {
+                    let all: Vec<ThreadId> = (0..self.ctl.len() as u32).map(ThreadId).collect();
+                    let parked = self.pending_uses(&all);
+                    if let Strategy::Dpor(d) = &mut self.explorer {
+                        d.end(&parked);
+                    }
+                }
+                let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
+                let threads = Unknown(&next_call);
                 match self.machine.status(&threads) {
                     Status::Stuck => {
                         let stuck = self.machine.stuck(&threads);
@@ -526,6 +555,44 @@ impl World {
                     }
                 }
                 return;
+            }
+            if matches!(self.explorer, Strategy::Dpor(_)) {
+                // A rank whose one runnable thread no other thread of it
+                // can precede moves without a decision; elsewhere the
+                // search decides, and learns which orders matter.
+                let forced = if enabled.len() == 1 {
+                    Some(enabled[0])
+                } else {
+                    crate::check::closed_rank(&self.machine, &enabled, &threads)
+                        .filter(|b| b.len() == 1)
+                        .map(|b| b[0])
+                };
+                let fp = (forced.is_none() && enabled.len() > 1).then(|| self.fingerprint());
+                let Strategy::Dpor(d) = &mut self.explorer else {
+                    unreachable!("matched above")
+                };
+                let (ranks, ran) = d.touched();
+                let setup = self.machine.setup();
+                let mut who: Vec<ThreadId> = ran.to_vec();
+                for r in ranks {
+                    who.extend(setup.threads_of(r));
+                }
+                who.sort_unstable();
+                who.dedup();
+                let pending = self.pending_uses(&who);
+                let Strategy::Dpor(d) = &mut self.explorer else {
+                    unreachable!("matched above")
+                };
+                let t = match d.decide(&enabled, &pending, forced, fp) {
+                    Choice::Take(t) => t,
+                    Choice::Prune => return self.end(Ending::Pruned),
+                    Choice::Mismatch => return self.end(Ending::Mismatch),
+                };
+                if enabled.len() > 1 {
+                    self.choices.push(t);
+                }
+                self.step(t);
+                continue;
             }
             let options = if self.reduce {
                 crate::check::reduce(&self.machine, &enabled, &threads)
@@ -563,6 +630,16 @@ impl World {
     /// Applies thread `t`'s parked call, or finishes its handshake.
     fn step(&mut self, t: ThreadId) {
         let i = t.0 as usize;
+        if matches!(self.explorer, Strategy::Dpor(_)) {
+            let uses = self.uses_of(t);
+            let rank = self.machine.setup().threads[i].rank;
+            if let Strategy::Dpor(d) = &mut self.explorer {
+                d.ran(t);
+                for (obj, mode) in uses {
+                    d.uses(t, rank, obj, mode);
+                }
+            }
+        }
         let name = self.thread_name(t);
         let result = if self.machine.next(t) == Next::Resume {
             self.steps.push(format!(
@@ -694,7 +771,75 @@ impl World {
 
     /// The [`crate::SimBuffer`] of buffer `b` was dropped: its bytes go
     /// now, or once the last op in flight on it is done with them.
+    /// For the search of rank code ([`crate::dpor`]): thread `t` used
+    /// buffer `b` in `mode`.
+    pub(crate) fn note_buffer(&mut self, t: ThreadId, b: usize, mode: Mode) {
+        let Strategy::Dpor(d) = &mut self.explorer else {
+            return;
+        };
+        let Some(buf) = self.buffers.get(b) else {
+            return;
+        };
+        let rank = self.machine.setup().threads[t.0 as usize].rank;
+        d.uses(t, rank, Obj::Buffer(buf.key.0, buf.key.1), mode);
+    }
+
+    /// For the search: thread `t` used an object of its rank in `mode`.
+    pub(crate) fn note(&mut self, t: ThreadId, obj: Obj, mode: Mode) {
+        if let Strategy::Dpor(d) = &mut self.explorer {
+            let rank = self.machine.setup().threads[t.0 as usize].rank;
+            d.uses(t, rank, obj, mode);
+        }
+    }
+
+    /// What thread `t`'s next step uses: its parked call's objects
+    /// ([`Machine::footprint`]) and buffers, or those of the launch whose
+    /// handshake it finishes.
+    fn uses_of(&self, t: ThreadId) -> SmallVec<[(Obj, Mode); 6]> {
+        let mut out: SmallVec<[(Obj, Mode); 6]> = SmallVec::new();
+        let (call, bufs) = match &self.ctl[t.0 as usize] {
+            Ctl::Parked(call, bufs) => (Some(call.clone()), bufs.as_slice()),
+            _ => (self.machine.call_in_progress(t), &[][..]),
+        };
+        let Some(call) = call else { return out };
+        for (o, m) in self.machine.footprint(&call) {
+            out.push((Obj::Machine(o), m));
+        }
+        for u in bufs {
+            if let Some(b) = self.buffers.get(u.buf) {
+                let mode = match u.dir {
+                    duplex::Dir::Send => Mode::DeviceRead,
+                    duplex::Dir::Recv => Mode::Write,
+                };
+                out.push((Obj::Buffer(b.key.0, b.key.1), mode));
+            }
+        }
+        out
+    }
+
+    /// The calls of threads `who` that are parked (or wait to finish a
+    /// handshake), with their threads' ranks and uses.
+    fn pending_uses(&self, who: &[ThreadId]) -> Vec<crate::dpor::Pending> {
+        who.iter()
+            .copied()
+            .filter(|t| {
+                matches!(self.ctl.get(t.0 as usize), Some(Ctl::Parked(..)))
+                    || (t.0 as usize) < self.ctl.len() && self.machine.next(*t) == Next::Resume
+            })
+            .map(|t| {
+                let rank = self.machine.setup().threads[t.0 as usize].rank;
+                (t, rank, self.uses_of(t))
+            })
+            .collect()
+    }
+
     pub(crate) fn drop_buffer(&mut self, b: usize) {
+        // By the thread that runs (a buffer dropped off its turn, from a
+        // thread-local past its thread's end, is a change the search
+        // cannot place).
+        if let Some(t) = self.running {
+            self.note_buffer(t, b, Mode::Write);
+        }
         let Some(buf) = self.buffers.get_mut(b) else {
             return;
         };
@@ -850,6 +995,34 @@ impl World {
                 h.write_u128(*seen);
                 h.write_u32(*allocs);
             }
+        }
+        // What the machine's numbers stand for, where rank code made them:
+        // tags are numbered on first use, and streams, events, threads and
+        // communicators as made, in the order the interleaving ran the
+        // code in. Two executions that numbered them otherwise are told
+        // apart: the search's record of what followed a state
+        // ([`crate::dpor`]) names objects by number.
+        let setup = self.machine.setup();
+        let (threads, streams, comms, events) = self.setup_base;
+        h.write_usize(setup.tags.len());
+        for tag in &setup.tags {
+            tag.hash(&mut h);
+        }
+        for t in setup.threads.iter().skip(threads) {
+            h.write_u32(t.rank);
+            t.name.hash(&mut h);
+        }
+        for s in setup.streams.iter().skip(streams) {
+            h.write_u32(s.rank);
+            s.name.hash(&mut h);
+        }
+        for c in setup.comms.iter().skip(comms) {
+            c.name.hash(&mut h);
+            c.members.hash(&mut h);
+        }
+        for e in setup.events.iter().skip(events) {
+            h.write_u32(e.rank);
+            e.name.hash(&mut h);
         }
         h.digest128()
     }

@@ -38,6 +38,7 @@ use crate::schedule::Dir;
 use crate::{DType, Model, ProgramErrorKind};
 
 pub use crate::report::{OpInfo, Stuck};
+pub use rules::{Mode, Object};
 pub use view::describe_origin;
 pub use waitfor::{Threads, Unknown};
 

@@ -20,8 +20,10 @@ use crate::Size;
 use crate::report::Rule;
 use crate::schedule::Dir;
 
+use smallvec::SmallVec;
+
 use super::{
-    ChannelKey, CommId, Entry, HostCall, LaunchRef, Machine, Next, OpStatus, Phase, Rank, Slot,
+    ChannelKey, CommId, Entry, EventId, HostCall, LaunchRef, Machine, OpStatus, Phase, Rank, Slot,
     StreamId, TagId, ThreadId, Wait, launch_channel,
 };
 
@@ -362,7 +364,7 @@ impl Machine {
     }
 
     /// What keeps thread `t`, between calls, from making `call`: an `await`
-    /// waits for its message, a `join` for its thread to finish, and a
+    /// waits for its message, a `join` for its thread to end, and a
     /// launch for every other thread of the rank to be out of its calls on
     /// the launch's communicators (R11).
     pub(super) fn call_blockers(
@@ -395,8 +397,9 @@ impl Machine {
                 }
             }
             HostCall::Join { thread, .. } => {
-                let done = self.state.threads.get(thread.ix()).is_some()
-                    && self.next(*thread) == Next::Finished;
+                // Its end made, not its rank's streams drained: the NCCL
+                // backend's `join` waits for the thread's result only.
+                let done = self.state.threads.get(thread.ix()).is_some() && self.ended(*thread);
                 if !done {
                     f(Blocker {
                         rule: Rule::Join,
@@ -481,7 +484,7 @@ impl Machine {
             Why::Finish(u) => {
                 let info = &m.setup.threads[u.ix()];
                 format!(
-                    "waits for thread {} of rank {} to finish",
+                    "waits for thread {} of rank {} to end",
                     info.name, info.rank
                 )
             }
@@ -550,64 +553,130 @@ impl Machine {
     }
 }
 
+/// What a host call of one rank reads or changes, for telling which calls
+/// of two threads of that rank commute ([`Machine::footprint`]). Objects
+/// are the rank's own (two calls of different ranks are never compared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Object {
+    /// A stream: R1 order, a `sync` or `wait` target.
+    Stream(StreamId),
+    /// A communicator: R2 order, R11, channel positions, R3.
+    Comm(CommId),
+    /// An event (R9).
+    Event(EventId),
+    /// The notifications of a tag: an `await` takes one, a `notify` to
+    /// one's own rank posts one.
+    Tag(TagId),
+    /// The notifications of a tag from one rank: two `await`s may take the
+    /// same one.
+    Inbox(Rank, TagId),
+    /// Every stream of the rank: a `sync` of them all and a thread's end
+    /// drain what was issued before them.
+    Streams,
+    /// The rank's kernel slots, under a bound (R10 serves launches in
+    /// issue order).
+    Slots,
+}
+
+/// How a call uses an [`Object`]. Two uses of one object conflict unless
+/// both are the same shared kind: two launches both *issue* onto the
+/// rank's streams and commute, a launch and a drain of them do not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// Changes it: conflicts with every other use.
+    Write,
+    /// Posts a notification (shared with other posts).
+    Post,
+    /// Takes a notification (shared with other takes of other senders).
+    Take,
+    /// Puts work on the rank's streams (shared with other issues).
+    Issue,
+    /// Waits for the rank's streams to drain (shared with other drains).
+    Drain,
+    /// The host reads a buffer (shared with other host reads). Not used
+    /// by the machine's calls: for a backend's own accesses.
+    HostRead,
+    /// A device op reads a buffer (shared with other device reads). As
+    /// [`Mode::HostRead`], for a backend.
+    DeviceRead,
+}
+
+impl Mode {
+    /// Whether two uses of one object conflict (their order matters).
+    pub fn conflicts(self, other: Mode) -> bool {
+        self == Mode::Write || self != other
+    }
+}
+
 impl Machine {
+    /// What call `call` of a thread of some rank uses: two calls of two
+    /// threads of one rank commute ([`Machine::commute`]) unless they use
+    /// one object in conflicting modes. Launches use their streams and
+    /// communicators, and issue onto the rank's streams (and, under a
+    /// kernel bound, take its slots); `record`/`wait` use their stream and
+    /// event and issue; a `sync` of one stream uses it, a `sync` of every
+    /// stream drains them all; `await` takes from its tag and its sender's
+    /// inbox; `notify` posts to its tag; `join` and a thread's end use
+    /// nothing (the end's drain is seen by nothing but the run's end: a
+    /// `join` waits for the end, not the drain).
+    pub fn footprint(&self, call: &HostCall) -> SmallVec<[(Object, Mode); 4]> {
+        use HostCall::*;
+        let mut f: SmallVec<[(Object, Mode); 4]> = SmallVec::new();
+        match call {
+            Launch(spec) => {
+                for o in &spec.ops {
+                    for x in [Object::Stream(o.stream), Object::Comm(o.comm)] {
+                        if !f.iter().any(|(y, _)| *y == x) {
+                            f.push((x, Mode::Write));
+                        }
+                    }
+                }
+                f.push((Object::Streams, Mode::Issue));
+                if self.setup.model.kernels.is_some() {
+                    f.push((Object::Slots, Mode::Write));
+                }
+            }
+            Record { event, stream, .. } | Wait { event, stream, .. } => {
+                f.push((Object::Stream(*stream), Mode::Write));
+                f.push((Object::Event(*event), Mode::Write));
+                f.push((Object::Streams, Mode::Issue));
+            }
+            Sync {
+                stream: Some(s), ..
+            } => f.push((Object::Stream(*s), Mode::Write)),
+            Sync { stream: None, .. } => f.push((Object::Streams, Mode::Drain)),
+            // Its drain is seen by nothing but the run's end (a `join`
+            // waits for the end, not the drain), and a stuck state stays
+            // stuck whichever launches it waits for.
+            End => {}
+            Await { from, tag, .. } => {
+                f.push((Object::Tag(*tag), Mode::Take));
+                f.push((Object::Inbox(*from, *tag), Mode::Write));
+            }
+            Notify { tag, .. } => f.push((Object::Tag(*tag), Mode::Post)),
+            Join { .. } => {}
+        }
+        f
+    }
+
     /// Whether calls `a` and `b` of two different host threads of one rank
     /// commute (either order reaches the same state) and neither disables
     /// the other: what the checker's reduction needs to explore only one
-    /// order. They do not when they touch a common stream (R1 order, a
-    /// `sync` or `wait` target), a common communicator (R2 order, R11,
-    /// channel positions, R3), a common event (R9), take a message another
-    /// may take (`await`), or when a launch meets a `sync` of every stream
-    /// or a thread's end (both drain what was issued before them), or when
-    /// kernel slots are bounded (R10 serves launches in issue order).
-    /// `notify` and `join` commute with everything.
+    /// order. They do not when they use one object of
+    /// [`Machine::footprint`] in conflicting modes: a common stream (R1
+    /// order, a `sync` or `wait` target), a common communicator (R2 order,
+    /// R11, channel positions, R3), a common event (R9), a message another
+    /// may take (`await`) or that one posts to the other (`notify` to its
+    /// own rank's `await` of the tag), a launch (or `record`, `wait`) and
+    /// a `sync` of every stream (which drains what was issued before it),
+    /// two launches under a kernel bound (R10 serves launches in issue
+    /// order). `join` and a thread's end commute with everything.
     pub fn commute(&self, a: &HostCall, b: &HostCall) -> bool {
-        use HostCall::*;
-        let streams = |c: &HostCall| -> Vec<StreamId> {
-            match c {
-                Launch(spec) => spec.ops.iter().map(|o| o.stream).collect(),
-                Record { stream, .. } | Wait { stream, .. } => vec![*stream],
-                Sync {
-                    stream: Some(s), ..
-                } => vec![*s],
-                _ => Vec::new(),
-            }
-        };
-        let comms = |c: &HostCall| -> Vec<CommId> {
-            match c {
-                Launch(spec) => spec.ops.iter().map(|o| o.comm).collect(),
-                _ => Vec::new(),
-            }
-        };
-        match (a, b) {
-            (Notify { .. } | Join { .. }, _) | (_, Notify { .. } | Join { .. }) => {
-                // A notify to one's own rank feeds that rank's awaits.
-                let feeds = |n: &HostCall, w: &HostCall| matches!((n, w), (Notify { tag: x, .. }, Await { tag: y, .. }) if x == y);
-                !(feeds(a, b) || feeds(b, a))
-            }
-            (Launch(_), Launch(_)) if self.setup.model.kernels.is_some() => false,
-            (Launch(_), Sync { stream: None, .. } | End)
-            | (Sync { stream: None, .. } | End, Launch(_)) => false,
-            (Record { .. } | Wait { .. }, Sync { stream: None, .. } | End)
-            | (Sync { stream: None, .. } | End, Record { .. } | Wait { .. }) => false,
-            (
-                Await {
-                    from: f1, tag: t1, ..
-                },
-                Await {
-                    from: f2, tag: t2, ..
-                },
-            ) => !(f1 == f2 && t1 == t2),
-            (
-                Record { event: e1, .. } | Wait { event: e1, .. },
-                Record { event: e2, .. } | Wait { event: e2, .. },
-            ) if e1 == e2 => false,
-            _ => {
-                let (sa, sb) = (streams(a), streams(b));
-                let (ca, cb) = (comms(a), comms(b));
-                !(sa.iter().any(|s| sb.contains(s)) || ca.iter().any(|c| cb.contains(c)))
-            }
-        }
+        let fb = self.footprint(b);
+        !self
+            .footprint(a)
+            .iter()
+            .any(|(x, m)| fb.iter().any(|(y, n)| x == y && m.conflicts(*n)))
     }
 
     /// The call thread `t` is making now: the launch of a handshake in

@@ -1,0 +1,762 @@
+//! Dynamic partial-order reduction: how [`crate::Sim::check`] explores rank
+//! code, whose future calls nobody knows before it runs.
+//!
+//! The schedule checker knows every thread's remaining calls, so it picks a
+//! persistent set before it steps ([`crate::check::reduce`]). Rank code is
+//! opaque: a thread's next call is known only once it is parked, and what
+//! it does after is known only once it has done it. The search therefore
+//! learns which steps depend on each other from the executions it runs, as
+//! loom and other model checkers of real code do (Flanagan and Godefroid,
+//! "Dynamic partial-order reduction for model checking software", POPL
+//! 2005): it runs one interleaving, and where two steps of different
+//! threads that did not commute ran in an order nothing forced (no chain of
+//! dependent steps between them), it adds the other order as a choice at
+//! the decision point before the first of them. Threads whose steps touch
+//! nothing in common (a pipeline's forward and backward threads, each on
+//! its own lanes) are explored in one execution.
+//!
+//! **Transitions and what they use.** A transition is what happens between
+//! two decisions: the chosen thread's call, and the user code of every
+//! thread that runs before the next decision (the chosen thread's, and
+//! that of threads whose blocked call the step let return). Each use is an
+//! object of the thread's rank and a [`Mode`]: the machine's objects of a
+//! call ([`duplex::machine::Machine::footprint`], the one definition of
+//! which calls commute, shared with the checker), a buffer (a host read or
+//! write, a device op's read or write, a sync that covers ops on it, its
+//! drop) and the rank's numbering of communicators. Uses of different
+//! ranks are never compared: steps of different ranks commute and never
+//! disable each other (`check.rs`); that one enables another (a send lets a
+//! recv's sync return, a notify an await) is an edge of the happens-before
+//! order, taken from the threads that became enabled in each transition.
+//!
+//! **Races.** Each transition gets a vector clock. When a transition ends,
+//! the latest earlier transition that used one of its objects in a
+//! conflicting mode and does not happen before it is a race: the
+//! transition's chosen thread is added to the choices of the decision
+//! before that earlier one (or, if it could not move there, a thread that
+//! leads to it, or every thread that could). A call parked when the
+//! execution ends (a hang, a pruned execution aside) is checked the same
+//! way, as if it ran last.
+//!
+//! **State caching.** A decision whose state was fully explored before is
+//! pruned, as in the schedule checker. Dynamic POR alone would lose what
+//! that state's subtree would have told the prefix: which of its
+//! transitions race with the prefix's. So each explored state keeps a
+//! summary of every use made after it (a bit set over the uses seen), and
+//! a pruned execution checks each summarized use against its whole prefix,
+//! conservatively: with no clock for it, every conflicting transition of
+//! another thread counts as a race (after Yang, Chen, Gopalakrishnan and
+//! Kirby, "Efficient stateful dynamic partial order reduction", SPIN
+//! 2008). The search stays sound and merges states as the checker does.
+//!
+//! The tests check it against the search without reduction and against
+//! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use duplex::machine::{Mode, Object, Rank, ThreadId};
+use smallvec::SmallVec;
+
+use crate::explore::Choice;
+
+/// What a step uses, besides the machine's objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Obj {
+    /// An object of the machine's rules.
+    Machine(Object),
+    /// A buffer, by its key (the thread that allocated it and its count
+    /// there), which is the same whichever order threads allocate in.
+    Buffer(ThreadId, u32),
+    /// The rank's numbering of the communicators it creates.
+    Comms,
+}
+
+/// One use: the thread, its rank, the object, the mode.
+type Use = (ThreadId, Rank, Obj, Mode);
+
+/// A summarized use: the chosen thread of its transition, and the use.
+type Item = (ThreadId, Use);
+
+/// A parked call: its thread, the thread's rank, what the call uses.
+pub(crate) type Pending = (ThreadId, Rank, SmallVec<[(Obj, Mode); 6]>);
+
+/// A use recorded in an execution.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    /// The transition.
+    at: u32,
+    thread: ThreadId,
+    mode: Mode,
+}
+
+/// The uses of one object in this execution.
+#[derive(Debug, Default)]
+struct History {
+    /// The last [`Mode::Write`]: every earlier use happens before it.
+    write: Option<Entry>,
+    /// Since it: the last use of each thread in each shared mode.
+    shared: SmallVec<[Entry; 4]>,
+    /// Every use, for a pruned execution's conservative check.
+    all: Vec<Entry>,
+}
+
+#[derive(Debug)]
+struct Transition {
+    /// The thread chosen (`None`: the threads' start, before any call).
+    chosen: Option<ThreadId>,
+    /// The decision it was chosen at, on the stack (`None`: it was the
+    /// only thread that could move).
+    frame: Option<usize>,
+    /// Per thread: one more than the last transition chosen by that thread
+    /// that happens before this one or is it (0: none).
+    clock: Vec<u32>,
+}
+
+/// The transition under way.
+#[derive(Debug, Default)]
+struct Open {
+    chosen: Option<ThreadId>,
+    frame: Option<usize>,
+    /// Threads that ran in it.
+    threads: SmallVec<[ThreadId; 4]>,
+    uses: Vec<Use>,
+}
+
+/// A set of summarized uses, by their index in [`Dpor::items`].
+#[derive(Clone, Debug, Default)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn insert(&mut self, i: u32) {
+        let (w, b) = ((i / 64) as usize, i % 64);
+        if self.0.len() <= w {
+            self.0.resize(w + 1, 0);
+        }
+        self.0[w] |= 1 << b;
+    }
+
+    fn union(&mut self, other: &Bits) {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        for (a, b) in self.0.iter_mut().zip(&other.0) {
+            *a |= *b;
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().enumerate().flat_map(|(w, x)| {
+            (0..64u32)
+                .filter(move |b| x & (1 << b) != 0)
+                .map(move |b| w as u32 * 64 + b)
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Frame {
+    /// The state's, where the search takes it (none at a forced thread).
+    fingerprint: Option<u128>,
+    /// The threads that could move.
+    enabled: Vec<ThreadId>,
+    /// The thread this execution takes.
+    chosen: ThreadId,
+    /// Threads taken here so far (the chosen one included).
+    done: Vec<ThreadId>,
+    /// Threads races asked for, not taken yet.
+    todo: Vec<ThreadId>,
+    /// Every use made after this decision, in every execution through it.
+    summary: Bits,
+}
+
+impl Frame {
+    fn ask(&mut self, t: ThreadId) {
+        if !self.done.contains(&t) && !self.todo.contains(&t) {
+            self.todo.push(t);
+        }
+    }
+}
+
+/// The search ([module docs](self)).
+#[derive(Debug, Default)]
+pub struct Dpor {
+    stack: Vec<Frame>,
+    /// The next decision's index on this execution.
+    depth: usize,
+    /// States decided at, with the summary of what followed once every
+    /// choice there was explored (`None` while on the stack).
+    visited: HashMap<u128, Option<Arc<Bits>>>,
+    /// Interned summarized uses.
+    items: Vec<Item>,
+    item_ix: HashMap<Item, u32>,
+    /// The first replayed decision that found another state than it had
+    /// recorded ([`Dpor::diverged`]).
+    diverged: Option<usize>,
+    // This execution.
+    trace: Vec<Transition>,
+    open: Option<Open>,
+    objects: HashMap<(Rank, Obj), History>,
+    /// Per thread: the last transition it ran in or was enabled by.
+    last: Vec<Option<u32>>,
+    /// Per thread: whether it could move at the last decision.
+    enabled: Vec<bool>,
+    /// The deepest decision of this execution so far.
+    frame: Option<usize>,
+}
+
+fn join(into: &mut Vec<u32>, from: &[u32]) {
+    if into.len() < from.len() {
+        into.resize(from.len(), 0);
+    }
+    for (a, b) in into.iter_mut().zip(from) {
+        *a = (*a).max(*b);
+    }
+}
+
+fn get(clock: &[u32], t: ThreadId) -> u32 {
+    clock.get(t.0 as usize).copied().unwrap_or(0)
+}
+
+impl Dpor {
+    /// A search that has run nothing yet.
+    pub fn new() -> Dpor {
+        let mut d = Dpor::default();
+        d.restart();
+        d
+    }
+
+    /// Per-execution state, for the next execution.
+    fn restart(&mut self) {
+        self.depth = 0;
+        self.trace.clear();
+        self.open = Some(Open::default());
+        self.objects.clear();
+        self.last.clear();
+        self.enabled.clear();
+        self.frame = None;
+    }
+
+    /// The first decision (0-based) at which an execution, replaying the
+    /// choices before it, found another state than the one recorded.
+    pub fn diverged(&self) -> Option<usize> {
+        self.diverged
+    }
+
+    /// Distinct states decided at.
+    pub fn states(&self) -> usize {
+        self.visited.len()
+    }
+
+    /// Thread `t` ran in the transition under way.
+    pub(crate) fn ran(&mut self, t: ThreadId) {
+        if let Some(o) = &mut self.open
+            && !o.threads.contains(&t)
+        {
+            o.threads.push(t);
+        }
+    }
+
+    /// Thread `t` of `rank` used `obj` in `mode` in the transition under
+    /// way.
+    pub(crate) fn uses(&mut self, t: ThreadId, rank: Rank, obj: Obj, mode: Mode) {
+        self.ran(t);
+        if let Some(o) = &mut self.open {
+            let u = (t, rank, obj, mode);
+            if !o.uses.contains(&u) {
+                o.uses.push(u);
+            }
+        }
+    }
+
+    /// The threads whose calls parked now the search needs
+    /// ([`Dpor::decide`]'s `pending`): those that ran in the transition
+    /// under way, and those of the ranks it used objects of.
+    pub(crate) fn touched(&self) -> (SmallVec<[Rank; 4]>, SmallVec<[ThreadId; 4]>) {
+        let mut ranks: SmallVec<[Rank; 4]> = SmallVec::new();
+        let Some(o) = &self.open else {
+            return (ranks, SmallVec::new());
+        };
+        for u in &o.uses {
+            if !ranks.contains(&u.1) {
+                ranks.push(u.1);
+            }
+        }
+        (ranks, o.threads.clone())
+    }
+
+    /// The decision between the `enabled` threads (not empty). Ends the
+    /// transition under way first; `pending` are the calls parked now of
+    /// the threads [`Dpor::touched`] names (a thread, its rank, what its
+    /// call uses). `forced` is a thread that is a persistent set alone
+    /// for the machine's calls ([`crate::check::closed_rank`]): it is
+    /// taken first, without the state's fingerprint, and others only if
+    /// a race asks for them (user code that a step woke runs within it,
+    /// and may race with another thread's call). `fingerprint` is the
+    /// state's where there is no forced thread and more than one can move.
+    pub(crate) fn decide(
+        &mut self,
+        enabled: &[ThreadId],
+        pending: &[Pending],
+        forced: Option<ThreadId>,
+        fingerprint: Option<u128>,
+    ) -> Choice {
+        self.close(enabled, pending);
+        if enabled.len() == 1 {
+            self.open(enabled[0], None);
+            return Choice::Take(enabled[0]);
+        }
+        let d = self.depth;
+        self.depth += 1;
+        if let Some(frame) = self.stack.get(d) {
+            if frame.fingerprint != fingerprint || frame.enabled != enabled {
+                self.diverged = Some(d);
+                return Choice::Mismatch;
+            }
+            let t = frame.chosen;
+            self.frame = Some(d);
+            self.open(t, Some(d));
+            return Choice::Take(t);
+        }
+        if let Some(fp) = fingerprint {
+            if let Some(summary) = self.visited.get(&fp) {
+                // Seen and fully explored (the state graph has no cycles,
+                // so a state seen before is not on the stack).
+                let summary = summary.clone().unwrap_or_default();
+                self.pruned(&summary);
+                return Choice::Prune;
+            }
+            self.visited.insert(fp, None);
+        }
+        let t = forced.unwrap_or(enabled[0]);
+        self.stack.push(Frame {
+            fingerprint,
+            enabled: enabled.to_vec(),
+            chosen: t,
+            done: vec![t],
+            todo: Vec::new(),
+            summary: Bits::default(),
+        });
+        self.frame = Some(d);
+        self.open(t, Some(d));
+        Choice::Take(t)
+    }
+
+    fn open(&mut self, t: ThreadId, frame: Option<usize>) {
+        self.open = Some(Open {
+            chosen: Some(t),
+            frame,
+            threads: SmallVec::from_slice(&[t]),
+            uses: Vec::new(),
+        });
+    }
+
+    /// The execution ended with no thread able to move; `parked` are the
+    /// calls still parked, which are checked as if they ran last.
+    pub(crate) fn end(&mut self, parked: &[Pending]) {
+        self.close(&[], parked);
+        for (t, rank, uses) in parked {
+            let clock = self
+                .last(*t)
+                .map(|l| self.trace[l as usize].clock.clone())
+                .unwrap_or_default();
+            self.pending_race(*t, *rank, uses, clock);
+            for (obj, mode) in uses {
+                self.summarize(*t, (*t, *rank, *obj, *mode));
+            }
+        }
+    }
+
+    /// The races of thread `t`'s parked call (of `rank`, using `uses`)
+    /// with the transitions so far, `clock` being the thread's: the latest
+    /// conflicting one of another thread that does not happen before it.
+    fn pending_race(&mut self, t: ThreadId, rank: Rank, uses: &[(Obj, Mode)], mut clock: Vec<u32>) {
+        let base = clock.clone();
+        let mut race = None;
+        for (obj, mode) in uses {
+            self.scan(t, rank, *obj, *mode, &base, &mut clock, &mut race);
+        }
+        if let Some(i) = race {
+            self.race(i, t, &clock);
+        }
+    }
+
+    fn last(&self, t: ThreadId) -> Option<u32> {
+        self.last.get(t.0 as usize).copied().flatten()
+    }
+
+    fn set_last(&mut self, t: ThreadId, at: u32) {
+        let i = t.0 as usize;
+        if self.last.len() <= i {
+            self.last.resize(i + 1, None);
+        }
+        self.last[i] = Some(at);
+    }
+
+    /// Adds a use made after the deepest decision so far to its summary.
+    fn summarize(&mut self, chosen: ThreadId, u: Use) {
+        let Some(f) = self.frame else { return };
+        let item = (chosen, u);
+        let ix = match self.item_ix.get(&item) {
+            Some(ix) => *ix,
+            None => {
+                let ix = self.items.len() as u32;
+                self.items.push(item);
+                self.item_ix.insert(item, ix);
+                ix
+            }
+        };
+        self.stack[f].summary.insert(ix);
+    }
+
+    /// The uses of `obj` that conflict with `mode` by another thread than
+    /// `t`, latest first, back to the last write: joins their clocks into
+    /// `clock`, and makes the latest one that does not happen before
+    /// `base` the race, if later than `race`.
+    #[allow(clippy::too_many_arguments)]
+    fn scan(
+        &self,
+        t: ThreadId,
+        rank: Rank,
+        obj: Obj,
+        mode: Mode,
+        base: &[u32],
+        clock: &mut Vec<u32>,
+        race: &mut Option<u32>,
+    ) {
+        let Some(h) = self.objects.get(&(rank, obj)) else {
+            return;
+        };
+        for e in h.shared.iter().chain(h.write.iter()) {
+            if e.thread == t || !mode.conflicts(e.mode) {
+                continue;
+            }
+            let earlier = &self.trace[e.at as usize];
+            join(clock, &earlier.clock);
+            let Some(c) = earlier.chosen else { continue };
+            if get(base, c) > e.at {
+                continue; // happens before
+            }
+            if race.is_none_or(|r| r < e.at) {
+                *race = Some(e.at);
+            }
+        }
+    }
+
+    /// Ends the transition under way; `enabled` are the threads that can
+    /// move after it, `pending` the parked calls of [`Dpor::touched`]'s
+    /// threads.
+    ///
+    /// Besides the transition's own races, it checks the parked calls, as
+    /// Flanagan and Godefroid check each thread's next step in every
+    /// state: a thread that ran in it and parked a call has that call
+    /// checked against every earlier transition (its clock is the
+    /// transition's); a thread parked before, that could move before it,
+    /// races with it if the transition used what its call uses (the
+    /// transition may have disabled the call: a launch that starts a
+    /// connection handshake holds up the rank's other launches on its
+    /// communicator, and the call's own check, when it runs, finds the
+    /// transition ordered before it by the handshake's end).
+    fn close(&mut self, enabled: &[ThreadId], pending: &[Pending]) {
+        let Some(open) = self.open.take() else { return };
+        let j = self.trace.len() as u32;
+        let mut clock = Vec::new();
+        for t in &open.threads {
+            if let Some(l) = self.last(*t) {
+                join(&mut clock, &self.trace[l as usize].clock);
+            }
+        }
+        let base = clock.clone();
+        let mut race = None;
+        for &(t, rank, obj, mode) in &open.uses {
+            self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
+        }
+        if let (Some(i), Some(c)) = (race, open.chosen) {
+            self.race(i, c, &clock);
+        }
+        if let Some(c) = open.chosen {
+            let i = c.0 as usize;
+            if clock.len() <= i {
+                clock.resize(i + 1, 0);
+            }
+            clock[i] = j + 1;
+        }
+        self.trace.push(Transition {
+            chosen: open.chosen,
+            frame: open.frame,
+            clock,
+        });
+        for &(t, rank, obj, mode) in &open.uses {
+            let e = Entry {
+                at: j,
+                thread: t,
+                mode,
+            };
+            let h = self.objects.entry((rank, obj)).or_default();
+            if mode == Mode::Write {
+                h.write = Some(e);
+                h.shared.clear();
+            } else if let Some(s) = h
+                .shared
+                .iter_mut()
+                .find(|s| s.thread == t && s.mode == mode)
+            {
+                *s = e;
+            } else {
+                h.shared.push(e);
+            }
+            h.all.push(e);
+            if let Some(c) = open.chosen {
+                self.summarize(c, (t, rank, obj, mode));
+            }
+        }
+        for t in &open.threads {
+            self.set_last(*t, j);
+        }
+        for (t, rank, uses) in pending {
+            if open.threads.contains(t) {
+                let clock = self.trace[j as usize].clock.clone();
+                self.pending_race(*t, *rank, uses, clock);
+            } else if self.enabled.get(t.0 as usize).copied().unwrap_or(false)
+                && open.uses.iter().any(|(u, r, obj, mode)| {
+                    u != t && r == rank && uses.iter().any(|(o, m)| o == obj && m.conflicts(*mode))
+                })
+            {
+                let clock = self.trace[j as usize].clock.clone();
+                self.race(j, *t, &clock);
+            }
+        }
+        let was = std::mem::take(&mut self.enabled);
+        for t in enabled {
+            if !was.get(t.0 as usize).copied().unwrap_or(false) {
+                self.set_last(*t, j);
+            }
+        }
+        let mut now = was;
+        now.iter_mut().for_each(|x| *x = false);
+        for t in enabled {
+            let i = t.0 as usize;
+            if now.len() <= i {
+                now.resize(i + 1, false);
+            }
+            now[i] = true;
+        }
+        self.enabled = now;
+    }
+
+    /// Transition `i` races with a later one of thread `t`, whose clock is
+    /// `clock`: ask the decision before `i` for `t`, or for a thread that
+    /// leads to it, or for every thread that could move there.
+    fn race(&mut self, i: u32, t: ThreadId, clock: &[u32]) {
+        let Some(f) = self.trace[i as usize].frame else {
+            return; // the only thread that could move there moved
+        };
+        let frame = &mut self.stack[f];
+        if frame.enabled.contains(&t) {
+            frame.ask(t);
+            return;
+        }
+        // A thread chosen after `i` in a transition that happens before
+        // the racing one.
+        if let Some(q) = frame
+            .enabled
+            .iter()
+            .copied()
+            .find(|q| get(clock, *q) > i + 1)
+        {
+            frame.ask(q);
+            return;
+        }
+        for q in frame.enabled.clone() {
+            frame.ask(q);
+        }
+    }
+
+    /// The execution reached a state explored before, whose summary is
+    /// `summary`: every use made after that state is checked against the
+    /// whole prefix, each conflicting transition of another thread counted
+    /// as a race (no clock says otherwise).
+    fn pruned(&mut self, summary: &Bits) {
+        let mut asks: Vec<(usize, ThreadId)> = Vec::new();
+        for ix in summary.iter() {
+            let (chosen, (t, rank, obj, mode)) = self.items[ix as usize];
+            let Some(h) = self.objects.get(&(rank, obj)) else {
+                continue;
+            };
+            let base = self
+                .last(t)
+                .map(|l| self.trace[l as usize].clock.clone())
+                .unwrap_or_default();
+            for e in &h.all {
+                if e.thread == t || !mode.conflicts(e.mode) {
+                    continue;
+                }
+                let earlier = &self.trace[e.at as usize];
+                let (Some(c), Some(f)) = (earlier.chosen, earlier.frame) else {
+                    continue;
+                };
+                if get(&base, c) > e.at {
+                    continue;
+                }
+                asks.push((f, chosen));
+            }
+        }
+        asks.sort_unstable();
+        asks.dedup();
+        for (f, t) in asks {
+            let frame = &mut self.stack[f];
+            if frame.enabled.contains(&t) {
+                frame.ask(t);
+            } else {
+                for q in frame.enabled.clone() {
+                    frame.ask(q);
+                }
+            }
+        }
+        if let Some(f) = self.frame {
+            self.stack[f].summary.union(summary);
+        }
+    }
+
+    /// Moves to the next execution: the deepest decision with a thread
+    /// still to take takes it. Returns its depth, or `None` when every
+    /// choice has been explored.
+    pub fn backtrack(&mut self) -> Option<usize> {
+        self.restart();
+        while let Some(top) = self.stack.last_mut() {
+            if !top.todo.is_empty() {
+                let t = top.todo.remove(0);
+                top.done.push(t);
+                top.chosen = t;
+                return Some(self.stack.len() - 1);
+            }
+            let Some(frame) = self.stack.pop() else { break };
+            let summary = Arc::new(frame.summary);
+            if let Some(parent) = self.stack.last_mut() {
+                parent.summary.union(&summary);
+            }
+            if let Some(fp) = frame.fingerprint {
+                self.visited.insert(fp, Some(summary));
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use duplex::machine::CommId;
+
+    const A: ThreadId = ThreadId(0);
+    const B: ThreadId = ThreadId(1);
+    const C: ThreadId = ThreadId(2);
+
+    fn buffer(n: u32) -> Obj {
+        Obj::Buffer(A, n)
+    }
+
+    /// One execution of two threads of `rank_b`'s and rank 0: A moves
+    /// first (its user code uses `a`), then B (its call uses `b`).
+    fn two_steps(d: &mut Dpor, a: (Obj, Mode), b: (Rank, Obj, Mode)) -> Choice {
+        let first = d.decide(&[A, B], &[], None, Some(1));
+        if first == Choice::Take(A) {
+            d.uses(A, 0, a.0, a.1);
+            assert_eq!(d.decide(&[B], &[], None, None), Choice::Take(B));
+            d.uses(B, b.0, b.1, b.2);
+        } else {
+            d.uses(B, b.0, b.1, b.2);
+            assert_eq!(d.decide(&[A], &[], None, None), Choice::Take(A));
+            d.uses(A, 0, a.0, a.1);
+        }
+        d.end(&[]);
+        first
+    }
+
+    #[test]
+    fn a_read_by_one_thread_and_a_later_write_by_another_are_tried_both_ways() {
+        let mut d = Dpor::new();
+        let read = (buffer(0), Mode::HostRead);
+        let write = (0, buffer(0), Mode::Write);
+        assert_eq!(two_steps(&mut d, read, write), Choice::Take(A));
+        assert_eq!(d.backtrack(), Some(0));
+        assert_eq!(two_steps(&mut d, read, write), Choice::Take(B));
+        assert_eq!(d.backtrack(), None);
+    }
+
+    #[test]
+    fn steps_that_share_nothing_or_are_of_two_ranks_are_tried_one_way() {
+        for (a, b) in [
+            ((buffer(0), Mode::HostRead), (0, buffer(1), Mode::Write)),
+            ((buffer(0), Mode::HostRead), (0, buffer(0), Mode::HostRead)),
+            ((buffer(0), Mode::Write), (1, buffer(0), Mode::Write)),
+            (
+                (Obj::Machine(Object::Streams), Mode::Issue),
+                (0, Obj::Machine(Object::Streams), Mode::Issue),
+            ),
+        ] {
+            let mut d = Dpor::new();
+            two_steps(&mut d, a, b);
+            assert_eq!(d.backtrack(), None, "{a:?} {b:?}");
+        }
+    }
+
+    /// A's launch starts a handshake on a communicator and holds up B's
+    /// launch on it (B cannot move until A's call returns): B's parked
+    /// call, which B could make before A's, races with it.
+    #[test]
+    fn a_step_that_disables_a_parked_call_races_with_it() {
+        let comm = Obj::Machine(Object::Comm(CommId(0)));
+        let mut d = Dpor::new();
+        assert_eq!(d.decide(&[A, B], &[], None, Some(1)), Choice::Take(A));
+        d.uses(A, 0, comm, Mode::Write);
+        let parked: Pending = (B, 0, SmallVec::from_slice(&[(comm, Mode::Write)]));
+        // A waits in its handshake, then returns; B waited meanwhile.
+        assert_eq!(
+            d.decide(&[A], std::slice::from_ref(&parked), None, None),
+            Choice::Take(A)
+        );
+        d.end(&[]);
+        assert_eq!(d.backtrack(), Some(0));
+        assert_eq!(d.decide(&[A, B], &[], None, Some(1)), Choice::Take(B));
+    }
+
+    /// A state reached again is pruned; what its explored future used is
+    /// checked against the new prefix: C's write after the state races
+    /// with B's read before it on the second path, which the first path
+    /// did not have.
+    #[test]
+    fn a_pruned_state_passes_on_what_followed_it() {
+        let (x, y) = (buffer(0), buffer(1));
+        let mut d = Dpor::new();
+        // A writes y; B writes y (a race: B is asked first at decision 0);
+        // the state after is 9; C writes x.
+        assert_eq!(d.decide(&[A, B, C], &[], None, Some(1)), Choice::Take(A));
+        d.uses(A, 0, y, Mode::Write);
+        assert_eq!(d.decide(&[B, C], &[], None, Some(9)), Choice::Take(B));
+        d.uses(B, 0, y, Mode::Write);
+        assert_eq!(d.decide(&[C], &[], None, None), Choice::Take(C));
+        d.uses(C, 0, x, Mode::Write);
+        d.end(&[]);
+        assert_eq!(d.backtrack(), Some(0));
+        // B first, reading x; then state 9 again.
+        assert_eq!(d.decide(&[A, B, C], &[], None, Some(1)), Choice::Take(B));
+        d.uses(B, 0, x, Mode::HostRead);
+        assert_eq!(d.decide(&[A, C], &[], None, Some(9)), Choice::Prune);
+        d.end(&[]);
+        assert_eq!(d.backtrack(), Some(0));
+        assert_eq!(d.decide(&[A, B, C], &[], None, Some(1)), Choice::Take(C));
+    }
+
+    /// Replaying a decision that meets another state than it recorded
+    /// stops, and says where.
+    #[test]
+    fn a_replay_that_meets_another_state_is_a_mismatch() {
+        let mut d = Dpor::new();
+        let read = (buffer(0), Mode::HostRead);
+        two_steps(&mut d, read, (0, buffer(0), Mode::Write));
+        assert_eq!(d.backtrack(), Some(0));
+        assert_eq!(d.decide(&[A, B], &[], None, Some(2)), Choice::Mismatch);
+        assert_eq!(d.diverged(), Some(0));
+    }
+}
