@@ -43,11 +43,14 @@
 //! that state's subtree would have told the prefix: which of its
 //! transitions race with the prefix's. So each explored state keeps a
 //! summary of every use made after it (a bit set over the uses seen), and
-//! a pruned execution checks each summarized use against its whole prefix,
-//! conservatively: with no clock for it, every conflicting transition of
-//! another thread counts as a race (after Yang, Chen, Gopalakrishnan and
-//! Kirby, "Efficient stateful dynamic partial order reduction", SPIN
-//! 2008). The search stays sound and merges states as the checker does.
+//! a pruned execution checks each summarized use against its prefix,
+//! conservatively (after Yang, Chen, Gopalakrishnan and Kirby, "Efficient
+//! stateful dynamic partial order reduction", SPIN 2008): with no clock
+//! for the use, what happens before it after the state is unknown, so
+//! every conflicting use of another thread that no later conflicting use
+//! follows in the happens-before order counts as a race (the race the
+//! rule above would pick is among them). The search stays sound and
+//! merges states as the checker does.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`).
@@ -97,8 +100,6 @@ struct History {
     write: Option<Entry>,
     /// Since it: the last use of each thread in each shared mode.
     shared: SmallVec<[Entry; 4]>,
-    /// Every use, for a pruned execution's conservative check.
-    all: Vec<Entry>,
 }
 
 #[derive(Debug)]
@@ -505,7 +506,6 @@ impl Dpor {
             } else {
                 h.shared.push(e);
             }
-            h.all.push(e);
             if let Some(c) = open.chosen {
                 self.summarize(c, (t, rank, obj, mode));
             }
@@ -574,8 +574,9 @@ impl Dpor {
 
     /// The execution reached a state explored before, whose summary is
     /// `summary`: every use made after that state is checked against the
-    /// whole prefix, each conflicting transition of another thread counted
-    /// as a race (no clock says otherwise).
+    /// prefix with no clock of its own (what happens before it after the
+    /// state is not known here), so each conflicting use of another thread
+    /// that may be the race Flanagan and Godefroid's rule picks is one.
     fn pruned(&mut self, summary: &Bits) {
         let mut asks: Vec<(usize, ThreadId)> = Vec::new();
         for ix in summary.iter() {
@@ -587,18 +588,34 @@ impl Dpor {
                 .last(t)
                 .map(|l| self.trace[l as usize].clock.clone())
                 .unwrap_or_default();
-            for e in &h.all {
-                if e.thread == t || !mode.conflicts(e.mode) {
-                    continue;
-                }
+            // The uses it conflicts with that no other such use comes
+            // after in the happens-before order: the one that Flanagan and
+            // Godefroid's rule picks (the latest that does not happen
+            // before it) is among them, whatever the unknown order between
+            // the prefix and the use (a use that happens before a later
+            // conflicting one is either before the use too, or not the
+            // latest). Every use before the last write happens before it.
+            let candidates: SmallVec<[Entry; 8]> = h
+                .shared
+                .iter()
+                .chain(h.write.iter())
+                .filter(|e| e.thread != t && mode.conflicts(e.mode))
+                .copied()
+                .collect();
+            for e in &candidates {
                 let earlier = &self.trace[e.at as usize];
                 let (Some(c), Some(f)) = (earlier.chosen, earlier.frame) else {
                     continue;
                 };
                 if get(&base, c) > e.at {
-                    continue;
+                    continue; // before the thread's state here
                 }
-                asks.push((f, chosen));
+                let covered = candidates
+                    .iter()
+                    .any(|x| x.at > e.at && get(&self.trace[x.at as usize].clock, c) > e.at);
+                if !covered {
+                    asks.push((f, chosen));
+                }
             }
         }
         asks.sort_unstable();
