@@ -204,6 +204,8 @@ pub struct Dpor {
     enabled: Vec<bool>,
     /// The deepest decision of this execution so far.
     frame: Option<usize>,
+    /// An execution met what this search cannot order ([`Dpor::unsure`]).
+    unsure: bool,
 }
 
 fn join(into: &mut Vec<u32>, from: &[u32]) {
@@ -242,6 +244,16 @@ impl Dpor {
     /// choices before it, found another state than the one recorded.
     pub fn diverged(&self) -> Option<usize> {
         self.diverged
+    }
+
+    /// Whether an execution woke two threads of one rank in one step whose
+    /// code then used one object in conflicting modes: in another order of
+    /// other ranks' steps they may be woken apart, in either order, and
+    /// this search cannot place that order (it only reorders whole steps).
+    /// [`crate::Sim::check`] then starts over with the search that tries
+    /// every order of a rank's threads.
+    pub fn unsure(&self) -> bool {
+        self.unsure
     }
 
     /// Distinct states decided at.
@@ -467,13 +479,36 @@ impl Dpor {
                 join(&mut clock, &self.trace[l as usize].clock);
             }
         }
-        let base = clock.clone();
+        // Two woken threads' code, in one step, in conflict.
+        let woken = |t: &ThreadId| Some(*t) != open.chosen;
+        if open.uses.iter().enumerate().any(|(k, (t, r, o, m))| {
+            woken(t)
+                && open.uses[k + 1..]
+                    .iter()
+                    .any(|(u, q, p, n)| woken(u) && u != t && q == r && p == o && m.conflicts(*n))
+        }) {
+            self.unsure = true;
+        }
         let mut race = None;
         for &(t, rank, obj, mode) in &open.uses {
+            // A use happens after its own thread's past and the chosen
+            // thread's (whose step let it run), not after that of every
+            // thread the step woke: two threads woken in one step may be
+            // woken apart in another order of other ranks' steps.
+            let mut base = Vec::new();
+            for u in [Some(t), open.chosen].into_iter().flatten() {
+                if let Some(l) = self.last(u) {
+                    join(&mut base, &self.trace[l as usize].clock);
+                }
+            }
             self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
         }
         if let (Some(i), Some(c)) = (race, open.chosen) {
-            self.race(i, c, &clock);
+            let own = self
+                .last(c)
+                .map(|l| self.trace[l as usize].clock.clone())
+                .unwrap_or_default();
+            self.race(i, c, &own);
         }
         if let Some(c) = open.chosen {
             let i = c.0 as usize;

@@ -347,6 +347,9 @@ impl SimRank {
                 // Whether an access races, and how, depends on the
                 // interleaving: code that goes on after the error was told it.
                 w.observe(self.thread, state.as_bytes());
+                // A refused access is a use too: in another order it is
+                // allowed, and the code may branch on which.
+                w.note_buffer(self.thread, id, duplex::machine::Mode::HostRead);
                 return Err(Error::Race {
                     at: check::place(at),
                     message: format!(

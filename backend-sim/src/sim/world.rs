@@ -728,7 +728,8 @@ impl World {
 
     /// Copies the bytes of every message the machine moved.
     fn move_bytes(&mut self) {
-        for d in self.machine.take_deliveries() {
+        let deliveries = self.machine.take_deliveries();
+        for d in deliveries {
             match d {
                 Delivery::Buffered { send } => {
                     if let Some(b) = self.op_buffers.remove(&send) {
@@ -769,8 +770,6 @@ impl World {
         }
     }
 
-    /// The [`crate::SimBuffer`] of buffer `b` was dropped: its bytes go
-    /// now, or once the last op in flight on it is done with them.
     /// For the search of rank code ([`crate::dpor`]): thread `t` used
     /// buffer `b` in `mode`.
     pub(crate) fn note_buffer(&mut self, t: ThreadId, b: usize, mode: Mode) {
@@ -833,6 +832,8 @@ impl World {
             .collect()
     }
 
+    /// The [`crate::SimBuffer`] of buffer `b` was dropped: its bytes go
+    /// now, or once the last op in flight on it is done with them.
     pub(crate) fn drop_buffer(&mut self, b: usize) {
         // By the thread that runs (a buffer dropped off its turn, from a
         // thread-local past its thread's end, is a change the search
