@@ -508,8 +508,11 @@ impl World {
                             }
                             let done = self.orders[rank as usize].synced(covered);
                             bufs.extend(done.into_iter().map(|b| b as usize));
+                            // Drain: two syncs' returns commute (what
+                            // they cover only grows), and conflict with
+                            // every access of a buffer they cover.
                             for b in bufs {
-                                self.note_buffer(t, b, Mode::Write);
+                                self.note_buffer(t, b, Mode::Drain);
                             }
                         }
                     }
@@ -838,8 +841,11 @@ impl World {
         // By the thread that runs (a buffer dropped off its turn, from a
         // thread-local past its thread's end, is a change the search
         // cannot place).
+        // Drain, as a sync's return: a drop and a sync that covers the
+        // buffer's ops commute (its bytes go once its ops are done either
+        // way); no access can follow a drop.
         if let Some(t) = self.running {
-            self.note_buffer(t, b, Mode::Write);
+            self.note_buffer(t, b, Mode::Drain);
         }
         let Some(buf) = self.buffers.get_mut(b) else {
             return;
