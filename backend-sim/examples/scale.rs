@@ -10,6 +10,9 @@
 //!
 //! `cargo run --release -p duplex-sim --example scale [-- --limit SECONDS]`
 
+#[path = "../tests/support/pipeline.rs"]
+mod pipeline;
+
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -237,39 +240,18 @@ fn text(name: &str) -> Option<String> {
     Some(text)
 }
 
-/// A pipeline of `stages` ranks, each with a forward and a backward
-/// thread that pass `micro` messages on their own lanes.
-fn sim_pipeline(
-    stages: u32,
-    micro: usize,
-) -> impl Fn(&duplex_sim::SimRank) -> duplex::Result<()> + Sync {
-    use duplex::{Dir, Transport};
-    move |t: &duplex_sim::SimRank| {
-        let stage = move |t: &duplex_sim::SimRank, up: bool| -> duplex::Result<()> {
-            let r = t.rank();
-            let (from, to) = if up {
-                (r.checked_sub(1), (r + 1 < stages).then_some(r + 1))
-            } else {
-                ((r + 1 < stages).then_some(r + 1), r.checked_sub(1))
-            };
-            let mut b = t.alloc::<u32>(64)?;
-            for _ in 0..micro {
-                if let Some(p) = from {
-                    t.recv(&mut b, p)?;
-                    t.sync_stream(&t.lane(p, Dir::Recv)?.stream)?;
-                }
-                if let Some(p) = to {
-                    t.send(&b, p)?;
-                    t.sync_stream(&t.lane(p, Dir::Send)?.stream)?;
-                }
-            }
-            Ok(())
-        };
-        let up = t.spawn("up", move |t| stage(t, true))?;
-        let down = t.spawn("down", move |t| stage(t, false))?;
-        t.join(up)?;
-        t.join(down)
-    }
+/// Prints a `Sim::check` family's `RESULT` line: its verdict, seconds,
+/// peak MiB and executions.
+fn sim_result(r: Result<duplex_sim::Run, duplex_sim::Failure>, start: Instant) {
+    let (verdict, executions) = match r {
+        Ok(run) => ("ok", run.executions),
+        Err(_) => ("failed", 0),
+    };
+    println!(
+        "RESULT {verdict} {:.3} {:.0} {executions} - -",
+        start.elapsed().as_secs_f64(),
+        peak_mib()
+    );
 }
 
 /// Two ranks of `threads` threads that each launch one group (a send and
@@ -335,16 +317,7 @@ fn child(name: &str, limit: f64) {
         let r = duplex_sim::Sim::new(n)
             .policy(duplex::Policy::PerDirection)
             .check(ring);
-        let (verdict, executions) = match r {
-            Ok(run) => ("ok", run.executions),
-            Err(_) => ("failed", 0),
-        };
-        println!(
-            "RESULT {verdict} {:.3} {:.0} {executions} - -",
-            start.elapsed().as_secs_f64(),
-            peak_mib()
-        );
-        return;
+        return sim_result(r, start);
     }
     if let Some(rest) = name.strip_prefix("simpipe:") {
         // simpipe:STAGES:MICRO: `Sim::check` of a pipeline whose stages
@@ -355,17 +328,8 @@ fn child(name: &str, limit: f64) {
         let (stages, micro) = (it.next().unwrap_or(4), it.next().unwrap_or(2));
         let r = duplex_sim::Sim::new(stages)
             .policy(duplex::Policy::PerDirection)
-            .check(sim_pipeline(stages, micro as usize));
-        let (verdict, executions) = match r {
-            Ok(run) => ("ok", run.executions),
-            Err(_) => ("failed", 0),
-        };
-        println!(
-            "RESULT {verdict} {:.3} {:.0} {executions} - -",
-            start.elapsed().as_secs_f64(),
-            peak_mib()
-        );
-        return;
+            .check(pipeline::pipeline(stages, micro as usize));
+        return sim_result(r, start);
     }
     if let Some(rest) = name.strip_prefix("simdeps:") {
         // simdeps:T: `Sim::check` of 2 ranks × T threads that each launch
@@ -376,16 +340,7 @@ fn child(name: &str, limit: f64) {
             .policy(duplex::Policy::PerDirection)
             .max_executions(10_000_000)
             .check(sim_deps(threads));
-        let (verdict, executions) = match r {
-            Ok(run) => ("ok", run.executions),
-            Err(_) => ("failed", 0),
-        };
-        println!(
-            "RESULT {verdict} {:.3} {:.0} {executions} - -",
-            start.elapsed().as_secs_f64(),
-            peak_mib()
-        );
-        return;
+        return sim_result(r, start);
     }
     if let Some(rest) = name.strip_prefix("simtwo:") {
         // Two ranks, each sends N messages of 4 KiB on its lane, then

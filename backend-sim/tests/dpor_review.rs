@@ -36,13 +36,89 @@ where
     );
 }
 
-/// Two threads woken in one transition; their segments conflict; another
-/// order of other ranks' steps wakes them apart, in the other order.
+/// Rank 0's thread B receives from rank `x` then `z` on one stream and
+/// records an event after the first; thread C waits for the event, then
+/// receives from rank `y`. Each syncs its stream, B then writes a buffer
+/// both share and C reads it, and panics if B has not written yet. The
+/// other ranks each send rank 0 one message, at once or, with
+/// `released`, once a third thread G of rank 0 tells them to (after B
+/// and C have made their recvs) in that order of `x`, `y`, `z`. In the
+/// search's own executions one send wakes B and C in one step, their
+/// code conflicting; the full search finds the order that wakes C first.
+fn woken(
+    x: u32,
+    y: u32,
+    z: u32,
+    released: Option<[char; 3]>,
+) -> impl Fn(&SimRank) -> duplex::Result<()> + Sync + Clone {
+    move |t: &SimRank| {
+        if t.rank() != 0 {
+            let b = t.alloc::<u32>(1)?;
+            if released.is_some() {
+                t.await_notify(0, "go")?;
+            }
+            t.send(&b, 0)?;
+            return t.synchronize();
+        }
+        let w = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+        let sb = t.stream("sB")?;
+        let ev = t.event()?;
+        let mut b1 = t.alloc::<u32>(1)?;
+        t.recv_on(&mut b1, x, &Place::stream(&sb))?;
+        t.record(&ev, &sb)?;
+        let (w2, ev2) = (w.clone(), ev.clone());
+        let c = t.spawn("C", move |t: &SimRank| {
+            let sc = t.stream("sC")?;
+            t.wait(&ev2, &sc)?;
+            let mut b3 = t.alloc::<u32>(1)?;
+            t.recv_on(&mut b3, y, &Place::stream(&sc))?;
+            if released.is_some() {
+                t.notify(0, "c")?;
+            }
+            t.sync_stream(&sc)?;
+            let v = t.read(&*w2.lock().expect("C holds no lock across a call"))?;
+            if v[0] == 0 {
+                panic!("C ran before B");
+            }
+            Ok(())
+        })?;
+        let g = match released {
+            Some(order) => Some(t.spawn("G", move |t: &SimRank| {
+                t.await_notify(0, "b")?;
+                t.await_notify(0, "c")?;
+                for ch in order {
+                    t.notify(
+                        match ch {
+                            'x' => x,
+                            'y' => y,
+                            _ => z,
+                        },
+                        "go",
+                    )?;
+                }
+                Ok(())
+            })?),
+            None => None,
+        };
+        let mut b2 = t.alloc::<u32>(1)?;
+        t.recv_on(&mut b2, z, &Place::stream(&sb))?;
+        if released.is_some() {
+            t.notify(0, "b")?;
+        }
+        t.sync_stream(&sb)?;
+        t.write(&mut *w.lock().expect("B holds no lock across a call"), &[1])?;
+        t.join(c)?;
+        match g {
+            Some(g) => t.join(g),
+            None => Ok(()),
+        }
+    }
+}
+
 #[test]
 fn woken_together() {
-    std::panic::set_hook(Box::new(|_| {}));
     for (x, y, z) in [
-        (1u32, 2u32, 3u32),
+        (1, 2, 3),
         (1, 3, 2),
         (2, 1, 3),
         (2, 3, 1),
@@ -52,105 +128,20 @@ fn woken_together() {
         both(
             &format!("woken_together x={x} y={y} z={z}"),
             || Sim::new(4),
-            move |t: &SimRank| {
-                let r = t.rank();
-                if r != 0 {
-                    let b = t.alloc::<u32>(1)?;
-                    t.send(&b, 0)?;
-                    return t.synchronize();
-                }
-                let w = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
-                let sb = t.stream("sB")?;
-                let ev = t.event()?;
-                let mut b1 = t.alloc::<u32>(1)?;
-                t.recv_on(&mut b1, x, &Place::stream(&sb))?;
-                t.record(&ev, &sb)?;
-                let w2 = w.clone();
-                let ev2 = ev.clone();
-                let c = t.spawn("C", move |t: &SimRank| {
-                    let sc = t.stream("sC")?;
-                    t.wait(&ev2, &sc)?;
-                    let mut b3 = t.alloc::<u32>(1)?;
-                    t.recv_on(&mut b3, y, &Place::stream(&sc))?;
-                    t.sync_stream(&sc)?;
-                    let v = t.read(&*w2.lock().unwrap())?;
-                    if v[0] == 0 {
-                        panic!("C ran before B");
-                    }
-                    Ok(())
-                })?;
-                let mut b2 = t.alloc::<u32>(1)?;
-                t.recv_on(&mut b2, z, &Place::stream(&sb))?;
-                t.sync_stream(&sb)?;
-                t.write(&mut *w.lock().unwrap(), &[1])?;
-                t.join(c)
-            },
+            woken(x, y, z, None),
         );
     }
 }
 
-/// As `woken_together`, with the other ranks' sends held until a notifier
-/// thread of rank 0 releases them (in the order y, z, x).
+/// The sends held until B and C have made their recvs, then released in
+/// the order y, z, x: the search needs the fallback (`Dpor::unsure`).
 #[test]
 fn woken_together_late() {
-    let order_env = std::env::var("ORDER").unwrap_or("yzx".into());
-    std::panic::set_hook(Box::new(|_| {}));
-    for (x, y, z) in [(3u32, 1u32, 2u32), (3, 2, 1), (1, 2, 3), (2, 1, 3)] {
-        let order = order_env.clone();
+    for (x, y, z) in [(3, 1, 2), (3, 2, 1), (1, 2, 3), (2, 1, 3)] {
         both(
-            &format!("late {order} x={x} y={y} z={z}"),
+            &format!("late x={x} y={y} z={z}"),
             || Sim::new(4),
-            move |t: &SimRank| {
-                let r = t.rank();
-                if r != 0 {
-                    let b = t.alloc::<u32>(1)?;
-                    t.await_notify(0, "go")?;
-                    t.send(&b, 0)?;
-                    return t.synchronize();
-                }
-                let w = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
-                let sb = t.stream("sB")?;
-                let ev = t.event()?;
-                let mut b1 = t.alloc::<u32>(1)?;
-                t.recv_on(&mut b1, x, &Place::stream(&sb))?;
-                t.record(&ev, &sb)?;
-                let w2 = w.clone();
-                let ev2 = ev.clone();
-                let c = t.spawn("C", move |t: &SimRank| {
-                    let sc = t.stream("sC")?;
-                    t.wait(&ev2, &sc)?;
-                    let mut b3 = t.alloc::<u32>(1)?;
-                    t.recv_on(&mut b3, y, &Place::stream(&sc))?;
-                    t.notify(0, "c")?;
-                    t.sync_stream(&sc)?;
-                    let v = t.read(&*w2.lock().unwrap())?;
-                    if v[0] == 0 {
-                        panic!("C ran before B");
-                    }
-                    Ok(())
-                })?;
-                let order = order.clone();
-                let g = t.spawn("G", move |t: &SimRank| {
-                    t.await_notify(0, "b")?;
-                    t.await_notify(0, "c")?;
-                    for ch in order.chars() {
-                        let p = match ch {
-                            'x' => x,
-                            'y' => y,
-                            _ => z,
-                        };
-                        t.notify(p, "go")?;
-                    }
-                    Ok(())
-                })?;
-                let mut b2 = t.alloc::<u32>(1)?;
-                t.recv_on(&mut b2, z, &Place::stream(&sb))?;
-                t.notify(0, "b")?;
-                t.sync_stream(&sb)?;
-                t.write(&mut *w.lock().unwrap(), &[1])?;
-                t.join(c)?;
-                t.join(g)
-            },
+            woken(x, y, z, Some(['y', 'z', 'x'])),
         );
     }
 }
@@ -160,7 +151,6 @@ fn woken_together_late() {
 /// tried.
 #[test]
 fn refused_read_records_no_use() {
-    std::panic::set_hook(Box::new(|_| {}));
     both(
         "refused_read",
         || Sim::new(2),

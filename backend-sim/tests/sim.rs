@@ -1092,37 +1092,9 @@ fn calls_from_a_drop_while_the_thread_is_ended_get_errors() {
     assert!(e.to_string().contains("`await 1 go`"), "{e}");
 }
 
-/// A pipeline stage's two threads: `up` receives from the previous stage
-/// and sends to the next, `down` the other way, each on its own lanes and
-/// syncing only the lane it used.
-fn pipeline(stages: u32, micro: usize) -> impl Fn(&SimRank) -> duplex::Result<()> + Sync {
-    move |t: &SimRank| {
-        let stage = move |t: &SimRank, up: bool| -> duplex::Result<()> {
-            let r = t.rank();
-            let (from, to) = if up {
-                (r.checked_sub(1), (r + 1 < stages).then_some(r + 1))
-            } else {
-                ((r + 1 < stages).then_some(r + 1), r.checked_sub(1))
-            };
-            let mut b = t.alloc::<u32>(64)?;
-            for _ in 0..micro {
-                if let Some(p) = from {
-                    t.recv(&mut b, p)?;
-                    t.sync_stream(&t.lane(p, Dir::Recv)?.stream)?;
-                }
-                if let Some(p) = to {
-                    t.send(&b, p)?;
-                    t.sync_stream(&t.lane(p, Dir::Send)?.stream)?;
-                }
-            }
-            Ok(())
-        };
-        let up = t.spawn("up", move |t| stage(t, true))?;
-        let down = t.spawn("down", move |t| stage(t, false))?;
-        t.join(up)?;
-        t.join(down)
-    }
-}
+#[path = "support/pipeline.rs"]
+mod pipeline;
+use pipeline::pipeline;
 
 /// Threads whose steps touch nothing in common are explored in one
 /// execution: the search learns from what each step used which orders

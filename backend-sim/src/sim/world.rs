@@ -490,24 +490,30 @@ impl World {
                     _ => false,
                 };
                 if wake {
-                    if let Strategy::Dpor(d) = &mut self.explorer {
+                    if let Some(d) = self.dpor() {
                         d.ran(t);
                     }
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
                         if let Some((ops, covered)) = self.sync_covers.remove(&t) {
                             let rank = self.machine.setup().threads[i].rank;
-                            // What the sync completes, for the search:
-                            // the buffers of the ops it covers.
-                            let mut bufs: Vec<usize> = ops
-                                .iter()
-                                .filter_map(|op| self.unsynced.get(op).map(|u| u.0))
-                                .collect();
+                            // What the sync completes, for the search
+                            // only: the buffers of the ops it covers.
+                            let searching = matches!(self.explorer, Strategy::Dpor(_));
+                            let mut bufs: Vec<usize> = Vec::new();
+                            if searching {
+                                bufs.extend(
+                                    ops.iter()
+                                        .filter_map(|op| self.unsynced.get(op).map(|u| u.0)),
+                                );
+                            }
                             for op in ops {
                                 self.forget_unsynced(op);
                             }
                             let done = self.orders[rank as usize].synced(covered);
-                            bufs.extend(done.into_iter().map(|b| b as usize));
+                            if searching {
+                                bufs.extend(done.into_iter().map(|b| b as usize));
+                            }
                             // Drain: two syncs' returns commute (what
                             // they cover only grows), and conflict with
                             // every access of a buffer they cover.
@@ -531,6 +537,7 @@ impl World {
             let threads = Unknown(&next_call);
             let enabled = self.machine.runnable(&threads);
             if enabled.is_empty() {
+                // (The explorer by its field: `threads` holds `ctl`.)
                 if matches!(self.explorer, Strategy::Dpor(_)) {
                     let all: Vec<ThreadId> = (0..self.ctl.len() as u32).map(ThreadId).collect();
                     let parked = self.pending_uses(&all);
@@ -538,8 +545,6 @@ impl World {
                         d.end(&parked);
                     }
                 }
-                let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
-                let threads = Unknown(&next_call);
                 match self.machine.status(&threads) {
                     Status::Stuck => {
                         let stuck = self.machine.stuck(&threads);
@@ -559,7 +564,7 @@ impl World {
                 }
                 return;
             }
-            if matches!(self.explorer, Strategy::Dpor(_)) {
+            let choice = if matches!(self.explorer, Strategy::Dpor(_)) {
                 // A rank whose one runnable thread no other thread of it
                 // can precede moves without a decision; elsewhere the
                 // search decides, and learns which orders matter.
@@ -570,53 +575,30 @@ impl World {
                         .filter(|b| b.len() == 1)
                         .map(|b| b[0])
                 };
-                let fp = (forced.is_none() && enabled.len() > 1).then(|| self.fingerprint());
-                let Strategy::Dpor(d) = &mut self.explorer else {
-                    unreachable!("matched above")
-                };
-                let (ranks, ran) = d.touched();
-                let setup = self.machine.setup();
-                let mut who: Vec<ThreadId> = ran.to_vec();
-                for r in ranks {
-                    who.extend(setup.threads_of(r));
-                }
-                who.sort_unstable();
-                who.dedup();
-                let pending = self.pending_uses(&who);
-                let Strategy::Dpor(d) = &mut self.explorer else {
-                    unreachable!("matched above")
-                };
-                let t = match d.decide(&enabled, &pending, forced, fp) {
-                    Choice::Take(t) => t,
-                    Choice::Prune => return self.end(Ending::Pruned),
-                    Choice::Mismatch => return self.end(Ending::Mismatch),
-                };
-                if enabled.len() > 1 {
-                    self.choices.push(t);
-                }
-                self.step(t);
-                continue;
-            }
-            let options = if self.reduce {
-                crate::check::reduce(&self.machine, &enabled, &threads)
+                self.dpor_decide(&enabled, forced)
             } else {
-                enabled.clone()
-            };
-            // The search decides only where the reduction leaves a choice
-            // (as the checker does): no fingerprint, no stored state, in
-            // between.
-            let decided = options.len() == 1 && matches!(self.explorer, Strategy::Dfs(_));
-            let choice = if decided {
-                Choice::Take(options[0])
-            } else {
-                // Only the search stores states; a random, PCT or replayed
-                // schedule needs no fingerprint, whose cost grows with the
-                // state (every stream of every rank) at every step.
-                let fp = match self.explorer {
-                    Strategy::Dfs(_) => self.fingerprint(),
-                    _ => 0,
+                let options = if self.reduce {
+                    crate::check::reduce(&self.machine, &enabled, &threads)
+                } else {
+                    enabled.clone()
                 };
-                self.explorer.choose(&enabled, &options, fp)
+                // The search decides only where the reduction leaves a
+                // choice (as the checker does): no fingerprint, no stored
+                // state, in between.
+                let decided = options.len() == 1 && matches!(self.explorer, Strategy::Dfs(_));
+                if decided {
+                    Choice::Take(options[0])
+                } else {
+                    // Only the search stores states; a random, PCT or
+                    // replayed schedule needs no fingerprint, whose cost
+                    // grows with the state (every stream of every rank) at
+                    // every step.
+                    let fp = match self.explorer {
+                        Strategy::Dfs(_) => self.fingerprint(),
+                        _ => 0,
+                    };
+                    self.explorer.choose(&enabled, &options, fp)
+                }
             };
             let t = match choice {
                 Choice::Take(t) => t,
@@ -633,10 +615,10 @@ impl World {
     /// Applies thread `t`'s parked call, or finishes its handshake.
     fn step(&mut self, t: ThreadId) {
         let i = t.0 as usize;
-        if matches!(self.explorer, Strategy::Dpor(_)) {
+        if self.dpor().is_some() {
             let uses = self.uses_of(t);
             let rank = self.machine.setup().threads[i].rank;
-            if let Strategy::Dpor(d) = &mut self.explorer {
+            if let Some(d) = self.dpor() {
                 d.ran(t);
                 for (obj, mode) in uses {
                     d.uses(t, rank, obj, mode);
@@ -773,23 +755,52 @@ impl World {
         }
     }
 
+    /// The search of rank code ([`crate::dpor`]), where it is the strategy.
+    fn dpor(&mut self) -> Option<&mut crate::dpor::Dpor> {
+        match &mut self.explorer {
+            Strategy::Dpor(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The search's decision between the `enabled` threads: it ends the
+    /// step under way, given the calls parked now of the threads that ran
+    /// in it and of the ranks whose objects it used ([`Dpor::touched`]).
+    ///
+    /// [`Dpor::touched`]: crate::dpor::Dpor::touched
+    fn dpor_decide(&mut self, enabled: &[ThreadId], forced: Option<ThreadId>) -> Choice {
+        let fp = (forced.is_none() && enabled.len() > 1).then(|| self.fingerprint());
+        let Some(d) = self.dpor() else {
+            unreachable!("called where the search is the strategy")
+        };
+        let (ranks, ran) = d.touched();
+        let setup = self.machine.setup();
+        let mut who: Vec<ThreadId> = ran.to_vec();
+        for r in ranks {
+            who.extend(setup.threads_of(r));
+        }
+        who.sort_unstable();
+        who.dedup();
+        let pending = self.pending_uses(&who);
+        match self.dpor() {
+            Some(d) => d.decide(enabled, &pending, forced, fp),
+            None => unreachable!("called where the search is the strategy"),
+        }
+    }
+
     /// For the search of rank code ([`crate::dpor`]): thread `t` used
     /// buffer `b` in `mode`.
     pub(crate) fn note_buffer(&mut self, t: ThreadId, b: usize, mode: Mode) {
-        let Strategy::Dpor(d) = &mut self.explorer else {
-            return;
-        };
-        let Some(buf) = self.buffers.get(b) else {
-            return;
-        };
-        let rank = self.machine.setup().threads[t.0 as usize].rank;
-        d.uses(t, rank, Obj::Buffer(buf.key.0, buf.key.1), mode);
+        if let Some(buf) = self.buffers.get(b) {
+            let key = buf.key;
+            self.note(t, Obj::Buffer(key.0, key.1), mode);
+        }
     }
 
     /// For the search: thread `t` used an object of its rank in `mode`.
     pub(crate) fn note(&mut self, t: ThreadId, obj: Obj, mode: Mode) {
-        if let Strategy::Dpor(d) = &mut self.explorer {
-            let rank = self.machine.setup().threads[t.0 as usize].rank;
+        let rank = self.machine.setup().threads[t.0 as usize].rank;
+        if let Some(d) = self.dpor() {
             d.uses(t, rank, obj, mode);
         }
     }
