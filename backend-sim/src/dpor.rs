@@ -38,6 +38,17 @@
 //! execution ends (a hang, a pruned execution aside) is checked the same
 //! way, as if it ran last.
 //!
+//! **Sleep sets.** Once every execution that continues with a thread's
+//! step at a decision has been explored, that thread falls asleep in the
+//! decision's later branches, with the step it took there, and stays
+//! asleep while the steps taken commute with that one (no object of one
+//! rank used in conflicting modes, no thread run by both): a sleeping
+//! thread is not taken, a race that asks for it there is dropped, and an
+//! execution where every thread that could move is asleep stops
+//! (Godefroid's sleep sets, as Flanagan and Godefroid combine them with
+//! their rule). They remove the executions that only reorder steps that
+//! commute around a reversed pair.
+//!
 //! **State caching.** A decision whose state was fully explored before is
 //! pruned, as in the schedule checker. Dynamic POR alone would lose what
 //! that state's subtree would have told the prefix: which of its
@@ -49,11 +60,15 @@
 //! for the use, what happens before it after the state is unknown, so
 //! every conflicting use of another thread that no later conflicting use
 //! follows in the happens-before order counts as a race (the race the
-//! rule above would pick is among them). The search stays sound and
-//! merges states as the checker does.
+//! rule above would pick is among them). A state explored with threads
+//! asleep did not take them, so it is pruned only where every thread
+//! asleep then is asleep now; else it is explored again, and afterwards
+//! counts as explored with the threads asleep both times. The search
+//! stays sound and merges states as the checker does.
 //!
 //! The tests check it against the search without reduction and against
-//! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`).
+//! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
+//! and on random rank code (`backend-sim/tests/dpor_random.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -155,10 +170,52 @@ impl Bits {
     }
 }
 
+/// A step as a sleep set keeps it: what it used and which threads ran in
+/// it.
+#[derive(Debug)]
+struct Step {
+    uses: Vec<Use>,
+    threads: SmallVec<[ThreadId; 4]>,
+}
+
+impl Step {
+    /// Whether this step and one that used `uses`, with `threads` running,
+    /// commute: no thread ran in both (a thread's code woken by one would
+    /// move to the other), and no object of one rank used by both in
+    /// conflicting modes.
+    fn independent(&self, uses: &[Use], threads: &[ThreadId]) -> bool {
+        !self.threads.iter().any(|t| threads.contains(t))
+            && !self.uses.iter().any(|(_, r, o, m)| {
+                uses.iter()
+                    .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
+            })
+    }
+}
+
+/// A sleeping thread and the step it took where it fell asleep.
+type Sleeper = (ThreadId, Arc<Step>);
+
+/// What a fully explored state keeps.
+#[derive(Clone, Debug)]
+struct Explored {
+    /// Every use made after it.
+    summary: Arc<Bits>,
+    /// The threads asleep there, each time it was explored: those its
+    /// explorations did not take (sorted).
+    asleep: Vec<ThreadId>,
+}
+
 #[derive(Debug)]
 struct Frame {
     /// The state's, where the search takes it (none at a forced thread).
     fingerprint: Option<u128>,
+    /// The threads asleep when the search reached it.
+    sleep: Vec<Sleeper>,
+    /// The step each thread took here, as it was taken.
+    steps: Vec<Sleeper>,
+    /// What an earlier exploration of the same state, with other threads
+    /// asleep, left ([`Explored`]).
+    prior: Option<Explored>,
     /// The threads that could move.
     enabled: Vec<ThreadId>,
     /// The thread this execution takes.
@@ -173,9 +230,28 @@ struct Frame {
 
 impl Frame {
     fn ask(&mut self, t: ThreadId) {
-        if !self.done.contains(&t) && !self.todo.contains(&t) {
+        if !self.done.contains(&t) && !self.todo.contains(&t) && !self.asleep(t) {
             self.todo.push(t);
         }
+    }
+
+    fn asleep(&self, t: ThreadId) -> bool {
+        self.sleep.iter().any(|(q, _)| *q == t)
+    }
+
+    /// The threads asleep in the branch of the chosen thread: those asleep
+    /// here and those taken here before it.
+    fn branch_sleep(&self) -> Vec<Sleeper> {
+        let mut out = self.sleep.clone();
+        for t in &self.done {
+            if *t == self.chosen {
+                continue;
+            }
+            if let Some(s) = self.steps.iter().find(|(q, _)| q == t) {
+                out.push(s.clone());
+            }
+        }
+        out
     }
 }
 
@@ -185,9 +261,9 @@ pub struct Dpor {
     stack: Vec<Frame>,
     /// The next decision's index on this execution.
     depth: usize,
-    /// States decided at, with the summary of what followed once every
+    /// States decided at, with what their explorations left once every
     /// choice there was explored (`None` while on the stack).
-    visited: HashMap<u128, Option<Arc<Bits>>>,
+    visited: HashMap<u128, Option<Explored>>,
     /// Interned summarized uses.
     items: Vec<Item>,
     item_ix: HashMap<Item, u32>,
@@ -206,6 +282,13 @@ pub struct Dpor {
     frame: Option<usize>,
     /// An execution met what this search cannot order ([`Dpor::unsure`]).
     unsure: bool,
+    /// The threads asleep now: each took, at a decision of this execution,
+    /// a step that every step since commutes with, and every execution
+    /// that continues with it was explored from there.
+    asleep: Vec<Sleeper>,
+    /// Executions stopped because every thread that could move was
+    /// asleep.
+    blocked: usize,
 }
 
 fn join(into: &mut Vec<u32>, from: &[u32]) {
@@ -238,6 +321,7 @@ impl Dpor {
         self.last.clear();
         self.enabled.clear();
         self.frame = None;
+        self.asleep.clear();
     }
 
     /// The first decision (0-based) at which an execution, replaying the
@@ -259,6 +343,16 @@ impl Dpor {
     /// Distinct states decided at.
     pub fn states(&self) -> usize {
         self.visited.len()
+    }
+
+    /// Executions stopped because every thread that could move was
+    /// asleep (their futures were explored from an earlier decision).
+    pub fn blocked(&self) -> usize {
+        self.blocked
+    }
+
+    fn is_asleep(&self, t: ThreadId) -> bool {
+        self.asleep.iter().any(|(q, _)| *q == t)
     }
 
     /// Thread `t` ran in the transition under way.
@@ -316,6 +410,10 @@ impl Dpor {
     ) -> Choice {
         self.close(enabled, pending);
         if enabled.len() == 1 {
+            if self.is_asleep(enabled[0]) {
+                self.blocked += 1;
+                return Choice::Prune;
+            }
             self.open(enabled[0], None);
             return Choice::Take(enabled[0]);
         }
@@ -327,23 +425,47 @@ impl Dpor {
                 return Choice::Mismatch;
             }
             let t = frame.chosen;
+            self.asleep = frame.branch_sleep();
             self.frame = Some(d);
             self.open(t, Some(d));
             return Choice::Take(t);
         }
+        // The thread to take: the forced one, or the first awake; none
+        // (every thread that could move asleep, or the forced one, which
+        // alone needs taking): every future from here was explored.
+        let t = match forced {
+            Some(f) => (!self.is_asleep(f)).then_some(f),
+            None => enabled.iter().copied().find(|t| !self.is_asleep(*t)),
+        };
+        let Some(t) = t else {
+            self.blocked += 1;
+            return Choice::Prune;
+        };
+        let mut prior = None;
         if let Some(fp) = fingerprint {
-            if let Some(summary) = self.visited.get(&fp) {
-                // Seen and fully explored (the state graph has no cycles,
-                // so a state seen before is not on the stack).
-                let summary = summary.clone().unwrap_or_default();
-                self.pruned(&summary);
-                return Choice::Prune;
+            match self.visited.get(&fp) {
+                // Seen and fully explored with no thread asleep that is
+                // awake now (the state graph has no cycles, so a state
+                // seen before is not on the stack).
+                Some(Some(e)) if e.asleep.iter().all(|t| self.is_asleep(*t)) => {
+                    let summary = e.summary.clone();
+                    self.pruned(&summary);
+                    return Choice::Prune;
+                }
+                Some(Some(e)) => prior = Some(e.clone()),
+                Some(None) => {
+                    self.pruned(&Bits::default());
+                    return Choice::Prune;
+                }
+                None => {}
             }
             self.visited.insert(fp, None);
         }
-        let t = forced.unwrap_or(enabled[0]);
         self.stack.push(Frame {
             fingerprint,
+            sleep: self.asleep.clone(),
+            steps: Vec::new(),
+            prior,
             enabled: enabled.to_vec(),
             chosen: t,
             done: vec![t],
@@ -561,6 +683,22 @@ impl Dpor {
                 self.race(j, *t, &clock);
             }
         }
+        // Sleep sets: a thread stays asleep while the steps taken commute
+        // with the step it took where it fell asleep; the step taken at a
+        // decision is kept there for the branches after it.
+        if !self.asleep.is_empty() {
+            self.asleep
+                .retain(|(_, s)| s.independent(&open.uses, &open.threads));
+        }
+        if let (Some(f), Some(c)) = (open.frame, open.chosen)
+            && !self.stack[f].steps.iter().any(|(t, _)| *t == c)
+        {
+            let step = Step {
+                uses: open.uses,
+                threads: open.threads,
+            };
+            self.stack[f].steps.push((c, Arc::new(step)));
+        }
         let was = std::mem::take(&mut self.enabled);
         for t in enabled {
             if !was.get(t.0 as usize).copied().unwrap_or(false) {
@@ -682,13 +820,23 @@ impl Dpor {
                 top.chosen = t;
                 return Some(self.stack.len() - 1);
             }
-            let Some(frame) = self.stack.pop() else { break };
+            let Some(mut frame) = self.stack.pop() else {
+                break;
+            };
+            let mut asleep: Vec<ThreadId> = frame.sleep.iter().map(|(t, _)| *t).collect();
+            asleep.sort_unstable();
+            asleep.dedup();
+            if let Some(prior) = &frame.prior {
+                // Explored twice: what either left unexplored.
+                frame.summary.union(&prior.summary);
+                asleep.retain(|t| prior.asleep.contains(t));
+            }
             let summary = Arc::new(frame.summary);
             if let Some(parent) = self.stack.last_mut() {
                 parent.summary.union(&summary);
             }
             if let Some(fp) = frame.fingerprint {
-                self.visited.insert(fp, Some(summary));
+                self.visited.insert(fp, Some(Explored { summary, asleep }));
             }
         }
         None
@@ -798,6 +946,64 @@ mod tests {
         d.end(&[]);
         assert_eq!(d.backtrack(), Some(0));
         assert_eq!(d.decide(&[A, B, C], &[], None, Some(1)), Choice::Take(C));
+    }
+
+    /// Runs one execution of threads that each take one step, with the
+    /// uses given, at decisions without fingerprints (no state caching):
+    /// the order taken, or `None` if the search stopped it.
+    fn one_step_each(d: &mut Dpor, steps: &[(ThreadId, &[(Obj, Mode)])]) -> Option<Vec<ThreadId>> {
+        let mut left: Vec<ThreadId> = steps.iter().map(|s| s.0).collect();
+        let mut order = Vec::new();
+        while !left.is_empty() {
+            match d.decide(&left, &[], None, None) {
+                Choice::Take(t) => {
+                    let (_, uses) = steps
+                        .iter()
+                        .find(|s| s.0 == t)
+                        .expect("a thread of the test");
+                    for (o, m) in uses.iter() {
+                        d.uses(t, 0, *o, *m);
+                    }
+                    left.retain(|x| *x != t);
+                    order.push(t);
+                }
+                Choice::Prune => return None,
+                Choice::Mismatch => panic!("the test's threads do the same every time"),
+            }
+        }
+        d.end(&[]);
+        Some(order)
+    }
+
+    /// A writes x, B writes y, C writes both: four traces (A and C in
+    /// either order, B and C in either order). Without sleep sets the
+    /// search also ran B before A with C last, the trace of A, B, C it
+    /// had run first (a fifth execution); asleep, A is not taken after B
+    /// until C's step, which it depends on, wakes it.
+    #[test]
+    fn a_thread_asleep_is_not_taken_again_where_nothing_it_depends_on_ran() {
+        let (x, y) = (buffer(0), buffer(1));
+        let w = Mode::Write;
+        let steps: [(ThreadId, &[(Obj, Mode)]); 3] =
+            [(A, &[(x, w)]), (B, &[(y, w)]), (C, &[(x, w), (y, w)])];
+        let mut d = Dpor::new();
+        let mut runs = Vec::new();
+        loop {
+            runs.push(one_step_each(&mut d, &steps));
+            if d.backtrack().is_none() {
+                break;
+            }
+        }
+        let orders: Vec<Vec<ThreadId>> = runs.iter().flatten().cloned().collect();
+        let pos = |o: &Vec<ThreadId>, t| o.iter().position(|x| *x == t);
+        let mut traces: Vec<(bool, bool)> = orders
+            .iter()
+            .map(|o| (pos(o, A) < pos(o, C), pos(o, B) < pos(o, C)))
+            .collect();
+        traces.sort_unstable();
+        traces.dedup();
+        assert_eq!(traces.len(), 4, "every trace: {orders:?}");
+        assert_eq!(runs.len(), 4, "one execution per trace: {runs:?}");
     }
 
     /// Replaying a decision that meets another state than it recorded
