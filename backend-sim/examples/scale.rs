@@ -334,7 +334,10 @@ fn child(name: &str, limit: f64) {
     if let Some(rest) = name.strip_prefix("simdeps:") {
         // simdeps:T: `Sim::check` of 2 ranks × T threads that each launch
         // one group on one communicator and stream (the `deps` family as
-        // rank code): every order of each rank's launches matters.
+        // rank code, each thread then syncing its rank): every order of
+        // each rank's launches matters, and where each sync falls among
+        // the later launches (T!·T! per rank, its square for both ranks:
+        // 1,296 traces for T = 3).
         let threads: usize = rest.parse().unwrap_or(3);
         let r = duplex_sim::Sim::new(2)
             .policy(duplex::Policy::PerDirection)
@@ -492,7 +495,7 @@ fn main() {
         fam("simpipe:8:4", "Sim::check, 1 execution", f64::MAX, f64::MAX),
         fam(
             "simdeps:3",
-            "Sim::check, dependent threads: ≥ 36 traces",
+            "Sim::check, dependent threads: 1,296 traces",
             f64::MAX,
             f64::MAX,
         ),
