@@ -843,6 +843,7 @@ impl Sim {
                 .collect(),
             snapshots: HashMap::new(),
             observed: Vec::new(),
+            events_made: Vec::new(),
             origins: HashMap::new(),
             steps: Vec::new(),
             choices: Vec::new(),

@@ -640,11 +640,8 @@ impl Transport for SimRank {
         if w.over {
             return Err(self.shared.ended(w, self.thread));
         }
-        let n = w.machine.setup().events.len();
-        let id = w
-            .machine
-            .setup_mut()
-            .add_event(self.rank, format!("event{n}"));
+        let name = w.next_event_name(self.thread);
+        let id = w.machine.setup_mut().add_event(self.rank, name);
         w.machine.sync_setup();
         Ok(SimEvent {
             id,

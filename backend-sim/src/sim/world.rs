@@ -194,6 +194,14 @@ pub(crate) struct World {
     /// the same things and reached the same machine state continue alike;
     /// where the data differ, the explorer must not take them for one.
     pub(crate) observed: Vec<(u128, u32)>,
+    /// Per thread: the events it made. An event is named by its thread and
+    /// this count, as a buffer is keyed: a name by the order of creation
+    /// across threads (`event{n}`) let two executions in which two
+    /// threads of a rank made their events in the other order have one
+    /// fingerprint while each thread held the other's id, and the search's
+    /// record of what followed a state ([`crate::dpor`]) names events by
+    /// id.
+    pub(crate) events_made: Vec<u32>,
     /// Interned origins.
     pub(crate) origins: HashMap<(String, String), Origin>,
     /// The host steps taken, described.
@@ -920,6 +928,18 @@ impl World {
         let slot = self.observed_mut(t);
         slot.1 += 1;
         (t, slot.1 - 1)
+    }
+
+    /// The name of the next event thread `t` makes.
+    pub(crate) fn next_event_name(&mut self, t: ThreadId) -> String {
+        let i = t.0 as usize;
+        if self.events_made.len() <= i {
+            self.events_made.resize(i + 1, 0);
+        }
+        let k = self.events_made[i];
+        self.events_made[i] += 1;
+        let thread = &self.machine.setup().threads[i].name;
+        format!("{thread}.event{k}")
     }
 
     fn observed_mut(&mut self, t: ThreadId) -> &mut (u128, u32) {
