@@ -844,6 +844,7 @@ impl Sim {
             snapshots: HashMap::new(),
             observed: Vec::new(),
             events_made: Vec::new(),
+            made_by: Default::default(),
             origins: HashMap::new(),
             steps: Vec::new(),
             choices: Vec::new(),

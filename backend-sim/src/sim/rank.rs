@@ -487,6 +487,7 @@ impl Transport for SimRank {
             return Err(self.shared.ended(w, self.thread));
         }
         let id = w.machine.setup_mut().add_stream(self.rank, name);
+        w.made_by[0].push(self.thread);
         w.machine.sync_setup();
         Ok(SimStream {
             id,
@@ -523,6 +524,7 @@ impl Transport for SimRank {
                 None => {
                     let warm = !w.machine.setup().model.lazy_connect;
                     let id = w.machine.setup_mut().add_comm(name, members.to_vec(), warm);
+                    w.made_by[3].push(self.thread);
                     w.user_comms.push((name.to_string(), members.to_vec(), id));
                     id
                 }
@@ -642,6 +644,7 @@ impl Transport for SimRank {
         }
         let name = w.next_event_name(self.thread);
         let id = w.machine.setup_mut().add_event(self.rank, name);
+        w.made_by[1].push(self.thread);
         w.machine.sync_setup();
         Ok(SimEvent {
             id,
@@ -774,6 +777,7 @@ impl Transport for SimRank {
             return Err(self.shared.ended(w, self.thread));
         }
         let id = w.machine.setup_mut().add_thread(self.rank, name);
+        w.made_by[2].push(self.thread);
         w.machine.sync_setup();
         w.ctl.push(Ctl::Starting);
         w.turns.push(std::sync::Arc::new(std::sync::Condvar::new()));

@@ -202,6 +202,12 @@ pub(crate) struct World {
     /// record of what followed a state ([`crate::dpor`]) names events by
     /// id.
     pub(crate) events_made: Vec<u32>,
+    /// The thread that made each stream, event, thread and communicator
+    /// that rank code made at run time, in the order made (one list per
+    /// kind, in the order of their ids): names alone do not tell which
+    /// thread holds which id where two threads of a rank made objects of
+    /// one name in either order, and the fingerprint must.
+    pub(crate) made_by: [Vec<ThreadId>; 4],
     /// Interned origins.
     pub(crate) origins: HashMap<(String, String), Origin>,
     /// The host steps taken, described.
@@ -1061,6 +1067,12 @@ impl World {
         for e in setup.events.iter().skip(events) {
             h.write_u32(e.rank);
             e.name.hash(&mut h);
+        }
+        for kind in &self.made_by {
+            h.write_usize(kind.len());
+            for t in kind {
+                h.write_u32(t.0);
+            }
         }
         h.digest128()
     }
