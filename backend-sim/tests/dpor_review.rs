@@ -176,3 +176,80 @@ fn refused_read_records_no_use() {
         },
     );
 }
+
+/// Found by the review of sleep sets; a gap of the search since it was
+/// written, NOT FIXED: rank 0's main syncs stream A, whose recv rank 1's
+/// first send completes; thread W syncs stream W, whose recv the second
+/// send completes, then writes X. Applied first, main's sync returns
+/// inside the first send, so its code always runs before W's; only when
+/// both sends come before main's sync (which then returns at once) does
+/// main read W's write. The search takes main's sync to commute with
+/// rank 1's steps, so it never tries that order: the reduced search says
+/// Ok (2 executions), the full one finds the panic. Making the step that
+/// lets a blocked call return race with the step that applied it was
+/// tried (6 executions, still Ok) and dropped. Run with `--ignored`.
+#[test]
+#[ignore = "known gap of the search of rank code: the order in which a woken thread's code runs after a later step of another rank is not tried"]
+fn woken_code_can_run_after_a_later_step() {
+    both(
+        "woken_late",
+        || Sim::new(2),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let d = t.spawn("D", |t: &SimRank| {
+                    let b = t.alloc::<u32>(1)?;
+                    t.send_on(&b, 0, &Place::stream(&t.stream("sD")?))
+                })?;
+                let b = t.alloc::<u32>(1)?;
+                t.send_on(&b, 0, &Place::stream(&t.stream("sC")?))?;
+                return t.join(d);
+            }
+            let (sa, sw) = (t.stream("sA")?, t.stream("sW")?);
+            let (mut ra, mut rw) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+            t.recv_on(&mut ra, 1, &Place::stream(&sa))?;
+            t.recv_on(&mut rw, 1, &Place::stream(&sw))?;
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let x2 = x.clone();
+            let w = t.spawn("W", move |t: &SimRank| {
+                t.sync_stream(&sw)?;
+                t.write(
+                    &mut *x2.lock().expect("W holds no lock across a call"),
+                    &[1],
+                )
+            })?;
+            t.sync_stream(&sa)?;
+            if t.read(&*x.lock().expect("main holds no lock across a call"))?[0] == 1 {
+                panic!("main's sync_stream(sA) returned after W's");
+            }
+            t.join(w)
+        },
+    );
+}
+
+/// Found by the same review (pre-existing): a refused read said whether
+/// the recv had completed on the device, which depends on another rank's
+/// send; code that branched on it failed in an order the search, taking
+/// the ranks' steps to commute, never tried. The error no longer says.
+#[test]
+fn a_refused_read_says_nothing_of_other_ranks() {
+    both(
+        "refused_says",
+        || Sim::new(2),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let b = t.alloc::<u32>(1)?;
+                t.send(&b, 0)?;
+                return t.synchronize();
+            }
+            let mut b = t.alloc::<u32>(1)?;
+            t.recv(&mut b, 1)?;
+            if let Err(e) = t.read(&b) {
+                let text = e.to_string();
+                if text.contains("has completed") && !text.contains("has not completed") {
+                    panic!("the recv completed before the read");
+                }
+            }
+            t.synchronize()
+        },
+    );
+}

@@ -333,27 +333,26 @@ impl SimRank {
             Some(b) if b.rank == self.rank => {}
             _ => return check::invalid(at, format!("{what}: the buffer belongs to another rank")),
         }
-        if let Some((op, text)) = w.user_of(id) {
+        if let Some((_, text)) = w.user_of(id) {
             // A sync may have covered its ops through an event all the
             // same (as the GPU backend asks, `NcclRank::check_users`).
             if w.orders[self.rank as usize].idle(id as u64) {
                 w.host_knows_done(id);
             } else {
-                let state = if w.machine.op_done(op) {
-                    "has completed on the device, but no synchronize has waited for it"
-                } else {
-                    "has not completed"
-                };
-                // Whether an access races, and how, depends on the
-                // interleaving: code that goes on after the error was told it.
-                w.observe(self.thread, state.as_bytes());
+                // Whether the op has completed on the device is not said:
+                // it depends on other ranks' steps, which the search takes
+                // to commute with this rank's (a review's program branched
+                // on it, and the search missed the order it failed in).
+                // Whether the access is refused depends on the
+                // interleaving: code that goes on after the error was told.
+                w.observe(self.thread, b"refused");
                 // A refused access is a use too: in another order it is
                 // allowed, and the code may branch on which.
                 w.note_buffer(self.thread, id, duplex::machine::Mode::HostRead);
                 return Err(Error::Race {
                     at: check::place(at),
                     message: format!(
-                        "{what} of a buffer that `{text}` uses: the op {state}; synchronize its stream first"
+                        "{what} of a buffer that `{text}` uses, and no synchronize has waited for it: synchronize its stream first"
                     ),
                 });
             }
