@@ -46,7 +46,9 @@
 //! thread is not taken, a race that asks for it there is dropped, and an
 //! execution where every thread that could move is asleep stops
 //! (Godefroid's sleep sets, as Flanagan and Godefroid combine them with
-//! their rule). They remove the executions that only reorder steps that
+//! their rule; a forced thread asleep does not stop it, the others are
+//! decided as anywhere, since code that steps wake is not covered by
+//! the forced thread's persistence). They remove the executions that only reorder steps that
 //! commute around a reversed pair.
 //!
 //! **State caching.** A decision whose state was fully explored before is
@@ -443,11 +445,15 @@ impl Dpor {
             return Choice::Take(t);
         }
         // The thread to take: the forced one, or the first awake; none
-        // (every thread that could move asleep, or the forced one, which
-        // alone needs taking): every future from here was explored.
+        // (every thread that could move asleep): every future from here
+        // was explored. A forced thread asleep does not stop the
+        // execution: it alone needs taking for the machine's calls, but
+        // code that other steps wake may race with them (a review's
+        // doubt, no failing program), so the others are decided as
+        // anywhere.
         let t = match forced {
-            Some(f) => (!self.is_asleep(f)).then_some(f),
-            None => enabled.iter().copied().find(|t| !self.is_asleep(*t)),
+            Some(f) if !self.is_asleep(f) => Some(f),
+            _ => enabled.iter().copied().find(|t| !self.is_asleep(*t)),
         };
         let Some(t) = t else {
             self.blocked += 1;
