@@ -42,9 +42,7 @@
 //! step at a decision has been explored, that thread falls asleep in the
 //! decision's later branches, with the step it took there, and stays
 //! asleep while the steps taken commute with that one (no object of one
-//! rank used in conflicting modes, no thread run by both; a thread whose
-//! call blocked there does not sleep, since taken later its call may
-//! return at once and its code run in its step): a sleeping
+//! rank used in conflicting modes, no thread run by both): a sleeping
 //! thread is not taken, a race that asks for it there is dropped, and an
 //! execution where every thread that could move is asleep stops
 //! (Godefroid's sleep sets, as Flanagan and Godefroid combine them with
