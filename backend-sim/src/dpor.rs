@@ -68,20 +68,17 @@
 //! counts as explored with the threads asleep both times. The search
 //! stays sound and merges states as the checker does.
 //!
-//! **Woken code.** User code that a step lets return runs inside that
+//! **A known gap.** User code that a step lets return runs inside that
 //! step. A thread's blocked call applied early returns inside the step
 //! of another rank that completes what it waits for, so its code runs
 //! before every later step; applied after that step, the call returns at
 //! once and its code runs in its own step, after steps the search took
-//! to commute with the call (different ranks). So a race with woken code
-//! also asks the decision before the step that applied the call for the
-//! waking step's thread (`Transition::woken`), and a thread whose
-//! call blocked does not sleep (taken later, its step is not the one it
-//! took). A pruned state's summary does not say which of its uses were
-//! woken code, so that second ask is not made through a pruned state
-//! (not shown to matter). Asking it at every wake-up, whatever the code
-//! then used, also finds it, but sent `simpipe:4:2` from 1 execution to
-//! 9,980.
+//! to commute with the call (different ranks). The search does not try
+//! that order: `backend-sim/tests/dpor_review.rs`,
+//! `woken_code_can_run_after_a_later_step` (ignored; found by review),
+//! answers Ok where the search without reduction finds a panic. Making
+//! the waking step race with the step that applied the call did not
+//! find it either; not fixed.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
@@ -144,16 +141,6 @@ struct Transition {
     /// Per thread: one more than the last transition chosen by that thread
     /// that happens before this one or is it (0: none).
     clock: Vec<u32>,
-    /// Threads whose blocked call it let return, each with the transition
-    /// that applied the call. Their code ran here; had this transition
-    /// come before that one, the call would have returned at once and its
-    /// code run in its own step, after steps that come after this one
-    /// here. So when a later step races with that code, it races with
-    /// this transition's place too: the transition that applied the call
-    /// is asked for this one's thread (found by review: a sync whose code
-    /// always ran inside the first of two sends of another rank, never
-    /// after the second).
-    woken: SmallVec<[(ThreadId, u32); 2]>,
 }
 
 /// The transition under way.
@@ -163,8 +150,6 @@ struct Open {
     frame: Option<usize>,
     /// Threads that ran in it.
     threads: SmallVec<[ThreadId; 4]>,
-    /// Threads whose call returned in it.
-    returned: SmallVec<[ThreadId; 4]>,
     uses: Vec<Use>,
 }
 
@@ -205,10 +190,6 @@ impl Bits {
 struct Step {
     uses: Vec<Use>,
     threads: SmallVec<[ThreadId; 4]>,
-    /// The thread's call did not return in it: taken later, after a step
-    /// of another rank completed what it waits for, it returns at once
-    /// and its code runs in it, so what it uses is not known.
-    blocked: bool,
 }
 
 impl Step {
@@ -217,8 +198,7 @@ impl Step {
     /// move to the other), and no object of one rank used by both in
     /// conflicting modes.
     fn independent(&self, uses: &[Use], threads: &[ThreadId]) -> bool {
-        !self.blocked
-            && !self.threads.iter().any(|t| threads.contains(t))
+        !self.threads.iter().any(|t| threads.contains(t))
             && !self.uses.iter().any(|(_, r, o, m)| {
                 uses.iter()
                     .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
@@ -310,9 +290,6 @@ pub struct Dpor {
     objects: HashMap<(Rank, Obj), History>,
     /// Per thread: the last transition it ran in or was enabled by.
     last: Vec<Option<u32>>,
-    /// Per thread: the transition that applied its call, while that call
-    /// has not returned.
-    applied: Vec<Option<u32>>,
     /// Per thread: whether it could move at the last decision.
     enabled: Vec<bool>,
     /// The deepest decision of this execution so far.
@@ -356,7 +333,6 @@ impl Dpor {
         self.open = Some(Open::default());
         self.objects.clear();
         self.last.clear();
-        self.applied.clear();
         self.enabled.clear();
         self.frame = None;
         self.asleep.clear();
@@ -399,16 +375,6 @@ impl Dpor {
             && !o.threads.contains(&t)
         {
             o.threads.push(t);
-        }
-    }
-
-    /// Thread `t`'s call returned in the transition under way.
-    pub(crate) fn returned(&mut self, t: ThreadId) {
-        self.ran(t);
-        if let Some(o) = &mut self.open
-            && !o.returned.contains(&t)
-        {
-            o.returned.push(t);
         }
     }
 
@@ -534,7 +500,6 @@ impl Dpor {
             chosen: Some(t),
             frame,
             threads: SmallVec::from_slice(&[t]),
-            returned: SmallVec::new(),
             uses: Vec::new(),
         });
     }
@@ -561,16 +526,12 @@ impl Dpor {
     fn pending_race(&mut self, t: ThreadId, rank: Rank, uses: &[(Obj, Mode)], mut clock: Vec<u32>) {
         let base = clock.clone();
         let mut race = None;
-        let mut extra = Vec::new();
         for (obj, mode) in uses {
-            self.scan(
-                t, rank, *obj, *mode, &base, &mut clock, &mut race, &mut extra,
-            );
+            self.scan(t, rank, *obj, *mode, &base, &mut clock, &mut race);
         }
         if let Some(i) = race {
             self.race(i, t, &clock);
         }
-        self.extra_races(extra);
     }
 
     fn last(&self, t: ThreadId) -> Option<u32> {
@@ -615,7 +576,6 @@ impl Dpor {
         base: &[u32],
         clock: &mut Vec<u32>,
         race: &mut Option<u32>,
-        extra: &mut Vec<(u32, u32)>,
     ) {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
@@ -632,22 +592,6 @@ impl Dpor {
             }
             if race.is_none_or(|r| r < e.at) {
                 *race = Some(e.at);
-            }
-            // Code a step woke: the step that applied its call races too.
-            if let Some((_, b)) = earlier.woken.iter().find(|(w, _)| *w == e.thread) {
-                extra.push((*b, e.at));
-            }
-        }
-    }
-
-    /// The races [`Dpor::scan`] found with woken code: each `(b, at)`
-    /// asks the decision before transition `b` for the thread of `at`.
-    fn extra_races(&mut self, extra: Vec<(u32, u32)>) {
-        for (b, at) in extra {
-            let earlier = &self.trace[at as usize];
-            if let Some(c) = earlier.chosen {
-                let clock = earlier.clock.clone();
-                self.race(b, c, &clock);
             }
         }
     }
@@ -676,18 +620,16 @@ impl Dpor {
             }
         }
         // Two woken threads' code, in one step, in conflict.
-        let was_woken = |t: &ThreadId| Some(*t) != open.chosen;
+        let woken = |t: &ThreadId| Some(*t) != open.chosen;
         if open.uses.iter().enumerate().any(|(k, (t, r, o, m))| {
-            was_woken(t)
-                && open.uses[k + 1..].iter().any(|(u, q, p, n)| {
-                    was_woken(u) && u != t && q == r && p == o && m.conflicts(*n)
-                })
+            woken(t)
+                && open.uses[k + 1..]
+                    .iter()
+                    .any(|(u, q, p, n)| woken(u) && u != t && q == r && p == o && m.conflicts(*n))
         }) {
             self.unsure = true;
         }
         let mut race = None;
-        let mut extra = Vec::new();
-        let mut woken: SmallVec<[(ThreadId, u32); 2]> = SmallVec::new();
         for &(t, rank, obj, mode) in &open.uses {
             // A use happens after its own thread's past and the chosen
             // thread's (whose step let it run), not after that of every
@@ -699,35 +641,14 @@ impl Dpor {
                     join(&mut base, &self.trace[l as usize].clock);
                 }
             }
-            self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
+            self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
         }
-        if let Some(c) = open.chosen {
+        if let (Some(i), Some(c)) = (race, open.chosen) {
             let own = self
                 .last(c)
                 .map(|l| self.trace[l as usize].clock.clone())
                 .unwrap_or_default();
-            if let Some(i) = race {
-                self.race(i, c, &own);
-            }
-            self.extra_races(std::mem::take(&mut extra));
-            // Threads whose blocked call this step let return, with the
-            // step that applied the call ([`Transition::woken`]).
-            for &w in &open.returned {
-                if w == c {
-                    continue;
-                }
-                if let Some(b) = self.applied.get(w.0 as usize).copied().flatten() {
-                    self.applied[w.0 as usize] = None;
-                    if get(&own, w) <= b {
-                        woken.push((w, b));
-                    }
-                }
-            }
-            let i = c.0 as usize;
-            if self.applied.len() <= i {
-                self.applied.resize(i + 1, None);
-            }
-            self.applied[i] = (!open.returned.contains(&c)).then_some(j);
+            self.race(i, c, &own);
         }
         if let Some(c) = open.chosen {
             let i = c.0 as usize;
@@ -740,7 +661,6 @@ impl Dpor {
             chosen: open.chosen,
             frame: open.frame,
             clock,
-            woken,
         });
         for &(t, rank, obj, mode) in &open.uses {
             let e = Entry {
@@ -792,7 +712,6 @@ impl Dpor {
             && !self.stack[f].steps.iter().any(|(t, _)| *t == c)
         {
             let step = Step {
-                blocked: !open.returned.contains(&c),
                 uses: open.uses,
                 threads: open.threads,
             };
@@ -1063,8 +982,6 @@ mod tests {
                     for (o, m) in uses.iter() {
                         d.uses(t, 0, *o, *m);
                     }
-                    // Its call returns at once (a blocked one never sleeps).
-                    d.returned(t);
                     left.retain(|x| *x != t);
                     order.push(t);
                 }

@@ -504,13 +504,8 @@ impl World {
                     _ => false,
                 };
                 if wake {
-                    let returns = matches!(self.ctl[i], Ctl::InCall);
                     if let Some(d) = self.dpor() {
-                        if returns {
-                            d.returned(t);
-                        } else {
-                            d.ran(t);
-                        }
+                        d.ran(t);
                     }
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
