@@ -209,6 +209,11 @@ impl Step {
 /// A sleeping thread and the step it took where it fell asleep.
 type Sleeper = (ThreadId, Arc<Step>);
 
+/// Whether thread `t` is among the `sleepers`.
+fn asleep_in(sleepers: &[Sleeper], t: ThreadId) -> bool {
+    sleepers.iter().any(|(q, _)| *q == t)
+}
+
 /// What a fully explored state keeps.
 #[derive(Clone, Debug)]
 struct Explored {
@@ -250,7 +255,7 @@ impl Frame {
     }
 
     fn asleep(&self, t: ThreadId) -> bool {
-        self.sleep.iter().any(|(q, _)| *q == t)
+        asleep_in(&self.sleep, t)
     }
 
     /// The threads asleep in the branch of the chosen thread: those asleep
@@ -366,7 +371,7 @@ impl Dpor {
     }
 
     fn is_asleep(&self, t: ThreadId) -> bool {
-        self.asleep.iter().any(|(q, _)| *q == t)
+        asleep_in(&self.asleep, t)
     }
 
     /// Thread `t` ran in the transition under way.

@@ -19,6 +19,10 @@ use std::sync::{Arc, Mutex};
 use duplex::{Error, Model, Place, Policy, Size, Transport};
 use duplex_sim::{Failure, Sim, SimRank};
 
+#[path = "support/show.rs"]
+mod support;
+use support::show;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -294,22 +298,6 @@ fn rank_code(p: Arc<Program>, w: Watch) -> impl Fn(&SimRank) -> duplex::Result<(
             t.join(h)?;
         }
         Ok(())
-    }
-}
-
-fn show(r: &Result<duplex_sim::Run, Failure>) -> String {
-    match r {
-        Ok(run) => format!("Ok({} executions)", run.executions),
-        Err(e) => format!(
-            "Err({})",
-            e.to_string()
-                .lines()
-                .next()
-                .unwrap_or("")
-                .chars()
-                .take(160)
-                .collect::<String>()
-        ),
     }
 }
 

@@ -6,7 +6,11 @@
 use std::sync::{Arc, Mutex};
 
 use duplex::{Place, Transport};
-use duplex_sim::{Failure, Sim, SimRank};
+use duplex_sim::{Sim, SimRank};
+
+#[path = "support/show.rs"]
+mod support;
+use support::show;
 
 fn both<F>(name: &str, sim: impl Fn() -> Sim, f: F)
 where
@@ -14,19 +18,6 @@ where
 {
     let a = sim().check(f.clone());
     let b = sim().without_reduction().check(f);
-    let show = |r: &Result<duplex_sim::Run, Failure>| match r {
-        Ok(run) => format!("Ok({} executions)", run.executions),
-        Err(e) => format!(
-            "Err({})",
-            e.to_string()
-                .lines()
-                .next()
-                .unwrap_or("")
-                .chars()
-                .take(200)
-                .collect::<String>()
-        ),
-    };
     assert_eq!(
         a.is_ok(),
         b.is_ok(),
