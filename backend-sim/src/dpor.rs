@@ -55,7 +55,8 @@
 //! pruned, as in the schedule checker. Dynamic POR alone would lose what
 //! that state's subtree would have told the prefix: which of its
 //! transitions race with the prefix's. So each explored state keeps a
-//! summary of every use made after it (a bit set over the uses seen), and
+//! summary of every use made after it (a bit set over the uses seen, and
+//! the parked calls checked there: each thread's next step), and
 //! a pruned execution checks each summarized use against its prefix,
 //! conservatively (after Yang, Chen, Gopalakrishnan and Kirby, "Efficient
 //! stateful dynamic partial order reduction", SPIN 2008): with no clock
@@ -68,21 +69,36 @@
 //! counts as explored with the threads asleep both times. The search
 //! stays sound and merges states as the checker does.
 //!
-//! **A known gap.** User code that a step lets return runs inside that
-//! step. A thread's blocked call applied early returns inside the step
-//! of another rank that completes what it waits for, so its code runs
-//! before every later step; applied after that step, the call returns at
-//! once and its code runs in its own step, after steps the search took
-//! to commute with the call (different ranks). The search does not try
-//! that order: `backend-sim/tests/dpor_review.rs`,
-//! `woken_code_can_run_after_a_later_step` (ignored; found by review),
-//! answers Ok where the search without reduction finds a panic. Making
-//! the waking step race with the step that applied the call did not
-//! find it either; not fixed.
+//! **Woken code.** User code that a step lets return runs inside that
+//! step, but it is an event of its own in the happens-before order:
+//! after the waking step and its own thread's past, and not before the
+//! waking thread's later steps, which do not wait for it (taken as one
+//! transition, a send's step that woke a recv's sync made the sender's
+//! later notify, and the recv it let another thread post, seem to follow
+//! the woken thread's earlier recv; found by `dpor_random`, seed 9324).
+//! Where the call was applied early it returns inside the step of another
+//! rank that completes what it waits for, so its code runs before every
+//! later step; applied after that step, the call returns at once and its
+//! code runs in its own step, after steps the search took to commute with
+//! the call (different ranks). So a race with woken code also asks the
+//! decision before the step that applied the call for the waking step's
+//! thread (`Woken::applied`, in a pruned state's check too), and a
+//! thread whose call blocked does not sleep (taken later, its step is not
+//! the one it took): each alone missed the review's
+//! `woken_code_can_run_after_a_later_step`. Asking at every wake-up,
+//! whatever the code then used, also finds it, but sent `simpipe:4:2`
+//! from 1 execution to 9,980. The order of code within one step is the
+//! simulator's (the chosen thread's, then woken threads' by number): two
+//! woken threads whose code conflicts make the search fall back
+//! ([`Dpor::unsure`]); the chosen thread's code after its call against a
+//! thread it woke is not checked (the simulator never runs them in the
+//! other order, so the search without reduction does not either).
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
-//! and on random rank code (`backend-sim/tests/dpor_random.rs`).
+//! and on random rank code (`backend-sim/tests/dpor_random.rs`); the
+//! `simcheck` example runs a schedule file's threads through both
+//! searches beside the checker, for one program that disagrees.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -141,6 +157,26 @@ struct Transition {
     /// Per thread: one more than the last transition chosen by that thread
     /// that happens before this one or is it (0: none).
     clock: Vec<u32>,
+    /// For woken code, its waking step and where its call was applied.
+    woken: Option<Woken>,
+}
+
+/// Woken code: the code a thread runs once a step of another thread lets
+/// its blocked call return. It is an event of its own, after that step
+/// and after its thread's past; the waking thread's later steps do not
+/// happen after it (they do not wait for it).
+#[derive(Clone, Copy, Debug)]
+struct Woken {
+    /// The waking step's event.
+    waker: u32,
+    /// The event whose step applied the call, where it blocked. Had the
+    /// waking step come first, the call would have returned at once and
+    /// its code run in its own step, after steps that follow the waking
+    /// one here; so a race with the code also asks the decision before
+    /// that step for the waking thread (found by review: a sync whose
+    /// code always ran inside the first of two sends of another rank,
+    /// never after the second).
+    applied: Option<u32>,
 }
 
 /// The transition under way.
@@ -150,6 +186,8 @@ struct Open {
     frame: Option<usize>,
     /// Threads that ran in it.
     threads: SmallVec<[ThreadId; 4]>,
+    /// Threads whose call returned in it.
+    returned: SmallVec<[ThreadId; 4]>,
     uses: Vec<Use>,
 }
 
@@ -190,6 +228,10 @@ impl Bits {
 struct Step {
     uses: Vec<Use>,
     threads: SmallVec<[ThreadId; 4]>,
+    /// The thread's call did not return in it: taken later, after a step
+    /// of another rank completed what it waits for, it returns at once
+    /// and its code runs in it, so what it uses is not known.
+    blocked: bool,
 }
 
 impl Step {
@@ -198,7 +240,8 @@ impl Step {
     /// move to the other), and no object of one rank used by both in
     /// conflicting modes.
     fn independent(&self, uses: &[Use], threads: &[ThreadId]) -> bool {
-        !self.threads.iter().any(|t| threads.contains(t))
+        !self.blocked
+            && !self.threads.iter().any(|t| threads.contains(t))
             && !self.uses.iter().any(|(_, r, o, m)| {
                 uses.iter()
                     .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
@@ -295,6 +338,9 @@ pub struct Dpor {
     objects: HashMap<(Rank, Obj), History>,
     /// Per thread: the last transition it ran in or was enabled by.
     last: Vec<Option<u32>>,
+    /// Per thread: the transition that applied its call, while that call
+    /// has not returned.
+    applied: Vec<Option<u32>>,
     /// Per thread: whether it could move at the last decision.
     enabled: Vec<bool>,
     /// The deepest decision of this execution so far.
@@ -323,6 +369,14 @@ fn get(clock: &[u32], t: ThreadId) -> u32 {
     clock.get(t.0 as usize).copied().unwrap_or(0)
 }
 
+fn set(clock: &mut Vec<u32>, t: ThreadId, v: u32) {
+    let i = t.0 as usize;
+    if clock.len() <= i {
+        clock.resize(i + 1, 0);
+    }
+    clock[i] = v;
+}
+
 impl Dpor {
     /// A search that has run nothing yet.
     pub fn new() -> Dpor {
@@ -338,6 +392,7 @@ impl Dpor {
         self.open = Some(Open::default());
         self.objects.clear();
         self.last.clear();
+        self.applied.clear();
         self.enabled.clear();
         self.frame = None;
         self.asleep.clear();
@@ -380,6 +435,16 @@ impl Dpor {
             && !o.threads.contains(&t)
         {
             o.threads.push(t);
+        }
+    }
+
+    /// Thread `t`'s call returned in the transition under way.
+    pub(crate) fn returned(&mut self, t: ThreadId) {
+        self.ran(t);
+        if let Some(o) = &mut self.open
+            && !o.returned.contains(&t)
+        {
+            o.returned.push(t);
         }
     }
 
@@ -505,6 +570,7 @@ impl Dpor {
             chosen: Some(t),
             frame,
             threads: SmallVec::from_slice(&[t]),
+            returned: SmallVec::new(),
             uses: Vec::new(),
         });
     }
@@ -531,12 +597,16 @@ impl Dpor {
     fn pending_race(&mut self, t: ThreadId, rank: Rank, uses: &[(Obj, Mode)], mut clock: Vec<u32>) {
         let base = clock.clone();
         let mut race = None;
+        let mut extra = Vec::new();
         for (obj, mode) in uses {
-            self.scan(t, rank, *obj, *mode, &base, &mut clock, &mut race);
+            self.scan(
+                t, rank, *obj, *mode, &base, &mut clock, &mut race, &mut extra,
+            );
         }
         if let Some(i) = race {
             self.race(i, t, &clock);
         }
+        self.extra_races(extra);
     }
 
     fn last(&self, t: ThreadId) -> Option<u32> {
@@ -581,6 +651,7 @@ impl Dpor {
         base: &[u32],
         clock: &mut Vec<u32>,
         race: &mut Option<u32>,
+        extra: &mut Vec<(u32, u32)>,
     ) {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
@@ -595,8 +666,33 @@ impl Dpor {
             if get(base, c) > e.at {
                 continue; // happens before
             }
+            if let Some(w) = earlier.woken {
+                // Woken code: the step that applied its call races too;
+                // and where the waking step happens before this use, the
+                // use cannot move before the code by moving before it.
+                if let Some(b) = w.applied {
+                    extra.push((b, w.waker));
+                }
+                let waker = &self.trace[w.waker as usize];
+                if waker.chosen.is_some_and(|k| get(base, k) > w.waker) {
+                    continue;
+                }
+            }
             if race.is_none_or(|r| r < e.at) {
                 *race = Some(e.at);
+            }
+        }
+    }
+
+    /// The races [`Dpor::scan`] found with woken code: each `(b, at)`
+    /// asks the decision before event `b` for the thread of `at` (the
+    /// waking step).
+    fn extra_races(&mut self, extra: Vec<(u32, u32)>) {
+        for (b, at) in extra {
+            let earlier = &self.trace[at as usize];
+            if let Some(c) = earlier.chosen {
+                let clock = earlier.clock.clone();
+                self.race(b, c, &clock);
             }
         }
     }
@@ -617,59 +713,142 @@ impl Dpor {
     /// transition ordered before it by the handshake's end).
     fn close(&mut self, enabled: &[ThreadId], pending: &[Pending]) {
         let Some(open) = self.open.take() else { return };
-        let j = self.trace.len() as u32;
-        let mut clock = Vec::new();
-        for t in &open.threads {
-            if let Some(l) = self.last(*t) {
-                join(&mut clock, &self.trace[l as usize].clock);
-            }
-        }
         // Two woken threads' code, in one step, in conflict.
-        let woken = |t: &ThreadId| Some(*t) != open.chosen;
+        let was_woken = |t: &ThreadId| Some(*t) != open.chosen;
         if open.uses.iter().enumerate().any(|(k, (t, r, o, m))| {
-            woken(t)
-                && open.uses[k + 1..]
-                    .iter()
-                    .any(|(u, q, p, n)| woken(u) && u != t && q == r && p == o && m.conflicts(*n))
+            was_woken(t)
+                && open.uses[k + 1..].iter().any(|(u, q, p, n)| {
+                    was_woken(u) && u != t && q == r && p == o && m.conflicts(*n)
+                })
         }) {
             self.unsure = true;
         }
-        let mut race = None;
-        for &(t, rank, obj, mode) in &open.uses {
-            // A use happens after its own thread's past and the chosen
-            // thread's (whose step let it run), not after that of every
-            // thread the step woke: two threads woken in one step may be
-            // woken apart in another order of other ranks' steps.
-            let mut base = Vec::new();
-            for u in [Some(t), open.chosen].into_iter().flatten() {
-                if let Some(l) = self.last(u) {
-                    join(&mut base, &self.trace[l as usize].clock);
-                }
+        // The events of the transition: the chosen thread's (its call and
+        // the code after it), then each woken thread's code.
+        let j = self.trace.len() as u32;
+        let Some(c) = open.chosen else {
+            // The threads' start: one event, before every other.
+            let mut clock = Vec::new();
+            let mut race = None;
+            let mut extra = Vec::new();
+            for &(t, rank, obj, mode) in &open.uses {
+                let base = self
+                    .last(t)
+                    .map(|l| self.trace[l as usize].clock.clone())
+                    .unwrap_or_default();
+                self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
             }
-            self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
+            self.push_event(None, open.frame, clock, None, &open.uses);
+            for t in &open.threads {
+                self.set_last(*t, j);
+            }
+            self.after(j, &open, enabled, pending);
+            return;
+        };
+        let own = self
+            .last(c)
+            .map(|l| self.trace[l as usize].clock.clone())
+            .unwrap_or_default();
+        let mut clock = own.clone();
+        let mut race = None;
+        let mut extra = Vec::new();
+        let mine: Vec<Use> = open.uses.iter().filter(|u| u.0 == c).copied().collect();
+        for &(t, rank, obj, mode) in &mine {
+            self.scan(t, rank, obj, mode, &own, &mut clock, &mut race, &mut extra);
         }
-        if let (Some(i), Some(c)) = (race, open.chosen) {
-            let own = self
-                .last(c)
-                .map(|l| self.trace[l as usize].clock.clone())
-                .unwrap_or_default();
+        if let Some(i) = race {
             self.race(i, c, &own);
         }
-        if let Some(c) = open.chosen {
-            let i = c.0 as usize;
-            if clock.len() <= i {
-                clock.resize(i + 1, 0);
+        self.extra_races(extra);
+        set(&mut clock, c, j + 1);
+        self.push_event(Some(c), open.frame, clock, None, &mine);
+        self.set_last(c, j);
+        for &w in &open.threads {
+            if w == c {
+                continue;
             }
-            clock[i] = j + 1;
+            // Woken code happens after the step that woke it and after its
+            // own thread's past, not before what the waking thread does
+            // next: that thread's later steps do not wait for it.
+            let k = self.trace.len() as u32;
+            let mut base = self.trace[j as usize].clock.clone();
+            if let Some(l) = self.last(w) {
+                join(&mut base, &self.trace[l as usize].clock);
+            }
+            // The step that applied its call, if it blocked there
+            // ([`Woken::applied`]).
+            let applied = if open.returned.contains(&w) {
+                let b = self.applied.get(w.0 as usize).copied().flatten();
+                if let Some(slot) = self.applied.get_mut(w.0 as usize) {
+                    *slot = None;
+                }
+                b.filter(|b| get(&own, w) <= *b)
+            } else {
+                None
+            };
+            let mut clock = base.clone();
+            let mut race = None;
+            let mut extra = Vec::new();
+            let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
+            for &(t, rank, obj, mode) in &theirs {
+                self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
+            }
+            if let Some(i) = race {
+                self.race(i, w, &base);
+            }
+            self.extra_races(extra);
+            set(&mut clock, w, k + 1);
+            let woken = Woken { waker: j, applied };
+            self.push_event(Some(w), open.frame, clock, Some(woken), &theirs);
+            self.set_last(w, k);
         }
-        self.trace.push(Transition {
-            chosen: open.chosen,
-            frame: open.frame,
-            clock,
-        });
+        let slot = c.0 as usize;
+        if self.applied.len() <= slot {
+            self.applied.resize(slot + 1, None);
+        }
+        self.applied[slot] = (!open.returned.contains(&c)).then_some(j);
         for &(t, rank, obj, mode) in &open.uses {
+            self.summarize(c, (t, rank, obj, mode));
+        }
+        self.after(j, &open, enabled, pending);
+        // Sleep sets: a thread stays asleep while the steps taken commute
+        // with the step it took where it fell asleep; the step taken at a
+        // decision is kept there for the branches after it.
+        if !self.asleep.is_empty() {
+            self.asleep
+                .retain(|(_, s)| s.independent(&open.uses, &open.threads));
+        }
+        if let Some(f) = open.frame
+            && !self.stack[f].steps.iter().any(|(t, _)| *t == c)
+        {
+            let step = Step {
+                blocked: !open.returned.contains(&c),
+                uses: open.uses,
+                threads: open.threads,
+            };
+            self.stack[f].steps.push((c, Arc::new(step)));
+        }
+    }
+
+    /// Records an event: its transition and its uses.
+    fn push_event(
+        &mut self,
+        chosen: Option<ThreadId>,
+        frame: Option<usize>,
+        clock: Vec<u32>,
+        woken: Option<Woken>,
+        uses: &[Use],
+    ) {
+        let at = self.trace.len() as u32;
+        self.trace.push(Transition {
+            chosen,
+            frame,
+            clock,
+            woken,
+        });
+        for &(t, rank, obj, mode) in uses {
             let e = Entry {
-                at: j,
+                at,
                 thread: t,
                 mode,
             };
@@ -686,45 +865,49 @@ impl Dpor {
             } else {
                 h.shared.push(e);
             }
-            if let Some(c) = open.chosen {
-                self.summarize(c, (t, rank, obj, mode));
-            }
         }
-        for t in &open.threads {
-            self.set_last(*t, j);
-        }
+    }
+
+    /// What follows a transition whose first event is `j`: the parked
+    /// calls' checks ([`Dpor::close`]) and the threads it enabled.
+    fn after(&mut self, j: u32, open: &Open, enabled: &[ThreadId], pending: &[Pending]) {
         for (t, rank, uses) in pending {
             if open.threads.contains(t) {
-                let clock = self.trace[j as usize].clock.clone();
+                let clock = self
+                    .last(*t)
+                    .map(|l| self.trace[l as usize].clock.clone())
+                    .unwrap_or_default();
                 self.pending_race(*t, *rank, uses, clock);
-            } else if self.enabled.get(t.0 as usize).copied().unwrap_or(false)
-                && open.uses.iter().any(|(u, r, obj, mode)| {
-                    u != t && r == rank && uses.iter().any(|(o, m)| o == obj && m.conflicts(*mode))
-                })
-            {
-                let clock = self.trace[j as usize].clock.clone();
-                self.race(j, *t, &clock);
+                // Summarized as a use after this state: a state pruned
+                // later must pass it on (its next step's races with the
+                // prefix).
+                for (obj, mode) in uses {
+                    self.summarize(*t, (*t, *rank, *obj, *mode));
+                }
+            } else if self.enabled.get(t.0 as usize).copied().unwrap_or(false) {
+                // The latest event of the transition that used what the
+                // parked call uses.
+                let hit = open
+                    .uses
+                    .iter()
+                    .filter(|(u, r, obj, mode)| {
+                        u != t
+                            && r == rank
+                            && uses.iter().any(|(o, m)| o == obj && m.conflicts(*mode))
+                    })
+                    .filter_map(|(u, ..)| self.last(*u))
+                    .max();
+                if let Some(i) = hit {
+                    let clock = self.trace[i as usize].clock.clone();
+                    self.race(i, *t, &clock);
+                }
             }
-        }
-        // Sleep sets: a thread stays asleep while the steps taken commute
-        // with the step it took where it fell asleep; the step taken at a
-        // decision is kept there for the branches after it.
-        if !self.asleep.is_empty() {
-            self.asleep
-                .retain(|(_, s)| s.independent(&open.uses, &open.threads));
-        }
-        if let (Some(f), Some(c)) = (open.frame, open.chosen)
-            && !self.stack[f].steps.iter().any(|(t, _)| *t == c)
-        {
-            let step = Step {
-                uses: open.uses,
-                threads: open.threads,
-            };
-            self.stack[f].steps.push((c, Arc::new(step)));
         }
         let was = std::mem::take(&mut self.enabled);
         for t in enabled {
-            if !was.get(t.0 as usize).copied().unwrap_or(false) {
+            // Enabled by the step's call (threads that ran have their own
+            // event).
+            if !was.get(t.0 as usize).copied().unwrap_or(false) && !open.threads.contains(t) {
                 self.set_last(*t, j);
             }
         }
@@ -775,6 +958,7 @@ impl Dpor {
     /// that may be the race Flanagan and Godefroid's rule picks is one.
     fn pruned(&mut self, summary: &Bits) {
         let mut asks: Vec<(usize, ThreadId)> = Vec::new();
+        let mut extra = Vec::new();
         for ix in summary.iter() {
             let (chosen, (t, rank, obj, mode)) = self.items[ix as usize];
             let Some(h) = self.objects.get(&(rank, obj)) else {
@@ -811,9 +995,19 @@ impl Dpor {
                     .any(|x| x.at > e.at && get(&self.trace[x.at as usize].clock, c) > e.at);
                 if !covered {
                     asks.push((f, chosen));
+                    // Woken code in the prefix: the step that applied its
+                    // call is asked too, as in [`Dpor::scan`].
+                    if let Some(Woken {
+                        applied: Some(b),
+                        waker,
+                    }) = earlier.woken
+                    {
+                        extra.push((b, waker));
+                    }
                 }
             }
         }
+        self.extra_races(extra);
         asks.sort_unstable();
         asks.dedup();
         for (f, t) in asks {
@@ -987,6 +1181,8 @@ mod tests {
                     for (o, m) in uses.iter() {
                         d.uses(t, 0, *o, *m);
                     }
+                    // Its call returns at once (a blocked one never sleeps).
+                    d.returned(t);
                     left.retain(|x| *x != t);
                     order.push(t);
                 }

@@ -504,8 +504,13 @@ impl World {
                     _ => false,
                 };
                 if wake {
+                    let returns = matches!(self.ctl[i], Ctl::InCall);
                     if let Some(d) = self.dpor() {
-                        d.ran(t);
+                        if returns {
+                            d.returned(t);
+                        } else {
+                            d.ran(t);
+                        }
                     }
                     if matches!(self.ctl[i], Ctl::InCall) {
                         self.ctl[i] = Ctl::Returned(Ok(()));
