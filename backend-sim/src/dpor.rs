@@ -88,11 +88,12 @@
 //! `woken_code_can_run_after_a_later_step`. Asking at every wake-up,
 //! whatever the code then used, also finds it, but sent `simpipe:4:2`
 //! from 1 execution to 9,980. The order of code within one step is the
-//! simulator's (the chosen thread's, then woken threads' by number): two
-//! woken threads whose code conflicts make the search fall back
-//! ([`Dpor::unsure`]); the chosen thread's code after its call against a
-//! thread it woke is not checked (the simulator never runs them in the
-//! other order, so the search without reduction does not either).
+//! simulator's (the threads whose calls returned, one after another in
+//! thread order): two woken threads whose code conflicts make the search
+//! fall back ([`Dpor::unsure`]), since other orders of other ranks' steps
+//! may wake them apart; the chosen thread's code after its call against a
+//! thread it woke is not checked (the simulator never runs them apart, so
+//! the search without reduction does not either).
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
