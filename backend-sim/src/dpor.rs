@@ -82,9 +82,11 @@
 //! code runs in its own step, after steps the search took to commute with
 //! the call (different ranks). So a race with woken code also asks the
 //! decision before the step that applied the call for the waking step's
-//! thread (`Woken::applied`, in a pruned state's check too), and a
-//! thread whose call blocked does not sleep (taken later, its step is not
-//! the one it took): each alone missed the review's
+//! thread (`Woken::applied`, in a pruned state's check too; a thread
+//! that woken code spawns happens after its spawner's event and moves
+//! with it, found by review), and a thread whose call blocked does not
+//! sleep (taken later, its step is not the one it took): each alone
+//! missed the review's
 //! `woken_code_can_run_after_a_later_step`. Asking at every wake-up,
 //! whatever the code then used, also finds it, but sent `simpipe:4:2`
 //! from 1 execution to 9,980. The order of code within one step is the
@@ -189,6 +191,8 @@ struct Open {
     threads: SmallVec<[ThreadId; 4]>,
     /// Threads whose call returned in it.
     returned: SmallVec<[ThreadId; 4]>,
+    /// Threads started in it, each with the thread whose code spawned it.
+    spawned: SmallVec<[(ThreadId, ThreadId); 2]>,
     uses: Vec<Use>,
 }
 
@@ -439,6 +443,15 @@ impl Dpor {
         }
     }
 
+    /// Thread `child`, spawned by `parent`'s code, starts in the
+    /// transition under way: its code happens after its parent's, and
+    /// where that is woken code, it moves with it ([`Woken::applied`]).
+    pub(crate) fn spawned(&mut self, child: ThreadId, parent: ThreadId) {
+        if let Some(o) = &mut self.open {
+            o.spawned.push((child, parent));
+        }
+    }
+
     /// Thread `t`'s call returned in the transition under way.
     pub(crate) fn returned(&mut self, t: ThreadId) {
         self.ran(t);
@@ -572,6 +585,7 @@ impl Dpor {
             frame,
             threads: SmallVec::from_slice(&[t]),
             returned: SmallVec::new(),
+            spawned: SmallVec::new(),
             uses: Vec::new(),
         });
     }
@@ -764,20 +778,44 @@ impl Dpor {
         set(&mut clock, c, j + 1);
         self.push_event(Some(c), open.frame, clock, None, &mine);
         self.set_last(c, j);
-        for &w in &open.threads {
-            if w == c {
-                continue;
-            }
+        // The events of this transition so far, by thread, with what a
+        // thread started by their code inherits.
+        let mut done: SmallVec<[(ThreadId, u32, Option<u32>); 4]> = SmallVec::new();
+        done.push((c, j, None));
+        // Woken and started threads, a spawner's event before its child's.
+        let mut left: SmallVec<[ThreadId; 4]> =
+            open.threads.iter().copied().filter(|t| *t != c).collect();
+        while !left.is_empty() {
+            let parent_of = |w: ThreadId| {
+                open.spawned
+                    .iter()
+                    .find(|(child, _)| *child == w)
+                    .map(|(_, p)| *p)
+            };
+            let ready = left
+                .iter()
+                .position(|w| {
+                    parent_of(*w).is_none_or(|p| {
+                        done.iter().any(|(t, ..)| *t == p) || !open.threads.contains(&p)
+                    })
+                })
+                .unwrap_or(0);
+            let w = left.remove(ready);
             // Woken code happens after the step that woke it and after its
             // own thread's past, not before what the waking thread does
-            // next: that thread's later steps do not wait for it.
+            // next: that thread's later steps do not wait for it. A thread
+            // started here happens after its spawner's event instead.
+            let parent = parent_of(w).and_then(|p| done.iter().find(|(t, ..)| *t == p).copied());
             let k = self.trace.len() as u32;
-            let mut base = self.trace[j as usize].clock.clone();
+            let mut base = match parent {
+                Some((_, e, _)) => self.trace[e as usize].clock.clone(),
+                None => self.trace[j as usize].clock.clone(),
+            };
             if let Some(l) = self.last(w) {
                 join(&mut base, &self.trace[l as usize].clock);
             }
             // The step that applied its call, if it blocked there
-            // ([`Woken::applied`]).
+            // ([`Woken::applied`]); a started thread's is its spawner's.
             let applied = if open.returned.contains(&w) {
                 let b = self.applied.get(w.0 as usize).copied().flatten();
                 if let Some(slot) = self.applied.get_mut(w.0 as usize) {
@@ -785,7 +823,7 @@ impl Dpor {
                 }
                 b.filter(|b| get(&own, w) <= *b)
             } else {
-                None
+                parent.and_then(|(_, _, a)| a)
             };
             let mut clock = base.clone();
             let mut race = None;
@@ -802,6 +840,7 @@ impl Dpor {
             let woken = Woken { waker: j, applied };
             self.push_event(Some(w), open.frame, clock, Some(woken), &theirs);
             self.set_last(w, k);
+            done.push((w, k, applied));
         }
         let slot = c.0 as usize;
         if self.applied.len() <= slot {

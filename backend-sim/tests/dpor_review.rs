@@ -278,3 +278,51 @@ rank 1:
         move |t: &SimRank| duplex::schedule::execute(&program, t),
     );
 }
+
+/// Found by a review of the woken-code change: woken code that spawns a
+/// thread. Rank 0's W receives from rank 1, syncs (woken by rank 1's
+/// send), then spawns S, which writes X; main awaits rank 1's notify
+/// (sent after the send) and panics if X is still 0. The started thread's
+/// event was ordered after the waking step only, and did not carry where
+/// W's sync was applied, so the order in which W's sync is applied after
+/// main's await (and X is written after main's read) was not tried: Ok in
+/// 1 execution where the full search finds the panic. A thread started by
+/// woken code now happens after its spawner's event and moves with it.
+#[test]
+fn a_thread_that_woken_code_starts_moves_with_it() {
+    both(
+        "woken_spawns",
+        || Sim::new(2),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let p = t.spawn("P", |t: &SimRank| {
+                    let b = t.alloc::<u32>(1)?;
+                    t.send(&b, 0)?;
+                    t.notify(0, "n")
+                })?;
+                // Not a closed rank: P is a decision, not forced.
+                t.await_notify(0, "end")?;
+                return t.join(p);
+            }
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let x2 = x.clone();
+            let w = t.spawn("W", move |t: &SimRank| {
+                let sa = t.stream("sA")?;
+                let mut r = t.alloc::<u32>(1)?;
+                t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+                t.sync_stream(&sa)?;
+                let x3 = x2.clone();
+                let s = t.spawn("S", move |t: &SimRank| {
+                    t.write(&mut *x3.lock().expect("no lock across a call"), &[1])
+                })?;
+                t.join(s)
+            })?;
+            t.await_notify(1, "n")?;
+            if t.read(&*x.lock().expect("no lock across a call"))?[0] == 0 {
+                panic!("main read X before it was written");
+            }
+            t.notify(1, "end")?;
+            t.join(w)
+        },
+    );
+}

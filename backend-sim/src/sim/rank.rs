@@ -777,6 +777,9 @@ impl Transport for SimRank {
         }
         let id = w.machine.setup_mut().add_thread(self.rank, name);
         w.made_by[2].push(self.thread);
+        if let Some(d) = w.dpor() {
+            d.spawned(id, self.thread);
+        }
         w.machine.sync_setup();
         w.ctl.push(Ctl::Starting);
         w.turns.push(std::sync::Arc::new(std::sync::Condvar::new()));

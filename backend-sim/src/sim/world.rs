@@ -775,7 +775,7 @@ impl World {
     }
 
     /// The search of rank code ([`crate::dpor`]), where it is the strategy.
-    fn dpor(&mut self) -> Option<&mut crate::dpor::Dpor> {
+    pub(crate) fn dpor(&mut self) -> Option<&mut crate::dpor::Dpor> {
         match &mut self.explorer {
             Strategy::Dpor(d) => Some(d),
             _ => None,
