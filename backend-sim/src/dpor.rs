@@ -93,9 +93,11 @@
 //! simulator's (the threads whose calls returned, one after another in
 //! thread order): two woken threads whose code conflicts make the search
 //! fall back ([`Dpor::unsure`]), since other orders of other ranks' steps
-//! may wake them apart; the chosen thread's code after its call against a
-//! thread it woke is not checked (the simulator never runs them apart, so
-//! the search without reduction does not either).
+//! may wake them apart; a woken thread numbered before the chosen one ran
+//! its code before the chosen thread's, and where they conflict the step
+//! that applied its call is asked for the chosen thread too (applied
+//! after this step, its code runs after the chosen thread's; found by
+//! review).
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
@@ -829,6 +831,22 @@ impl Dpor {
             let mut race = None;
             let mut extra = Vec::new();
             let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
+            // The simulator runs the code of threads whose calls return in
+            // one step in thread order: a woken thread numbered before the
+            // chosen one ran its code before the chosen thread's code;
+            // applied after this step, its call returns at once and its
+            // code runs after. Where the two conflict, the decision before
+            // the step that applied its call is asked for the chosen
+            // thread (found by review).
+            if let Some(b) = applied
+                && w.0 < c.0
+                && theirs.iter().any(|(_, r, o, m)| {
+                    mine.iter()
+                        .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
+                })
+            {
+                extra.push((b, j));
+            }
             for &(t, rank, obj, mode) in &theirs {
                 self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
             }

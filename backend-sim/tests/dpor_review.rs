@@ -326,3 +326,53 @@ fn a_thread_that_woken_code_starts_moves_with_it() {
         },
     );
 }
+
+/// Found by a second review: the chosen thread's code against the code of
+/// a thread its step woke, numbered before it. Rank 0's W (spawned first)
+/// receives from rank 1 and syncs; C sends to rank 1, then writes X.
+/// Rank 1 receives C's message, then sends W's, on one stream, so C's
+/// send completes W's recv. With W's sync applied before C's send, W's
+/// code runs inside C's step, before C's code (thread order): X is 0.
+/// With W's sync applied after C's send, it returns at once in its own
+/// step, after C's code, and W reads 1. The search took C's write to
+/// happen before W's read and never tried the second order: Ok in 1
+/// execution where the full search finds the panic.
+#[test]
+fn woken_code_of_a_lower_thread_can_run_after_the_chosen_threads_code() {
+    both(
+        "chosen_code_vs_woken",
+        || Sim::new(2).policy(duplex::Policy::PerDirection),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let s = t.stream("s1")?;
+                let (mut a, b) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+                t.recv_on(&mut a, 0, &Place::stream(&s))?;
+                t.send_on(&b, 0, &Place::stream(&s))?;
+                return t.synchronize();
+            }
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let (xw, xc) = (x.clone(), x.clone());
+            let w = t.spawn("W", move |t: &SimRank| {
+                let sa = t.stream("sA")?;
+                let mut r = t.alloc::<u32>(1)?;
+                t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+                t.sync_stream(&sa)?;
+                if t.read(&*xw.lock().expect("no lock across a call"))?[0] == 1 {
+                    panic!("W's code ran after C's");
+                }
+                Ok(())
+            })?;
+            let c = t.spawn("C", move |t: &SimRank| {
+                let sc = t.stream("sC")?;
+                let b = t.alloc::<u32>(1)?;
+                t.send_on(&b, 1, &Place::stream(&sc))?;
+                t.write(&mut *xc.lock().expect("no lock across a call"), &[1])
+            })?;
+            // X goes with the last of W and C (a drop is a use, and main's
+            // at the end would race with W's read and hide the miss).
+            drop(x);
+            t.join(c)?;
+            t.join(w)
+        },
+    );
+}
