@@ -229,6 +229,12 @@ impl Bits {
     }
 }
 
+/// Whether two uses conflict: one object of one rank, in conflicting
+/// modes (the threads are not compared).
+fn conflict(a: &Use, b: &Use) -> bool {
+    a.1 == b.1 && a.2 == b.2 && a.3.conflicts(b.3)
+}
+
 /// A step as a sleep set keeps it: what it used and which threads ran in
 /// it.
 #[derive(Debug)]
@@ -249,10 +255,10 @@ impl Step {
     fn independent(&self, uses: &[Use], threads: &[ThreadId]) -> bool {
         !self.blocked
             && !self.threads.iter().any(|t| threads.contains(t))
-            && !self.uses.iter().any(|(_, r, o, m)| {
-                uses.iter()
-                    .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
-            })
+            && !self
+                .uses
+                .iter()
+                .any(|a| uses.iter().any(|b| conflict(a, b)))
     }
 }
 
@@ -376,12 +382,13 @@ fn get(clock: &[u32], t: ThreadId) -> u32 {
     clock.get(t.0 as usize).copied().unwrap_or(0)
 }
 
-fn set(clock: &mut Vec<u32>, t: ThreadId, v: u32) {
+/// Thread `t`'s entry of a per-thread vector, grown to hold it.
+pub(crate) fn slot<T: Clone + Default>(v: &mut Vec<T>, t: ThreadId) -> &mut T {
     let i = t.0 as usize;
-    if clock.len() <= i {
-        clock.resize(i + 1, 0);
+    if v.len() <= i {
+        v.resize(i + 1, T::default());
     }
-    clock[i] = v;
+    &mut v[i]
 }
 
 impl Dpor {
@@ -631,11 +638,7 @@ impl Dpor {
     }
 
     fn set_last(&mut self, t: ThreadId, at: u32) {
-        let i = t.0 as usize;
-        if self.last.len() <= i {
-            self.last.resize(i + 1, None);
-        }
-        self.last[i] = Some(at);
+        *slot(&mut self.last, t) = Some(at);
     }
 
     /// Adds a use made after the deepest decision so far to its summary.
@@ -732,11 +735,11 @@ impl Dpor {
         let Some(open) = self.open.take() else { return };
         // Two woken threads' code, in one step, in conflict.
         let was_woken = |t: &ThreadId| Some(*t) != open.chosen;
-        if open.uses.iter().enumerate().any(|(k, (t, r, o, m))| {
-            was_woken(t)
-                && open.uses[k + 1..].iter().any(|(u, q, p, n)| {
-                    was_woken(u) && u != t && q == r && p == o && m.conflicts(*n)
-                })
+        if open.uses.iter().enumerate().any(|(k, a)| {
+            was_woken(&a.0)
+                && open.uses[k + 1..]
+                    .iter()
+                    .any(|b| was_woken(&b.0) && b.0 != a.0 && conflict(a, b))
         }) {
             self.unsure = true;
         }
@@ -766,20 +769,8 @@ impl Dpor {
             .last(c)
             .map(|l| self.trace[l as usize].clock.clone())
             .unwrap_or_default();
-        let mut clock = own.clone();
-        let mut race = None;
-        let mut extra = Vec::new();
         let mine: Vec<Use> = open.uses.iter().filter(|u| u.0 == c).copied().collect();
-        for &(t, rank, obj, mode) in &mine {
-            self.scan(t, rank, obj, mode, &own, &mut clock, &mut race, &mut extra);
-        }
-        if let Some(i) = race {
-            self.race(i, c, &own);
-        }
-        self.extra_races(extra);
-        set(&mut clock, c, j + 1);
-        self.push_event(Some(c), open.frame, clock, None, &mine);
-        self.set_last(c, j);
+        self.event(c, own.clone(), open.frame, None, &mine, Vec::new());
         // The events of this transition so far, by thread, with what a
         // thread started by their code inherits.
         let mut done: SmallVec<[(ThreadId, u32, Option<u32>); 4]> = SmallVec::new();
@@ -808,7 +799,6 @@ impl Dpor {
             // next: that thread's later steps do not wait for it. A thread
             // started here happens after its spawner's event instead.
             let parent = parent_of(w).and_then(|p| done.iter().find(|(t, ..)| *t == p).copied());
-            let k = self.trace.len() as u32;
             let mut base = match parent {
                 Some((_, e, _)) => self.trace[e as usize].clock.clone(),
                 None => self.trace[j as usize].clock.clone(),
@@ -827,8 +817,6 @@ impl Dpor {
             } else {
                 parent.and_then(|(_, _, a)| a)
             };
-            let mut clock = base.clone();
-            let mut race = None;
             let mut extra = Vec::new();
             let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
             // The simulator runs the code of threads whose calls return in
@@ -840,31 +828,15 @@ impl Dpor {
             // thread (found by review).
             if let Some(b) = applied
                 && w.0 < c.0
-                && theirs.iter().any(|(_, r, o, m)| {
-                    mine.iter()
-                        .any(|(_, q, p, n)| q == r && p == o && m.conflicts(*n))
-                })
+                && theirs.iter().any(|a| mine.iter().any(|b| conflict(a, b)))
             {
                 extra.push((b, j));
             }
-            for &(t, rank, obj, mode) in &theirs {
-                self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
-            }
-            if let Some(i) = race {
-                self.race(i, w, &base);
-            }
-            self.extra_races(extra);
-            set(&mut clock, w, k + 1);
             let woken = Woken { waker: j, applied };
-            self.push_event(Some(w), open.frame, clock, Some(woken), &theirs);
-            self.set_last(w, k);
+            let k = self.event(w, base, open.frame, Some(woken), &theirs, extra);
             done.push((w, k, applied));
         }
-        let slot = c.0 as usize;
-        if self.applied.len() <= slot {
-            self.applied.resize(slot + 1, None);
-        }
-        self.applied[slot] = (!open.returned.contains(&c)).then_some(j);
+        *slot(&mut self.applied, c) = (!open.returned.contains(&c)).then_some(j);
         for &(t, rank, obj, mode) in &open.uses {
             self.summarize(c, (t, rank, obj, mode));
         }
@@ -886,6 +858,35 @@ impl Dpor {
             };
             self.stack[f].steps.push((c, Arc::new(step)));
         }
+    }
+
+    /// Records thread `t`'s event of the transition under way, which used
+    /// `uses` and happens after `base`: asks for its races with earlier
+    /// events (and the `extra` ones found already), and makes it `t`'s
+    /// last. Returns its index.
+    fn event(
+        &mut self,
+        t: ThreadId,
+        base: Vec<u32>,
+        frame: Option<usize>,
+        woken: Option<Woken>,
+        uses: &[Use],
+        mut extra: Vec<(u32, u32)>,
+    ) -> u32 {
+        let k = self.trace.len() as u32;
+        let mut clock = base.clone();
+        let mut race = None;
+        for &(u, rank, obj, mode) in uses {
+            self.scan(u, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
+        }
+        if let Some(i) = race {
+            self.race(i, t, &base);
+        }
+        self.extra_races(extra);
+        *slot(&mut clock, t) = k + 1;
+        self.push_event(Some(t), frame, clock, woken, uses);
+        self.set_last(t, k);
+        k
     }
 
     /// Records an event: its transition and its uses.

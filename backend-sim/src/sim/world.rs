@@ -512,7 +512,7 @@ impl World {
                             d.ran(t);
                         }
                     }
-                    if matches!(self.ctl[i], Ctl::InCall) {
+                    if returns {
                         self.ctl[i] = Ctl::Returned(Ok(()));
                         if let Some((ops, covered)) = self.sync_covers.remove(&t) {
                             let rank = self.machine.setup().threads[i].rank;
@@ -943,13 +943,10 @@ impl World {
 
     /// The name of the next event thread `t` makes.
     pub(crate) fn next_event_name(&mut self, t: ThreadId) -> String {
-        let i = t.0 as usize;
-        if self.events_made.len() <= i {
-            self.events_made.resize(i + 1, 0);
-        }
-        let k = self.events_made[i];
-        self.events_made[i] += 1;
-        let thread = &self.machine.setup().threads[i].name;
+        let made = crate::dpor::slot(&mut self.events_made, t);
+        let k = *made;
+        *made += 1;
+        let thread = &self.machine.setup().threads[t.0 as usize].name;
         format!("{thread}.event{k}")
     }
 
