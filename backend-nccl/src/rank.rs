@@ -522,7 +522,7 @@ impl NcclRank {
                     format!(
                         "{}: {}",
                         m.text(),
-                        duplex::machine::self_unpaired_message(m.dir, ctx.rank, specs[i].bytes)
+                        duplex::machine::self_unpaired_message(ctx.rank, &specs, i)
                     ),
                 );
             }

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use duplex::compile::compile_under;
 use duplex::report::Stuck;
-use duplex::schedule::{CommDecl, Dir, Line, P2p, Program, Stmt, StmtKind};
+use duplex::schedule::{CommDecl, Dir, Line, MAX_WORD, P2p, Program, Stmt, StmtKind};
 use duplex::{Policy, Size};
 use serde::Serialize;
 
@@ -29,8 +29,15 @@ use crate::check::{self, Options, Verdict};
 use crate::report::VerdictKind;
 
 /// The most states one candidate's check may visit: repairs are advice, so
-/// a candidate that is slow to decide is dropped rather than waited for.
-const CANDIDATE_STATES: usize = 200_000;
+/// a candidate that is slow to decide is dropped rather than waited for
+/// ([`Budget::gave_up`] says so).
+pub const CANDIDATE_STATES: usize = 200_000;
+
+/// The seconds `duplex check` gives the advice when its `--time-limit`
+/// gives none: the verdict is known by then, and the advice must not keep
+/// its user waiting in silence (a review's program waited 77 s after its
+/// hang was found, for checks that gave up at their state bound).
+pub const DEFAULT_SECONDS: u64 = 30;
 
 /// A hang that a knob of the program's model hides.
 #[derive(Clone, Debug, Serialize)]
@@ -103,7 +110,7 @@ pub struct Repair {
 /// search's own bound: a repair is offered only once its whole program is
 /// checked). `duplex check` gives what is left of its `--time-limit`, so
 /// that the command as a whole keeps to it.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Budget {
     /// When the advice stops checking: candidates not checked by then are
     /// not offered, and latent hangs not found by then not reported
@@ -111,6 +118,9 @@ pub struct Budget {
     pub deadline: Option<Instant>,
     /// The snapshot memory of each check ([`Options::snapshot_memory`]).
     pub snapshot_memory: Option<usize>,
+    /// Set when a check reached its bound of branching states before it
+    /// decided ([`Budget::gave_up`]).
+    bounded: std::sync::atomic::AtomicBool,
 }
 
 impl Budget {
@@ -138,6 +148,23 @@ impl Budget {
     pub fn spent(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
     }
+
+    /// Whether some check gave up at its bound of branching states
+    /// ([`CANDIDATE_STATES`]): a repair or latent hang it would have shown
+    /// is not listed.
+    pub fn gave_up(&self) -> bool {
+        self.bounded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A budget that stops at `deadline`, each check keeping
+    /// `snapshot_memory`.
+    pub fn new(deadline: Option<Instant>, snapshot_memory: Option<usize>) -> Budget {
+        Budget {
+            deadline,
+            snapshot_memory,
+            bounded: Default::default(),
+        }
+    }
 }
 
 /// [`check_quick_under`] of `p` under its own model.
@@ -149,7 +176,13 @@ fn check_quick(p: &Program, budget: &Budget) -> Option<Verdict> {
 /// `None` once its deadline has passed (inconclusive past it otherwise).
 fn check_quick_under(p: &Program, model: duplex::Model, budget: &Budget) -> Option<Verdict> {
     let options = budget.options()?;
-    Some(check::check(&compile_under(p, model), &options).verdict)
+    let outcome = check::check(&compile_under(p, model), &options);
+    if outcome.stats.stopped == Some(check::Bound::States) {
+        budget
+            .bounded
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    Some(outcome.verdict)
 }
 
 /// Whether `lazy-connect=on` can change how `program` runs: some op is on
@@ -551,6 +584,16 @@ fn policy_edit(source: Option<&str>) -> Option<Edit> {
     })
 }
 
+/// The communicator of an explicitly placed op (`comm=`, or `world` for
+/// one that names only `stream=`); `None` for one the policy places.
+fn explicit_comm(op: &P2p) -> Option<&str> {
+    match (&op.comm, &op.stream) {
+        (Some(c), _) => Some(c),
+        (None, Some(_)) => Some("world"),
+        (None, None) => None,
+    }
+}
+
 /// For explicitly placed traffic between two ranks that shares one
 /// communicator in both directions: a communicator and a stream of their
 /// own for the direction from the higher rank to the lower.
@@ -560,7 +603,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
     for t in &program.threads {
         for s in &t.body {
             if let StmtKind::Op(op) = &s.kind
-                && let Some(c) = &op.comm
+                && let Some(c) = explicit_comm(op)
             {
                 let (src, dst) = match op.dir {
                     Dir::Send => (t.rank, op.peer),
@@ -576,7 +619,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
             .then(|| (c.clone(), (*s).min(*d), (*s).max(*d)))
     })?;
     let new_comm = format!("{comm}-{b}to{a}");
-    if program.comms.iter().any(|c| c.name == new_comm) {
+    if program.comms.iter().any(|c| c.name == new_comm) || new_comm.len() > MAX_WORD {
         return None;
     }
     let mut p = program.clone();
@@ -585,7 +628,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
         let rank = t.rank;
         for s in &mut t.body {
             let StmtKind::Op(op) = &s.kind else { continue };
-            if op.comm.as_deref() != Some(comm.as_str()) {
+            if explicit_comm(op) != Some(comm.as_str()) {
                 continue;
             }
             let (src, dst) = match op.dir {
@@ -595,11 +638,13 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
             if (src, dst) != (b, a) {
                 continue;
             }
+            let stream = format!("{}-{b}to{a}", op.stream.as_deref().unwrap_or("default"));
+            if stream.len() > MAX_WORD {
+                return None; // a name the edited file could not hold
+            }
             let moved = P2p {
                 comm: Some(new_comm.as_str().into()),
-                stream: Some(
-                    format!("{}-{b}to{a}", op.stream.as_deref().unwrap_or("default")).into(),
-                ),
+                stream: Some(stream.into()),
                 ..op.clone()
             };
             let old = written(source, s.line, &s.kind);
@@ -615,7 +660,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
     // more than a rename.
     let touches_group = p.threads.iter().any(|t| {
         t.body.iter().any(|s| {
-            matches!(&s.kind, StmtKind::Group(ops) if ops.iter().any(|o| o.comm.as_deref() == Some(comm.as_str())))
+            matches!(&s.kind, StmtKind::Group(ops) if ops.iter().any(|o| explicit_comm(o) == Some(comm.as_str())))
         })
     });
     if edits.is_empty() || touches_group {

@@ -97,7 +97,14 @@
 //! its code before the chosen thread's, and where they conflict the step
 //! that applied its call is asked for the chosen thread too (applied
 //! after this step, its code runs after the chosen thread's; found by
-//! review).
+//! review). A pruned state asks the same of its summarized woken uses
+//! whose thread is still blocked in the new prefix, where the call was
+//! applied elsewhere than in the state's first exploration, for the uses
+//! that raced as the earlier of two uses in some execution
+//! (`Dpor::raced`; found by a third review, which showed the gap the
+//! second suspected). A thread that woken code starts runs its code
+//! right after its spawner's (the simulator's order, `World::schedule`),
+//! as it does in a step of its spawner's own.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
@@ -130,6 +137,11 @@ type Use = (ThreadId, Rank, Obj, Mode);
 
 /// A summarized use: the chosen thread of its transition, and the use.
 type Item = (ThreadId, Use);
+
+/// A race found with woken code ([`Dpor::extra_races`]): the event that
+/// applied its call (`u32::MAX`: none), the waking step's event, and the
+/// woken use that raced as a summary keeps it.
+type Extra = (u32, u32, Option<Item>);
 
 /// A parked call: its thread, the thread's rank, what the call uses.
 pub(crate) type Pending = (ThreadId, Rank, SmallVec<[(Obj, Mode); 6]>);
@@ -342,6 +354,10 @@ pub struct Dpor {
     /// Interned summarized uses.
     items: Vec<Item>,
     item_ix: HashMap<Item, u32>,
+    /// The summarized uses of woken code that raced, in some execution,
+    /// with a later use of another thread (the earlier of the two): the
+    /// ones whose apply-site a pruned state asks again ([`Dpor::pruned`]).
+    raced: std::collections::HashSet<u32>,
     /// The first replayed decision that found another state than it had
     /// recorded ([`Dpor::diverged`]).
     diverged: Option<usize>,
@@ -644,8 +660,13 @@ impl Dpor {
     /// Adds a use made after the deepest decision so far to its summary.
     fn summarize(&mut self, chosen: ThreadId, u: Use) {
         let Some(f) = self.frame else { return };
-        let item = (chosen, u);
-        let ix = match self.item_ix.get(&item) {
+        let ix = self.intern((chosen, u));
+        self.stack[f].summary.insert(ix);
+    }
+
+    /// The index of a summarized use in [`Dpor::items`].
+    fn intern(&mut self, item: Item) -> u32 {
+        match self.item_ix.get(&item) {
             Some(ix) => *ix,
             None => {
                 let ix = self.items.len() as u32;
@@ -653,8 +674,7 @@ impl Dpor {
                 self.item_ix.insert(item, ix);
                 ix
             }
-        };
-        self.stack[f].summary.insert(ix);
+        }
     }
 
     /// The uses of `obj` that conflict with `mode` by another thread than
@@ -671,7 +691,7 @@ impl Dpor {
         base: &[u32],
         clock: &mut Vec<u32>,
         race: &mut Option<u32>,
-        extra: &mut Vec<(u32, u32)>,
+        extra: &mut Vec<Extra>,
     ) {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
@@ -690,10 +710,13 @@ impl Dpor {
                 // Woken code: the step that applied its call races too;
                 // and where the waking step happens before this use, the
                 // use cannot move before the code by moving before it.
-                if let Some(b) = w.applied {
-                    extra.push((b, w.waker));
-                }
                 let waker = &self.trace[w.waker as usize];
+                let item = waker.chosen.map(|k| (k, (e.thread, rank, obj, e.mode)));
+                if let Some(b) = w.applied {
+                    extra.push((b, w.waker, item));
+                } else if let Some(item) = item {
+                    extra.push((u32::MAX, w.waker, Some(item)));
+                }
                 if waker.chosen.is_some_and(|k| get(base, k) > w.waker) {
                     continue;
                 }
@@ -704,11 +727,19 @@ impl Dpor {
         }
     }
 
-    /// The races [`Dpor::scan`] found with woken code: each `(b, at)`
-    /// asks the decision before event `b` for the thread of `at` (the
-    /// waking step).
-    fn extra_races(&mut self, extra: Vec<(u32, u32)>) {
-        for (b, at) in extra {
+    /// The races [`Dpor::scan`] found with woken code: each asks the
+    /// decision before the event that applied its call (`u32::MAX`: none)
+    /// for the thread of the waking step, and marks the woken use that
+    /// raced ([`Dpor::raced`]).
+    fn extra_races(&mut self, extra: Vec<Extra>) {
+        for (b, at, item) in extra {
+            if let Some(item) = item {
+                let ix = self.intern(item);
+                self.raced.insert(ix);
+            }
+            if b == u32::MAX {
+                continue;
+            }
             let earlier = &self.trace[at as usize];
             if let Some(c) = earlier.chosen {
                 let clock = earlier.clock.clone();
@@ -830,7 +861,7 @@ impl Dpor {
                 && w.0 < c.0
                 && theirs.iter().any(|a| mine.iter().any(|b| conflict(a, b)))
             {
-                extra.push((b, j));
+                extra.push((b, j, None));
             }
             let woken = Woken { waker: j, applied };
             let k = self.event(w, base, open.frame, Some(woken), &theirs, extra);
@@ -871,7 +902,7 @@ impl Dpor {
         frame: Option<usize>,
         woken: Option<Woken>,
         uses: &[Use],
-        mut extra: Vec<(u32, u32)>,
+        mut extra: Vec<Extra>,
     ) -> u32 {
         let k = self.trace.len() as u32;
         let mut clock = base.clone();
@@ -1056,17 +1087,60 @@ impl Dpor {
                     asks.push((f, chosen));
                     // Woken code in the prefix: the step that applied its
                     // call is asked too, as in [`Dpor::scan`].
-                    if let Some(Woken {
-                        applied: Some(b),
-                        waker,
-                    }) = earlier.woken
-                    {
-                        extra.push((b, waker));
+                    if let Some(Woken { applied, waker }) = earlier.woken {
+                        let item = self.trace[waker as usize]
+                            .chosen
+                            .map(|k| (k, (e.thread, rank, obj, e.mode)));
+                        extra.push((applied.unwrap_or(u32::MAX), waker, item));
                     }
                 }
             }
         }
         self.extra_races(extra);
+        // Woken code in the explored future whose call was applied in this
+        // prefix (its thread is blocked here, where it applied the call):
+        // a race with that code asks the decision before the step that
+        // applied the call for the waking step's thread, as in
+        // [`Dpor::scan`], but here the step is in the prefix, where the
+        // state's first exploration had it elsewhere (found by review:
+        // `a_pruned_state_does_not_ask_where_its_woken_code_was_applied`).
+        // A summarized use by another thread than its transition's chosen
+        // one is such code (or code a thread it started ran); it is asked
+        // for where it conflicts with another thread's use, after the
+        // state or in the prefix.
+        let mut applied_asks: Vec<(u32, ThreadId)> = Vec::new();
+        for ix in summary.iter() {
+            let (chosen, u) = self.items[ix as usize];
+            let t = u.0;
+            if t == chosen {
+                continue;
+            }
+            if !self.raced.contains(&ix) {
+                continue; // never raced: no apply-site to ask
+            }
+            let Some(b) = self.applied.get(t.0 as usize).copied().flatten() else {
+                continue;
+            };
+            let in_prefix = self.objects.get(&(u.1, u.2)).is_some_and(|h| {
+                h.shared
+                    .iter()
+                    .chain(h.write.iter())
+                    .any(|e| e.thread != t && u.3.conflicts(e.mode))
+            });
+            let after = in_prefix
+                || summary.iter().any(|jx| {
+                    let v = self.items[jx as usize].1;
+                    v.0 != t && conflict(&u, &v)
+                });
+            if after {
+                applied_asks.push((b, chosen));
+            }
+        }
+        applied_asks.sort_unstable();
+        applied_asks.dedup();
+        for (b, c) in applied_asks {
+            self.race(b, c, &[]);
+        }
         asks.sort_unstable();
         asks.dedup();
         for (f, t) in asks {

@@ -66,6 +66,11 @@ pub struct Report {
     /// lists is then what it verified in time, not all there is.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub advice_cut: bool,
+    /// Whether some of the advice's checks gave up at their bound of
+    /// branching states ([`crate::advice::CANDIDATE_STATES`]): what they
+    /// would have shown is not listed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub advice_bounded: bool,
     /// Search statistics.
     pub stats: Stats,
 }
@@ -206,6 +211,7 @@ impl Report {
             latent: Vec::new(),
             repairs: Vec::new(),
             advice_cut: false,
+            advice_bounded: false,
             stats: outcome.stats,
         }
     }
@@ -227,10 +233,12 @@ impl Report {
             (VerdictKind::Deadlock, Some(stuck)) => {
                 self.repairs = advice::repairs(program, source, stuck, budget, flag);
                 self.advice_cut = budget.spent();
+                self.advice_bounded = budget.gave_up();
             }
             (VerdictKind::Ok, _) => {
                 self.latent = advice::latent(program, budget);
                 self.advice_cut = budget.spent();
+                self.advice_bounded = budget.gave_up();
             }
             _ => {}
         }
@@ -390,7 +398,16 @@ impl fmt::Display for Report {
             writeln!(f)?;
             writeln!(
                 f,
-                "the advice stopped at the time limit (--time-limit): repairs and latent hangs it had not checked by then are not listed"
+                "the advice stopped at its time limit (--time-limit, or {} s without one): repairs and latent hangs it had not checked by then are not listed",
+                advice::DEFAULT_SECONDS
+            )?;
+        }
+        if self.advice_bounded {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "the advice gave up on some checks at their bound of {} branching states: the repairs and latent hangs they would have shown are not listed",
+                advice::CANDIDATE_STATES
             )?;
         }
         if self.verdict == VerdictKind::Inconclusive {

@@ -72,3 +72,72 @@ fn the_seed_is_repaired_by_lanes_and_its_eager_form_has_a_latent_hang() {
     assert_eq!(settings, ["eager=0B", "lazy-connect=on"]);
     assert!(l.iter().all(|l| l.stuck.cycle.len() == 4));
 }
+
+/// The repairs of `text` (which hangs), each applied to it: the edited
+/// files, which must parse and check `ok`.
+fn repaired(text: &str) -> Vec<(String, String)> {
+    let p = duplex::schedule::parse(text).expect("valid");
+    let Verdict::Deadlock { stuck, .. } = verdict(text) else {
+        panic!("it hangs:\n{text}")
+    };
+    repairs(&p, Some(text), &stuck, &Budget::default(), None)
+        .into_iter()
+        .map(|r| {
+            let fixed = apply(text, &r.edits).expect("applies");
+            assert!(
+                matches!(verdict(&fixed), Verdict::Ok),
+                "`{}` does not make it ok:\n{fixed}",
+                r.title
+            );
+            (r.title, fixed)
+        })
+        .collect()
+}
+
+/// Traffic placed by `stream=` alone is explicitly placed, on `world`: it
+/// gets the repair that gives one direction a communicator of its own, as
+/// traffic with `comm=` does (found by review: the README promised it, and
+/// only `comm=` got it).
+#[test]
+fn traffic_placed_by_its_stream_alone_gets_a_communicator_per_direction() {
+    let text = "ranks 2\nrank 0:\n  send 1 4KiB stream=s\n  recv 1 4KiB stream=s\nrank 1:\n  send 0 4KiB stream=s\n  recv 0 4KiB stream=s\n";
+    let r = repaired(text);
+    assert!(
+        r.iter()
+            .any(|(t, f)| t.contains("its own communicator") && f.contains("comm=world-1to0")),
+        "{r:?}"
+    );
+}
+
+/// A repair whose new names would be longer than a name may be is not
+/// offered: every repair printed must give a file that parses (found by
+/// review: a 251-byte communicator name became `comm=` and 256 bytes, which
+/// the parser counted as a word of 261).
+#[test]
+fn a_repair_never_writes_a_name_the_parser_refuses() {
+    let text = |long: &str| {
+        format!(
+            "ranks 2\ncomm {long} 0 1\nrank 0:\n  send 1 4KiB comm={long}\n  recv 1 4KiB comm={long}\nrank 1:\n  send 0 4KiB comm={long}\n  recv 0 4KiB comm={long}\n"
+        )
+    };
+    // A name of the longest length, with `comm=` before it or `:` after
+    // it, is valid.
+    let max = "d".repeat(duplex::schedule::MAX_WORD);
+    let ok = format!(
+        "ranks 2\ncomm {max} 0 1\nrank 0 thread {max}:\n  send 1 4KiB comm={max}\nrank 1:\n  recv 0 4KiB comm={max}\n"
+    );
+    duplex::schedule::parse(&ok).unwrap_or_else(|e| panic!("{e}"));
+    // 251 bytes and `-1to0`: the longest name, offered (and parsed, by
+    // `repaired`); one byte more, not offered.
+    let fits = "c".repeat(251);
+    assert!(
+        repaired(&text(&fits))
+            .iter()
+            .any(|(_, f)| f.contains(&format!("{fits}-1to0"))),
+        "the repair with a name of 256 bytes"
+    );
+    let long = "c".repeat(252);
+    for (title, fixed) in repaired(&text(&long)) {
+        assert!(!fixed.contains(&format!("{long}-1to0")), "{title}");
+    }
+}

@@ -376,3 +376,124 @@ fn woken_code_of_a_lower_thread_can_run_after_the_chosen_threads_code() {
         },
     );
 }
+
+/// Review B: two threads woken in one step run their code in thread
+/// order, before a thread that the first one's code starts; in the
+/// search's executions the send comes first (rank 1's thread is lower
+/// numbered), both syncs return at once, each in its own step, and the
+/// helper's write is glued to A's step. Only with both syncs applied
+/// before the send does C's code run between A's write of H0 and the
+/// helper's write of H1. No execution of the search wakes them together,
+/// so `Dpor::unsure` never falls back.
+#[test]
+fn woken_together_only_where_the_search_never_applies_the_calls_first() {
+    for forced in [false, true] {
+        both(
+            &format!("glued_helper forced={forced}"),
+            || Sim::new(2),
+            move |t: &SimRank| {
+                if t.rank() == 1 {
+                    // D, blocked in an await, keeps rank 1 from being closed
+                    // (its send is a decision, not forced).
+                    let d = if forced {
+                        None
+                    } else {
+                        Some(t.spawn("D", |t: &SimRank| t.await_notify(0, "end"))?)
+                    };
+                    let b = t.alloc::<u32>(1)?;
+                    t.send(&b, 0)?;
+                    t.synchronize()?;
+                    return match d {
+                        Some(d) => t.join(d),
+                        None => Ok(()),
+                    };
+                }
+                let s = t.stream("s")?;
+                let h0 = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+                let h1 = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+                let mut r = t.alloc::<u32>(1)?;
+                t.recv_on(&mut r, 1, &Place::stream(&s))?;
+                let (a0, a1, sa) = (h0.clone(), h1.clone(), s.clone());
+                let a = t.spawn("A", move |t: &SimRank| {
+                    t.sync_stream(&sa)?;
+                    t.write(&mut *a0.lock().expect("no lock across a call"), &[1])?;
+                    let hp = t.spawn("helper", move |t: &SimRank| {
+                        t.write(&mut *a1.lock().expect("no lock across a call"), &[2])
+                    })?;
+                    t.join(hp)
+                })?;
+                let (c0, c1, sc) = (h0.clone(), h1.clone(), s.clone());
+                let c = t.spawn("C", move |t: &SimRank| {
+                    t.sync_stream(&sc)?;
+                    let x = t.read(&*c0.lock().expect("no lock across a call"))?[0];
+                    let y = t.read(&*c1.lock().expect("no lock across a call"))?[0];
+                    if x == 1 && y == 0 {
+                        panic!("C ran between A's code and its helper's");
+                    }
+                    Ok(())
+                })?;
+                drop((h0, h1));
+                t.join(a)?;
+                t.join(c)?;
+                if !forced {
+                    t.notify(1, "end")?;
+                }
+                t.synchronize()
+            },
+        );
+    }
+}
+
+/// Review B: the gap suspected in `dpor.rs` ("Woken code") and
+/// `docs/checker-stats.md`. Rank 1 sends 100, 101, 102 on one stream
+/// (E only keeps its rank from being closed). Rank 0's main receives
+/// (first on the lane), syncs S0 and writes H1; C receives on S0 and S1,
+/// syncs each, synchronizes, reads H1 and panics if it is 0 with its
+/// messages 101 and 102. State X (main's recv, C's first recv, the first
+/// send, main's sync applied and blocked on C's recv) is reached first
+/// with main's sync before the send, then, after the ask at that applied
+/// step, with it after the send: pruned, and the ask at the new applied
+/// step (for the second send, which wakes main's code that C's read races
+/// with) is not made.
+#[test]
+fn a_pruned_state_does_not_ask_where_its_woken_code_was_applied() {
+    both(
+        "pruned_woken_applied",
+        || Sim::new(2),
+        |t: &SimRank| {
+            let s0 = t.stream("s0")?;
+            let s1 = t.stream("s1")?;
+            if t.rank() == 1 {
+                let e = t.spawn("E", |_t: &SimRank| Ok(()))?;
+                for k in 0..3u32 {
+                    let mut b = t.alloc::<u32>(1)?;
+                    t.write(&mut b, &[100 + k])?;
+                    t.send_on(&b, 0, &Place::stream(&s0))?;
+                }
+                return t.join(e);
+            }
+            let h1 = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let (c1, cs0, cs1) = (h1.clone(), s0.clone(), s1.clone());
+            let c = t.spawn("C", move |t: &SimRank| {
+                let mut ra = t.alloc::<u32>(1)?;
+                t.recv_on(&mut ra, 1, &Place::stream(&cs0))?;
+                t.sync_stream(&cs0)?;
+                let mut rb = t.alloc::<u32>(1)?;
+                t.recv_on(&mut rb, 1, &Place::stream(&cs1))?;
+                t.sync_stream(&cs1)?;
+                t.synchronize()?;
+                let x = (t.read(&ra)?[0], t.read(&rb)?[0]);
+                let b = t.read(&*c1.lock().expect("no lock across a call"))?[0];
+                if b == 0 && x == (101, 102) {
+                    panic!("C read H1 before main wrote it, with {x:?}");
+                }
+                Ok(())
+            })?;
+            let mut rm = t.alloc::<u32>(1)?;
+            t.recv_on(&mut rm, 1, &Place::stream(&s0))?;
+            t.sync_stream(&s0)?;
+            t.write(&mut *h1.lock().expect("no lock across a call"), &[2])?;
+            t.join(c)
+        },
+    );
+}

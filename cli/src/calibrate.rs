@@ -351,7 +351,7 @@ pub(crate) fn calibrate(
         }
         Launch::Processes { one_gpu } => capacity_of_processes(dir, timeout, one_gpu)?,
     };
-    eprintln!(
+    say!(
         "eager capacity: {} completes alone, {} waits",
         Size(cap.fits),
         cap.waits
@@ -369,11 +369,11 @@ pub(crate) fn calibrate(
             p.model.cold_mismatched_only = true;
             Some(verdict(&p).0).filter(|v| *v != predicted)
         };
-        eprintln!("running {name} (predicted {predicted})");
+        say!("running {name} (predicted {predicted})");
         let real = on_nccl_isolated(&f, timeout, &fitted_settings(&cap), launch);
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
         let agrees = agreement(predicted, mismatched, &real, many_threads);
-        eprintln!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
+        say!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
         rows.push(Row {
             file: name,
             real,

@@ -11,6 +11,16 @@
 //! This crate only parses arguments and prints; the work is in `duplex` (the
 //! format), `duplex-sim` (the rules) and `duplex-nccl` (the GPUs).
 
+/// `eprintln!` that never panics: where standard error is closed or full,
+/// the line is lost and the exit status still says what happened (found
+/// by review: `duplex check bad.sched 2>/dev/full` panicked).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod calibrate;
 mod failure;
 mod run;
@@ -94,7 +104,12 @@ struct RunArgs {
     #[arg(long, value_name = "SIZE|auto", value_parser = CopyFrom::parse)]
     copy_from: Option<CopyFrom>,
     /// Deadline of every wait on GPUs, in milliseconds (at least 1).
-    #[arg(long, default_value_t = 5000, value_parser = milliseconds)]
+    /// Default: `DUPLEX_TIMEOUT_MS`, else 5000.
+    #[arg(long = "timeout-ms", value_name = "TIMEOUT_MS", value_parser = milliseconds)]
+    timeout_flag: Option<u64>,
+    /// The deadline in force: `--timeout-ms`, `DUPLEX_TIMEOUT_MS` or 5000
+    /// ([`deadline_ms`]).
+    #[arg(skip)]
     timeout_ms: u64,
     /// With `--backend nccl`: make every lane at start (`eager`), or each
     /// lane when its pair first talks (`lazy`, by the two ranks' lane
@@ -156,8 +171,12 @@ impl CopyFrom {
 struct CalibrateArgs {
     /// The folder of schedule files.
     dir: String,
-    /// Deadline of every wait, in milliseconds (at least 1).
-    #[arg(long, default_value_t = 3000, value_parser = milliseconds)]
+    /// Deadline of every wait, in milliseconds (at least 1). Default:
+    /// `DUPLEX_TIMEOUT_MS`, else 3000.
+    #[arg(long = "timeout-ms", value_name = "TIMEOUT_MS", value_parser = milliseconds)]
+    timeout_flag: Option<u64>,
+    /// The deadline in force ([`deadline_ms`]).
+    #[arg(skip)]
     timeout_ms: u64,
     /// Output format: markdown or json.
     #[arg(long, value_enum, default_value_t = TableFormat::Markdown)]
@@ -279,8 +298,23 @@ fn main() -> ExitCode {
     };
     let status = match cli.command {
         Command::Check(args) => run_check(&args),
-        Command::Run(args) => run_run(&args),
-        Command::Calibrate(args) => run_calibrate(&args),
+        Command::Run(mut args) => match deadline_ms(args.timeout_flag, 5000) {
+            Ok(ms) => {
+                args.timeout_ms = ms;
+                run_run(&args)
+            }
+            Err(f) => fail(&f, matches!(args.format, Format::Json), "outcome"),
+        },
+        Command::Calibrate(mut args) => match deadline_ms(args.timeout_flag, 3000) {
+            Ok(ms) => {
+                args.timeout_ms = ms;
+                run_calibrate(&args)
+            }
+            Err(f) => {
+                say!("duplex: {}", f.text());
+                ExitCode::from(2)
+            }
+        },
     };
     if OUTPUT_LOST.load(std::sync::atomic::Ordering::Relaxed) {
         return ExitCode::from(2);
@@ -344,7 +378,7 @@ fn report_failure(failure: &Failure, json: bool, key: &str) {
     if json {
         print(&format!("{}\n", failure.json(key)));
     } else {
-        eprintln!("duplex: {}", failure.text());
+        say!("duplex: {}", failure.text());
     }
 }
 
@@ -443,7 +477,7 @@ fn print(text: &str) {
         && e.kind() != std::io::ErrorKind::BrokenPipe
         && !OUTPUT_LOST.swap(true, std::sync::atomic::Ordering::Relaxed)
     {
-        eprintln!("duplex: cannot write the report to standard output: {e}");
+        say!("duplex: cannot write the report to standard output: {e}");
     }
 }
 
@@ -656,7 +690,7 @@ fn measured_copy_from(
             e => Failure::failed(format!("--copy-from auto: the measurement failed: {e}"))
                 .at(&args.file, None),
         })?;
-    eprintln!("{m}");
+    say!("{m}");
     Ok(m)
 }
 
@@ -830,7 +864,7 @@ fn check_with_bar(
         if !terminal {
             if s.elapsed >= said + std::time::Duration::from_secs(30) {
                 said = s.elapsed;
-                eprintln!(
+                say!(
                     "duplex: {file}: still checking after {:.0} s: {}, {}, {} (bounds: --max-states, --time-limit)",
                     s.elapsed.as_secs_f64(),
                     duplex::report::counted(s.executions as u64, "execution"),
@@ -877,6 +911,25 @@ fn about(file: &str, f: Failure) -> Failure {
     .at(file, None)
 }
 
+/// The deadline of a command's waits on GPUs: `--timeout-ms` (`flag`),
+/// else `DUPLEX_TIMEOUT_MS`, else `default`. A variable that is set must
+/// hold a deadline, and is then used (it was checked and ignored: found by
+/// review).
+fn deadline_ms(flag: Option<u64>, default: u64) -> Result<u64, Failure> {
+    if let Some(ms) = flag {
+        return Ok(ms);
+    }
+    match std::env::var("DUPLEX_TIMEOUT_MS") {
+        Ok(v) if !v.is_empty() => milliseconds(&v).map_err(|e| {
+            Failure::invalid(
+                "environment",
+                format!("DUPLEX_TIMEOUT_MS: {e} (unset, this command's default is {default}; --timeout-ms overrides it)"),
+            )
+        }),
+        _ => Ok(default),
+    }
+}
+
 /// `--timeout-ms`: a whole number of milliseconds, at least 1, as
 /// `DUPLEX_TIMEOUT_MS` takes it ([`duplex::positive_count`]).
 fn milliseconds(v: &str) -> Result<u64, String> {
@@ -890,6 +943,15 @@ fn milliseconds(v: &str) -> Result<u64, String> {
 fn at_least_one(v: &str) -> Result<usize, String> {
     match duplex::positive_count(v).and_then(|n| usize::try_from(n).ok()) {
         Some(n) => Ok(n),
+        None if !v.is_empty()
+            && v.bytes().all(|b| b.is_ascii_digit())
+            && v.bytes().any(|b| b != b'0') =>
+        {
+            Err(format!(
+                "`{v}` is more states than this machine can count (at most {})",
+                usize::MAX
+            ))
+        }
         None => Err(format!("`{v}` is not a number of states: give 1 or more")),
     }
 }
@@ -975,13 +1037,11 @@ fn check_file(
             .map(|s| usize::try_from(s.0).unwrap_or(usize::MAX)),
     };
     // The advice after the search (repairs, latent hangs) keeps to the
-    // same time limit, counted from here, and the same snapshot memory.
-    let budget = duplex_sim::advice::Budget {
-        deadline: options
-            .time_limit
-            .and_then(|t| std::time::Instant::now().checked_add(t)),
-        snapshot_memory: options.snapshot_memory,
-    };
+    // same time limit, counted from here, and the same snapshot memory;
+    // without one, to `advice::DEFAULT_SECONDS` once the search is done.
+    let deadline = options
+        .time_limit
+        .and_then(|t| std::time::Instant::now().checked_add(t));
     let outcome = match schedule {
         None => check_with_bar(file, &compiled, &options),
         Some(s) => {
@@ -1024,10 +1084,10 @@ fn check_file(
                     std::path::Path::new(&path),
                 );
                 if let Err(e) = written {
-                    eprintln!("duplex: {file}: cannot write the trace to {path}: {e}");
+                    say!("duplex: {file}: cannot write the trace to {path}: {e}");
                 }
             }
-            None => eprintln!(
+            None => say!(
                 "duplex: {file}: no trace written to {path}: {}",
                 if matches!(outcome.verdict, check::Verdict::Inconclusive) {
                     "no interleaving that hangs or errs was found within the search's bounds"
@@ -1047,6 +1107,12 @@ fn check_file(
     Ok(if schedule.is_some() {
         report.replayed()
     } else {
+        let deadline = deadline.or_else(|| {
+            std::time::Instant::now().checked_add(std::time::Duration::from_secs(
+                duplex_sim::advice::DEFAULT_SECONDS,
+            ))
+        });
+        let budget = duplex_sim::advice::Budget::new(deadline, options.snapshot_memory);
         report.advise(&program, Some(&source), &budget, flag.as_ref())
     })
 }

@@ -1622,3 +1622,24 @@ fn a_report_that_cannot_be_written_is_an_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot write the report"), "{err}");
 }
+
+/// A standard error that cannot be written loses its lines, never the
+/// exit status: a malformed file is still status 2, not a panic's 101
+/// (found by review: `duplex check bad.sched 2>/dev/full` panicked).
+#[test]
+fn a_standard_error_that_cannot_be_written_is_not_a_panic() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return; // no /dev/full here: nothing to show
+    };
+    let dir = std::env::temp_dir().join(format!("duplex-cli-stderr-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let bad = dir.join("bad.sched");
+    std::fs::write(&bad, "ranks 2\nrank 0:\n  send 1 lots\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["check", bad.to_str().expect("utf-8 path")])
+        .stderr(full)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

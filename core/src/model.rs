@@ -101,6 +101,11 @@ impl Model {
                 "`{setting}` is not a model setting: expected KEY=VALUE with KEY one of eager, lazy-connect, comm-order, kernels, one-sided-groups, cold-channels"
             ));
         };
+        if setting.split_whitespace().count() > 1 {
+            return Err(format!(
+                "`{setting}` is several words: give one KEY=VALUE per setting (`--model eager=4KiB --model lazy-connect=on`)"
+            ));
+        }
         // A knob of two words, each with its value, in the order the error
         // message names them.
         let either = |words: [(&str, bool); 2]| {

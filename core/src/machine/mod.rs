@@ -1418,7 +1418,7 @@ impl Machine {
             let op = &spec.ops[i];
             return Err(self.invalid(
                 op.origin.unwrap_or(spec.origin),
-                self_unpaired_message(op.dir, rank, op.bytes),
+                self_unpaired_message(rank, &spec.ops, i),
             ));
         }
         Ok(())
@@ -2050,15 +2050,30 @@ pub fn unpaired_self_op(rank: Rank, ops: &[OpSpec]) -> Option<usize> {
     (0..ops.len()).find(|&i| ops[i].peer == rank && l.earlier(i) >= l.other_len(i))
 }
 
-/// What a refusal of R12 says.
-pub fn self_unpaired_message(dir: Dir, rank: Rank, bytes: u64) -> String {
-    let (op, partner) = match dir {
+/// What a refusal of R12 says of op `i` of a launch of `ops` by `rank`
+/// ([`unpaired_self_op`]). Where the launch has a partner for it on
+/// another communicator, it says that the two must share one (found by
+/// review: `group { send 0 4KiB comm=world; recv 0 4KiB }` was told to
+/// put both in one group, which they were).
+pub fn self_unpaired_message(rank: Rank, ops: &[OpSpec], i: usize) -> String {
+    let o = &ops[i];
+    let (op, partner) = match o.dir {
         Dir::Send => ("send", "recv"),
         Dir::Recv => ("recv", "send"),
     };
+    let elsewhere = ops
+        .iter()
+        .any(|p| p.peer == rank && p.dir != o.dir && p.comm != o.comm);
+    let fix = if elsewhere {
+        format!(
+            "the launch's {partner} from itself is on another communicator: put both on one communicator"
+        )
+    } else {
+        "put both in one group, on one communicator".to_string()
+    };
     format!(
-        "{op} {rank} {} is a message of rank {rank} to itself with no {partner} from itself in the same launch: NCCL pairs a rank's messages to itself within one group and refuses one left over (R12); put both in one group",
-        crate::Size(bytes)
+        "{op} {rank} {} is a message of rank {rank} to itself with no {partner} from itself on its communicator in the same launch: NCCL pairs a rank's messages to itself within one group, per communicator, and refuses one left over (R12); {fix}",
+        crate::Size(o.bytes)
     )
 }
 

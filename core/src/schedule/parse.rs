@@ -56,6 +56,17 @@ const MAX_WORKERS: usize = 8;
 /// echoes it (a megabyte-long name would make a megabyte-long error).
 pub const MAX_WORD: usize = 256;
 
+/// The length [`MAX_WORD`] bounds of a token: a name's, without the
+/// `comm=` or `stream=` before it or the `:` that may touch it (a name of
+/// 256 bytes is valid there too; found by review).
+fn word_len(token: &str) -> usize {
+    let t = token
+        .strip_prefix("comm=")
+        .or_else(|| token.strip_prefix("stream="))
+        .unwrap_or(token);
+    t.strip_suffix(':').unwrap_or(t).len()
+}
+
 /// [`parse`] with at most `workers` threads (and at most 8).
 ///
 /// The rank blocks of a file are independent once its head (`ranks`,
@@ -395,13 +406,13 @@ impl Parser {
             if tokens.is_empty() {
                 continue;
             }
-            if let Some(long) = tokens.iter().find(|t| t.len() > MAX_WORD) {
+            if let Some(long) = tokens.iter().find(|t| word_len(t) > MAX_WORD) {
                 let start: String = long.chars().take(24).collect();
                 return err(
                     line,
                     format!(
                         "a word of {} bytes (`{start}…`): no keyword, number, size or name is longer than {MAX_WORD}",
-                        long.len()
+                        word_len(long)
                     ),
                 );
             }
