@@ -104,7 +104,8 @@
 //! (`Dpor::raced`; found by a third review, which showed the gap the
 //! second suspected). A thread that woken code starts runs its code
 //! right after its spawner's (the simulator's order, `World::schedule`),
-//! as it does in a step of its spawner's own.
+//! as it does in a step of its spawner's own; so the rule for a woken
+//! thread numbered before the chosen one covers the threads it starts.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
@@ -851,14 +852,21 @@ impl Dpor {
             let mut extra = Vec::new();
             let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
             // The simulator runs the code of threads whose calls return in
-            // one step in thread order: a woken thread numbered before the
-            // chosen one ran its code before the chosen thread's code;
-            // applied after this step, its call returns at once and its
-            // code runs after. Where the two conflict, the decision before
-            // the step that applied its call is asked for the chosen
-            // thread (found by review).
+            // one step in thread order, each followed by the threads its
+            // code starts: a woken thread numbered before the chosen one,
+            // and the threads it started here, ran their code before the
+            // chosen thread's code; applied after this step, its call
+            // returns at once and that code runs after. Where the two
+            // conflict, the decision before the step that applied its
+            // call is asked for the chosen thread (found by review; and
+            // for a started thread by the review of that change).
+            let mut root = w;
+            while let Some(p) = parent_of(root).filter(|p| open.threads.contains(p)) {
+                root = p;
+            }
             if let Some(b) = applied
-                && w.0 < c.0
+                && root != c
+                && root.0 < c.0
                 && theirs.iter().any(|a| mine.iter().any(|b| conflict(a, b)))
             {
                 extra.push((b, j, None));

@@ -71,6 +71,11 @@ pub struct Report {
     /// would have shown is not listed.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub advice_bounded: bool,
+    /// Whether the command fails this `ok` program for its latent hangs
+    /// (`duplex check --deny-latent`): the verdict stays `ok`, the exit
+    /// status is 1.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub latent_denied: bool,
     /// Search statistics.
     pub stats: Stats,
 }
@@ -212,6 +217,7 @@ impl Report {
             repairs: Vec::new(),
             advice_cut: false,
             advice_bounded: false,
+            latent_denied: false,
             stats: outcome.stats,
         }
     }
@@ -400,6 +406,13 @@ impl fmt::Display for Report {
                 f,
                 "the advice stopped at its time limit (--time-limit, or {} s without one): repairs and latent hangs it had not checked by then are not listed",
                 advice::DEFAULT_SECONDS
+            )?;
+        }
+        if self.latent_denied {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "--deny-latent: the latent hangs above fail this check (exit status 1)"
             )?;
         }
         if self.advice_bounded {

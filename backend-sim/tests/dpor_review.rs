@@ -497,3 +497,51 @@ fn a_pruned_state_does_not_ask_where_its_woken_code_was_applied() {
         },
     );
 }
+
+/// Review C (of the change that runs a started thread right after the
+/// code that started it): W, numbered below C, is woken by C's send; W's
+/// code spawns H, which reads X; C's code writes X after its send. The
+/// simulator runs H right after W's code, before C's code; with W's sync
+/// applied after C's send, H reads C's write. The search asked the step
+/// that applied W's call only for W's own uses (Ok in 1 execution where
+/// the full search panics).
+#[test]
+fn a_helper_of_a_lower_woken_thread_can_run_after_the_chosen_threads_code() {
+    both(
+        "helper_lower_vs_chosen",
+        || Sim::new(2).policy(duplex::Policy::PerDirection),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let s = t.stream("s1")?;
+                let (mut a, b) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+                t.recv_on(&mut a, 0, &Place::stream(&s))?;
+                t.send_on(&b, 0, &Place::stream(&s))?;
+                return t.synchronize();
+            }
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let (xw, xc) = (x.clone(), x.clone());
+            let w = t.spawn("W", move |t: &SimRank| {
+                let sa = t.stream("sA")?;
+                let mut r = t.alloc::<u32>(1)?;
+                t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+                t.sync_stream(&sa)?;
+                let h = t.spawn("H", move |t: &SimRank| {
+                    if t.read(&*xw.lock().expect("no lock across a call"))?[0] == 1 {
+                        panic!("H's code ran after C's");
+                    }
+                    Ok(())
+                })?;
+                t.join(h)
+            })?;
+            let c = t.spawn("C", move |t: &SimRank| {
+                let sc = t.stream("sC")?;
+                let b = t.alloc::<u32>(1)?;
+                t.send_on(&b, 1, &Place::stream(&sc))?;
+                t.write(&mut *xc.lock().expect("no lock across a call"), &[1])
+            })?;
+            drop(x);
+            t.join(c)?;
+            t.join(w)
+        },
+    );
+}

@@ -121,7 +121,7 @@ struct RunArgs {
     /// (rank r on GPU r; duplex's store on 127.0.0.1 with a fresh secret),
     /// instead of a thread per rank. The report is the job's, with each
     /// rank's own under `ranks` (JSON).
-    #[arg(long, requires = "backend", conflicts_with = "from_env")]
+    #[arg(long, conflicts_with = "from_env")]
     processes: bool,
     /// With `--processes`: every rank on GPU 0, talking over loopback
     /// sockets instead of NVLink, for a machine with one GPU. It checks a
@@ -134,7 +134,7 @@ struct RunArgs {
     /// run FILE --backend nccl --from-env`; the store's secret in
     /// `DUPLEX_STORE_TOKEN`, else derived from torchrun's run id). Reports
     /// this rank's outcome.
-    #[arg(long, requires = "backend")]
+    #[arg(long)]
     from_env: bool,
     /// The simulator's random schedule.
     #[arg(long, default_value_t = 0)]
@@ -811,7 +811,8 @@ fn run_check(args: &CheckArgs) -> ExitCode {
     let mut status = OK;
     for (i, file) in args.files.iter().enumerate() {
         let code = match check_file(args, file, schedule.as_ref()) {
-            Ok(report) => {
+            Ok(mut report) => {
+                report.latent_denied = args.deny_latent && !report.latent.is_empty();
                 let out = match args.format {
                     CheckFormat::Text if i > 0 => Ok(format!("\n{report}")),
                     CheckFormat::Text => Ok(report.to_string()),
@@ -821,7 +822,7 @@ fn run_check(args: &CheckArgs) -> ExitCode {
                 match out {
                     Ok(out) => {
                         print(&out);
-                        if args.deny_latent && !report.latent.is_empty() {
+                        if report.latent_denied {
                             1
                         } else {
                             report.exit_code() as u8

@@ -214,10 +214,10 @@ fn run_thread<T: Transport>(
             Ok(())
         })?;
     }
-    // The thread's end (its implicit synchronize) is reported at its
-    // header, saying so: no `synchronize` is written there.
+    // The thread's end (its implicit synchronize) is reported by its
+    // header's line, saying so: no `synchronize` is written there.
     at_site(
-        &format!("{}, the end of the thread", at(thread.line.0)),
+        &format!("the end of the thread that {} begins", at(thread.line.0)),
         || t.synchronize(),
     )?;
     for p in &received {
