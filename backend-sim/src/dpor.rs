@@ -136,8 +136,11 @@ pub(crate) enum Obj {
 /// One use: the thread, its rank, the object, the mode.
 type Use = (ThreadId, Rank, Obj, Mode);
 
-/// A summarized use: the chosen thread of its transition, and the use.
-type Item = (ThreadId, Use);
+/// A summarized use: the chosen thread of its transition, the thread whose
+/// code made it or started the thread that made it in that transition (its
+/// root: the chosen thread, or a woken one, whose blocked call was applied
+/// earlier), and the use.
+type Item = (ThreadId, ThreadId, Use);
 
 /// A race found with woken code ([`Dpor::extra_races`]): the event that
 /// applied its call (`u32::MAX`: none), the waking step's event, and the
@@ -195,6 +198,9 @@ struct Woken {
     /// code always ran inside the first of two sends of another rank,
     /// never after the second).
     applied: Option<u32>,
+    /// The woken thread whose code this is, or whose code started the
+    /// thread whose code this is (the thread whose call `applied` applied).
+    root: ThreadId,
 }
 
 /// The transition under way.
@@ -627,7 +633,7 @@ impl Dpor {
                 .unwrap_or_default();
             self.pending_race(*t, *rank, uses, clock);
             for (obj, mode) in uses {
-                self.summarize(*t, (*t, *rank, *obj, *mode));
+                self.summarize(*t, *t, (*t, *rank, *obj, *mode));
             }
         }
     }
@@ -659,9 +665,9 @@ impl Dpor {
     }
 
     /// Adds a use made after the deepest decision so far to its summary.
-    fn summarize(&mut self, chosen: ThreadId, u: Use) {
+    fn summarize(&mut self, chosen: ThreadId, root: ThreadId, u: Use) {
         let Some(f) = self.frame else { return };
-        let ix = self.intern((chosen, u));
+        let ix = self.intern((chosen, root, u));
         self.stack[f].summary.insert(ix);
     }
 
@@ -712,7 +718,9 @@ impl Dpor {
                 // and where the waking step happens before this use, the
                 // use cannot move before the code by moving before it.
                 let waker = &self.trace[w.waker as usize];
-                let item = waker.chosen.map(|k| (k, (e.thread, rank, obj, e.mode)));
+                let item = waker
+                    .chosen
+                    .map(|k| (k, w.root, (e.thread, rank, obj, e.mode)));
                 if let Some(b) = w.applied {
                     extra.push((b, w.waker, item));
                 } else if let Some(item) = item {
@@ -807,6 +815,8 @@ impl Dpor {
         // thread started by their code inherits.
         let mut done: SmallVec<[(ThreadId, u32, Option<u32>); 4]> = SmallVec::new();
         done.push((c, j, None));
+        // Each thread's root in this transition ([`Woken::root`]).
+        let mut roots: SmallVec<[(ThreadId, ThreadId); 4]> = SmallVec::new();
         // Woken and started threads, a spawner's event before its child's.
         let mut left: SmallVec<[ThreadId; 4]> =
             open.threads.iter().copied().filter(|t| *t != c).collect();
@@ -864,20 +874,29 @@ impl Dpor {
             while let Some(p) = parent_of(root).filter(|p| open.threads.contains(p)) {
                 root = p;
             }
-            if let Some(b) = applied
-                && root != c
-                && root.0 < c.0
-                && theirs.iter().any(|a| mine.iter().any(|b| conflict(a, b)))
-            {
-                extra.push((b, j, None));
+            // Each such use is marked as raced ([`Dpor::raced`]) whether
+            // or not the call's applied step is known here: a pruned state
+            // may find it in its prefix (found by review).
+            if root != c && root.0 < c.0 {
+                for a in &theirs {
+                    if mine.iter().any(|b| conflict(a, b)) {
+                        extra.push((applied.unwrap_or(u32::MAX), j, Some((c, root, *a))));
+                    }
+                }
             }
-            let woken = Woken { waker: j, applied };
+            roots.push((w, root));
+            let woken = Woken {
+                waker: j,
+                applied,
+                root,
+            };
             let k = self.event(w, base, open.frame, Some(woken), &theirs, extra);
             done.push((w, k, applied));
         }
         *slot(&mut self.applied, c) = (!open.returned.contains(&c)).then_some(j);
         for &(t, rank, obj, mode) in &open.uses {
-            self.summarize(c, (t, rank, obj, mode));
+            let root = roots.iter().find(|(w, _)| *w == t).map_or(t, |(_, r)| *r);
+            self.summarize(c, root, (t, rank, obj, mode));
         }
         self.after(j, &open, enabled, pending);
         // Sleep sets: a thread stays asleep while the steps taken commute
@@ -980,7 +999,7 @@ impl Dpor {
                 // later must pass it on (its next step's races with the
                 // prefix).
                 for (obj, mode) in uses {
-                    self.summarize(*t, (*t, *rank, *obj, *mode));
+                    self.summarize(*t, *t, (*t, *rank, *obj, *mode));
                 }
             } else if self.enabled.get(t.0 as usize).copied().unwrap_or(false) {
                 // The latest event of the transition that used what the
@@ -1058,7 +1077,7 @@ impl Dpor {
         let mut asks: Vec<(usize, ThreadId)> = Vec::new();
         let mut extra = Vec::new();
         for ix in summary.iter() {
-            let (chosen, (t, rank, obj, mode)) = self.items[ix as usize];
+            let (chosen, _, (t, rank, obj, mode)) = self.items[ix as usize];
             let Some(h) = self.objects.get(&(rank, obj)) else {
                 continue;
             };
@@ -1095,10 +1114,15 @@ impl Dpor {
                     asks.push((f, chosen));
                     // Woken code in the prefix: the step that applied its
                     // call is asked too, as in [`Dpor::scan`].
-                    if let Some(Woken { applied, waker }) = earlier.woken {
+                    if let Some(Woken {
+                        applied,
+                        waker,
+                        root,
+                    }) = earlier.woken
+                    {
                         let item = self.trace[waker as usize]
                             .chosen
-                            .map(|k| (k, (e.thread, rank, obj, e.mode)));
+                            .map(|k| (k, root, (e.thread, rank, obj, e.mode)));
                         extra.push((applied.unwrap_or(u32::MAX), waker, item));
                     }
                 }
@@ -1112,21 +1136,22 @@ impl Dpor {
         // [`Dpor::scan`], but here the step is in the prefix, where the
         // state's first exploration had it elsewhere (found by review:
         // `a_pruned_state_does_not_ask_where_its_woken_code_was_applied`).
-        // A summarized use by another thread than its transition's chosen
-        // one is such code (or code a thread it started ran); it is asked
-        // for where it conflicts with another thread's use, after the
-        // state or in the prefix.
+        // A summarized use whose root is not its transition's chosen
+        // thread is such code (or code of a thread it started: the root's
+        // call is the one applied; found by review); it is asked for where
+        // it conflicts with another thread's use, after the state or in
+        // the prefix.
         let mut applied_asks: Vec<(u32, ThreadId)> = Vec::new();
         for ix in summary.iter() {
-            let (chosen, u) = self.items[ix as usize];
+            let (chosen, root, u) = self.items[ix as usize];
             let t = u.0;
-            if t == chosen {
+            if root == chosen {
                 continue;
             }
             if !self.raced.contains(&ix) {
                 continue; // never raced: no apply-site to ask
             }
-            let Some(b) = self.applied.get(t.0 as usize).copied().flatten() else {
+            let Some(b) = self.applied.get(root.0 as usize).copied().flatten() else {
                 continue;
             };
             let in_prefix = self.objects.get(&(u.1, u.2)).is_some_and(|h| {
@@ -1137,7 +1162,7 @@ impl Dpor {
             });
             let after = in_prefix
                 || summary.iter().any(|jx| {
-                    let v = self.items[jx as usize].1;
+                    let v = self.items[jx as usize].2;
                     v.0 != t && conflict(&u, &v)
                 });
             if after {

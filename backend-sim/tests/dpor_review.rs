@@ -545,3 +545,82 @@ fn a_helper_of_a_lower_woken_thread_can_run_after_the_chosen_threads_code() {
         },
     );
 }
+
+/// Review D (of the pruned state's ask where woken code's call was
+/// applied): the rule for a woken thread numbered before the chosen one
+/// asked the applied step without marking the woken use as raced, so W's
+/// read, which races only with C's write in the same step, was skipped
+/// by a pruned state. C's record commutes with W's sync; the ask at W's
+/// sync for C reaches the state after both (W blocked, C about to send;
+/// D keeps it a decision) again with W's sync applied after the record:
+/// pruned, and C's send never tried before W's sync (Ok in 2 executions
+/// where the full search panics). With `helper`, W's read is in a thread
+/// W's woken code starts, whose apply site is W's: the summary did not
+/// say so.
+fn pruned_chosen_vs_woken(helper: bool) -> impl Fn(&SimRank) -> duplex::Result<()> + Sync + Clone {
+    move |t: &SimRank| {
+        if t.rank() == 1 {
+            let s = t.stream("s1")?;
+            let (mut a, b) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+            t.recv_on(&mut a, 0, &Place::stream(&s))?;
+            t.send_on(&b, 0, &Place::stream(&s))?;
+            return t.synchronize();
+        }
+        let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+        let (xw, xc) = (x.clone(), x.clone());
+        let (ev, ed) = (t.event()?, t.event()?);
+        let w = t.spawn("W", move |t: &SimRank| {
+            let sa = t.stream("sA")?;
+            let mut r = t.alloc::<u32>(1)?;
+            t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+            t.sync_stream(&sa)?;
+            let read = move |t: &SimRank| {
+                if t.read(&*xw.lock().expect("no lock across a call"))?[0] == 1 {
+                    panic!("W's read ran after C's write");
+                }
+                Ok(())
+            };
+            if helper {
+                let h = t.spawn("H", read)?;
+                t.join(h)
+            } else {
+                read(t)
+            }
+        })?;
+        let c = t.spawn("C", move |t: &SimRank| {
+            let sc = t.stream("sC")?;
+            t.record(&ev, &sc)?;
+            let b = t.alloc::<u32>(1)?;
+            t.send_on(&b, 1, &Place::stream(&sc))?;
+            t.write(&mut *xc.lock().expect("no lock across a call"), &[1])
+        })?;
+        // D keeps rank 0 from being closed once W is blocked.
+        let d = t.spawn("D", move |t: &SimRank| {
+            let sd = t.stream("sD")?;
+            t.record(&ed, &sd)?;
+            t.record(&ed, &sd)
+        })?;
+        drop(x);
+        t.join(c)?;
+        t.join(d)?;
+        t.join(w)
+    }
+}
+
+#[test]
+fn a_pruned_state_asks_for_woken_code_that_raced_only_with_the_chosen_threads_code() {
+    both(
+        "pruned_chosen_vs_woken",
+        || Sim::new(2).policy(duplex::Policy::PerDirection),
+        pruned_chosen_vs_woken(false),
+    );
+}
+
+#[test]
+fn a_pruned_state_asks_where_the_spawner_of_a_helper_was_applied() {
+    both(
+        "pruned_helper_vs_chosen",
+        || Sim::new(2).policy(duplex::Policy::PerDirection),
+        pruned_chosen_vs_woken(true),
+    );
+}
