@@ -87,7 +87,9 @@
 //! with it, found by review), and a thread whose call blocked does not
 //! sleep (taken later, its step is not the one it took): each alone
 //! missed the review's
-//! `woken_code_can_run_after_a_later_step`. Asking at every wake-up,
+//! `woken_code_can_run_after_a_later_step`. Nor does any thread stay
+//! asleep past a step whose call blocked (taken after it, its step may
+//! let that call return and run the call's code; found by review). Asking at every wake-up,
 //! whatever the code then used, also finds it, but sent `simpipe:4:2`
 //! from 1 execution to 9,980. The order of code within one step is the
 //! simulator's (the threads whose calls returned, one after another in
@@ -901,10 +903,18 @@ impl Dpor {
         self.after(j, &open, enabled, pending);
         // Sleep sets: a thread stays asleep while the steps taken commute
         // with the step it took where it fell asleep; the step taken at a
-        // decision is kept there for the branches after it.
+        // decision is kept there for the branches after it. A step whose
+        // call blocked wakes every sleeper: taken after it, a sleeper's
+        // step may let that call return and run its code inside the step,
+        // which the step it took never did (found by review:
+        // `a_sleeper_stays_asleep_past_a_blocked_call_it_would_wake`).
         if !self.asleep.is_empty() {
-            self.asleep
-                .retain(|(_, s)| s.independent(&open.uses, &open.threads));
+            if open.returned.contains(&c) {
+                self.asleep
+                    .retain(|(_, s)| s.independent(&open.uses, &open.threads));
+            } else {
+                self.asleep.clear();
+            }
         }
         if let Some(f) = open.frame
             && !self.stack[f].steps.iter().any(|(t, _)| *t == c)

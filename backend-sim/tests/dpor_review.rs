@@ -624,3 +624,47 @@ fn a_pruned_state_asks_where_the_spawner_of_a_helper_was_applied() {
         pruned_chosen_vs_woken(true),
     );
 }
+
+/// Review E: sleep sets and a blocked call. C's send is explored first (W
+/// is still waiting for D's notify), then D's branch runs with C asleep.
+/// W's sync blocks in its own step, which touches nothing C's step used,
+/// so C stayed asleep. Taken after that step, C's send would let W's sync
+/// return and run W's code inside C's step, before C's own code (W is
+/// numbered lower). C asleep was the only thread that could move, so that
+/// execution was pruned: Ok in 2 executions where the full search panics.
+#[test]
+fn a_sleeper_stays_asleep_past_a_blocked_call_it_would_wake() {
+    both(
+        "sleep_blocked_sync",
+        || Sim::new(2).policy(duplex::Policy::PerDirection),
+        |t: &SimRank| {
+            if t.rank() == 1 {
+                let d = t.spawn("D", |t: &SimRank| t.notify(0, "go"))?;
+                let s = t.stream("s1")?;
+                let (mut a, b) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+                t.recv_on(&mut a, 0, &Place::stream(&s))?;
+                t.send_on(&b, 0, &Place::stream(&s))?;
+                t.synchronize()?;
+                return t.join(d);
+            }
+            // W is rank 0's main thread (0); C is spawned (2), D is rank 1's (3).
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let xc = x.clone();
+            let c = t.spawn("C", move |t: &SimRank| {
+                let sc = t.stream("sC")?;
+                let b = t.alloc::<u32>(1)?;
+                t.send_on(&b, 1, &Place::stream(&sc))?;
+                t.write(&mut *xc.lock().expect("no lock across a call"), &[1])
+            })?;
+            let sa = t.stream("sA")?;
+            let mut r = t.alloc::<u32>(1)?;
+            t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+            t.await_notify(1, "go")?;
+            t.sync_stream(&sa)?;
+            if t.read(&*x.lock().expect("no lock across a call"))?[0] == 0 {
+                panic!("W's code ran before C's write");
+            }
+            t.join(c)
+        },
+    );
+}
