@@ -601,8 +601,22 @@ fn run_run(args: &RunArgs) -> ExitCode {
                 Ok(r) => r,
                 Err(e @ duplex::Error::Invalid { .. }) => {
                     // The environment does not describe a rank of this
-                    // program (from a launcher).
-                    let f = Failure::invalid("environment", e.to_string()).at(&args.file, None);
+                    // program (from a launcher): said as the variable's
+                    // problem, not as an invalid call.
+                    let text = match &e {
+                        duplex::Error::Invalid { at, message }
+                            if message.starts_with(at.as_str()) =>
+                        {
+                            message.clone()
+                        }
+                        duplex::Error::Invalid { at, message } => format!("{at}: {message}"),
+                        e => e.to_string(),
+                    };
+                    let f = Failure::invalid(
+                        "environment",
+                        format!("the launcher's environment: {text}"),
+                    )
+                    .at(&args.file, None);
                     return fail(&f, json, "outcome");
                 }
                 Err(e) => {

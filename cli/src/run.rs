@@ -150,6 +150,21 @@ pub(crate) fn on_nccl_rank(
     timeout: Duration,
     lanes: Option<duplex_nccl::LaneMode>,
 ) -> Result<Ran, Error> {
+    // A world size other than the file's is said first: it is the likelier
+    // mistake, and it hid behind the store's secret (found by review).
+    if let Some(n) = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.trim().parse::<u32>().ok())
+        && n != program.ranks
+    {
+        return Err(Error::Invalid {
+            at: "WORLD_SIZE".into(),
+            message: format!(
+                "WORLD_SIZE={n} but the file's program has {} ranks: start one process per rank of the file",
+                program.ranks
+            ),
+        });
+    }
     let process = duplex_nccl::Process::from_env()?;
     if process.world() != program.ranks {
         return Err(Error::Invalid {

@@ -1643,3 +1643,47 @@ fn a_standard_error_that_cannot_be_written_is_not_a_panic() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A launcher's environment that does not fit is said as the variable's
+/// problem (not "invalid call at RANK"), and a world size other than the
+/// file's comes first, before the store's secret (found by review).
+#[test]
+fn a_wrong_launcher_environment_names_the_variable_and_the_world_size_first() {
+    let seed = example("seed.sched");
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", &seed, "--backend", "nccl", "--from-env"])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("DUPLEX_STORE_TOKEN", "short"),
+        ])
+        .output()
+        .expect("the duplex binary runs");
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("WORLD_SIZE=3 but the file's program has 2 ranks")
+            && !text.contains("invalid call"),
+        "{text}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", &seed, "--backend", "nccl", "--from-env"])
+        .envs([
+            ("RANK", "-1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .output()
+        .expect("the duplex binary runs");
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("the launcher's environment: RANK=-1") && !text.contains("invalid call"),
+        "{text}"
+    );
+}
