@@ -232,7 +232,9 @@ struct CheckArgs {
     /// Give up (exit status 3) after this many distinct states (at least 1).
     #[arg(long, default_value_t = check::Options::default().max_states, value_parser = at_least_one)]
     max_states: usize,
-    /// Give up (exit status 3, inconclusive) after this many seconds.
+    /// Give up (exit status 3, inconclusive) after this many seconds; the
+    /// repairs and latent hangs get what is left (without it, 30 s once the
+    /// verdict is known).
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     time_limit: Option<f64>,
     /// The most memory the search may keep in snapshots of the state at
