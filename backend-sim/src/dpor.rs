@@ -145,9 +145,14 @@ type Use = (ThreadId, Rank, Obj, Mode);
 type Item = (ThreadId, ThreadId, Use);
 
 /// A race found with woken code ([`Dpor::extra_races`]): the event that
-/// applied its call (`u32::MAX`: none), the waking step's event, and the
-/// woken use that raced as a summary keeps it.
-type Extra = (u32, u32, Option<Item>);
+/// applied its call, if known, the waking step's event, and the woken use
+/// that raced as a summary keeps it.
+type Extra = (Option<u32>, u32, Option<Item>);
+
+/// An event of the transition under way, as [`Dpor::close`] records them:
+/// its thread, its index, the step that applied the thread's call (what a
+/// thread started by its code inherits), and its root ([`Woken::root`]).
+type Done = (ThreadId, u32, Option<u32>, ThreadId);
 
 /// A parked call: its thread, the thread's rank, what the call uses.
 pub(crate) type Pending = (ThreadId, Rank, SmallVec<[(Obj, Mode); 6]>);
@@ -168,6 +173,17 @@ struct History {
     write: Option<Entry>,
     /// Since it: the last use of each thread in each shared mode.
     shared: SmallVec<[Entry; 4]>,
+}
+
+impl History {
+    /// The uses since the last write (and it) by another thread than `t`
+    /// in a mode that conflicts with `mode`.
+    fn others(&self, t: ThreadId, mode: Mode) -> impl Iterator<Item = &Entry> {
+        self.shared
+            .iter()
+            .chain(self.write.iter())
+            .filter(move |e| e.thread != t && mode.conflicts(e.mode))
+    }
 }
 
 #[derive(Debug)]
@@ -705,10 +721,7 @@ impl Dpor {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
         };
-        for e in h.shared.iter().chain(h.write.iter()) {
-            if e.thread == t || !mode.conflicts(e.mode) {
-                continue;
-            }
+        for e in h.others(t, mode) {
             let earlier = &self.trace[e.at as usize];
             join(clock, &earlier.clock);
             let Some(c) = earlier.chosen else { continue };
@@ -719,15 +732,8 @@ impl Dpor {
                 // Woken code: the step that applied its call races too;
                 // and where the waking step happens before this use, the
                 // use cannot move before the code by moving before it.
+                extra.push(self.woken_race(w, e, rank, obj));
                 let waker = &self.trace[w.waker as usize];
-                let item = waker
-                    .chosen
-                    .map(|k| (k, w.root, (e.thread, rank, obj, e.mode)));
-                if let Some(b) = w.applied {
-                    extra.push((b, w.waker, item));
-                } else if let Some(item) = item {
-                    extra.push((u32::MAX, w.waker, Some(item)));
-                }
                 if waker.chosen.is_some_and(|k| get(base, k) > w.waker) {
                     continue;
                 }
@@ -738,19 +744,27 @@ impl Dpor {
         }
     }
 
+    /// The race with woken code `w` whose use `e` of `obj` (of `rank`) is
+    /// the earlier of two: its applied step, its waking step, and the use
+    /// as a summary keeps it.
+    fn woken_race(&self, w: Woken, e: &Entry, rank: Rank, obj: Obj) -> Extra {
+        let item = self.trace[w.waker as usize]
+            .chosen
+            .map(|k| (k, w.root, (e.thread, rank, obj, e.mode)));
+        (w.applied, w.waker, item)
+    }
+
     /// The races [`Dpor::scan`] found with woken code: each asks the
-    /// decision before the event that applied its call (`u32::MAX`: none)
-    /// for the thread of the waking step, and marks the woken use that
-    /// raced ([`Dpor::raced`]).
+    /// decision before the event that applied its call, if known, for the
+    /// thread of the waking step, and marks the woken use that raced
+    /// ([`Dpor::raced`]).
     fn extra_races(&mut self, extra: Vec<Extra>) {
         for (b, at, item) in extra {
             if let Some(item) = item {
                 let ix = self.intern(item);
                 self.raced.insert(ix);
             }
-            if b == u32::MAX {
-                continue;
-            }
+            let Some(b) = b else { continue };
             let earlier = &self.trace[at as usize];
             if let Some(c) = earlier.chosen {
                 let clock = earlier.clock.clone();
@@ -815,10 +829,8 @@ impl Dpor {
         self.event(c, own.clone(), open.frame, None, &mine, Vec::new());
         // The events of this transition so far, by thread, with what a
         // thread started by their code inherits.
-        let mut done: SmallVec<[(ThreadId, u32, Option<u32>); 4]> = SmallVec::new();
-        done.push((c, j, None));
-        // Each thread's root in this transition ([`Woken::root`]).
-        let mut roots: SmallVec<[(ThreadId, ThreadId); 4]> = SmallVec::new();
+        let mut done: SmallVec<[Done; 4]> = SmallVec::new();
+        done.push((c, j, None, c));
         // Woken and started threads, a spawner's event before its child's.
         let mut left: SmallVec<[ThreadId; 4]> =
             open.threads.iter().copied().filter(|t| *t != c).collect();
@@ -844,7 +856,7 @@ impl Dpor {
             // started here happens after its spawner's event instead.
             let parent = parent_of(w).and_then(|p| done.iter().find(|(t, ..)| *t == p).copied());
             let mut base = match parent {
-                Some((_, e, _)) => self.trace[e as usize].clock.clone(),
+                Some((_, e, ..)) => self.trace[e as usize].clock.clone(),
                 None => self.trace[j as usize].clock.clone(),
             };
             if let Some(l) = self.last(w) {
@@ -859,7 +871,7 @@ impl Dpor {
                 }
                 b.filter(|b| get(&own, w) <= *b)
             } else {
-                parent.and_then(|(_, _, a)| a)
+                parent.and_then(|(_, _, a, _)| a)
             };
             let mut extra = Vec::new();
             let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
@@ -872,32 +884,28 @@ impl Dpor {
             // conflict, the decision before the step that applied its
             // call is asked for the chosen thread (found by review; and
             // for a started thread by the review of that change).
-            let mut root = w;
-            while let Some(p) = parent_of(root).filter(|p| open.threads.contains(p)) {
-                root = p;
-            }
+            let root = parent.map_or(w, |(.., r)| r);
             // Each such use is marked as raced ([`Dpor::raced`]) whether
             // or not the call's applied step is known here: a pruned state
             // may find it in its prefix (found by review).
             if root != c && root.0 < c.0 {
                 for a in &theirs {
                     if mine.iter().any(|b| conflict(a, b)) {
-                        extra.push((applied.unwrap_or(u32::MAX), j, Some((c, root, *a))));
+                        extra.push((applied, j, Some((c, root, *a))));
                     }
                 }
             }
-            roots.push((w, root));
             let woken = Woken {
                 waker: j,
                 applied,
                 root,
             };
             let k = self.event(w, base, open.frame, Some(woken), &theirs, extra);
-            done.push((w, k, applied));
+            done.push((w, k, applied, root));
         }
         *slot(&mut self.applied, c) = (!open.returned.contains(&c)).then_some(j);
         for &(t, rank, obj, mode) in &open.uses {
-            let root = roots.iter().find(|(w, _)| *w == t).map_or(t, |(_, r)| *r);
+            let root = done.iter().find(|d| d.0 == t).map_or(t, |d| d.3);
             self.summarize(c, root, (t, rank, obj, mode));
         }
         self.after(j, &open, enabled, pending);
@@ -1102,13 +1110,7 @@ impl Dpor {
             // the prefix and the use (a use that happens before a later
             // conflicting one is either before the use too, or not the
             // latest). Every use before the last write happens before it.
-            let candidates: SmallVec<[Entry; 8]> = h
-                .shared
-                .iter()
-                .chain(h.write.iter())
-                .filter(|e| e.thread != t && mode.conflicts(e.mode))
-                .copied()
-                .collect();
+            let candidates: SmallVec<[Entry; 8]> = h.others(t, mode).copied().collect();
             for e in &candidates {
                 let earlier = &self.trace[e.at as usize];
                 let (Some(c), Some(f)) = (earlier.chosen, earlier.frame) else {
@@ -1124,16 +1126,8 @@ impl Dpor {
                     asks.push((f, chosen));
                     // Woken code in the prefix: the step that applied its
                     // call is asked too, as in [`Dpor::scan`].
-                    if let Some(Woken {
-                        applied,
-                        waker,
-                        root,
-                    }) = earlier.woken
-                    {
-                        let item = self.trace[waker as usize]
-                            .chosen
-                            .map(|k| (k, root, (e.thread, rank, obj, e.mode)));
-                        extra.push((applied.unwrap_or(u32::MAX), waker, item));
+                    if let Some(w) = earlier.woken {
+                        extra.push(self.woken_race(w, e, rank, obj));
                     }
                 }
             }
@@ -1164,12 +1158,10 @@ impl Dpor {
             let Some(b) = self.applied.get(root.0 as usize).copied().flatten() else {
                 continue;
             };
-            let in_prefix = self.objects.get(&(u.1, u.2)).is_some_and(|h| {
-                h.shared
-                    .iter()
-                    .chain(h.write.iter())
-                    .any(|e| e.thread != t && u.3.conflicts(e.mode))
-            });
+            let in_prefix = self
+                .objects
+                .get(&(u.1, u.2))
+                .is_some_and(|h| h.others(t, u.3).next().is_some());
             let after = in_prefix
                 || summary.iter().any(|jx| {
                     let v = self.items[jx as usize].2;
