@@ -312,10 +312,7 @@ fn main() -> ExitCode {
                 args.timeout_ms = ms;
                 run_calibrate(&args)
             }
-            Err(f) => {
-                say!("duplex: {}", f.text());
-                ExitCode::from(2)
-            }
+            Err(f) => fail(&f, matches!(args.format, TableFormat::Json), "outcome"),
         },
     };
     if OUTPUT_LOST.load(std::sync::atomic::Ordering::Relaxed) {

@@ -150,31 +150,28 @@ pub(crate) fn on_nccl_rank(
     timeout: Duration,
     lanes: Option<duplex_nccl::LaneMode>,
 ) -> Result<Ran, Error> {
-    // A world size other than the file's is said first: it is the likelier
-    // mistake, and it hid behind the store's secret (found by review).
-    if let Some(n) = std::env::var("WORLD_SIZE")
+    // A world size other than the file's: the refusal, if `world` is one.
+    let other_world = |world: u32| {
+        (world != program.ranks).then(|| Error::Invalid {
+            at: "WORLD_SIZE".into(),
+            message: format!(
+                "WORLD_SIZE={world} but the file's program has {} ranks: start one process per rank of the file",
+                program.ranks
+            ),
+        })
+    };
+    // Said first, from the variable itself: it is the likelier mistake,
+    // and it hid behind the store's secret (found by review).
+    if let Some(e) = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|w| w.trim().parse::<u32>().ok())
-        && n != program.ranks
+        .and_then(other_world)
     {
-        return Err(Error::Invalid {
-            at: "WORLD_SIZE".into(),
-            message: format!(
-                "WORLD_SIZE={n} but the file's program has {} ranks: start one process per rank of the file",
-                program.ranks
-            ),
-        });
+        return Err(e);
     }
     let process = duplex_nccl::Process::from_env()?;
-    if process.world() != program.ranks {
-        return Err(Error::Invalid {
-            at: "WORLD_SIZE".into(),
-            message: format!(
-                "WORLD_SIZE={} but the file's program has {} ranks: start one process per rank of the file",
-                process.world(),
-                program.ranks
-            ),
-        });
+    if let Some(e) = other_world(process.world()) {
+        return Err(e);
     }
     let process = set_up_for!(process, program, timeout, lanes);
     let p = Arc::new(program.clone());

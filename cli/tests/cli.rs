@@ -722,19 +722,15 @@ fn a_job_of_processes_that_cannot_start_says_which_rank_and_why() {
         "{json}"
     );
     // One rank from a launcher's environment that does not fit the file.
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["run", seed, "--backend", "nccl", "--from-env"])
-        .envs([
+    let out = from_env(
+        seed,
+        &[
             ("RANK", "0"),
             ("WORLD_SIZE", "3"),
-            ("LOCAL_RANK", "0"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
             ("DUPLEX_STORE_TOKEN", "a-token-of-sixteen-bytes"),
             ("DUPLEX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2"),
-        ])
-        .output()
-        .expect("the duplex binary runs");
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1650,18 +1646,14 @@ fn a_standard_error_that_cannot_be_written_is_not_a_panic() {
 #[test]
 fn a_wrong_launcher_environment_names_the_variable_and_the_world_size_first() {
     let seed = example("seed.sched");
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["run", &seed, "--backend", "nccl", "--from-env"])
-        .envs([
+    let out = from_env(
+        &seed,
+        &[
             ("RANK", "0"),
             ("WORLD_SIZE", "3"),
-            ("LOCAL_RANK", "0"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
             ("DUPLEX_STORE_TOKEN", "short"),
-        ])
-        .output()
-        .expect("the duplex binary runs");
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1669,21 +1661,27 @@ fn a_wrong_launcher_environment_names_the_variable_and_the_world_size_first() {
             && !text.contains("invalid call"),
         "{text}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["run", &seed, "--backend", "nccl", "--from-env"])
-        .envs([
-            ("RANK", "-1"),
-            ("WORLD_SIZE", "2"),
-            ("LOCAL_RANK", "0"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-        ])
-        .output()
-        .expect("the duplex binary runs");
+    let out = from_env(&seed, &[("RANK", "-1"), ("WORLD_SIZE", "2")]);
     assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(
         text.contains("the launcher's environment: RANK=-1") && !text.contains("invalid call"),
         "{text}"
     );
+}
+
+/// `duplex run FILE --backend nccl --from-env` as one rank of a launcher
+/// on this host (`LOCAL_RANK` 0, the store at 127.0.0.1:29500), with
+/// `envs` besides.
+fn from_env(file: &str, envs: &[(&str, &str)]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", file, "--backend", "nccl", "--from-env"])
+        .envs([
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .envs(envs.iter().copied())
+        .output()
+        .expect("the duplex binary runs")
 }
