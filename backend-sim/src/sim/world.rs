@@ -646,7 +646,7 @@ impl World {
     fn return_call(&mut self, t: ThreadId) {
         let i = t.0 as usize;
         if let Some(d) = self.dpor() {
-            d.returned(t);
+            d.ran(t);
         }
         self.ctl[i] = Ctl::Returned(Ok(()));
         if let Some((ops, covered)) = self.sync_covers.remove(&t) {
