@@ -15,11 +15,12 @@
 //! nothing in common (a pipeline's forward and backward threads, each on
 //! its own lanes) are explored in one execution.
 //!
-//! **Transitions and what they use.** A transition is what happens between
-//! two decisions: the chosen thread's call, and the user code of every
-//! thread that runs before the next decision (the chosen thread's, and
-//! that of threads whose blocked call the step let return). Each use is an
-//! object of the thread's rank and a [`Mode`]: the machine's objects of a
+//! **Transitions and what they use.** A transition is one thread's step:
+//! its call, and, where the call returns at once, its user code up to its
+//! next call; or the return of its call that blocked, once another step
+//! let it return, and its code up to its next call. Threads that its code
+//! starts run their code up to their first call in it too. Each use is an
+//! //! object of the thread's rank and a [`Mode`]: the machine's objects of a
 //! call ([`duplex::machine::Machine::footprint`], the one definition of
 //! which calls commute, shared with the checker), a buffer (a host read or
 //! write, a device op's read or write, a sync that covers ops on it, its
@@ -47,10 +48,14 @@
 //! execution where every thread that could move is asleep stops
 //! (Godefroid's sleep sets, as Flanagan and Godefroid combine them with
 //! their rule; a forced thread asleep does not stop it, the others are
-//! decided as anywhere, since code that steps wake is not covered by
-//! the forced thread's persistence). They remove the executions that only reorder steps that
-//! commute around a reversed pair.
-//!
+//! decided as anywhere, since the forced thread's persistence covers the
+//! machine's calls, not the others' user code). They remove the
+//! executions that only reorder steps that commute around a reversed
+//! pair. A thread whose call blocked where it fell asleep, taken later,
+//! may find its call able to return at once and run its code in the same
+//! step; that is the blocked step and its return taken one after the
+//! other, which the branch where it fell asleep explored.
+
 //! **State caching.** A decision whose state was fully explored before is
 //! pruned, as in the schedule checker. Dynamic POR alone would lose what
 //! that state's subtree would have told the prefix: which of its
@@ -69,45 +74,19 @@
 //! counts as explored with the threads asleep both times. The search
 //! stays sound and merges states as the checker does.
 //!
-//! **Woken code.** User code that a step lets return runs inside that
-//! step, but it is an event of its own in the happens-before order:
-//! after the waking step and its own thread's past, and not before the
-//! waking thread's later steps, which do not wait for it (taken as one
-//! transition, a send's step that woke a recv's sync made the sender's
-//! later notify, and the recv it let another thread post, seem to follow
-//! the woken thread's earlier recv; found by `dpor_random`, seed 9324).
-//! Where the call was applied early it returns inside the step of another
-//! rank that completes what it waits for, so its code runs before every
-//! later step; applied after that step, the call returns at once and its
-//! code runs in its own step, after steps the search took to commute with
-//! the call (different ranks). So a race with woken code also asks the
-//! decision before the step that applied the call for the waking step's
-//! thread (`Woken::applied`, in a pruned state's check too; a thread
-//! that woken code spawns happens after its spawner's event and moves
-//! with it, found by review), and a thread whose call blocked does not
-//! sleep (taken later, its step is not the one it took): each alone
-//! missed the review's
-//! `woken_code_can_run_after_a_later_step`. Nor does any thread stay
-//! asleep past a step whose call blocked (taken after it, its step may
-//! let that call return and run the call's code; found by review). Asking at every wake-up,
-//! whatever the code then used, also finds it, but sent `simpipe:4:2`
-//! from 1 execution to 9,980. The order of code within one step is the
-//! simulator's (the threads whose calls returned, one after another in
-//! thread order): two woken threads whose code conflicts make the search
-//! fall back ([`Dpor::unsure`]), since other orders of other ranks' steps
-//! may wake them apart; a woken thread numbered before the chosen one ran
-//! its code before the chosen thread's, and where they conflict the step
-//! that applied its call is asked for the chosen thread too (applied
-//! after this step, its code runs after the chosen thread's; found by
-//! review). A pruned state asks the same of its summarized woken uses
-//! whose thread is still blocked in the new prefix, where the call was
-//! applied elsewhere than in the state's first exploration, for the uses
-//! that raced as the earlier of two uses in some execution
-//! (`Dpor::raced`; found by a third review, which showed the gap the
-//! second suspected). A thread that woken code starts runs its code
-//! right after its spawner's (the simulator's order, `World::schedule`),
-//! as it does in a step of its spawner's own; so the rule for a woken
-//! thread numbered before the chosen one covers the threads it starts.
+//! **Woken code is a step of its own.** User code that runs once a
+//! step of another thread lets a blocked call return is not run inside
+//! that step: the thread becomes enabled, and its return is a transition
+//! the search decides like any other, after the step that enabled it.
+//! Until 2026-12-05 the simulator ran woken code inside the waking step,
+//! in thread order; the search then needed rules of its own for it (the
+//! step that applied the call asked again, the code's root, uses marked
+//! as raced for pruned states, sleepers woken by blocked steps, a
+//! fallback where two woken threads' code conflicted), and reviews and
+//! random programs found eleven orders it missed, all around those rules
+//! (`backend-sim/tests/dpor_review.rs` keeps each as a test). The
+//! simulator's own order was also too narrow: two threads that one step
+//! woke ran their code in thread order only, in every search.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),

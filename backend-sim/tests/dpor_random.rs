@@ -108,7 +108,7 @@ const STREAMS: usize = 2;
 const EVENTS: usize = 2;
 /// Programs whose search without reduction needs more executions are
 /// skipped.
-const FULL_BOUND: usize = 50_000;
+const FULL_BOUND: usize = 10_000;
 
 fn insert(rng: &mut StdRng, list: &mut Vec<Act>, act: Act) {
     let at = rng.random_range(0..=list.len());

@@ -1,10 +1,11 @@
 //! The search of rank code (`duplex_sim::dpor`) against the search without
 //! reduction, on programs a review of it wrote to break it and on misses
-//! other tests found: two threads woken in one step whose code conflicts
-//! (the search falls back to the search of every order of a rank's
-//! threads), a refused host read (a use all the same), woken code that
-//! can run after a later step of another rank, and a pruned state's
-//! parked calls.
+//! other tests found: two threads woken in one step whose code conflicts,
+//! a refused host read (a use all the same), woken code that can run
+//! after a later step of another rank, and a pruned state's parked calls.
+//! Most were found while the simulator ran woken code inside the step
+//! that woke it; each is kept since woken code became a step of its own
+//! (2026-12-05), which removed the rules they tested.
 use std::sync::{Arc, Mutex};
 
 use duplex::{Place, Transport};

@@ -613,8 +613,7 @@ impl World {
             if enabled.len() > 1 {
                 self.choices.push(t);
             }
-            if matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(t) == Next::Call
-            {
+            if matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(t) == Next::Call {
                 return self.return_call(t);
             }
             self.step(t);
@@ -656,7 +655,10 @@ impl World {
             let searching = matches!(self.explorer, Strategy::Dpor(_));
             let mut bufs: Vec<usize> = Vec::new();
             if searching {
-                bufs.extend(ops.iter().filter_map(|op| self.unsynced.get(op).map(|u| u.0)));
+                bufs.extend(
+                    ops.iter()
+                        .filter_map(|op| self.unsynced.get(op).map(|u| u.0)),
+                );
             }
             for op in ops {
                 self.forget_unsynced(op);
