@@ -20,7 +20,7 @@
 //! next call; or the return of its call that blocked, once another step
 //! let it return, and its code up to its next call. Threads that its code
 //! starts run their code up to their first call in it too. Each use is an
-//! //! object of the thread's rank and a [`Mode`]: the machine's objects of a
+//! object of the thread's rank and a [`Mode`]: the machine's objects of a
 //! call ([`duplex::machine::Machine::footprint`], the one definition of
 //! which calls commute, shared with the checker), a buffer (a host read or
 //! write, a device op's read or write, a sync that covers ops on it, its
@@ -55,7 +55,7 @@
 //! may find its call able to return at once and run its code in the same
 //! step; that is the blocked step and its return taken one after the
 //! other, which the branch where it fell asleep explored.
-
+//!
 //! **State caching.** A decision whose state was fully explored before is
 //! pruned, as in the schedule checker. Dynamic POR alone would lose what
 //! that state's subtree would have told the prefix: which of its
