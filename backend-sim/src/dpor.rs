@@ -34,8 +34,8 @@
 //! the latest earlier transition that used one of its objects in a
 //! conflicting mode and does not happen before it is a race: the
 //! transition's chosen thread is added to the choices of the decision
-//! before that earlier one (or, if it could not move there, a thread that
-//! leads to it, or every thread that could). A call parked when the
+//! before that earlier one (or, if it could not move there, the threads that
+//! lead to it, or every thread that could). A call parked when the
 //! execution ends (a hang, a pruned execution aside) is checked the same
 //! way, as if it ran last.
 //!
@@ -849,8 +849,8 @@ impl Dpor {
     }
 
     /// Transition `i` races with a later one of thread `t`, whose clock is
-    /// `clock`: ask the decision before `i` for `t`, or for a thread that
-    /// leads to it, or for every thread that could move there.
+    /// `clock`: ask the decision before `i` for `t`, or for the threads
+    /// that lead to it, or for every thread that could move there.
     fn race(&mut self, i: u32, t: ThreadId, clock: &[u32]) {
         let Some(f) = self.trace[i as usize].frame else {
             return; // the only thread that could move there moved
@@ -860,15 +860,23 @@ impl Dpor {
             frame.ask(t);
             return;
         }
-        // A thread chosen after `i` in a transition that happens before
-        // the racing one.
-        if let Some(q) = frame
+        // The threads chosen after `i` in a transition that happens
+        // before the racing one: the first step of one of them (one whose
+        // steps in between nothing else there precedes) must move before
+        // `i` for the racing one to. Asking only the first of them lost
+        // the race where that one was asleep or not the start of the
+        // chain (found by review:
+        // `a_sleeper_whose_await_blocked_hides_an_order`).
+        let leads: SmallVec<[ThreadId; 4]> = frame
             .enabled
             .iter()
             .copied()
-            .find(|q| get(clock, *q) > i + 1)
-        {
-            frame.ask(q);
+            .filter(|q| get(clock, *q) > i + 1)
+            .collect();
+        if !leads.is_empty() {
+            for q in leads {
+                frame.ask(q);
+            }
             return;
         }
         for q in frame.enabled.clone() {
