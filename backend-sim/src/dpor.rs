@@ -15,10 +15,11 @@
 //! nothing in common (a pipeline's forward and backward threads, each on
 //! its own lanes) are explored in one execution.
 //!
-//! **Transitions and what they use.** A transition is what happens between
-//! two decisions: the chosen thread's call, and the user code of every
-//! thread that runs before the next decision (the chosen thread's, and
-//! that of threads whose blocked call the step let return). Each use is an
+//! **Transitions and what they use.** A transition is one thread's step:
+//! its call, and, where the call returns at once, its user code up to its
+//! next call; or the return of its call that blocked, once another step
+//! let it return, and its code up to its next call. Threads that its code
+//! starts run their code up to their first call in it too. Each use is an
 //! object of the thread's rank and a [`Mode`]: the machine's objects of a
 //! call ([`duplex::machine::Machine::footprint`], the one definition of
 //! which calls commute, shared with the checker), a buffer (a host read or
@@ -33,8 +34,8 @@
 //! the latest earlier transition that used one of its objects in a
 //! conflicting mode and does not happen before it is a race: the
 //! transition's chosen thread is added to the choices of the decision
-//! before that earlier one (or, if it could not move there, a thread that
-//! leads to it, or every thread that could). A call parked when the
+//! before that earlier one (or, if it could not move there, the threads that
+//! lead to it, or every thread that could). A call parked when the
 //! execution ends (a hang, a pruned execution aside) is checked the same
 //! way, as if it ran last.
 //!
@@ -47,9 +48,13 @@
 //! execution where every thread that could move is asleep stops
 //! (Godefroid's sleep sets, as Flanagan and Godefroid combine them with
 //! their rule; a forced thread asleep does not stop it, the others are
-//! decided as anywhere, since code that steps wake is not covered by
-//! the forced thread's persistence). They remove the executions that only reorder steps that
-//! commute around a reversed pair.
+//! decided as anywhere, since the forced thread's persistence covers the
+//! machine's calls, not the others' user code). They remove the
+//! executions that only reorder steps that commute around a reversed
+//! pair. A thread whose call blocked where it fell asleep, taken later,
+//! may find its call able to return at once and run its code in the same
+//! step; that is the blocked step and its return taken one after the
+//! other, which the branch where it fell asleep explored.
 //!
 //! **State caching.** A decision whose state was fully explored before is
 //! pruned, as in the schedule checker. Dynamic POR alone would lose what
@@ -69,45 +74,19 @@
 //! counts as explored with the threads asleep both times. The search
 //! stays sound and merges states as the checker does.
 //!
-//! **Woken code.** User code that a step lets return runs inside that
-//! step, but it is an event of its own in the happens-before order:
-//! after the waking step and its own thread's past, and not before the
-//! waking thread's later steps, which do not wait for it (taken as one
-//! transition, a send's step that woke a recv's sync made the sender's
-//! later notify, and the recv it let another thread post, seem to follow
-//! the woken thread's earlier recv; found by `dpor_random`, seed 9324).
-//! Where the call was applied early it returns inside the step of another
-//! rank that completes what it waits for, so its code runs before every
-//! later step; applied after that step, the call returns at once and its
-//! code runs in its own step, after steps the search took to commute with
-//! the call (different ranks). So a race with woken code also asks the
-//! decision before the step that applied the call for the waking step's
-//! thread (`Woken::applied`, in a pruned state's check too; a thread
-//! that woken code spawns happens after its spawner's event and moves
-//! with it, found by review), and a thread whose call blocked does not
-//! sleep (taken later, its step is not the one it took): each alone
-//! missed the review's
-//! `woken_code_can_run_after_a_later_step`. Nor does any thread stay
-//! asleep past a step whose call blocked (taken after it, its step may
-//! let that call return and run the call's code; found by review). Asking at every wake-up,
-//! whatever the code then used, also finds it, but sent `simpipe:4:2`
-//! from 1 execution to 9,980. The order of code within one step is the
-//! simulator's (the threads whose calls returned, one after another in
-//! thread order): two woken threads whose code conflicts make the search
-//! fall back ([`Dpor::unsure`]), since other orders of other ranks' steps
-//! may wake them apart; a woken thread numbered before the chosen one ran
-//! its code before the chosen thread's, and where they conflict the step
-//! that applied its call is asked for the chosen thread too (applied
-//! after this step, its code runs after the chosen thread's; found by
-//! review). A pruned state asks the same of its summarized woken uses
-//! whose thread is still blocked in the new prefix, where the call was
-//! applied elsewhere than in the state's first exploration, for the uses
-//! that raced as the earlier of two uses in some execution
-//! (`Dpor::raced`; found by a third review, which showed the gap the
-//! second suspected). A thread that woken code starts runs its code
-//! right after its spawner's (the simulator's order, `World::schedule`),
-//! as it does in a step of its spawner's own; so the rule for a woken
-//! thread numbered before the chosen one covers the threads it starts.
+//! **Woken code is a step of its own.** User code that runs once a
+//! step of another thread lets a blocked call return is not run inside
+//! that step: the thread becomes enabled, and its return is a transition
+//! the search decides like any other, after the step that enabled it.
+//! Until 2026-12-05 the simulator ran woken code inside the waking step,
+//! in thread order; the search then needed rules of its own for it (the
+//! step that applied the call asked again, the code's root, uses marked
+//! as raced for pruned states, sleepers woken by blocked steps, a
+//! fallback where two woken threads' code conflicted), and reviews and
+//! random programs found eleven orders it missed, all around those rules
+//! (`backend-sim/tests/dpor_review.rs` keeps each as a test). The
+//! simulator's own order was also too narrow: two threads that one step
+//! woke ran their code in thread order only, in every search.
 //!
 //! The tests check it against the search without reduction and against
 //! the schedule checker (`backend-sim/tests/sim.rs`, `tests/properties.rs`),
@@ -138,21 +117,8 @@ pub(crate) enum Obj {
 /// One use: the thread, its rank, the object, the mode.
 type Use = (ThreadId, Rank, Obj, Mode);
 
-/// A summarized use: the chosen thread of its transition, the thread whose
-/// code made it or started the thread that made it in that transition (its
-/// root: the chosen thread, or a woken one, whose blocked call was applied
-/// earlier), and the use.
-type Item = (ThreadId, ThreadId, Use);
-
-/// A race found with woken code ([`Dpor::extra_races`]): the event that
-/// applied its call, if known, the waking step's event, and the woken use
-/// that raced as a summary keeps it.
-type Extra = (Option<u32>, u32, Option<Item>);
-
-/// An event of the transition under way, as [`Dpor::close`] records them:
-/// its thread, its index, the step that applied the thread's call (what a
-/// thread started by its code inherits), and its root ([`Woken::root`]).
-type Done = (ThreadId, u32, Option<u32>, ThreadId);
+/// A summarized use: the chosen thread of its transition, and the use.
+type Item = (ThreadId, Use);
 
 /// A parked call: its thread, the thread's rank, what the call uses.
 pub(crate) type Pending = (ThreadId, Rank, SmallVec<[(Obj, Mode); 6]>);
@@ -196,29 +162,6 @@ struct Transition {
     /// Per thread: one more than the last transition chosen by that thread
     /// that happens before this one or is it (0: none).
     clock: Vec<u32>,
-    /// For woken code, its waking step and where its call was applied.
-    woken: Option<Woken>,
-}
-
-/// Woken code: the code a thread runs once a step of another thread lets
-/// its blocked call return. It is an event of its own, after that step
-/// and after its thread's past; the waking thread's later steps do not
-/// happen after it (they do not wait for it).
-#[derive(Clone, Copy, Debug)]
-struct Woken {
-    /// The waking step's event.
-    waker: u32,
-    /// The event whose step applied the call, where it blocked. Had the
-    /// waking step come first, the call would have returned at once and
-    /// its code run in its own step, after steps that follow the waking
-    /// one here; so a race with the code also asks the decision before
-    /// that step for the waking thread (found by review: a sync whose
-    /// code always ran inside the first of two sends of another rank,
-    /// never after the second).
-    applied: Option<u32>,
-    /// The woken thread whose code this is, or whose code started the
-    /// thread whose code this is (the thread whose call `applied` applied).
-    root: ThreadId,
 }
 
 /// The transition under way.
@@ -226,10 +169,9 @@ struct Woken {
 struct Open {
     chosen: Option<ThreadId>,
     frame: Option<usize>,
-    /// Threads that ran in it.
+    /// Threads that ran in it: the chosen one, and those its code started
+    /// (each runs its code up to its first call in the step).
     threads: SmallVec<[ThreadId; 4]>,
-    /// Threads whose call returned in it.
-    returned: SmallVec<[ThreadId; 4]>,
     /// Threads started in it, each with the thread whose code spawned it.
     spawned: SmallVec<[(ThreadId, ThreadId); 2]>,
     uses: Vec<Use>,
@@ -278,20 +220,14 @@ fn conflict(a: &Use, b: &Use) -> bool {
 struct Step {
     uses: Vec<Use>,
     threads: SmallVec<[ThreadId; 4]>,
-    /// The thread's call did not return in it: taken later, after a step
-    /// of another rank completed what it waits for, it returns at once
-    /// and its code runs in it, so what it uses is not known.
-    blocked: bool,
 }
 
 impl Step {
     /// Whether this step and one that used `uses`, with `threads` running,
-    /// commute: no thread ran in both (a thread's code woken by one would
-    /// move to the other), and no object of one rank used by both in
-    /// conflicting modes.
+    /// commute: no thread ran in both, and no object of one rank used by
+    /// both in conflicting modes.
     fn independent(&self, uses: &[Use], threads: &[ThreadId]) -> bool {
-        !self.blocked
-            && !self.threads.iter().any(|t| threads.contains(t))
+        !self.threads.iter().any(|t| threads.contains(t))
             && !self
                 .uses
                 .iter()
@@ -379,10 +315,6 @@ pub struct Dpor {
     /// Interned summarized uses.
     items: Vec<Item>,
     item_ix: HashMap<Item, u32>,
-    /// The summarized uses of woken code that raced, in some execution,
-    /// with a later use of another thread (the earlier of the two): the
-    /// ones whose apply-site a pruned state asks again ([`Dpor::pruned`]).
-    raced: std::collections::HashSet<u32>,
     /// The first replayed decision that found another state than it had
     /// recorded ([`Dpor::diverged`]).
     diverged: Option<usize>,
@@ -390,17 +322,16 @@ pub struct Dpor {
     trace: Vec<Transition>,
     open: Option<Open>,
     objects: HashMap<(Rank, Obj), History>,
-    /// Per thread: the last transition it ran in or was enabled by.
+    /// Per thread: the last transition it ran in.
     last: Vec<Option<u32>>,
-    /// Per thread: the transition that applied its call, while that call
-    /// has not returned.
-    applied: Vec<Option<u32>>,
+    /// Per thread: the clocks of the transitions that enabled it since
+    /// (a step of another thread that let its call return or be made),
+    /// joined; its next transition happens after them.
+    enablers: Vec<Vec<u32>>,
     /// Per thread: whether it could move at the last decision.
     enabled: Vec<bool>,
     /// The deepest decision of this execution so far.
     frame: Option<usize>,
-    /// An execution met what this search cannot order ([`Dpor::unsure`]).
-    unsure: bool,
     /// The threads asleep now: each took, at a decision of this execution,
     /// a step that every step since commutes with, and every execution
     /// that continues with it was explored from there.
@@ -447,7 +378,7 @@ impl Dpor {
         self.open = Some(Open::default());
         self.objects.clear();
         self.last.clear();
-        self.applied.clear();
+        self.enablers.clear();
         self.enabled.clear();
         self.frame = None;
         self.asleep.clear();
@@ -457,16 +388,6 @@ impl Dpor {
     /// choices before it, found another state than the one recorded.
     pub fn diverged(&self) -> Option<usize> {
         self.diverged
-    }
-
-    /// Whether an execution woke two threads of one rank in one step whose
-    /// code then used one object in conflicting modes: in another order of
-    /// other ranks' steps they may be woken apart, in either order, and
-    /// this search cannot place that order (it only reorders whole steps).
-    /// [`crate::Sim::check`] then starts over with the search that tries
-    /// every order of a rank's threads.
-    pub fn unsure(&self) -> bool {
-        self.unsure
     }
 
     /// Distinct states decided at.
@@ -494,21 +415,10 @@ impl Dpor {
     }
 
     /// Thread `child`, spawned by `parent`'s code, starts in the
-    /// transition under way: its code happens after its parent's, and
-    /// where that is woken code, it moves with it ([`Woken::applied`]).
+    /// transition under way: its code happens after its parent's.
     pub(crate) fn spawned(&mut self, child: ThreadId, parent: ThreadId) {
         if let Some(o) = &mut self.open {
             o.spawned.push((child, parent));
-        }
-    }
-
-    /// Thread `t`'s call returned in the transition under way.
-    pub(crate) fn returned(&mut self, t: ThreadId) {
-        self.ran(t);
-        if let Some(o) = &mut self.open
-            && !o.returned.contains(&t)
-        {
-            o.returned.push(t);
         }
     }
 
@@ -546,8 +456,8 @@ impl Dpor {
     /// call uses). `forced` is a thread that is a persistent set alone
     /// for the machine's calls ([`crate::check::closed_rank`]): it is
     /// taken first, without the state's fingerprint, and others only if
-    /// a race asks for them (user code that a step woke runs within it,
-    /// and may race with another thread's call). `fingerprint` is the
+    /// a race asks for them (its user code, which the machine does not
+    /// know, may race with another thread's call). `fingerprint` is the
     /// state's where there is no forced thread and more than one can move.
     pub(crate) fn decide(
         &mut self,
@@ -582,9 +492,8 @@ impl Dpor {
         // (every thread that could move asleep): every future from here
         // was explored. A forced thread asleep does not stop the
         // execution: it alone needs taking for the machine's calls, but
-        // code that other steps wake may race with them (a review's
-        // doubt, no failing program), so the others are decided as
-        // anywhere.
+        // the others' user code may race with them, so the others are
+        // decided as anywhere.
         let t = match forced {
             Some(f) if !self.is_asleep(f) => Some(f),
             _ => enabled.iter().copied().find(|t| !self.is_asleep(*t)),
@@ -634,7 +543,6 @@ impl Dpor {
             chosen: Some(t),
             frame,
             threads: SmallVec::from_slice(&[t]),
-            returned: SmallVec::new(),
             spawned: SmallVec::new(),
             uses: Vec::new(),
         });
@@ -645,13 +553,10 @@ impl Dpor {
     pub(crate) fn end(&mut self, parked: &[Pending]) {
         self.close(&[], parked);
         for (t, rank, uses) in parked {
-            let clock = self
-                .last(*t)
-                .map(|l| self.trace[l as usize].clock.clone())
-                .unwrap_or_default();
+            let clock = self.base(*t);
             self.pending_race(*t, *rank, uses, clock);
             for (obj, mode) in uses {
-                self.summarize(*t, *t, (*t, *rank, *obj, *mode));
+                self.summarize(*t, (*t, *rank, *obj, *mode));
             }
         }
     }
@@ -662,30 +567,43 @@ impl Dpor {
     fn pending_race(&mut self, t: ThreadId, rank: Rank, uses: &[(Obj, Mode)], mut clock: Vec<u32>) {
         let base = clock.clone();
         let mut race = None;
-        let mut extra = Vec::new();
         for (obj, mode) in uses {
-            self.scan(
-                t, rank, *obj, *mode, &base, &mut clock, &mut race, &mut extra,
-            );
+            self.scan(t, rank, *obj, *mode, &base, &mut clock, &mut race);
         }
         if let Some(i) = race {
             self.race(i, t, &clock);
         }
-        self.extra_races(extra);
     }
 
-    fn last(&self, t: ThreadId) -> Option<u32> {
-        self.last.get(t.0 as usize).copied().flatten()
+    /// What happens before thread `t`'s next transition: its last one,
+    /// and the transitions that enabled it since.
+    fn base(&self, t: ThreadId) -> Vec<u32> {
+        let mut clock = self
+            .last
+            .get(t.0 as usize)
+            .copied()
+            .flatten()
+            .map(|l| self.trace[l as usize].clock.clone())
+            .unwrap_or_default();
+        if let Some(e) = self.enablers.get(t.0 as usize) {
+            join(&mut clock, e);
+        }
+        clock
     }
 
+    /// Transition `at` is thread `t`'s last; its clock holds what enabled
+    /// the thread before it.
     fn set_last(&mut self, t: ThreadId, at: u32) {
         *slot(&mut self.last, t) = Some(at);
+        if let Some(e) = self.enablers.get_mut(t.0 as usize) {
+            e.clear();
+        }
     }
 
     /// Adds a use made after the deepest decision so far to its summary.
-    fn summarize(&mut self, chosen: ThreadId, root: ThreadId, u: Use) {
+    fn summarize(&mut self, chosen: ThreadId, u: Use) {
         let Some(f) = self.frame else { return };
-        let ix = self.intern((chosen, root, u));
+        let ix = self.intern((chosen, u));
         self.stack[f].summary.insert(ix);
     }
 
@@ -716,7 +634,6 @@ impl Dpor {
         base: &[u32],
         clock: &mut Vec<u32>,
         race: &mut Option<u32>,
-        extra: &mut Vec<Extra>,
     ) {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
@@ -728,47 +645,8 @@ impl Dpor {
             if get(base, c) > e.at {
                 continue; // happens before
             }
-            if let Some(w) = earlier.woken {
-                // Woken code: the step that applied its call races too;
-                // and where the waking step happens before this use, the
-                // use cannot move before the code by moving before it.
-                extra.push(self.woken_race(w, e, rank, obj));
-                let waker = &self.trace[w.waker as usize];
-                if waker.chosen.is_some_and(|k| get(base, k) > w.waker) {
-                    continue;
-                }
-            }
             if race.is_none_or(|r| r < e.at) {
                 *race = Some(e.at);
-            }
-        }
-    }
-
-    /// The race with woken code `w` whose use `e` of `obj` (of `rank`) is
-    /// the earlier of two: its applied step, its waking step, and the use
-    /// as a summary keeps it.
-    fn woken_race(&self, w: Woken, e: &Entry, rank: Rank, obj: Obj) -> Extra {
-        let item = self.trace[w.waker as usize]
-            .chosen
-            .map(|k| (k, w.root, (e.thread, rank, obj, e.mode)));
-        (w.applied, w.waker, item)
-    }
-
-    /// The races [`Dpor::scan`] found with woken code: each asks the
-    /// decision before the event that applied its call, if known, for the
-    /// thread of the waking step, and marks the woken use that raced
-    /// ([`Dpor::raced`]).
-    fn extra_races(&mut self, extra: Vec<Extra>) {
-        for (b, at, item) in extra {
-            if let Some(item) = item {
-                let ix = self.intern(item);
-                self.raced.insert(ix);
-            }
-            let Some(b) = b else { continue };
-            let earlier = &self.trace[at as usize];
-            if let Some(c) = earlier.chosen {
-                let clock = earlier.clock.clone();
-                self.race(b, c, &clock);
             }
         }
     }
@@ -789,49 +667,30 @@ impl Dpor {
     /// transition ordered before it by the handshake's end).
     fn close(&mut self, enabled: &[ThreadId], pending: &[Pending]) {
         let Some(open) = self.open.take() else { return };
-        // Two woken threads' code, in one step, in conflict.
-        let was_woken = |t: &ThreadId| Some(*t) != open.chosen;
-        if open.uses.iter().enumerate().any(|(k, a)| {
-            was_woken(&a.0)
-                && open.uses[k + 1..]
-                    .iter()
-                    .any(|b| was_woken(&b.0) && b.0 != a.0 && conflict(a, b))
-        }) {
-            self.unsure = true;
-        }
-        // The events of the transition: the chosen thread's (its call and
-        // the code after it), then each woken thread's code.
         let j = self.trace.len() as u32;
         let Some(c) = open.chosen else {
             // The threads' start: one event, before every other.
             let mut clock = Vec::new();
             let mut race = None;
-            let mut extra = Vec::new();
             for &(t, rank, obj, mode) in &open.uses {
-                let base = self
-                    .last(t)
-                    .map(|l| self.trace[l as usize].clock.clone())
-                    .unwrap_or_default();
-                self.scan(t, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
+                let base = self.base(t);
+                self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
             }
-            self.push_event(None, open.frame, clock, None, &open.uses);
+            self.push_event(None, open.frame, clock, &open.uses);
             for t in &open.threads {
                 self.set_last(*t, j);
             }
             self.after(j, &open, enabled, pending);
             return;
         };
-        let own = self
-            .last(c)
-            .map(|l| self.trace[l as usize].clock.clone())
-            .unwrap_or_default();
+        // The events of the transition: the chosen thread's (its call and
+        // the code after it), then one for each thread its code started
+        // (its code up to its first call), after its spawner's.
+        let own = self.base(c);
         let mine: Vec<Use> = open.uses.iter().filter(|u| u.0 == c).copied().collect();
-        self.event(c, own.clone(), open.frame, None, &mine, Vec::new());
-        // The events of this transition so far, by thread, with what a
-        // thread started by their code inherits.
-        let mut done: SmallVec<[Done; 4]> = SmallVec::new();
-        done.push((c, j, None, c));
-        // Woken and started threads, a spawner's event before its child's.
+        self.event(c, own, open.frame, &mine);
+        let mut done: SmallVec<[(ThreadId, u32); 4]> = SmallVec::new();
+        done.push((c, j));
         let mut left: SmallVec<[ThreadId; 4]> =
             open.threads.iter().copied().filter(|t| *t != c).collect();
         while !left.is_empty() {
@@ -845,90 +704,35 @@ impl Dpor {
                 .iter()
                 .position(|w| {
                     parent_of(*w).is_none_or(|p| {
-                        done.iter().any(|(t, ..)| *t == p) || !open.threads.contains(&p)
+                        done.iter().any(|(t, _)| *t == p) || !open.threads.contains(&p)
                     })
                 })
                 .unwrap_or(0);
             let w = left.remove(ready);
-            // Woken code happens after the step that woke it and after its
-            // own thread's past, not before what the waking thread does
-            // next: that thread's later steps do not wait for it. A thread
-            // started here happens after its spawner's event instead.
-            let parent = parent_of(w).and_then(|p| done.iter().find(|(t, ..)| *t == p).copied());
-            let mut base = match parent {
-                Some((_, e, ..)) => self.trace[e as usize].clock.clone(),
-                None => self.trace[j as usize].clock.clone(),
-            };
-            if let Some(l) = self.last(w) {
-                join(&mut base, &self.trace[l as usize].clock);
-            }
-            // The step that applied its call, if it blocked there
-            // ([`Woken::applied`]); a started thread's is its spawner's.
-            let applied = if open.returned.contains(&w) {
-                let b = self.applied.get(w.0 as usize).copied().flatten();
-                if let Some(slot) = self.applied.get_mut(w.0 as usize) {
-                    *slot = None;
-                }
-                b.filter(|b| get(&own, w) <= *b)
-            } else {
-                parent.and_then(|(_, _, a, _)| a)
-            };
-            let mut extra = Vec::new();
+            let spawner = parent_of(w).and_then(|p| done.iter().find(|(t, _)| *t == p).copied());
+            let mut base = self.trace[spawner.map_or(j, |(_, e)| e) as usize]
+                .clock
+                .clone();
+            join(&mut base, &self.base(w));
             let theirs: Vec<Use> = open.uses.iter().filter(|u| u.0 == w).copied().collect();
-            // The simulator runs the code of threads whose calls return in
-            // one step in thread order, each followed by the threads its
-            // code starts: a woken thread numbered before the chosen one,
-            // and the threads it started here, ran their code before the
-            // chosen thread's code; applied after this step, its call
-            // returns at once and that code runs after. Where the two
-            // conflict, the decision before the step that applied its
-            // call is asked for the chosen thread (found by review; and
-            // for a started thread by the review of that change).
-            let root = parent.map_or(w, |(.., r)| r);
-            // Each such use is marked as raced ([`Dpor::raced`]) whether
-            // or not the call's applied step is known here: a pruned state
-            // may find it in its prefix (found by review).
-            if root != c && root.0 < c.0 {
-                for a in &theirs {
-                    if mine.iter().any(|b| conflict(a, b)) {
-                        extra.push((applied, j, Some((c, root, *a))));
-                    }
-                }
-            }
-            let woken = Woken {
-                waker: j,
-                applied,
-                root,
-            };
-            let k = self.event(w, base, open.frame, Some(woken), &theirs, extra);
-            done.push((w, k, applied, root));
+            let k = self.event(w, base, open.frame, &theirs);
+            done.push((w, k));
         }
-        *slot(&mut self.applied, c) = (!open.returned.contains(&c)).then_some(j);
-        for &(t, rank, obj, mode) in &open.uses {
-            let root = done.iter().find(|d| d.0 == t).map_or(t, |d| d.3);
-            self.summarize(c, root, (t, rank, obj, mode));
+        for &u in &open.uses {
+            self.summarize(c, u);
         }
         self.after(j, &open, enabled, pending);
         // Sleep sets: a thread stays asleep while the steps taken commute
         // with the step it took where it fell asleep; the step taken at a
-        // decision is kept there for the branches after it. A step whose
-        // call blocked wakes every sleeper: taken after it, a sleeper's
-        // step may let that call return and run its code inside the step,
-        // which the step it took never did (found by review:
-        // `a_sleeper_stays_asleep_past_a_blocked_call_it_would_wake`).
+        // decision is kept there for the branches after it.
         if !self.asleep.is_empty() {
-            if open.returned.contains(&c) {
-                self.asleep
-                    .retain(|(_, s)| s.independent(&open.uses, &open.threads));
-            } else {
-                self.asleep.clear();
-            }
+            self.asleep
+                .retain(|(_, s)| s.independent(&open.uses, &open.threads));
         }
         if let Some(f) = open.frame
             && !self.stack[f].steps.iter().any(|(t, _)| *t == c)
         {
             let step = Step {
-                blocked: !open.returned.contains(&c),
                 uses: open.uses,
                 threads: open.threads,
             };
@@ -938,29 +742,19 @@ impl Dpor {
 
     /// Records thread `t`'s event of the transition under way, which used
     /// `uses` and happens after `base`: asks for its races with earlier
-    /// events (and the `extra` ones found already), and makes it `t`'s
-    /// last. Returns its index.
-    fn event(
-        &mut self,
-        t: ThreadId,
-        base: Vec<u32>,
-        frame: Option<usize>,
-        woken: Option<Woken>,
-        uses: &[Use],
-        mut extra: Vec<Extra>,
-    ) -> u32 {
+    /// events, and makes it `t`'s last. Returns its index.
+    fn event(&mut self, t: ThreadId, base: Vec<u32>, frame: Option<usize>, uses: &[Use]) -> u32 {
         let k = self.trace.len() as u32;
         let mut clock = base.clone();
         let mut race = None;
         for &(u, rank, obj, mode) in uses {
-            self.scan(u, rank, obj, mode, &base, &mut clock, &mut race, &mut extra);
+            self.scan(u, rank, obj, mode, &base, &mut clock, &mut race);
         }
         if let Some(i) = race {
             self.race(i, t, &base);
         }
-        self.extra_races(extra);
         *slot(&mut clock, t) = k + 1;
-        self.push_event(Some(t), frame, clock, woken, uses);
+        self.push_event(Some(t), frame, clock, uses);
         self.set_last(t, k);
         k
     }
@@ -971,7 +765,6 @@ impl Dpor {
         chosen: Option<ThreadId>,
         frame: Option<usize>,
         clock: Vec<u32>,
-        woken: Option<Woken>,
         uses: &[Use],
     ) {
         let at = self.trace.len() as u32;
@@ -979,7 +772,6 @@ impl Dpor {
             chosen,
             frame,
             clock,
-            woken,
         });
         for &(t, rank, obj, mode) in uses {
             let e = Entry {
@@ -1008,16 +800,13 @@ impl Dpor {
     fn after(&mut self, j: u32, open: &Open, enabled: &[ThreadId], pending: &[Pending]) {
         for (t, rank, uses) in pending {
             if open.threads.contains(t) {
-                let clock = self
-                    .last(*t)
-                    .map(|l| self.trace[l as usize].clock.clone())
-                    .unwrap_or_default();
+                let clock = self.base(*t);
                 self.pending_race(*t, *rank, uses, clock);
                 // Summarized as a use after this state: a state pruned
                 // later must pass it on (its next step's races with the
                 // prefix).
                 for (obj, mode) in uses {
-                    self.summarize(*t, *t, (*t, *rank, *obj, *mode));
+                    self.summarize(*t, (*t, *rank, *obj, *mode));
                 }
             } else if self.enabled.get(t.0 as usize).copied().unwrap_or(false) {
                 // The latest event of the transition that used what the
@@ -1030,7 +819,7 @@ impl Dpor {
                             && r == rank
                             && uses.iter().any(|(o, m)| o == obj && m.conflicts(*mode))
                     })
-                    .filter_map(|(u, ..)| self.last(*u))
+                    .filter_map(|(u, ..)| self.last.get(u.0 as usize).copied().flatten())
                     .max();
                 if let Some(i) = hit {
                     let clock = self.trace[i as usize].clock.clone();
@@ -1040,10 +829,11 @@ impl Dpor {
         }
         let was = std::mem::take(&mut self.enabled);
         for t in enabled {
-            // Enabled by the step's call (threads that ran have their own
-            // event).
+            // Enabled by the step (threads that ran have their own event):
+            // its next transition happens after this one.
             if !was.get(t.0 as usize).copied().unwrap_or(false) && !open.threads.contains(t) {
-                self.set_last(*t, j);
+                let clock = self.trace[j as usize].clock.clone();
+                join(slot(&mut self.enablers, *t), &clock);
             }
         }
         let mut now = was;
@@ -1059,8 +849,8 @@ impl Dpor {
     }
 
     /// Transition `i` races with a later one of thread `t`, whose clock is
-    /// `clock`: ask the decision before `i` for `t`, or for a thread that
-    /// leads to it, or for every thread that could move there.
+    /// `clock`: ask the decision before `i` for `t`, or for the threads
+    /// that lead to it, or for every thread that could move there.
     fn race(&mut self, i: u32, t: ThreadId, clock: &[u32]) {
         let Some(f) = self.trace[i as usize].frame else {
             return; // the only thread that could move there moved
@@ -1070,15 +860,23 @@ impl Dpor {
             frame.ask(t);
             return;
         }
-        // A thread chosen after `i` in a transition that happens before
-        // the racing one.
-        if let Some(q) = frame
+        // The threads chosen after `i` in a transition that happens
+        // before the racing one: the first step of one of them (one whose
+        // steps in between nothing else there precedes) must move before
+        // `i` for the racing one to. Asking only the first of them lost
+        // the race where that one was asleep or not the start of the
+        // chain (found by review:
+        // `a_sleeper_whose_await_blocked_hides_an_order`).
+        let leads: SmallVec<[ThreadId; 4]> = frame
             .enabled
             .iter()
             .copied()
-            .find(|q| get(clock, *q) > i + 1)
-        {
-            frame.ask(q);
+            .filter(|q| get(clock, *q) > i + 1)
+            .collect();
+        if !leads.is_empty() {
+            for q in leads {
+                frame.ask(q);
+            }
             return;
         }
         for q in frame.enabled.clone() {
@@ -1093,16 +891,12 @@ impl Dpor {
     /// that may be the race Flanagan and Godefroid's rule picks is one.
     fn pruned(&mut self, summary: &Bits) {
         let mut asks: Vec<(usize, ThreadId)> = Vec::new();
-        let mut extra = Vec::new();
         for ix in summary.iter() {
-            let (chosen, _, (t, rank, obj, mode)) = self.items[ix as usize];
+            let (chosen, (t, rank, obj, mode)) = self.items[ix as usize];
             let Some(h) = self.objects.get(&(rank, obj)) else {
                 continue;
             };
-            let base = self
-                .last(t)
-                .map(|l| self.trace[l as usize].clock.clone())
-                .unwrap_or_default();
+            let base = self.base(t);
             // The uses it conflicts with that no other such use comes
             // after in the happens-before order: the one that Flanagan and
             // Godefroid's rule picks (the latest that does not happen
@@ -1124,57 +918,8 @@ impl Dpor {
                     .any(|x| x.at > e.at && get(&self.trace[x.at as usize].clock, c) > e.at);
                 if !covered {
                     asks.push((f, chosen));
-                    // Woken code in the prefix: the step that applied its
-                    // call is asked too, as in [`Dpor::scan`].
-                    if let Some(w) = earlier.woken {
-                        extra.push(self.woken_race(w, e, rank, obj));
-                    }
                 }
             }
-        }
-        self.extra_races(extra);
-        // Woken code in the explored future whose call was applied in this
-        // prefix (its thread is blocked here, where it applied the call):
-        // a race with that code asks the decision before the step that
-        // applied the call for the waking step's thread, as in
-        // [`Dpor::scan`], but here the step is in the prefix, where the
-        // state's first exploration had it elsewhere (found by review:
-        // `a_pruned_state_does_not_ask_where_its_woken_code_was_applied`).
-        // A summarized use whose root is not its transition's chosen
-        // thread is such code (or code of a thread it started: the root's
-        // call is the one applied; found by review); it is asked for where
-        // it conflicts with another thread's use, after the state or in
-        // the prefix.
-        let mut applied_asks: Vec<(u32, ThreadId)> = Vec::new();
-        for ix in summary.iter() {
-            let (chosen, root, u) = self.items[ix as usize];
-            let t = u.0;
-            if root == chosen {
-                continue;
-            }
-            if !self.raced.contains(&ix) {
-                continue; // never raced: no apply-site to ask
-            }
-            let Some(b) = self.applied.get(root.0 as usize).copied().flatten() else {
-                continue;
-            };
-            let in_prefix = self
-                .objects
-                .get(&(u.1, u.2))
-                .is_some_and(|h| h.others(t, u.3).next().is_some());
-            let after = in_prefix
-                || summary.iter().any(|jx| {
-                    let v = self.items[jx as usize].2;
-                    v.0 != t && conflict(&u, &v)
-                });
-            if after {
-                applied_asks.push((b, chosen));
-            }
-        }
-        applied_asks.sort_unstable();
-        applied_asks.dedup();
-        for (b, c) in applied_asks {
-            self.race(b, c, &[]);
         }
         asks.sort_unstable();
         asks.dedup();
@@ -1349,8 +1094,6 @@ mod tests {
                     for (o, m) in uses.iter() {
                         d.uses(t, 0, *o, *m);
                     }
-                    // Its call returns at once (a blocked one never sleeps).
-                    d.returned(t);
                     left.retain(|x| *x != t);
                     order.push(t);
                 }

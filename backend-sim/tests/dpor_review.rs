@@ -1,10 +1,11 @@
 //! The search of rank code (`duplex_sim::dpor`) against the search without
 //! reduction, on programs a review of it wrote to break it and on misses
-//! other tests found: two threads woken in one step whose code conflicts
-//! (the search falls back to the search of every order of a rank's
-//! threads), a refused host read (a use all the same), woken code that
-//! can run after a later step of another rank, and a pruned state's
-//! parked calls.
+//! other tests found: two threads woken in one step whose code conflicts,
+//! a refused host read (a use all the same), woken code that can run
+//! after a later step of another rank, and a pruned state's parked calls.
+//! Most were found while the simulator ran woken code inside the step
+//! that woke it; each is kept since woken code became a step of its own
+//! (2026-12-05), which removed the rules they tested.
 use std::sync::{Arc, Mutex};
 
 use duplex::{Place, Transport};
@@ -665,6 +666,126 @@ fn a_sleeper_stays_asleep_past_a_blocked_call_it_would_wake() {
                 panic!("W's code ran before C's write");
             }
             t.join(c)
+        },
+    );
+}
+
+/// Review F (random hunt, seed 9765): rank 1's t1 notifies rank 0 then
+/// sends; rank 1's main sends; both on one stream to rank 0, whose main
+/// receives twice (streams s1 then s0), syncing each, synchronizes and
+/// reads host X; rank 0's t1 awaits the notify and writes X. The order in
+/// which t1's send is matched first (main's first recv gets 110) and main
+/// reads X before t1's await returns is not tried.
+#[test]
+fn a_sleeper_whose_await_blocked_hides_an_order() {
+    both(
+        "sleeper_await_hunt",
+        || Sim::new(2),
+        |t: &SimRank| {
+            let s0 = t.stream("s0")?;
+            let s1 = t.stream("s1")?;
+            if t.rank() == 1 {
+                let s0b = s0.clone();
+                let h = t.spawn("t1", move |t: &SimRank| {
+                    t.notify(0, "n1")?;
+                    let mut b = t.alloc::<u32>(1)?;
+                    t.write(&mut b, &[110])?;
+                    t.send_on(&b, 0, &Place::stream(&s0b))
+                })?;
+                let mut b = t.alloc::<u32>(1)?;
+                t.write(&mut b, &[100])?;
+                t.send_on(&b, 0, &Place::stream(&s0))?;
+                return t.join(h);
+            }
+            let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+            let x1 = x.clone();
+            let h = t.spawn("t1", move |t: &SimRank| {
+                t.await_notify(1, "n1")?;
+                t.write(&mut *x1.lock().expect("no lock across a call"), &[1])
+            })?;
+            let (mut a, mut b) = (t.alloc::<u32>(1)?, t.alloc::<u32>(1)?);
+            t.recv_on(&mut a, 1, &Place::stream(&s1))?;
+            t.sync_stream(&s1)?;
+            t.recv_on(&mut b, 1, &Place::stream(&s0))?;
+            t.sync_stream(&s0)?;
+            t.synchronize()?;
+            let first = t.read(&a)?[0];
+            let v = t.read(&*x.lock().expect("no lock across a call"))?[0];
+            if first == 110 && v == 0 {
+                panic!("main read X before t1's await returned, with t1's message first");
+            }
+            t.join(h)
+        },
+    );
+}
+
+/// Review F's program before it was reduced (random hunt, seed 9765),
+/// which the search missed only once woken code became a step of its own:
+/// rank 0's helper awaits a notify from rank 1, writes host X twice and
+/// reads it, then awaits a notify from its own main and starts a thread
+/// that writes X; main receives twice (each message's stream synced),
+/// writes host Y, notifies the helper, synchronizes, and fails where the
+/// first message was rank 1's helper's and X is not written yet.
+#[test]
+fn a_helper_awaiting_the_other_rank_can_return_after_mains_read() {
+    both(
+        "hunt_9765",
+        || Sim::new(2),
+        |t: &SimRank| {
+            let r = t.rank();
+            let host = Arc::new([
+                Mutex::new(t.alloc::<u32>(1)?),
+                Mutex::new(t.alloc::<u32>(1)?),
+            ]);
+            let s0 = t.stream("s0")?;
+            let s1 = t.stream("s1")?;
+            let fresh = |t: &SimRank, k: u32, n: u32| -> duplex::Result<_> {
+                let mut b = t.alloc::<u32>(1)?;
+                t.write(&mut b, &[100 * t.rank() + 10 * k + n])?;
+                Ok(b)
+            };
+            if r == 1 {
+                let s0b = s0.clone();
+                let h = t.spawn("t1", move |t: &SimRank| {
+                    t.notify(0, "n1")?;
+                    let mut b = t.alloc::<u32>(1)?;
+                    t.write(&mut b, &[110])?;
+                    t.send_on(&b, 0, &Place::stream(&s0b))
+                })?;
+                let b = fresh(t, 0, 0)?;
+                t.send_on(&b, 0, &Place::stream(&s0))?;
+                return t.join(h);
+            }
+            let host1 = host.clone();
+            let h = t.spawn("t1", move |t: &SimRank| {
+                t.await_notify(1, "n1")?;
+                let _ = t.write(&mut *host1[0].lock().expect("no lock across a call"), &[1]);
+                let _ = t.write(&mut *host1[0].lock().expect("no lock across a call"), &[1]);
+                let _ = t.read(&*host1[0].lock().expect("no lock across a call"));
+                t.await_notify(0, "n1")?;
+                let h2 = host1.clone();
+                let hp = t.spawn("helper", move |t: &SimRank| {
+                    t.write(&mut *h2[0].lock().expect("no lock across a call"), &[1])
+                })?;
+                t.join(hp)
+            })?;
+            let mut a = fresh(t, 0, 0)?;
+            t.recv_on(&mut a, 1, &Place::stream(&s1))?;
+            t.sync_stream(&s1)?;
+            let mut b = fresh(t, 0, 1)?;
+            t.recv_on(&mut b, 1, &Place::stream(&s0))?;
+            t.sync_stream(&s0)?;
+            let _ = t.write(&mut *host[1].lock().expect("no lock across a call"), &[1]);
+            t.notify(0, "n1")?;
+            t.synchronize()?;
+            let first = t.read(&a)?[0];
+            let x = t.read(&*host[0].lock().expect("no lock across a call"))?[0];
+            if first == 110 && x == 0 {
+                panic!(
+                    "main read X before the helper's await returned, with rank 1's helper's message first"
+                );
+            }
+            t.join(h)
         },
     );
 }

@@ -655,13 +655,6 @@ impl Sim {
             executions += 1;
             let (ending, strategy, choices, trace) = self.execute(search.strategy(), &f);
             search = Search::back(strategy);
-            if let Search::Dpor(d) = &search
-                && d.unsure()
-            {
-                // Sound, if slower: every order of each rank's threads.
-                search = Search::Dfs(Dfs::verifying());
-                continue;
-            }
             if let (Some(Ending::Mismatch), Some(d)) = (&ending, search.diverged()) {
                 return Err(Failure::Nondeterministic(format!(
                     "execution {executions} of the rank code, made with the same first {} as an earlier one, reached another state there (its threads were told other data, made other calls, or allocated otherwise): Sim::check runs the code again for every interleaving it explores, and needs it to do the same given what the transport returns (no clock, randomness, iteration order of a HashMap, or state kept across executions in a static; an `alloc` refused for memory in one execution and not in another also counts, since the simulator's cap on memory is shared by the tests that run at once)",

@@ -495,67 +495,36 @@ impl World {
     /// Decides who runs next, applying parked calls until some thread must
     /// run user code, the execution is over, or nobody can move.
     pub(crate) fn schedule(&mut self) {
+        // The thread whose step was taken last in this call.
+        let mut just: Option<ThreadId> = None;
         loop {
             if self.over {
                 return;
             }
-            // User code runs eagerly: a thread that has not started, or
-            // whose call can return, runs before any decision. A thread
-            // that code started runs first, right after the code that
-            // started it, as it does in a step of its spawner's own; in
-            // thread order it would run after the code of every thread
-            // that the same step woke, an order no other interleaving
-            // gives (found by review:
-            // `woken_together_only_where_the_search_never_applies_the_calls_first`).
-            let starting = self.ctl.iter().position(|c| matches!(c, Ctl::Starting));
-            for i in starting.into_iter().chain(0..self.ctl.len()) {
-                let t = ThreadId(i as u32);
-                let wake = match &self.ctl[i] {
-                    Ctl::Starting => true,
-                    Ctl::InCall => self.machine.next(t) == Next::Call,
-                    _ => false,
-                };
-                if wake {
-                    let returns = matches!(self.ctl[i], Ctl::InCall);
-                    if let Some(d) = self.dpor() {
-                        if returns {
-                            d.returned(t);
-                        } else {
-                            d.ran(t);
-                        }
-                    }
-                    if returns {
-                        self.ctl[i] = Ctl::Returned(Ok(()));
-                        if let Some((ops, covered)) = self.sync_covers.remove(&t) {
-                            let rank = self.machine.setup().threads[i].rank;
-                            // What the sync completes, for the search
-                            // only: the buffers of the ops it covers.
-                            let searching = matches!(self.explorer, Strategy::Dpor(_));
-                            let mut bufs: Vec<usize> = Vec::new();
-                            if searching {
-                                bufs.extend(
-                                    ops.iter()
-                                        .filter_map(|op| self.unsynced.get(op).map(|u| u.0)),
-                                );
-                            }
-                            for op in ops {
-                                self.forget_unsynced(op);
-                            }
-                            let done = self.orders[rank as usize].synced(covered);
-                            if searching {
-                                bufs.extend(done.into_iter().map(|b| b as usize));
-                            }
-                            // Drain: two syncs' returns commute (what
-                            // they cover only grows), and conflict with
-                            // every access of a buffer they cover.
-                            for b in bufs {
-                                self.note_buffer(t, b, Mode::Drain);
-                            }
-                        }
-                    }
-                    self.running = Some(t);
-                    return;
-                }
+            // A thread that has not started runs its code up to its first
+            // call before any decision: right after the code that started
+            // it, as part of its spawner's step (or, for the threads a
+            // rank starts with, of the execution's start). So does the
+            // thread whose step this was, where its call returned at
+            // once: that is the rest of its step. A thread whose blocked
+            // call another step let return is not run here: its return,
+            // and its code up to its next call, is a step of its own,
+            // which the search takes like any other. Run eagerly, inside
+            // the step that woke it and in thread order, woken code took
+            // orders no real execution forces and missed others (two
+            // threads woken by one step ran in thread order only), and
+            // gave the search of rank code eleven ways to miss an order
+            // (see `crate::dpor`).
+            if let Some(i) = self.ctl.iter().position(|c| matches!(c, Ctl::Starting)) {
+                self.start_thread(ThreadId(i as u32));
+                return;
+            }
+            if let Some(t) = just.take()
+                && matches!(self.ctl[t.0 as usize], Ctl::InCall)
+                && self.machine.next(t) == Next::Call
+            {
+                self.return_call(t);
+                return;
             }
             if self
                 .ctl
@@ -564,9 +533,14 @@ impl World {
             {
                 return; // someone is about to run (a spawner, say)
             }
+            let returnable = self.returnable();
             let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
             let threads = Unknown(&next_call);
-            let enabled = self.machine.runnable(&threads);
+            let mut enabled = self.machine.runnable(&threads);
+            if !returnable.is_empty() {
+                enabled.extend(returnable);
+                enabled.sort_unstable();
+            }
             if enabled.is_empty() {
                 // (The explorer by its field: `threads` holds `ctl`.)
                 if matches!(self.explorer, Strategy::Dpor(_)) {
@@ -639,8 +613,68 @@ impl World {
             if enabled.len() > 1 {
                 self.choices.push(t);
             }
+            if matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(t) == Next::Call {
+                return self.return_call(t);
+            }
             self.step(t);
+            just = Some(t);
         }
+    }
+
+    /// The threads whose blocked call can return now: each can take a
+    /// step (its return and its code up to its next call).
+    fn returnable(&self) -> Vec<ThreadId> {
+        (0..self.ctl.len())
+            .map(|i| ThreadId(i as u32))
+            .filter(|t| {
+                matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(*t) == Next::Call
+            })
+            .collect()
+    }
+
+    /// Thread `t`, created, runs its code up to its first call.
+    fn start_thread(&mut self, t: ThreadId) {
+        if let Some(d) = self.dpor() {
+            d.ran(t);
+        }
+        self.running = Some(t);
+    }
+
+    /// Thread `t`'s call returns (it can: the machine says so); its code
+    /// runs up to its next call.
+    fn return_call(&mut self, t: ThreadId) {
+        let i = t.0 as usize;
+        if let Some(d) = self.dpor() {
+            d.ran(t);
+        }
+        self.ctl[i] = Ctl::Returned(Ok(()));
+        if let Some((ops, covered)) = self.sync_covers.remove(&t) {
+            let rank = self.machine.setup().threads[i].rank;
+            // What the sync completes, for the search only: the buffers
+            // of the ops it covers.
+            let searching = matches!(self.explorer, Strategy::Dpor(_));
+            let mut bufs: Vec<usize> = Vec::new();
+            if searching {
+                bufs.extend(
+                    ops.iter()
+                        .filter_map(|op| self.unsynced.get(op).map(|u| u.0)),
+                );
+            }
+            for op in ops {
+                self.forget_unsynced(op);
+            }
+            let done = self.orders[rank as usize].synced(covered);
+            if searching {
+                bufs.extend(done.into_iter().map(|b| b as usize));
+            }
+            // Drain: two syncs' returns commute (what they cover only
+            // grows), and conflict with every access of a buffer they
+            // cover.
+            for b in bufs {
+                self.note_buffer(t, b, Mode::Drain);
+            }
+        }
+        self.running = Some(t);
     }
 
     /// Applies thread `t`'s parked call, or finishes its handshake.
@@ -983,6 +1017,12 @@ impl World {
         use std::hash::{Hash, Hasher};
         let mut h = xxhash_rust::xxh3::Xxh3Default::new();
         h.write_u128(fingerprint(&self.machine));
+        // A thread whose call can return but has not (its code has not
+        // run) is not one that returned and parked its next call, though
+        // the machine cannot tell them apart.
+        for c in &self.ctl {
+            h.write_u8(matches!(c, Ctl::InCall).into());
+        }
         for o in &self.orders {
             o.digest(&mut h);
         }
