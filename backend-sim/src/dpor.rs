@@ -31,9 +31,13 @@
 //! order, taken from the threads that became enabled in each transition.
 //!
 //! **Races.** Each transition gets a vector clock. When a transition ends,
-//! the latest earlier transition that used one of its objects in a
-//! conflicting mode and does not happen before it is a race: the
-//! transition's chosen thread is added to the choices of the decision
+//! every earlier transition that used one of its objects in a
+//! conflicting mode and does not happen before it is a race (Flanagan and
+//! Godefroid take the latest only; that needs every happens-before edge,
+//! and a parked call that returns at once after another rank's step has
+//! none from it, so a race that only seemed the latest hid the real one:
+//! found by review, `a_call_that_returns_at_once_gets_no_edge_from_the_other_rank`):
+//! the transition's chosen thread is added to the choices of the decision
 //! before that earlier one (or, if it could not move there, the threads that
 //! lead to it, or every thread that could). A call parked when the
 //! execution ends (a hang, a pruned execution aside) is checked the same
@@ -566,11 +570,13 @@ impl Dpor {
     /// conflicting one of another thread that does not happen before it.
     fn pending_race(&mut self, t: ThreadId, rank: Rank, uses: &[(Obj, Mode)], mut clock: Vec<u32>) {
         let base = clock.clone();
-        let mut race = None;
+        let mut race = Vec::new();
         for (obj, mode) in uses {
             self.scan(t, rank, *obj, *mode, &base, &mut clock, &mut race);
         }
-        if let Some(i) = race {
+        race.sort_unstable();
+        race.dedup();
+        for i in race {
             self.race(i, t, &clock);
         }
     }
@@ -633,7 +639,7 @@ impl Dpor {
         mode: Mode,
         base: &[u32],
         clock: &mut Vec<u32>,
-        race: &mut Option<u32>,
+        race: &mut Vec<u32>,
     ) {
         let Some(h) = self.objects.get(&(rank, obj)) else {
             return;
@@ -645,9 +651,7 @@ impl Dpor {
             if get(base, c) > e.at {
                 continue; // happens before
             }
-            if race.is_none_or(|r| r < e.at) {
-                *race = Some(e.at);
-            }
+            race.push(e.at);
         }
     }
 
@@ -671,7 +675,7 @@ impl Dpor {
         let Some(c) = open.chosen else {
             // The threads' start: one event, before every other.
             let mut clock = Vec::new();
-            let mut race = None;
+            let mut race = Vec::new();
             for &(t, rank, obj, mode) in &open.uses {
                 let base = self.base(t);
                 self.scan(t, rank, obj, mode, &base, &mut clock, &mut race);
@@ -746,11 +750,13 @@ impl Dpor {
     fn event(&mut self, t: ThreadId, base: Vec<u32>, frame: Option<usize>, uses: &[Use]) -> u32 {
         let k = self.trace.len() as u32;
         let mut clock = base.clone();
-        let mut race = None;
+        let mut race = Vec::new();
         for &(u, rank, obj, mode) in uses {
             self.scan(u, rank, obj, mode, &base, &mut clock, &mut race);
         }
-        if let Some(i) = race {
+        race.sort_unstable();
+        race.dedup();
+        for i in race {
             self.race(i, t, &base);
         }
         *slot(&mut clock, t) = k + 1;

@@ -789,3 +789,60 @@ fn a_helper_awaiting_the_other_rank_can_return_after_mains_read() {
         },
     );
 }
+
+/// Found by review: rank 0's C reads X (and panics if A has written it);
+/// B reads X, then notifies rank 1, which then sends; A, spawned last,
+/// syncs the stream of the recv that the send completes (or
+/// synchronizes), then writes X. Where A's call returns at once, after
+/// rank 1's send, A gets no happens-before edge from it (only a thread
+/// that becomes enabled does), so A's write seemed to race with B's read,
+/// which happens before it; backtracking only the latest race hid the
+/// real one with C's read. The search now backtracks every racing event.
+#[test]
+fn a_call_that_returns_at_once_gets_no_edge_from_the_other_rank() {
+    for synchronize in [false, true] {
+        both(
+            &format!("at_once synchronize={synchronize}"),
+            || Sim::new(2),
+            move |t: &SimRank| {
+                if t.rank() == 1 {
+                    let b = t.alloc::<u32>(1)?;
+                    t.await_notify(0, "go")?;
+                    t.send(&b, 0)?;
+                    return t.synchronize();
+                }
+                let x = Arc::new(Mutex::new(t.alloc::<u32>(1)?));
+                let sa = t.stream("sA")?;
+                let mut r = t.alloc::<u32>(1)?;
+                t.recv_on(&mut r, 1, &Place::stream(&sa))?;
+                let xc = x.clone();
+                let c = t.spawn("C", move |t: &SimRank| {
+                    t.sync_stream(&t.stream("sC")?)?;
+                    if t.read(&*xc.lock().expect("no lock across a call"))?[0] == 9 {
+                        panic!("C read A's write");
+                    }
+                    Ok(())
+                })?;
+                let xb = x.clone();
+                let b = t.spawn("B", move |t: &SimRank| {
+                    t.sync_stream(&t.stream("sB")?)?;
+                    t.read(&*xb.lock().expect("no lock across a call"))?;
+                    t.notify(1, "go")
+                })?;
+                let xa = x.clone();
+                let a = t.spawn("A", move |t: &SimRank| {
+                    if synchronize {
+                        t.synchronize()?;
+                    } else {
+                        t.sync_stream(&sa)?;
+                    }
+                    t.write(&mut *xa.lock().expect("no lock across a call"), &[9])
+                })?;
+                drop(x);
+                t.join(a)?;
+                t.join(b)?;
+                t.join(c)
+            },
+        );
+    }
+}
