@@ -581,14 +581,16 @@ impl Dpor {
         }
     }
 
+    /// Thread `t`'s last transition.
+    fn last(&self, t: ThreadId) -> Option<u32> {
+        self.last.get(t.0 as usize).copied().flatten()
+    }
+
     /// What happens before thread `t`'s next transition: its last one,
     /// and the transitions that enabled it since.
     fn base(&self, t: ThreadId) -> Vec<u32> {
         let mut clock = self
-            .last
-            .get(t.0 as usize)
-            .copied()
-            .flatten()
+            .last(t)
             .map(|l| self.trace[l as usize].clock.clone())
             .unwrap_or_default();
         if let Some(e) = self.enablers.get(t.0 as usize) {
@@ -825,7 +827,7 @@ impl Dpor {
                             && r == rank
                             && uses.iter().any(|(o, m)| o == obj && m.conflicts(*mode))
                     })
-                    .filter_map(|(u, ..)| self.last.get(u.0 as usize).copied().flatten())
+                    .filter_map(|(u, ..)| self.last(*u))
                     .max();
                 if let Some(i) = hit {
                     let clock = self.trace[i as usize].clock.clone();

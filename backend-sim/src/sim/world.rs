@@ -520,8 +520,7 @@ impl World {
                 return;
             }
             if let Some(t) = just.take()
-                && matches!(self.ctl[t.0 as usize], Ctl::InCall)
-                && self.machine.next(t) == Next::Call
+                && self.can_return(t)
             {
                 self.return_call(t);
                 return;
@@ -613,7 +612,7 @@ impl World {
             if enabled.len() > 1 {
                 self.choices.push(t);
             }
-            if matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(t) == Next::Call {
+            if self.can_return(t) {
                 return self.return_call(t);
             }
             self.step(t);
@@ -626,10 +625,13 @@ impl World {
     fn returnable(&self) -> Vec<ThreadId> {
         (0..self.ctl.len())
             .map(|i| ThreadId(i as u32))
-            .filter(|t| {
-                matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(*t) == Next::Call
-            })
+            .filter(|t| self.can_return(*t))
             .collect()
+    }
+
+    /// Whether thread `t` is in a call that can return now.
+    fn can_return(&self, t: ThreadId) -> bool {
+        matches!(self.ctl[t.0 as usize], Ctl::InCall) && self.machine.next(t) == Next::Call
     }
 
     /// Thread `t`, created, runs its code up to its first call.
