@@ -381,9 +381,13 @@ fn report_failure(failure: &Failure, json: bool, key: &str) {
     }
 }
 
-/// The largest schedule file duplex reads: 1 GiB (the largest example
-/// the checker was measured on, a 4,096-rank all-to-all, is 9 MB).
-const MAX_FILE_BYTES: u64 = 1 << 30;
+/// The largest schedule file duplex reads: 256 MiB. The largest program
+/// the checker was measured on, a 4,096-rank all-to-all, is 9 MB; the
+/// parsed program and the checker's state take about 14 to 19 times the
+/// file's size (a 6.5 MB ring of 1,024 ranks: 91 MB resident), so the
+/// bound keeps a refused file, or one just under it, within a laptop's
+/// memory (about 5 GB at the bound, where 1 GiB allowed some 19 GB).
+const MAX_FILE_BYTES: u64 = 256 << 20;
 
 /// Reads and parses a schedule file (`-`: standard input).
 fn load(file: &str) -> Result<duplex::schedule::Program, Failure> {

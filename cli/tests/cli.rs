@@ -1685,3 +1685,50 @@ fn from_env(file: &str, envs: &[(&str, &str)]) -> std::process::Output {
         .output()
         .expect("the duplex binary runs")
 }
+
+/// A file past the 256 MiB bound is refused before it is parsed, by its
+/// size where it is a regular file (a sparse one here: nothing is read)
+/// and after the bound where it comes through a pipe, in text and JSON.
+#[test]
+fn a_file_past_the_bound_is_refused_before_it_is_parsed() {
+    let bound = 256u64 << 20;
+    let big = tempdir().join("big.sched");
+    let f = std::fs::File::create(&big).expect("create");
+    f.set_len(bound + 1).expect("a sparse file");
+    drop(f);
+    let path = big.to_str().expect("utf-8 path");
+    let out = duplex(&["check", path]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is larger than 256MiB"), "{stderr}");
+    let out = duplex(&["check", path, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let json = json_of(&out);
+    assert_eq!(json["verdict"], "invalid", "{json}");
+    assert_eq!(json["error"]["kind"], "read", "{json}");
+    let message = json["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("larger than 256MiB"), "{json}");
+    // Just at the bound the file is read: here it is all zero bytes, which
+    // the parser refuses as text that is not a schedule, not by its size.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&big)
+        .expect("open");
+    f.set_len(bound).expect("truncate");
+    drop(f);
+    let out = duplex(&["check", path]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(!stderr.contains("is larger than"), "{stderr}");
+    std::fs::remove_file(&big).expect("remove");
+    // Through a pipe, one byte past the bound.
+    let mut input = b"ranks 2\n".to_vec();
+    input.resize(bound as usize + 1, b'#');
+    let out = duplex_with_stdin(&["check", "-"], &input);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("standard input is larger than 256MiB"),
+        "{stderr}"
+    );
+}
