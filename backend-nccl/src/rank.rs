@@ -2067,8 +2067,17 @@ impl Transport for NcclRank {
     #[track_caller]
     fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let at = Location::caller();
-        if self.group.borrow().is_some() {
-            return f();
+        // (The borrow ends here: `f` issues into the group.)
+        let open = self.group.borrow().as_ref().map(|reqs| reqs.len());
+        if let Some(mark) = open {
+            // Nested groups flatten, as in NCCL; what a nested group's
+            // closure issued is dropped if it fails (or panics), so that
+            // nothing of a failed group is launched.
+            return check::nested_group(f, || {
+                if let Some(reqs) = self.group.borrow_mut().as_mut() {
+                    reqs.truncate(mark);
+                }
+            });
         }
         *self.group.borrow_mut() = Some(Reqs::new());
         // A panic in `f` that the code catches closes the group, dropping

@@ -285,6 +285,40 @@ fn failures_name_threads_and_the_calls_that_led_there() {
     }
 }
 
+/// A size mismatch between ops of groups names each op's own line, not
+/// its group's: in a group of two sends, the one at fault.
+#[test]
+fn a_mismatch_in_a_group_names_the_ops_own_line() {
+    let line = std::sync::OnceLock::new();
+    let e = Sim::new(2).check(|t| {
+        let peer = 1 - t.rank();
+        let a = t.alloc::<u8>(4)?;
+        let b = t.alloc::<u8>(4 + t.rank() as usize)?;
+        let mut c = t.alloc::<u8>(4)?;
+        let mut d = t.alloc::<u8>(4)?;
+        t.group(|| {
+            t.send(&a, peer)?;
+            line.get_or_init(|| std::panic::Location::caller().line() + 1);
+            t.send(&b, peer)?;
+            t.recv(&mut c, peer)?;
+            t.recv(&mut d, peer)
+        })?;
+        t.synchronize()
+    });
+    let e = e.expect_err("the second sends' sizes differ");
+    let text = e.to_string();
+    assert!(text.contains("size mismatch"), "{text}");
+    let at = |l: u32| format!("backend-sim/tests/sim.rs:{l}:");
+    let send = *line.get().expect("ran");
+    assert!(text.contains(&at(send)), "names the second send:\n{text}");
+    // The recv it meets is two lines further down.
+    assert!(
+        text.contains(&at(send + 2)),
+        "names the second recv:\n{text}"
+    );
+    assert!(!text.contains(&at(send - 1)), "not the first send:\n{text}");
+}
+
 #[test]
 fn a_group_past_the_models_bound_is_refused_not_numbered_wrong() {
     // The model numbers a launch's ops in 16 bits (`MAX_LAUNCH_OPS`): one
@@ -758,6 +792,57 @@ fn a_buffer_from_another_run_is_refused() {
         })
         .expect_err("the send of a stale buffer");
     assert!(failure.to_string().contains("another run"), "{failure}");
+}
+
+/// So are a stream, an event, a communicator (a lane's) and a thread kept
+/// from another execution: each would name one of this execution's by its
+/// number (a stale stream's sync acted on this run's stream of that number).
+#[test]
+fn streams_events_comms_and_threads_from_another_run_are_refused() {
+    use duplex_sim::sim::{SimEvent, SimStream, SimThread};
+    use std::sync::Mutex;
+    type Kept = (SimStream, SimEvent, duplex::Lane<SimRank>, SimThread);
+    static KEPT: Mutex<Option<Kept>> = Mutex::new(None);
+    let make = |t: &SimRank| -> duplex::Result<()> {
+        let s = t.stream("a")?;
+        let e = t.event()?;
+        let lane = t.lane(0, Dir::Send)?;
+        let th = t.spawn("helper", |_: &SimRank| Ok(()))?;
+        *KEPT.lock().unwrap() = Some((s, e, lane, th));
+        Ok(())
+    };
+    Sim::new(1).run(0, make).expect("the first run");
+    Sim::new(1)
+        .run(0, |t: &SimRank| {
+            // This run's own, with the same numbers as the kept ones.
+            let mine = t.stream("a")?;
+            let _event = t.event()?;
+            let (s, e, lane, th) = KEPT.lock().unwrap().take().expect("kept");
+            let b = t.alloc::<u8>(4)?;
+            let place = Place::on(&lane.comm, &mine);
+            let refused = [
+                ("sync_stream", t.sync_stream(&s)),
+                ("record", t.record(&e, &mine)),
+                ("wait", t.wait(&e, &mine)),
+                ("with_stream", t.with_stream(&s, || Ok(()))),
+                ("send_on a stale comm", t.send_on(&b, 0, &place)),
+                (
+                    "send_on a stale stream",
+                    t.send_on(&b, 0, &Place::stream(&s)),
+                ),
+                ("join", t.join(th)),
+            ];
+            for (what, r) in refused {
+                let e = r.expect_err(what);
+                assert!(
+                    matches!(e, Error::Invalid { .. }) && e.to_string().contains("another run"),
+                    "{what}: {e}"
+                );
+            }
+            // The run's own objects still work.
+            t.sync_stream(&mine)
+        })
+        .expect("every stale object refused, the run goes on");
 }
 
 /// A panic the rank code catches inside `group` or `with_stream` does not

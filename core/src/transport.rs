@@ -200,9 +200,11 @@ pub trait Transport: Sized + Send + 'static {
     }
     /// Runs `f` and launches the sends and recvs it issues as one group (R8):
     /// they progress independently, so a send and a recv in one group cannot
-    /// deadlock each other. Nothing is launched if `f` fails. The ops are
-    /// launched when `f` returns, as NCCL launches a group at
-    /// `ncclGroupEnd`: a `synchronize` inside `f` does not wait for them,
+    /// deadlock each other. If `f` fails (or panics), nothing it issued is
+    /// launched. A group inside another joins it, as NCCL flattens nested
+    /// groups: its ops are launched with the outer group's, and dropped
+    /// alone if its own `f` fails. The ops are launched when the outermost
+    /// `f` returns, as NCCL launches a group at `ncclGroupEnd`: a `synchronize` inside `f` does not wait for them,
     /// and a host `read` or `write` inside `f` of a buffer one of them
     /// uses fails with [`Error::Race`](crate::Error::Race).
     fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R>;
@@ -382,6 +384,22 @@ pub mod check {
                 "{what} of a buffer that `{op}` of the open group uses: a group's ops are launched when the group ends; read or write it after the group, once a synchronize has waited for them"
             ),
         })
+    }
+
+    /// A group inside another: runs `f`, whose ops join the outer group (as
+    /// NCCL flattens nested groups), and calls `drop_ops` to take back what
+    /// `f` issued if it fails or panics, so that nothing of a failed group
+    /// is launched, nested or not.
+    pub fn nested_group<R>(f: impl FnOnce() -> Result<R>, mut drop_ops: impl FnMut()) -> Result<R> {
+        let kept = std::cell::Cell::new(false);
+        let _undo = OnDrop(|| {
+            if !kept.get() {
+                drop_ops();
+            }
+        });
+        let result = f();
+        kept.set(result.is_ok());
+        result
     }
 
     /// Runs its closure when dropped, unwinding included: what a backend's

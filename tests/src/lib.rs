@@ -314,6 +314,14 @@ pub fn scenarios<T: Transport>() -> Vec<Scenario<T>> {
             read_inside_group::<T>,
         ),
         s(
+            "group/nested-fails",
+            "a group nested in another whose closure fails: the send it issued is dropped, the outer group's exchange is launched and every byte arrives",
+            2,
+            Shared,
+            Completes,
+            nested_group_fails::<T>,
+        ),
+        s(
             "events",
             "a recv on one stream, an event, and a send of the received data on another stream",
             2,
@@ -999,6 +1007,30 @@ pub fn pipeline_1f1b<T: Transport>(t: &T) -> Result<()> {
 pub fn grouped<T: Transport>(t: &T) -> Result<()> {
     let out = filled(t, 1 - t.rank(), 5)?;
     exchange_grouped(t, &out, 5)
+}
+
+/// A group nested in another whose closure fails: what it issued is
+/// dropped and the outer group's ops are launched. Were the nested send
+/// launched, the peer's recv would meet it first (wrong data), and the
+/// exchange's send would be left without a recv (a hang).
+pub fn nested_group_fails<T: Transport>(t: &T) -> Result<()> {
+    let peer = 1 - t.rank();
+    let extra = filled(t, peer, 13)?;
+    let out = filled(t, peer, 14)?;
+    let mut inb = t.alloc::<u32>(len())?;
+    t.group(|| {
+        let inner = t.group(|| {
+            t.send(&extra, peer)?;
+            Err::<(), _>(Error::User("the nested group's closure fails".into()))
+        });
+        if inner.is_ok() {
+            return Err(Error::User("the nested group's error was lost".into()));
+        }
+        t.send(&out, peer)?;
+        t.recv(&mut inb, peer)
+    })?;
+    t.synchronize()?;
+    check(t, &inb, peer, 14)
 }
 
 /// Sends `out` (the message with `tag`) to the peer and receives the

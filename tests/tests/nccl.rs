@@ -387,10 +387,11 @@ fn the_suite_names_only_scenarios_it_has() {
 }
 
 /// The jobs run with one process per rank (`Process`, configured from the
-/// variables torchrun sets): seven scenarios that must complete (three
+/// variables torchrun sets): eight scenarios that must complete (three
 /// make a call that must fail with a race first: a read inside a group, a
 /// send on another stream than its data's recv with no event between, a
-/// group that sends and receives one buffer; one sends on one thread
+/// group that sends and receives one buffer; one has a nested group whose
+/// closure fails, so its send must not be launched; one sends on one thread
 /// while another splits; one while another waits in a handshake), three
 /// that must hang (one after 5,000
 /// exchanges, whose traces are cut where each rank is quiet, one through
@@ -400,13 +401,14 @@ fn the_suite_names_only_scenarios_it_has() {
 /// gave up waiting for it (the receiver's end check must fail it), and
 /// one whose rank 1 works on long after rank 0's code returned, and one
 /// whose rank 0 returns without joining the thread that sends.
-const PROCESS_JOBS: [&str; 20] = [
+const PROCESS_JOBS: [&str; 21] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
     "peer-dies",
     "long-then-seed/shared",
     "group/read-inside",
+    "group/nested-fails",
     "events/missing",
     "events/host-read",
     "dtype/half",

@@ -857,12 +857,14 @@ impl Sim {
         let shared = Arc::new(Shared {
             world: Mutex::new(world),
         });
+        let run = shared.lock().run;
         std::thread::scope(|scope| {
             for r in 0..self.ranks {
                 let handle = SimRank::new(
                     shared.clone(),
                     r,
                     ThreadId(r),
+                    run,
                     self.ranks,
                     self.policy,
                     lanes.clone(),

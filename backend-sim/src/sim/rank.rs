@@ -41,6 +41,14 @@ impl<E> Drop for SimBuffer<E> {
 /// Why a buffer of another execution is refused.
 const STALE: &str = "the buffer was made by another run or execution of the simulator (each execution starts with no buffers: allocate them in the rank code)";
 
+/// Why a stream, event, communicator or thread of another execution is
+/// refused: its number could name one of this execution's.
+fn stale(what: &str) -> String {
+    format!(
+        "the {what} was made by another run or execution of the simulator (each execution starts with none: make it in the rank code)"
+    )
+}
+
 impl<E> DeviceBuffer for SimBuffer<E> {
     fn len(&self) -> usize {
         self.len
@@ -52,6 +60,8 @@ impl<E> DeviceBuffer for SimBuffer<E> {
 pub struct SimStream {
     id: StreamId,
     rank: Rank,
+    /// The execution that made it ([`World::run`]).
+    run: u64,
 }
 
 /// A simulated event.
@@ -59,18 +69,24 @@ pub struct SimStream {
 pub struct SimEvent {
     id: EventId,
     rank: Rank,
+    /// The execution that made it ([`World::run`]).
+    run: u64,
 }
 
 /// A simulated communicator.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimComm {
     id: CommId,
+    /// The execution that made it ([`World::run`]).
+    run: u64,
 }
 
 /// A host thread started by [`SimRank::spawn`](Transport::spawn).
 #[derive(Debug)]
 pub struct SimThread {
     id: ThreadId,
+    /// The execution that started it ([`World::run`]).
+    run: u64,
 }
 
 /// One host thread's handle on a simulated rank.
@@ -79,6 +95,9 @@ pub struct SimRank {
     shared: Arc<Shared>,
     rank: Rank,
     thread: ThreadId,
+    /// The execution ([`World::run`]): what its streams, events,
+    /// communicators and threads carry.
+    run: u64,
     world_size: u32,
     policy: Policy,
     lanes: Arc<Lanes>,
@@ -122,6 +141,7 @@ impl SimRank {
         shared: Arc<Shared>,
         rank: Rank,
         thread: ThreadId,
+        run: u64,
         world_size: u32,
         policy: Policy,
         lanes: Arc<Lanes>,
@@ -130,6 +150,7 @@ impl SimRank {
             shared,
             rank,
             thread,
+            run,
             world_size,
             policy,
             lanes,
@@ -170,6 +191,16 @@ impl SimRank {
         let Some((lane_comm, lane_stream, _)) = lane else {
             return check::invalid(at, format!("{what}: no lane toward rank {peer}"));
         };
+        if let Some(c) = &place.comm
+            && c.run != self.run
+        {
+            return check::invalid(at, format!("{what}: {}", stale("communicator")));
+        }
+        if let Some(s) = &place.stream
+            && s.run != self.run
+        {
+            return check::invalid(at, format!("{what}: {}", stale("stream")));
+        }
         if let Some(s) = &place.stream
             && s.rank != self.rank
         {
@@ -237,7 +268,7 @@ impl SimRank {
             grouped = self.group.borrow().is_some(),
         )
         .entered();
-        let spec = OpSpec {
+        let mut spec = OpSpec {
             dir,
             peer,
             bytes: (buf.len * E::DTYPE.size()) as u64,
@@ -246,8 +277,13 @@ impl SimRank {
             stream,
             origin: None,
         };
-        if let Some(ops) = self.group.borrow_mut().as_mut() {
-            ops.push((spec, used, what));
+        if self.group.borrow().is_some() {
+            // An op of a group is reported at its own line, not the
+            // group's: a group of several sends names the one at fault.
+            spec.origin = Some(self.origin(at, what.clone())?);
+            if let Some(ops) = self.group.borrow_mut().as_mut() {
+                ops.push((spec, used, what));
+            }
             return Ok(());
         }
         let origin = self.origin(at, what)?;
@@ -274,7 +310,9 @@ impl SimRank {
     }
 
     fn check_stream(&self, at: &Location<'_>, s: &SimStream) -> Result<()> {
-        if s.rank == self.rank {
+        if s.run != self.run {
+            check::invalid(at, stale("stream"))
+        } else if s.rank == self.rank {
             Ok(())
         } else {
             check::invalid(
@@ -491,6 +529,7 @@ impl Transport for SimRank {
         Ok(SimStream {
             id,
             rank: self.rank,
+            run: self.run,
         })
     }
 
@@ -531,11 +570,16 @@ impl Transport for SimRank {
             (k, id)
         };
         self.split_barrier(at, k, name)?;
-        Ok(members.contains(&self.rank).then_some(SimComm { id }))
+        Ok(members
+            .contains(&self.rank)
+            .then_some(SimComm { id, run: self.run }))
     }
 
     fn world(&self) -> SimComm {
-        SimComm { id: CommId(0) }
+        SimComm {
+            id: CommId(0),
+            run: self.run,
+        }
     }
 
     #[track_caller]
@@ -548,10 +592,14 @@ impl Transport for SimRank {
         match lane {
             Some((comm, stream, name)) => Ok(Lane {
                 name,
-                comm: SimComm { id: comm },
+                comm: SimComm {
+                    id: comm,
+                    run: self.run,
+                },
                 stream: SimStream {
                     id: stream,
                     rank: self.rank,
+                    run: self.run,
                 },
             }),
             None => check::invalid(
@@ -597,8 +645,17 @@ impl Transport for SimRank {
     #[track_caller]
     fn group<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let at = Location::caller();
-        if self.group.borrow().is_some() {
-            return f(); // nested groups flatten, as in NCCL
+        // (The borrow ends here: `f` issues into the group.)
+        let open = self.group.borrow().as_ref().map(|ops| ops.len());
+        if let Some(mark) = open {
+            // Nested groups flatten, as in NCCL; what a nested group's
+            // closure issued is dropped if it fails (or panics), so that
+            // nothing of a failed group is launched.
+            return check::nested_group(f, || {
+                if let Some(ops) = self.group.borrow_mut().as_mut() {
+                    ops.truncate(mark);
+                }
+            });
         }
         *self.group.borrow_mut() = Some(Vec::new());
         // A panic in `f` that the code catches closes the group, dropping
@@ -648,6 +705,7 @@ impl Transport for SimRank {
         Ok(SimEvent {
             id,
             rank: self.rank,
+            run: self.run,
         })
     }
 
@@ -655,6 +713,9 @@ impl Transport for SimRank {
     fn record(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
         let at = Location::caller();
         self.check_stream(at, stream)?;
+        if event.run != self.run {
+            return check::invalid(at, stale("event"));
+        }
         if event.rank != self.rank {
             return check::invalid(
                 at,
@@ -676,6 +737,9 @@ impl Transport for SimRank {
     fn wait(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
         let at = Location::caller();
         self.check_stream(at, stream)?;
+        if event.run != self.run {
+            return check::invalid(at, stale("event"));
+        }
         if event.rank != self.rank {
             return check::invalid(
                 at,
@@ -788,6 +852,7 @@ impl Transport for SimRank {
             self.shared.clone(),
             self.rank,
             id,
+            self.run,
             self.world_size,
             self.policy,
             self.lanes.clone(),
@@ -804,7 +869,7 @@ impl Transport for SimRank {
         match started {
             Ok(os) => {
                 w.os_threads.push(os);
-                Ok(SimThread { id })
+                Ok(SimThread { id, run: self.run })
             }
             Err(e) => {
                 // The thread will never make its calls: the execution ends
@@ -825,6 +890,9 @@ impl Transport for SimRank {
 
     #[track_caller]
     fn join(&self, thread: SimThread) -> Result<()> {
+        if thread.run != self.run {
+            return check::invalid(Location::caller(), stale("thread"));
+        }
         let origin = self.origin(Location::caller(), "join".into())?;
         self.call(
             HostCall::Join {
