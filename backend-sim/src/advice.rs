@@ -17,6 +17,7 @@
 //! printed repair never trades one problem for another. Each is a list of
 //! concrete edits to the file, by line.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use duplex::compile::compile_under;
@@ -312,6 +313,8 @@ pub fn repairs(
     flag: Option<&PolicyFlag>,
 ) -> Vec<Repair> {
     let mut candidates: Vec<(String, Program, Vec<Edit>)> = Vec::new();
+    let lines = source.map(Lines::new);
+    let lines = lines.as_ref();
     if program.policy == Policy::Shared {
         let mut p = program.clone();
         p.policy = Policy::PerDirection;
@@ -357,32 +360,38 @@ pub fn repairs(
     // one-line statements on one thread that starts at a pending op (the
     // op the rank is stuck at and the one after it), else the first that
     // ends at one.
-    let pending_lines: Vec<(u32, u32)> = stuck
+    // (Sets, and one pass over the threads: a hang across thousands of
+    // ranks made this loop quadratic, and more.)
+    let pending_lines: HashSet<(u32, u32)> = stuck
         .ops
         .iter()
         .filter_map(|o| o.line.map(|l| (o.rank, l)))
         .collect();
-    let mut pairs: Vec<(usize, usize)> = Vec::new(); // (thread, first statement)
-    for rank in &ranks {
-        'thread: for (ti, t) in program.threads.iter().enumerate() {
-            if t.rank != *rank {
-                continue;
-            }
-            let pending = |s: &Stmt| pending_lines.contains(&(*rank, s.line.0));
-            let opposite = |i: usize| {
-                matches!((&t.body[i].kind, &t.body[i + 1].kind),
-                    (StmtKind::Op(x), StmtKind::Op(y)) if x.dir != y.dir)
-            };
-            let n = t.body.len().saturating_sub(1);
-            let first = (0..n)
-                .find(|&i| opposite(i) && pending(&t.body[i]))
-                .or_else(|| (0..n).find(|&i| opposite(i) && pending(&t.body[i + 1])));
-            if let Some(i) = first {
-                pairs.push((ti, i));
-                break 'thread;
-            }
+    // Per rank of the hang, the pair of its first thread that has one.
+    let mut first_pair: HashMap<u32, (usize, usize)> = HashMap::new();
+    for (ti, t) in program.threads.iter().enumerate() {
+        let rank = t.rank;
+        if ranks.binary_search(&rank).is_err() || first_pair.contains_key(&rank) {
+            continue;
+        }
+        let pending = |s: &Stmt| pending_lines.contains(&(rank, s.line.0));
+        let opposite = |i: usize| {
+            matches!((&t.body[i].kind, &t.body[i + 1].kind),
+                (StmtKind::Op(x), StmtKind::Op(y)) if x.dir != y.dir)
+        };
+        let n = t.body.len().saturating_sub(1);
+        let first = (0..n)
+            .find(|&i| opposite(i) && pending(&t.body[i]))
+            .or_else(|| (0..n).find(|&i| opposite(i) && pending(&t.body[i + 1])));
+        if let Some(i) = first {
+            first_pair.insert(rank, (ti, i));
         }
     }
+    // (thread, first statement), in the order of the ranks
+    let pairs: Vec<(usize, usize)> = ranks
+        .iter()
+        .filter_map(|r| first_pair.get(r).copied())
+        .collect();
     if !pairs.is_empty() {
         let mut p = program.clone();
         let mut edits = Vec::new();
@@ -394,8 +403,8 @@ pub fn repairs(
             };
             let group = StmtKind::Group(vec![x.clone(), y.clone()]);
             let (ta, tb) = (
-                written(source, a.line, &a.kind),
-                written(source, b.line, &b.kind),
+                written(lines, a.line, &a.kind),
+                written(lines, b.line, &b.kind),
             );
             edits.push(Edit::Replace {
                 line: a.line.0,
@@ -448,8 +457,8 @@ pub fn repairs(
                 p,
                 {
                     let (ta, tb) = (
-                        written(source, a.line, &a.kind),
-                        written(source, b.line, &b.kind),
+                        written(lines, a.line, &a.kind),
+                        written(lines, b.line, &b.kind),
                     );
                     vec![
                         Edit::Replace {
@@ -467,7 +476,7 @@ pub fn repairs(
             ));
         }
     }
-    if let Some(c) = separate_comm(program, source) {
+    if let Some(c) = separate_comm(program, source, lines) {
         candidates.push(c);
     }
     candidates
@@ -526,11 +535,52 @@ pub fn apply(source: &str, edits: &[Edit]) -> Result<String, String> {
     Ok(out)
 }
 
-/// The statement on `line` of `source` as written (comment and
+/// A file's lines by number, found without a vector of every line (a file
+/// of 200 million blank lines took 5 GB that way) and without reading the
+/// file from its start for each (which made the advice quadratic in the
+/// ops it edits): a mark at the first line start after every 64 KiB, so
+/// that finding a line reads at most 64 KiB and the line itself.
+struct Lines<'a> {
+    text: &'a str,
+    /// (line number from 1, the byte where it starts), ascending.
+    marks: Vec<(u32, usize)>,
+}
+
+impl<'a> Lines<'a> {
+    const SPAN: usize = 64 << 10;
+
+    fn new(text: &'a str) -> Lines<'a> {
+        let mut marks = vec![(1, 0)];
+        let mut line = 1u32;
+        let mut next = Self::SPAN;
+        for (i, b) in text.bytes().enumerate() {
+            if b == b'\n' {
+                line = line.saturating_add(1);
+                if i + 1 >= next {
+                    marks.push((line, i + 1));
+                    next = i + 1 + Self::SPAN;
+                }
+            }
+        }
+        Lines { text, marks }
+    }
+
+    /// Line `n` (from 1) as [`str::lines`] gives it; `None` past the end.
+    fn get(&self, n: u32) -> Option<&'a str> {
+        let k = self
+            .marks
+            .partition_point(|(l, _)| *l <= n)
+            .checked_sub(1)?;
+        let (first, at) = self.marks[k];
+        self.text[at..].lines().nth((n - first) as usize)
+    }
+}
+
+/// The statement on `line` of the file as written (comment and
 /// indentation dropped), else `fallback`.
-fn written(source: Option<&str>, line: Line, fallback: &StmtKind) -> String {
-    source
-        .and_then(|s| s.lines().nth((line.0 as usize).checked_sub(1)?))
+fn written(lines: Option<&Lines<'_>>, line: Line, fallback: &StmtKind) -> String {
+    lines
+        .and_then(|s| s.get(line.0))
         .map(|l| l.split('#').next().unwrap_or("").trim().to_string())
         .filter(|l| !l.is_empty())
         .unwrap_or_else(|| fallback.to_string())
@@ -547,37 +597,33 @@ fn edit_line(e: &Edit) -> u32 {
 /// line, or inserts one after `ranks`; `None` when the file's line says
 /// so already (a `--policy` on the command line overrode it).
 fn policy_edit(source: Option<&str>) -> Option<Edit> {
-    let lines: Vec<(u32, &str)> = source
-        .map(|s| {
-            s.lines()
-                .enumerate()
-                .map(|(i, l)| {
-                    // A byte-order mark, which the parser skips, is not
-                    // text of the first line.
-                    let l = if i == 0 {
-                        l.trim_start_matches('\u{feff}')
-                    } else {
-                        l
-                    };
-                    (i as u32 + 1, l.split('#').next().unwrap_or("").trim())
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    if let Some((n, l)) = lines.iter().find(|(_, l)| l.starts_with("policy")) {
-        if l.split_whitespace().collect::<Vec<_>>() == ["policy", "per-direction"] {
-            return None;
+    // One pass, keeping no line but the `ranks` one's number.
+    let mut after = None;
+    for (i, l) in source.into_iter().flat_map(str::lines).enumerate() {
+        // A byte-order mark, which the parser skips, is not text of the
+        // first line.
+        let l = if i == 0 {
+            l.trim_start_matches('\u{feff}')
+        } else {
+            l
+        };
+        let l = l.split('#').next().unwrap_or("").trim();
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        if l.starts_with("policy") {
+            if l.split_whitespace().eq(["policy", "per-direction"]) {
+                return None;
+            }
+            return Some(Edit::Replace {
+                line: n,
+                old: l.to_string(),
+                new: "policy per-direction".into(),
+            });
         }
-        return Some(Edit::Replace {
-            line: *n,
-            old: l.to_string(),
-            new: "policy per-direction".into(),
-        });
+        if after.is_none() && l.starts_with("ranks") {
+            after = Some(n);
+        }
     }
-    let after = lines
-        .iter()
-        .find(|(_, l)| l.starts_with("ranks"))
-        .map_or(0, |(n, _)| *n);
+    let after = after.unwrap_or(0);
     Some(Edit::Insert {
         after,
         new: "policy per-direction".into(),
@@ -597,9 +643,13 @@ fn explicit_comm(op: &P2p) -> Option<&str> {
 /// For explicitly placed traffic between two ranks that shares one
 /// communicator in both directions: a communicator and a stream of their
 /// own for the direction from the higher rank to the lower.
-fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Program, Vec<Edit>)> {
+fn separate_comm(
+    program: &Program,
+    source: Option<&str>,
+    lines: Option<&Lines<'_>>,
+) -> Option<(String, Program, Vec<Edit>)> {
     // The first explicit communicator used in both directions by one pair.
-    let mut uses: Vec<(String, u32, u32)> = Vec::new(); // (comm, src, dst)
+    let mut uses: Vec<(&str, u32, u32)> = Vec::new(); // (comm, src, dst)
     for t in &program.threads {
         for s in &t.body {
             if let StmtKind::Op(op) = &s.kind
@@ -609,14 +659,14 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
                     Dir::Send => (t.rank, op.peer),
                     Dir::Recv => (op.peer, t.rank),
                 };
-                uses.push((c.to_string(), src, dst));
+                uses.push((c, src, dst));
             }
         }
     }
-    let (comm, a, b) = uses.iter().find_map(|(c, s, d)| {
-        uses.iter()
-            .any(|(c2, s2, d2)| c2 == c && s2 == d && d2 == s)
-            .then(|| (c.clone(), (*s).min(*d), (*s).max(*d)))
+    let used: HashSet<(&str, u32, u32)> = uses.iter().copied().collect();
+    let (comm, a, b) = uses.iter().find_map(|&(c, s, d)| {
+        used.contains(&(c, d, s))
+            .then(|| (c.to_string(), s.min(d), s.max(d)))
     })?;
     let new_comm = format!("{comm}-{b}to{a}");
     if program.comms.iter().any(|c| c.name == new_comm) || new_comm.len() > MAX_WORD {
@@ -647,7 +697,7 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
                 stream: Some(stream.into()),
                 ..op.clone()
             };
-            let old = written(source, s.line, &s.kind);
+            let old = written(lines, s.line, &s.kind);
             s.kind = StmtKind::Op(moved);
             edits.push(Edit::Replace {
                 line: s.line.0,
@@ -702,6 +752,35 @@ fn separate_comm(program: &Program, source: Option<&str>) -> Option<(String, Pro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Lines::get` gives what `str::lines().nth` does, across its marks,
+    /// with `\r\n`, a last line with no newline, long lines and empty ones.
+    #[test]
+    fn lines_by_number_are_those_of_str_lines() {
+        let long = "x".repeat(Lines::SPAN + 17);
+        let mut text = String::new();
+        for i in 0..40_000u32 {
+            match i % 7 {
+                0 => text.push('\n'),
+                1 => text.push_str("  send 1 4KiB\r\n"),
+                2 if i % 1_000 == 2 => {
+                    text.push_str(&long);
+                    text.push('\n');
+                }
+                _ => text.push_str(&format!("line {i}\n")),
+            }
+        }
+        text.push_str("last, with no newline");
+        for t in [text.as_str(), "", "\n", "a", "a\n\nb"] {
+            let lines = Lines::new(t);
+            let all: Vec<&str> = t.lines().collect();
+            for n in 0..=all.len() as u32 + 2 {
+                let want = n.checked_sub(1).and_then(|i| all.get(i as usize)).copied();
+                assert_eq!(lines.get(n), want, "line {n}");
+            }
+        }
+        assert!(Lines::new(&text).marks.len() > 10, "the text spans marks");
+    }
 
     #[test]
     fn lazy_connect_matters_unless_every_op_is_on_a_per_direction_lane() {

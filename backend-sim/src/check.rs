@@ -600,7 +600,11 @@ pub(crate) fn closed_rank(
             .or_default()
             .push(*t);
     }
-    for (rank, mine) in by_rank {
+    for (rank, mut mine) in by_rank {
+        // Sorted, for the lookups below (a rank of thousands of threads
+        // made them quadratic per step).
+        mine.sort_unstable();
+        let has = |t: &ThreadId| mine.binary_search(t).is_ok();
         // Waits in a chain of joins that ends at a thread of `mine`, so it
         // cannot step before that thread does.
         let held = |start: ThreadId| {
@@ -608,7 +612,7 @@ pub(crate) fn closed_rank(
             for _ in 0..setup.threads.len() {
                 match next(t) {
                     Some(HostCall::Join { thread, .. }) if !m.ended(thread) => {
-                        if mine.contains(&thread) {
+                        if has(&thread) {
                             return true;
                         }
                         t = thread;
@@ -620,7 +624,7 @@ pub(crate) fn closed_rank(
         };
         let closed = setup
             .threads_of(rank)
-            .all(|t| mine.contains(&t) || m.ended(t) || held(t));
+            .all(|t| has(&t) || m.ended(t) || held(t));
         if closed && best.as_ref().is_none_or(|b| mine.len() < b.len()) {
             best = Some(mine);
             if best.as_ref().is_some_and(|b| b.len() == 1) {

@@ -757,6 +757,17 @@ fn run_calibrate(args: &CalibrateArgs) -> ExitCode {
     ExitCode::from(if disagree { FOUND } else { OK })
 }
 
+/// Whether the paths `a` and `b` name one file: the same text, or an
+/// existing file reached both ways (`./s.sched` and `s.sched`, a link).
+fn same_file(a: &str, b: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a == b
+        || match (std::fs::metadata(a), std::fs::metadata(b)) {
+            (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+            _ => false,
+        }
+}
+
 /// Where `--trace OUT` writes the trace of `file`: `OUT` itself, or with
 /// several files `OUT.<the file's path, / as _>`.
 fn trace_path(out: &str, file: &str, several: bool) -> String {
@@ -796,8 +807,9 @@ fn run_check(args: &CheckArgs) -> ExitCode {
                 )),
                 _ => args
                     .files
-                    .contains(&path)
-                    .then(|| format!("the trace of {file} would overwrite {path}, a file given")),
+                    .iter()
+                    .find(|f| same_file(f, &path))
+                    .map(|f| format!("the trace of {file} would overwrite {f}, a file given")),
             };
             if let Some(clash) = clash {
                 let f = Failure::invalid(

@@ -1596,6 +1596,14 @@ fn traces_that_would_collide_are_refused() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("would overwrite t.a_b.sched"), "{err}");
+    // Named another way (`./`), the file given is still refused as the
+    // trace, and left as it was.
+    let before = std::fs::read(dir.join("a_b.sched")).expect("read");
+    let out = run(&["check", "a_b.sched", "--trace", "./a_b.sched"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would overwrite a_b.sched"), "{err}");
+    assert_eq!(std::fs::read(dir.join("a_b.sched")).expect("read"), before);
     // The same file twice writes the same trace twice: no clash.
     let out = run(&["check", "a_b.sched", "a_b.sched", "--trace", "t2"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
