@@ -30,6 +30,14 @@
 //! while it fills that pool). A `PUT`'s bytes count against the store's
 //! limit on stored bytes before they are read; a `PUT` refused as too big
 //! for it has its bytes read and dropped, so its client reads the refusal.
+//! A reply is sent within 10 s as a whole (a client that reads it a few
+//! bytes at a time is cut off there), and a value that a `PUT` replaced
+//! while a reply was sending it counts against the limit until that reply
+//! lets go of it, so replies in flight cannot hold more than the limit. A
+//! `HEALTH` or `ENDED` asking about a silence under 1 s asks about 1 s: a
+//! silence found is recorded for every rank that asks (so that all name
+//! the same failed rank), and one client asking with no silence at all
+//! would otherwise mark every live rank failed.
 //! A request that waits (`TAKE`, `GET`, `INBOX`) looks every 200 ms
 //! whether its client is still there: once the client has closed the
 //! connection (or only its sending side) the wait ends with `TIMEOUT` and
@@ -213,6 +221,12 @@ struct Limits {
     max_stored: usize,
     /// Messages all inboxes together may hold; more are refused.
     max_mail: usize,
+    /// The shortest silence a `HEALTH` or `ENDED` asks about: one asked
+    /// with less is asked with this. A silence found is recorded for every
+    /// asker (so that all name the same failed rank), so one client asking
+    /// with a silence of 0 would mark every live rank failed; the ranks
+    /// ask with [`crate::health::SILENCE`].
+    min_silence: Duration,
 }
 
 const LIMITS: Limits = Limits {
@@ -232,6 +246,7 @@ const LIMITS: Limits = Limits {
     max_keys: 1 << 18,
     max_stored: 256 << 20,
     max_mail: 1 << 16,
+    min_silence: Duration::from_secs(1),
 };
 
 /// What the store knows of the ranks' health. Every rank's monitor asks
@@ -309,11 +324,56 @@ impl Health {
     }
 }
 
+/// A stored value. One that a `PUT` replaced while a `GET` was sending it
+/// is retired: its bytes count against the store's limit
+/// ([`Values::retired`]) until the last sender lets go of it, so that
+/// replies in flight cannot hold more than the limit.
+#[derive(Debug)]
+struct Value {
+    data: Vec<u8>,
+    /// [`Values::retired`], where this value's bytes are counted once it
+    /// is replaced, and given back when it drops.
+    retired: Arc<AtomicUsize>,
+    is_retired: AtomicBool,
+}
+
+impl Value {
+    /// The bytes a `PUT` of `key` that replaces this value frees: the key
+    /// and the value, or only the key when a reply still holds the value
+    /// (it stays, retired). Asked under the values' lock, where the
+    /// holders can only go down (a `GET` clones the value under it).
+    fn freed(self: &Arc<Value>, key: &str) -> usize {
+        if Arc::strong_count(self) == 1 {
+            key.len() + self.data.len()
+        } else {
+            key.len()
+        }
+    }
+
+    /// Takes it out of the store: its bytes count as retired until it
+    /// drops.
+    fn retire(&self) {
+        self.retired.fetch_add(self.data.len(), Ordering::AcqRel);
+        self.is_retired.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Value {
+    fn drop(&mut self) {
+        if self.is_retired.load(Ordering::Acquire) {
+            self.retired.fetch_sub(self.data.len(), Ordering::AcqRel);
+        }
+    }
+}
+
 /// Values stored by `PUT`.
 #[derive(Debug, Default)]
 struct Values {
-    map: HashMap<String, Arc<Vec<u8>>>,
+    map: HashMap<String, Arc<Value>>,
     bytes: usize,
+    /// The bytes of values replaced while a reply still holds them
+    /// ([`Value::retire`]).
+    retired: Arc<AtomicUsize>,
     /// The bytes of `PUT` bodies being read ([`Shared::reserve`]): they
     /// count against the store's limit before they are read, so bodies in
     /// flight on many connections cannot hold more than it.
@@ -402,7 +462,7 @@ impl Shared {
     /// then).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
         let mut h = self.health();
-        let silence = Duration::from_millis(silence_ms);
+        let silence = Duration::from_millis(silence_ms).max(self.limits.min_silence);
         // Recorded ranks are out of the beat order: the longest silent is
         // one not yet recorded, found in O(log ranks).
         let longest = h.silent(Some(me), silence).next();
@@ -431,9 +491,10 @@ impl Shared {
     /// guard drops, once the body is stored or refused.
     fn reserve(&self, key: &str, len: usize) -> Result<Reserved<'_>, End> {
         let mut v = self.values();
-        let old = v.map.get(key).map_or(0, |x| key.len() + x.len());
+        let old = v.map.get(key).map_or(0, |x| x.freed(key));
         let new = key.len() + len;
-        if (v.bytes + v.reserved).saturating_sub(old) + new > self.limits.max_stored {
+        let retired = v.retired.load(Ordering::Acquire);
+        if (v.bytes + v.reserved + retired).saturating_sub(old) + new > self.limits.max_stored {
             return Err(End::Refuse("the store is full".into()));
         }
         v.reserved += new;
@@ -446,12 +507,17 @@ impl Shared {
     fn put(&self, key: String, value: Vec<u8>) -> Result<Response, End> {
         let mut v = self.values();
         // A key's bytes count with its value's.
-        let old = v.map.get(&key).map_or(0, |x| key.len() + x.len());
+        // What the map holds for the key now, and what replacing it frees.
+        let (old, freed) = v
+            .map
+            .get(&key)
+            .map_or((0, 0), |x| (key.len() + x.data.len(), x.freed(&key)));
         let new = key.len() + value.len();
         if old == 0 && !v.map.contains_key(&key) && v.map.len() >= self.limits.max_keys {
             return Err(End::Refuse("too many stored values".into()));
         }
-        if v.bytes - old + new > self.limits.max_stored {
+        let retired = v.retired.load(Ordering::Acquire);
+        if (v.bytes - freed + retired).saturating_add(new) > self.limits.max_stored {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;
@@ -460,7 +526,16 @@ impl Shared {
         let done = key
             .strip_prefix("done/")
             .and_then(|r| r.parse::<Rank>().ok().filter(|n| n.to_string() == r));
-        v.map.insert(key, Arc::new(value));
+        let value = Arc::new(Value {
+            data: value,
+            retired: v.retired.clone(),
+            is_retired: false.into(),
+        });
+        if let Some(old) = v.map.insert(key, value) {
+            // Counted as retired until the replies sending it let go (at
+            // once, when none does).
+            old.retire();
+        }
         drop(v);
         // The values' lock is let go first: no thread holds both. Waiters
         // are woken after, so one woken by `done/RANK` finds RANK finished.
@@ -471,7 +546,7 @@ impl Shared {
         Ok(Response::Ok)
     }
 
-    fn get(&self, key: &str, wait_ms: u64, gone: &dyn Fn() -> bool) -> Option<Arc<Vec<u8>>> {
+    fn get(&self, key: &str, wait_ms: u64, gone: &dyn Fn() -> bool) -> Option<Arc<Value>> {
         wait_for(&self.values, &self.stored, wait_ms, gone, |v| {
             v.map.get(key).cloned()
         })
@@ -755,10 +830,27 @@ fn next_request(reader: &mut BufReader<DeadlineReader<'_>>) -> Result<Request, E
     proto::parse_request(&line).map_err(|e| End::Refuse(e.to_string()))
 }
 
-fn send(conn: &TcpStream, response: &Response) -> Result<(), End> {
+/// Sends a reply, all of it within `timeout` (a client that reads a byte
+/// at a time cannot hold the connection's thread past it).
+fn send(conn: &TcpStream, response: &Response, timeout: Duration) -> Result<(), End> {
+    send_all(conn, response, &[], timeout)
+}
+
+/// A reply line and the bytes that follow it, under one deadline.
+fn send_all(
+    conn: &TcpStream,
+    response: &Response,
+    bytes: &[u8],
+    timeout: Duration,
+) -> Result<(), End> {
     let line = proto::encode_response(response).map_err(|e| End::Refuse(e.to_string()))?;
-    let mut conn = conn;
-    conn.write_all(&line).map_err(|_| End::Gone)
+    let mut w = DeadlineWriter {
+        stream: conn,
+        deadline: Instant::now() + timeout,
+    };
+    w.write_all(&line)
+        .and_then(|()| w.write_all(bytes))
+        .map_err(|_| End::Gone)
 }
 
 /// Room for a `PUT` body being read ([`Shared::reserve`]), given back on
@@ -813,11 +905,9 @@ fn skip_body(
     Ok(())
 }
 
-/// A `VALUE` reply: the line, then the bytes.
-fn send_value(conn: &TcpStream, bytes: &[u8]) -> Result<(), End> {
-    send(conn, &Response::Value(bytes.len()))?;
-    let mut c = conn;
-    c.write_all(bytes).map_err(|_| End::Gone)
+/// A `VALUE` reply: the line, then the bytes, within `timeout`.
+fn send_value(conn: &TcpStream, bytes: &[u8], timeout: Duration) -> Result<(), End> {
+    send_all(conn, &Response::Value(bytes.len()), bytes, timeout)
 }
 
 /// One connection: `AUTH` (within [`Limits::auth_timeout`], holding
@@ -846,7 +936,7 @@ fn session(conn: &TcpStream, shared: &Arc<Shared>, pre: PreAuth) -> Result<(), E
         return Err(End::Refuse("busy: too many connections".into()));
     };
     drop(pre);
-    send(conn, &Response::Ok)?;
+    send(conn, &Response::Ok, timeout)?;
     loop {
         reader.get_mut().deadline = Instant::now() + timeout;
         // Between requests, a client that sends nothing for the I/O
@@ -908,8 +998,11 @@ fn serve_one(
             let h = shared.health();
             let mut ranks: Vec<Rank> = h.finished.iter().copied().collect();
             ranks.extend(
-                h.silent(None, Duration::from_millis(silence_ms))
-                    .map(|(r, _)| r),
+                h.silent(
+                    None,
+                    Duration::from_millis(silence_ms).max(shared.limits.min_silence),
+                )
+                .map(|(r, _)| r),
             );
             ranks.extend(h.failures.iter().map(|(r, _, _)| *r));
             drop(h);
@@ -917,26 +1010,26 @@ fn serve_one(
             ranks.dedup();
             let text: Vec<String> = ranks.iter().map(Rank::to_string).collect();
             let body = text.join(",").into_bytes();
-            return send_value(conn, &body);
+            return send_value(conn, &body, timeout);
         }
         Request::Keys { prefix } => {
             let body = shared.keys(&prefix)?;
-            return send_value(conn, &body);
+            return send_value(conn, &body, timeout);
         }
         Request::Inbox { me, wait_ms } => match shared.inbox(me, wait_ms, &gone) {
             Some(message) => {
-                return send_value(conn, &message);
+                return send_value(conn, &message, timeout);
             }
             None => Response::Timeout,
         },
         Request::Get { key, wait_ms } => match shared.get(&key, wait_ms, &gone) {
             Some(value) => {
-                return send_value(conn, &value);
+                return send_value(conn, &value.data, timeout);
             }
             None => Response::Timeout,
         },
     };
-    send(conn, &response)
+    send(conn, &response, timeout)
 }
 
 /// Refuses a connection: `ERROR text`, then a clean close (what else the

@@ -28,6 +28,15 @@ fn limits(io_ms: u64) -> Limits {
     }
 }
 
+/// The store's limits, but silences from 100 ms on asked as such (the
+/// store asks about at least 1 s), for tests of silent ranks.
+fn quick_silence() -> Limits {
+    Limits {
+        min_silence: Duration::from_millis(100),
+        ..super::LIMITS
+    }
+}
+
 fn client(addr: SocketAddr) -> Store {
     Store::client("127.0.0.1", addr.port(), secret())
 }
@@ -505,7 +514,7 @@ fn secrets_and_ids_are_never_printed() {
 
 #[test]
 fn failures_and_silent_ranks_are_reported_to_the_others() {
-    let addr = server(super::LIMITS);
+    let addr = server(quick_silence());
     let store = client(addr);
     let t = Duration::from_secs(5);
     let silence = Duration::from_millis(300);
@@ -524,7 +533,7 @@ fn failures_and_silent_ranks_are_reported_to_the_others() {
 
     // A rank that stops beating is reported once it has been silent longer
     // than asked.
-    let addr = server(super::LIMITS);
+    let addr = server(quick_silence());
     let store = client(addr);
     store.beat(0, t).unwrap();
     store.beat(1, t).unwrap();
@@ -552,7 +561,7 @@ fn a_silent_rank_is_named_before_the_echoes_of_its_death() {
     // Four ranks; rank 2 dies (stops beating). Rank 3 learns of it from its
     // silence, fails in turn and posts that; rank 0, asking after, must
     // hear of rank 2, which failed first, not of rank 3's echo.
-    let store = client(server(super::LIMITS));
+    let store = client(server(quick_silence()));
     for r in 0..4 {
         store.beat(r, t).unwrap();
     }
@@ -580,7 +589,7 @@ fn a_silent_rank_is_named_before_the_echoes_of_its_death() {
     // Rank 3's echo was recorded after rank 2's silence.
     assert_eq!(store.health(2, silence, t).unwrap().map(|f| f.0), Some(3));
     // A failure posted before any rank fell silent is the one named.
-    let store = client(server(super::LIMITS));
+    let store = client(server(quick_silence()));
     for r in 0..3 {
         store.beat(r, t).unwrap();
     }
@@ -701,7 +710,7 @@ fn inboxes_deliver_in_order_wait_and_are_bounded() {
 
 #[test]
 fn the_store_says_which_ranks_ended_in_one_request() {
-    let addr = server(super::LIMITS);
+    let addr = server(quick_silence());
     let store = client(addr);
     let t = Duration::from_secs(5);
     let silence = Duration::from_millis(300);
@@ -1308,4 +1317,102 @@ fn a_client_that_stays_keeps_waiting() {
             .unwrap()
     );
     later.join().unwrap();
+}
+
+/// A silence shorter than the store's least is asked as that least: one
+/// client asking with a silence of 0 does not mark every live rank failed
+/// for every asker (a silence found is recorded for all).
+#[test]
+fn a_silence_below_the_least_does_not_fail_live_ranks() {
+    let store = client(server(super::LIMITS));
+    let t = Duration::from_secs(5);
+    for r in 0..3 {
+        store.beat(r, t).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(store.health(0, Duration::ZERO, t).unwrap(), None);
+    assert_eq!(store.health(1, Duration::from_millis(10), t).unwrap(), None);
+    assert_eq!(
+        store.ended(Duration::ZERO, t).unwrap(),
+        Vec::<duplex::Rank>::new()
+    );
+}
+
+/// A reply goes out within the I/O timeout as a whole: a client that
+/// reads a 16 MiB value slowly does not hold the connection's thread (and
+/// the value) past it, though each of its reads comes within the timeout.
+#[test]
+fn a_slow_reader_is_cut_off_at_the_reply_deadline() {
+    let addr = server(limits(300));
+    let store = client(addr);
+    let big = vec![7u8; proto::MAX_VALUE];
+    store.put("big", &big, Duration::from_secs(5)).unwrap();
+    let mut c = TcpStream::connect(addr).unwrap();
+    let mut session = auth();
+    session.extend(
+        proto::encode_request(&Request::Get {
+            key: "big".into(),
+            wait_ms: 0,
+        })
+        .unwrap(),
+    );
+    c.write_all(&session).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Reads of 64 KiB every 100 ms: each within the timeout, the whole
+    // far past it (16 MiB would take 25 s).
+    let start = Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        match c.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "still sending");
+    }
+    assert!(got < big.len(), "the whole value came: {got} bytes");
+    // The store goes on.
+    assert_eq!(store.unique_id(Duration::from_secs(5)).unwrap(), ID);
+}
+
+/// A value replaced while a reply is sending it still counts against the
+/// store's limit until the reply lets go of it: replies in flight cannot
+/// hold more than the limit.
+#[test]
+fn a_replaced_value_a_reply_holds_counts_against_the_limit() {
+    let mib = 1 << 20;
+    let addr = server(Limits {
+        max_stored: 40 * mib,
+        io_timeout: Duration::from_secs(5),
+        ..super::LIMITS
+    });
+    let store = client(addr);
+    let t = Duration::from_secs(5);
+    let value = vec![1u8; 16 * mib];
+    store.put("a", &value, t).unwrap();
+    // A GET that reads nothing: the reply blocks with most of the value
+    // unsent (more than the sockets' buffers hold), holding it.
+    let mut slow = TcpStream::connect(addr).unwrap();
+    let mut session = auth();
+    session.extend(
+        proto::encode_request(&Request::Get {
+            key: "a".into(),
+            wait_ms: 0,
+        })
+        .unwrap(),
+    );
+    slow.write_all(&session).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // Replaced: 16 MiB stored, 16 MiB retired.
+    store.put("a", &value, t).unwrap();
+    let e = store.put("b", &value, t).unwrap_err();
+    assert!(e.to_string().contains("full"), "{e}");
+    // Once the reply is gone, its bytes are free again.
+    drop(slow);
+    let start = Instant::now();
+    while store.put("b", &value, t).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "never freed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
