@@ -787,12 +787,88 @@ fn smoke() {
         verdict.into_inner().unwrap_or_else(|e| e.into_inner()),
         t0.elapsed().as_secs_f64()
     );
+    let t0 = Instant::now();
+    println!(
+        "local, 1 rank, a stream, event, buffer and thread kept from another run: {} ({:.2} s)",
+        kept_from_another_run(),
+        t0.elapsed().as_secs_f64()
+    );
     // A hang through the process path: in a process of its own, since
     // `Process::run` runs once per process.
     let exe = std::env::current_exe().expect("this binary");
     match Command::new(exe).arg("smoke-hang").output() {
         Ok(o) => print!("{}", String::from_utf8_lossy(&o.stdout)),
         Err(e) => println!("process hang: cannot start the child: {e}"),
+    }
+}
+
+/// Objects a run made, kept (here in a static) and used by a later run:
+/// each is refused as made by another run, where its number could name
+/// one of the later run's (the simulator refuses them alike). PASS when
+/// every use is refused and the later run goes on.
+fn kept_from_another_run() -> String {
+    use duplex_nccl::{NcclBuffer, NcclEvent, NcclStream, NcclThread};
+    type Kept = (NcclStream, NcclEvent, NcclBuffer<u8>, NcclThread);
+    static KEPT: std::sync::Mutex<Option<Kept>> = std::sync::Mutex::new(None);
+    let first = Local::new(1).and_then(|l| {
+        l.timeout(DEADLINE)
+            .run(|t| {
+                let kept = (
+                    t.stream("a")?,
+                    t.event()?,
+                    t.alloc::<u8>(16)?,
+                    t.spawn("helper", |_: &NcclRank| Ok(()))?,
+                );
+                *KEPT.lock().unwrap_or_else(|e| e.into_inner()) = Some(kept);
+                Ok(())
+            })
+            .map(drop)
+    });
+    if let Err(e) = first {
+        return format!("FAIL the first run: {e}");
+    }
+    let verdict = std::sync::Mutex::new(String::from("FAIL the rank did not finish"));
+    let second = Local::new(1).and_then(|l| {
+        l.timeout(DEADLINE)
+            .run(|t| {
+                let Some((s, e, mut b, th)) = KEPT.lock().unwrap_or_else(|e| e.into_inner()).take()
+                else {
+                    return Err(Error::User("nothing kept".into()));
+                };
+                // This run's own, numbered as the kept ones were.
+                let mine = t.stream("a")?;
+                let _event = t.event()?;
+                let uses = [
+                    ("sync_stream", t.sync_stream(&s)),
+                    ("record", t.record(&e, &mine)),
+                    ("wait", t.wait(&e, &mine)),
+                    ("with_stream", t.with_stream(&s, || Ok(()))),
+                    ("write", t.write(&mut b, &[1; 16])),
+                    ("read", t.read(&b).map(drop)),
+                    ("send", t.group(|| t.send(&b, 0))),
+                    ("join", t.join(th)),
+                ];
+                let wrong: Vec<String> = uses
+                    .into_iter()
+                    .filter(|(_, r)| {
+                        !matches!(r, Err(e @ Error::Invalid { .. }) if e.to_string().contains("another run"))
+                    })
+                    .map(|(what, r)| format!("{what}: {r:?}"))
+                    .collect();
+                t.sync_stream(&mine)?;
+                *verdict.lock().unwrap_or_else(|e| e.into_inner()) = if wrong.is_empty() {
+                    "PASS (each refused as made by another run; the run went on)".into()
+                } else {
+                    format!("FAIL not refused: {}", wrong.join("; "))
+                };
+                Ok(())
+            })
+            .map(drop)
+    });
+    let v = verdict.into_inner().unwrap_or_else(|e| e.into_inner());
+    match second {
+        Ok(()) => v,
+        Err(e) => format!("{v} (the second run: {e})"),
     }
 }
 

@@ -196,6 +196,8 @@ pub(crate) struct StreamInner {
     pub(crate) name: Arc<str>,
     pub(crate) rank: Rank,
     pub(crate) id: u32,
+    /// The run that made it ([`Registry::run`]).
+    pub(crate) run: u64,
     /// Its completion fences ([`crate::fence`]): the ops launched on it
     /// attach to them. Numbered in the ledger by a number no other stream
     /// of this process has, ever (an address can be reused, and a
@@ -210,12 +212,13 @@ pub(crate) struct StreamInner {
 pub(crate) const FENCE_EVERY: u32 = 16;
 
 impl StreamInner {
-    /// A stream of `rank` on `device`, numbered `id` by the registry.
+    /// A stream of `rank` on `device`, numbered `id` by the registry of
+    /// run `run`.
     pub(crate) fn new(
         raw: Stream,
         name: &str,
         rank: Rank,
-        id: u32,
+        (id, run): (u32, u64),
         device: &Arc<Device>,
     ) -> StreamInner {
         static SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -229,6 +232,7 @@ impl StreamInner {
             name: name.into(),
             rank,
             id,
+            run,
             fences,
         }
     }
@@ -266,6 +270,8 @@ pub(crate) struct EventInner {
     pub(crate) raw: Event,
     pub(crate) rank: Rank,
     pub(crate) id: u32,
+    /// The run that made it ([`Registry::run`]).
+    pub(crate) run: u64,
 }
 
 /// A communicator.
@@ -287,6 +293,8 @@ pub(crate) struct BufState {
     /// A host copy into or out of it did not finish in time and may still
     /// run: its memory is never freed (P6).
     pub(crate) kept: AtomicBool,
+    /// The run that made it ([`Registry::run`]).
+    pub(crate) run: u64,
 }
 
 /// What a buffer knows of the ops launched on it.
@@ -992,7 +1000,7 @@ impl RankCtx {
                 Stream::new()?,
                 name,
                 rank,
-                reg_stream(name),
+                (reg_stream(name), registry.run()),
                 &device,
             )));
             streams.push(st.clone());

@@ -98,6 +98,14 @@ impl<E> DeviceBuffer for NcclBuffer<E> {
     }
 }
 
+/// Why an object of another run is refused: its number could name one of
+/// this run's.
+fn stale(kind: &str) -> String {
+    format!(
+        "the {kind} was made by another run (each run starts with none: make it in the rank code)"
+    )
+}
+
 /// A host thread started by `spawn`.
 #[derive(Debug)]
 pub struct NcclThread {
@@ -110,6 +118,8 @@ pub struct NcclThread {
     spawned: Arc<Mutex<crate::ctx::Spawned>>,
     /// Whether a `join` took its result.
     joined: bool,
+    /// The run that started it ([`Registry::run`](crate::Registry::run)).
+    run: u64,
 }
 
 impl Drop for NcclThread {
@@ -344,19 +354,9 @@ impl NcclRank {
     ) -> Result<Req> {
         let what = || check::op_text(dir, buf.len, E::DTYPE, peer);
         check::peer(at, what, peer, self.ctx.world_size)?;
-        if buf.state.rank != self.ctx.rank {
-            return check::invalid(
-                at,
-                format!("{}: the buffer belongs to rank {}", what(), buf.state.rank),
-            );
-        }
-        if let Some(s) = &place_.stream
-            && s.0.rank != self.ctx.rank
-        {
-            return check::invalid(
-                at,
-                format!("{}: the stream belongs to rank {}", what(), s.0.rank),
-            );
+        self.mine(at, &what, "buffer", buf.state.rank, buf.state.run)?;
+        if let Some(s) = &place_.stream {
+            self.mine(at, &what, "stream", s.0.rank, s.0.run)?;
         }
         // A buffer that a failed recv may have left half written (its
         // launch failed where NCCL may still run it, or a write failed), or
@@ -1546,7 +1546,28 @@ impl NcclRank {
         }))
     }
 
+    /// Refuses an object (`kind`: a buffer, stream or event) of another
+    /// rank, or of another run, whose numbers could name one of this run's
+    /// (the sim refuses them alike).
+    fn mine(
+        &self,
+        at: &Location<'_>,
+        what: &dyn Fn() -> String,
+        kind: &str,
+        rank: Rank,
+        run: u64,
+    ) -> Result<()> {
+        if rank != self.ctx.rank {
+            return check::invalid(at, format!("{}: the {kind} belongs to rank {rank}", what()));
+        }
+        if run != self.ctx.registry.run() {
+            return check::invalid(at, format!("{}: {}", what(), stale(kind)));
+        }
+        Ok(())
+    }
+
     fn check_users(&self, at: &Location<'_>, buf: &BufState, what: &str) -> Result<()> {
+        self.mine(at, &|| what.to_string(), "buffer", buf.rank, buf.run)?;
         if let Some(reqs) = self.group.borrow().as_ref()
             && let Some(r) = reqs.iter().find(|r| std::ptr::eq(Arc::as_ptr(&r.buf), buf))
         {
@@ -1788,6 +1809,7 @@ impl Transport for NcclRank {
                 device: self.ctx.device.clone(),
                 users: Mutex::new(Users::default()),
                 kept: std::sync::atomic::AtomicBool::new(false),
+                run: self.ctx.registry.run(),
             }),
             len,
             _e: PhantomData,
@@ -1857,7 +1879,7 @@ impl Transport for NcclRank {
             Stream::new()?,
             name,
             self.ctx.rank,
-            id,
+            (id, self.ctx.registry.run()),
             &self.ctx.device,
         )));
         lock(&self.ctx.streams).push(s.clone());
@@ -2097,12 +2119,14 @@ impl Transport for NcclRank {
 
     #[track_caller]
     fn with_stream<R>(&self, stream: &NcclStream, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        if stream.0.rank != self.ctx.rank {
-            return check::invalid(
-                Location::caller(),
-                format!("with_stream: the stream belongs to rank {}", stream.0.rank),
-            );
-        }
+        let what = || "with_stream".to_string();
+        self.mine(
+            Location::caller(),
+            &what,
+            "stream",
+            stream.0.rank,
+            stream.0.run,
+        )?;
         self.scoped.borrow_mut().push(stream.clone());
         // Popped however `f` ends, a caught panic included.
         let _pop = check::OnDrop(|| drop(self.scoped.borrow_mut().pop()));
@@ -2116,18 +2140,16 @@ impl Transport for NcclRank {
             raw: Event::new(false)?,
             rank: self.ctx.rank,
             id,
+            run: self.ctx.registry.run(),
         })))
     }
 
     #[track_caller]
     fn record(&self, event: &NcclEvent, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
-        if event.0.rank != self.ctx.rank || stream.0.rank != self.ctx.rank {
-            return check::invalid(
-                at,
-                "record: the event and the stream must belong to this rank".into(),
-            );
-        }
+        let what = || "record".to_string();
+        self.mine(at, &what, "event", event.0.rank, event.0.run)?;
+        self.mine(at, &what, "stream", stream.0.rank, stream.0.run)?;
         self.ctx.device.bind()?;
         // The order first (D1): a launch another thread puts on the stream
         // in between is then left out of the event's clock, whether or not
@@ -2143,12 +2165,9 @@ impl Transport for NcclRank {
     #[track_caller]
     fn wait(&self, event: &NcclEvent, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
-        if event.0.rank != self.ctx.rank || stream.0.rank != self.ctx.rank {
-            return check::invalid(
-                at,
-                "wait: the event and the stream must belong to this rank".into(),
-            );
-        }
+        let what = || "wait".to_string();
+        self.mine(at, &what, "event", event.0.rank, event.0.run)?;
+        self.mine(at, &what, "stream", stream.0.rank, stream.0.run)?;
         self.ctx.device.bind()?;
         stream.0.raw.wait(&event.0.raw)?;
         // After the device wait (D1): a launch in between is not counted
@@ -2163,12 +2182,8 @@ impl Transport for NcclRank {
     #[track_caller]
     fn sync_stream(&self, stream: &NcclStream) -> Result<()> {
         let at = Location::caller();
-        if stream.0.rank != self.ctx.rank {
-            return check::invalid(
-                at,
-                format!("sync_stream: the stream belongs to rank {}", stream.0.rank),
-            );
-        }
+        let what = || "sync_stream".to_string();
+        self.mine(at, &what, "stream", stream.0.rank, stream.0.run)?;
         self.ctx.device.bind()?;
         // This stream's ops, by its serial (two streams may share a name).
         let covered: Vec<Arc<Issued>> = self
@@ -2373,12 +2388,16 @@ impl Transport for NcclRank {
             handle: Some(os),
             spawned,
             joined: false,
+            run: self.ctx.registry.run(),
         })
     }
 
     #[track_caller]
     fn join(&self, mut thread: NcclThread) -> Result<()> {
         let at = Location::caller();
+        if thread.run != self.ctx.registry.run() {
+            return check::invalid(at, format!("join({}): {}", thread.name, stale("thread")));
+        }
         let what = format!("join({})", thread.name);
         self.ctx.registry.blocked(
             self.thread_id,

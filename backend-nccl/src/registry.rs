@@ -337,6 +337,11 @@ pub(crate) struct LaunchRec<'a> {
 /// needs both takes `live` first.
 #[derive(Debug)]
 pub struct Registry {
+    /// This run's number, unique in the process: the streams, events,
+    /// buffers and threads a run makes carry it, so that one kept from
+    /// another run (in a static, say) is refused, not taken for this
+    /// run's of the same number ([`Registry::run`]).
+    run: u64,
     model: Model,
     inner: Mutex<Reg>,
     live: Mutex<Live>,
@@ -385,6 +390,11 @@ pub struct HangAnalysis {
 }
 
 impl Registry {
+    /// This run's number ([`Registry`]'s `run`).
+    pub fn run(&self) -> u64 {
+        self.run
+    }
+
     /// A registry for `ranks` ranks whose hangs are analysed under `model`.
     pub fn new(ranks: u32, model: Model) -> Arc<Registry> {
         Registry::with_compaction(ranks, model, usize::MAX)
@@ -424,7 +434,9 @@ impl Registry {
         cut_at: usize,
         only: Option<Rank>,
     ) -> Arc<Registry> {
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Arc::new(Registry {
+            run: RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             model,
             inner: Mutex::new(Reg {
                 trace: Trace::new(ranks),

@@ -419,7 +419,7 @@ fn publish(
         stream,
         &lane.name,
         ctx.rank,
-        id,
+        (id, ctx.registry.run()),
         &ctx.device,
     )));
     lock(&ctx.streams).push(stream.clone());
