@@ -531,10 +531,13 @@ impl<A: CopyApi> CopyLane<A> {
         } else {
             (p.text.as_str(), text)
         };
-        let (kind, what) = if p.bytes != bytes {
-            (ProgramErrorKind::SizeMismatch, "size")
-        } else {
-            (ProgramErrorKind::TypeMismatch, "element type")
+        // R3's order (size first, then type) from the model's own
+        // comparison, as NCCL lanes' issue check takes it.
+        let kind =
+            duplex::machine::issue::mismatch_kind((p.bytes as u64, p.dtype), (bytes as u64, dtype));
+        let what = match kind {
+            ProgramErrorKind::SizeMismatch => "size",
+            _ => "element type",
         };
         Some(Error::Program {
             kind,

@@ -1528,13 +1528,18 @@ impl NcclRank {
             }
         );
         if let Some(Error::Program { kind, message, ops }) = program {
-            return Error::Program {
-                kind,
-                message: format!(
-                    "{message}; NCCL's behaviour for it is undefined, and here it hung: {context}"
-                ),
-                ops,
-            };
+            // What the model refused is said too: a hang report would
+            // list it, and this error stands in for one.
+            return crate::run::said_after(
+                Error::Program {
+                    kind,
+                    message: format!(
+                        "{message}; NCCL's behaviour for it is undefined, and here it hung: {context}"
+                    ),
+                    ops,
+                },
+                &crate::run::disagreements_said(&disagreements),
+            );
         }
         Error::Hang(Box::new(Hang {
             context,

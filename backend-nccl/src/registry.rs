@@ -133,6 +133,10 @@ struct Live {
     /// `None` once the model refused a call (the trace keeps everything;
     /// its replay reports the refusal).
     machine: Option<Machine>,
+    /// What the model refused when it was dropped, in words, for a run
+    /// that ends well and so has no hang report to say it
+    /// ([`Registry::refused`]).
+    refused: Option<String>,
     /// The live machine's origins, one per distinct call text and place, so
     /// that a long run does not grow them.
     origins: std::collections::HashMap<(Arc<str>, Arc<str>), duplex::machine::Origin>,
@@ -183,6 +187,8 @@ impl Live {
         if applied.is_err() {
             tracing::error!("the live model panicked while applying calls: it is dropped");
             self.machine = None;
+            self.refused
+                .get_or_insert_with(|| "the model panicked while applying the run's calls".into());
         }
     }
 
@@ -199,21 +205,53 @@ impl Live {
             return;
         };
         let t = ThreadId(call.thread);
-        if !ready(m, t, &hc) || m.apply(t, &hc).is_err() {
+        let refused = if ready(m, t, &hc) {
+            m.apply(t, &hc)
+                .err()
+                .map(|e| format!("it finds a program error: {e}"))
+        } else {
+            Some("the thread cannot make it there".to_string())
+        };
+        if let Some(why) = refused {
+            // The trace's replay reports why, in a hang's or an error's
+            // report; said here too, since a run that ends well has none.
+            tracing::warn!(
+                call = %call.text,
+                place = %call.place,
+                "duplex: the live model refused a call the GPU run made (a disagreement between the model and NCCL; please report it): the model is dropped"
+            );
             self.machine = None;
+            self.refused = Some(format!(
+                "the model refused `{}` ({}) of thread {}: {why}",
+                call.text, call.place, call.thread
+            ));
         }
     }
 }
 
-/// Whether thread `t` can make `call` now in `m`, once it has finished any
-/// handshake the model lets it finish.
+/// Whether thread `t` can make `call` now in `m`, once every handshake
+/// the model lets finish has finished, as the trace's replay does
+/// (`resume_all`), not only the calling thread's: a thread whose
+/// handshake the peer completed has returned from NCCL before another
+/// thread's call on that communicator could be made (R11), and the model,
+/// seeing it still inside its call, held the other's back and the live
+/// machine was dropped for a valid program (found by review).
 fn ready(m: &mut Machine, t: ThreadId, call: &duplex::machine::HostCall) -> bool {
-    while m.next(t) == Next::Resume {
-        if m.resume(t).is_err() {
-            return false;
+    let threads = m.setup().threads.len();
+    loop {
+        let mut moved = false;
+        for u in (0..threads).map(|u| ThreadId(u as u32)) {
+            while m.next(u) == Next::Resume {
+                if m.resume(u).is_err() {
+                    return false;
+                }
+                moved = true;
+            }
+        }
+        if !moved {
+            return m.enabled(t, call);
         }
     }
-    m.enabled(t, call)
 }
 
 /// The error of a launch the issue check refuses, from the check alone:
@@ -453,6 +491,7 @@ impl Registry {
             }),
             live: Mutex::new(Live {
                 machine: Some(Machine::new(Arc::new(Setup::new(ranks, model)))),
+                refused: None,
                 origins: std::collections::HashMap::new(),
             }),
             compact_at,
@@ -509,6 +548,17 @@ impl Registry {
 
     fn lock_live(&self) -> std::sync::MutexGuard<'_, Live> {
         self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The call of this run the live model refused, in words, if it
+    /// refused one (the calls recorded so far applied first): a
+    /// disagreement between the model and the run, which a run that ends
+    /// well reports with its [`RankReport`](crate::RankReport)s (a hang's
+    /// or an error's report says it through the trace's replay).
+    pub fn refused(&self) -> Option<String> {
+        let mut live = self.lock_live();
+        self.settle_locked(&mut live);
+        live.refused.clone()
     }
 
     /// Applies the calls recorded and not yet applied to the live machine,
@@ -1479,6 +1529,35 @@ pub(crate) mod tests {
         );
     }
 
+    /// A thread of a rank whose handshake the peer completed, then another
+    /// thread of the rank launching on the same communicator: the model
+    /// finishes the first's handshake (it returned from NCCL before the
+    /// second could call) and takes the second's launch, keeping the live
+    /// machine (which it dropped when only the caller's handshake was
+    /// finished, R11 holding the second back behind the first).
+    #[test]
+    fn a_handshake_the_peer_completed_does_not_hold_back_another_thread() {
+        let cold = Model {
+            lazy_connect: true,
+            ..Model::default()
+        };
+        let reg = Registry::new(2, cold);
+        reg.comm(0, "world", &[0, 1], false);
+        let (s0a, s0b, s1) = (reg.stream(0, "a"), reg.stream(0, "b"), reg.stream(1, "s"));
+        let (a, b) = (reg.thread(0, "a"), reg.thread(0, "b"));
+        let p = reg.thread(1, "main");
+        record(&reg, one_op(a, Dir::Send, 1, 4, 0, s0a)).expect("recorded");
+        record(&reg, one_op(p, Dir::Recv, 0, 4, 0, s1)).expect("recorded");
+        record(&reg, one_op(b, Dir::Send, 1, 4, 0, s0b)).expect("recorded");
+        assert_eq!(
+            reg.refused(),
+            None,
+            "the live model refused a valid program"
+        );
+        assert!(reg.lock_live().machine.is_some());
+        assert!(reg.analyze().disagreements.is_empty());
+    }
+
     /// A launch held back by another thread's launch in its handshake
     /// (R11, `NcclRank::after_handshakes`) is the thread's blocked call:
     /// the report shows it waiting for that thread, by the model's rule.
@@ -2013,5 +2092,12 @@ pub(crate) mod tests {
         assert_eq!(d.call, "await_notify(1, go)");
         assert!(d.why.contains("notify"), "{d}");
         assert!(d.why.contains("1 later calls of this rank"), "{d}");
+        // A run that ends well has no report of the trace's replay: the
+        // live model says what it refused.
+        let refused = reg.refused().expect("the live model refused the await");
+        assert!(
+            refused.contains("await_notify(1, go)") && refused.contains("x.rs:3:1"),
+            "{refused}"
+        );
     }
 }

@@ -27,6 +27,11 @@ pub struct RankReport {
     pub setup_ms: f64,
     /// What each lane cost.
     pub lanes: Vec<LaneCost>,
+    /// A call of the run that duplex's live model refused, in words: the
+    /// model and NCCL disagree there, which is a bug of duplex's to report
+    /// (the run's bytes were checked all the same). `None` when the model
+    /// took every call.
+    pub model_refused: Option<String>,
 }
 
 /// The default settings, with `DUPLEX_TIMEOUT_MS` (the deadline of every
@@ -249,7 +254,13 @@ impl Local {
                 })
                 .collect()
         });
-        let reports = combine(results).map_err(|e| explain_library_error(e, &registry))?;
+        let mut reports = combine(results).map_err(|e| explain_library_error(e, &registry))?;
+        // Once every rank is done: a rank that finished first made its
+        // report before the others' last calls were applied.
+        let refused = registry.refused();
+        for r in &mut reports {
+            r.model_refused.clone_from(&refused);
+        }
         // Every rank finished: a send that no recv took reached no one.
         match registry.unreceived_at_end() {
             Some(e) => Err(e),
@@ -878,6 +889,7 @@ where
         rank,
         setup_ms,
         lanes,
+        model_refused: registry.refused(),
     })
 }
 
@@ -1035,8 +1047,9 @@ fn explain_library_error(e: Error, registry: &Registry) -> Error {
 pub(crate) fn explained(e: Error, analysis: crate::registry::HangAnalysis) -> Error {
     /// `ncclInvalidUsage`.
     const INVALID_USAGE: i32 = 5;
+    let refused = disagreements_said(&analysis.disagreements);
     let program = analysis.program_error.map(Error::from);
-    match (program, e) {
+    let e = match (program, e) {
         (
             Some(Error::Program {
                 kind: duplex::ProgramErrorKind::SizeMismatch,
@@ -1076,7 +1089,8 @@ pub(crate) fn explained(e: Error, analysis: crate::registry::HangAnalysis) -> Er
             &analysis.mismatched_setups,
         ),
         (_, e) => with_mismatched_setups(e, &analysis.mismatched_setups),
-    }
+    };
+    said_after(e, &refused)
 }
 
 /// What an error explained by a connection set up from mismatched calls
@@ -1094,7 +1108,36 @@ fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
         "; {MISMATCHED_SETUP}, which NCCL makes from the wrong data, so that an NCCL error or a crash may come instead of a hang (R7): {}",
         setups.join("; ")
     );
+    said_after(e, &said)
+}
+
+/// What the model's replay refused of the run ([`duplex::trace::Disagreement`]s),
+/// in words to put after an error's text (a hang's report lists them in
+/// its own section): the model and the hardware disagree there, which is
+/// reported, never dropped. Empty when there are none.
+pub(crate) fn disagreements_said(disagreements: &[duplex::trace::Disagreement]) -> String {
+    if disagreements.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = disagreements.iter().map(ToString::to_string).collect();
+    format!(
+        "; calls the model refuses (the model and the hardware disagree; please report this): {}",
+        each.join("; ")
+    )
+}
+
+/// `e` with `said` after its text (an NCCL error's, an abort's or a
+/// program error's); other errors as they are.
+pub(crate) fn said_after(e: Error, said: &str) -> Error {
+    if said.is_empty() {
+        return e;
+    }
     match e {
+        Error::Program { kind, message, ops } => Error::Program {
+            kind,
+            message: message + said,
+            ops,
+        },
         Error::Library {
             library,
             call,
@@ -1104,9 +1147,9 @@ fn with_mismatched_setups(e: Error, setups: &[String]) -> Error {
             library,
             call,
             code,
-            text: text + &said,
+            text: text + said,
         },
-        Error::Aborted(why) => Error::Aborted(why + &said),
+        Error::Aborted(why) => Error::Aborted(why + said),
         other => other,
     }
 }
@@ -1155,6 +1198,39 @@ mod tests {
     }
 
     use super::*;
+
+    /// What the model's replay refused is said with an NCCL error it
+    /// explains, not dropped (it was, on every path but a hang's).
+    #[test]
+    fn an_explained_error_says_what_the_model_refused() {
+        let analysis = crate::registry::HangAnalysis {
+            stuck: None,
+            disagreements: vec![duplex::trace::Disagreement {
+                rank: 1,
+                thread: "main".into(),
+                call: "send 4 x u8 to rank 0".into(),
+                place: "x.rs:3:1".into(),
+                why: "the thread cannot make it there".into(),
+            }],
+            unjoined: None,
+            mismatched_setups: Vec::new(),
+            program_error: None,
+        };
+        let nccl = Error::Library {
+            library: "NCCL",
+            call: "ncclGroupEnd".into(),
+            code: 3,
+            text: "internal error".into(),
+        };
+        let e = explained(nccl, analysis).to_string();
+        assert!(
+            e.contains("internal error")
+                && e.contains("calls the model refuses")
+                && e.contains("send 4 x u8 to rank 0"),
+            "{e}"
+        );
+        assert_eq!(disagreements_said(&[]), "");
+    }
 
     /// Two ranks of a process job on a store of their own: rank 0 sends
     /// `sent` messages of 4 KiB to rank 1, which issues `received` recvs.
@@ -1529,6 +1605,7 @@ mod tests {
                 rank: 2,
                 setup_ms: 0.0,
                 lanes: vec![],
+                model_refused: None,
             }),
         ]);
         assert!(matches!(r, Err(Error::Hang(_))));

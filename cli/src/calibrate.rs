@@ -35,6 +35,23 @@ pub(crate) struct Capacity {
     pub(crate) waits: Option<u64>,
 }
 
+impl Capacity {
+    /// Where the probes contradict one capacity (R5 has one per channel),
+    /// in words for the reports: a total waited that is no larger than one
+    /// that completed alone (seen over loopback sockets, whose capacity
+    /// varies from run to run). Empty when the probes agree.
+    pub(crate) fn contradiction(&self) -> String {
+        match self.waits {
+            Some(w) if w <= self.fits => format!(
+                " (contradictory: {} waited where {} completed alone, so no one capacity fits these probes: R5's fixed capacity does not hold for this run)",
+                Size(w),
+                Size(self.fits)
+            ),
+            _ => String::new(),
+        }
+    }
+}
+
 /// One example's row.
 #[derive(Clone, Debug, serde::Serialize)]
 pub(crate) struct Row {
@@ -261,6 +278,21 @@ fn fitted(probes: Vec<Probe>) -> Capacity {
 /// through a connection set up from mismatched calls (R7), after which
 /// NCCL may fail instead of hanging.
 fn verdict(program: &duplex::schedule::Program) -> (&'static str, bool) {
+    let p = predict(program);
+    (p.verdict, p.mismatched)
+}
+
+/// The checker's verdict on a program, as calibration compares it.
+struct Predicted {
+    verdict: &'static str,
+    /// The hang goes through a connection set up from mismatched calls.
+    mismatched: bool,
+    /// For an error: its kind as `duplex run --format json` spells it
+    /// (`size-mismatch`, ...).
+    error: Option<serde_json::Value>,
+}
+
+fn predict(program: &duplex::schedule::Program) -> Predicted {
     let outcome = check::check(
         &duplex::compile::compile(program),
         &check::Options::default(),
@@ -269,7 +301,15 @@ fn verdict(program: &duplex::schedule::Program) -> (&'static str, bool) {
         check::Verdict::Deadlock { stuck, .. } => !stuck.mismatched_setups.is_empty(),
         _ => false,
     };
-    (outcome.verdict.kind(), mismatched)
+    let error = match &outcome.verdict {
+        check::Verdict::Error { error, .. } => serde_json::to_value(error.kind()).ok(),
+        _ => None,
+    };
+    Predicted {
+        verdict: outcome.verdict.kind(),
+        mismatched,
+        error,
+    }
 }
 
 /// Whether a run's failure is NCCL's or CUDA's own error (not a process
@@ -287,8 +327,44 @@ fn explained_by_a_mismatched_round(real: &Ran) -> bool {
 /// Whether a real outcome agrees with the checker's verdict, in words:
 /// `yes`, `consistent: ...` (the outcome is one the model allows for
 /// it), `not run: ...` (the run could not start here), or `no...`/`NO`.
-fn agreement(predicted: &str, mismatched: bool, real: &Ran, many_threads: bool) -> &'static str {
+/// With the predicted error's kind (`predicted_error`) for a program the
+/// checker finds an error in. The same outcome agrees only
+/// when the run says no more than the model: a run the live model refused
+/// a call of, a hang whose replay the model disagrees with or names no
+/// cycle in, or an error of another kind, is no agreement.
+fn agreement(
+    predicted: &str,
+    mismatched: bool,
+    predicted_error: Option<&serde_json::Value>,
+    real: &Ran,
+    many_threads: bool,
+) -> &'static str {
     match (predicted, real.outcome.as_str()) {
+        _ if real.model_refused.is_some() => {
+            "no: the run completed, but the live model refused one of its calls (below)"
+        }
+        ("deadlock", "deadlock") => {
+            let hang = real.hang.as_ref();
+            let disagrees = hang
+                .and_then(|h| h.get("disagreements"))
+                .and_then(serde_json::Value::as_array)
+                .is_some_and(|d| !d.is_empty());
+            let named = |k: &str| {
+                hang.and_then(|h| h["stuck"][k].as_array())
+                    .is_some_and(|a| !a.is_empty())
+            };
+            if disagrees {
+                "no: it hung, but the model refuses calls the run made (below)"
+            } else if hang.is_some() && !named("cycle") && !named("missing") {
+                "no: it hung, but the model's replay of the run names no cycle (below)"
+            } else {
+                "yes"
+            }
+        }
+        ("error", "error") => match (predicted_error, real.error.as_ref().map(|e| &e["kind"])) {
+            (Some(p), Some(r)) if p != r => "no: an error of another kind (below)",
+            _ => "yes",
+        },
         (p, r) if p == r => "yes",
         (_, "unavailable") => "not run: the run could not start with this launch (below)",
         ("deadlock", "ok") if many_threads => {
@@ -352,18 +428,23 @@ pub(crate) fn calibrate(
         Launch::Processes { one_gpu } => capacity_of_processes(dir, timeout, one_gpu)?,
     };
     say!(
-        "eager capacity: {} completes alone, {} waits",
+        "eager capacity: {} completes alone, {} waits{}",
         Size(cap.fits),
         cap.waits
             .map(|w| Size(w).to_string())
-            .unwrap_or("nothing".into())
+            .unwrap_or("nothing".into()),
+        cap.contradiction()
     );
     let mut rows = Vec::new();
     for (f, name, mut program) in programs {
         // The run on NCCL gets the same model, so that duplex-nccl
         // launches what the fitted model accepts instead of refusing it.
         program.model = fitted_model(program.model, &cap);
-        let (predicted, mismatched) = verdict(&program);
+        let Predicted {
+            verdict: predicted,
+            mismatched,
+            error: predicted_error,
+        } = predict(&program);
         let alternative = {
             let mut p = program.clone();
             p.model.cold_mismatched_only = true;
@@ -372,7 +453,13 @@ pub(crate) fn calibrate(
         say!("running {name} (predicted {predicted})");
         let real = on_nccl_isolated(&f, timeout, &fitted_settings(&cap), launch);
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
-        let agrees = agreement(predicted, mismatched, &real, many_threads);
+        let agrees = agreement(
+            predicted,
+            mismatched,
+            predicted_error.as_ref(),
+            &real,
+            many_threads,
+        );
         say!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
         rows.push(Row {
             file: name,
@@ -427,11 +514,12 @@ pub(crate) fn markdown(cal: &Calibration, model: &Model) -> String {
     }
     let _ = writeln!(
         s,
-        "\nFitted: eager={} (largest total that completed alone; smallest that waited: {}).\n",
+        "\nFitted: eager={} (largest total that completed alone; smallest that waited: {}){}.\n",
         Size(cap.fits),
         cap.waits
             .map(|w| Size(w).to_string())
             .unwrap_or("none".into()),
+        cap.contradiction(),
     );
     let _ = writeln!(
         s,
@@ -516,6 +604,80 @@ mod tests {
         .expect("a run")
     }
 
+    /// The same outcome is no agreement where the run says more than the
+    /// model: a call the live model refused, a hang whose replay it
+    /// disagrees with or that names no cycle, an error of another kind.
+    #[test]
+    fn the_same_outcome_agrees_only_where_the_run_says_no_more() {
+        let mut ok = real("ok");
+        assert_eq!(agreement("ok", false, None, &ok, false), "yes");
+        ok.model_refused = Some("the model refused `send` (x:1) of thread 0".into());
+        assert!(agreement("ok", false, None, &ok, false).starts_with("no:"));
+        let hung = |hang: serde_json::Value| Ran {
+            hang: Some(hang),
+            ..real("deadlock")
+        };
+        let cycle = serde_json::json!({"stuck": {"cycle": [{"rank": 0}], "missing": []}});
+        assert_eq!(
+            agreement("deadlock", false, None, &hung(cycle), false),
+            "yes"
+        );
+        let missing = serde_json::json!({"stuck": {"cycle": [], "missing": [{"rank": 1}]}});
+        assert_eq!(
+            agreement("deadlock", false, None, &hung(missing), false),
+            "yes"
+        );
+        let none = serde_json::json!({"stuck": {"cycle": [], "missing": []}});
+        let a = agreement("deadlock", false, None, &hung(none), false);
+        assert!(a.starts_with("no:") && a.contains("no cycle"), "{a}");
+        let refused = serde_json::json!({
+            "stuck": {"cycle": [{"rank": 0}], "missing": []},
+            "disagreements": [{"call": "send", "why": "..."}]
+        });
+        let a = agreement("deadlock", false, None, &hung(refused), false);
+        assert!(a.starts_with("no:") && a.contains("refuses"), "{a}");
+        // An error of the predicted kind, and of another.
+        let size = serde_json::to_value(duplex::ProgramErrorKind::SizeMismatch).expect("json");
+        let failed = |kind: &str| Ran {
+            error: Some(serde_json::json!({"kind": kind, "message": "..."})),
+            ..real("error")
+        };
+        assert_eq!(size, serde_json::json!("size-mismatch"));
+        assert_eq!(
+            agreement("error", false, Some(&size), &failed("size-mismatch"), false),
+            "yes"
+        );
+        let a = agreement("error", false, Some(&size), &failed("aborted"), false);
+        assert!(a.starts_with("no:"), "{a}");
+        // Each counts against the calibration.
+        let row = Row {
+            file: "x.sched".into(),
+            real: real("error"),
+            predicted: "error",
+            agrees: a,
+            predicted_mismatched_only: None,
+        };
+        assert!(counts_against(&row));
+    }
+
+    /// Probes that no one capacity fits are said, not fitted in silence.
+    #[test]
+    fn contradictory_probes_are_said() {
+        let probe = |bytes: u64, completed_alone| Probe {
+            messages: 1,
+            bytes,
+            completed_alone,
+        };
+        let agree = fitted(vec![probe(1 << 20, true), probe(16 << 20, false)]);
+        assert_eq!(agree.contradiction(), "");
+        let contra = fitted(vec![probe(16 << 20, true), probe(8 << 20, false)]);
+        let said = contra.contradiction();
+        assert!(
+            said.contains("contradictory") && said.contains("8MiB"),
+            "{said}"
+        );
+    }
+
     #[test]
     fn the_table_says_which_r6_the_gpus_side_with() {
         let row = |file: &str, outcome: &str, predicted, alt| Row {
@@ -561,26 +723,26 @@ mod tests {
         for name in ["cold-send-first-4kib.sched", "pytorch-seed.sched"] {
             let (p, mismatched) = verdict(&example(name));
             assert_eq!((p, mismatched), ("deadlock", true), "{name}");
-            let agrees = agreement(p, mismatched, &nccl_failed(), false);
+            let agrees = agreement(p, mismatched, None, &nccl_failed(), false);
             assert!(
                 agrees.starts_with("consistent") && agrees.contains("R7"),
                 "{agrees}"
             );
             // A process killed at its limit, or NCCL's error unexplained, is
             // no agreement.
-            let killed = agreement(p, mismatched, &real("crash"), false);
+            let killed = agreement(p, mismatched, None, &real("crash"), false);
             assert!(killed.starts_with("no:"), "{killed}");
             let mut unexplained = nccl_failed();
             unexplained.error =
                 Some(serde_json::json!({"kind": "library", "message": "internal error"}));
-            assert!(agreement(p, mismatched, &unexplained, false).starts_with("no:"));
+            assert!(agreement(p, mismatched, None, &unexplained, false).starts_with("no:"));
         }
         // R6 alone: every round complementary.
         let (p, mismatched) = verdict(&example("r6-without-a-mismatched-round.sched"));
         assert_eq!((p, mismatched), ("deadlock", false));
-        assert!(agreement(p, mismatched, &real("crash"), false).starts_with("no:"));
-        assert_eq!(agreement(p, mismatched, &real("ok"), false), "NO");
-        assert_eq!(agreement("ok", false, &real("ok"), false), "yes");
-        assert!(agreement("ok", false, &real("unavailable"), false).starts_with("not run"));
+        assert!(agreement(p, mismatched, None, &real("crash"), false).starts_with("no:"));
+        assert_eq!(agreement(p, mismatched, None, &real("ok"), false), "NO");
+        assert_eq!(agreement("ok", false, None, &real("ok"), false), "yes");
+        assert!(agreement("ok", false, None, &real("unavailable"), false).starts_with("not run"));
     }
 }

@@ -27,6 +27,10 @@ pub(crate) struct Ran {
     /// For an error or a crash: `{"kind", "message", ...}` ([`error_json`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) error: Option<serde_json::Value>,
+    /// A call of a run that completed which duplex's live model refused:
+    /// the model and NCCL disagree there (a bug of duplex's, to report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) model_refused: Option<String>,
     /// With `--copy-from auto`: what was measured and the threshold chosen
     /// (`duplex_nccl::threshold::Measurement`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -44,6 +48,7 @@ fn ran(outcome: &str, start: Instant, detail: String) -> Ran {
         detail,
         hang: None,
         error: None,
+        model_refused: None,
         copy_threshold: None,
         ranks: Vec::new(),
     }
@@ -93,9 +98,22 @@ pub(crate) fn error_json(e: &Error) -> serde_json::Value {
     }
 }
 
-fn classify(start: Instant, r: Result<(), Error>) -> Ran {
+/// A run's outcome. `r` is `Ok` with what the live model refused of a run
+/// that ended well, if anything: the run completed, its bytes checked, but
+/// the model and NCCL disagree there, which the report says.
+fn classify(start: Instant, r: Result<Option<String>, Error>) -> Ran {
     match r {
-        Ok(()) => ran("ok", start, String::new()),
+        Ok(None) => ran("ok", start, String::new()),
+        Ok(Some(refused)) => Ran {
+            model_refused: Some(refused.clone()),
+            ..ran(
+                "ok",
+                start,
+                format!(
+                    "the run completed, but duplex's model disagrees with it (a bug of duplex's; please report it): {refused}\n"
+                ),
+            )
+        },
         Err(Error::Hang(h)) => hung(start, &h),
         Err(e @ Error::Library { .. }) => failed("crash", start, &e),
         Err(e) => failed("error", start, &e),
@@ -134,7 +152,9 @@ pub(crate) fn on_nccl(
     let start = Instant::now();
     Ok(classify(
         start,
-        local.run(|t| duplex::schedule::execute(&p, t)).map(drop),
+        local
+            .run(|t| duplex::schedule::execute(&p, t))
+            .map(|reports| reports.into_iter().find_map(|r| r.model_refused)),
     ))
 }
 
@@ -188,7 +208,7 @@ pub(crate) fn on_nccl_rank(
         Err(e @ Error::Unavailable { .. }) if !began.load(std::sync::atomic::Ordering::Relaxed) => {
             Err(e)
         }
-        r => Ok(classify(start, r.map(drop))),
+        r => Ok(classify(start, r.map(|report| report.model_refused))),
     }
 }
 
