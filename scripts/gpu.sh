@@ -33,7 +33,7 @@
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and, for lane memory (issue 12, item 3), a third,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
-# (the suite has 52 jobs: 35 with a thread per rank, 17 with a process
+# (the suite has 61 jobs: 40 with a thread per rank, 21 with a process
 # per rank, and 6 more process jobs with DUPLEX_IPC_COPY=1; it had 21
 # when it last ran on two GPUs, in 111 s, so SUITE_S may need
 # raising), and for lanes made on first use (issue 12, item 3) a fourth,
@@ -268,7 +268,7 @@ run)
         [ "$rc" = 0 ] && ctas+=(--setting "$out/bench-ctas-$c.json")
       done
       # duplex's host time per op against raw NCCL on one GPU, with stack
-      # samples' worth of detail in examples/overhead.rs (reported, not
+      # samples' worth of detail in backend-nccl/examples/overhead/ (reported, not
       # judged: bench's two-GPU host-time figure is the judged one).
       timeout 120 .gpu/overhead --trials "$trials" > "$out/overhead.txt" 2>&1
       record overhead $?

@@ -11,15 +11,11 @@ use duplex::Error;
 
 /// A CUDA error as a duplex error.
 fn err(call: &str, e: result::DriverError) -> Error {
-    let text = e
-        .error_string()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
     Error::Library {
         library: "CUDA",
         call: call.to_string(),
         code: e.0 as i32,
-        text,
+        text: error_text(e),
     }
 }
 
@@ -39,11 +35,64 @@ pub fn init() -> Result<usize, Error> {
                 how: "no NVIDIA driver library was found: run on a machine with an NVIDIA GPU and driver, or add the driver's folder to LD_LIBRARY_PATH".into(),
             });
         }
-        result::init().map_err(|e| err("cuInit", e))?;
+        // cudarc resolves each driver function at its first call and
+        // panics when the library lacks it (a stub `libcuda.so.1`, say):
+        // the functions of this first step are looked up here first, so
+        // that such a library is said to be unusable, not a panic.
+        const FIRST: [&str; 3] = ["cuInit", "cuDeviceGetCount", "cuGetErrorString"];
+        // SAFETY: opens the library cudarc uses (as it would) and looks up
+        // symbols without calling them.
+        let lib = unsafe { sys::culib() };
+        // SAFETY: only the symbols' addresses are taken, never called here.
+        if let Some(missing) = FIRST
+            .iter()
+            .find(|f| unsafe { lib.get::<*const c_void>(f.as_bytes()) }.is_err())
+        {
+            return Err(Error::Unavailable {
+                what: "a usable CUDA driver (libcuda.so.1)".into(),
+                how: format!(
+                    "the libcuda.so.1 found lacks `{missing}`, so it is not an NVIDIA driver's library (a CUDA toolkit's stub, or a driver too old): put the driver's own library first on LD_LIBRARY_PATH, or run on a machine with an NVIDIA GPU and driver"
+                ),
+            });
+        }
+        result::init().map_err(|e| match e.0 {
+            // No GPU visible, the toolkit's stub library, a driver that
+            // does not match its kernel module or is not ready: nothing to
+            // run on here, said as such (exit status 4 from the CLI).
+            sys::CUresult::CUDA_ERROR_NO_DEVICE => Error::Unavailable {
+                what: "a GPU".into(),
+                how: format!(
+                    "the CUDA driver sees none ({}): check that CUDA_VISIBLE_DEVICES (now {}) names this machine's GPUs, and that `nvidia-smi` lists them",
+                    error_text(e),
+                    std::env::var("CUDA_VISIBLE_DEVICES")
+                        .map(|v| format!("`{v}`"))
+                        .unwrap_or_else(|_| "unset".into())
+                ),
+            },
+            sys::CUresult::CUDA_ERROR_STUB_LIBRARY
+            | sys::CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+            | sys::CUresult::CUDA_ERROR_SYSTEM_NOT_READY => {
+                Error::Unavailable {
+                    what: "a usable CUDA driver (libcuda.so.1)".into(),
+                    how: format!(
+                        "cuInit says: {}: put the NVIDIA driver's own libcuda.so.1 first on LD_LIBRARY_PATH (not a CUDA toolkit's stub), or update the driver",
+                        error_text(e)
+                    ),
+                }
+            }
+            _ => err("cuInit", e),
+        })?;
         let n = result::device::get_count().map_err(|e| err("cuDeviceGetCount", e))?;
         Ok(n.max(0) as usize)
     })
     .clone()
+}
+
+/// A CUDA error's text (its number where the driver has none).
+fn error_text(e: result::DriverError) -> String {
+    e.error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0))
 }
 
 /// A device's primary context.

@@ -1904,7 +1904,10 @@ impl Transport for NcclRank {
             }
         }
         let turn = TurnEnd(&self.ctx.split_turns, k);
-        if let Err(m) = self.ctx.registry.user_comm(k, name, members) {
+        // Members as a set: the split orders them by rank whatever order
+        // the call lists them in, so [1, 0] on one rank and [0, 1] on
+        // another make one communicator.
+        if let Err(m) = self.ctx.registry.user_comm(k, name, &sorted) {
             return check::invalid(at, m);
         }
         let logical = self.ctx.first_user_logical + k as u32;

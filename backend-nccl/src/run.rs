@@ -460,7 +460,27 @@ impl Process {
         let bind = optional_env("DUPLEX_STORE_BIND")?
             .filter(|b| !b.is_empty())
             .unwrap_or_else(|| addr.clone());
-        let lib = nccl().and_then(|lib| cuda::init().map(|_| lib));
+        // The GPU this rank is given must exist: a machine with fewer GPUs
+        // than local ranks is said as such (as `Local::new` says it), not
+        // left to a CUDA error when the device is opened.
+        let lib = nccl().and_then(|lib| {
+            let n = cuda::init()?;
+            if device as usize >= n {
+                let how = if n == 0 {
+                    "the CUDA driver sees no GPU here: check CUDA_VISIBLE_DEVICES and that `nvidia-smi` lists the GPUs".to_string()
+                } else {
+                    format!(
+                        "this machine has {n} GPU{} visible: start at most one rank per GPU on it (torchrun --nproc-per-node {n}), check CUDA_VISIBLE_DEVICES, or, to test behaviour and not speed, put every rank on GPU 0 over sockets (`duplex run --processes --one-gpu`, `duplex_nccl::shared_gpu_env`)",
+                        if n == 1 { "" } else { "s" }
+                    )
+                };
+                return Err(Error::Unavailable {
+                    what: format!("GPU {device} (LOCAL_RANK={device})"),
+                    how,
+                });
+            }
+            Ok(lib)
+        });
         Ok(Process {
             rank,
             world,

@@ -193,7 +193,8 @@ fn check_quick_under(p: &Program, model: duplex::Model, budget: &Budget) -> Opti
 /// so a per-direction program with no explicitly placed op compiles to the
 /// same machine, and its check would repeat the first.
 fn lazy_connect_matters(program: &Program) -> bool {
-    program.policy != duplex::Policy::PerDirection
+    // The policy's lanes under `lazy-connect=on`: the compiler's rule.
+    !duplex::compile::lane_connected(program.policy, false)
         || program
             .threads
             .iter()

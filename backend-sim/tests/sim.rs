@@ -383,6 +383,23 @@ fn communicators_must_be_created_in_the_same_order_everywhere() {
     });
     let text = f.unwrap_err().to_string();
     assert!(text.contains("same order"), "{text}");
+    // The members are a set: listed in another order on another rank,
+    // they make the same communicator (the split orders them by rank).
+    Sim::new(2)
+        .check(|t| {
+            let members: &[u32] = if t.rank() == 0 { &[0, 1] } else { &[1, 0] };
+            let c = t.comm("c", members)?.expect("member");
+            let s = t.stream("s")?;
+            let out = t.alloc::<u8>(8)?;
+            let mut inb = t.alloc::<u8>(8)?;
+            let at = duplex::Place::on(&c, &s);
+            t.group(|| {
+                t.send_on(&out, 1 - t.rank(), &at)?;
+                t.recv_on(&mut inb, 1 - t.rank(), &at)
+            })?;
+            t.synchronize()
+        })
+        .expect("one communicator, whatever order its members are listed in");
 }
 
 #[test]

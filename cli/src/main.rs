@@ -9,7 +9,10 @@
 //! machine's NCCL and compares every file of DIR run on the GPUs with the
 //! checker's verdict. Exit statuses are in [`failure`] and `duplex --help`.
 //! This crate only parses arguments and prints; the work is in `duplex` (the
-//! format), `duplex-sim` (the rules) and `duplex-nccl` (the GPUs).
+//! format and the rules: its `machine`), `duplex-sim` (the checker and the
+//! simulator that drive them) and `duplex-nccl` (the GPUs). Start at
+//! `main`, which dispatches each subcommand to its `run_*` function;
+//! `run_check` is the one most users meet.
 
 /// `eprintln!` that never panics: where standard error is closed or full,
 /// the line is lost and the exit status still says what happened (found
@@ -814,7 +817,14 @@ fn run_check(args: &CheckArgs) -> ExitCode {
             if let Some(clash) = clash {
                 let f = Failure::invalid(
                     "usage",
-                    format!("--trace: {clash}; check them with separate commands"),
+                    format!(
+                        "--trace: {clash}; {}",
+                        if args.files.len() > 1 {
+                            "check them with separate commands"
+                        } else {
+                            "give the trace another name"
+                        }
+                    ),
                 );
                 return fail(&f, json, "verdict");
             }

@@ -1740,3 +1740,109 @@ fn a_file_past_the_bound_is_refused_before_it_is_parsed() {
         "{stderr}"
     );
 }
+
+/// A stub NCCL (it loads; every call fails) and a stub CUDA driver whose
+/// `cuInit` returns `STUB_INIT` and which lacks `cuGetErrorString` when
+/// `lacking`, compiled into `dir` with the C compiler that links Rust
+/// here: what a machine without a usable GPU looks like to duplex.
+fn stub_libraries(dir: &Path, lacking: bool) -> (PathBuf, PathBuf) {
+    let nccl = r#"
+int ncclGetVersion(int*v){*v=22803;return 0;}
+int ncclGetUniqueId(void*p){return 3;}
+int ncclCommInitRankConfig(){return 3;}
+int ncclCommSplit(){return 3;}
+int ncclCommDestroy(){return 3;}
+int ncclCommAbort(){return 3;}
+int ncclCommGetAsyncError(){return 3;}
+const char* ncclGetErrorString(int r){return "stub error";}
+int ncclGroupStart(){return 3;}
+int ncclGroupEnd(){return 3;}
+int ncclSend(){return 3;}
+int ncclRecv(){return 3;}
+"#;
+    let cuda = format!(
+        r#"
+#include <stdlib.h>
+int cuInit(unsigned f){{const char*v=getenv("STUB_INIT");return v?atoi(v):100;}}
+int cuDriverGetVersion(int*v){{*v=12040;return 0;}}
+int cuDeviceGetCount(int*c){{const char*v=getenv("STUB_COUNT");*c=v?atoi(v):0;return 0;}}
+int cuGetErrorName(int e,const char**s){{*s="CUDA_ERROR_STUB";return 0;}}
+{}
+"#,
+        if lacking {
+            ""
+        } else {
+            r#"int cuGetErrorString(int e,const char**s){*s= e==100?"no CUDA-capable device is detected":"CUDA driver is a stub library";return 0;}"#
+        }
+    );
+    let build = |name: &str, lib: &str, source: &str| {
+        let sub = dir.join(name);
+        std::fs::create_dir_all(&sub).expect("dir");
+        let c = sub.join("stub.c");
+        std::fs::write(&c, source).expect("write");
+        let so = sub.join(lib);
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let built = Command::new(&cc)
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(&c)
+            .status()
+            .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC) runs: {e}"));
+        assert!(built.success(), "{cc} built {lib}");
+        so
+    };
+    let nccl = build("nccl", "libnccl.so.2", nccl);
+    let cuda = build(
+        if lacking { "cuda-lacking" } else { "cuda" },
+        "libcuda.so.1",
+        &cuda,
+    );
+    (nccl, cuda)
+}
+
+/// No usable GPU, both as a thread per rank and as a process per rank:
+/// the CUDA driver sees no device, is a toolkit's stub, lacks a function,
+/// or the machine has fewer GPUs than the job's local ranks. Each is exit
+/// status 4 with what is missing and how to point at it; never a crash
+/// (exit 1), never a panic (a stub lacking a symbol panicked in cudarc).
+#[test]
+fn no_usable_gpu_is_unavailable_whichever_way_the_ranks_run() {
+    let dir = tempdir().join("stubs");
+    let (nccl, cuda) = stub_libraries(&dir, false);
+    let (_, lacking) = stub_libraries(&dir, true);
+    let seed = example("seed.sched");
+    let cases: [(&Path, &str, &str, &str); 4] = [
+        (&cuda, "100", "1", "the CUDA driver sees none"),
+        (
+            &cuda,
+            "34",
+            "1",
+            "put the NVIDIA driver's own libcuda.so.1 first",
+        ),
+        (&lacking, "100", "1", "lacks `cuGetErrorString`"),
+        (&cuda, "0", "0", "GPU"),
+    ];
+    for (lib, init, count, said) in cases {
+        for launch in [&[][..], &["--processes"][..]] {
+            let mut args = vec!["run", seed.as_str(), "--backend", "nccl"];
+            args.extend_from_slice(launch);
+            let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+                .args(&args)
+                .env("DUPLEX_NCCL_LIBRARY", &nccl)
+                .env("LD_LIBRARY_PATH", lib.parent().expect("the stub's folder"))
+                .env("STUB_INIT", init)
+                .env("STUB_COUNT", count)
+                .env_remove("CUDA_VISIBLE_DEVICES")
+                .output()
+                .expect("the duplex binary runs");
+            let err = String::from_utf8_lossy(&out.stderr);
+            let case = format!("cuInit {init}, {count} GPUs, {lib:?}, {launch:?}");
+            assert_eq!(out.status.code(), Some(4), "{case}: {err}");
+            assert!(
+                err.contains("is not available") && err.contains(said),
+                "{case}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{case}: {err}");
+        }
+    }
+}

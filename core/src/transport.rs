@@ -164,8 +164,9 @@ pub trait Transport: Sized + Send + 'static {
     /// A new stream of this rank.
     fn stream(&self, name: &str) -> Result<Self::Stream>;
     /// A communicator over `members`. Collective: every rank of the world
-    /// calls it, in the same order, with the same arguments; ranks outside
-    /// `members` get `None`. It returns only once every rank has called it
+    /// calls it, in the same order, with the same arguments (`members` as
+    /// a set: its communicator ranks follow the world's, whatever order
+    /// they are listed in); ranks outside `members` get `None`. It returns only once every rank has called it
     /// (`ncclCommSplit` of the world): a rank that waits for a peer still
     /// inside it, or never calls it, hangs the others.
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<Self::Comm>>;

@@ -159,7 +159,7 @@ fn load() -> Result<Nccl, Error> {
     }
     let how = if library_var().is_some() {
         format!(
-            "{LIBRARY_VAR} is set, and loading it failed: {}",
+            "{LIBRARY_VAR} is set, and loading it failed: {}. Point {LIBRARY_VAR} at NCCL's libnccl.so.2, or unset it to search the usual places",
             tried.join("; ")
         )
     } else {
@@ -183,9 +183,10 @@ macro_rules! symbol {
                 return Err(Error::Unavailable {
                     what: format!("NCCL's {}", $name),
                     how: format!(
-                        "{} does not export it ({}); duplex needs NCCL 2.18 or later",
+                        "{} does not export it ({}): it is not NCCL's libnccl.so.2, or an NCCL older than 2.18, which duplex needs; point {} at NCCL 2.18 or later",
                         $path,
-                        $crate::nccl::dl_error(&e)
+                        $crate::nccl::dl_error(&e),
+                        $crate::nccl::LIBRARY_VAR
                     ),
                 });
             }

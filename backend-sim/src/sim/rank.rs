@@ -536,7 +536,10 @@ impl Transport for SimRank {
     #[track_caller]
     fn comm(&self, name: &str, members: &[Rank]) -> Result<Option<SimComm>> {
         let at = Location::caller();
-        check::members(at, name, members, self.world_size)?;
+        // Members as a set, as the NCCL backend's split orders them by
+        // rank: [1, 0] on one rank and [0, 1] on another are one
+        // communicator.
+        let members = &check::members(at, name, members, self.world_size)?;
         let (k, id) = {
             let mut w = self.shared.lock();
             if w.over {

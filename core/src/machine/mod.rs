@@ -2072,7 +2072,7 @@ pub fn self_unpaired_message(rank: Rank, ops: &[OpSpec], i: usize) -> String {
         "put both in one group, on one communicator".to_string()
     };
     format!(
-        "{op} {rank} {} is a message of rank {rank} to itself with no {partner} from itself on its communicator in the same launch: NCCL pairs a rank's messages to itself within one group, per communicator, and refuses one left over (R12); {fix}",
+        "`{op} {rank} {}` is a message of rank {rank} to itself with no {partner} from itself on its communicator in the same launch: NCCL pairs a rank's messages to itself within one group, per communicator, and refuses one left over (R12); {fix}",
         crate::Size(o.bytes)
     )
 }
