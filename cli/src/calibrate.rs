@@ -331,13 +331,16 @@ fn explained_by_a_mismatched_round(real: &Ran) -> bool {
 /// checker finds an error in. The same outcome agrees only
 /// when the run says no more than the model: a run the live model refused
 /// a call of, a hang whose replay the model disagrees with or names no
-/// cycle in, or an error of another kind, is no agreement.
+/// cycle in, or an error of another kind, is no agreement. A run that
+/// completed where the checker found a hang is consistent only where the
+/// model lets some interleaving complete too (`completes`: a seed of the
+/// simulator on which the program completes, [`completing_seed`]).
 fn agreement(
     predicted: &str,
     mismatched: bool,
     predicted_error: Option<&serde_json::Value>,
     real: &Ran,
-    many_threads: bool,
+    completes: Option<u64>,
 ) -> &'static str {
     match (predicted, real.outcome.as_str()) {
         _ if real.model_refused.is_some() => {
@@ -367,8 +370,8 @@ fn agreement(
         },
         (p, r) if p == r => "yes",
         (_, "unavailable") => "not run: the run could not start with this launch (below)",
-        ("deadlock", "ok") if many_threads => {
-            "consistent: the hang needs an interleaving this run did not take"
+        ("deadlock", "ok") if completes.is_some() => {
+            "consistent: the hang needs an interleaving this run did not take (the model completes it in others)"
         }
         ("deadlock", "crash") if mismatched && explained_by_a_mismatched_round(real) => {
             "consistent: NCCL failed on a connection the model finds set up from mismatched calls (R7), where it may fail instead of hanging"
@@ -376,6 +379,18 @@ fn agreement(
         ("deadlock", "crash") => "no: NCCL failed instead of hanging (see below)",
         _ => "NO",
     }
+}
+
+/// Random schedules of the simulator [`completing_seed`] tries.
+const COMPLETION_SEEDS: u64 = 32;
+
+/// The first of the simulator's random schedules (seeds below
+/// [`COMPLETION_SEEDS`]) on which `program` completes: evidence that the
+/// model lets some interleaving of its host threads complete, which a run
+/// on the GPUs that completed where the checker found a hang needs to be
+/// consistent with it. `None` when none of them completes.
+fn completing_seed(program: &duplex::schedule::Program) -> Option<u64> {
+    (0..COMPLETION_SEEDS).find(|&seed| crate::run::on_sim(program, seed, "").outcome == "ok")
 }
 
 /// Runs every `.sched` file of `dir` and builds the table. Every file is
@@ -452,13 +467,18 @@ pub(crate) fn calibrate(
         };
         say!("running {name} (predicted {predicted})");
         let real = on_nccl_isolated(&f, timeout, &fitted_settings(&cap), launch);
+        // Only where it matters: a hang predicted, a completion seen, on a
+        // program whose threads can interleave.
         let many_threads = program.threads.iter().any(|t| t.name.is_some());
+        let completes = (predicted == "deadlock" && real.outcome == "ok" && many_threads)
+            .then(|| completing_seed(&program))
+            .flatten();
         let agrees = agreement(
             predicted,
             mismatched,
             predicted_error.as_ref(),
             &real,
-            many_threads,
+            completes,
         );
         say!("  real {} in {:.2} s: {agrees}", real.outcome, real.seconds);
         rows.push(Row {
@@ -610,31 +630,31 @@ mod tests {
     #[test]
     fn the_same_outcome_agrees_only_where_the_run_says_no_more() {
         let mut ok = real("ok");
-        assert_eq!(agreement("ok", false, None, &ok, false), "yes");
+        assert_eq!(agreement("ok", false, None, &ok, None), "yes");
         ok.model_refused = Some("the model refused `send` (x:1) of thread 0".into());
-        assert!(agreement("ok", false, None, &ok, false).starts_with("no:"));
+        assert!(agreement("ok", false, None, &ok, None).starts_with("no:"));
         let hung = |hang: serde_json::Value| Ran {
             hang: Some(hang),
             ..real("deadlock")
         };
         let cycle = serde_json::json!({"stuck": {"cycle": [{"rank": 0}], "missing": []}});
         assert_eq!(
-            agreement("deadlock", false, None, &hung(cycle), false),
+            agreement("deadlock", false, None, &hung(cycle), None),
             "yes"
         );
         let missing = serde_json::json!({"stuck": {"cycle": [], "missing": [{"rank": 1}]}});
         assert_eq!(
-            agreement("deadlock", false, None, &hung(missing), false),
+            agreement("deadlock", false, None, &hung(missing), None),
             "yes"
         );
         let none = serde_json::json!({"stuck": {"cycle": [], "missing": []}});
-        let a = agreement("deadlock", false, None, &hung(none), false);
+        let a = agreement("deadlock", false, None, &hung(none), None);
         assert!(a.starts_with("no:") && a.contains("no cycle"), "{a}");
         let refused = serde_json::json!({
             "stuck": {"cycle": [{"rank": 0}], "missing": []},
             "disagreements": [{"call": "send", "why": "..."}]
         });
-        let a = agreement("deadlock", false, None, &hung(refused), false);
+        let a = agreement("deadlock", false, None, &hung(refused), None);
         assert!(a.starts_with("no:") && a.contains("refuses"), "{a}");
         // An error of the predicted kind, and of another.
         let size = serde_json::to_value(duplex::ProgramErrorKind::SizeMismatch).expect("json");
@@ -644,10 +664,10 @@ mod tests {
         };
         assert_eq!(size, serde_json::json!("size-mismatch"));
         assert_eq!(
-            agreement("error", false, Some(&size), &failed("size-mismatch"), false),
+            agreement("error", false, Some(&size), &failed("size-mismatch"), None),
             "yes"
         );
-        let a = agreement("error", false, Some(&size), &failed("aborted"), false);
+        let a = agreement("error", false, Some(&size), &failed("aborted"), None);
         assert!(a.starts_with("no:"), "{a}");
         // Each counts against the calibration.
         let row = Row {
@@ -658,6 +678,35 @@ mod tests {
             predicted_mismatched_only: None,
         };
         assert!(counts_against(&row));
+    }
+
+    /// A run that completed where the checker found a hang is consistent
+    /// only where the model completes the program in some interleaving
+    /// too: `seed-rpc` (two threads a rank) completes on some schedule of
+    /// the simulator; the seed with its threads named hangs in every one.
+    #[test]
+    fn a_completion_is_consistent_with_a_hang_only_where_the_model_completes_too() {
+        // `seed-rpc.sched` with 4 KiB messages (its 256 MiB take a minute
+        // of the debug build's simulator).
+        let mut rpc = example("seed-rpc.sched");
+        for t in &mut rpc.threads {
+            for st in &mut t.body {
+                if let duplex::schedule::StmtKind::Op(op) = &mut st.kind {
+                    op.size = Size(4096);
+                }
+            }
+        }
+        assert_eq!(verdict(&rpc).0, "deadlock");
+        let seed = completing_seed(&rpc);
+        assert!(seed.is_some(), "seed-rpc completes on some schedule");
+        assert!(agreement("deadlock", false, None, &real("ok"), seed).starts_with("consistent"));
+        let always = duplex::schedule::parse(
+            "ranks 2\nrank 0 thread a:\n  send 1 4KiB\n  recv 1 4KiB\nrank 1 thread b:\n  send 0 4KiB\n  recv 0 4KiB\n",
+        )
+        .expect("parses");
+        assert_eq!(verdict(&always).0, "deadlock");
+        assert_eq!(completing_seed(&always), None);
+        assert_eq!(agreement("deadlock", false, None, &real("ok"), None), "NO");
     }
 
     /// Probes that no one capacity fits are said, not fitted in silence.
@@ -723,26 +772,26 @@ mod tests {
         for name in ["cold-send-first-4kib.sched", "pytorch-seed.sched"] {
             let (p, mismatched) = verdict(&example(name));
             assert_eq!((p, mismatched), ("deadlock", true), "{name}");
-            let agrees = agreement(p, mismatched, None, &nccl_failed(), false);
+            let agrees = agreement(p, mismatched, None, &nccl_failed(), None);
             assert!(
                 agrees.starts_with("consistent") && agrees.contains("R7"),
                 "{agrees}"
             );
             // A process killed at its limit, or NCCL's error unexplained, is
             // no agreement.
-            let killed = agreement(p, mismatched, None, &real("crash"), false);
+            let killed = agreement(p, mismatched, None, &real("crash"), None);
             assert!(killed.starts_with("no:"), "{killed}");
             let mut unexplained = nccl_failed();
             unexplained.error =
                 Some(serde_json::json!({"kind": "library", "message": "internal error"}));
-            assert!(agreement(p, mismatched, None, &unexplained, false).starts_with("no:"));
+            assert!(agreement(p, mismatched, None, &unexplained, None).starts_with("no:"));
         }
         // R6 alone: every round complementary.
         let (p, mismatched) = verdict(&example("r6-without-a-mismatched-round.sched"));
         assert_eq!((p, mismatched), ("deadlock", false));
-        assert!(agreement(p, mismatched, None, &real("crash"), false).starts_with("no:"));
-        assert_eq!(agreement(p, mismatched, None, &real("ok"), false), "NO");
-        assert_eq!(agreement("ok", false, None, &real("ok"), false), "yes");
-        assert!(agreement("ok", false, None, &real("unavailable"), false).starts_with("not run"));
+        assert!(agreement(p, mismatched, None, &real("crash"), None).starts_with("no:"));
+        assert_eq!(agreement(p, mismatched, None, &real("ok"), None), "NO");
+        assert_eq!(agreement("ok", false, None, &real("ok"), None), "yes");
+        assert!(agreement("ok", false, None, &real("unavailable"), None).starts_with("not run"));
     }
 }
