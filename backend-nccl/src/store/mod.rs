@@ -374,6 +374,8 @@ struct Values {
     /// The bytes of values replaced while a reply still holds them
     /// ([`Value::retire`]).
     retired: Arc<AtomicUsize>,
+    /// The `PUT`s in flight per key ([`Shared::reserve`]).
+    replacing: HashMap<String, u32>,
     /// The bytes of `PUT` bodies being read ([`Shared::reserve`]): they
     /// count against the store's limit before they are read, so bodies in
     /// flight on many connections cannot hold more than it.
@@ -491,15 +493,23 @@ impl Shared {
     /// guard drops, once the body is stored or refused.
     fn reserve(&self, key: &str, len: usize) -> Result<Reserved<'_>, End> {
         let mut v = self.values();
-        let old = v.map.get(key).map_or(0, |x| x.freed(key));
+        // The value a PUT replaces counts as freed for one PUT of the key
+        // in flight only: two at once were each credited with it.
+        let old = if v.replacing.contains_key(key) {
+            0
+        } else {
+            v.map.get(key).map_or(0, |x| x.freed(key))
+        };
         let new = key.len() + len;
         let retired = v.retired.load(Ordering::Acquire);
         if (v.bytes + v.reserved + retired).saturating_sub(old) + new > self.limits.max_stored {
             return Err(End::Refuse("the store is full".into()));
         }
         v.reserved += new;
+        *v.replacing.entry(key.to_string()).or_insert(0) += 1;
         Ok(Reserved {
             shared: self,
+            key: key.to_string(),
             bytes: new,
         })
     }
@@ -857,6 +867,7 @@ fn send_all(
 /// drop.
 struct Reserved<'a> {
     shared: &'a Shared,
+    key: String,
     bytes: usize,
 }
 
@@ -864,6 +875,12 @@ impl Drop for Reserved<'_> {
     fn drop(&mut self) {
         let mut v = self.shared.values();
         v.reserved = v.reserved.saturating_sub(self.bytes);
+        if let Some(n) = v.replacing.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                v.replacing.remove(&self.key);
+            }
+        }
     }
 }
 

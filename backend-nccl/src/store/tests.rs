@@ -1416,3 +1416,50 @@ fn a_replaced_value_a_reply_holds_counts_against_the_limit() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Two `PUT`s of one key in flight at once: the value they replace counts
+/// as freed for one of them only (each was credited with it, so together
+/// they could pass the limit by a value).
+#[test]
+fn two_puts_of_one_key_at_once_are_credited_its_old_value_once() {
+    let mib = 1 << 20;
+    let addr = server(Limits {
+        max_stored: 40 * mib,
+        io_timeout: Duration::from_secs(5),
+        ..super::LIMITS
+    });
+    let store = client(addr);
+    let value = vec![3u8; 16 * mib];
+    store.put("k", &value, Duration::from_secs(5)).unwrap();
+    let put_line = proto::encode_request(&Request::Put {
+        key: "k".into(),
+        len: value.len(),
+    })
+    .unwrap();
+    // The first holds its room: its line sent, its body not yet.
+    let mut first = TcpStream::connect(addr).unwrap();
+    let mut session = auth();
+    session.extend(&put_line);
+    first.write_all(&session).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // The second, body and all: 16 MiB stored, 16 MiB reserved by the
+    // first (which frees the old value), 16 MiB more passes 40 MiB.
+    let mut second = auth();
+    second.extend(&put_line);
+    second.extend(&value);
+    let reply = raw(addr, &second, true);
+    assert!(reply.contains("ERROR") && reply.contains("full"), "{reply}");
+    // The first, finished, replaces the value.
+    first.write_all(&value).unwrap();
+    first.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    first.read_to_end(&mut rest).unwrap();
+    assert!(String::from_utf8_lossy(&rest).contains("OK"), "{rest:?}");
+    assert_eq!(
+        store
+            .get("k", Duration::from_secs(1))
+            .unwrap()
+            .map(|v| v.len()),
+        Some(value.len())
+    );
+}
