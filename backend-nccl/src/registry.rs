@@ -940,7 +940,19 @@ impl Registry {
             text,
             place,
         };
-        self.record_launch(r, call, fifos)
+        // A group's launch is named by the group's line; the op at fault
+        // is named by its own too (found by review: in a group of several
+        // sends, the report named none of their lines).
+        let own = |i: usize| {
+            (metas.len() > 1)
+                .then(|| {
+                    metas
+                        .get(i)
+                        .map(|m| format!("`{}` at {}", m.text(), m.place()))
+                })
+                .flatten()
+        };
+        self.record_launch(r, call, fifos, &own)
     }
 
     /// The issue path's end: check `call` with the issue check, and when
@@ -951,6 +963,7 @@ impl Registry {
         mut r: std::sync::MutexGuard<'s, Reg>,
         call: TraceCall,
         fifos: &mut [u32],
+        own: &dyn Fn(usize) -> Option<String>,
     ) -> Result<(), Error> {
         let Call::Launch { ops, grouped } = &call.call else {
             return Ok(());
@@ -981,11 +994,14 @@ impl Registry {
                     // check's own positions are NCCL's call order.
                     None => issue_error(&r.matcher, rank, &specs, i, is_group, &call),
                 };
+                let at_fault = own(i)
+                    .map(|o| format!("; the op of the group at fault is {o}"))
+                    .unwrap_or_default();
                 return Err(match e {
                     Error::Program { kind, message, ops } => Error::Program {
                         kind,
                         message: format!(
-                            "{message}; duplex refused to launch it, since NCCL's behaviour is undefined"
+                            "{message}{at_fault}; duplex refused to launch it, since NCCL's behaviour is undefined"
                         ),
                         ops,
                     },
@@ -1006,7 +1022,7 @@ impl Registry {
     #[cfg(test)]
     fn issue(&self, call: TraceCall, fifos: &mut [u32]) -> Result<(), Error> {
         let r = self.lock();
-        let result = self.record_launch(r, call, fifos);
+        let result = self.record_launch(r, call, fifos, &|_| None);
         self.settle();
         result
     }
@@ -1249,7 +1265,7 @@ pub(crate) mod tests {
     pub(crate) fn record(reg: &Registry, call: TraceCall) -> Result<u32, String> {
         let mut fifos = [u32::MAX];
         let r = reg.lock();
-        reg.record_launch(r, call, &mut fifos)
+        reg.record_launch(r, call, &mut fifos, &|_| None)
             .map(|()| fifos[0])
             .map_err(|e| e.to_string())
     }
@@ -1709,7 +1725,7 @@ pub(crate) mod tests {
                     place: "x.rs:1:1".into(),
                 };
                 let r = reg.lock();
-                reg.record_launch(r, call, &mut fifos)
+                reg.record_launch(r, call, &mut fifos, &|_| None)
                     .map(|()| fifos)
                     .map_err(|e| e.to_string())
             };
