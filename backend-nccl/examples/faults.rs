@@ -880,11 +880,40 @@ fn kept_from_another_run() -> String {
 fn self_pairing(t: &NcclRank) -> duplex::Result<String> {
     let mut inb = t.alloc::<u32>(1 << 20)?;
     let alone = t.recv(&mut inb, t.rank());
+    // A group of two messages to itself whose second pair differs in size
+    // (R3): refused before NCCL sees it, naming the op at fault by its
+    // own line, not only the group's.
+    let (a, b) = (t.alloc::<u32>(16)?, t.alloc::<u32>(16)?);
+    let (mut c, mut d) = (t.alloc::<u32>(16)?, t.alloc::<u32>(8)?);
+    let line = std::sync::OnceLock::new();
+    let mismatched = t.group(|| {
+        t.send(&a, t.rank())?;
+        line.get_or_init(|| std::panic::Location::caller().line() + 1);
+        t.send(&b, t.rank())?;
+        t.recv(&mut c, t.rank())?;
+        t.recv(&mut d, t.rank())
+    });
+    // The second send, or the recv it meets two lines below.
+    let send = line.get().copied().unwrap_or(0);
+    let own = [send, send + 2].map(|l| format!("faults.rs:{l}:"));
+    match mismatched {
+        Err(Error::Program { message, .. })
+            if own
+                .iter()
+                .any(|o| message.contains(&format!("at backend-nccl/examples/{o}"))) => {}
+        other => {
+            return Ok(format!(
+                "FAIL a size mismatch in a group did not name the op's line ({own:?}): {other:?}"
+            ));
+        }
+    }
     let grouped = self_exchange(t);
     Ok(match (alone, grouped) {
         (Ok(()), _) => "FAIL a recv from itself alone was accepted".into(),
         (Err(Error::Invalid { message, .. }), Ok(())) if message.contains("R12") => {
-            format!("PASS (refused: {message}; grouped: every byte arrived)")
+            format!(
+                "PASS (refused: {message}; a size mismatch in a group named the op's own line; grouped: every byte arrived)"
+            )
         }
         (Err(Error::Invalid { message, .. }), Err(e)) if message.contains("R12") => {
             format!("FAIL the grouped message: {e}")
