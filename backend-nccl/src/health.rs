@@ -796,7 +796,13 @@ impl Health for StoreHealth {
 
     fn finished(&self, rank: Rank) {
         if let Err(e) = self.store.put(&done_key(rank), b"ok", REQUEST) {
-            tracing::debug!(rank, error = %e, "could not tell the store this rank finished");
+            // The others will take this rank for failed once it falls
+            // silent: said where its operator looks.
+            tracing::warn!(
+                rank,
+                error = %e,
+                "could not tell the store this rank finished: the other ranks will take it for failed"
+            );
         }
     }
 

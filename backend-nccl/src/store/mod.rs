@@ -30,6 +30,11 @@
 //! while it fills that pool). A `PUT`'s bytes count against the store's
 //! limit on stored bytes before they are read; a `PUT` refused as too big
 //! for it has its bytes read and dropped, so its client reads the refusal.
+//! A rank's trace (`trace/…`) may fill the store to three quarters of its
+//! limit at most, leaving the rest to the small values a job's end needs,
+//! and a rank's mark that it finished (`done/RANK`) is never refused as too
+//! big: a store full of traces kept a rank that finished cleanly from
+//! saying so, and the others took it for killed once it fell silent.
 //! A reply is sent within 10 s as a whole (a client that reads it a few
 //! bytes at a time is cut off there), and a value that a `PUT` replaced
 //! while a reply was sending it counts against the limit until that reply
@@ -227,6 +232,33 @@ struct Limits {
     /// with a silence of 0 would mark every live rank failed; the ranks
     /// ask with [`crate::health::SILENCE`].
     min_silence: Duration,
+}
+
+impl Limits {
+    /// The stored bytes (all values together) past which a `PUT` of `key`
+    /// is refused. A rank's trace (`trace/…`: megabytes at most, for a
+    /// hang's analysis, and the job goes on without it) may fill the store
+    /// only to three quarters of [`Limits::max_stored`]: the rest stays for
+    /// the small values the end of a job needs (`counts/RANK`, `left/RANK`,
+    /// `owed/…`), so that traces cannot keep a rank that finished from
+    /// saying so (found by review: a store that traces had filled refused
+    /// `done/RANK`, and the rank, silent after it exited, was taken for
+    /// killed).
+    fn room_for(&self, key: &str) -> usize {
+        if key.starts_with("trace/") {
+            self.max_stored / 4 * 3
+        } else {
+            self.max_stored
+        }
+    }
+}
+
+/// A rank's mark that it finished cleanly (`done/RANK`, a few bytes):
+/// never refused as too big for the store, whatever the other values hold
+/// (its keys are bounded by [`Limits::max_keys`]); without it a rank that
+/// finished is taken for killed once it falls silent.
+fn finish_mark(key: &str, len: usize) -> bool {
+    key.starts_with("done/") && len <= 16
 }
 
 const LIMITS: Limits = Limits {
@@ -502,7 +534,10 @@ impl Shared {
         };
         let new = key.len() + len;
         let retired = v.retired.load(Ordering::Acquire);
-        if (v.bytes + v.reserved + retired).saturating_sub(old) + new > self.limits.max_stored {
+        if !finish_mark(key, len)
+            && (v.bytes + v.reserved + retired).saturating_sub(old) + new
+                > self.limits.room_for(key)
+        {
             return Err(End::Refuse("the store is full".into()));
         }
         v.reserved += new;
@@ -527,7 +562,9 @@ impl Shared {
             return Err(End::Refuse("too many stored values".into()));
         }
         let retired = v.retired.load(Ordering::Acquire);
-        if (v.bytes - freed + retired).saturating_add(new) > self.limits.max_stored {
+        if !finish_mark(&key, value.len())
+            && (v.bytes - freed + retired).saturating_add(new) > self.limits.room_for(&key)
+        {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;

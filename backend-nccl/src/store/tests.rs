@@ -1463,3 +1463,40 @@ fn two_puts_of_one_key_at_once_are_credited_its_old_value_once() {
         Some(value.len())
     );
 }
+
+/// Traces fill the store to three quarters of its limit at most, the
+/// end-of-job values fill the rest, and a rank's mark that it finished
+/// (`done/RANK`) is taken whatever the store holds: a full store refused
+/// it, and the rank, silent once it exited, was taken for killed (found by
+/// review).
+#[test]
+fn a_full_store_still_takes_a_ranks_finish_mark() {
+    let kib = 1 << 10;
+    let store = client(server(Limits {
+        max_stored: 1024 * kib,
+        ..quick_silence()
+    }));
+    let t = Duration::from_secs(5);
+    store.put("trace/0", &vec![0u8; 700 * kib], t).unwrap();
+    let e = store.put("trace/1", &vec![0u8; 100 * kib], t).unwrap_err();
+    assert!(e.to_string().contains("full"), "{e}");
+    // The end-of-job values have the last quarter: filled to 4 bytes
+    // short of the limit (a key's bytes count with its value's).
+    let rest = 1024 * kib - 4 - ("trace/0".len() + 700 * kib) - "counts/0".len();
+    store.put("counts/0", &vec![0u8; rest], t).unwrap();
+    let e = store.put("counts/1", &vec![0u8; 100 * kib], t).unwrap_err();
+    assert!(e.to_string().contains("full"), "{e}");
+    // Full: the finish mark is still taken, and the rank counts as
+    // finished, not as failed, once it falls silent.
+    store.beat(1, t).unwrap();
+    store.put("done/1", b"ok", t).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        store.health(0, Duration::from_millis(100), t).unwrap(),
+        None
+    );
+    assert_eq!(store.ended(Duration::from_millis(100), t).unwrap(), vec![1]);
+    // Only a mark: a bigger value under `done/` is no exception.
+    let e = store.put("done/2", &vec![0u8; 100 * kib], t).unwrap_err();
+    assert!(e.to_string().contains("full"), "{e}");
+}
