@@ -1338,6 +1338,22 @@ fn a_silence_below_the_least_does_not_fail_live_ranks() {
     );
 }
 
+/// A connection that asks for `key` (`AUTH`, then `GET`) and reads
+/// nothing yet: the store's reply waits on it.
+fn get_unread(addr: SocketAddr, key: &str) -> TcpStream {
+    let mut c = TcpStream::connect(addr).unwrap();
+    let mut session = auth();
+    session.extend(
+        proto::encode_request(&Request::Get {
+            key: key.into(),
+            wait_ms: 0,
+        })
+        .unwrap(),
+    );
+    c.write_all(&session).unwrap();
+    c
+}
+
 /// A reply goes out within the I/O timeout as a whole: a client that
 /// reads a 16 MiB value slowly does not hold the connection's thread (and
 /// the value) past it, though each of its reads comes within the timeout.
@@ -1347,16 +1363,7 @@ fn a_slow_reader_is_cut_off_at_the_reply_deadline() {
     let store = client(addr);
     let big = vec![7u8; proto::MAX_VALUE];
     store.put("big", &big, Duration::from_secs(5)).unwrap();
-    let mut c = TcpStream::connect(addr).unwrap();
-    let mut session = auth();
-    session.extend(
-        proto::encode_request(&Request::Get {
-            key: "big".into(),
-            wait_ms: 0,
-        })
-        .unwrap(),
-    );
-    c.write_all(&session).unwrap();
+    let mut c = get_unread(addr, "big");
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // Reads of 64 KiB every 100 ms: each within the timeout, the whole
     // far past it (16 MiB would take 25 s).
@@ -1393,16 +1400,7 @@ fn a_replaced_value_a_reply_holds_counts_against_the_limit() {
     store.put("a", &value, t).unwrap();
     // A GET that reads nothing: the reply blocks with most of the value
     // unsent (more than the sockets' buffers hold), holding it.
-    let mut slow = TcpStream::connect(addr).unwrap();
-    let mut session = auth();
-    session.extend(
-        proto::encode_request(&Request::Get {
-            key: "a".into(),
-            wait_ms: 0,
-        })
-        .unwrap(),
-    );
-    slow.write_all(&session).unwrap();
+    let slow = get_unread(addr, "a");
     std::thread::sleep(Duration::from_millis(300));
     // Replaced: 16 MiB stored, 16 MiB retired.
     store.put("a", &value, t).unwrap();
