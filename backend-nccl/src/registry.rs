@@ -17,7 +17,7 @@
 use std::sync::{Arc, Mutex};
 
 use duplex::machine::issue::IssueMatch;
-use duplex::machine::{Machine, Next, OpSpec, Setup, ThreadId};
+use duplex::machine::{Machine, OpSpec, Setup, ThreadId};
 use duplex::report::{OpInfo, Stuck};
 use duplex::trace::{Analysis, Call, ChannelCount, Disagreement, Trace, TraceCall};
 use duplex::{Error, Model, Rank};
@@ -230,26 +230,18 @@ impl Live {
 }
 
 /// Whether thread `t` can make `call` now in `m`, once every handshake
-/// the model lets finish has finished, as the trace's replay does
-/// (`resume_all`), not only the calling thread's: a thread whose
+/// the model lets finish has finished ([`Machine::resume_all`], as the
+/// trace's replay does), not only the calling thread's: a thread whose
 /// handshake the peer completed has returned from NCCL before another
 /// thread's call on that communicator could be made (R11), and the model,
 /// seeing it still inside its call, held the other's back and the live
 /// machine was dropped for a valid program (found by review).
 fn ready(m: &mut Machine, t: ThreadId, call: &duplex::machine::HostCall) -> bool {
-    let threads = m.setup().threads.len();
     loop {
-        let mut moved = false;
-        for u in (0..threads).map(|u| ThreadId(u as u32)) {
-            while m.next(u) == Next::Resume {
-                if m.resume(u).is_err() {
-                    return false;
-                }
-                moved = true;
-            }
-        }
-        if !moved {
-            return m.enabled(t, call);
+        match m.resume_all() {
+            (_, Some(_)) => return false,
+            (true, None) => {}
+            (false, None) => return m.enabled(t, call),
         }
     }
 }

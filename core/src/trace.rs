@@ -28,7 +28,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::machine::{
-    CommId, EventId, HostCall, LaunchSpec, Machine, Next, OpSpec, Origin, OriginInfo, Rank, Setup,
+    CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, Origin, OriginInfo, Rank, Setup,
     Status, StreamId, ThreadId, Unknown,
 };
 use crate::report::{OpInfo, OpState, Stuck};
@@ -1262,19 +1262,13 @@ impl<'t> Replayer<'t> {
         }
     }
 
-    /// Finishes every handshake that can finish.
+    /// Finishes every handshake that can finish ([`Machine::resume_all`]);
+    /// a thread whose handshake meets a program error is refused.
     fn resume_all(&mut self) -> bool {
-        let mut any = false;
-        for i in 0..self.trace.threads.len() {
-            let t = ThreadId(i as u32);
-            while self.m.next(t) == Next::Resume {
-                if let Err(e) = self.m.resume(t) {
-                    self.refuse_thread(t, format!("the model finds a program error: {e}"));
-                    self.met(e);
-                    return any;
-                }
-                any = true;
-            }
+        let (any, failed) = self.m.resume_all();
+        if let Some((t, e)) = failed {
+            self.refuse_thread(t, format!("the model finds a program error: {e}"));
+            self.met(e);
         }
         any
     }

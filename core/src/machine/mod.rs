@@ -1320,6 +1320,26 @@ impl Machine {
         Ok(())
     }
 
+    /// Finishes every call that waited for handshakes and can finish now
+    /// ([`Machine::resume`] for each thread whose [`Machine::next`] is
+    /// [`Next::Resume`]), in thread order, in one pass: whether any did,
+    /// and the first that met a program error (the pass stops there, the
+    /// thread still waiting). A handshake finished may let a lower thread's
+    /// finish too: a caller that wants every one asks again until none does.
+    pub fn resume_all(&mut self) -> (bool, Option<(ThreadId, ProgramError)>) {
+        let mut any = false;
+        for i in 0..self.setup.threads.len() {
+            let t = ThreadId(i as u32);
+            while self.next(t) == Next::Resume {
+                if let Err(e) = self.resume(t) {
+                    return (any, Some((t, e)));
+                }
+                any = true;
+            }
+        }
+        (any, None)
+    }
+
     fn drain_targets(&self, rank: Rank, stream: Option<StreamId>) -> Vec<(StreamId, u32)> {
         let issued = |s: StreamId| (s, self.state.streams[s.ix()].issued());
         match stream {
