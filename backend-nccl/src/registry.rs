@@ -936,13 +936,10 @@ impl Registry {
         // is named by its own too (found by review: in a group of several
         // sends, the report named none of their lines).
         let own = |i: usize| {
-            (metas.len() > 1)
-                .then(|| {
-                    metas
-                        .get(i)
-                        .map(|m| format!("`{}` at {}", m.text(), m.place()))
-                })
-                .flatten()
+            metas
+                .get(i)
+                .filter(|_| metas.len() > 1)
+                .map(|m| format!("`{}` at {}", m.text(), m.place()))
         };
         self.record_launch(r, call, fifos, &own)
     }

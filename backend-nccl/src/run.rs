@@ -909,7 +909,9 @@ where
         rank,
         setup_ms,
         lanes,
-        model_refused: registry.refused(),
+        // This process's registry; a local run's ranks share one, which
+        // `Local::run` asks once every rank is done.
+        model_refused: if across { registry.refused() } else { None },
     })
 }
 

@@ -477,7 +477,7 @@ pub fn repairs(
             ));
         }
     }
-    if let Some(c) = separate_comm(program, source, lines) {
+    if let Some(c) = separate_comm(program, lines) {
         candidates.push(c);
     }
     candidates
@@ -646,7 +646,6 @@ fn explicit_comm(op: &P2p) -> Option<&str> {
 /// own for the direction from the higher rank to the lower.
 fn separate_comm(
     program: &Program,
-    source: Option<&str>,
     lines: Option<&Lines<'_>>,
 ) -> Option<(String, Program, Vec<Edit>)> {
     // The first explicit communicator used in both directions by one pair.
@@ -722,9 +721,10 @@ fn separate_comm(
         ranks: vec![a, b],
         line: Line(0),
     });
-    let after = source
-        .and_then(|s| {
-            s.lines()
+    let after = lines
+        .and_then(|file| {
+            file.text
+                .lines()
                 .enumerate()
                 .filter(|(_, l)| {
                     let l = l.trim_start();

@@ -235,30 +235,35 @@ struct Limits {
 }
 
 impl Limits {
-    /// The stored bytes (all values together) past which a `PUT` of `key`
-    /// is refused. A rank's trace (`trace/…`: megabytes at most, for a
-    /// hang's analysis, and the job goes on without it) may fill the store
-    /// only to three quarters of [`Limits::max_stored`]: the rest stays for
-    /// the small values the end of a job needs (`counts/RANK`, `left/RANK`,
-    /// `owed/…`), so that traces cannot keep a rank that finished from
-    /// saying so (found by review: a store that traces had filled refused
+    /// Whether a `PUT` of `len` bytes under `key` fits when the stored
+    /// values (all together, with it) come to `stored` bytes. A rank's
+    /// mark that it finished cleanly (`done/RANK`, a few bytes) always
+    /// fits (its keys are bounded by [`Limits::max_keys`]): without it a
+    /// rank that finished is taken for killed once it falls silent. A
+    /// rank's trace (`trace/…`: megabytes at most, for a hang's analysis,
+    /// and the job goes on without it) may fill the store only to three
+    /// quarters of [`Limits::max_stored`]: the rest stays for the small
+    /// values the end of a job needs (`counts/RANK`, `left/RANK`, `owed/…`)
+    /// (found by review: a store that traces had filled refused
     /// `done/RANK`, and the rank, silent after it exited, was taken for
     /// killed).
-    fn room_for(&self, key: &str) -> usize {
-        if key.starts_with("trace/") {
+    fn fits(&self, key: &str, len: usize, stored: usize) -> bool {
+        if key.starts_with("done/") && len <= 16 {
+            return true;
+        }
+        let room = if key.starts_with("trace/") {
             self.max_stored / 4 * 3
         } else {
             self.max_stored
-        }
+        };
+        stored <= room
     }
-}
 
-/// A rank's mark that it finished cleanly (`done/RANK`, a few bytes):
-/// never refused as too big for the store, whatever the other values hold
-/// (its keys are bounded by [`Limits::max_keys`]); without it a rank that
-/// finished is taken for killed once it falls silent.
-fn finish_mark(key: &str, len: usize) -> bool {
-    key.starts_with("done/") && len <= 16
+    /// The silence a `HEALTH` or `ENDED` asking about `ms` milliseconds
+    /// asks about: at least [`Limits::min_silence`].
+    fn silence(&self, ms: u64) -> Duration {
+        Duration::from_millis(ms).max(self.min_silence)
+    }
 }
 
 const LIMITS: Limits = Limits {
@@ -496,7 +501,7 @@ impl Shared {
     /// then).
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
         let mut h = self.health();
-        let silence = Duration::from_millis(silence_ms).max(self.limits.min_silence);
+        let silence = self.limits.silence(silence_ms);
         // Recorded ranks are out of the beat order: the longest silent is
         // one not yet recorded, found in O(log ranks).
         let longest = h.silent(Some(me), silence).next();
@@ -534,10 +539,8 @@ impl Shared {
         };
         let new = key.len() + len;
         let retired = v.retired.load(Ordering::Acquire);
-        if !finish_mark(key, len)
-            && (v.bytes + v.reserved + retired).saturating_sub(old) + new
-                > self.limits.room_for(key)
-        {
+        let stored = (v.bytes + v.reserved + retired).saturating_sub(old) + new;
+        if !self.limits.fits(key, len, stored) {
             return Err(End::Refuse("the store is full".into()));
         }
         v.reserved += new;
@@ -562,9 +565,8 @@ impl Shared {
             return Err(End::Refuse("too many stored values".into()));
         }
         let retired = v.retired.load(Ordering::Acquire);
-        if !finish_mark(&key, value.len())
-            && (v.bytes - freed + retired).saturating_add(new) > self.limits.room_for(&key)
-        {
+        let stored = (v.bytes - freed + retired).saturating_add(new);
+        if !self.limits.fits(&key, value.len(), stored) {
             return Err(End::Refuse("the store is full".into()));
         }
         v.bytes = v.bytes - old + new;
@@ -1052,11 +1054,8 @@ fn serve_one(
             let h = shared.health();
             let mut ranks: Vec<Rank> = h.finished.iter().copied().collect();
             ranks.extend(
-                h.silent(
-                    None,
-                    Duration::from_millis(silence_ms).max(shared.limits.min_silence),
-                )
-                .map(|(r, _)| r),
+                h.silent(None, shared.limits.silence(silence_ms))
+                    .map(|(r, _)| r),
             );
             ranks.extend(h.failures.iter().map(|(r, _, _)| *r));
             drop(h);

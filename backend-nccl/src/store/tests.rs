@@ -1383,17 +1383,23 @@ fn a_slow_reader_is_cut_off_at_the_reply_deadline() {
     assert_eq!(store.unique_id(Duration::from_secs(5)).unwrap(), ID);
 }
 
+/// A store that holds 40 MiB, room for two 16 MiB values and not three,
+/// whose I/O timeout (5 s) outlasts a test's slow replies.
+fn store_of_40_mib() -> SocketAddr {
+    server(Limits {
+        max_stored: 40 << 20,
+        io_timeout: Duration::from_secs(5),
+        ..super::LIMITS
+    })
+}
+
 /// A value replaced while a reply is sending it still counts against the
 /// store's limit until the reply lets go of it: replies in flight cannot
 /// hold more than the limit.
 #[test]
 fn a_replaced_value_a_reply_holds_counts_against_the_limit() {
     let mib = 1 << 20;
-    let addr = server(Limits {
-        max_stored: 40 * mib,
-        io_timeout: Duration::from_secs(5),
-        ..super::LIMITS
-    });
+    let addr = store_of_40_mib();
     let store = client(addr);
     let t = Duration::from_secs(5);
     let value = vec![1u8; 16 * mib];
@@ -1421,11 +1427,7 @@ fn a_replaced_value_a_reply_holds_counts_against_the_limit() {
 #[test]
 fn two_puts_of_one_key_at_once_are_credited_its_old_value_once() {
     let mib = 1 << 20;
-    let addr = server(Limits {
-        max_stored: 40 * mib,
-        io_timeout: Duration::from_secs(5),
-        ..super::LIMITS
-    });
+    let addr = store_of_40_mib();
     let store = client(addr);
     let value = vec![3u8; 16 * mib];
     store.put("k", &value, Duration::from_secs(5)).unwrap();

@@ -309,6 +309,17 @@ impl SimRank {
             .unwrap_or_default()
     }
 
+    /// Refuses an event of another execution or rank for `call`.
+    fn check_event(&self, at: &Location<'_>, e: &SimEvent, call: &str) -> Result<()> {
+        if e.run != self.run {
+            check::invalid(at, stale("event"))
+        } else if e.rank != self.rank {
+            check::invalid(at, format!("{call}: the event belongs to rank {}", e.rank))
+        } else {
+            Ok(())
+        }
+    }
+
     fn check_stream(&self, at: &Location<'_>, s: &SimStream) -> Result<()> {
         if s.run != self.run {
             check::invalid(at, stale("stream"))
@@ -716,15 +727,7 @@ impl Transport for SimRank {
     fn record(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
         let at = Location::caller();
         self.check_stream(at, stream)?;
-        if event.run != self.run {
-            return check::invalid(at, stale("event"));
-        }
-        if event.rank != self.rank {
-            return check::invalid(
-                at,
-                format!("record: the event belongs to rank {}", event.rank),
-            );
-        }
+        self.check_event(at, event, "record")?;
         let origin = self.origin(at, "record".into())?;
         self.call(
             HostCall::Record {
@@ -740,15 +743,7 @@ impl Transport for SimRank {
     fn wait(&self, event: &SimEvent, stream: &SimStream) -> Result<()> {
         let at = Location::caller();
         self.check_stream(at, stream)?;
-        if event.run != self.run {
-            return check::invalid(at, stale("event"));
-        }
-        if event.rank != self.rank {
-            return check::invalid(
-                at,
-                format!("wait: the event belongs to rank {}", event.rank),
-            );
-        }
+        self.check_event(at, event, "wait")?;
         let origin = self.origin(at, "wait".into())?;
         self.call(
             HostCall::Wait {
