@@ -1,6 +1,7 @@
 //! The fault matrix of duplex-nccl on two GPUs: each case runs a job of two
 //! ranks, injects one fault (a rank killed with SIGKILL before, during or
-//! after a 256 MiB transfer, frozen with SIGSTOP, returning early (its
+//! after a 256 MiB transfer, frozen with SIGSTOP (and left frozen, or
+//! resumed once the others took it for dead: it must end too), returning early (its
 //! partner waiting for a transfer, or for a notify), panicking,
 //! rank 0 killed, a wrong `WORLD_SIZE`, NCCL missing on one rank), or of
 //! four ranks on GPU 0 (a ring with one rank killed, frozen or panicking;
@@ -58,7 +59,14 @@ enum Action {
     None,
     Kill,
     Stop,
+    /// SIGSTOP, then SIGCONT once the others have taken it for dead
+    /// ([`RESUME_AFTER`]): the victim must end by itself too.
+    StopResume,
 }
+
+/// How long a `StopResume` victim stays frozen: past the health monitor's
+/// silence (3 s), so that the others take it for dead.
+const RESUME_AFTER: Duration = Duration::from_secs(5);
 
 const CASES: &[Case] = &[
     Case {
@@ -91,6 +99,14 @@ const CASES: &[Case] = &[
         world: 2,
         victim: 1,
         action: Action::Stop,
+        env: &[],
+    },
+    Case {
+        name: "stop-resume",
+        processes: true,
+        world: 2,
+        victim: 1,
+        action: Action::StopResume,
         env: &[],
     },
     Case {
@@ -267,7 +283,7 @@ fn rank_code(case: &str, t: &NcclRank) -> duplex::Result<()> {
                 exchange(t)
             }
         }
-        "kill-during" | "stop-during" | "rank0-killed" => {
+        "kill-during" | "stop-during" | "stop-resume" | "rank0-killed" => {
             for i in 0.. {
                 if me == victim && i == 1 {
                     mark();
@@ -481,7 +497,14 @@ fn run_case(
     let mut lines: Vec<(u32, String, Duration)> = Vec::new();
     let mut exited: Vec<Option<Duration>> = vec![None; children.len()];
     let mut stopped = false;
+    let mut resume: Option<(u32, Instant)> = None;
     while start.elapsed() < limit && exited.iter().any(Option::is_none) {
+        if let Some((pid, at)) = resume
+            && Instant::now() >= at
+        {
+            signal(pid, "-CONT");
+            resume = None;
+        }
         while let Ok((rank, line)) = rx.try_recv() {
             if line == "MARK" && fault_at.is_none() && rank == case.victim {
                 let pid = children
@@ -494,6 +517,10 @@ fn run_case(
                         Action::Stop => {
                             signal(pid, "-STOP");
                             stopped = true;
+                        }
+                        Action::StopResume => {
+                            signal(pid, "-STOP");
+                            resume = Some((pid, Instant::now() + RESUME_AFTER));
                         }
                         Action::None => {}
                     }
@@ -588,6 +615,29 @@ fn judge(case: &Case, seen: &[Seen], start_to_fault: Duration) -> (bool, String)
         if s.wrong_data {
             pass = false;
             notes.push(format!("rank {rank} saw wrong data"));
+        }
+        // A victim resumed after the others took it for dead must end by
+        // itself as well, with an error (it learns that the job took it
+        // for dead, or that the store's host is gone), within deadline +
+        // grace of its resumption.
+        if case.processes && rank == case.victim && case.action == Action::StopResume {
+            let ended = s
+                .exited_after
+                .map(|t| t.saturating_sub(start_to_fault + RESUME_AFTER));
+            if s.killed_by_driver || ended.is_none_or(|t| t > DEADLINE + GRACE) {
+                pass = false;
+                notes.push(format!(
+                    "rank {rank}, resumed, did not end by itself within deadline + grace"
+                ));
+            } else if !s.verdict.starts_with("ERROR")
+                || !matches!(first_cause(&s.verdict), Some((_, "failed")))
+            {
+                pass = false;
+                notes.push(format!(
+                    "rank {rank}, resumed, did not end with an error naming a failed rank"
+                ));
+            }
+            continue;
         }
         let survivor = !case.processes || rank != case.victim;
         if !survivor {

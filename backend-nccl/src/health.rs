@@ -90,7 +90,11 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// Records that `rank` failed, and why. Only a rank's first failure
     /// counts; never blocks for long.
     fn fail(&self, rank: Rank, why: &str);
-    /// The first known failure of a rank other than `me`: `(rank, why)`.
+    /// The first known failure of a rank other than `me`: `(rank, why)`;
+    /// or `me` itself, when the job took `me` for dead (across processes:
+    /// its heartbeats stopped past [`SILENCE`], frozen or starved, and it
+    /// runs again) and no other failure is known: the others have ended
+    /// their waits on it, so its own must end too.
     fn failed(&self, me: Rank) -> Option<(Rank, String)>;
     /// Whether the other ranks' traces must be gathered for an analysis
     /// (they live in other processes).
@@ -461,10 +465,21 @@ impl StoreHealth {
             .name(format!("duplex health {me}"))
             .spawn(move || {
                 let mut unreachable_since: Option<Instant> = None;
+                // When the previous poll began, and the longest time this
+                // process went without polling: a gap past [`SILENCE`]
+                // means it was frozen (SIGSTOP) or starved, and the job
+                // may have taken it for dead meanwhile.
+                let mut last_poll = Instant::now();
+                let mut stalled: Option<Duration> = None;
                 loop {
                     let Some(h) = weak.upgrade() else { return };
                     if h.stop.load(Ordering::Acquire) {
                         return;
+                    }
+                    let gap = last_poll.elapsed();
+                    last_poll = Instant::now();
+                    if gap > SILENCE {
+                        stalled = stalled.max(Some(gap));
                     }
                     match h.poll_once() {
                         Ok(found) => {
@@ -481,10 +496,21 @@ impl StoreHealth {
                             // was made, not since it gave up.
                             let since = *unreachable_since.get_or_insert(asked);
                             if since.elapsed() >= SILENCE {
+                                // A process that was itself frozen finds
+                                // the store gone because the job took it
+                                // for dead and ended: said, so that its
+                                // operator looks at the right process.
+                                let own = stalled.map_or(String::new(), |gap| {
+                                    format!(
+                                        " (this process itself sent no heartbeat for {} ms before: it was frozen or starved, so the job may have taken rank {} for dead and ended)",
+                                        gap.as_millis(),
+                                        h.me
+                                    )
+                                });
                                 h.learn((
                                     0,
                                     format!(
-                                        "the duplex store on rank 0 has been unreachable for {} ms, so rank 0 (its host) is taken as dead: {e}",
+                                        "the duplex store on rank 0 has been unreachable for {} ms, so rank 0 (its host) is taken as dead{own}: {e}",
                                         since.elapsed().as_millis()
                                     ),
                                 ));
@@ -779,7 +805,11 @@ impl Health for StoreHealth {
 
     fn failed(&self, me: Rank) -> Option<(Rank, String)> {
         let k = self.known.lock().unwrap_or_else(|e| e.into_inner());
-        k.clone().filter(|(r, _)| *r != me)
+        // The store names `me` only when the job took this rank for dead
+        // (`Shared::check`); its own posted failures it never returns.
+        k.clone().filter(|(r, _)| {
+            *r != me || (me == self.me && !self.failed_itself.load(Ordering::Acquire))
+        })
     }
 
     fn remote(&self) -> bool {
@@ -1186,6 +1216,8 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(a.failed(0), Some((1, "rank 1 panicked: boom".into())));
+        // Its own failure is not news to the rank that posted it.
+        assert_eq!(b.failed(1), None);
         // Within a few heartbeats (a generous bound: this checks that the
         // failure travels, not how fast).
         assert!(start.elapsed() < SILENCE, "{:?}", start.elapsed());
@@ -1208,6 +1240,34 @@ mod tests {
         assert!(why.contains("no heartbeat"), "{why}");
         assert!(start.elapsed() >= SILENCE, "{:?}", start.elapsed());
         assert!(start.elapsed() < SILENCE * 3, "{:?}", start.elapsed());
+    }
+
+    /// A frozen rank (SIGSTOP past [`SILENCE`]) that runs again is told
+    /// that the job took it for dead, within a few beats, so that its
+    /// waits end instead of going on with partners that have aborted.
+    #[test]
+    fn a_frozen_rank_that_runs_again_is_told_the_job_took_it_for_dead() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let client = Store::client("127.0.0.1", port, secret);
+        client.beat(1, REQUEST).expect("beats");
+        let start = Instant::now();
+        while a.failed(0).is_none() && start.elapsed() < SILENCE * 3 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(a.failed(0).map(|(r, _)| r), Some(1));
+        // Rank 1 runs again: its monitor beats and asks.
+        let b = StoreHealth::start(client, 1);
+        let resumed = Instant::now();
+        while b.failed(1).is_none() && resumed.elapsed() < SILENCE {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (rank, why) = b.failed(1).expect("rank 1 learns the job took it for dead");
+        assert_eq!(rank, 1);
+        assert!(why.contains("took rank 1 for dead"), "{why}");
+        assert!(why.contains("no heartbeat"), "{why}");
+        // Rank 0 still names rank 1, not an echo.
+        assert_eq!(a.failed(0).map(|(r, _)| r), Some(1));
     }
 
     #[test]

@@ -308,6 +308,10 @@ struct Health {
     /// silence is no failure), kept as each is stored: a scan of the
     /// stored keys would cost every request all of the job's keys.
     finished: std::collections::BTreeSet<Rank>,
+    /// The ranks in `failures` because they fell silent (not because they
+    /// posted a failure): one that beats again was frozen, or starved,
+    /// and is told that the job took it for dead ([`Shared::check`]).
+    silenced: std::collections::HashSet<Rank>,
 }
 
 impl Health {
@@ -498,7 +502,8 @@ impl Shared {
     /// silence as a failure, dated when the silence passed the mark, among
     /// the posted ones: every later ask gets the same answer, even if the
     /// rank beats again (a frozen process resumed: the job has failed by
-    /// then).
+    /// then). That rank itself, asking once it runs again, gets its own
+    /// silence when no other failure is on record: `Failed` naming `me`.
     fn check(&self, me: Rank, silence_ms: u64) -> Response {
         let mut h = self.health();
         let silence = self.limits.silence(silence_ms);
@@ -512,15 +517,31 @@ impl Shared {
                 "no heartbeat for {} ms: the process was killed, crashed or is frozen",
                 quiet.as_millis()
             );
+            h.silenced.insert(rank);
             h.record(rank, why, at);
         }
-        match h.failures.iter().find(|(r, _, _)| *r != me) {
-            Some((rank, why, _)) => Response::Failed {
+        if let Some((rank, why, _)) = h.failures.iter().find(|(r, _, _)| *r != me) {
+            return Response::Failed {
                 rank: *rank,
                 why: why.clone(),
-            },
-            None => Response::Healthy,
+            };
         }
+        // Only this rank's own silence is on record: it was frozen (or
+        // starved) past the silence, the others ended their waits on it,
+        // and it asks again now that it runs (found by review: it went on
+        // as if the job were whole, and its next op on a partner that had
+        // aborted waited out its whole deadline). Told so, it ends too.
+        if h.silenced.contains(&me)
+            && let Some((_, why, _)) = h.failures.iter().find(|(r, _, _)| *r == me)
+        {
+            return Response::Failed {
+                rank: me,
+                why: format!(
+                    "the other ranks took rank {me} for dead, and the job has ended: {why}"
+                ),
+            };
+        }
+        Response::Healthy
     }
 
     /// Reserves room for a `PUT` of `len` bytes under `key` before its body
