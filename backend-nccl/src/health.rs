@@ -11,11 +11,14 @@
 //!   shared by the ranks; a rank's death is its process's death, so there
 //!   is no silence to detect.
 //! * [`StoreHealth`] (a process per rank): failures go to the rank-0 store
-//!   (`FAIL`), and a monitor thread per process sends a heartbeat (`BEAT`)
-//!   every [`BEAT_EVERY`] and asks (`HEALTH`) whether another rank failed or
-//!   has been silent longer than [`SILENCE`] (killed, crashed, or stopped).
-//!   When the store itself cannot be reached for [`SILENCE`], rank 0 (its
-//!   host) is taken as dead. What it learns is cached, so a wait polls a
+//!   (`FAIL`); a thread per process sends a heartbeat (`BEAT`) every
+//!   [`BEAT_EVERY`], and a monitor thread asks (`HEALTH`) as often whether
+//!   another rank failed or has been silent longer than [`SILENCE`]
+//!   (killed, crashed, or stopped). A rank that the others took for dead
+//!   (frozen past the silence, then resumed) is told so, and ends too.
+//!   When the store itself has answered nothing for [`SILENCE`] (it
+//!   cannot be reached, or it is frozen), rank 0 (its host) is taken as
+//!   dead; a store that answers `ERROR busy` is alive. What it learns is cached, so a wait polls a
 //!   mutex, not the network.
 //!
 //! A rank that sees another's failure ends its waits with
@@ -396,6 +399,9 @@ pub struct StoreHealth {
     /// The ranks whose finish someone asked about: the only ones the
     /// monitor looks up.
     asked: Mutex<std::collections::BTreeSet<Rank>>,
+    /// The longest gap between two heartbeats this process sent, in ms,
+    /// when one passed [`SILENCE`] (0: none): it was frozen or starved.
+    stalled_ms: std::sync::atomic::AtomicU64,
     /// How many times the monitor looked for finished ranks.
     looks: std::sync::atomic::AtomicU32,
     /// The ranks whose counts a wait asked for, each with when to read
@@ -424,7 +430,7 @@ fn in_turn(mut ranks: Vec<Rank>, n: u32) -> Vec<Rank> {
 }
 
 /// How long the monitor may spend a beat on looking for finished ranks
-/// before it sends its next heartbeat ([`StoreHealth::look_for_finished`]).
+/// before its next check ([`StoreHealth::look_for_finished`]).
 const LOOK_BUDGET: Duration = Duration::from_millis(100);
 
 /// The longest interval between two reads of the counts of a finished rank
@@ -457,29 +463,50 @@ impl StoreHealth {
             finished: Mutex::new(BTreeMap::new()),
             unfinished: Mutex::new(Vec::new()),
             asked: Mutex::new(Default::default()),
+            stalled_ms: Default::default(),
             looks: Default::default(),
             wanted: Mutex::new(BTreeMap::new()),
         });
+        // The heartbeat has a thread of its own: the checks (a `HEALTH`,
+        // the watch for finished ranks) each wait up to [`REQUEST`] on a
+        // slow store, and a cycle of them took ~3.2 s, past [`SILENCE`]
+        // (found by review): behind them, a live rank's beats fell late
+        // enough for the others to take it for dead.
         let weak = Arc::downgrade(&health);
         let _ = std::thread::Builder::new()
-            .name(format!("duplex health {me}"))
+            .name(format!("duplex beat {me}"))
             .spawn(move || {
-                let mut unreachable_since: Option<Instant> = None;
-                // When the previous poll began, and the longest time this
-                // process went without polling: a gap past [`SILENCE`]
-                // means it was frozen (SIGSTOP) or starved, and the job
-                // may have taken it for dead meanwhile.
-                let mut last_poll = Instant::now();
-                let mut stalled: Option<Duration> = None;
+                let mut last = Instant::now();
                 loop {
                     let Some(h) = weak.upgrade() else { return };
                     if h.stop.load(Ordering::Acquire) {
                         return;
                     }
-                    let gap = last_poll.elapsed();
-                    last_poll = Instant::now();
+                    // A gap past the silence between two beats: this
+                    // process was frozen (SIGSTOP) or starved, and the job
+                    // may have taken it for dead meanwhile.
+                    let gap = last.elapsed();
+                    last = Instant::now();
                     if gap > SILENCE {
-                        stalled = stalled.max(Some(gap));
+                        let ms = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX);
+                        h.stalled_ms.fetch_max(ms, Ordering::AcqRel);
+                    }
+                    if let Err(e) = h.store.beat(h.me, REQUEST) {
+                        tracing::debug!(rank = h.me, error = %e, "a heartbeat did not reach the store");
+                    }
+                    drop(h);
+                    std::thread::sleep(BEAT_EVERY);
+                }
+            });
+        let weak = Arc::downgrade(&health);
+        let _ = std::thread::Builder::new()
+            .name(format!("duplex health {me}"))
+            .spawn(move || {
+                let mut unreachable_since: Option<Instant> = None;
+                loop {
+                    let Some(h) = weak.upgrade() else { return };
+                    if h.stop.load(Ordering::Acquire) {
+                        return;
                     }
                     match h.poll_once() {
                         Ok(found) => {
@@ -493,20 +520,27 @@ impl StoreHealth {
                         }
                         Err((asked, e)) if h.me != 0 => {
                             // Unreachable since the first request that failed
-                            // was made, not since it gave up.
-                            let since = *unreachable_since.get_or_insert(asked);
+                            // was made, not since it gave up; a store that
+                            // answers at all (busy: its connections at their
+                            // limit, for a moment or for long) is alive,
+                            // and so is its host (found by review: three
+                            // seconds of `ERROR busy` took rank 0 for dead).
+                            let first = *unreachable_since.get_or_insert(asked);
+                            let since = h.store.last_heard().map_or(first, |t| first.max(t));
                             if since.elapsed() >= SILENCE {
                                 // A process that was itself frozen finds
                                 // the store gone because the job took it
                                 // for dead and ended: said, so that its
                                 // operator looks at the right process.
-                                let own = stalled.map_or(String::new(), |gap| {
+                                let stalled = h.stalled_ms.load(Ordering::Acquire);
+                                let own = if stalled == 0 {
+                                    String::new()
+                                } else {
                                     format!(
-                                        " (this process itself sent no heartbeat for {} ms before: it was frozen or starved, so the job may have taken rank {} for dead and ended)",
-                                        gap.as_millis(),
+                                        " (this process itself sent no heartbeat for {stalled} ms before: it was frozen or starved, so the job may have taken rank {} for dead and ended)",
                                         h.me
                                     )
-                                });
+                                };
                                 h.learn((
                                     0,
                                     format!(
@@ -618,11 +652,9 @@ impl StoreHealth {
         self.store.put(key, &bytes, timeout)
     }
 
-    /// One heartbeat and one check; a failure comes with when the request
-    /// that failed was made.
+    /// One check (`HEALTH`); a failure comes with when the request was
+    /// made.
     fn poll_once(&self) -> Result<Option<(Rank, String)>, (Instant, duplex::Error)> {
-        let asked = Instant::now();
-        self.store.beat(self.me, REQUEST).map_err(|e| (asked, e))?;
         let asked = Instant::now();
         self.store
             .health(self.me, SILENCE, REQUEST)
@@ -641,9 +673,9 @@ impl StoreHealth {
     /// missing is asked again at growing intervals, up to
     /// [`COUNTS_RETRY_MAX`]), so that a wait reads them from memory and
     /// never waits on the store. Stops making requests at `until` and goes
-    /// on at the next beat: the heartbeat, sent from the same thread, never
-    /// waits long behind it (a live rank late with its beats by [`SILENCE`]
-    /// would be taken as dead).
+    /// on at the next check, so that the checks (`HEALTH`, which learns
+    /// of failures) come every beat or so (the heartbeat has a thread of
+    /// its own, and never waits behind them).
     fn look_for_finished(&self, until: Instant) {
         let lock_finished = || self.finished.lock().unwrap_or_else(|e| e.into_inner());
         let lock_unfinished = || self.unfinished.lock().unwrap_or_else(|e| e.into_inner());
@@ -1240,6 +1272,23 @@ mod tests {
         assert!(why.contains("no heartbeat"), "{why}");
         assert!(start.elapsed() >= SILENCE, "{:?}", start.elapsed());
         assert!(start.elapsed() < SILENCE * 3, "{:?}", start.elapsed());
+    }
+
+    /// A monitor whose checks are held up (a slow store: each request may
+    /// take [`REQUEST`], and a cycle of them took longer than [`SILENCE`])
+    /// still beats: its rank is not taken for dead.
+    #[test]
+    fn a_rank_whose_checks_are_held_up_still_beats() {
+        let (port, secret) = store();
+        let a = StoreHealth::start(Store::client("127.0.0.1", port, secret.clone()), 0);
+        let b = StoreHealth::start(Store::client("127.0.0.1", port, secret), 1);
+        // Rank 1's monitor will look for finished ranks, and finds the
+        // lock it needs held past the silence.
+        let held = b.asked.lock().expect("not poisoned");
+        b.watch_finished.store(true, Ordering::Release);
+        std::thread::sleep(SILENCE + BEAT_EVERY * 5);
+        drop(held);
+        assert_eq!(a.failed(0), None, "rank 1 beat all along");
     }
 
     /// A frozen rank (SIGSTOP past [`SILENCE`]) that runs again is told

@@ -1349,6 +1349,9 @@ pub struct Store {
     kept: Mutex<Vec<(TcpStream, Instant)>>,
     /// How many it keeps at most: [`KEPT`].
     keep_at_most: usize,
+    /// When the store last answered a request of this client, whatever
+    /// it said ([`Store::last_heard`]).
+    heard: Mutex<Option<Instant>>,
 }
 
 impl Store {
@@ -1388,7 +1391,17 @@ impl Store {
             reached: Arc::new(AtomicBool::new(false)),
             kept: Mutex::new(Vec::new()),
             keep_at_most: KEPT,
+            heard: Mutex::new(None),
         }
+    }
+
+    /// When the store last answered a request of this client, whatever it
+    /// said: one that refuses connections as busy, or a request as too
+    /// big, is alive, and its host with it (the health monitor takes rank
+    /// 0 for dead only when the store has answered nothing for
+    /// [`crate::health::SILENCE`]).
+    pub(crate) fn last_heard(&self) -> Option<Instant> {
+        *self.heard.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Keeps at most `n` connections open between requests (4 by
@@ -1645,6 +1658,7 @@ impl Store {
                 self.addr()
             )))
         })?;
+        *self.heard.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         let mut value = Vec::new();
         if let Response::Value(len) = reply {
             let got = reader

@@ -1188,6 +1188,25 @@ fn put_bodies_in_flight_count_against_the_stores_limit() {
         .expect("replaces");
 }
 
+/// A store that answers only `ERROR busy` for longer than the health
+/// monitor's silence (its places all taken) is alive: its host, rank 0, is
+/// not taken for dead.
+#[test]
+fn a_store_busy_past_the_silence_is_not_taken_for_dead() {
+    let addr = server(Limits {
+        max_connections: 1,
+        ..limits(60_000)
+    });
+    let mut held = TcpStream::connect(addr).unwrap();
+    held.write_all(&auth()).unwrap();
+    let mut ok = [0u8; 3];
+    held.read_exact(&mut ok).unwrap();
+    let h = crate::health::StoreHealth::start(client(addr), 1);
+    std::thread::sleep(crate::health::SILENCE + Duration::from_secs(2));
+    assert_eq!(crate::health::Health::failed(&*h, 1), None);
+    drop(held);
+}
+
 /// A store that says it is busy is asked again until the request's
 /// deadline: a rank that connects while its host's other ranks do, or
 /// while the store's places are taken for a moment, is served once one is
