@@ -556,7 +556,7 @@ pub(crate) struct OpMeta {
     /// The copy-engine lane it goes on instead of `comm` (C1).
     pub(crate) copy: Option<Arc<CopyEnd>>,
     pub(crate) stream: Arc<str>,
-    pub(crate) fifo: u32,
+    pub(crate) fifo: u64,
     pub(crate) grouped: bool,
     pub(crate) at: &'static Location<'static>,
     /// The call site set by `duplex::transport::check::at_site` when the op
@@ -1552,7 +1552,7 @@ impl RankCtx {
             comm = m.comm_name(),
             text = m.text(),
             at = m.place(),
-            n = u64::from(m.fifo) + 1,
+            n = m.fifo + 1,
         ))
     }
 

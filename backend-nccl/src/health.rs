@@ -282,7 +282,7 @@ pub fn unmatched_by(
     peer: Rank,
     dir: duplex::Dir,
     comm: u32,
-    fifo: u32,
+    fifo: u64,
     theirs: &[ChannelCount],
 ) -> Option<u64> {
     if peer == me {
@@ -299,7 +299,7 @@ pub fn unmatched_by(
             duplex::Dir::Send => c.received,
             duplex::Dir::Recv => c.sent,
         });
-    (u64::from(fifo) >= issued).then_some(issued)
+    (fifo >= issued).then_some(issued)
 }
 
 /// The health of a local run: one list for all its ranks.

@@ -563,7 +563,7 @@ impl NcclRank {
             .check(&accesses(&reqs))
             .map_err(|race| race.error())?;
         let metas: SmallVec<[&OpMeta; INLINE_OPS]> = reqs.iter().map(|r| &r.meta).collect();
-        let mut fifos: SmallVec<[u32; INLINE_OPS]> = smallvec![0; reqs.len()];
+        let mut fifos: SmallVec<[u64; INLINE_OPS]> = smallvec![0; reqs.len()];
         ctx.registry.launch(LaunchRec {
             thread: self.thread_id,
             ops: &recs,

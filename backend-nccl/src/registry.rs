@@ -353,7 +353,7 @@ pub(crate) struct LaunchRec<'a> {
     /// Their descriptions.
     pub(crate) metas: &'a [&'a OpMeta],
     /// Where the registry writes their FIFO positions.
-    pub(crate) fifos: &'a mut [u32],
+    pub(crate) fifos: &'a mut [u64],
     /// Issued as a group.
     pub(crate) grouped: bool,
 }
@@ -672,7 +672,7 @@ impl Registry {
         let &((comm, from, to), fifo, count, sig) = all.first()?;
         let op = r
             .trace
-            .last_sends(comm.0, from, to, u64::from(count), u64::from(fifo))
+            .last_sends(comm.0, from, to, u64::from(count), fifo)
             .unwrap_or_else(|| OpInfo {
                 grouped: sig.grouped,
                 ..r.trace.folded_send(
@@ -680,7 +680,7 @@ impl Registry {
                     from,
                     to,
                     Some((sig.bytes, sig.dtype)),
-                    u64::from(fifo),
+                    fifo,
                     "(a call folded into the trace's snapshot)",
                 )
             });
@@ -951,7 +951,7 @@ impl Registry {
         &'s self,
         mut r: std::sync::MutexGuard<'s, Reg>,
         call: TraceCall,
-        fifos: &mut [u32],
+        fifos: &mut [u64],
         own: &dyn Fn(usize) -> Option<String>,
     ) -> Result<(), Error> {
         let Call::Launch { ops, grouped } = &call.call else {
@@ -1009,7 +1009,7 @@ impl Registry {
     /// [`Registry::record_launch`] for tests that record calls without
     /// `OpMeta`s.
     #[cfg(test)]
-    fn issue(&self, call: TraceCall, fifos: &mut [u32]) -> Result<(), Error> {
+    fn issue(&self, call: TraceCall, fifos: &mut [u64]) -> Result<(), Error> {
         let r = self.lock();
         let result = self.record_launch(r, call, fifos, &|_| None);
         self.settle();
@@ -1251,8 +1251,8 @@ pub(crate) mod tests {
 
     /// Records `call` through the issue path; its FIFO position, or the
     /// error's text.
-    pub(crate) fn record(reg: &Registry, call: TraceCall) -> Result<u32, String> {
-        let mut fifos = [u32::MAX];
+    pub(crate) fn record(reg: &Registry, call: TraceCall) -> Result<u64, String> {
+        let mut fifos = [u64::MAX];
         let r = reg.lock();
         reg.record_launch(r, call, &mut fifos, &|_| None)
             .map(|()| fifos[0])
@@ -1703,7 +1703,7 @@ pub(crate) mod tests {
                         stream: s,
                     })
                     .collect();
-                let mut fifos = [u32::MAX; 4];
+                let mut fifos = [u64::MAX; 4];
                 let call = TraceCall {
                     thread: t as u32,
                     call: Call::Launch {
@@ -1792,7 +1792,7 @@ pub(crate) mod tests {
                 move || {
                     for i in 0..N {
                         let fifo = record(reg, one_op(t, dir, peer, 4096, 0, stream));
-                        assert_eq!(fifo, Ok(i as u32));
+                        assert_eq!(fifo, Ok(i as u64));
                     }
                 }
             };
@@ -1891,12 +1891,12 @@ pub(crate) mod tests {
         };
         for s in sends {
             regs[0]
-                .issue(launch(Dir::Send, 1, *s), &mut [u32::MAX])
+                .issue(launch(Dir::Send, 1, *s), &mut [u64::MAX])
                 .expect("rank 0 alone cannot see a mismatch");
         }
         for r in recvs {
             regs[1]
-                .issue(launch(Dir::Recv, 0, *r), &mut [u32::MAX])
+                .issue(launch(Dir::Recv, 0, *r), &mut [u64::MAX])
                 .expect("rank 1 alone cannot see a mismatch");
         }
         (

@@ -1283,7 +1283,7 @@ mod tests {
 
     /// The message of `e`, which must be `never-received` naming rank 0's
     /// send to rank 1 at FIFO position `fifo`.
-    fn never_received(e: Option<Error>, fifo: u32) -> String {
+    fn never_received(e: Option<Error>, fifo: u64) -> String {
         match e {
             Some(Error::Program {
                 kind: duplex::ProgramErrorKind::NeverReceived,

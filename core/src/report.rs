@@ -179,7 +179,7 @@ pub struct OpInfo {
     pub stream: String,
     /// Its position in its channel's FIFO: it is message `#fifo` (from 0)
     /// from `src` to `dst` on `comm`.
-    pub fifo: u32,
+    pub fifo: u64,
     /// How far it got.
     pub state: OpState,
     /// Issued inside a group.

@@ -197,14 +197,14 @@ pub struct Cut {
     /// How many calls were folded into it.
     pub calls: u64,
     /// Per (communicator, peer): the sends issued to the peer.
-    pub sent: Vec<(u32, Rank, u32)>,
+    pub sent: Vec<(u32, Rank, u64)>,
     /// Per (communicator, peer): the sizes of the last sends to the peer
     /// (at most [`Cut::RECENT`], oldest first). A send completed before the
     /// cut may still sit in the channel's buffer (R5), unreceived, and take
     /// room there: the replay gives it its size.
     pub recent: Vec<(u32, Rank, Vec<u64>)>,
     /// Per (communicator, peer): the recvs issued from the peer.
-    pub received: Vec<(u32, Rank, u32)>,
+    pub received: Vec<(u32, Rank, u64)>,
     /// R7, per (communicator, peer): the setup rounds entered toward it.
     pub rounds: Vec<(u32, Rank, u32)>,
     /// R7: the sides connected, (communicator, peer, direction).
@@ -225,8 +225,8 @@ impl Cut {
         self.sent
             .iter()
             .chain(&self.received)
-            .chain(&self.rounds)
             .map(|&(c, peer, _)| (c, peer))
+            .chain(self.rounds.iter().map(|&(c, peer, _)| (c, peer)))
             .chain(self.recent.iter().map(|(c, peer, _)| (*c, *peer)))
             .chain(self.sides.iter().map(|&(c, peer, _)| (c, peer)))
     }
@@ -246,8 +246,12 @@ fn entry<A: Ord, B: Ord, V: Default>(list: &mut Vec<(A, B, V)>, a: A, b: B) -> &
 }
 
 /// Adds one to the count of `(a, b)` in a list kept sorted by it.
-fn bump<A: Ord, B: Ord>(list: &mut Vec<(A, B, u32)>, a: A, b: B) {
-    *entry(list, a, b) += 1;
+fn bump<A: Ord, B: Ord, N: Default + std::ops::AddAssign + From<u8>>(
+    list: &mut Vec<(A, B, N)>,
+    a: A,
+    b: B,
+) {
+    *entry(list, a, b) += N::from(1);
 }
 
 /// A call the model refused while replaying a trace: the model and the
@@ -524,10 +528,10 @@ impl Trace {
         let mut out: BTreeMap<(u32, Rank, Rank), (u64, u64)> = BTreeMap::new();
         for cut in &self.cuts {
             for &(c, peer, n) in &cut.sent {
-                out.entry((c, cut.rank, peer)).or_default().0 += u64::from(n);
+                out.entry((c, cut.rank, peer)).or_default().0 += n;
             }
             for &(c, peer, n) in &cut.received {
-                out.entry((c, peer, cut.rank)).or_default().1 += u64::from(n);
+                out.entry((c, peer, cut.rank)).or_default().1 += n;
             }
         }
         for (thread, _, op) in self.launched_ops() {
@@ -625,7 +629,7 @@ impl Trace {
             dtype,
             comm: self.comm_name(comm),
             stream: String::new(),
-            fifo: u32::try_from(fifo).unwrap_or(u32::MAX),
+            fifo,
             state: OpState::Buffered,
             grouped: false,
             call: match size {

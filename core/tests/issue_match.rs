@@ -166,7 +166,7 @@ fn compare(warm: bool) {
                 // `IssueMatch::unreceived`): the machine's own unmatched
                 // sends, channel by channel, the first FIFO position and
                 // how many.
-                let mut machine: std::collections::BTreeMap<(String, u32, u32), (u32, u32)> =
+                let mut machine: std::collections::BTreeMap<(String, u32, u32), (u64, u32)> =
                     std::collections::BTreeMap::new();
                 for o in m.unmatched().into_iter().filter(|o| o.op == Dir::Send) {
                     let e = machine
@@ -176,7 +176,7 @@ fn compare(warm: bool) {
                     e.1 += 1;
                 }
                 let names = ["a", "b", "c"];
-                let ours: std::collections::BTreeMap<(String, u32, u32), (u32, u32)> = check
+                let ours: std::collections::BTreeMap<(String, u32, u32), (u64, u32)> = check
                     .unreceived()
                     .into_iter()
                     .map(|((c, from, to), fifo, n, _)| {

@@ -232,7 +232,7 @@ fn a_published_trace_whose_ends_or_cuts_name_nothing_is_refused_not_a_panic() {
         let mut t = part(0);
         t.cuts.push(duplex::trace::Cut {
             rank,
-            sent: vec![(comm, peer, u32::MAX)],
+            sent: vec![(comm, peer, u64::MAX)],
             ..Default::default()
         });
         bad.push((t, what));
@@ -250,13 +250,13 @@ fn a_published_trace_whose_ends_or_cuts_name_nothing_is_refused_not_a_panic() {
     let mut t = part(0);
     t.cuts.push(duplex::trace::Cut {
         rank: 0,
-        sent: vec![(0, 1, u32::MAX)],
+        sent: vec![(0, 1, u64::MAX)],
         ..Default::default()
     });
     let mut u = part(1);
     u.cuts.push(duplex::trace::Cut {
         rank: 1,
-        received: vec![(0, 0, u32::MAX)],
+        received: vec![(0, 0, u64::MAX)],
         ..Default::default()
     });
     let whole = Trace::merge(&[t, u]).expect("ids in range");
@@ -567,9 +567,62 @@ fn a_settled_machine_keeps_notify_counts_either_way_round() {
     setup.add_comm("world", vec![0, 1], true);
     let mut far = Settled::default();
     far.channels
-        .insert((duplex::machine::CommId(0), 0, 1), (u32::MAX, 0));
+        .insert((duplex::machine::CommId(0), 0, 1), (u64::MAX, 0));
     let mut fresh = Machine::new(Arc::new(setup));
     assert!(fresh.settle_from(&far).is_err());
+}
+
+/// A channel's message numbers go past 2^32: a long run (a server that
+/// sends small messages for days) settles from cuts whose counts passed
+/// them, and goes on numbering; they were 32 bits and wrapped, so a recv
+/// after the wrap was judged against a finished peer's count as "never
+/// matched".
+#[test]
+fn message_numbers_go_on_past_two_to_the_32() {
+    use duplex::Dir;
+    use duplex::machine::{LaunchSpec, OpSpec, OriginInfo, Settled, Setup};
+    use std::sync::Arc;
+    let mut setup = Setup::new(2, duplex::Model::default());
+    let world = setup.add_comm("world", vec![0, 1], true);
+    let t0 = setup.add_thread(0, "main");
+    let t1 = setup.add_thread(1, "main");
+    let s0 = setup.add_stream(0, "s");
+    let s1 = setup.add_stream(1, "s");
+    let origin = setup.add_origin(OriginInfo::at("call", "here"));
+    let mut m = Machine::new(Arc::new(setup));
+    let n: u64 = (1 << 32) + 2;
+    let mut settled = Settled::default();
+    // Rank 0 sent n; rank 1 received n - 1: one send is buffered.
+    settled.channels.insert((world, 0, 1), (n, n - 1));
+    m.settle_from(&settled).expect("a count past 2^32 settles");
+    let launch = |dir, peer, stream| {
+        HostCall::Launch(LaunchSpec {
+            ops: vec![OpSpec {
+                dir,
+                peer,
+                bytes: 0,
+                dtype: duplex::DType::U8,
+                comm: world,
+                stream,
+                origin: None,
+            }],
+            grouped: false,
+            origin,
+        })
+    };
+    let recv = launch(Dir::Recv, 0, s1);
+    assert_eq!(m.fifo_positions(t1, &recv), vec![n - 1]);
+    m.apply(t1, &recv)
+        .expect("the recv meets the buffered send");
+    let send = launch(Dir::Send, 1, s0);
+    assert_eq!(m.fifo_positions(t0, &send), vec![n]);
+    m.apply(t0, &send).expect("a send past 2^32");
+    let unmatched = m.unmatched();
+    assert!(
+        unmatched.iter().any(|o| o.fifo == n),
+        "{:?}",
+        unmatched.iter().map(|o| o.fifo).collect::<Vec<_>>()
+    );
 }
 
 /// A split as the NCCL backend records it (`check::split_tag`): a notify

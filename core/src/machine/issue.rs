@@ -64,7 +64,7 @@ pub fn mismatch_kind(partner: (u64, DType), op: (u64, DType)) -> crate::ProgramE
 /// them, oldest first; `matched` counts the pairs both sides issued.
 #[derive(Clone, Debug, Default)]
 struct Queue {
-    matched: u32,
+    matched: u64,
     ahead: Option<Dir>,
     ops: VecDeque<Sig>,
 }
@@ -84,7 +84,7 @@ pub struct IssueMatch {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Position {
     /// Its message number on the channel (from 0).
-    pub fifo: u32,
+    pub fifo: u64,
     /// The partner already issued at that number, if any.
     pub partner: Option<Sig>,
 }
@@ -153,7 +153,7 @@ impl IssueMatch {
                     })
                 };
                 Position {
-                    fifo: matched + (mine + earlier) as u32,
+                    fifo: matched + (mine + earlier) as u64,
                     partner,
                 }
             })
@@ -168,7 +168,7 @@ impl IssueMatch {
         rank: Rank,
         ops: &[OpSpec],
         grouped: bool,
-    ) -> (Option<usize>, SmallVec<[u32; 4]>) {
+    ) -> (Option<usize>, SmallVec<[u64; 4]>) {
         let positions = self.positions(rank, ops, grouped);
         let bad = ops.iter().zip(&positions).position(|(o, p)| {
             p.partner.is_some_and(|partner| {
@@ -192,8 +192,8 @@ impl IssueMatch {
     /// how many there are. Only channels whose both sides this check sees
     /// (every channel, unless it sees [`IssueMatch::one_rank`]), with
     /// what R3 compares of that first send.
-    pub fn unreceived(&self) -> Vec<(ChannelKey, u32, u32, Sig)> {
-        let mut out: Vec<(ChannelKey, u32, u32, Sig)> = self
+    pub fn unreceived(&self) -> Vec<(ChannelKey, u64, u32, Sig)> {
+        let mut out: Vec<(ChannelKey, u64, u32, Sig)> = self
             .channels
             .iter()
             .filter(|(_, q)| q.ahead == Some(Dir::Send))
@@ -213,7 +213,7 @@ impl IssueMatch {
         let Some(q) = self.channels.get(&(comm, from, to)) else {
             return (0, 0);
         };
-        let both = u64::from(q.matched);
+        let both = q.matched;
         let ahead = q.ops.len() as u64;
         match q.ahead {
             Some(Dir::Send) => (both + ahead, both),

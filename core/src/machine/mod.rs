@@ -676,7 +676,7 @@ struct Op {
     spec: OpSpec,
     /// Position in its channel's FIFO (0-based, counting every message ever
     /// issued on the channel).
-    fifo: u32,
+    fifo: u64,
     status: OpStatus,
 }
 
@@ -791,7 +791,7 @@ struct Slot {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 struct Channel {
     /// Messages received so far: the FIFO index of the front slots.
-    delivered: u32,
+    delivered: u64,
     /// Sends not yet received, in FIFO order.
     sends: VecDeque<Slot>,
     /// Recvs not yet completed, in FIFO order.
@@ -1708,7 +1708,7 @@ impl Machine {
             if issue::agree(&partner_sig, &this_sig, self.setup.model.one_sided_groups) {
                 continue;
             }
-            let fifo = delivered + position as u32;
+            let fifo = delivered + position as u64;
             let this = self.issuing_view(t, o, spec, fifo);
             let that = match partner {
                 Partner::Slot(p) => self.slot_view(key, o.dir.other(), p, delivered),
@@ -1736,7 +1736,7 @@ impl Machine {
 
     /// The FIFO position (message number on its channel, from 0) each op
     /// of launch `call` by thread `t` gets if it is issued now.
-    pub fn fifo_positions(&self, t: ThreadId, call: &HostCall) -> Vec<u32> {
+    pub fn fifo_positions(&self, t: ThreadId, call: &HostCall) -> Vec<u64> {
         let HostCall::Launch(spec) = call else {
             return Vec::new();
         };
@@ -1754,9 +1754,9 @@ impl Machine {
                             + match o.dir {
                                 Dir::Send => ch.sends.len(),
                                 Dir::Recv => ch.recvs.len(),
-                            } as u32
+                            } as u64
                     });
-                issued + launch.earlier(i) as u32
+                issued + launch.earlier(i) as u64
             })
             .collect()
     }
@@ -1801,7 +1801,7 @@ impl Machine {
                 Dir::Send => &mut ch.sends,
                 Dir::Recv => &mut ch.recvs,
             };
-            let fifo = ch.delivered + mine.len() as u32;
+            let fifo = ch.delivered + mine.len() as u64;
             mine.push_back(slot);
             let part = op_ref.launch.part as usize;
             if parts.len() <= part {
@@ -1901,7 +1901,7 @@ pub const MAX_GHOSTS: u32 = 1 << 20;
 /// The most messages a settled channel may have counted
 /// ([`Machine::settle_from`]): half the message numbers, so that a run
 /// that goes on from there cannot overflow them.
-pub const MAX_SETTLED: u32 = u32::MAX / 2;
+pub const MAX_SETTLED: u64 = u64::MAX / 2;
 
 /// What calls made before the ones a machine will see left behind, when
 /// every op they launched had completed and every host wait among them had
@@ -1913,7 +1913,7 @@ pub struct Settled {
     /// source and the recvs its destination issued before, all completed.
     /// Either side may have issued more than the other (the ranks' cuts
     /// are taken at different times).
-    pub channels: BTreeMap<(CommId, Rank, Rank), (u32, u32)>,
+    pub channels: BTreeMap<(CommId, Rank, Rank), (u64, u64)>,
     /// Per channel: the sizes of its source's last sends, oldest first,
     /// for the ones still in the channel's buffer (R5); a send older than
     /// these counts as empty.
@@ -1969,7 +1969,7 @@ impl Machine {
                     "a settled channel has {sends} sends and {recvs} recvs: more than the {MAX_SETTLED} messages a channel is numbered to"
                 ));
             }
-            if sends.abs_diff(recvs) > MAX_GHOSTS {
+            if sends.abs_diff(recvs) > u64::from(MAX_GHOSTS) {
                 return Err(format!(
                     "a settled channel has {sends} sends and {recvs} recvs: more than {MAX_GHOSTS} messages apart"
                 ));
@@ -1995,7 +1995,9 @@ impl Machine {
                     op: OpRef {
                         launch: LaunchRef {
                             thread: ThreadId(u32::MAX),
-                            seq: fifo,
+                            // Its number among the channel's ghosts (at
+                            // most MAX_GHOSTS): unique in its list.
+                            seq: u32::try_from(fifo - delivered).unwrap_or(u32::MAX),
                             part: 0,
                         },
                         index: 0,
@@ -2018,9 +2020,10 @@ impl Machine {
             // looks at it again.
             self.state.channels.insert((comm, src, dst), ch);
         }
-        if let Some((&(comm, a, b), n)) = settled.rounds.iter().find(|(_, n)| **n > MAX_SETTLED) {
+        let max_rounds = u32::MAX / 2;
+        if let Some((&(comm, a, b), n)) = settled.rounds.iter().find(|(_, n)| **n > max_rounds) {
             return Err(format!(
-                "a settled channel of communicator #{} between ranks {a} and {b} has entered {n} setup rounds: more than {MAX_SETTLED}",
+                "a settled channel of communicator #{} between ranks {a} and {b} has entered {n} setup rounds: more than {max_rounds}",
                 comm.0
             ));
         }

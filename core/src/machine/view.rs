@@ -61,7 +61,7 @@ impl Machine {
         t: super::ThreadId,
         o: &super::OpSpec,
         spec: &super::LaunchSpec,
-        fifo: u32,
+        fifo: u64,
     ) -> OpInfo {
         let lref = LaunchRef {
             thread: t,
@@ -92,7 +92,7 @@ impl Machine {
         key: ChannelKey,
         dir: Dir,
         slot: &Slot,
-        delivered: u32,
+        delivered: u64,
     ) -> OpInfo {
         let ch = &self.state.channels.get(&key);
         let list = ch.map(|c| match dir {
@@ -101,7 +101,7 @@ impl Machine {
         });
         let pos = list
             .and_then(|l| l.iter().position(|s| s.op == slot.op))
-            .unwrap_or(0) as u32;
+            .unwrap_or(0) as u64;
         let peer = if dir == Dir::Send { key.2 } else { key.1 };
         let live = self.state.launches.get(&slot.op.launch);
         let state = if slot.buffered {
@@ -138,7 +138,7 @@ impl Machine {
         dtype: crate::DType,
         comm: super::CommId,
         stream: super::StreamId,
-        fifo: u32,
+        fifo: u64,
         state: OpState,
         grouped: bool,
         origin: Origin,
