@@ -197,6 +197,16 @@ pub trait CopyApi: Send + Sync {
     /// ([`ipc`]), so that a stream there that the release lets go finds
     /// why.
     fn aborted(&self, _why: &str) {}
+    /// Why the other side, in another process, aborted the lane, once it
+    /// has ([`ipc`]: it says why before it releases every slot, and the
+    /// release lets this process's streams go too, before this lane's own
+    /// abort has run): a copy seen done from then on may have landed after
+    /// its streams went on, so it is failed, not delivered
+    /// ([`CopyLane::deliver_done`]). `None` for a lane within one process,
+    /// whose two sides share the lane's own abort.
+    fn released_elsewhere(&self) -> Option<Arc<str>> {
+        None
+    }
 }
 
 /// Where an op of a lane stands.
@@ -236,7 +246,7 @@ impl Ticket {
         match self.state() {
             TicketState::Delivered => None,
             TicketState::Failed(why) => Some(why.to_string()),
-            s => Some(match lane.aborted() {
+            s => Some(match lane.let_go_why() {
                 Some(why) => why.to_string(),
                 None => format!(
                     "its stream went on while its copy is {s:?}, which duplex does not expect (please report it)"
@@ -898,8 +908,18 @@ impl<A: CopyApi> CopyLane<A> {
             if !self.api.done(&c.done)? {
                 break;
             }
-            let outcome = match self.let_go.get() {
-                Some(why) => TicketState::Failed(why.clone()),
+            // Asked after the copy was seen done: a release by the other
+            // side (which says why first) before the copy landed is then
+            // seen (found by review: across processes the destination's
+            // streams went on at the source's abort, and a copy done in
+            // the window before this lane's own abort was delivered).
+            let released = self
+                .let_go
+                .get()
+                .cloned()
+                .or_else(|| self.api.released_elsewhere());
+            let outcome = match released {
+                Some(why) => TicketState::Failed(why),
                 None => TicketState::Delivered,
             };
             for t in &c.tickets {
@@ -951,6 +971,13 @@ impl<A: CopyApi> CopyLane<A> {
             .aborted
             .clone()
             .or_else(|| self.let_go.get().cloned())
+    }
+
+    /// Why the lane's streams may have been let go: its own abort
+    /// ([`CopyLane::aborted`]), or the other side's, in another process,
+    /// that this lane has not yet taken up ([`CopyApi::released_elsewhere`]).
+    pub fn let_go_why(&self) -> Option<Arc<str>> {
+        self.aborted().or_else(|| self.api.released_elsewhere())
     }
 
     /// Copies matched or enqueued and not seen done.
@@ -1020,6 +1047,11 @@ pub trait CopyPath: Send + Sync + std::fmt::Debug {
     fn abort(&self, why: &str);
     /// [`CopyLane::aborted`].
     fn aborted(&self) -> Option<Arc<str>>;
+    /// Why its streams may have been let go ([`CopyLane::let_go_why`]);
+    /// by default, why it was aborted.
+    fn let_go_why(&self) -> Option<Arc<str>> {
+        self.aborted()
+    }
 }
 
 impl<A: CopyApi<Stream = crate::cuda::Stream> + 'static> CopyPath for CopyLane<A> {
@@ -1051,6 +1083,10 @@ impl<A: CopyApi<Stream = crate::cuda::Stream> + 'static> CopyPath for CopyLane<A
     }
     fn aborted(&self) -> Option<Arc<str>> {
         CopyLane::aborted(self)
+    }
+
+    fn let_go_why(&self) -> Option<Arc<str>> {
+        CopyLane::let_go_why(self)
     }
 }
 

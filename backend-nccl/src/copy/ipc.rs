@@ -1535,6 +1535,10 @@ pub mod cuda {
             self.seg
                 .abort(&format!("{why} (aborted by its destination)"));
         }
+
+        fn released_elsewhere(&self) -> Option<Arc<str>> {
+            self.seg.why()
+        }
     }
 
     /// The copy-engine lanes of rank `rank` of a job of `world` processes

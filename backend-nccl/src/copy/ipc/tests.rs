@@ -280,6 +280,10 @@ impl CopyApi for FakeRecv {
     fn aborted(&self, why: &str) {
         self.0.seg.abort(why);
     }
+
+    fn released_elsewhere(&self) -> Option<Arc<str>> {
+        self.0.seg.why()
+    }
 }
 
 /// A segment name no other test uses.
@@ -506,6 +510,47 @@ fn an_abort_by_the_source_reaches_the_destination_and_releases_its_streams() {
     );
     assert!(matches!(r.state(), TicketState::Failed(_)));
     assert!(p.world.released(2));
+}
+
+/// The source aborts while a copy is enqueued and not yet run: its
+/// release lets the destination's recv stream go before the bytes land.
+/// The copy, seen done later (by a settle before the feeder saw the abort,
+/// or by the feeder's own abort), must fail the recv, never deliver it
+/// (found by review: both paths marked it delivered).
+#[test]
+fn a_copy_done_after_the_source_let_the_destinations_stream_go_is_not_delivered() {
+    for settle_first in [true, false] {
+        let mut p = pair();
+        p.world.put(SRC, vec![5; 64]);
+        let keep = Arc::new(());
+        let _s = p.send(SRC, 64, &keep);
+        assert!(p.feeder.poll());
+        let r = p.recv(DST, 64);
+        p.lane.pump();
+        assert_eq!(copies_queued(&p.world), 1, "the copy is enqueued, not run");
+        assert!(!p.world.released(2));
+        p.sender.abort("rank 0 hung");
+        assert!(
+            p.world.released(2),
+            "the recv's stream went on before its copy ran"
+        );
+        p.world.run();
+        if settle_first {
+            let _ = p.lane.settle();
+            assert!(
+                !matches!(r.state(), TicketState::Delivered),
+                "settled before the feeder saw the abort: {:?}",
+                r.state()
+            );
+        }
+        assert!(p.feeder.poll());
+        match r.state() {
+            TicketState::Failed(why) => assert!(why.contains("rank 0 hung"), "{why}"),
+            other => panic!("settle first {settle_first}: {other:?}"),
+        }
+        let why = p.lane.aborted().expect("aborted");
+        assert!(why.contains("rank 0 hung"), "{why}");
+    }
 }
 
 #[test]
