@@ -202,7 +202,7 @@ pub trait CopyApi: Send + Sync {
     /// release lets this process's streams go too, before this lane's own
     /// abort has run): a copy seen done from then on may have landed after
     /// its streams went on, so it is failed, not delivered
-    /// ([`CopyLane::deliver_done`]). `None` for a lane within one process,
+    /// (`CopyLane::deliver_done`). `None` for a lane within one process,
     /// whose two sides share the lane's own abort.
     fn released_elsewhere(&self) -> Option<Arc<str>> {
         None
@@ -227,6 +227,10 @@ pub enum TicketState {
 pub struct Ticket {
     k: u64,
     state: Mutex<TicketState>,
+    /// Its copy was enqueued (or may have been) and not yet seen done: it
+    /// may still write the recv's buffer, even once the ticket has failed
+    /// (an abort lets the streams go without waiting for it).
+    may_run: std::sync::atomic::AtomicBool,
 }
 
 impl Ticket {
@@ -235,7 +239,32 @@ impl Ticket {
         Arc::new(Ticket {
             k,
             state: Mutex::new(TicketState::Waiting),
+            may_run: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Whether its copy may still run on the device: enqueued (or maybe
+    /// enqueued, by a call that failed) and not seen done by a settle. A
+    /// failed op whose copy may still run may yet write its recv buffer
+    /// (found by review: after an abort, a host write of the buffer was
+    /// allowed, and the late copy then overwrote it); the rank refuses
+    /// to use such a buffer (`BufState::late_copy`).
+    pub fn copy_may_run(&self) -> bool {
+        self.may_run.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn set_may_run(&self, may: bool) {
+        self.may_run
+            .store(may, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Why its op failed while its copy may still run, if so: the reason
+    /// the buffer of a recv cannot be trusted or written yet.
+    pub(crate) fn late(&self) -> Option<Arc<str>> {
+        match self.state() {
+            TicketState::Failed(why) if self.copy_may_run() => Some(why),
+            _ => None,
+        }
     }
 
     /// Why its op, whose stream went past its wait, did not deliver its
@@ -729,6 +758,8 @@ impl<A: CopyApi> CopyLane<A> {
                 let mut st = lock(&self.state);
                 match r {
                     Ok(done) => {
+                        send.ticket.set_may_run(true);
+                        recv.ticket.set_may_run(true);
                         match &st.aborted {
                             Some(why) => {
                                 // Aborted while it was enqueued: it may run,
@@ -753,7 +784,10 @@ impl<A: CopyApi> CopyLane<A> {
                         recv.ticket.set(TicketState::Failed(why.clone()));
                         if started {
                             // The copy may run: nothing says when it is done,
-                            // so its buffers are never freed (P6).
+                            // so its buffers are never freed (P6), and the
+                            // recv's is never trusted again.
+                            send.ticket.set_may_run(true);
+                            recv.ticket.set_may_run(true);
                             std::mem::forget(send.keep);
                             std::mem::forget(recv.keep);
                         } else {
@@ -924,6 +958,9 @@ impl<A: CopyApi> CopyLane<A> {
             };
             for t in &c.tickets {
                 t.set(outcome.clone());
+            }
+            for t in &c.tickets {
+                t.set_may_run(false);
             }
             if let Some(c) = st.copies.pop_front() {
                 dropped.extend(c.keep);

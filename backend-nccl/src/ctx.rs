@@ -314,6 +314,12 @@ pub(crate) struct Users {
     /// failed after NCCL may have queued it): every read fails until the
     /// host writes the buffer.
     pub(crate) poisoned: Option<String>,
+    /// The recvs into the buffer on copy-engine lanes whose copies may
+    /// still run ([`Ticket::copy_may_run`]), each with its lane: one that
+    /// failed with its copy in flight (an abort) may yet write the buffer,
+    /// so the buffer is refused until that copy is seen done
+    /// ([`BufState::late_copy`]).
+    pub(crate) copies: Vec<(std::sync::Weak<CopyEnd>, Arc<Ticket>)>,
 }
 
 /// A recv as a host read of its buffer checks it.
@@ -347,6 +353,38 @@ impl BufState {
             _ => false,
         });
         busy
+    }
+}
+
+impl BufState {
+    /// Why the buffer cannot be used yet, if so: a recv into it on a
+    /// copy-engine lane failed (its lane was aborted) while its copy may
+    /// still run, and would overwrite what the host or a later op puts
+    /// there. Settles the lane first, so that a copy done by now counts
+    /// as done.
+    pub(crate) fn late_copy(&self) -> Option<String> {
+        let copies = {
+            let mut users = lock(&self.users);
+            if users.copies.is_empty() {
+                return None;
+            }
+            users.copies.retain(|(_, t)| t.copy_may_run());
+            users.copies.clone()
+        };
+        for (end, ticket) in copies {
+            let end = end.upgrade();
+            if let Some(end) = &end {
+                let _ = end.lane.settle();
+            }
+            if let Some(why) = ticket.late() {
+                let lane = end.map_or_else(|| "(gone)".to_string(), |e| e.name.clone());
+                return Some(format!(
+                    "the copy of message {} on copy-engine lane {lane} may still write it: its lane was aborted with the copy in flight ({why}); use another buffer (this one can be used again once the device has run that copy)",
+                    ticket.message()
+                ));
+            }
+        }
+        None
     }
 }
 
@@ -479,8 +517,11 @@ pub(crate) fn copy_lanes(ranks: u32, policy: Policy, opts: &Options) -> Result<C
 }
 
 impl Issued {
-    /// Whether the device can no longer touch the op's buffers
-    /// ([`Fence::done`]). Whether the op succeeded is another question,
+    /// Whether the op's stream went past it ([`Fence::done`]): the device
+    /// can no longer touch its buffers, except by the copy of an op on a
+    /// copy-engine lane aborted with the copy in flight, which the buffer
+    /// itself tracks ([`BufState::late_copy`]; a wait must not wait for
+    /// it: it may never run). Whether the op succeeded is another question,
     /// answered with its error by the waits
     /// (`NcclRank::verify_complete`).
     pub(crate) fn done(&self) -> bool {

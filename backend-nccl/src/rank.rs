@@ -465,6 +465,12 @@ impl NcclRank {
     fn issue(&self, mut reqs: Reqs, grouped: bool, at: &'static Location<'static>) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
+            if let Some(why) = r.buf.late_copy() {
+                return Err(Error::Aborted(format!(
+                    "{}: its buffer cannot be used yet: {why}",
+                    r.meta.text()
+                )));
+            }
             if let Some(c) = &r.meta.copy {
                 if let Some(why) = c.lane.aborted() {
                     return Err(Error::Aborted(format!(
@@ -725,6 +731,14 @@ impl NcclRank {
                     users.ops.retain(|w| w.strong_count() > 0);
                 }
                 users.ops.push(Arc::downgrade(&issued));
+                if issued.meta.dir == Dir::Recv
+                    && let (Some(c), Some(t)) = (&issued.meta.copy, &issued.ticket)
+                {
+                    if users.copies.len() == users.copies.capacity() {
+                        users.copies.retain(|(_, t)| t.copy_may_run());
+                    }
+                    users.copies.push((Arc::downgrade(c), t.clone()));
+                }
                 if issued.meta.dir == Dir::Recv {
                     users.last_recv = Some(LastRecv {
                         op: Arc::downgrade(&issued),
@@ -1573,6 +1587,12 @@ impl NcclRank {
 
     fn check_users(&self, at: &Location<'_>, buf: &BufState, what: &str) -> Result<()> {
         self.mine(at, &|| what.to_string(), "buffer", buf.rank, buf.run)?;
+        if let Some(why) = buf.late_copy() {
+            return Err(Error::Aborted(format!(
+                "rank {} thread {}: {what} of a buffer that cannot be used yet: {why}",
+                self.ctx.rank, self.thread
+            )));
+        }
         if let Some(reqs) = self.group.borrow().as_ref()
             && let Some(r) = reqs.iter().find(|r| std::ptr::eq(Arc::as_ptr(&r.buf), buf))
         {

@@ -80,14 +80,25 @@ impl std::str::FromStr for TimeoutMs {
     }
 }
 
-/// How a run's lane settings are written in the store (`job/lanes`).
-fn lanes_word(opts: &Options) -> String {
+/// How a run's placement and lane settings are written in the store
+/// (`job/lanes`), which every rank must share: the policy (ranks placing
+/// one message on different communicators wait for each other forever),
+/// when lanes are made (a rank that splits every lane at start waits for
+/// ranks that never split), how they connect, and the size from which a
+/// message goes by the copy engines (C1: each end chooses by its own
+/// threshold, so a message between two thresholds went by copy at one end
+/// and by NCCL at the other, and both waited; found by review).
+fn lanes_word(policy: Policy, opts: &Options) -> String {
     let mode = opts.lanes;
     let connect = match opts.lane_connect {
         crate::LaneConnect::Both => "connected both ways",
         crate::LaneConnect::OneWay => "connected one way",
     };
-    format!("{mode}, {connect}")
+    let copy = match opts.copy_from {
+        Some(b) => format!("copy-engine lanes from {}", duplex::Size(b)),
+        None => "no copy-engine lanes".into(),
+    };
+    format!("policy {policy:?}, lanes {mode}, {connect}, {copy}")
 }
 
 /// Settings shared by both runners.
@@ -573,7 +584,7 @@ impl Process {
             // never split.
             client.put(
                 "job/lanes",
-                lanes_word(&self.settings.opts).as_bytes(),
+                lanes_word(self.settings.policy, &self.settings.opts).as_bytes(),
                 timeout,
             )?;
             if let Err(e) = &lib {
@@ -597,12 +608,12 @@ impl Process {
             }
             let theirs = client.get("job/lanes", timeout)?.unwrap_or_default();
             let theirs = String::from_utf8_lossy(&theirs).into_owned();
-            let mine = lanes_word(&self.settings.opts);
+            let mine = lanes_word(self.settings.policy, &self.settings.opts);
             if theirs != mine {
                 let e = Error::Invalid {
-                    at: "DUPLEX_LANES / DUPLEX_LANE_CONNECT".into(),
+                    at: "the placement policy and lane settings".into(),
                     message: format!(
-                        "rank {}'s lanes are {mine}, rank 0's are {theirs}: every rank of a job must be given the same lane settings (DUPLEX_LANES and DUPLEX_LANE_CONNECT, or Process::lanes and Process::lane_connect)",
+                        "rank {} has {mine}; rank 0 has {theirs}: every rank of a job must be given the same policy and lane settings (Process::policy, DUPLEX_LANES / Process::lanes, DUPLEX_LANE_CONNECT / Process::lane_connect, Process::copy_from)",
                         self.rank
                     ),
                 };
@@ -1195,6 +1206,59 @@ fn combine(results: Vec<Result<RankReport>>) -> Result<Vec<RankReport>> {
 
 #[cfg(test)]
 mod tests {
+    /// Every setting by which two ranks would place or route one message
+    /// differently is in the word rank 0 posts and the others compare
+    /// (`job/lanes`): the policy, when lanes are made, how they connect,
+    /// and the copy-engine threshold (found by review: ranks with
+    /// `copy_from` 1 MiB and 4 MiB started, and a 2 MiB message went by
+    /// copy at one end and by NCCL at the other).
+    #[test]
+    fn ranks_that_would_route_a_message_differently_are_told_apart_at_start() {
+        use super::{Options, lanes_word};
+        use duplex::Policy;
+        let base = Options::default();
+        let word = |p: Policy, o: &Options| lanes_word(p, o);
+        assert_eq!(
+            word(Policy::PerDirection, &base),
+            word(Policy::PerDirection, &base.clone())
+        );
+        let mut differing = vec![
+            (Policy::Shared, base.clone()),
+            (
+                Policy::PerDirection,
+                Options {
+                    copy_from: Some(1 << 20),
+                    ..base.clone()
+                },
+            ),
+            (
+                Policy::PerDirection,
+                Options {
+                    copy_from: Some(4 << 20),
+                    ..base.clone()
+                },
+            ),
+            (
+                Policy::PerDirection,
+                Options {
+                    lanes: crate::LaneMode::Lazy,
+                    ..base.clone()
+                },
+            ),
+            (
+                Policy::PerDirection,
+                Options {
+                    lane_connect: crate::LaneConnect::OneWay,
+                    ..base.clone()
+                },
+            ),
+        ];
+        differing.push((Policy::PerDirection, base.clone()));
+        let words: std::collections::BTreeSet<String> =
+            differing.iter().map(|(p, o)| word(*p, o)).collect();
+        assert_eq!(words.len(), differing.len(), "{words:#?}");
+    }
+
     /// A thread's error that the code returned through `join(t)?` is the
     /// rank's as it is; one the code went on from yields to the code's
     /// error only when that says more.

@@ -875,3 +875,51 @@ fn a_copy_seen_done_only_after_an_abort_let_the_streams_go_is_failed() {
     assert_eq!(r.state(), TicketState::Delivered);
     assert_eq!(fake.get(200), vec![7; 16]);
 }
+
+/// An abort lets the streams go while a copy is enqueued: the recv fails,
+/// but its copy may still run and write the recv's buffer (here it does,
+/// after the abort). The ticket says so until a settle sees the copy done,
+/// so that the rank refuses the buffer meanwhile (`BufState::late_copy`;
+/// found by review: a host write after the abort was allowed, and the
+/// late copy overwrote it).
+#[test]
+fn a_copy_in_flight_at_an_abort_is_known_to_be_able_to_write_until_seen_done() {
+    let (l, fake) = lane();
+    fake.put(100, vec![1; 4]);
+    let s = send(&l, 100, 4).unwrap();
+    let r = recv(&l, 200, 4).unwrap();
+    l.pump();
+    assert_eq!(fake.copies(), 1);
+    assert!(r.copy_may_run(), "enqueued");
+    assert!(r.late().is_none(), "in flight, not failed");
+    l.abort("rank 0 hung");
+    assert!(fake.released(R));
+    let why = r.late().expect("failed with its copy in flight");
+    assert!(why.contains("rank 0 hung"), "{why}");
+    // The late copy runs: it writes the buffer, then a settle sees it.
+    fake.run(usize::MAX);
+    assert_eq!(fake.get(200), vec![1; 4]);
+    let _ = l.settle();
+    assert!(
+        !r.copy_may_run() && r.late().is_none(),
+        "seen done: the buffer is free again"
+    );
+    assert!(
+        matches!(r.state(), TicketState::Failed(_)),
+        "still not delivered"
+    );
+    assert!(!s.copy_may_run());
+}
+
+/// A copy delivered normally is no longer able to run once a settle saw it.
+#[test]
+fn a_delivered_copy_cannot_run_again() {
+    let (l, fake) = lane();
+    let _s = send(&l, 100, 4).unwrap();
+    let r = recv(&l, 200, 4).unwrap();
+    l.pump();
+    fake.run(usize::MAX);
+    let _ = l.settle();
+    assert_eq!(r.state(), TicketState::Delivered);
+    assert!(!r.copy_may_run() && r.late().is_none());
+}
