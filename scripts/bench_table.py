@@ -14,12 +14,15 @@ max) or the old format of one value per figure (read as one trial each).
 
 --baseline FILE   a baseline to compare with (repeatable): a file written by
                   --write-baseline, or a run's JSON of either bench, old
-                  format included. Without it, no comparison.
+                  format included. Without it, no comparison. One that
+                  cannot be read is exit status 2 (the tables are still
+                  written, with a note that nothing was compared).
 --tolerance F     for a baseline figure of one trial, which has no spread:
                   the band is its value ±F (default 0.10, i.e. 10%).
 --slack F         widens a baseline's [min, max] by F of its median on each
                   side (default 0: the band is exactly [min, max]).
---strict          exit 1 when a figure regressed: every trial of this run is
+--strict          needs --baseline (without one it is exit status 2: a
+                  strict run that compared nothing would pass); exit 1 when a figure regressed: every trial of this run is
                   worse than the baseline's band (the new [min, max] and the
                   band do not overlap), or a baseline figure was not measured
                   in this run. A median outside the band alone is flagged in
@@ -40,9 +43,9 @@ max) or the old format of one value per figure (read as one trial each).
                   the reference (NCCL's defaults); each row's NCCL
                   environment is named by what differs from the first's.
 
-Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line.
-A missing or unreadable input is a note in the output (its figures are then
-not measured), not a crash.
+Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line
+or a baseline that cannot be read. A missing or unreadable run input is a
+note in the output (its figures are then not measured), not a crash.
 """
 import argparse
 import json
@@ -569,6 +572,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.tolerance < 0 or a.slack < 0:
         ap.error("--tolerance and --slack are fractions ≥ 0")
+    if a.strict and not a.baseline:
+        ap.error("--strict needs --baseline: without a baseline nothing is compared, "
+                 "and a strict run that compared nothing would pass")
     notes = []
     current, meta, runs, sources = {}, {}, [], []
     for path, want in ((a.duplex, "duplex"), (a.torch, "torch")):
@@ -587,18 +593,24 @@ def main(argv=None):
         run = load_run(path, notes)
         if run is not None:
             ctas.append((ctas_label(run[1].get("ctas")), run[1].get("env") or {}, run[2]))
-    rows, base_name = None, None
+    rows, base_name, unread = None, None, None
     if a.baseline:
         baseline = {}
         for path in a.baseline:
             try:
                 baseline.update(parse_baseline(load_json(path)))
             except (OSError, ValueError) as e:
-                print(f"bench_table: baseline {path}: {e}", file=sys.stderr)
-                return 2
-        rows = compare(current, baseline, a.tolerance, a.slack)
-        base_name = ", ".join(a.baseline)
+                unread = (f"the baseline {path} could not be read ({e}): "
+                          "no figure was compared with a baseline")
+                notes.append(unread)
+                break
+        else:
+            rows = compare(current, baseline, a.tolerance, a.slack)
+            base_name = ", ".join(a.baseline)
     sys.stdout.write(render(current, meta, rows, base_name, ctas, notes))
+    if unread:
+        print(f"bench_table: {unread}", file=sys.stderr)
+        return 2
     if a.write_baseline:
         if not runs:
             print("bench_table: nothing to write a baseline from", file=sys.stderr)

@@ -22,7 +22,8 @@
 # (scripts/nightly_verdict.py). `bench` takes every figure in BENCH_TRIALS
 # trials (default 5) and writes benchmarks.md: medians [min–max], the
 # targets, and the comparison with BENCH_BASELINE (default
-# docs/gpu/bench-baseline.json; BENCH_TOLERANCE, BENCH_SLACK: see
+# docs/gpu/bench-baseline.json; a missing or unreadable one fails the
+# bench-table step; BENCH_TOLERANCE, BENCH_SLACK: see
 # scripts/bench_table.py). Time limits: SUITE_S FAULTS_S CALIBRATE_S BENCH_S
 # TORCH_S seconds.
 #
@@ -280,9 +281,11 @@ run)
       (cd .gpu && timeout "${TORCH_S:-240}" python3 bench_torch.py "$out/bench-torch.json" --trials "$trials") 2>&1 \
         | grep --line-buffered -v "Warning: \[PG\|TORCH_NCCL" | tee -a "$out/bench-log.txt"
       record bench-torch "${PIPESTATUS[0]}"
-      base=()
-      [ -e "$baseline" ] && base=(--baseline "$baseline" --tolerance "${BENCH_TOLERANCE:-0.10}" --slack "${BENCH_SLACK:-0}")
-      python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" ${base[@]+"${base[@]}"} ${ctas[@]+"${ctas[@]}"} --strict \
+      # Always compared: a baseline that is missing or unreadable is
+      # bench_table's exit status 2 (the step fails), never a pass with
+      # nothing compared.
+      base=(--baseline "$baseline" --tolerance "${BENCH_TOLERANCE:-0.10}" --slack "${BENCH_SLACK:-0}")
+      python3 .gpu/bench_table.py "$out/bench-duplex.json" "$out/bench-torch.json" "${base[@]}" ${ctas[@]+"${ctas[@]}"} --strict \
         > "$out/benchmarks.md" 2> "$out/bench-compare.log"
       record bench-table $?
       set -e

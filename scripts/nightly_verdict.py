@@ -28,7 +28,8 @@ the last line of a name counts) and the reports of each step:
   bench      bench and bench_torch.py exit 0 and write their JSON, and
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
-             unmeasured; and the copy-engine lane checks (`copylane`,
+             unmeasured (exit status 2, a baseline that could not be read,
+             fails it as such: nothing was compared); and the copy-engine lane checks (`copylane`,
              OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
              bench-env-N) is reported, not judged.
   ipc        `ipc_probe.py` exits 0 on two GPUs and on one (steps ipc,
@@ -275,7 +276,11 @@ def judge_bench(steps, out):
         lines = [l for l in log.splitlines() if l.startswith("bench_table:")]
         reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's spread")
     elif rc != 0:
-        reasons.append(f"bench_table.py: {status_text(rc)}" + (f": {log.strip()[-300:]}" if log.strip() else ""))
+        said = [l for l in log.splitlines() if l.startswith("bench_table:")]
+        if rc == 2 and any("baseline" in l and "could not be read" in l for l in said):
+            reasons.append("the benchmark baseline could not be read, so no figure was judged: " + "; ".join(said))
+        else:
+            reasons.append(f"bench_table.py: {status_text(rc)}" + (f": {log.strip()[-300:]}" if log.strip() else ""))
     rc = steps.get("copylane")
     if rc is None:
         reasons.append("the copy-engine lane checks (copylane) did not run")

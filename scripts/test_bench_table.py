@@ -426,8 +426,20 @@ class CommandLine(unittest.TestCase):
         self.assertIn("torch:latency_us", err)
 
     def test_an_unreadable_baseline_is_a_usage_error(self):
-        rc, _, err = run_main([self.duplex, self.torch, "--baseline", self.files.path("absent.json")])
+        rc, out, err = run_main([self.duplex, self.torch, "--baseline", self.files.path("absent.json")])
         self.assertEqual(rc, 2)
+        self.assertIn("absent.json could not be read", err)
+        # The tables are still written, and say that nothing was compared.
+        self.assertIn("### Bandwidth", out)
+        self.assertIn("no figure was compared with a baseline", out)
+        self.assertNotIn("### Compared with the baseline", out)
+
+    def test_strict_without_a_baseline_is_a_usage_error(self):
+        # A strict run that compared nothing must not pass.
+        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit) as e:
+            bt.main([self.duplex, self.torch, "--strict"])
+        self.assertEqual(e.exception.code, 2)
+        self.assertIn("--strict needs --baseline", err.getvalue())
 
     def test_cta_sweep_table(self):
         sweep = new_duplex({"one_way/256MiB": [360, 361, 362, 363, 364],

@@ -504,6 +504,17 @@ class EndToEnd(unittest.TestCase):
         with open(os.path.join(out, "nightly.md")) as f:
             self.assertIn("duplex:host_us", f.read())
 
+    def test_a_missing_baseline_fails_the_nightly(self):
+        # No baseline is no comparison: the bench step fails, saying so,
+        # rather than passing with nothing judged.
+        os.remove(os.path.join(self.root, "docs/gpu/bench-baseline.json"))
+        rc, log, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["bench"]), log)
+        with open(os.path.join(out, "nightly.md")) as f:
+            md = f.read()
+        self.assertIn("the benchmark baseline could not be read, so no figure was judged", md)
+        self.assertIn("docs/gpu/bench-baseline.json could not be read", md)
+
     def test_pytorch_failing_fails_the_nightly(self):
         self.stub({"torch.rc": "1"})
         rc, _, j, _ = self.nightly()
