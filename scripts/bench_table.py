@@ -22,12 +22,17 @@ max) or the old format of one value per figure (read as one trial each).
 --slack F         widens a baseline's [min, max] by F of its median on each
                   side (default 0: the band is exactly [min, max]).
 --strict          needs --baseline (without one it is exit status 2: a
-                  strict run that compared nothing would pass); exit 1 when a figure regressed: every trial of this run is
-                  worse than the baseline's band (the new [min, max] and the
-                  band do not overlap), or a baseline figure was not measured
-                  in this run. A median outside the band alone is flagged in
-                  the table but does not fail: with 5 trials on each side it
-                  happens by chance about once in 12 figures.
+                  strict run that compared nothing would pass); exit 1 when
+                  a figure regressed: every trial of this run is worse than
+                  the baseline's band (the new [min, max] and the band do
+                  not overlap), or a baseline figure was not measured in
+                  this run, or a figure of this run has no baseline (it was
+                  never judged; the message gives the command that rewrites
+                  the baseline from this run). A median outside the band
+                  alone is flagged in the table but does not fail: with 5
+                  trials on each side it happens by chance about once in 12
+                  figures. Each reason is one stderr line starting
+                  `bench_table: strict:`.
 --write-baseline  writes the figures of DUPLEX.json and TORCH.json as a
                   baseline file (docs/gpu/bench-baseline.json);
                   --baseline-note TEXT says in it which run it is.
@@ -49,6 +54,7 @@ note in the output (its figures are then not measured), not a crash.
 """
 import argparse
 import json
+import shlex
 import statistics
 import sys
 
@@ -244,11 +250,44 @@ UNIT_SHOWN = {"B": "MiB of device memory", "us": "µs"}
 
 
 def strict_failures(rows):
-    """What fails --strict: a figure not measured, or one whose every trial
-    is worse than the baseline's band (a median outside the band alone is
-    only flagged)."""
-    return [r for r in rows if r["verdict"] == MISSING
+    """What fails --strict: a figure not measured, one with no baseline
+    (never judged), or one whose every trial is worse than the baseline's
+    band (a median outside the band alone is only flagged)."""
+    return [r for r in rows if r["verdict"] in (MISSING, NEW)
             or (r["verdict"] == WORSE and r.get("regressed"))]
+
+
+DEFAULT_BASELINE = "docs/gpu/bench-baseline.json"
+
+
+def rewrite_command(duplex, torch, baseline=DEFAULT_BASELINE):
+    """The command that makes this run's figures the baseline."""
+    return (f"python3 scripts/bench_table.py {shlex.quote(duplex)} {shlex.quote(torch)} "
+            f"--write-baseline {shlex.quote(baseline)} --baseline-note \"...\"")
+
+
+def strict_messages(rows, rewrite):
+    """--strict's reasons, one line each (`bench_table: strict: ...`), from
+    compare's rows; empty when it passes. `rewrite` is the command that
+    rewrites the baseline from this run."""
+    bad = strict_failures(rows)
+    out = []
+
+    def names(verdict):
+        return [r["name"] for r in bad if r["verdict"] == verdict]
+
+    worse = names(WORSE)
+    if worse:
+        out.append(f"{len(worse)} figure(s) regressed (every trial worse than the baseline's band): "
+                   + ", ".join(worse))
+    missing = names(MISSING)
+    if missing:
+        out.append(f"{len(missing)} baseline figure(s) not measured in this run: " + ", ".join(missing))
+    new = names(NEW)
+    if new:
+        out.append(f"{len(new)} figure(s) have no baseline, so they were not judged: " + ", ".join(new)
+                   + f"; once this run is checked (5 trials or more, on the GPUs), make it the baseline: {rewrite}")
+    return [f"bench_table: strict: {m}" for m in out]
 
 
 def median_of(figs, name):
@@ -482,7 +521,7 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
             if r["band"]:
                 f = fmt_value(base)
                 bd = f"{f(r['band'][0])}–{f(r['band'][1])} ({r['band'][2]})"
-            v = f"**{r['verdict']}**" if r["verdict"] in (WORSE, MISSING) else r["verdict"]
+            v = f"**{r['verdict']}**" if r["verdict"] in (WORSE, MISSING, NEW) else r["verdict"]
             f0 = base or now
             p(f"| {r['name']} ({UNIT_SHOWN.get(f0['unit'], f0['unit'])}, {f0['better']} is better) "
               f"| {bs} | {ns} | {ch} | {bd} | {v} |")
@@ -620,10 +659,10 @@ def main(argv=None):
             f.write("\n")
         print(f"\nBaseline written to {a.write_baseline} ({len(current)} figures).", file=sys.stderr)
     if a.strict and rows is not None:
-        bad = strict_failures(rows)
+        target = a.baseline[0] if len(a.baseline) == 1 else DEFAULT_BASELINE
+        bad = strict_messages(rows, rewrite_command(a.duplex, a.torch, target))
         if bad:
-            print(f"bench_table: {len(bad)} figure(s) worse beyond the baseline's spread or not measured: "
-                  + ", ".join(r["name"] for r in bad), file=sys.stderr)
+            print("\n".join(bad), file=sys.stderr)
             return 1
     return 0
 

@@ -11,7 +11,9 @@
 # Exit status: 0 when every step passed; 1 when the build failed, a suite
 # scenario failed, a fault case failed, the calibration disagrees with the
 # model (beyond scripts/nightly-known.txt), or a benchmark figure is worse
-# than the baseline's spread or was not measured; 2 for a wrong invocation.
+# than the baseline's spread, was not measured, or has no baseline (never
+# judged: the message says how to rewrite the baseline); 2 for a wrong
+# invocation.
 #
 #   NIGHTLY_BUILD=0   never build; use the staged .gpu/
 #   OUT=DIR           where the reports go (made if missing)
@@ -19,7 +21,7 @@
 # BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -eq 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -eq 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

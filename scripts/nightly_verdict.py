@@ -28,7 +28,7 @@ the last line of a name counts) and the reports of each step:
   bench      bench and bench_torch.py exit 0 and write their JSON, and
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
-             unmeasured (exit status 2, a baseline that could not be read,
+             unmeasured, none is without a baseline (exit status 2, a baseline that could not be read,
              fails it as such: nothing was compared); and the copy-engine lane checks (`copylane`,
              OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
              bench-env-N) is reported, not judged.
@@ -293,7 +293,8 @@ def judge_bench(steps, out):
             notes.append(f"lane-settings sweep {name[len('bench-'):]}: {status_text(steps[name])} (not judged)")
     ok = not reasons
     if ok:
-        reasons.append("every figure measured and none worse beyond the baseline's spread (benchmarks.md)")
+        reasons.append("every figure measured and judged against the baseline, none worse beyond its spread "
+                       "(benchmarks.md)")
     return ok, reasons + notes, {}
 
 

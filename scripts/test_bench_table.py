@@ -395,12 +395,19 @@ class CommandLine(unittest.TestCase):
     def test_old_format_files_as_baseline(self):
         old_d = self.files.write("old-duplex.json", OLD_DUPLEX)
         old_t = self.files.write("old-torch.json", OLD_TORCH)
-        rc, out, err = run_main([self.duplex, self.torch, "--baseline", old_d, "--baseline", old_t, "--strict"])
+        rc, out, err = run_main([self.duplex, self.torch, "--baseline", old_d, "--baseline", old_t])
         # GOOD_DUPLEX's latency (7.2 us) and host time are far better than
         # the old ones, and nothing got worse by more than 10% ...
         self.assertEqual(rc, 0, err)
         self.assertIn("one trial ±10%", out)
-        self.assertIn("new (no baseline)", out)  # the raw bandwidth figures
+        self.assertIn("**new (no baseline)**", out)  # the raw bandwidth figures
+        self.assertNotIn("changed beyond spread (worse)", out)
+        # ... but under --strict the figures the old format lacks were never
+        # judged, and that fails.
+        rc, _, err = run_main([self.duplex, self.torch, "--baseline", old_d, "--baseline", old_t, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertIn("have no baseline, so they were not judged: ", err)
+        self.assertIn("duplex:raw_one_way/256MiB", err)
         # ... but with a 5% tolerance the 64 MiB both ways figure (327 vs
         # 309.1, +5.8%) is "better" and torch's 1 MiB PGs (16 vs 14.3) too.
         rc, out, _ = run_main([self.duplex, self.torch, "--baseline", old_d, "--baseline", old_t,
@@ -413,6 +420,36 @@ class CommandLine(unittest.TestCase):
         rc, out, _ = run_main([old_d, old_t])
         self.assertEqual(rc, 0)
         self.assertIn("| 256 MiB | 357.4 | – | 356.6 | 352.0 | – | 301.0 | 342.0 | 0.985× | 1.029× |", out)
+
+    def test_strict_fails_on_a_figure_without_baseline_and_says_how_to_rewrite_it(self):
+        base = self.files.path("baseline.json")
+        fewer = {k: v for k, v in GOOD_DUPLEX.items() if k != "lane_latency_us"}
+        run_main([self.files.write("fewer.json", new_duplex(fewer)), self.torch, "--write-baseline", base])
+        # Not strict: reported only.
+        rc, out, _ = run_main([self.duplex, self.torch, "--baseline", base])
+        self.assertEqual(rc, 0)
+        self.assertIn("| duplex:lane_latency_us (µs, lower is better) | – | 7.20 [7.00–7.40] | – | – "
+                      "| **new (no baseline)** |", out)
+        rc, _, err = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertEqual(err.strip().splitlines(), [
+            "bench_table: strict: 1 figure(s) have no baseline, so they were not judged: duplex:lane_latency_us; "
+            "once this run is checked (5 trials or more, on the GPUs), make it the baseline: "
+            f"python3 scripts/bench_table.py {self.duplex} {self.torch} --write-baseline {base} "
+            '--baseline-note "..."'])
+
+    def test_the_committed_baseline_lacks_figures_a_run_now_takes(self):
+        # docs/gpu/bench-baseline.json is GPU run 5 (one trial per figure):
+        # it has no raw-NCCL, copy-engine or policy-latency figures, so a
+        # strict comparison with it fails until it is replaced
+        # (BENCHMARKS.md, "Baseline comparison").
+        rc, _, err = run_main([self.duplex, self.torch, "--baseline",
+                               os.path.join(REPO, "docs/gpu/bench-baseline.json"), "--strict"])
+        self.assertEqual(rc, 1)
+        for name in ("duplex:raw_one_way/256MiB", "duplex:copy_both_ways/256MiB", "duplex:ce_one_way/256MiB",
+                     "duplex:lane_latency_us", "duplex:copy_latency_us"):
+            self.assertIn(name, err)
+        self.assertIn(f"--write-baseline {os.path.join(REPO, 'docs/gpu/bench-baseline.json')}", err)
 
     def test_a_missing_input_is_a_note_and_fails_strict(self):
         base = self.files.path("baseline.json")

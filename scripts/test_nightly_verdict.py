@@ -297,8 +297,8 @@ class Whole(unittest.TestCase):
     def test_a_benchmark_beyond_the_baseline_fails_it(self):
         self.good_run()
         self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
-        self.write("bench-compare.log", "bench_table: 1 figure(s) worse beyond the baseline's spread or not "
-                                        "measured: duplex:both_ways/256MiB\n")
+        self.write("bench-compare.log", "bench_table: strict: 1 figure(s) regressed (every trial worse than "
+                                        "the baseline's band): duplex:both_ways/256MiB\n")
         rc, md, j = self.main()
         self.assertEqual(rc, 1)
         self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
@@ -514,6 +514,25 @@ class EndToEnd(unittest.TestCase):
             md = f.read()
         self.assertIn("the benchmark baseline could not be read, so no figure was judged", md)
         self.assertIn("docs/gpu/bench-baseline.json could not be read", md)
+
+    def test_a_figure_without_baseline_fails_the_nightly(self):
+        # The stubs' baseline lacks one figure the run takes: never judged.
+        import test_bench_table as tbt
+        fewer = {k: v for k, v in tbt.GOOD_DUPLEX.items() if k != "copy_latency_us"}
+        path = os.path.join(self.root, ".gpu/stub/fewer.json")
+        with open(path, "w") as f:
+            json.dump(tbt.new_duplex(fewer), f)
+        self.subprocess.run([sys.executable, os.path.join(self.root, "scripts/bench_table.py"), path,
+                             os.path.join(self.root, ".gpu/stub/torch.json"), "--write-baseline",
+                             os.path.join(self.root, "docs/gpu/bench-baseline.json")],
+                            check=True, capture_output=True)
+        rc, log, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["bench"]), log)
+        with open(os.path.join(out, "nightly.md")) as f:
+            md = f.read()
+        self.assertIn("have no baseline, so they were not judged: duplex:copy_latency_us", md)
+        self.assertIn(f"python3 scripts/bench_table.py {out}/bench-duplex.json {out}/bench-torch.json "
+                      "--write-baseline docs/gpu/bench-baseline.json", md)
 
     def test_pytorch_failing_fails_the_nightly(self):
         self.stub({"torch.rc": "1"})
