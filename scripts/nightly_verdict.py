@@ -22,9 +22,11 @@ the last line of a name counts) and the reports of each step:
   calibrate  `duplex calibrate --format markdown` exits 0 (1: some example
              disagrees), and its table (OUT/calibration.md) has every example
              agreeing ("yes" or "consistent: ..."), except the disagreements
-             listed in --known (an example and its real outcome, with the
-             reason); a listed disagreement whose example now agrees fails
-             too, so that the list only ever excuses what still happens
+             listed in --known (an example, its real outcome and the
+             checker's verdict, all three as the table says them, with the
+             reason); a listed disagreement whose example now agrees, or
+             is not in the table at all, fails too, so that the list only
+             ever excuses what still happens
   bench      bench and bench_torch.py exit 0 and write their JSON, and
              `bench_table.py --strict --baseline ...` exits 0: no figure got
              worse beyond the committed baseline's spread, none went
@@ -79,17 +81,27 @@ def read_steps(text):
 KNOWN_STEPS = ("calibrate",)
 
 
+KNOWN_FORM = "calibrate SUBJECT OUTCOME CHECKER  # reason"
+
+
 def read_known(text):
-    """The known disagreements: (step, subject, outcome) -> reason, from
-    lines `STEP SUBJECT OUTCOME  # reason`."""
+    """The known disagreements: (step, subject, outcome, checker) -> reason,
+    from lines `STEP SUBJECT OUTCOME CHECKER  # reason`: SUBJECT the
+    example, OUTCOME its real outcome and CHECKER the checker's verdict, as
+    the calibration table's columns say them. A disagreement is excused
+    only while all four match: the same crash with another checker verdict
+    (the model changed its mind) is a new disagreement."""
     known = {}
     for line in text.splitlines():
         body, _, reason = line.partition("#")
         parts = body.split()
         if not parts:
             continue
-        if len(parts) != 3:
-            raise ValueError(f"known disagreements: `{line.strip()}` is not `STEP SUBJECT OUTCOME # reason`")
+        if len(parts) != 4:
+            hint = (" (the checker's verdict is missing: add the table's checker column, e.g. `deadlock`)"
+                    if len(parts) == 3 else "")
+            raise ValueError(f"known disagreements: `{line.strip()}` has {len(parts)} field(s), "
+                             f"not 4: a line is `{KNOWN_FORM}`{hint}")
         if parts[0] not in KNOWN_STEPS:
             raise ValueError(f"known disagreements: `{line.strip()}`: only {', '.join(KNOWN_STEPS)} "
                              "disagreements can be excused")
@@ -212,19 +224,21 @@ def judge_calibration(text, rc, known):
     disagree = [r for r in rows if not agrees(r)]
     unknown = []
     for r in disagree:
-        reason = known.get(("calibrate", r["example"], r["real"]))
+        reason = known.get(("calibrate", r["example"], r["real"], r["checker"]))
         if reason is None:
             unknown.append(r)
         else:
             notes.append(f"known: {r['example']} ({r['real']}, checker {r['checker']}): {reason}")
     # A listed disagreement that no longer happens: its example ran and
-    # agreed. (One whose example ran with another disagreeing outcome is
-    # an unknown disagreement above; one whose example is missing from the
-    # table is caught by the summary check or was not asked for.)
+    # agreed, or is not in the table at all (renamed or removed). One whose
+    # example ran with another disagreeing outcome or checker verdict is an
+    # unknown disagreement above.
     agreeing = {r["example"] for r in rows if agrees(r)}
-    stale = sorted(subject for (step, subject, _) in known if step == "calibrate" and subject in agreeing)
+    listed = {subject for (step, subject, _, _) in known if step == "calibrate"}
+    stale = sorted(s for s in listed if s in agreeing)
+    absent = sorted(s for s in listed if rows and s not in {r["example"] for r in rows})
     details = {"examples": len(rows), "disagree": [r["example"] for r in disagree],
-               "unknown": [r["example"] for r in unknown], "stale": stale}
+               "unknown": [r["example"] for r in unknown], "stale": stale, "absent": absent}
     if not rows:
         reasons.append(f"calibration.md has no example table (duplex calibrate: {status_text(rc)}; see calibration.log)")
     if unknown:
@@ -233,6 +247,10 @@ def judge_calibration(text, rc, known):
     if stale:
         reasons.append(f"{len(stale)} known disagreement(s) no longer happen: {', '.join(stale)} "
                        "agreed with the model; remove their lines from the known list (scripts/nightly-known.txt)")
+    if absent:
+        reasons.append(f"{len(absent)} known disagreement(s) name an example the calibration did not run: "
+                       f"{', '.join(absent)}; a renamed or removed example? Fix or remove their lines in the "
+                       "known list (scripts/nightly-known.txt)")
     if rc not in (0, 1):
         reasons.append(f"duplex calibrate: {status_text(rc)}")
     elif rc == 1 and not disagree:
@@ -373,7 +391,7 @@ def render(results):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="the GPU nightly's verdict")
     ap.add_argument("out")
-    ap.add_argument("--known", help="known disagreements: lines `STEP SUBJECT OUTCOME # reason`")
+    ap.add_argument("--known", help=f"known disagreements: lines `{KNOWN_FORM}`")
     a = ap.parse_args(argv)
     known = {}
     if a.known:
