@@ -20,18 +20,21 @@ max) or the old format of one value per figure (read as one trial each).
 --tolerance F     for a baseline figure of one trial, which has no spread:
                   the band is its value ±F (default 0.10, i.e. 10%).
 --slack F         widens a baseline's [min, max] by F of its median on each
-                  side (default 0: the band is exactly [min, max]).
+                  side (default 0.05: the band is [min - 5% of the median,
+                  max + 5% of the median]; 0 makes it exactly [min, max]).
+                  A baseline of one trial uses --tolerance instead.
 --strict          needs --baseline (without one it is exit status 2: a
                   strict run that compared nothing would pass); exit 1 when
                   a figure regressed: every trial of this run is worse than
-                  the baseline's band (the new [min, max] and the band do
-                  not overlap), or a baseline figure was not measured in
+                  the baseline's band, its [min, max] widened by the slack
+                  (the new [min, max] and the band do not overlap), or a baseline figure was not measured in
                   this run, or a figure of this run has no baseline (it was
                   never judged; the message gives the command that rewrites
                   the baseline from this run). A median outside the band
                   alone is flagged in the table but does not fail: with 5
-                  trials on each side it happens by chance about once in 12
-                  figures. Each reason is one stderr line starting
+                  trials on each side and no slack it happens by chance
+                  about once in 12 figures. (BENCHMARKS.md, "Baseline
+                  comparison", has the reasoning.) Each reason is one stderr line starting
                   `bench_table: strict:`.
 --write-baseline  writes the figures of DUPLEX.json and TORCH.json as a
                   baseline file (docs/gpu/bench-baseline.json);
@@ -61,6 +64,9 @@ import sys
 # The one-trial tolerance and the targets are stated here once; BENCHMARKS.md
 # repeats them.
 DEFAULT_TOLERANCE = 0.10
+# The slack: how far, as a fraction of the baseline's median, the band
+# reaches past the baseline's min and max on each side.
+DEFAULT_SLACK = 0.05
 BASELINE_FORMAT = "duplex-bench-baseline"
 
 SIZES = [1 << 20, 64 << 20, 256 << 20]
@@ -205,11 +211,11 @@ def band(base, tolerance, slack):
 
 
 WITHIN, WORSE, BETTER, MISSING, NEW = (
-    "within spread", "changed beyond spread (worse)", "changed beyond spread (better)",
+    "within band", "changed beyond band (worse)", "changed beyond band (better)",
     "not measured", "new (no baseline)")
 
 
-def compare(current, baseline, tolerance=DEFAULT_TOLERANCE, slack=0.0):
+def compare(current, baseline, tolerance=DEFAULT_TOLERANCE, slack=DEFAULT_SLACK):
     """Each figure of `current` and `baseline` (prefixed names): a dict with
     name, verdict, base, now, band, change (now median / base median - 1)."""
     out = []
@@ -398,7 +404,7 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
       f"PyTorch {t.get('torch', '?')} with NCCL {t.get('nccl', '?')}, {t.get('trials', '?')} trial(s) per figure.")
     p("")
     p("Each cell: the median of the trials [min–max]; ratios are of medians."
-      + (" † marks a figure that changed beyond the baseline's spread (see the comparison)." if rows else ""))
+      + (" † marks a figure whose median lies outside the baseline's band (see the comparison)." if rows else ""))
     for n in notes:
         p("")
         p(f"Note: {n}")
@@ -603,7 +609,7 @@ def main(argv=None):
     ap.add_argument("torch")
     ap.add_argument("--baseline", action="append", default=[])
     ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
-    ap.add_argument("--slack", type=float, default=0.0)
+    ap.add_argument("--slack", type=float, default=DEFAULT_SLACK)
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--write-baseline")
     ap.add_argument("--baseline-note", help="what the written baseline is (the run, the machine)")

@@ -28,8 +28,9 @@ the last line of a name counts) and the reports of each step:
              is not in the table at all, fails too, so that the list only
              ever excuses what still happens
   bench      bench and bench_torch.py exit 0 and write their JSON, and
-             `bench_table.py --strict --baseline ...` exits 0: no figure got
-             worse beyond the committed baseline's spread, none went
+             `bench_table.py --strict --baseline ...` exits 0: no figure has
+             every trial worse than the committed baseline's band (its
+             [min, max] widened by the slack, 5% of its median), none went
              unmeasured, none is without a baseline (exit status 2, a baseline that could not be read,
              fails it as such: nothing was compared); and the copy-engine lane checks (`copylane`,
              OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
@@ -292,7 +293,7 @@ def judge_bench(steps, out):
     log = read(os.path.join(out, "bench-compare.log")) or ""
     if rc == 1:
         lines = [l for l in log.splitlines() if l.startswith("bench_table:")]
-        reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's spread")
+        reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's band")
     elif rc != 0:
         said = [l for l in log.splitlines() if l.startswith("bench_table:")]
         if rc == 2 and any("baseline" in l and "could not be read" in l for l in said):
@@ -311,8 +312,8 @@ def judge_bench(steps, out):
             notes.append(f"lane-settings sweep {name[len('bench-'):]}: {status_text(steps[name])} (not judged)")
     ok = not reasons
     if ok:
-        reasons.append("every figure measured and judged against the baseline, none worse beyond its spread "
-                       "(benchmarks.md)")
+        reasons.append("every figure measured and judged against the baseline, none with every trial worse "
+                       "than its band (benchmarks.md)")
     return ok, reasons + notes, {}
 
 

@@ -181,6 +181,8 @@ class Comparing(unittest.TestCase):
         }))[2])
 
     def verdicts(self, now, **kw):
+        # Without slack unless a test asks: these test the band's edges.
+        kw.setdefault("slack", 0)
         cur = bt.prefixed("duplex", bt.parse_run(new_duplex(now))[2])
         return {r["name"]: r["verdict"] for r in bt.compare(cur, self.base(), **kw)}
 
@@ -214,6 +216,17 @@ class Comparing(unittest.TestCase):
         self.assertEqual(self.verdicts(now)["duplex:one_way/256MiB"], bt.WORSE)
         self.assertEqual(self.verdicts(now, slack=0.01)["duplex:one_way/256MiB"], bt.WITHIN)
 
+    def test_the_default_slack_is_5_percent_of_the_median(self):
+        # Base [350, 360], median 355: the band reaches 17.75 past each end.
+        self.assertEqual(bt.DEFAULT_SLACK, 0.05)
+        cur = lambda v: bt.prefixed("duplex", bt.parse_run(new_duplex({"one_way/256MiB": v}))[2])
+        row = {r["name"]: r for r in bt.compare(cur([333] * 5), self.base())}["duplex:one_way/256MiB"]
+        self.assertEqual(row["verdict"], bt.WITHIN)
+        self.assertAlmostEqual(row["band"][0], 350 - 17.75)
+        self.assertEqual(row["band"][2], "[min, max] ±5% of the median")
+        row = {r["name"]: r for r in bt.compare(cur([332] * 5), self.base())}["duplex:one_way/256MiB"]
+        self.assertEqual(row["verdict"], bt.WORSE)
+
     def test_one_trial_baseline_uses_the_tolerance(self):
         base = bt.prefixed("duplex", bt.parse_run(OLD_DUPLEX)[2])
 
@@ -236,7 +249,7 @@ class Comparing(unittest.TestCase):
                 bt.prefixed("duplex", bt.parse_run(new_duplex({"one_way/256MiB": values,
                                                                "latency_us": [10.5] * 5,
                                                                "host_us": [10.4] * 5}))[2]),
-                self.base())
+                self.base(), slack=0)
             return [r["name"] for r in bt.strict_failures(v)], {r["name"]: r["verdict"] for r in v}
         # The median is below the band, but the best trial is inside it:
         # flagged, not failed.
@@ -364,22 +377,43 @@ class CommandLine(unittest.TestCase):
         self.assertEqual(doc["figures"]["torch:two_pgs/256MiB"]["trials"], [340, 341, 342, 343, 344])
         rc, out, _ = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
         self.assertEqual(rc, 0)
-        self.assertIn(f"{len(doc['figures'])} within spread.", out)
+        self.assertIn(f"{len(doc['figures'])} within band.", out)
         self.assertNotIn("†", out.split("### Compared")[0].split("\n", 3)[3])
 
     def test_strict_fails_on_a_figure_worse_beyond_the_spread(self):
         base = self.files.path("baseline.json")
         run_main([self.duplex, self.torch, "--write-baseline", base])
         worse = dict(GOOD_DUPLEX)
-        worse["both_ways/256MiB"] = [340, 341, 342, 343, 344]
+        # Base 350–354, median 352: the band starts 17.6 below 350.
+        worse["both_ways/256MiB"] = [320, 321, 322, 323, 324]
         path = self.files.write("worse.json", new_duplex(worse))
         rc, out, err = run_main([path, self.torch, "--baseline", base])
         self.assertEqual(rc, 0)  # not strict: a report only
-        self.assertIn("342.0 [340.0–344.0] †", out)
-        self.assertIn("**changed beyond spread (worse)**", out)
+        self.assertIn("322.0 [320.0–324.0] †", out)
+        self.assertIn("**changed beyond band (worse)**", out)
         rc, out, err = run_main([path, self.torch, "--baseline", base, "--strict"])
         self.assertEqual(rc, 1)
         self.assertIn("duplex:both_ways/256MiB", err)
+
+    def test_the_default_slack_passes_a_small_shift_and_a_deterministic_figure(self):
+        # Every trial a little worse than the baseline's worst: within 5% of
+        # the median past it, this passes by default; so does a figure whose
+        # trials are all equal (lane_bytes: a band of width zero without
+        # slack) that moved by 1%.
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        moved = dict(GOOD_DUPLEX)
+        moved["both_ways/256MiB"] = [336, 337, 338, 339, 340]  # base 350-354: -4% of 352
+        moved["lane_bytes/lane:0->1"] = [207618048 * 1.01] * 5
+        path = self.files.write("moved.json", new_duplex(moved))
+        rc, out, err = run_main([path, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("| duplex:both_ways/256MiB (GB/s, higher is better) | 352.0 [350.0–354.0] (5) "
+                      "| 338.0 [336.0–340.0] | -4.0% | 332.4–371.6 ([min, max] ±5% of the median) | within band |", out)
+        rc, _, err = run_main([path, self.torch, "--baseline", base, "--strict", "--slack", "0"])
+        self.assertEqual(rc, 1)
+        self.assertIn("regressed (every trial worse than the baseline's band): duplex:both_ways/256MiB, "
+                      "duplex:lane_bytes/lane:0->1", err)
 
     def test_strict_passes_when_only_better(self):
         base = self.files.path("baseline.json")
@@ -390,7 +424,7 @@ class CommandLine(unittest.TestCase):
         rc, out, _ = run_main([path, self.torch, "--baseline", base, "--strict"])
         self.assertEqual(rc, 0)
         self.assertIn("5.00 [5.00–5.00] †", out)
-        self.assertIn("changed beyond spread (better)", out)
+        self.assertIn("changed beyond band (better)", out)
 
     def test_old_format_files_as_baseline(self):
         old_d = self.files.write("old-duplex.json", OLD_DUPLEX)
@@ -401,7 +435,7 @@ class CommandLine(unittest.TestCase):
         self.assertEqual(rc, 0, err)
         self.assertIn("one trial ±10%", out)
         self.assertIn("**new (no baseline)**", out)  # the raw bandwidth figures
-        self.assertNotIn("changed beyond spread (worse)", out)
+        self.assertNotIn("changed beyond band (worse)", out)
         # ... but under --strict the figures the old format lacks were never
         # judged, and that fails.
         rc, _, err = run_main([self.duplex, self.torch, "--baseline", old_d, "--baseline", old_t, "--strict"])

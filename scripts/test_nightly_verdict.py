@@ -513,7 +513,7 @@ class EndToEnd(unittest.TestCase):
             self.assertTrue(os.path.exists(os.path.join(out, name)), name)
         with open(os.path.join(out, "benchmarks.md")) as f:
             md = f.read()
-        self.assertIn("within spread", md)
+        self.assertIn("within band", md)
         self.assertIn("| 64 | as the main run | – | – | 357.0 [355.0–359.0] |", md)
         # The lanes step: each NCCL environment of the sweep reached its
         # bench process (the stub answers every --quick run with CTAs 64),
@@ -585,6 +585,17 @@ class EndToEnd(unittest.TestCase):
         self.assertIn("have no baseline, so they were not judged: duplex:copy_latency_us", md)
         self.assertIn(f"python3 scripts/bench_table.py {out}/bench-duplex.json {out}/bench-torch.json "
                       "--write-baseline docs/gpu/bench-baseline.json", md)
+
+    def test_the_nightly_widens_the_band_by_5_percent(self):
+        # BENCH_SLACK's default: every trial above the baseline's max (7.4
+        # us), but within 5% of its median (7.2) past it: no regression.
+        import test_bench_table as tbt
+        drifted = dict(tbt.GOOD_DUPLEX, **{"latency_us": [7.5, 7.55, 7.6, 7.65, 7.7]})
+        self.stub({"duplex.json": json.dumps(tbt.new_duplex(drifted))})
+        rc, log, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (0, []), log)
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            self.assertIn("| +5.6% | 6.64–7.76 ([min, max] ±5% of the median) | within band |", f.read())
 
     def test_pytorch_failing_fails_the_nightly(self):
         self.stub({"torch.rc": "1"})
