@@ -5,7 +5,8 @@ value), and a comparison with a committed baseline.
 
 usage: python3 bench_table.py DUPLEX.json TORCH.json
            [--baseline FILE]... [--tolerance FRACTION] [--slack FRACTION]
-           [--strict] [--write-baseline OUT.json] [--setting FILE]...
+           [--strict] [--min-trials N] [--write-baseline OUT.json]
+           [--setting FILE]...
        python3 bench_table.py --settings-only REFERENCE.json [FILE.json]...
 
 DUPLEX.json is what backend-nccl/examples/bench.rs writes, TORCH.json what
@@ -18,7 +19,11 @@ max) or the old format of one value per figure (read as one trial each).
                   cannot be read is exit status 2 (the tables are still
                   written, with a note that nothing was compared).
 --tolerance F     for a baseline figure of one trial, which has no spread:
-                  the band is its value ±F (default 0.10, i.e. 10%).
+                  the band is its value ±F (default 0.10, i.e. 10%). Such a
+                  figure is still judged, but the report and a
+                  `bench_table: warning:` line on stderr say that the
+                  baseline has figures of fewer than --min-trials trials and
+                  should be replaced (with the command that does it).
 --slack F         widens a baseline's [min, max] by F of its median on each
                   side (default 0.05: the band is [min - 5% of the median,
                   max + 5% of the median]; 0 makes it exactly [min, max]).
@@ -30,12 +35,16 @@ max) or the old format of one value per figure (read as one trial each).
                   (the new [min, max] and the band do not overlap), or a baseline figure was not measured in
                   this run, or a figure of this run has no baseline (it was
                   never judged; the message gives the command that rewrites
-                  the baseline from this run). A median outside the band
+                  the baseline from this run), or a figure of this run has
+                  fewer than --min-trials trials. A median outside the band
                   alone is flagged in the table but does not fail: with 5
                   trials on each side and no slack it happens by chance
                   about once in 12 figures. (BENCHMARKS.md, "Baseline
                   comparison", has the reasoning.) Each reason is one stderr line starting
                   `bench_table: strict:`.
+--min-trials N    the fewest trials a figure of this run may have under
+                  --strict (default 5), and the fewest a baseline figure may
+                  have without the warning above.
 --write-baseline  writes the figures of DUPLEX.json and TORCH.json as a
                   baseline file (docs/gpu/bench-baseline.json);
                   --baseline-note TEXT says in it which run it is.
@@ -67,6 +76,8 @@ DEFAULT_TOLERANCE = 0.10
 # The slack: how far, as a fraction of the baseline's median, the band
 # reaches past the baseline's min and max on each side.
 DEFAULT_SLACK = 0.05
+# The fewest trials a figure is judged on (--min-trials).
+DEFAULT_MIN_TRIALS = 5
 BASELINE_FORMAT = "duplex-bench-baseline"
 
 SIZES = [1 << 20, 64 << 20, 256 << 20]
@@ -272,12 +283,20 @@ def rewrite_command(duplex, torch, baseline=DEFAULT_BASELINE):
             f"--write-baseline {shlex.quote(baseline)} --baseline-note \"...\"")
 
 
-def strict_messages(rows, rewrite):
+def few_trials(figure, min_trials):
+    return len(figure.get("trials", [])) < min_trials
+
+
+def strict_messages(rows, rewrite, min_trials=DEFAULT_MIN_TRIALS):
     """--strict's reasons, one line each (`bench_table: strict: ...`), from
     compare's rows; empty when it passes. `rewrite` is the command that
     rewrites the baseline from this run."""
     bad = strict_failures(rows)
     out = []
+    few = [r["name"] for r in rows if r["now"] is not None and few_trials(r["now"], min_trials)]
+    if few:
+        out.append(f"{len(few)} figure(s) of this run have fewer than {min_trials} trials, too few to judge: "
+                   + ", ".join(few))
 
     def names(verdict):
         return [r["name"] for r in bad if r["verdict"] == verdict]
@@ -385,9 +404,21 @@ def spread(f):
     return f"{p(f['median'])} [{p(f['min'])}–{p(f['max'])}]"
 
 
-def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
+def baseline_warning(rows, rewrite, min_trials=DEFAULT_MIN_TRIALS):
+    """What to say of a baseline with figures of fewer than `min_trials`
+    trials (judged all the same: one trial within --tolerance), or None."""
+    few = [r["name"] for r in rows if r["base"] is not None and few_trials(r["base"], min_trials)]
+    if not few:
+        return None
+    return (f"the baseline has {len(few)} figure(s) of fewer than {min_trials} trials (a figure of one trial "
+            f"is judged within ±tolerance of its value): replace it with a run of {min_trials} trials or more "
+            f"on the GPUs: {rewrite}")
+
+
+def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=(), base_note=None):
     """The Markdown report: tables, targets and (with `rows` from compare)
-    the comparison with the baseline."""
+    the comparison with the baseline (`base_note`: a note under its
+    heading)."""
     flagged = {r["name"] for r in rows or [] if r["verdict"] in (WORSE, BETTER)}
     out = []
     p = out.append
@@ -511,6 +542,9 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=()):
         p("")
         p(f"### Compared with the baseline ({baseline_name})")
         p("")
+        if base_note:
+            p(f"Note: {base_note}.")
+            p("")
         counts = {}
         for r in rows:
             counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
@@ -611,12 +645,15 @@ def main(argv=None):
     ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     ap.add_argument("--slack", type=float, default=DEFAULT_SLACK)
     ap.add_argument("--strict", action="store_true")
+    ap.add_argument("--min-trials", type=int, default=DEFAULT_MIN_TRIALS)
     ap.add_argument("--write-baseline")
     ap.add_argument("--baseline-note", help="what the written baseline is (the run, the machine)")
     ap.add_argument("--setting", "--ctas", dest="settings", action="append", default=[])
     a = ap.parse_args(argv)
     if a.tolerance < 0 or a.slack < 0:
         ap.error("--tolerance and --slack are fractions ≥ 0")
+    if a.min_trials < 1:
+        ap.error("--min-trials is a whole number ≥ 1")
     if a.strict and not a.baseline:
         ap.error("--strict needs --baseline: without a baseline nothing is compared, "
                  "and a strict run that compared nothing would pass")
@@ -638,7 +675,9 @@ def main(argv=None):
         run = load_run(path, notes)
         if run is not None:
             ctas.append((ctas_label(run[1].get("ctas")), run[1].get("env") or {}, run[2]))
-    rows, base_name, unread = None, None, None
+    rows, base_name, unread, base_note = None, None, None, None
+    target = a.baseline[0] if len(a.baseline) == 1 else DEFAULT_BASELINE
+    rewrite = rewrite_command(a.duplex, a.torch, target)
     if a.baseline:
         baseline = {}
         for path in a.baseline:
@@ -652,7 +691,10 @@ def main(argv=None):
         else:
             rows = compare(current, baseline, a.tolerance, a.slack)
             base_name = ", ".join(a.baseline)
-    sys.stdout.write(render(current, meta, rows, base_name, ctas, notes))
+            base_note = baseline_warning(rows, rewrite, a.min_trials)
+    sys.stdout.write(render(current, meta, rows, base_name, ctas, notes, base_note))
+    if base_note:
+        print(f"bench_table: warning: {base_note}", file=sys.stderr)
     if unread:
         print(f"bench_table: {unread}", file=sys.stderr)
         return 2
@@ -665,8 +707,7 @@ def main(argv=None):
             f.write("\n")
         print(f"\nBaseline written to {a.write_baseline} ({len(current)} figures).", file=sys.stderr)
     if a.strict and rows is not None:
-        target = a.baseline[0] if len(a.baseline) == 1 else DEFAULT_BASELINE
-        bad = strict_messages(rows, rewrite_command(a.duplex, a.torch, target))
+        bad = strict_messages(rows, rewrite, a.min_trials)
         if bad:
             print("\n".join(bad), file=sys.stderr)
             return 1

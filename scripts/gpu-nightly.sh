@@ -18,11 +18,20 @@
 #
 #   NIGHTLY_BUILD=0   never build; use the staged .gpu/
 #   OUT=DIR           where the reports go (made if missing)
-# and every variable of `scripts/gpu.sh run` (BENCH_TRIALS, BENCH_BASELINE,
-# BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
+# and every variable of `scripts/gpu.sh run` (BENCH_TRIALS, at least 5:
+# fewer is refused with exit status 2, since no figure of fewer trials is
+# judged; BENCH_BASELINE, BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -eq 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -eq 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+case "${BENCH_TRIALS:-5}" in
+  ''|*[!0-9]*) trials_ok=0 ;;
+  *) trials_ok=$(( 10#${BENCH_TRIALS:-5} >= 5 )) ;;
+esac
+if [ "$trials_ok" != 1 ]; then
+  echo "gpu-nightly: BENCH_TRIALS=${BENCH_TRIALS} is not a whole number of at least 5: the nightly judges no benchmark figure of fewer trials (bench_table.py --min-trials)" >&2
+  exit 2
+fi
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

@@ -31,10 +31,13 @@ the last line of a name counts) and the reports of each step:
              `bench_table.py --strict --baseline ...` exits 0: no figure has
              every trial worse than the committed baseline's band (its
              [min, max] widened by the slack, 5% of its median), none went
-             unmeasured, none is without a baseline (exit status 2, a baseline that could not be read,
-             fails it as such: nothing was compared); and the copy-engine lane checks (`copylane`,
-             OUT/copylane.txt) exit 0. The lane-settings sweep (bench-ctas-N,
-             bench-env-N) is reported, not judged.
+             unmeasured, none is without a baseline or has fewer than 5
+             trials (exit status 2, a baseline that could not be read,
+             fails it as such: nothing was compared); its warning that the
+             baseline has figures of fewer than 5 trials is passed on; and
+             the copy-engine lane checks (`copylane`, OUT/copylane.txt)
+             exit 0. The lane-settings sweep (bench-ctas-N, bench-env-N)
+             is reported, not judged.
   ipc        `ipc_probe.py` exits 0 on two GPUs and on one (steps ipc,
              ipc-one-gpu), and OUT/ipc.md has both tables, each with every
              figure measured (a number as its median); and
@@ -291,8 +294,10 @@ def judge_bench(steps, out):
             reasons.append(f"{path} is missing or not a format-2 result")
     rc = steps.get("bench-table")
     log = read(os.path.join(out, "bench-compare.log")) or ""
+    # Said whatever the outcome: the baseline has figures of too few trials.
+    notes += [l[len("bench_table: "):] for l in log.splitlines() if l.startswith("bench_table: warning:")]
     if rc == 1:
-        lines = [l for l in log.splitlines() if l.startswith("bench_table:")]
+        lines = [l for l in log.splitlines() if l.startswith("bench_table: strict:")]
         reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's band")
     elif rc != 0:
         said = [l for l in log.splitlines() if l.startswith("bench_table:")]

@@ -485,6 +485,43 @@ class CommandLine(unittest.TestCase):
             self.assertIn(name, err)
         self.assertIn(f"--write-baseline {os.path.join(REPO, 'docs/gpu/bench-baseline.json')}", err)
 
+    def test_strict_fails_a_figure_of_fewer_than_min_trials(self):
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        three = {k: v[:3] for k, v in GOOD_DUPLEX.items()}
+        path = self.files.write("three.json", new_duplex(three))
+        rc, _, err = run_main([path, self.torch, "--baseline", base])
+        self.assertEqual(rc, 0)  # not strict: a report only
+        rc, _, err = run_main([path, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertIn(f"bench_table: strict: {len(three)} figure(s) of this run have fewer than 5 trials, "
+                      "too few to judge: duplex:both_ways/1MiB, ", err)
+        self.assertNotIn("torch:", err)
+        rc, _, err = run_main([path, self.torch, "--baseline", base, "--strict", "--min-trials", "3"])
+        self.assertEqual(rc, 0, err)
+
+    def test_a_baseline_of_one_trial_is_judged_but_said_to_need_replacing(self):
+        one = {k: v[:1] for k, v in GOOD_DUPLEX.items()}
+        base = self.files.path("baseline.json")
+        run_main([self.files.write("one.json", new_duplex(one)), self.files.write("t1.json", new_torch(
+            {k: v[:1] for k, v in GOOD_TORCH.items()})), "--write-baseline", base])
+        rc, out, err = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
+        # Judged within ±10% of the one trial: nothing regressed ...
+        self.assertEqual(rc, 0, err)
+        self.assertIn("(one trial ±10%)", out)
+        # ... but the report and stderr say the baseline should be replaced.
+        n = len(GOOD_DUPLEX) + len(GOOD_TORCH)
+        said = (f"the baseline has {n} figure(s) of fewer than 5 trials (a figure of one trial is judged within "
+                "±tolerance of its value): replace it with a run of 5 trials or more on the GPUs: "
+                f"python3 scripts/bench_table.py {self.duplex} {self.torch} --write-baseline {base}")
+        self.assertIn(f"### Compared with the baseline ({base})\n\nNote: {said}", out)
+        self.assertIn(f"bench_table: warning: {said}", err)
+        # A baseline of five trials says nothing of the kind.
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        rc, out, err = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual((rc, err), (0, ""))
+        self.assertNotIn("fewer than 5 trials", out)
+
     def test_a_missing_input_is_a_note_and_fails_strict(self):
         base = self.files.path("baseline.json")
         run_main([self.duplex, self.torch, "--write-baseline", base])

@@ -356,6 +356,15 @@ class Whole(unittest.TestCase):
         self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
         self.assertIn("duplex:both_ways/256MiB", md)
 
+    def test_a_baseline_of_too_few_trials_is_said_and_passes(self):
+        self.good_run()
+        self.write("bench-compare.log", "bench_table: warning: the baseline has 24 figure(s) of fewer than 5 "
+                                        "trials (...): replace it with a run of 5 trials or more on the GPUs: "
+                                        "python3 scripts/bench_table.py ...\n")
+        rc, md, j = self.main()
+        self.assertEqual(rc, 0, md)
+        self.assertIn("warning: the baseline has 24 figure(s) of fewer than 5 trials", md)
+
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
         self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
@@ -392,9 +401,6 @@ class Whole(unittest.TestCase):
         self.assertEqual(rc, 1)
         self.assertIn("bench-duplex.json is missing or not a format-2 result", md)
 
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 STUB_SUITE = """#!/bin/sh
@@ -597,6 +603,29 @@ class EndToEnd(unittest.TestCase):
         with open(os.path.join(out, "benchmarks.md")) as f:
             self.assertIn("| +5.6% | 6.64–7.76 ([min, max] ±5% of the median) | within band |", f.read())
 
+    def test_a_baseline_of_one_trial_is_named_in_the_verdict(self):
+        import test_bench_table as tbt
+        one = os.path.join(self.root, ".gpu/stub/one.json")
+        one_t = os.path.join(self.root, ".gpu/stub/one-torch.json")
+        with open(one, "w") as f:
+            json.dump(tbt.new_duplex({k: v[:1] for k, v in tbt.GOOD_DUPLEX.items()}), f)
+        with open(one_t, "w") as f:
+            json.dump(tbt.new_torch({k: v[:1] for k, v in tbt.GOOD_TORCH.items()}), f)
+        self.subprocess.run([sys.executable, os.path.join(self.root, "scripts/bench_table.py"), one, one_t,
+                             "--write-baseline", os.path.join(self.root, "docs/gpu/bench-baseline.json")],
+                            check=True, capture_output=True)
+        rc, log, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (0, []), log)
+        with open(os.path.join(out, "nightly.md")) as f:
+            self.assertIn("warning: the baseline has", f.read())
+
+    def test_fewer_than_5_trials_is_refused(self):
+        env = dict(os.environ, NIGHTLY_BUILD="0", OUT=os.path.join(self.root, "reports"), BENCH_TRIALS="3")
+        p = self.subprocess.run(["bash", "scripts/gpu.sh", "nightly"], cwd=self.root, env=env,
+                                capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("BENCH_TRIALS=3 is not a whole number of at least 5", p.stderr)
+
     def test_pytorch_failing_fails_the_nightly(self):
         self.stub({"torch.rc": "1"})
         rc, _, j, _ = self.nightly()
@@ -608,3 +637,35 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(rc, 1)
         self.assertEqual(self.failing(j), ["build", "suite", "suite-lazy", "suite-cold", "faults", "faults-lazy", "calibrate", "bench",
                                            "ipc"])
+
+
+def workflow_step(name):
+    """The `run: |` script of the step `name` of the GPU nightly's workflow."""
+    with open(os.path.join(HERE, "..", ".github", "workflows", "gpu-nightly.yml")) as f:
+        lines = f.read().splitlines()
+    at = next(i for i, l in enumerate(lines) if l.strip() == f"- name: {name}")
+    run = next(i for i in range(at + 1, len(lines)) if lines[i].strip() == "run: |")
+    indent = len(lines[run]) - len(lines[run].lstrip())
+    body = []
+    for l in lines[run + 1:]:
+        if l.strip() and len(l) - len(l.lstrip()) <= indent:
+            break
+        body.append(l)
+    return "\n".join(body) + "\n"
+
+
+@unittest.skipUnless(os.path.exists("/bin/bash"), "needs bash")
+class Workflow(unittest.TestCase):
+    def test_the_workflow_refuses_fewer_than_5_trials(self):
+        import subprocess
+        script = workflow_step("Trials (at least 5)")
+        for trials, ok in (("5", True), ("12", True), ("4", False), ("1", False), ("", False), ("five", False)):
+            p = subprocess.run(["bash", "-e", "-c", script], env=dict(os.environ, BENCH_TRIALS=trials),
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode == 0, ok, (trials, p.stdout))
+            if not ok:
+                self.assertIn("::error::trials must be", p.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
