@@ -62,10 +62,16 @@ max) or the old format of one value per figure (read as one trial each).
 
 Exit status: 0, or 1 under --strict as above, or 2 for a wrong command line
 or a baseline that cannot be read. A missing or unreadable run input is a
-note in the output (its figures are then not measured), not a crash.
+note in the output (its figures are then not measured), not a crash; so is
+a figure that cannot be judged (a trial that is not a finite number, such
+as null, which is how serde_json writes a NaN; no trials and no median; a
+`better` other than "higher" or "lower"): a note, and the figure counts as
+not measured. In a baseline such a figure makes the baseline unreadable
+(exit status 2, naming it).
 """
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -91,7 +97,31 @@ def size_name(b):
     return f"{b}B"
 
 
+def finite(v):
+    """Whether `v` is a finite number (JSON's, so not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def shown(v):
+    """A JSON value as a message quotes it (None as null)."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
 def make_figure(unit, better, trials, nbytes=None):
+    """A figure from its trials; ValueError when one is not a finite number
+    (serde_json writes a NaN as null)."""
+    if not isinstance(trials, list):
+        raise ValueError(f"its trials are {shown(trials)}, not a list")
+    for i, v in enumerate(trials):
+        if not finite(v):
+            raise ValueError(f"trial {i + 1} of {len(trials)} is {shown(v)}, not a finite number")
+    if not trials:
+        raise ValueError("it has no trials")
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool)):
+        raise ValueError(f"its size in bytes is {shown(nbytes)}, not a whole number")
     trials = [float(v) for v in trials]
     f = {"unit": unit, "better": better, "trials": trials,
          "median": statistics.median(trials), "min": min(trials), "max": max(trials)}
@@ -103,15 +133,49 @@ def make_figure(unit, better, trials, nbytes=None):
 def normalize_figure(f):
     """A figure with its summary recomputed from its trials (when it has
     any), so that a hand-edited or truncated file cannot disagree with
-    itself."""
-    trials = f.get("trials") or []
-    if trials:
-        return make_figure(f.get("unit", ""), f.get("better", "higher"), trials, f.get("bytes"))
-    g = dict(f)
-    g.setdefault("trials", [])
+    itself. ValueError, saying why, for one that cannot be judged: not an
+    object, a trial that is not a finite number (null: serde_json's NaN),
+    no trials and no finite median, or a `better` that is neither "higher"
+    nor "lower"."""
+    if not isinstance(f, dict):
+        raise ValueError(f"it is {shown(f)}, not an object")
+    unit = f.get("unit", "")
+    if not isinstance(unit, str):
+        raise ValueError(f"its unit is {shown(unit)}, not a string")
+    better = f.get("better", "higher")
+    if better not in ("higher", "lower"):
+        raise ValueError(f"its `better` is {shown(better)}, not \"higher\" or \"lower\"")
+    trials = f.get("trials")
+    if trials is not None and trials != []:
+        return make_figure(unit, better, trials, f.get("bytes"))
+    if "median" not in f:
+        raise ValueError("it has neither trials nor a median")
+    g = dict(f, unit=unit, better=better, trials=[])
     for k in ("min", "max"):
         g.setdefault(k, g["median"])
+    for k in ("median", "min", "max"):
+        if not finite(g[k]):
+            raise ValueError(f"its {k} is {shown(g[k])}, not a finite number")
+    if g.get("bytes") is not None and (not isinstance(g["bytes"], int) or isinstance(g["bytes"], bool)):
+        raise ValueError(f"its size in bytes is {shown(g['bytes'])}, not a whole number")
     return g
+
+
+def normalize_figures(figs, bad=None):
+    """Each figure of `figs` (name -> figure) normalized. A figure that
+    cannot be judged is left out and (name, why) added to `bad`; without
+    `bad`, it is a ValueError naming it."""
+    if not isinstance(figs, dict):
+        raise ValueError(f"its figures are {shown(figs)[:60]}, not an object")
+    out = {}
+    for name, f in figs.items():
+        try:
+            out[name] = normalize_figure(f)
+        except ValueError as e:
+            if bad is None:
+                raise ValueError(f"figure {name}: {e}") from None
+            bad.append((name, str(e)))
+    return out
 
 
 def _old_duplex(d):
@@ -142,22 +206,28 @@ def _old_torch(d):
     return meta, figs
 
 
-def parse_run(d):
+def parse_run(d, bad=None):
     """A run's JSON (either bench, either format) as (bench, meta, figures);
-    bench is "duplex" or "torch"."""
+    bench is "duplex" or "torch". A format-2 figure that cannot be judged
+    (normalize_figure) is left out and named in `bad` as (name, why), or,
+    without `bad`, is a ValueError; in the old format, one bad value is a
+    ValueError for the file."""
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
     if d.get("format") == 2:
         bench = d.get("bench") or ("torch" if "torch" in d else "duplex")
         meta = {k: v for k, v in d.items() if k not in ("figures", "lanes")}
-        figs = {k: normalize_figure(f) for k, f in d.get("figures", {}).items()}
+        figs = normalize_figures(d.get("figures", {}), bad)
         return bench, meta, figs
-    if "torch" in d:
-        meta, figs = _old_torch(d)
-        return "torch", meta, figs
-    if "one_way" in d or "latency_duplex_us" in d:
-        meta, figs = _old_duplex(d)
-        return "duplex", meta, figs
+    try:
+        if "torch" in d:
+            meta, figs = _old_torch(d)
+            return "torch", meta, figs
+        if "one_way" in d or "latency_duplex_us" in d:
+            meta, figs = _old_duplex(d)
+            return "duplex", meta, figs
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"old format, not as expected ({type(e).__name__}: {e})") from None
     raise ValueError("neither duplex's nor PyTorch's benchmark JSON")
 
 
@@ -167,12 +237,17 @@ def load_json(path):
 
 
 def load_run(path, notes):
-    """(bench, meta, figures) of a run's file, or None with a note."""
+    """(bench, meta, figures) of a run's file, or None with a note; a
+    figure that cannot be judged is a note too, and is not measured."""
+    bad = []
     try:
-        return parse_run(load_json(path))
+        run = parse_run(load_json(path), bad)
     except (OSError, ValueError) as e:
         notes.append(f"{path}: not read ({e}); its figures are not measured")
         return None
+    for name, why in bad:
+        notes.append(f"{path}: figure {name} not read ({why}); it is not measured")
+    return run
 
 
 def prefixed(bench, figs):
@@ -183,7 +258,7 @@ def parse_baseline(d):
     """A baseline's figures, by prefixed name: a --write-baseline file, or a
     run's JSON (old format: one trial per figure)."""
     if isinstance(d, dict) and d.get("format") == BASELINE_FORMAT:
-        return {k: normalize_figure(f) for k, f in d.get("figures", {}).items()}
+        return normalize_figures(d.get("figures", {}))
     bench, _, figs = parse_run(d)
     return prefixed(bench, figs)
 
@@ -496,15 +571,23 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=(), base
         p("")
         p("| size | NCCL lane one way | copy lane one way | NCCL lanes both ways | copy lanes both ways | faster |")
         p("|---|---|---|---|---|---|")
-        for r in th.get("sizes", []):
-            nccl = r["nccl_one_way"] + r["nccl_both_ways"]
-            copy = r["copy_one_way"] + r["copy_both_ways"]
-            p(f"| {size_name(r['bytes']).replace('MiB', ' MiB').replace('KiB', ' KiB')} | {r['nccl_one_way']:.1f} "
-              f"| {r['copy_one_way']:.1f} | {r['nccl_both_ways']:.1f} | {r['copy_both_ways']:.1f} "
-              f"| {'copy' if copy < nccl else 'nccl'} |")
+        keys = ("nccl_one_way", "copy_one_way", "nccl_both_ways", "copy_both_ways")
+        for r in th.get("sizes", []) if isinstance(th.get("sizes"), list) else []:
+            if not isinstance(r, dict):
+                continue
+            v = [r.get(k) for k in keys]
+            cells = " | ".join(f"{x:.1f}" if finite(x) else "–" for x in v)
+            faster = "–"
+            if all(finite(x) for x in v):
+                faster = "copy" if v[1] + v[3] < v[0] + v[2] else "nccl"
+            b = r.get("bytes")
+            size = size_name(b).replace("MiB", " MiB").replace("KiB", " KiB") if finite(b) else "?"
+            p(f"| {size} | {cells} | {faster} |")
         p("")
         c = th.get("copy_from")
-        p(f"Chosen: `copy_from` {size_name(c) if c is not None else 'off (copy lanes not faster at the largest size measured)'}.")
+        chosen = (size_name(c) if finite(c) else shown(c) if c is not None
+                  else "off (copy lanes not faster at the largest size measured)")
+        p(f"Chosen: `copy_from` {chosen}.")
     lanes = sorted({k.split("/", 1)[1] for k in current if k.startswith("duplex:lane_create_ms/")})
     if lanes:
         p("")
@@ -576,8 +659,10 @@ def env_label(env, main_env, same="as the main run"):
 
 
 def ctas_label(c):
-    if not c or all(v is None for v in c):
+    if not c or (isinstance(c, list) and all(v is None for v in c)):
         return "NCCL's default"
+    if not isinstance(c, list) or len(c) != 2:
+        return shown(c)
     lo, hi = c
     return str(lo) if lo == hi else f"{lo}–{hi}"
 

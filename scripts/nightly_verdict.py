@@ -33,7 +33,10 @@ the last line of a name counts) and the reports of each step:
              [min, max] widened by the slack, 5% of its median), none went
              unmeasured, none is without a baseline or has fewer than 5
              trials (exit status 2, a baseline that could not be read,
-             fails it as such: nothing was compared); its warning that the
+             fails it as such: nothing was compared; exit status 1 is a
+             regression only with a `bench_table: strict:` line in
+             OUT/bench-compare.log, else a crash, whose log tail is
+             quoted); its warning that the
              baseline has figures of fewer than 5 trials is passed on; and
              the copy-engine lane checks (`copylane`, OUT/copylane.txt)
              exit 0. The lane-settings sweep (bench-ctas-N, bench-env-N)
@@ -297,8 +300,15 @@ def judge_bench(steps, out):
     # Said whatever the outcome: the baseline has figures of too few trials.
     notes += [l[len("bench_table: "):] for l in log.splitlines() if l.startswith("bench_table: warning:")]
     if rc == 1:
+        # A regression only where bench_table says so; exit status 1 with no
+        # such line is Python's own (an uncaught exception).
         lines = [l for l in log.splitlines() if l.startswith("bench_table: strict:")]
-        reasons.append("; ".join(lines) or "bench_table.py --strict: a figure got worse beyond the baseline's band")
+        if lines:
+            reasons.append("; ".join(lines))
+        else:
+            tail = log.strip()[-300:]
+            reasons.append("bench_table.py crashed (exit status 1, and no `bench_table: strict:` line)"
+                           + (f": {tail}" if tail else "; bench-compare.log is empty"))
     elif rc != 0:
         said = [l for l in log.splitlines() if l.startswith("bench_table:")]
         if rc == 2 and any("baseline" in l and "could not be read" in l for l in said):

@@ -156,6 +156,35 @@ class Loading(unittest.TestCase):
         self.assertEqual([bt.size_name(b) for b in (MiB, 64 * MiB, 256 * MiB, 4096, 1 << 30, 1000)],
                          ["1MiB", "64MiB", "256MiB", "4KiB", "1GiB", "1000B"])
 
+    def test_a_figure_that_cannot_be_judged_is_refused_with_a_reason(self):
+        good = {"unit": "us", "better": "lower", "trials": [1.0, 2.0, 3.0]}
+        for change, why in (({"trials": [1.0, None, 3.0]}, "trial 2 of 3 is null, not a finite number"),
+                            ({"trials": [1.0, "fast"]}, 'trial 2 of 2 is "fast", not a finite number'),
+                            ({"trials": [float("nan")]}, "trial 1 of 1 is NaN, not a finite number"),
+                            ({"trials": [float("inf"), 1.0]}, "trial 1 of 2 is Infinity, not a finite number"),
+                            ({"trials": [True]}, "trial 1 of 1 is true, not a finite number"),
+                            ({"trials": "1.0"}, 'its trials are "1.0", not a list'),
+                            ({"trials": [], "median": None}, "its median is null, not a finite number"),
+                            ({"better": "faster"}, 'its `better` is "faster", not "higher" or "lower"')):
+            with self.assertRaises(ValueError) as e:
+                bt.normalize_figure(dict(good, **change))
+            self.assertEqual(str(e.exception), why)
+        with self.assertRaises(ValueError) as e:
+            bt.normalize_figure({"unit": "us", "better": "lower"})
+        self.assertEqual(str(e.exception), "it has neither trials nor a median")
+        with self.assertRaises(ValueError):
+            bt.normalize_figure(None)
+        # A run: the bad figure is named and left out, the rest are read.
+        d = new_duplex({"one_way/256MiB": [1, 2, 3], "host_us": [1, 2, 3]})
+        d["figures"]["host_us"]["trials"][1] = None
+        bad = []
+        _, _, figs = bt.parse_run(d, bad)
+        self.assertEqual((sorted(figs), bad), (["one_way/256MiB"], [("host_us", "trial 2 of 3 is null, not a finite number")]))
+        with self.assertRaises(ValueError):
+            bt.parse_run(d)
+        with self.assertRaises(ValueError):
+            bt.parse_run(dict(OLD_DUPLEX, one_way=[[MiB, None]]))
+
     def test_not_a_benchmark(self):
         with self.assertRaises(ValueError):
             bt.parse_run({"something": 1})
@@ -532,6 +561,47 @@ class CommandLine(unittest.TestCase):
         rc, _, err = run_main([self.duplex, self.files.path("absent.json"), "--baseline", base, "--strict"])
         self.assertEqual(rc, 1)
         self.assertIn("torch:latency_us", err)
+
+    def test_a_figure_with_a_null_or_nan_trial_is_a_note_and_not_measured(self):
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        doc = new_duplex(GOOD_DUPLEX)
+        doc["figures"]["latency_us"]["trials"][1] = None   # serde_json's NaN
+        doc["figures"]["host_us"]["trials"][0] = float("nan")
+        path = self.files.write("null.json", doc)
+        rc, out, err = run_main([path, self.torch, "--baseline", base])
+        self.assertEqual(rc, 0, err)
+        self.assertIn(f"Note: {path}: figure latency_us not read (trial 2 of 5 is null, not a finite number); "
+                      "it is not measured", out)
+        self.assertIn(f"Note: {path}: figure host_us not read (trial 1 of 5 is NaN", out)
+        rc, out, err = run_main([path, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertIn("bench_table: strict: 2 baseline figure(s) not measured in this run: duplex:host_us, "
+                      "duplex:latency_us", err)
+
+    def test_a_baseline_figure_without_median_or_trials_is_an_unreadable_baseline(self):
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        doc = bt.load_json(base)
+        doc["figures"]["duplex:latency_us"] = {"unit": "us", "better": "lower"}
+        self.files.write("baseline.json", doc)
+        rc, _, err = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 2)
+        self.assertIn(f"bench_table: the baseline {base} could not be read (figure duplex:latency_us: it has "
+                      "neither trials nor a median): no figure was compared with a baseline", err)
+        doc["figures"]["duplex:latency_us"] = {"unit": "us", "better": "lower", "trials": [7.0, None]}
+        self.files.write("baseline.json", doc)
+        rc, _, err = run_main([self.duplex, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 2)
+        self.assertIn("(figure duplex:latency_us: trial 2 of 2 is null, not a finite number)", err)
+
+    def test_a_null_in_the_measured_threshold_is_shown_not_a_crash(self):
+        doc = new_duplex(GOOD_DUPLEX)
+        doc["copy_threshold"] = {"trials": 5, "copy_from": None, "sizes": [
+            {"bytes": MiB, "nccl_one_way": None, "copy_one_way": 12.0, "nccl_both_ways": 10.0, "copy_both_ways": 12.0}]}
+        rc, out, _ = run_main([self.files.write("d.json", doc), self.torch])
+        self.assertEqual(rc, 0)
+        self.assertIn("| 1 MiB | – | 12.0 | 10.0 | 12.0 | – |", out)
 
     def test_an_unreadable_baseline_is_a_usage_error(self):
         rc, out, err = run_main([self.duplex, self.torch, "--baseline", self.files.path("absent.json")])

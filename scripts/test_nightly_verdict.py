@@ -365,6 +365,18 @@ class Whole(unittest.TestCase):
         self.assertEqual(rc, 0, md)
         self.assertIn("warning: the baseline has 24 figure(s) of fewer than 5 trials", md)
 
+    def test_a_crash_of_the_comparison_is_not_called_a_regression(self):
+        self.good_run()
+        self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 0\nbench-torch 0\nbench-table 1\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
+        self.write("bench-compare.log", "Traceback (most recent call last):\n  File \"bench_table.py\", line 80\n"
+                                        "TypeError: float() argument must be a string or a real number, not 'NoneType'\n")
+        rc, md, j = self.main()
+        self.assertEqual(rc, 1)
+        self.assertEqual([s["step"] for s in j["steps"] if not s["pass"]], ["bench"])
+        self.assertIn("bench_table.py crashed (exit status 1, and no `bench_table: strict:` line): Traceback", md)
+        self.assertIn("TypeError: float() argument", md)
+        self.assertNotIn("worse", md.split("| bench |")[1].split("\n")[0])
+
     def test_a_failed_copy_lane_check_fails_it(self):
         self.good_run()
         self.write("steps.txt", "build 0\nsuite 0\nsuite-lazy 0\nsuite-cold 0\nfaults 0\nfaults-lazy 0\ncalibrate 1\nbench 0\ncopylane 1\nbench-torch 0\nbench-table 0\nipc 0\nipc-one-gpu 0\nipc-flags 0\nipc-flags-one-gpu 0\n")
@@ -625,6 +637,19 @@ class EndToEnd(unittest.TestCase):
                                 capture_output=True, text=True, timeout=60)
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn("BENCH_TRIALS=3 is not a whole number of at least 5", p.stderr)
+
+    def test_a_null_trial_is_not_measured_not_a_crash(self):
+        # serde_json writes a NaN as null: that figure is not measured.
+        import test_bench_table as tbt
+        doc = tbt.new_duplex(tbt.GOOD_DUPLEX)
+        doc["figures"]["host_us"]["trials"][2] = None
+        self.stub({"duplex.json": json.dumps(doc)})
+        rc, log, j, out = self.nightly()
+        self.assertEqual((rc, self.failing(j)), (1, ["bench"]), log)
+        with open(os.path.join(out, "nightly.md")) as f:
+            self.assertIn("1 baseline figure(s) not measured in this run: duplex:host_us", f.read())
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            self.assertIn("figure host_us not read (trial 3 of 5 is null, not a finite number)", f.read())
 
     def test_pytorch_failing_fails_the_nightly(self):
         self.stub({"torch.rc": "1"})
