@@ -32,16 +32,18 @@ max) or the old format of one value per figure (read as one trial each).
                   strict run that compared nothing would pass); exit 1 when
                   a figure regressed: every trial of this run is worse than
                   the baseline's band, its [min, max] widened by the slack
-                  (the new [min, max] and the band do not overlap), or a baseline figure was not measured in
-                  this run, or a figure of this run has no baseline (it was
-                  never judged; the message gives the command that rewrites
-                  the baseline from this run), or a figure of this run has
-                  fewer than --min-trials trials. A median outside the band
-                  alone is flagged in the table but does not fail: with 5
-                  trials on each side and no slack it happens by chance
-                  about once in 12 figures. (BENCHMARKS.md, "Baseline
-                  comparison", has the reasoning.) Each reason is one stderr line starting
-                  `bench_table: strict:`.
+                  (the new [min, max] and the band do not overlap); when a
+                  baseline figure was not measured in this run; when a
+                  figure's unit is not the baseline's; when a figure of
+                  this run has no baseline (it was never judged; the
+                  message gives the command that rewrites the baseline from
+                  this run); or when a figure of this run has fewer than
+                  --min-trials trials. A median outside the band alone is
+                  flagged in the table but does not fail: with 5 trials on
+                  each side and no slack it happens by chance about once in
+                  12 figures (BENCHMARKS.md, "Why every trial, and why the
+                  slack", has the reasoning). Each reason is one stderr
+                  line starting `bench_table: strict:`.
 --min-trials N    the fewest trials a figure of this run may have under
                   --strict (default 5), and the fewest a baseline figure may
                   have without the warning above.
@@ -85,6 +87,8 @@ DEFAULT_SLACK = 0.05
 # The fewest trials a figure is judged on (--min-trials).
 DEFAULT_MIN_TRIALS = 5
 BASELINE_FORMAT = "duplex-bench-baseline"
+# Which way is better for a figure that does not say, by its unit.
+UNIT_BETTER = {"GB/s": "higher", "us": "lower", "ms": "lower", "B": "lower"}
 
 SIZES = [1 << 20, 64 << 20, 256 << 20]
 
@@ -136,13 +140,20 @@ def normalize_figure(f):
     itself. ValueError, saying why, for one that cannot be judged: not an
     object, a trial that is not a finite number (null: serde_json's NaN),
     no trials and no finite median, or a `better` that is neither "higher"
-    nor "lower"."""
+    nor "lower". A figure without `better` takes its unit's (UNIT_BETTER:
+    GB/s higher; us, ms, B lower); one whose unit says nothing either
+    cannot be judged."""
     if not isinstance(f, dict):
         raise ValueError(f"it is {shown(f)}, not an object")
     unit = f.get("unit", "")
     if not isinstance(unit, str):
         raise ValueError(f"its unit is {shown(unit)}, not a string")
-    better = f.get("better", "higher")
+    better = f.get("better")
+    if better is None:
+        better = UNIT_BETTER.get(unit)
+        if better is None:
+            raise ValueError(f"it does not say which way is better, and its unit {shown(unit)} does not either "
+                             f"(known: {', '.join(UNIT_BETTER)})")
     if better not in ("higher", "lower"):
         raise ValueError(f"its `better` is {shown(better)}, not \"higher\" or \"lower\"")
     trials = f.get("trials")
@@ -296,9 +307,9 @@ def band(base, tolerance, slack):
     return v - tolerance * abs(v), v + tolerance * abs(v), f"one trial ±{tolerance:.0%}"
 
 
-WITHIN, WORSE, BETTER, MISSING, NEW = (
+WITHIN, WORSE, BETTER, MISSING, NEW, UNIT = (
     "within band", "changed beyond band (worse)", "changed beyond band (better)",
-    "not measured", "new (no baseline)")
+    "not measured", "new (no baseline)", "unit changed")
 
 
 def compare(current, baseline, tolerance=DEFAULT_TOLERANCE, slack=DEFAULT_SLACK):
@@ -312,13 +323,16 @@ def compare(current, baseline, tolerance=DEFAULT_TOLERANCE, slack=DEFAULT_SLACK)
             row["verdict"] = NEW
         elif now is None:
             row["verdict"] = MISSING
+        elif base["unit"] != now["unit"]:
+            # Numbers in two units cannot be compared.
+            row["verdict"] = UNIT
         else:
             lo, hi, how = band(base, tolerance, slack)
             row["band"] = (lo, hi, how)
             if base["median"]:
                 row["change"] = now["median"] / base["median"] - 1
             m = now["median"]
-            higher = base.get("better", now.get("better")) == "higher"
+            higher = base["better"] == "higher"
             if lo <= m <= hi:
                 row["verdict"] = WITHIN
             elif (m < lo) == higher:
@@ -343,9 +357,10 @@ UNIT_SHOWN = {"B": "MiB of device memory", "us": "µs"}
 
 def strict_failures(rows):
     """What fails --strict: a figure not measured, one with no baseline
-    (never judged), or one whose every trial is worse than the baseline's
-    band (a median outside the band alone is only flagged)."""
-    return [r for r in rows if r["verdict"] in (MISSING, NEW)
+    (never judged), one whose unit is not the baseline's, or one whose
+    every trial is worse than the baseline's band (a median outside the
+    band alone is only flagged)."""
+    return [r for r in rows if r["verdict"] in (MISSING, NEW, UNIT)
             or (r["verdict"] == WORSE and r.get("regressed"))]
 
 
@@ -380,6 +395,10 @@ def strict_messages(rows, rewrite, min_trials=DEFAULT_MIN_TRIALS):
     if worse:
         out.append(f"{len(worse)} figure(s) regressed (every trial worse than the baseline's band): "
                    + ", ".join(worse))
+    units = [f"{r['name']} (baseline {r['base']['unit'] or 'no unit'}, now {r['now']['unit'] or 'no unit'})"
+             for r in bad if r["verdict"] == UNIT]
+    if units:
+        out.append(f"{len(units)} figure(s) changed unit, so they cannot be compared: " + ", ".join(units))
     missing = names(MISSING)
     if missing:
         out.append(f"{len(missing)} baseline figure(s) not measured in this run: " + ", ".join(missing))
@@ -644,7 +663,9 @@ def render(current, meta, rows=None, baseline_name=None, ctas=(), notes=(), base
             if r["band"]:
                 f = fmt_value(base)
                 bd = f"{f(r['band'][0])}–{f(r['band'][1])} ({r['band'][2]})"
-            v = f"**{r['verdict']}**" if r["verdict"] in (WORSE, MISSING, NEW) else r["verdict"]
+            v = f"**{r['verdict']}**" if r["verdict"] in (WORSE, MISSING, NEW, UNIT) else r["verdict"]
+            if r["verdict"] == UNIT:
+                v += f" ({base['unit'] or 'no unit'} → {now['unit'] or 'no unit'})"
             f0 = base or now
             p(f"| {r['name']} ({UNIT_SHOWN.get(f0['unit'], f0['unit'])}, {f0['better']} is better) "
               f"| {bs} | {ns} | {ch} | {bd} | {v} |")

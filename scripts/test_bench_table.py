@@ -185,6 +185,16 @@ class Loading(unittest.TestCase):
         with self.assertRaises(ValueError):
             bt.parse_run(dict(OLD_DUPLEX, one_way=[[MiB, None]]))
 
+    def test_which_way_is_better_comes_from_the_unit_when_unsaid(self):
+        for unit, better in (("GB/s", "higher"), ("us", "lower"), ("ms", "lower"), ("B", "lower")):
+            self.assertEqual(bt.normalize_figure({"unit": unit, "trials": [1.0]})["better"], better, unit)
+            self.assertEqual(bt.normalize_figure({"unit": unit, "median": 1.0})["better"], better, unit)
+        # Said outright, it stands.
+        self.assertEqual(bt.normalize_figure({"unit": "us", "better": "higher", "trials": [1.0]})["better"], "higher")
+        with self.assertRaises(ValueError) as e:
+            bt.normalize_figure({"unit": "furlongs", "trials": [1.0]})
+        self.assertIn('its unit "furlongs" does not either', str(e.exception))
+
     def test_not_a_benchmark(self):
         with self.assertRaises(ValueError):
             bt.parse_run({"something": 1})
@@ -602,6 +612,38 @@ class CommandLine(unittest.TestCase):
         rc, out, _ = run_main([self.files.write("d.json", doc), self.torch])
         self.assertEqual(rc, 0)
         self.assertIn("| 1 MiB | – | 12.0 | 10.0 | 12.0 | – |", out)
+
+    def test_a_latency_without_better_is_worse_when_higher(self):
+        # bench.rs always says; a figure that does not is judged by its unit,
+        # not as "higher is better" (which called a slower latency better).
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        doc = new_duplex(dict(GOOD_DUPLEX, latency_us=[9.0, 9.1, 9.2, 9.3, 9.4]))
+        for f in doc["figures"].values():
+            del f["better"]
+        path = self.files.write("nobetter.json", doc)
+        b = bt.load_json(base)
+        for f in b["figures"].values():
+            del f["better"]
+        self.files.write("baseline.json", b)
+        rc, out, err = run_main([path, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertIn("regressed (every trial worse than the baseline's band): duplex:latency_us", err)
+        self.assertIn("| duplex:latency_us (µs, lower is better) |", out)
+
+    def test_a_unit_that_changed_fails_strict(self):
+        base = self.files.path("baseline.json")
+        run_main([self.duplex, self.torch, "--write-baseline", base])
+        doc = new_duplex(GOOD_DUPLEX)
+        doc["figures"]["lane_create_ms/lane:0->1"]["unit"] = "us"
+        path = self.files.write("units.json", doc)
+        rc, out, _ = run_main([path, self.torch, "--baseline", base])
+        self.assertEqual(rc, 0)
+        self.assertIn("| **unit changed** (ms → us) |", out)
+        rc, _, err = run_main([path, self.torch, "--baseline", base, "--strict"])
+        self.assertEqual(rc, 1)
+        self.assertIn("bench_table: strict: 1 figure(s) changed unit, so they cannot be compared: "
+                      "duplex:lane_create_ms/lane:0->1 (baseline ms, now us)", err)
 
     def test_an_unreadable_baseline_is_a_usage_error(self):
         rc, out, err = run_main([self.duplex, self.torch, "--baseline", self.files.path("absent.json")])
