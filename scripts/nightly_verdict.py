@@ -9,8 +9,9 @@ the last line of a name counts) and the reports of each step:
   build      `scripts/gpu.sh build` exits 0 (or "staged": no cargo here, the
              staged .gpu/ was used)
   suite      the libtest binary (tests/tests/nccl.rs) exits 0, prints
-             "ran N scenarios", N scenario lines all PASS, and "test result:
-             ok." with at least one test passed (OUT/suite.txt)
+             "ran N scenarios" with N at least 1, N scenario lines all
+             PASS, and "test result: ok." with at least one test passed
+             (OUT/suite.txt)
   suite-lazy the same suite with lanes made on first use
              (DUPLEX_LANES=lazy), judged the same way (OUT/suite-lazy.txt)
   suite-cold the same suite with every communicator connected on first use
@@ -141,6 +142,8 @@ def judge_suite(text, rc):
         reasons.append(f"the suite binary: {status_text(rc)}")
     if failed:
         reasons.append(f"{len(failed)} scenario(s) failed: {', '.join(failed)}")
+    if not scenarios:
+        reasons.append("no scenario ran: a suite of 0 scenarios judges nothing")
     ran = RAN.search(text or "")
     if not ran:
         reasons.append("no `ran N scenarios` line: the suite did not finish (or did not run its scenarios)")

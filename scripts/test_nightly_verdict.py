@@ -165,6 +165,15 @@ class Suite(unittest.TestCase):
         self.assertFalse(nv.judge_suite(text, 0)[0])
         self.assertFalse(nv.judge_suite("", None)[0])
 
+    def test_a_suite_of_0_scenarios_fails(self):
+        # The binary ran and said so, but judged nothing ("0 of 0").
+        text = ("running 1 test\nran 0 scenarios on NCCL, each in its own process\nok\n\n"
+                "test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out; finished in 0.10s\n")
+        ok, why, d = nv.judge_suite(text, 0)
+        self.assertFalse(ok, why)
+        self.assertEqual(d["scenarios"], 0)
+        self.assertIn("no scenario ran: a suite of 0 scenarios judges nothing", why)
+
     def test_a_missing_scenario_line_fails(self):
         ok, why, _ = nv.judge_suite(SUITE_OK.replace("PASS    unmatched-send           6.17 s  5.90\n", ""), 0)
         self.assertFalse(ok)
