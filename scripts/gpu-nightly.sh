@@ -8,6 +8,17 @@
 # every report under $OUT (default ./gpu-out), and judges them with
 # scripts/nightly_verdict.py into $OUT/nightly.md and nightly.json.
 #
+# The whole matrix, whatever the caller's environment: before running, it
+# unsets the duplex variables that shrink or change what the steps run
+# (and says so in nightly.log): DUPLEX_ONE_GPU (the process jobs only, on
+# GPU 0), DUPLEX_LANES and DUPLEX_LANE_CONNECT (lanes made on first use or
+# connected one way, in every step), DUPLEX_COLD (every communicator
+# connected on first use), DUPLEX_IPC_COPY (adds the experimental
+# copy-engine jobs across processes) and DUPLEX_SCENARIO (the suite would
+# run that one job as a child and nothing else). suite-lazy and suite-cold
+# set their own. Kept: DUPLEX_TIMEOUT_MS (gpu.sh's deadline, a setting),
+# DUPLEX_NCCL_LIBRARY (which NCCL) and DUPLEX_LOG (logging).
+#
 # Exit status: 0 when every step passed; 1 when the build failed, a suite
 # scenario failed, a fault case failed, the calibration disagrees with the
 # model (beyond scripts/nightly-known.txt), or a benchmark figure has every
@@ -23,7 +34,7 @@
 # judged; BENCH_BASELINE, BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -eq 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -eq 0 ] || { sed -n '2,35p' "$0"; exit 2; }
 case "${BENCH_TRIALS:-5}" in
   ''|*[!0-9]*) trials_ok=0 ;;
   *) trials_ok=$(( 10#${BENCH_TRIALS:-5} >= 5 )) ;;
@@ -39,6 +50,12 @@ export OUT=$out
 : > "$out/steps.txt"
 echo "nightly: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse HEAD 2>/dev/null || echo unknown), reports in $out" \
   | tee "$out/nightly.log"
+for v in DUPLEX_ONE_GPU DUPLEX_LANES DUPLEX_LANE_CONNECT DUPLEX_COLD DUPLEX_IPC_COPY DUPLEX_SCENARIO; do
+  if [ -n "${!v+set}" ]; then
+    echo "unset $v (was '${!v}'): it shrinks or changes what the nightly runs" | tee -a "$out/nightly.log"
+    unset "$v"
+  fi
+done
 
 built=0
 if [ "${NIGHTLY_BUILD:-1}" != 0 ] && command -v cargo > /dev/null; then

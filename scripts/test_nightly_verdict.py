@@ -425,6 +425,8 @@ class Whole(unittest.TestCase):
 
 
 STUB_SUITE = """#!/bin/sh
+# Each run's duplex environment, a line per run.
+echo $(env | grep '^DUPLEX_' | sort) >> "$(dirname "$0")/stub/suite-env.txt"
 cat "$(dirname "$0")/stub/suite.txt"; exit "$(cat "$(dirname "$0")/stub/suite.rc")"
 """
 STUB_FAULTS = """#!/bin/sh
@@ -520,9 +522,10 @@ class EndToEnd(unittest.TestCase):
             with open(os.path.join(self.root, ".gpu/stub", name), "w") as f:
                 f.write(text)
 
-    def nightly(self):
+    def nightly(self, **extra):
         out = os.path.join(self.root, "reports")
-        env = dict(os.environ, NIGHTLY_BUILD="0", OUT=out, PATH="/usr/bin:/bin:" + os.path.dirname(sys.executable))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEX_")}
+        env.update(NIGHTLY_BUILD="0", OUT=out, PATH="/usr/bin:/bin:" + os.path.dirname(sys.executable), **extra)
         p = self.subprocess.run(["bash", "scripts/gpu.sh", "nightly"], cwd=self.root, env=env,
                                 capture_output=True, text=True, timeout=120)
         with open(os.path.join(out, "nightly.json")) as f:
@@ -554,6 +557,21 @@ class EndToEnd(unittest.TestCase):
             self.assertIn("Produced by: scripts/gpu.sh run faults", f.read())
         with open(os.path.join(out, "bench-log.txt")) as f:
             self.assertNotIn("Warning: [PG", f.read())
+
+    def test_the_nightly_unsets_what_shrinks_or_changes_the_matrix(self):
+        shrink = {"DUPLEX_ONE_GPU": "1", "DUPLEX_LANES": "lazy", "DUPLEX_LANE_CONNECT": "one-way",
+                  "DUPLEX_COLD": "1", "DUPLEX_IPC_COPY": "1", "DUPLEX_SCENARIO": "process:seed-rpc"}
+        rc, log, j, out = self.nightly(**shrink)
+        self.assertEqual(rc, 0, log)
+        with open(os.path.join(self.root, ".gpu/stub/suite-env.txt")) as f:
+            runs = f.read().splitlines()
+        # suite, suite-lazy, suite-cold: each with only what gpu.sh gives it.
+        self.assertEqual(runs, ["DUPLEX_TIMEOUT_MS=3000", "DUPLEX_LANES=lazy DUPLEX_TIMEOUT_MS=3000",
+                                "DUPLEX_COLD=1 DUPLEX_TIMEOUT_MS=3000"])
+        with open(os.path.join(out, "nightly.log")) as f:
+            said = f.read()
+        for v, was in shrink.items():
+            self.assertIn(f"unset {v} (was '{was}')", said)
 
     def test_a_failing_suite_fails_the_nightly(self):
         self.stub({"suite.txt": committed("suite.txt"), "suite.rc": "101"})
