@@ -49,7 +49,8 @@ the last line of a name counts) and the reports of each step:
              ipc-flags-one-gpu: every check passed)
 
 Writes OUT/nightly.md and OUT/nightly.json, prints the former, and exits 1
-when any step failed (0 when all passed; 2 for a wrong command line).
+when any step failed (0 when all passed; 2 for a wrong command line, an OUT
+that is not a directory, or a known list that cannot be read).
 """
 import argparse
 import json
@@ -412,6 +413,10 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--known", help=f"known disagreements: lines `{KNOWN_FORM}`")
     a = ap.parse_args(argv)
+    if not os.path.isdir(a.out):
+        print(f"nightly_verdict: {a.out} is not a directory: give the folder `scripts/gpu.sh run` wrote "
+              "its reports to (OUT)", file=sys.stderr)
+        return 2
     known = {}
     if a.known:
         text = read(a.known)

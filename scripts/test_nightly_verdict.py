@@ -347,6 +347,14 @@ class Whole(unittest.TestCase):
         with open(os.path.join(self.out, "nightly.json")) as f:
             return rc, out.getvalue(), json.load(f)
 
+    def test_no_such_directory_is_a_usage_error(self):
+        err = io.StringIO()
+        missing = os.path.join(self.out, "no", "such", "dir")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = nv.main([missing])
+        self.assertEqual(rc, 2)
+        self.assertIn(f"nightly_verdict: {missing} is not a directory", err.getvalue())
+
     def test_a_good_run_passes(self):
         self.good_run()
         rc, md, j = self.main()
