@@ -79,11 +79,26 @@ record() { echo "$1 $2" >> "$out/steps.txt"; }
 case "$what" in
 build)
   cargo build --release -p duplex-cli -p duplex-nccl --examples --bins
-  suite=$(cargo test --release -p duplex-tests --test nccl --no-run --message-format=json 2>/dev/null \
+  # The GPU suite's test binary, which cargo's JSON names. rustc's rendered
+  # diagnostics (carried in that JSON) and cargo's own stderr go to the log,
+  # so that a failed build shows its errors, and fails here.
+  suite=$(cargo test --release -p duplex-tests --test nccl --no-run --message-format=json \
     | python3 -c 'import json,sys
+exe = None
 for l in sys.stdin:
-    m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="nccl": print(m["executable"])' | tail -1)
+    try:
+        m = json.loads(l)
+    except ValueError:
+        sys.stderr.write(l)
+        continue
+    if m.get("reason") == "compiler-message" and (m.get("message") or {}).get("rendered"):
+        sys.stderr.write(m["message"]["rendered"])
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
+        exe = m["executable"]
+if exe:
+    print(exe)') \
+    || { echo "gpu.sh build: the GPU suite (tests/tests/nccl.rs) did not build: its errors are above" >&2; exit 1; }
+  [ -n "$suite" ] || { echo "gpu.sh build: cargo named no test binary for the GPU suite (tests/tests/nccl.rs)" >&2; exit 1; }
   rm -rf .gpu && mkdir -p .gpu
   cp target/release/duplex .gpu/
   cp "$suite" .gpu/nccl-suite

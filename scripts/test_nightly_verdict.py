@@ -727,5 +727,85 @@ class Workflow(unittest.TestCase):
                 self.assertIn("::error::trials must be", p.stdout)
 
 
+
+FAKE_CARGO = r"""#!/bin/sh
+# cargo, as far as `scripts/gpu.sh build` uses it: `build` makes the
+# binaries it stages; `test --no-run` answers from fake/test.json (stdout),
+# fake/test.err (stderr) and fake/test.rc.
+here=$(cd "$(dirname "$0")" && pwd)
+case "$1" in
+build)
+  dir=${CARGO_TARGET_DIR:-target}
+  mkdir -p "$dir/release/examples"
+  for f in duplex examples/bench examples/faults examples/overhead examples/copylane; do
+    : > "$dir/release/$f"
+  done ;;
+test)
+  cat "$here/test.json"; cat "$here/test.err" >&2; exit "$(cat "$here/test.rc")" ;;
+esac
+"""
+
+
+@unittest.skipUnless(os.path.exists("/bin/bash"), "needs bash")
+class Build(unittest.TestCase):
+    """scripts/gpu.sh build with a fake cargo on PATH."""
+
+    def setUp(self):
+        import shutil
+        self.dir = tempfile.TemporaryDirectory()
+        root = self.root = self.dir.name
+        for d in ("scripts", "examples", "fake"):
+            os.makedirs(os.path.join(root, d))
+        for f in ("gpu.sh", "bench_torch.py", "bench_table.py"):
+            shutil.copy(os.path.join(HERE, f), os.path.join(root, "scripts", f))
+        self.put("fake/cargo", FAKE_CARGO)
+        # strip leaves the fake (empty) binaries as they are.
+        self.put("fake/strip", "#!/bin/sh\nexit 0\n")
+        for f in ("cargo", "strip"):
+            os.chmod(os.path.join(root, "fake", f), 0o755)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def put(self, name, text):
+        with open(os.path.join(self.root, name), "w") as f:
+            f.write(text)
+
+    def build(self, json_lines, err, rc):
+        import subprocess
+        self.put("fake/test.json", "".join(json.dumps(m) + "\n" for m in json_lines))
+        self.put("fake/test.err", err)
+        self.put("fake/test.rc", str(rc))
+        env = dict(os.environ, PATH=os.path.join(self.root, "fake") + ":" + os.path.dirname(sys.executable)
+                   + ":/usr/bin:/bin")
+        return subprocess.run(["bash", "scripts/gpu.sh", "build"], cwd=self.root, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    def test_a_suite_that_does_not_compile_fails_with_its_errors_in_the_log(self):
+        error = {"reason": "compiler-message", "message": {
+            "rendered": "error[E0425]: cannot find value `x` in this scope\n --> tests/tests/nccl.rs:12:5\n"}}
+        p = self.build([error, {"reason": "build-finished", "success": False}],
+                       "error: could not compile `duplex-tests` (test \"nccl\") due to 1 previous error\n", 101)
+        self.assertNotEqual(p.returncode, 0)
+        log = p.stdout + p.stderr
+        self.assertIn("error[E0425]: cannot find value `x` in this scope", log)
+        self.assertIn("--> tests/tests/nccl.rs:12:5", log)
+        self.assertIn("error: could not compile `duplex-tests`", log)
+        self.assertIn("gpu.sh build: the GPU suite (tests/tests/nccl.rs) did not build", log)
+        self.assertFalse(os.path.exists(os.path.join(self.root, ".gpu")))
+
+    def test_a_build_stages_the_suite_binary_cargo_names(self):
+        exe = os.path.join(self.root, "target/release/deps/nccl-0123")
+        os.makedirs(os.path.dirname(exe))
+        self.put("target/release/deps/nccl-0123", "the suite\n")
+        self.put("scripts/bench_torch.py", "")
+        artifact = {"reason": "compiler-artifact", "executable": exe, "target": {"name": "nccl"}}
+        other = {"reason": "compiler-artifact", "executable": None, "target": {"name": "duplex"}}
+        p = self.build([other, artifact, {"reason": "build-finished", "success": True}], "", 0)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(os.path.join(self.root, ".gpu/nccl-suite")) as f:
+            self.assertEqual(f.read(), "the suite\n")
+
+
 if __name__ == "__main__":
     unittest.main()
