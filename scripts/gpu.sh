@@ -177,13 +177,15 @@ run)
             timeout 90 .gpu/nccl-suite --ignored --nocapture --test-threads=1 >> "$out/ipc-copy.txt" 2>&1 || true
         done
       done
-      # (libtest may print "test ... " before it on the same line.)
-      if [ "$(grep -o "RESULT PASS" "$out/ipc-copy.txt" | wc -l)" -eq 18 ]; then
+      # (libtest may print "test ... " before it on the same line.) The
+      # greps below find nothing when no job said its RESULT: `|| true`, or
+      # set -e (with pipefail) would end the whole run here.
+      if [ "$(grep -o "RESULT PASS" "$out/ipc-copy.txt" | wc -l || true)" -eq 18 ]; then
         record ipc-copy 0
       else
         record ipc-copy 1
       fi
-      grep -o "RESULT .*" "$out/ipc-copy.txt" | cut -c1-200 ;;
+      grep -o "RESULT .*" "$out/ipc-copy.txt" | cut -c1-200 || true ;;
     faults)
       # The fault matrix (backend-nccl/examples/faults.rs): every case's
       # survivors must end by themselves, with an error naming the failed
@@ -224,8 +226,10 @@ run)
       timeout 120 .gpu/copylane --trials 3 > "$out/copylane-1gpu.txt" 2>&1
       record copylane-1gpu $?
       set -e
-      grep -hE "^(PASS|FAIL)|^ran " "$out"/suite-1gpu-*.txt
-      cat "$out"/faults-1gpu-*.md ;;
+      # A summary only: a suite that printed no scenario line, or a fault
+      # matrix that wrote no table, must not end the run here (set -e).
+      grep -hE "^(PASS|FAIL)|^ran " "$out"/suite-1gpu-*.txt || true
+      cat "$out"/faults-1gpu-*.md || true ;;
     faults-lazy)
       # The same matrix with lanes made on first use: a rank killed, frozen
       # or failing while its peers' lane services make lanes with it.

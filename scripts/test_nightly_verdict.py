@@ -581,6 +581,28 @@ class EndToEnd(unittest.TestCase):
         for v, was in shrink.items():
             self.assertIn(f"unset {v} (was '{was}')", said)
 
+    def run_steps(self, *steps):
+        out = tempfile.mkdtemp(dir=self.root)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEX_")}
+        env.update(OUT=out, PATH="/usr/bin:/bin:" + os.path.dirname(sys.executable))
+        p = self.subprocess.run(["bash", "scripts/gpu.sh", "run", *steps], cwd=self.root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        with open(os.path.join(out, "steps.txt")) as f:
+            return p, nv.read_steps(f.read())
+
+    def test_a_summary_grep_that_finds_nothing_does_not_end_the_run(self):
+        # A suite that prints nothing: no RESULT line for ipc-copy's
+        # summary, no PASS/FAIL line for one-gpu's; and a fault matrix that
+        # writes no table. Each step is recorded as failed, and the run
+        # goes on to the next.
+        self.stub({"suite.txt": "", "suite.rc": "101", "faults.rc": "1"})
+        os.remove(os.path.join(self.root, ".gpu/stub/faults.md"))
+        p, steps = self.run_steps("ipc-copy", "calibrate")
+        self.assertEqual((steps.get("ipc-copy"), steps.get("calibrate")), (1, 1), p.stdout + p.stderr)
+        p, steps = self.run_steps("one-gpu", "calibrate")
+        self.assertEqual((steps.get("suite-1gpu-eager"), steps.get("faults-1gpu-eager"), steps.get("calibrate")),
+                         (101, 1, 1), p.stdout + p.stderr)
+
     def test_a_failing_suite_fails_the_nightly(self):
         self.stub({"suite.txt": committed("suite.txt"), "suite.rc": "101"})
         rc, log, j, _ = self.nightly()
