@@ -23,9 +23,9 @@
 # scenario failed, a fault case failed, the calibration disagrees with the
 # model (beyond scripts/nightly-known.txt), or a benchmark figure has every
 # trial worse than the baseline's band widened by the slack (BENCH_SLACK,
-# default 5% of the baseline's median on each side), was not measured, or
-# has no baseline (never judged: the message says how to rewrite the
-# baseline); 2 for a wrong invocation.
+# default 5% of the baseline's median on each side), was not measured, has
+# no baseline (never judged: the message says how to rewrite the baseline),
+# changed unit or has fewer than 5 trials; 2 for a wrong invocation.
 #
 #   NIGHTLY_BUILD=0   never build; use the staged .gpu/
 #   OUT=DIR           where the reports go (made if missing)
@@ -34,7 +34,7 @@
 # judged; BENCH_BASELINE, BENCH_TOLERANCE, BENCH_SLACK, SUITE_S, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -eq 0 ] || { sed -n '2,35p' "$0"; exit 2; }
+[ $# -eq 0 ] || { sed -n '2,34p' "$0"; exit 2; }
 case "${BENCH_TRIALS:-5}" in
   ''|*[!0-9]*) trials_ok=0 ;;
   *) trials_ok=$(( 10#${BENCH_TRIALS:-5} >= 5 )) ;;

@@ -25,11 +25,13 @@
 # trials (default 5) and writes benchmarks.md: medians [min–max], the
 # targets, and the comparison with BENCH_BASELINE (default
 # docs/gpu/bench-baseline.json; a missing or unreadable one fails the
-# bench-table step): a figure fails when every trial is worse than the
-# baseline's band, its [min, max] widened by the slack, BENCH_SLACK of its
-# median on each side (default 0.05), or ±BENCH_TOLERANCE (default 0.10)
-# for a baseline figure of one trial (scripts/bench_table.py). Time limits: SUITE_S FAULTS_S CALIBRATE_S BENCH_S
-# TORCH_S seconds.
+# bench-table step). The bench-table step fails when a figure's every
+# trial is worse than the baseline's band, its [min, max] widened by the
+# slack, BENCH_SLACK of its median on each side (default 0.05), or
+# ±BENCH_TOLERANCE (default 0.10) for a baseline figure of one trial; or
+# when a figure was not measured, has no baseline, changed unit, or has
+# fewer than 5 trials (scripts/bench_table.py --strict). Time limits:
+# SUITE_S FAULTS_S CALIBRATE_S BENCH_S TORCH_S seconds.
 #
 # With the `device` tool (which brings back at most 8 files, and one call
 # runs at most 10 minutes): build here, then two calls,

@@ -32,8 +32,8 @@ the last line of a name counts) and the reports of each step:
              `bench_table.py --strict --baseline ...` exits 0: no figure has
              every trial worse than the committed baseline's band (its
              [min, max] widened by the slack, 5% of its median), none went
-             unmeasured, none is without a baseline or has fewer than 5
-             trials (exit status 2, a baseline that could not be read,
+             unmeasured, none is without a baseline, changed unit or has
+             fewer than 5 trials (exit status 2, a baseline that could not be read,
              fails it as such: nothing was compared; exit status 1 is a
              regression only with a `bench_table: strict:` line in
              OUT/bench-compare.log, else a crash, whose log tail is
