@@ -405,7 +405,8 @@ def strict_messages(rows, rewrite, min_trials=DEFAULT_MIN_TRIALS):
     new = names(NEW)
     if new:
         out.append(f"{len(new)} figure(s) have no baseline, so they were not judged: " + ", ".join(new)
-                   + f"; once this run is checked (5 trials or more, on the GPUs), make it the baseline: {rewrite}")
+                   + f"; once this run is checked ({min_trials} trials or more, on the GPUs), make it the baseline: "
+                   + rewrite)
     return [f"bench_table: strict: {m}" for m in out]
 
 

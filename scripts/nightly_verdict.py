@@ -33,15 +33,15 @@ the last line of a name counts) and the reports of each step:
              every trial worse than the committed baseline's band (its
              [min, max] widened by the slack, 5% of its median), none went
              unmeasured, none is without a baseline, changed unit or has
-             fewer than 5 trials (exit status 2, a baseline that could not be read,
-             fails it as such: nothing was compared; exit status 1 is a
-             regression only with a `bench_table: strict:` line in
-             OUT/bench-compare.log, else a crash, whose log tail is
-             quoted); its warning that the
-             baseline has figures of fewer than 5 trials is passed on; and
-             the copy-engine lane checks (`copylane`, OUT/copylane.txt)
-             exit 0. The lane-settings sweep (bench-ctas-N, bench-env-N)
-             is reported, not judged.
+             fewer than 5 trials. Its exit status 2 (a baseline that could
+             not be read: nothing was compared) fails the step as such; its
+             exit status 1 is a regression only with a `bench_table:
+             strict:` line in OUT/bench-compare.log, else a crash, whose
+             log tail is quoted; its warning that the baseline has figures
+             of fewer than 5 trials is passed on. And the copy-engine lane
+             checks (`copylane`, OUT/copylane.txt) exit 0. The
+             lane-settings sweep (bench-ctas-N, bench-env-N) is reported,
+             not judged.
   ipc        `ipc_probe.py` exits 0 on two GPUs and on one (steps ipc,
              ipc-one-gpu), and OUT/ipc.md has both tables, each with every
              figure measured (a number as its median); and
