@@ -771,6 +771,14 @@ impl<K: LaneKit> LaneMaker<K> {
                 } else {
                     let asked = self.board.mail(spec.owner(), &LaneMsg::Make(l).encode());
                     let mut states = lock(&self.states);
+                    // The mail can take the store's whole timeout: the
+                    // host may have given the lane up meanwhile (`need`
+                    // sets `Failed` for good), and that must stand (found
+                    // by review: a lane its host was told had failed was
+                    // then made and published).
+                    if !matches!(states.get(&l), Some(State::Wanted(_))) {
+                        return;
+                    }
                     match asked {
                         Ok(()) => {
                             self.set(&mut states, l, State::Asked(since));

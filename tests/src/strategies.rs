@@ -505,7 +505,11 @@ fn recipes(shape: &Shape) -> impl Strategy<Value = Recipe> + use<> {
     (
         shape.ranks.clone(),
         (
-            knob(shape.policies.len()),
+            // The policy and, under per-direction, the copy-engine
+            // threshold (`k[0] / policies`): drawn below the number of
+            // policies alone, the threshold was always the first, so no
+            // program ever had copy-engine lanes (found by review).
+            knob(shape.policies.len() * shape.copy_from.len()),
             knob(shape.eager.len()),
             knob(shape.lazy_connect.len() * shape.cold_channels.len()),
             knob(shape.comm_order.len() * shape.one_sided_groups.len()),

@@ -237,6 +237,36 @@ fn shared_placement_and_unlimited_resources_disagree_on_some_generated_programs(
     assert!(differ >= 10, "only {differ} of 200 programs differ");
 }
 
+/// The strategies draw every knob they are given: programs with
+/// copy-engine lanes come from `with_copy_lanes` (they never did: the
+/// threshold was drawn below the number of policies, so the properties
+/// above on copy lanes ran on NCCL lanes alone; found by review), and
+/// both policies still come.
+#[test]
+fn the_copy_lane_strategies_make_programs_with_copy_lanes() {
+    let mut runner = TestRunner::deterministic();
+    for shape in [
+        Shape::small().with_copy_lanes(),
+        Shape::default().with_copy_lanes(),
+    ] {
+        let strategy = strategies::programs(shape);
+        let (mut copy, mut shared) = (0, 0);
+        for _ in 0..400 {
+            let p = strategy.new_tree(&mut runner).unwrap().current();
+            copy += usize::from(p.copy_from.is_some());
+            shared += usize::from(p.policy == Policy::Shared);
+        }
+        assert!(
+            copy >= 50,
+            "only {copy} of 400 programs have copy-engine lanes"
+        );
+        assert!(
+            shared >= 50,
+            "only {shared} of 400 programs are shared-placed"
+        );
+    }
+}
+
 // (b) renaming ---------------------------------------------------------------
 
 /// A consistent renaming: ranks permuted (threads, peers, communicator

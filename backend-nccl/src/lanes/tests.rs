@@ -476,6 +476,70 @@ fn a_lane_given_up_by_its_host_is_never_published_later() {
     job.stop();
 }
 
+/// A board whose `want` mail is delivered but whose reply is lost (the
+/// sender gets an error), and whose first `make` mail is slow: the host
+/// gives the lane up (its `need` fails) while its peer's service is still
+/// asking the owner.
+#[derive(Debug, Default)]
+struct LostReply {
+    inner: LocalBoard,
+    in_make: std::sync::atomic::AtomicBool,
+    host_failed: std::sync::atomic::AtomicBool,
+}
+
+fn spin_until(flag: &std::sync::atomic::AtomicBool) {
+    let start = Instant::now();
+    while !flag.load(Ordering::Acquire) {
+        assert!(start.elapsed() < T, "never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+impl Board for LostReply {
+    fn post(&self, from: Rank, to: Rank, tag: &str) -> Result<()> {
+        self.inner.post(from, to, tag)
+    }
+    fn take(&self, from: Rank, to: Rank, tag: &str, timeout: Duration) -> Result<bool> {
+        self.inner.take(from, to, tag, timeout)
+    }
+    fn mail(&self, to: Rank, message: &[u8]) -> Result<()> {
+        if message.starts_with(b"want") {
+            self.inner.mail(to, message)?;
+            spin_until(&self.in_make);
+            return Err(duplex::Error::Aborted("the store's reply was lost".into()));
+        }
+        if message.starts_with(b"make") && !self.in_make.swap(true, Ordering::AcqRel) {
+            spin_until(&self.host_failed);
+        }
+        self.inner.mail(to, message)
+    }
+    fn inbox(&self, me: Rank, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        self.inner.inbox(me, timeout)
+    }
+}
+
+/// A lane whose host was told it failed for good (its `need` returned the
+/// error) is never made later, even when its service was asking the
+/// owner for it at that moment (found by review: the service set the lane
+/// `Asked` over `Failed` once its slow mail returned, and the lane was
+/// made, and a later `need` found it).
+#[test]
+fn a_lane_its_host_was_told_failed_is_not_made_later() {
+    let board = Arc::new(LostReply::default());
+    let job = job_on(board.clone(), 2, Policy::PerDirection, T, &[0, 1]);
+    let e = job.need(1, Dir::Send, 0).unwrap_err().to_string();
+    assert!(e.contains("reply was lost"), "{e}");
+    board.host_failed.store(true, Ordering::Release);
+    std::thread::sleep(Duration::from_millis(500));
+    let again = job.need(1, Dir::Send, 0);
+    let made = job.fabric.made.lock().expect("not poisoned").clone();
+    job.stop();
+    assert!(
+        again.is_err() && !made.contains(&(1, 1)),
+        "the lane failed for good on rank 1, then was made anyway: {again:?}, {made:?}"
+    );
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig {
         cases: 24,
