@@ -793,7 +793,6 @@ pub(crate) struct RankCtx {
     /// holds the lock while it waits for another rank (the connection of
     /// a user communicator at creation) runs them as it waits ([`RankCtx::assist`]), so that making
     /// a lane never waits for any rank's user code.
-    pub(crate) assists: Assists,
     /// Set by [`RankCtx::abort_all`] before it collects the communicators:
     /// a lane made after that is aborted, not added.
     pub(crate) closed: AtomicBool,
@@ -861,6 +860,8 @@ pub(crate) struct RankCtx {
     /// rank as the cause.
     pub(crate) fired_for_peer: AtomicBool,
     pub(crate) costs: Mutex<Vec<LaneCost>>,
+    /// Ops issued on copy-engine lanes ([`crate::NcclRank::copy_ops`]).
+    pub(crate) copy_ops: std::sync::atomic::AtomicU64,
     /// Two device bytes that every connecting exchange uses
     /// ([`exchange_byte`]): made at creation, freed with the context after
     /// every communicator (a free synchronizes the device, P8 of
@@ -944,19 +945,9 @@ impl SplitTurns {
 
 pub(crate) use crate::guard::{HandshakeMark, Handshakes, Part, part_comm, part_stream};
 
-/// An NCCL call of the lane service, run by whoever holds the issue lock.
-pub(crate) type Assist = Box<dyn FnOnce(&Issuing<'_>) + Send>;
-
-/// The queue of [`Assist`]s, and its length (read without the lock by
-/// every poll of a wait that holds the issue lock).
-#[derive(Default)]
-pub(crate) struct Assists(Mutex<Vec<Assist>>, AtomicUsize);
-
-impl std::fmt::Debug for Assists {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Assists({})", lock(&self.0).len())
-    }
-}
+/// An NCCL call of the lane service, run by whoever holds the issue lock
+/// ([`crate::guard::IssueLock::later`]).
+pub(crate) type Assist = crate::guard::Queued;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -1218,8 +1209,8 @@ impl RankCtx {
             maker: OnceLock::new(),
             service: Mutex::new(None),
             warmup,
-            assists: Assists::default(),
             closed: AtomicBool::new(false),
+            copy_ops: Default::default(),
             copy,
             arena,
             world,
@@ -1304,17 +1295,7 @@ impl RankCtx {
     /// Runs the lane service's NCCL calls that wait for the issue lock,
     /// which the caller holds.
     pub(crate) fn assist(&self, issuing: &Issuing<'_>) {
-        if self.assists.1.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let jobs = {
-            let mut q = lock(&self.assists.0);
-            self.assists.1.store(0, Ordering::Release);
-            std::mem::take(&mut *q)
-        };
-        for job in jobs {
-            job(issuing);
-        }
+        self.issue.run_queued(issuing);
     }
 
     /// Waits until `comm`'s launch is done ([`CommInner::ready_with`]),
@@ -1335,20 +1316,13 @@ impl RankCtx {
     /// Queues an NCCL call of the lane service, and runs the queue now if
     /// the issue lock is free.
     pub(crate) fn assist_later(&self, job: Assist) {
-        {
-            let mut q = lock(&self.assists.0);
-            q.push(job);
-            self.assists.1.store(q.len(), Ordering::Release);
-        }
-        self.assist_if_free();
+        self.issue.later(job);
     }
 
     /// Runs the queued NCCL calls of the lane service if the issue lock is
-    /// free; else whoever holds it will.
+    /// free; else whoever holds it will, before it lets it go.
     pub(crate) fn assist_if_free(&self) {
-        if let Some(issuing) = self.issue.try_lock() {
-            self.assist(&issuing);
-        }
+        drop(self.issue.try_lock());
     }
 
     /// The lane toward (`Send`) or from (`Recv`) `peer`: made at creation,

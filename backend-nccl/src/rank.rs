@@ -187,6 +187,13 @@ impl NcclRank {
         lock(&self.ctx.costs).clone()
     }
 
+    /// How many ops this rank has issued on copy-engine lanes (C1), all
+    /// threads together: what shows that messages of at least `copy_from`
+    /// went by the copy engines.
+    pub fn copy_ops(&self) -> u64 {
+        self.ctx.copy_ops.load(Ordering::Relaxed)
+    }
+
     /// The NCCL library in use.
     pub fn nccl(&self) -> &'static Nccl {
         self.ctx.lib
@@ -607,6 +614,11 @@ impl NcclRank {
                     // can run.
                     let reached = || reqs.iter().filter(|r| r.meta.copy.is_none()).take(queued);
                     let comms: Vec<Comm> = reached().map(|r| r.meta.comm.clone()).collect();
+                    // Without the issue lock: an abort needs none (P1), and
+                    // its free waits for the device, which must not hold
+                    // back every other thread of the rank and its lane
+                    // service meanwhile (found by review).
+                    drop(issuing.take());
                     crate::ctx::abort_together(&comms);
                     // Its communicators are aborted: nothing more of it goes
                     // on its streams, so its accesses count as there (its
@@ -848,6 +860,7 @@ impl NcclRank {
                     Ok(t) => {
                         tickets[i] = Some(t);
                         launched[i] = true;
+                        self.ctx.copy_ops.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(f) => {
                         if let Some(t) = f.ticket {
@@ -2023,7 +2036,24 @@ impl Transport for NcclRank {
             .registry
             .comm(logical, name, &sorted, self.ctx.opts.warm);
         if let Some(c) = &comm {
-            lock(&self.ctx.comms).push(c.clone());
+            {
+                // Under the lock the rank's abort collects them with (P8):
+                // a communicator made while the rank was being aborted
+                // (its watchdog fired as the split finished) would escape
+                // that abort, live on an aborted rank, and a later group
+                // on it would block with no watchdog left to end it
+                // (found by review). It is aborted on its own instead.
+                let mut comms = lock(&self.ctx.comms);
+                if self.ctx.closed.load(Ordering::Acquire) {
+                    drop(comms);
+                    crate::lanes::nccl::abort_aside(crate::lanes::nccl::Leftover::Comm(c.clone()));
+                    return Err(Error::Aborted(format!(
+                        "rank {} thread {}: `{call}`: the rank's communicators were aborted while the split finished, so the new one was aborted too",
+                        self.ctx.rank, self.thread
+                    )));
+                }
+                comms.push(c.clone());
+            }
             if self.ctx.opts.warm {
                 self.ctx.connect(&[(c.clone(), None)])?;
             }

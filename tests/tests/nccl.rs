@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use duplex::{Error, Policy, Transport};
 use duplex_nccl::{Local, NcclRank, Process};
-use duplex_tests::{Expect, Outcome, scenarios, verify};
+use duplex_tests::{Backend, Expect, Outcome, scenarios, verify};
 
 fn outcome(result: duplex::Result<Vec<duplex_nccl::RankReport>>) -> Outcome {
     match result {
@@ -75,7 +75,7 @@ fn child(name: &str) {
     // (64 MiB <= C < 96 MiB), so that what hangs under NCCL's contract hangs.
     duplex_tests::set_len(32 << 20);
     if let Some(job) = name.strip_prefix("process:") {
-        println!("RESULT {}", two_processes(job));
+        println!("RESULT {}", processes(job));
         return;
     }
     if let Some(job) = name.strip_prefix("rank:") {
@@ -110,12 +110,26 @@ fn child(name: &str) {
         return;
     };
     let start = Instant::now();
+    let run = s.run;
+    let must_copy = s.copy && s.expect == Expect::Completes;
     let o = outcome(
-        local(s.ranks.min(2))
+        local(s.ranks)
             .warm(!cold(s.cold))
             .policy(s.policy)
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
-            .run(s.run),
+            .run(|t: &NcclRank| {
+                run(t)?;
+                // A copy scenario that completes moved its large messages
+                // by the copy engines: a backend that routed them on NCCL
+                // lanes would complete it too (found by review).
+                if must_copy && t.copy_ops() == 0 {
+                    return Err(duplex::Error::User(format!(
+                        "rank {} issued no op on a copy-engine lane",
+                        t.rank()
+                    )));
+                }
+                Ok(())
+            }),
     );
     let elapsed = start.elapsed();
     if let Outcome::Hang(h) = &o {
@@ -139,7 +153,7 @@ fn child(name: &str) {
             return;
         }
     }
-    match verify(&s, &o, false) {
+    match verify(&s, &o, Backend::Nccl { cold: cold(s.cold) }) {
         Ok(())
             if matches!(s.expect, Expect::Hangs | Expect::MayHang)
                 && elapsed > timeout() * 4 + Duration::from_secs(10) =>
@@ -251,10 +265,18 @@ fn every_scenario_on_nccl() {
             "DUPLEX_ONE_GPU: only the process jobs, both ranks on GPU 0 over loopback sockets (behaviour, not speed)"
         );
     } else {
-        names.extend(
-            scenarios::<NcclRank>()
-                .into_iter()
-                .map(|s| s.name.to_string()),
+        // A thread per rank needs a GPU per rank: the scenarios of more
+        // ranks run as process jobs, every rank on GPU 0 (they ran at two
+        // ranks here, where a ring or an all-to-all is the seed under
+        // another name; found by review).
+        let (local, more): (Vec<_>, Vec<_>) = scenarios::<NcclRank>()
+            .into_iter()
+            .partition(|s| s.ranks <= LOCAL_RANKS);
+        names.extend(local.into_iter().map(|s| s.name.to_string()));
+        eprintln!(
+            "{} scenarios of more than {LOCAL_RANKS} ranks run as process jobs only, every rank on GPU 0: {}",
+            more.len(),
+            more.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
         );
         names.push("reuse-after-hang".into());
         names.push("read-after-abort".into());
@@ -350,6 +372,57 @@ fn a_hung_pair_needs_the_cycle_and_each_rank_ending_on_a_hang() {
     assert!(!both_hang(&s(&["OK", "HANG"]), &[false, true]));
 }
 
+/// What runs without GPUs: the judge of a job of four ranks that must
+/// hang, and of a report's cycle across processes.
+#[test]
+fn four_hung_ranks_need_a_cycle_across_processes_and_every_rank_ending() {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let echo =
+        "ERROR aborted: rank 3 thread main: `synchronize` ended because rank 1 failed: hang: ...";
+    assert!(!all_hang(
+        &s(&["HANG", "HANG", "HANG", echo]),
+        &[true, true, false, false]
+    ));
+    assert!(all_hang(
+        &s(&["HANG", "HANG", "HANG", echo]),
+        &[true, true, true, false]
+    ));
+    assert!(!all_hang(
+        &s(&["HANG", "HANG", "OK", echo]),
+        &[true, true, false, false]
+    ));
+    assert!(
+        !all_hang(&s(&[echo, echo, echo, echo]), &[false; 4]),
+        "no report names a cycle"
+    );
+    // Its own hang is no echo.
+    let own = "ERROR aborted: rank 3 thread main: ... because rank 3 failed: hang";
+    assert!(!all_hang(
+        &s(&["HANG", "HANG", "HANG", own]),
+        &[true, true, true, false]
+    ));
+    assert!(names_a_cycle(
+        "wait-for cycle (2 links; rank 0 main: ... rank 1 main: ...",
+        2
+    ));
+    assert!(!names_a_cycle(
+        "wait-for cycle (2 links; rank 0 main: ...",
+        2
+    ));
+    assert!(names_a_cycle(
+        "wait-for cycle (2 links; rank 2 main: ... rank 3 main: ...",
+        4
+    ));
+    assert!(!names_a_cycle(
+        "wait-for cycle (1 link; rank 2 main: ...",
+        4
+    ));
+    assert!(!names_a_cycle(
+        "wait-for cycle (rank 0 main: rank 1 main: this is a bug in duplex's analysis",
+        2
+    ));
+}
+
 /// What runs without GPUs: every job the suite names is a scenario it has.
 #[test]
 fn the_suite_names_only_scenarios_it_has() {
@@ -367,6 +440,16 @@ fn the_suite_names_only_scenarios_it_has() {
         "a scenario shadows a job"
     );
     let all = scenarios::<NcclRank>();
+    // A scenario of more ranks than a local job has GPUs runs as a process
+    // job, or not at all.
+    for s in all.iter().filter(|s| s.ranks > LOCAL_RANKS) {
+        assert!(
+            PROCESS_JOBS.contains(&s.name) || PROCESS_COPY_JOBS.contains(&s.name),
+            "{} has {} ranks and no process job",
+            s.name,
+            s.ranks
+        );
+    }
     for job in PROCESS_JOBS.iter().chain(&PROCESS_COPY_JOBS) {
         assert!(
             PROCESS_OWN_JOBS.contains(job) || names.contains(job),
@@ -401,7 +484,7 @@ fn the_suite_names_only_scenarios_it_has() {
 /// gave up waiting for it (the receiver's end check must fail it), and
 /// one whose rank 1 works on long after rank 0's code returned, and one
 /// whose rank 0 returns without joining the thread that sends.
-const PROCESS_JOBS: [&str; 21] = [
+const PROCESS_JOBS: [&str; 26] = [
     "seed/per-direction",
     "seed-rpc/per-direction",
     "seed/shared",
@@ -423,7 +506,18 @@ const PROCESS_JOBS: [&str; 21] = [
     "spawn/join-before-drain",
     "spawn/swallowed",
     "spawn/swallowed-then-wait",
+    // The scenarios of four ranks, every rank on GPU 0 (`LOCAL_RANKS`).
+    "ring",
+    "all-to-all",
+    "all-to-all/grouped",
+    "1f1b/per-direction",
+    "1f1b/shared",
 ];
+
+/// The most ranks a job with a thread per rank runs (a GPU each, on the
+/// two-GPU machine); scenarios of more run as process jobs only, every
+/// rank on GPU 0 ([`duplex_nccl::shared_gpu_env`]).
+const LOCAL_RANKS: u32 = 2;
 
 /// The process jobs that are no scenario of the suite: their rank code is
 /// in `one_process_rank`.
@@ -440,7 +534,8 @@ const PROCESS_OWN_JOBS: [&str; 6] = [
 /// `never-buffered-late/copy`, as two processes: across processes the lanes go by CUDA IPC
 /// (`duplex_nccl::copy::ipc`), which is experimental; run with
 /// `DUPLEX_IPC_COPY=1`.
-const PROCESS_COPY_JOBS: [&str; 6] = [
+const PROCESS_COPY_JOBS: [&str; 7] = [
+    "all-to-all/copy",
     "seed-rpc/copy",
     "many-in-flight/copy",
     "mixed-sizes/copy",
@@ -450,7 +545,7 @@ const PROCESS_COPY_JOBS: [&str; 6] = [
 ];
 
 /// In a grandchild: this process is one rank (`RANK` and the rest set by
-/// [`two_processes`]); prints `RANK OK`, `RANK HANG`, or `RANK ERROR ...`.
+/// [`processes`]); prints `RANK OK`, `RANK HANG`, or `RANK ERROR ...`.
 fn one_process_rank(job: &str) {
     // DUPLEX_LOG=LEVEL: duplex's tracing events on stderr, which the
     // driver prints (the first lines of each rank's).
@@ -545,6 +640,36 @@ fn one_process_rank(job: &str) {
     }
 }
 
+/// Whether a hang report's cycle (the text from "wait-for cycle (") runs
+/// across the processes: through rank 0 and rank 1 of two, through two
+/// ranks or more of more (a pipeline's cycle need not pass rank 0), and
+/// not the analysis's own confession that it found none.
+fn names_a_cycle(cycle: &str, ranks: u32) -> bool {
+    if cycle.contains("this is a bug") {
+        return false;
+    }
+    let named = (0..ranks)
+        .filter(|r| cycle.contains(&format!("rank {r} main:")))
+        .count();
+    if ranks == 2 { named == 2 } else { named >= 2 }
+}
+
+/// The verdict of a job of more than two ranks where every rank hangs:
+/// each reports the hang with a cycle across the processes, or ends
+/// because another rank's hang was reported first, naming it; and at least
+/// one report names the cycle.
+fn all_hang(said: &[String], cycles: &[bool]) -> bool {
+    let each = said.iter().zip(cycles).enumerate().all(|(rank, (v, c))| {
+        (v == "HANG" && *c)
+            || (v.starts_with("ERROR")
+                && (0..said.len()).filter(|o| *o != rank).any(|o| {
+                    v.contains(&format!("rank {o} failed: hang"))
+                        || v.contains(&format!("rank {o} failed (hang"))
+                }))
+    });
+    each && said.iter().zip(cycles).any(|(v, c)| v == "HANG" && *c)
+}
+
 /// The verdict of a job where both ranks hang: each rank reports the hang
 /// with the wait-for cycle across the two processes, or ends because the
 /// other rank's hang was reported first (its deadline came first: the
@@ -565,9 +690,11 @@ fn both_hang(said: &[String], cycles: &[bool]) -> bool {
     each && said.iter().zip(cycles).any(|(v, c)| v == "HANG" && *c)
 }
 
-/// Runs `job` as two processes, one per GPU, through the TCP rendezvous, and
-/// judges what each printed: `PASS ...` or `FAIL ...`.
-fn two_processes(job: &str) -> String {
+/// Runs `job` as a process per rank (two, one per GPU, or its scenario's
+/// ranks, every one on GPU 0 when there are more than [`LOCAL_RANKS`])
+/// through the TCP rendezvous, and judges what each printed: `PASS ...` or
+/// `FAIL ...`.
+fn processes(job: &str) -> String {
     use std::io::Read;
     use std::process::Stdio;
     // Each pipe of each rank is read to its end on a thread of its own.
@@ -590,20 +717,24 @@ fn two_processes(job: &str) -> String {
     let token = format!("duplex-test-token-{}-{port}", std::process::id());
     let start = Instant::now();
     let mut children = Vec::new();
-    for rank in 0..2 {
+    let n = scenarios::<NcclRank>()
+        .iter()
+        .find(|s| s.name == job)
+        .map_or(2, |s| s.ranks);
+    for rank in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(ONLY_THE_SUITE)
             .env("DUPLEX_SCENARIO", format!("rank:{job}"))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", "2")
+            .env("WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("DUPLEX_PORT", port.to_string())
             .env("DUPLEX_STORE_TOKEN", &token)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if duplex_nccl::one_gpu_asked() {
+        if duplex_nccl::one_gpu_asked() || n > LOCAL_RANKS {
             // After LOCAL_RANK above: GPU 0 for every rank.
             cmd.envs(duplex_nccl::shared_gpu_env(rank, &port.to_string()));
         }
@@ -663,21 +794,24 @@ fn two_processes(job: &str) -> String {
         // The cycle itself ("wait-for cycle (N links; ..."), not a
         // sentence that mentions one.
         let cycle = stderr.find("wait-for cycle (").map(|i| &stderr[i..]);
-        cycles.push(cycle.is_some_and(|c| {
-            c.contains("rank 0 main:") && c.contains("rank 1 main:") && !c.contains("this is a bug")
-        }));
+        cycles.push(cycle.is_some_and(|c| names_a_cycle(c, n)));
         said.push(verdict);
     }
     let elapsed = start.elapsed();
+    let each = |f: &dyn Fn(usize) -> String| {
+        (0..said.len())
+            .map(|r| format!("rank {r}: {}", f(r)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let summary = format!(
-        "{:.2} s; rank 0: {}; rank 1: {}{}",
+        "{:.2} s; {}{}",
         elapsed.as_secs_f64(),
-        said[0],
-        said[1],
+        each(&|r| said[r].clone()).replace(", rank", "; rank"),
         if said.iter().any(|v| v == "HANG") {
             format!(
-                "; the cycle across processes in the reports of rank 0: {}, rank 1: {}",
-                cycles[0], cycles[1]
+                "; the cycle across processes in the reports of {}",
+                each(&|r| cycles[r].to_string())
             )
         } else {
             String::new()
@@ -706,6 +840,9 @@ fn job_verdict(job: &str, said: &[String], cycles: &[bool]) -> Option<bool> {
         // processes (issue 9: the analysis runs on the union of the
         // traces the ranks published); see `both_hang`.
         "seed/shared" => both_hang(said, cycles),
+        // Four stages on PyTorch's placement: every rank hangs or ends on
+        // another's hang, and a report names the cycle across processes.
+        "1f1b/shared" => all_hang(said, cycles),
         // The same from traces cut where each rank was quiet: the cycle
         // is named from what the cuts kept and the calls since.
         "long-then-seed/shared" => both_hang(said, cycles),

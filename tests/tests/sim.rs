@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use duplex_sim::{Failure, Sim, SimRank};
-use duplex_tests::{Outcome, scenarios, verify};
+use duplex_tests::{Backend, Outcome, scenarios, verify};
 
 fn outcome(result: Result<duplex_sim::Run, Failure>) -> Outcome {
     match result {
@@ -41,7 +41,7 @@ fn every_scenario_on_the_simulator() {
                 s.expect,
                 elapsed.as_secs_f64()
             );
-            if let Err(e) = verify(&s, &o, true) {
+            if let Err(e) = verify(&s, &o, Backend::Simulator) {
                 failures.push(if cold { format!("(cold) {e}") } else { e });
             }
             if matches!(o, Outcome::Hang(_)) {
@@ -184,4 +184,68 @@ fn a_handshake_holds_back_only_its_communicator() {
     if let Err(e) = sim().check(after) {
         panic!("connected at creation, nothing waits for a handshake: {e}");
     }
+}
+
+/// The copy scenarios run on copy-engine lanes, and can tell: every
+/// message of at least the threshold goes on a copy-engine lane and every
+/// smaller one on NCCL (the trace says), and `never-buffered/copy` hangs
+/// even under an eager capacity that lets the same program complete on
+/// NCCL lanes (C3). Found by review: under the suite's model (eager 0) a
+/// copy lane behaves as an NCCL lane, so a simulator that routed nothing
+/// by copy passed every copy scenario.
+#[test]
+fn the_copy_scenarios_run_on_copy_engine_lanes() {
+    let threshold = duplex_tests::copy_threshold().bytes();
+    let mut checked = 0;
+    for s in scenarios::<SimRank>().into_iter().filter(|s| s.copy) {
+        if s.expect != duplex_tests::Expect::Completes {
+            continue;
+        }
+        let run = Sim::new(s.ranks)
+            .policy(s.policy)
+            .model(duplex_tests::model(false))
+            .copy_from(Some(duplex_tests::copy_threshold()))
+            .run(0, s.run)
+            .unwrap_or_else(|f| panic!("{}: {f}", s.name));
+        let (mut on_copy, mut wrong) = (0, Vec::new());
+        for c in &run.trace.calls {
+            if let duplex::trace::Call::Launch { ops, .. } = &c.call {
+                for o in ops.iter() {
+                    let copy = run.trace.comms[o.comm as usize].copy;
+                    on_copy += usize::from(copy);
+                    if copy != (o.bytes >= threshold) {
+                        wrong.push(format!("{} bytes on copy lane {copy}", o.bytes));
+                    }
+                }
+            }
+        }
+        assert!(on_copy > 0, "{}: no op on a copy-engine lane", s.name);
+        assert!(wrong.is_empty(), "{}: {wrong:?}", s.name);
+        checked += 1;
+    }
+    assert!(checked >= 4, "only {checked} copy scenarios checked");
+    // C3: with an eager capacity above the message, NCCL lanes buffer the
+    // sends and the program completes; copy-engine lanes never buffer.
+    let s = scenarios::<SimRank>()
+        .into_iter()
+        .find(|s| s.name == "never-buffered/copy")
+        .expect("the scenario");
+    let eager = duplex::Model {
+        eager: duplex::Size(threshold * 4),
+        ..duplex_tests::model(false)
+    };
+    let on = |copy: Option<duplex::Size>| {
+        outcome(
+            Sim::new(s.ranks)
+                .policy(s.policy)
+                .model(eager)
+                .copy_from(copy)
+                .check(s.run),
+        )
+    };
+    assert!(matches!(on(None), Outcome::Completed), "NCCL lanes buffer");
+    assert!(
+        matches!(on(Some(duplex_tests::copy_threshold())), Outcome::Hang(_)),
+        "copy-engine lanes never buffer"
+    );
 }

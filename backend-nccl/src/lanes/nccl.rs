@@ -92,7 +92,7 @@ enum Phase {
 }
 
 /// What a given-up part leaves to abort.
-enum Leftover {
+pub(crate) enum Leftover {
     Setup(Starting),
     Comm(Comm),
 }
@@ -110,7 +110,7 @@ fn connect_only(ctx: &RankCtx, lane: &LaneSpec) -> Option<Dir> {
 /// nothing here may wait for; the abort raises its communicator's flag
 /// before it frees, so its own kernels stop first. If no thread can be
 /// started, it is leaked (never freed under a kernel, P6).
-fn abort_aside(what: Leftover) {
+pub(crate) fn abort_aside(what: Leftover) {
     let spawned = std::thread::Builder::new()
         .name("duplex lane abort".into())
         .spawn(move || match what {
