@@ -40,8 +40,9 @@
 #   run(command="OUT=/tmp/r BENCH_CTAS=64 scripts/gpu.sh run bench; tar czf $OUT/r.tgz -C /tmp/r .", ...)
 # and, for lane memory (issue 12, item 3), a third,
 #   run(command="OUT=/tmp/r scripts/gpu.sh run lanes; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/lanes.md", ...)
-# (the suite has 61 jobs: 40 with a thread per rank, 21 with a process
-# per rank, and 6 more process jobs with DUPLEX_IPC_COPY=1; it had 21
+# (the suite has 60 jobs: 34 with a thread per rank, 26 with a process
+# per rank, five of them the scenarios of four ranks with every rank on
+# GPU 0, and 7 more process jobs with DUPLEX_IPC_COPY=1; it had 21
 # when it last ran on two GPUs, in 111 s, so SUITE_S may need
 # raising), and for lanes made on first use (issue 12, item 3) a fourth,
 #   run(command="OUT=/tmp/r SUITE_S=280 FAULTS_S=260 scripts/gpu.sh run suite-lazy faults-lazy ipc; tar czf $OUT/r.tgz -C /tmp/r .; tail -40 /tmp/r/suite-lazy.txt; cat /tmp/r/steps.txt /tmp/r/ipc.md /tmp/r/ipc-flags.md", ...)

@@ -23,10 +23,12 @@
 //! are exercised by the calibration's examples too, each in its own
 //! process.
 //!
-//! The `process:` jobs run a scenario as two processes, one rank each
-//! ([`Process`], configured as torchrun would), through the TCP rendezvous;
-//! `process:peer-dies` kills one rank after setup and requires the other to
-//! fail within its deadline.
+//! The `process:` jobs run a scenario as a process per rank ([`Process`],
+//! configured as torchrun would), through the TCP rendezvous: two, one per
+//! GPU, or the four of a ring, an all-to-all or a pipeline, every one on
+//! GPU 0 (a thread per rank needs a GPU each, so those scenarios run only
+//! this way); `process:peer-dies` kills one rank after setup and requires
+//! the other to fail within its deadline.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
