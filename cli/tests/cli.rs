@@ -1846,3 +1846,23 @@ fn no_usable_gpu_is_unavailable_whichever_way_the_ranks_run() {
         }
     }
 }
+
+/// A run checks every message's bytes, each carrying its number on its
+/// channel where one thread sends and one receives there: a rank's
+/// messages to itself count sends and recvs apart (they were counted
+/// together, and a second message to itself read as wrong bytes).
+#[test]
+fn messages_to_itself_and_to_a_peer_arrive_with_their_bytes() {
+    let file = write(
+        "self.sched",
+        "ranks 2\nrank 0:\n  group { send 0 4KiB; recv 0 4KiB }\n  group { send 0 4KiB; recv 0 4KiB }\n  send 1 4KiB\n  send 1 4KiB\nrank 1:\n  recv 0 4KiB\n  recv 0 4KiB\n",
+    );
+    let out = duplex(&["run", &file]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -248,12 +248,13 @@ fn run_thread<T: Transport>(
     let thread = &program.threads[index];
     let mut sent = Vec::new();
     let mut received: Vec<Pending<T>> = Vec::new();
-    // This thread's messages so far on each numbered channel.
-    let mut counts: HashMap<Channel, u64> = HashMap::new();
+    // This thread's sends and recvs so far on each numbered channel (both,
+    // on a channel of its rank to itself).
+    let mut counts: HashMap<(Channel, Dir), u64> = HashMap::new();
     let mut number = |op: &P2p| {
         let c = channel_of(program, thread.rank, op);
         objects.numbered.contains(&c).then(|| {
-            let n = counts.entry(c).or_insert(0);
+            let n = counts.entry((c, op.dir)).or_insert(0);
             *n += 1;
             *n - 1
         })
