@@ -371,7 +371,13 @@ impl BufState {
             users.copies.retain(|(_, t)| t.copy_may_run());
             users.copies.clone()
         };
+        // Only a failed op's copy matters (one in flight normally is the
+        // buffer's busy op, which `check_users` judges), and a settle takes
+        // the lane's lock: only those are settled.
         for (end, ticket) in copies {
+            if ticket.late().is_none() {
+                continue;
+            }
             let end = end.upgrade();
             if let Some(end) = &end {
                 let _ = end.lane.settle();
@@ -379,7 +385,7 @@ impl BufState {
             if let Some(why) = ticket.late() {
                 let lane = end.map_or_else(|| "(gone)".to_string(), |e| e.name.clone());
                 return Some(format!(
-                    "the copy of message {} on copy-engine lane {lane} may still write it: its lane was aborted with the copy in flight ({why}); use another buffer (this one can be used again once the device has run that copy)",
+                    "the copy of message {} on copy-engine lane {lane} may still write it: its lane was aborted with the copy in flight ({why}); use another buffer (this one can be used again once that copy is seen done, which may be never: a copy whose enqueue failed midway, or one waiting for a process that died)",
                     ticket.message()
                 ));
             }

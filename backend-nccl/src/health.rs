@@ -399,6 +399,8 @@ pub struct StoreHealth {
     /// The ranks whose finish someone asked about: the only ones the
     /// monitor looks up.
     asked: Mutex<std::collections::BTreeSet<Rank>>,
+    /// The heartbeat's thread could not start: the monitor beats.
+    beats_in_monitor: AtomicBool,
     /// The longest gap between two heartbeats this process sent, in ms,
     /// when one passed [`SILENCE`] (0: none): it was frozen or starved.
     stalled_ms: std::sync::atomic::AtomicU64,
@@ -464,6 +466,7 @@ impl StoreHealth {
             unfinished: Mutex::new(Vec::new()),
             asked: Mutex::new(Default::default()),
             stalled_ms: Default::default(),
+            beats_in_monitor: AtomicBool::new(false),
             looks: Default::default(),
             wanted: Mutex::new(BTreeMap::new()),
         });
@@ -473,7 +476,7 @@ impl StoreHealth {
         // (found by review): behind them, a live rank's beats fell late
         // enough for the others to take it for dead.
         let weak = Arc::downgrade(&health);
-        let _ = std::thread::Builder::new()
+        let beating = std::thread::Builder::new()
             .name(format!("duplex beat {me}"))
             .spawn(move || {
                 let mut last = Instant::now();
@@ -498,6 +501,12 @@ impl StoreHealth {
                     std::thread::sleep(BEAT_EVERY);
                 }
             });
+        if let Err(e) = beating {
+            // Without its thread, the monitor beats before each check (a
+            // slow store can then make it late, but never silent).
+            tracing::warn!(rank = me, error = %e, "cannot start the heartbeat's thread: the health monitor beats instead");
+            health.beats_in_monitor.store(true, Ordering::Release);
+        }
         let weak = Arc::downgrade(&health);
         let _ = std::thread::Builder::new()
             .name(format!("duplex health {me}"))
@@ -655,6 +664,10 @@ impl StoreHealth {
     /// One check (`HEALTH`); a failure comes with when the request was
     /// made.
     fn poll_once(&self) -> Result<Option<(Rank, String)>, (Instant, duplex::Error)> {
+        if self.beats_in_monitor.load(Ordering::Acquire) {
+            let asked = Instant::now();
+            self.store.beat(self.me, REQUEST).map_err(|e| (asked, e))?;
+        }
         let asked = Instant::now();
         self.store
             .health(self.me, SILENCE, REQUEST)

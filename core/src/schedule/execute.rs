@@ -79,7 +79,11 @@ fn numbered(program: &Program) -> HashSet<Channel> {
     }
     users
         .into_iter()
-        .filter(|(_, [s, r])| s.len() <= 1 && r.len() <= 1)
+        // A rank's messages to itself are left out: their send and recv
+        // meet within one launch anyway (R12), and a backend may carry the
+        // implicit ones on the same channel as those written `comm=world`
+        // (duplex-nccl does), which this key tells apart (found by review).
+        .filter(|((_, _, src, dst), [s, r])| src != dst && s.len() <= 1 && r.len() <= 1)
         .map(|(c, _)| c)
         .collect()
 }
