@@ -407,6 +407,13 @@ pub fn split(
         return Ok(None);
     }
     let comm = Arc::new(CommInner::new(lib, raw, logical, name, sorted, blocking));
-    comm.ready_with(left(), "ncclCommSplit", between)?;
+    if let Err(e) = comm.ready_with(left(), "ncclCommSplit", between) {
+        // Not freed on this thread by its drop: a free waits for every
+        // kernel of the device (P8 of `crate::guard`), which may wait for
+        // this rank's peers; aborted on a thread of its own (found by
+        // review).
+        crate::lanes::nccl::abort_aside(crate::lanes::nccl::Leftover::Comm(comm));
+        return Err(e);
+    }
     Ok(Some(comm))
 }
