@@ -86,6 +86,12 @@ pub struct Gathered {
     /// The ranks whose trace did not come in time (or did not decode): the
     /// analysis does not know what they issued.
     pub missing: Vec<Rank>,
+    /// The ranks whose own trace did not come, replaced by the snapshot
+    /// each published when it learned of the failure ([`Health::publish_early`]):
+    /// what they did since (a thread that was computing, say) is not
+    /// known, so an analysis must say so (found by review: it was
+    /// reported as replayed from what every rank issued).
+    pub early: Vec<Rank>,
 }
 
 /// What a rank knows of the others' failures, and how it reports its own.
@@ -572,7 +578,11 @@ impl StoreHealth {
     /// for until `deadline`, but only [`EARLY_GRACE`] more once its early
     /// snapshot is there (a rank that is computing publishes nothing
     /// else); else that snapshot.
-    fn trace_of(&self, r: Rank, deadline: Instant) -> Result<Option<Vec<u8>>, duplex::Error> {
+    fn trace_of(
+        &self,
+        r: Rank,
+        deadline: Instant,
+    ) -> Result<Option<(Vec<u8>, bool)>, duplex::Error> {
         let mut early_since: Option<Instant> = None;
         loop {
             let now = Instant::now();
@@ -584,7 +594,7 @@ impl StoreHealth {
             // At the end, one more look (no wait) for its own.
             if let Some(own) = self.store.get(&trace_key(r), left.min(EARLY_LOOK))? {
                 tracing::debug!(rank = r, bytes = own.len(), "gathered its trace");
-                return Ok(Some(own));
+                return Ok(Some((own, false)));
             }
             if left.is_zero() {
                 let early = self.store.get(&early_trace_key(r), Duration::ZERO)?;
@@ -593,7 +603,7 @@ impl StoreHealth {
                     early = early.is_some(),
                     "its own trace did not come: its early snapshot instead"
                 );
-                return Ok(early);
+                return Ok(early.map(|e| (e, true)));
             }
             if early_since.is_none()
                 && self
@@ -1084,9 +1094,12 @@ impl Health for StoreHealth {
         let mut out = Gathered::default();
         for r in (0..ranks).filter(|r| *r != me) {
             match self.trace_of(r, deadline) {
-                Ok(Some(bytes)) => match serde_json::from_slice::<Trace>(&bytes) {
+                Ok(Some((bytes, early))) => match serde_json::from_slice::<Trace>(&bytes) {
                     Ok(t) => {
                         out.traces.push(t);
+                        if early {
+                            out.early.push(r);
+                        }
                         continue;
                     }
                     Err(e) => {
@@ -1684,6 +1697,11 @@ mod tests {
             "waited the whole wait"
         );
         assert_eq!(got.traces, vec![early.clone()]);
+        // Said to be a snapshot, not the rank's own trace.
+        assert_eq!(
+            (got.early.as_slice(), got.missing.as_slice()),
+            (&[1][..], &[][..])
+        );
         // Its own publish wins, whatever came first.
         let mut own = Trace::new(2);
         own.add_thread(1, "main");
@@ -1691,5 +1709,6 @@ mod tests {
         b.publish_early(1, &early);
         let got = a.gather(2, 0, Duration::from_millis(200));
         assert_eq!(got.traces, vec![own]);
+        assert!(got.early.is_empty());
     }
 }

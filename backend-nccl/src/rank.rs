@@ -59,12 +59,25 @@ fn join_limit(timeout: Duration) -> Duration {
 /// rank issued, or (across processes) what was missing from it, so that
 /// a report never claims another rank will not issue what it only does
 /// not know about.
-fn replayed_from(me: Rank, missing: &[Rank], unjoined: Option<&str>) -> String {
+fn replayed_from(me: Rank, missing: &[Rank], early: &[Rank], unjoined: Option<&str>) -> String {
     if let Some(why) = unjoined {
         return format!(
             "replayed from rank {me}'s own calls alone (the ranks' traces did not join: {why}), so what it says another rank will never issue is not known"
         );
     }
+    let said = replayed_without(missing);
+    if early.is_empty() {
+        return said;
+    }
+    let names: Vec<String> = early.iter().map(|r| r.to_string()).collect();
+    format!(
+        "{said}; for rank(s) {} only the snapshot each published as it learned of the failure came (its own trace did not: a thread outside a duplex call, computing or blocked elsewhere, publishes nothing more), so what they did since is not known and the cycle may pass through a thread that has moved on",
+        names.join(", ")
+    )
+}
+
+/// [`replayed_from`]'s words for the ranks whose trace did not come.
+fn replayed_without(missing: &[Rank]) -> String {
     match missing {
         [] => "replayed from what every rank issued".to_string(),
         [r] => format!(
@@ -1434,12 +1447,12 @@ impl NcclRank {
         ctx.health
             .fail(ctx.rank, &format!("hang: `{call}` ({at}) {ended}"));
         let r = &ctx.registry;
-        let (analysis, missing) = if ctx.health.remote() {
+        let (analysis, missing, snapshots) = if ctx.health.remote() {
             ctx.health.publish(ctx.rank, &r.trace());
             let others = ctx.health.gather(ctx.world_size, ctx.rank, GATHER_WAIT);
-            (r.analyze_with(others.traces), others.missing)
+            (r.analyze_with(others.traces), others.missing, others.early)
         } else {
-            (r.analyze(), Vec::new())
+            (r.analyze(), Vec::new(), Vec::new())
         };
         let disagreements = analysis.disagreements;
         // A size, type or group mismatch in the joined calls is the hang's
@@ -1447,7 +1460,7 @@ impl NcclRank {
         // (across processes neither rank sees the other's op before both
         // are launched; in one process the issue check refuses it first).
         let program = analysis.program_error.clone().map(Error::from);
-        let from = replayed_from(ctx.rank, &missing, analysis.unjoined.as_deref());
+        let from = replayed_from(ctx.rank, &missing, &snapshots, analysis.unjoined.as_deref());
         let note;
         let stuck = match analysis.stuck {
             Some(mut s) => {
@@ -2504,21 +2517,28 @@ mod tests {
     #[test]
     fn a_hang_report_says_whose_calls_it_did_not_know() {
         assert_eq!(
-            replayed_from(0, &[], None),
+            replayed_from(0, &[], &[], None),
             "replayed from what every rank issued"
         );
-        let one = replayed_from(0, &[1], None);
+        let one = replayed_from(0, &[1], &[], None);
         assert!(
             one.contains("rank 1's trace did not come")
                 && one.contains("rank 1 will never issue is not known"),
             "{one}"
         );
-        let two = replayed_from(0, &[1, 3], None);
+        let two = replayed_from(0, &[1, 3], &[], None);
         assert!(
             two.contains("the traces of ranks 1, 3 did not come"),
             "{two}"
         );
-        let alone = replayed_from(2, &[], Some("comm 4 differs"));
+        let early = replayed_from(0, &[], &[2], None);
+        assert!(
+            early.starts_with("replayed from what every rank issued")
+                && early.contains("for rank(s) 2 only the snapshot")
+                && early.contains("not known"),
+            "{early}"
+        );
+        let alone = replayed_from(2, &[], &[], Some("comm 4 differs"));
         assert!(
             alone.contains("rank 2's own calls alone") && alone.contains("comm 4 differs"),
             "{alone}"

@@ -764,6 +764,7 @@ impl Trace {
             return Ok(Trace::default());
         };
         let mut out = Trace::new(first.ranks);
+        let mut owners: std::collections::BTreeMap<Rank, usize> = Default::default();
         for (i, part) in parts.iter().enumerate() {
             if part.ranks != first.ranks {
                 return Err(format!(
@@ -788,6 +789,29 @@ impl Trace {
             // or move a bad id onto another part's thread).
             if let Err(d) = part.check_ids() {
                 return Err(format!("trace part {i}: {}", d.why));
+            }
+            // Each part is one process's, one rank's: a rank in two parts,
+            // or a part of two ranks, would replay as a job that never ran
+            // (found by review: it was accepted, and its analysis said
+            // "this is a bug").
+            if parts.len() > 1 {
+                let mut mine = part
+                    .threads
+                    .iter()
+                    .map(|t| t.rank)
+                    .chain(part.cuts.iter().map(|c| c.rank));
+                if let Some(rank) = mine.next() {
+                    if let Some(other) = mine.find(|r| *r != rank) {
+                        return Err(format!(
+                            "trace part {i} holds ranks {rank} and {other}: each part must be one rank's, from its own process"
+                        ));
+                    }
+                    if let Some(j) = owners.insert(rank, i) {
+                        return Err(format!(
+                            "trace parts {j} and {i} are both rank {rank}'s: each rank's trace must come from one process"
+                        ));
+                    }
+                }
             }
             let (t0, s0, e0) = (
                 out.threads.len() as u32,

@@ -856,3 +856,25 @@ fn parts_that_declared_different_lanes_made_on_first_use_still_join() {
         "{e}"
     );
 }
+
+/// Each part of a merge is one rank's, from its own process: two parts of
+/// one rank, or a part holding two ranks, are refused (found by review:
+/// both were accepted, and the analysis then said "this is a bug").
+#[test]
+fn a_merge_refuses_a_rank_in_two_parts_and_a_part_of_two_ranks() {
+    let part = |ranks: &[u32]| {
+        let mut t = Trace::new(2);
+        t.add_comm("world", &[0, 1], true);
+        for r in ranks {
+            t.add_thread(*r, "main");
+        }
+        t
+    };
+    assert!(Trace::merge(&[part(&[0]), part(&[1])]).is_ok());
+    let e = Trace::merge(&[part(&[0]), part(&[0])]).unwrap_err();
+    assert!(e.contains("both rank 0's"), "{e}");
+    let e = Trace::merge(&[part(&[0, 1]), part(&[])]).unwrap_err();
+    assert!(e.contains("holds ranks 0 and 1"), "{e}");
+    // One part alone (a local run's whole trace) holds every rank.
+    assert!(Trace::merge(&[part(&[0, 1])]).is_ok());
+}
