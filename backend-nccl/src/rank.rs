@@ -1468,7 +1468,7 @@ impl NcclRank {
                     "the wait-for cycle is the model's ({}), {from}",
                     ctx.opts.model_in_force()
                 );
-                if s.cycle.is_empty() && s.missing.is_empty() {
+                if s.cycle.is_empty() && s.missing.is_empty() && s.note.is_none() {
                     // The model has every host call blocked but no device
                     // op waiting on anything it knows: the GPU did not do
                     // what the model says it can. Reported, never dropped.

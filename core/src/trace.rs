@@ -1408,6 +1408,47 @@ impl<'t> Replayer<'t> {
         });
     }
 
+    /// The threads the trace shows neither ended nor blocked in a call:
+    /// outside duplex (running their code, or blocked where duplex does
+    /// not see it, which an early snapshot catches most). The machine,
+    /// which has no call of theirs, shows them at their implicit final
+    /// synchronize: said as what they are, and a hang with no cycle that
+    /// ends at one is not called a bug of the analysis (found by review:
+    /// "end of thread", and "this is a bug").
+    fn outside_duplex(&self, blocked: &HashMap<ThreadId, HostCall>, stuck: &mut Stuck) {
+        let running: Vec<(Rank, String)> = (0..self.trace.threads.len())
+            .filter(|t| {
+                let t = *t as u32;
+                !self.trace.ended.contains(&t) && !blocked.contains_key(&ThreadId(t))
+            })
+            .map(|t| {
+                let info = &self.trace.threads[t];
+                (info.rank, info.name.clone())
+            })
+            .collect();
+        let mut named = Vec::new();
+        for b in stuck.blocked.iter_mut() {
+            if b.line.is_none()
+                && b.call == "end of thread"
+                && running.iter().any(|(r, n)| *r == b.rank && *n == b.thread)
+            {
+                b.call = "not inside a duplex call".into();
+                b.at = "running its code, or blocked where duplex does not see it (its trace records no wait)".into();
+                named.push(format!("rank {} {}", b.rank, b.thread));
+            }
+        }
+        if stuck.cycle.is_empty()
+            && stuck.missing.is_empty()
+            && stuck.note.is_none()
+            && !named.is_empty()
+        {
+            stuck.note = Some(format!(
+                "no wait-for cycle among the calls duplex sees: what the others wait for may come from {}, not inside a duplex call (running its code, or blocked where duplex does not see it), so whether it ever comes is not known",
+                named.join(", ")
+            ));
+        }
+    }
+
     /// Ends the threads that returned, enters the blocked waits, and
     /// explains the state.
     fn finish(mut self) -> Analysis {
@@ -1454,8 +1495,13 @@ impl<'t> Replayer<'t> {
         let lookup = |t: ThreadId| next.get(&t).cloned();
         let threads = Unknown(&lookup);
         let status = self.m.status(&threads);
+        let stuck = (status == Status::Stuck).then(|| {
+            let mut stuck = self.m.stuck(&threads);
+            self.outside_duplex(&next, &mut stuck);
+            stuck
+        });
         Analysis {
-            stuck: (status == Status::Stuck).then(|| self.m.stuck(&threads)),
+            stuck,
             finished: status == Status::Finished,
             disagreements: self.disagreements,
             mismatched_setups: self

@@ -840,8 +840,11 @@ fn parts_that_declared_different_lanes_made_on_first_use_still_join() {
     let e = Trace::merge(&[only_world, cut]).expect_err("a cut on no communicator");
     assert!(e.contains("communicator #1") && e.contains("cut"), "{e}");
     // A placeholder's flags do not depend on which part came first.
-    let mut copyish = t1.clone();
+    // (Rank 0's part, which declares the lane as a placeholder copy lane.)
+    let mut copyish = Trace::new(2);
+    copyish.add_comm("world", &[0, 1], true);
     copyish.add_copy_lane("", &[]);
+    copyish.add_thread(0, "main");
     let a = Trace::merge(&[copyish.clone(), t1.clone()]).expect("joins");
     let b = Trace::merge(&[t1.clone(), copyish]).expect("joins");
     assert_eq!(a.comms, b.comms);
@@ -877,4 +880,57 @@ fn a_merge_refuses_a_rank_in_two_parts_and_a_part_of_two_ranks() {
     assert!(e.contains("holds ranks 0 and 1"), "{e}");
     // One part alone (a local run's whole trace) holds every rank.
     assert!(Trace::merge(&[part(&[0, 1])]).is_ok());
+}
+
+/// A thread the trace shows neither ended nor blocked in a call is outside
+/// duplex (running its code, or blocked where duplex does not see it: what
+/// an early snapshot catches). The report says so, and a hang that ends at
+/// it is not called a bug of the analysis (found by review: "end of
+/// thread (its implicit final synchronize)", then "this is a bug").
+#[test]
+fn a_thread_outside_any_duplex_call_is_said_so_not_called_a_bug() {
+    let mut t = Trace::new(2);
+    let world = t.add_comm("world", &[0, 1], true);
+    let main0 = t.add_thread(0, "main");
+    let _main1 = t.add_thread(1, "main");
+    let s = t.add_stream(0, "default");
+    t.push(TraceCall {
+        thread: main0,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir: duplex::Dir::Send,
+                peer: 1,
+                bytes: 256 << 20,
+                dtype: duplex::DType::U8,
+                comm: world,
+                stream: s,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: "send 256MiB to rank 1".into(),
+        place: "main.rs:3".into(),
+    });
+    t.block(
+        main0,
+        Some(TraceCall {
+            thread: main0,
+            call: Call::Sync { stream: None },
+            text: "synchronize".into(),
+            place: "main.rs:4".into(),
+        }),
+    );
+    let a = t.analyze(duplex::Model::default());
+    let stuck = a.stuck.expect("rank 0 is stuck");
+    let text = format!("{stuck}");
+    assert!(!text.contains("this is a bug"), "{text}");
+    assert!(text.contains("not inside a duplex call"), "{text}");
+    assert!(!text.contains("end of thread"), "{text}");
+    // Ended, the same thread is a partner that will never come.
+    t.end(_main1);
+    let text = format!(
+        "{}",
+        t.analyze(duplex::Model::default()).stuck.expect("stuck")
+    );
+    assert!(!text.contains("not inside a duplex call"), "{text}");
 }
