@@ -934,3 +934,57 @@ fn a_thread_outside_any_duplex_call_is_said_so_not_called_a_bug() {
     );
     assert!(!text.contains("not inside a duplex call"), "{text}");
 }
+
+/// A rank whose trace did not come (it died, most often) after a long
+/// run: the other's cut counts its sends to it, and those alone read as a
+/// million messages never matched, which the replay refused, and the first
+/// channel refused stopped the rest from settling (found by review: "no
+/// wait-for cycle was found (this is a bug…)"). A channel to a rank the
+/// trace holds nothing of is left unsettled.
+#[test]
+fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
+    let mut t = Trace::new(2);
+    let world = t.add_comm("world", &[0, 1], true);
+    let main0 = t.add_thread(0, "main");
+    let s = t.add_stream(0, "default");
+    t.cuts.push(duplex::trace::Cut {
+        rank: 0,
+        calls: 2 << 20,
+        sent: vec![(world, 1, 2 << 20)],
+        ..Default::default()
+    });
+    t.push(TraceCall {
+        thread: main0,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir: duplex::Dir::Send,
+                peer: 1,
+                bytes: 256 << 20,
+                dtype: duplex::DType::U8,
+                comm: world,
+                stream: s,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: "send 256MiB to rank 1".into(),
+        place: "main.rs:3".into(),
+    });
+    t.block(
+        main0,
+        Some(TraceCall {
+            thread: main0,
+            call: Call::Sync { stream: None },
+            text: "synchronize".into(),
+            place: "main.rs:4".into(),
+        }),
+    );
+    let a = t.analyze(duplex::Model::default());
+    assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
+    let text = format!("{}", a.stuck.expect("rank 0 is stuck"));
+    assert!(!text.contains("this is a bug"), "{text}");
+    assert!(
+        text.contains("no thread of rank 1 will ever issue"),
+        "{text}"
+    );
+}

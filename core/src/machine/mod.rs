@@ -1946,15 +1946,17 @@ impl Machine {
         if !fresh {
             return Err("a machine can be settled only before its first call".into());
         }
+        let mut refused: Vec<String> = Vec::new();
         for (&(comm, src, dst), &(sends, recvs)) in &settled.channels {
             if comm.ix() >= self.setup.comms.len()
                 || src >= self.setup.ranks
                 || dst >= self.setup.ranks
             {
-                return Err(format!(
+                refused.push(format!(
                     "a settled channel names communicator #{} and ranks {src} and {dst}, which do not exist",
                     comm.0
                 ));
+                continue;
             }
             let delivered = sends.min(recvs);
             if sends == 0 && recvs == 0 {
@@ -1964,15 +1966,23 @@ impl Machine {
             // between two cuts is refused, not a memory blow-up, and so is
             // one too close to the end of the message numbers for the run
             // to go on counting (each delivery adds one).
+            // A channel refused is left unsettled and the others settle
+            // all the same (found by review: the first refusal stopped
+            // the rest, which the replay then refused in turn); each is
+            // said.
             if sends.max(recvs) > MAX_SETTLED {
-                return Err(format!(
-                    "a settled channel has {sends} sends and {recvs} recvs: more than the {MAX_SETTLED} messages a channel is numbered to"
+                refused.push(format!(
+                    "a settled channel (communicator #{}, rank {src} to rank {dst}) has {sends} sends and {recvs} recvs: more than the {MAX_SETTLED} messages a channel is numbered to",
+                    comm.0
                 ));
+                continue;
             }
             if sends.abs_diff(recvs) > u64::from(MAX_GHOSTS) {
-                return Err(format!(
-                    "a settled channel has {sends} sends and {recvs} recvs: more than {MAX_GHOSTS} messages apart"
+                refused.push(format!(
+                    "a settled channel (communicator #{}, rank {src} to rank {dst}) has {sends} sends and {recvs} recvs: more than {MAX_GHOSTS} messages apart",
+                    comm.0
                 ));
+                continue;
             }
             let mut ch = Channel {
                 delivered,
@@ -2035,7 +2045,11 @@ impl Machine {
                 self.state.mail.insert(key, n);
             }
         }
-        Ok(())
+        if refused.is_empty() {
+            Ok(())
+        } else {
+            Err(refused.join("; "))
+        }
     }
 }
 
