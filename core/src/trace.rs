@@ -1327,6 +1327,7 @@ impl<'t> Replayer<'t> {
                 .iter()
                 .enumerate()
                 .filter_map(|(r, q)| q.front().map(|i| (*i, r)))
+                .filter(|(i, _)| !self.held_back_by_a_handshake(*i))
                 .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
                 .min();
             if let Some((i, r)) = pick {
@@ -1377,6 +1378,36 @@ impl<'t> Replayer<'t> {
             self.refuse(i, why);
             self.queues[rank].clear();
         }
+    }
+
+    /// Whether call `i` is a launch the NCCL backend holds back: another
+    /// thread of its rank has a launch in its connection handshake (R7)
+    /// on one of its streams or communicators (duplex-nccl's
+    /// `Handshakes::holds`, wider than R11, which holds back only the same
+    /// communicator). The backend records such a launch once it is let
+    /// go, so a rank's recorded order allows it; but the replay's order
+    /// across ranks is a merge's (each rank's part in turn), and it would
+    /// otherwise enqueue the launch behind the handshake on their shared
+    /// stream and find a cycle that never was (found by review: the
+    /// report depended on which rank analysed).
+    fn held_back_by_a_handshake(&self, i: usize) -> bool {
+        let HostCall::Launch(spec) = &self.calls[i] else {
+            return false;
+        };
+        let t = self.thread_of(i);
+        let setup = self.m.setup();
+        let rank = setup.threads[t.ix()].rank;
+        (0..setup.threads.len() as u32)
+            .map(ThreadId)
+            .filter(|o| *o != t && setup.threads[o.ix()].rank == rank)
+            .filter_map(|o| self.m.handshake_launch(o))
+            .any(|shaking| {
+                shaking.ops.iter().any(|a| {
+                    spec.ops
+                        .iter()
+                        .any(|b| a.stream == b.stream || a.comm == b.comm)
+                })
+            })
     }
 
     fn refuse(&mut self, i: usize, why: String) {

@@ -988,3 +988,72 @@ fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
         "{text}"
     );
 }
+
+/// The report does not depend on which rank analyses (the merged parts'
+/// order). Rank 1's thread t0 receives on a cold communicator over stream
+/// `a`; its main thread's send on `world`, on `a` too, was held back by
+/// the NCCL backend until t0's handshake was over, and recorded after.
+/// Replayed with rank 1's part first, the send went behind the handshake
+/// on their stream, and a cycle was named that never was (found by
+/// review): the replay holds a launch back as the backend does.
+#[test]
+fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
+    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| TraceCall {
+        thread,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir,
+                peer,
+                bytes: 4096,
+                dtype: duplex::DType::U8,
+                comm,
+                stream,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: text.into(),
+        place: "x".into(),
+    };
+    let comms = |t: &mut Trace| {
+        t.add_comm("world", &[0, 1], true);
+        t.add_comm("c0", &[0, 1], false);
+    };
+    let mut p0 = Trace::new(2);
+    comms(&mut p0);
+    let m0 = p0.add_thread(0, "main");
+    let s0 = p0.add_stream(0, "default");
+    p0.push(launch(m0, duplex::Dir::Send, 1, 1, s0, "send 1 on c0"));
+    p0.push(launch(m0, duplex::Dir::Recv, 1, 0, s0, "recv 1 on world"));
+    p0.block(
+        m0,
+        Some(TraceCall {
+            thread: m0,
+            call: Call::Await {
+                from: 1,
+                tag: "go".into(),
+            },
+            text: "await 1 go".into(),
+            place: "x".into(),
+        }),
+    );
+    let mut p1 = Trace::new(2);
+    comms(&mut p1);
+    let m1 = p1.add_thread(1, "main");
+    let t1 = p1.add_thread(1, "t0");
+    let a = p1.add_stream(1, "a");
+    p1.push(launch(t1, duplex::Dir::Recv, 0, 1, a, "recv 0 on c0"));
+    p1.push(launch(m1, duplex::Dir::Send, 0, 0, a, "send 0 on world"));
+    p1.end(t1);
+    p1.end(m1);
+    let model = duplex::Model {
+        lazy_connect: true,
+        ..duplex::Model::default()
+    };
+    for parts in [[p0.clone(), p1.clone()], [p1, p0]] {
+        let a = Trace::merge(&parts).expect("joins").analyze(model);
+        let s = a.stuck.expect("rank 0 awaits a notify that never comes");
+        assert!(s.cycle.is_empty(), "a cycle that never was:\n{s}");
+        assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
+    }
+}

@@ -1107,6 +1107,14 @@ impl Machine {
         matches!(self.state.threads[t.ix()].phase, Phase::Connecting { .. })
     }
 
+    /// The launch thread `t` has in its connection handshake (R7), if any.
+    pub fn handshake_launch(&self, t: ThreadId) -> Option<&LaunchSpec> {
+        match &self.state.threads[t.ix()].phase {
+            Phase::Connecting { spec, .. } => Some(spec),
+            _ => None,
+        }
+    }
+
     /// The error a finished program still has: a message sent into a
     /// channel's buffer (R5) that no recv took.
     pub fn leftover(&self) -> Option<ProgramError> {
