@@ -1454,7 +1454,24 @@ impl NcclRank {
         } else {
             (r.analyze(), Vec::new(), Vec::new())
         };
-        let disagreements = analysis.disagreements;
+        let mut disagreements = analysis.disagreements;
+        // With a rank's calls missing (or only its early snapshot), a call
+        // the replay refuses may wait on what that rank issued, not show a
+        // disagreement of the model with the GPU (found by review: a
+        // handshake with a missing rank left later calls refused): said.
+        if !missing.is_empty() || !snapshots.is_empty() {
+            let unknown: Vec<String> = missing
+                .iter()
+                .chain(&snapshots)
+                .map(|r| r.to_string())
+                .collect();
+            for d in &mut disagreements {
+                d.why.push_str(&format!(
+                    " (what rank(s) {} issued is not fully known here, which may be why)",
+                    unknown.join(", ")
+                ));
+            }
+        }
         // A size, type or group mismatch in the joined calls is the hang's
         // cause: NCCL's behaviour for it is undefined, and here it hung
         // (across processes neither rank sees the other's op before both
