@@ -1322,14 +1322,23 @@ impl<'t> Replayer<'t> {
     fn run(&mut self) {
         loop {
             let mut moved = self.resume_all();
-            let pick = self
-                .queues
-                .iter()
-                .enumerate()
-                .filter_map(|(r, q)| q.front().map(|i| (*i, r)))
-                .filter(|(i, _)| !self.held_back_by_a_handshake(*i))
-                .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
-                .min();
+            // The backend's hold (`held_back_by_a_handshake`) is a
+            // preference, not a rule of the model: a trace of another
+            // backend (the simulator, which holds only what R11 holds) may
+            // have let such a launch through, and its handshake may finish
+            // only because of it (found by review: a completing simulator
+            // run replayed as a deadlock). So the hold yields when nothing
+            // else can move.
+            let pick_with = |hold: bool| {
+                self.queues
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(r, q)| q.front().map(|i| (*i, r)))
+                    .filter(|(i, _)| !hold || !self.held_back_by_a_handshake(*i))
+                    .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
+                    .min()
+            };
+            let pick = pick_with(true).or_else(|| if moved { None } else { pick_with(false) });
             if let Some((i, r)) = pick {
                 self.queues[r].pop_front();
                 if let Err(e) = self.m.apply(self.thread_of(i), &self.calls[i]) {
@@ -1457,11 +1466,16 @@ impl<'t> Replayer<'t> {
     /// synchronize: said as what they are, and a hang with no cycle that
     /// ends at one is not called a bug of the analysis (found by review:
     /// "end of thread", and "this is a bug").
-    fn outside_duplex(&self, blocked: &HashMap<ThreadId, HostCall>, stuck: &mut Stuck) {
+    fn outside_duplex(&self, stuck: &mut Stuck) {
+        // Blocked in a call the trace records, whatever the replay made of
+        // it (a launch the backend held back and the model lets through is
+        // still a duplex call; found by review).
+        let in_a_call: std::collections::HashSet<u32> =
+            self.trace.blocked.iter().map(|c| c.thread).collect();
         let running: Vec<(Rank, String)> = (0..self.trace.threads.len())
             .filter(|t| {
                 let t = *t as u32;
-                !self.trace.ended.contains(&t) && !blocked.contains_key(&ThreadId(t))
+                !self.trace.ended.contains(&t) && !in_a_call.contains(&t)
             })
             .map(|t| {
                 let info = &self.trace.threads[t];
@@ -1539,7 +1553,7 @@ impl<'t> Replayer<'t> {
         let status = self.m.status(&threads);
         let stuck = (status == Status::Stuck).then(|| {
             let mut stuck = self.m.stuck(&threads);
-            self.outside_duplex(&next, &mut stuck);
+            self.outside_duplex(&mut stuck);
             stuck
         });
         Analysis {

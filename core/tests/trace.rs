@@ -1057,3 +1057,56 @@ fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
         assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
     }
 }
+
+/// A thread blocked in a launch the backend held back (and the model lets
+/// through) is in a duplex call, not outside one (found by review).
+#[test]
+fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
+    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| TraceCall {
+        thread,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir,
+                peer,
+                bytes: 4096,
+                dtype: duplex::DType::U8,
+                comm,
+                stream,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: text.into(),
+        place: "x".into(),
+    };
+    let mut t = Trace::new(2);
+    t.add_comm("world", &[0, 1], true);
+    t.add_comm("c0", &[0, 1], false);
+    let (m0, m1, t1) = (
+        t.add_thread(0, "main"),
+        t.add_thread(1, "main"),
+        t.add_thread(1, "t0"),
+    );
+    let (s0, a) = (t.add_stream(0, "default"), t.add_stream(1, "a"));
+    t.push(launch(m0, duplex::Dir::Recv, 1, 0, s0, "recv 1 on world"));
+    t.block(
+        m0,
+        Some(TraceCall {
+            thread: m0,
+            call: Call::Sync { stream: None },
+            text: "synchronize".into(),
+            place: "x".into(),
+        }),
+    );
+    t.push(launch(t1, duplex::Dir::Recv, 0, 1, a, "recv 0 on c0"));
+    t.block(
+        m1,
+        Some(launch(m1, duplex::Dir::Send, 0, 0, a, "send 0 on world")),
+    );
+    let an = t.analyze(duplex::Model {
+        lazy_connect: true,
+        ..Default::default()
+    });
+    let text = an.stuck.expect("stuck").to_string();
+    assert!(!text.contains("not inside a duplex call"), "{text}");
+}

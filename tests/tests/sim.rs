@@ -249,3 +249,59 @@ fn the_copy_scenarios_run_on_copy_engine_lanes() {
         "copy-engine lanes never buffer"
     );
 }
+
+/// A launch beside another thread's handshake on a shared stream: the
+/// simulator (as the model, R11) lets it through, and the handshake may
+/// finish only because of it. Its trace replays to the same completion:
+/// the replay's hold for duplex-nccl's wider rule yields when nothing
+/// else can move (found by review: it replayed as a deadlock).
+#[test]
+fn a_launch_beside_a_handshake_on_its_stream_replays_from_its_trace() {
+    use duplex::{Place, Transport};
+    let lazy = duplex::Model {
+        lazy_connect: true,
+        ..duplex::Model::default()
+    };
+    let prog = |t: &SimRank| -> duplex::Result<()> {
+        let world = t.world();
+        let s = t.stream("shared")?;
+        if t.rank() == 0 {
+            let out = t.alloc::<u32>(16)?;
+            let s2 = s.clone();
+            let first = t.spawn("first", move |t: &SimRank| {
+                let out = t.alloc::<u32>(16)?;
+                t.with_stream(&s2, || t.send(&out, 1))?;
+                t.synchronize()
+            })?;
+            t.send_on(&out, 1, &Place::on(&world, &s))?;
+            t.synchronize()?;
+            t.join(first)
+        } else {
+            let mut inb = t.alloc::<u32>(16)?;
+            t.recv_on(&mut inb, 0, &Place::on(&world, &s))?;
+            t.synchronize()?;
+            let mut lane = t.alloc::<u32>(16)?;
+            t.recv(&mut lane, 0)?;
+            t.synchronize()
+        }
+    };
+    let mut replayed = 0;
+    for seed in 0..20 {
+        let Ok(run) = Sim::new(2)
+            .policy(duplex::Policy::Shared)
+            .model(lazy)
+            .run(seed, prog)
+        else {
+            continue;
+        };
+        let a = run.trace.analyze(lazy);
+        assert!(
+            a.disagreements.is_empty() && a.finished && a.stuck.is_none(),
+            "seed {seed}: {:?}\n{}",
+            a.disagreements,
+            a.stuck.map(|s| s.to_string()).unwrap_or_default()
+        );
+        replayed += 1;
+    }
+    assert!(replayed > 0, "no run completed");
+}
