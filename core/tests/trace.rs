@@ -12,6 +12,45 @@ use duplex::compile::{Compiled, Remaining, compile};
 use duplex::machine::{HostCall, Machine, Next, Status, ThreadId};
 use duplex::trace::{Call, Trace, TraceCall, TraceOp};
 
+/// A trace's launch of one op by `thread`: `bytes` to or from `peer` on
+/// communicator `comm` and stream `stream`, written `text`.
+fn one_op(
+    thread: u32,
+    dir: duplex::Dir,
+    peer: u32,
+    bytes: u64,
+    (comm, stream): (u32, u32),
+    text: &str,
+) -> TraceCall {
+    TraceCall {
+        thread,
+        call: Call::Launch {
+            ops: vec![TraceOp {
+                dir,
+                peer,
+                bytes,
+                dtype: duplex::DType::U8,
+                comm,
+                stream,
+            }]
+            .into(),
+            grouped: false,
+        },
+        text: text.into(),
+        place: "x".into(),
+    }
+}
+
+/// A trace's `synchronize` of every stream by `thread`.
+fn synchronize(thread: u32) -> TraceCall {
+    TraceCall {
+        thread,
+        call: Call::Sync { stream: None },
+        text: "synchronize".into(),
+        place: "x".into(),
+    }
+}
+
 fn examples() -> Vec<(String, String)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
     let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
@@ -894,32 +933,15 @@ fn a_thread_outside_any_duplex_call_is_said_so_not_called_a_bug() {
     let main0 = t.add_thread(0, "main");
     let _main1 = t.add_thread(1, "main");
     let s = t.add_stream(0, "default");
-    t.push(TraceCall {
-        thread: main0,
-        call: Call::Launch {
-            ops: vec![TraceOp {
-                dir: duplex::Dir::Send,
-                peer: 1,
-                bytes: 256 << 20,
-                dtype: duplex::DType::U8,
-                comm: world,
-                stream: s,
-            }]
-            .into(),
-            grouped: false,
-        },
-        text: "send 256MiB to rank 1".into(),
-        place: "main.rs:3".into(),
-    });
-    t.block(
+    t.push(one_op(
         main0,
-        Some(TraceCall {
-            thread: main0,
-            call: Call::Sync { stream: None },
-            text: "synchronize".into(),
-            place: "main.rs:4".into(),
-        }),
-    );
+        duplex::Dir::Send,
+        1,
+        256 << 20,
+        (world, s),
+        "send 256MiB to rank 1",
+    ));
+    t.block(main0, Some(synchronize(main0)));
     let a = t.analyze(duplex::Model::default());
     let stuck = a.stuck.expect("rank 0 is stuck");
     let text = format!("{stuck}");
@@ -953,32 +975,15 @@ fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
         sent: vec![(world, 1, 2 << 20)],
         ..Default::default()
     });
-    t.push(TraceCall {
-        thread: main0,
-        call: Call::Launch {
-            ops: vec![TraceOp {
-                dir: duplex::Dir::Send,
-                peer: 1,
-                bytes: 256 << 20,
-                dtype: duplex::DType::U8,
-                comm: world,
-                stream: s,
-            }]
-            .into(),
-            grouped: false,
-        },
-        text: "send 256MiB to rank 1".into(),
-        place: "main.rs:3".into(),
-    });
-    t.block(
+    t.push(one_op(
         main0,
-        Some(TraceCall {
-            thread: main0,
-            call: Call::Sync { stream: None },
-            text: "synchronize".into(),
-            place: "main.rs:4".into(),
-        }),
-    );
+        duplex::Dir::Send,
+        1,
+        256 << 20,
+        (world, s),
+        "send 256MiB to rank 1",
+    ));
+    t.block(main0, Some(synchronize(main0)));
     let a = t.analyze(duplex::Model::default());
     assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
     let text = format!("{}", a.stuck.expect("rank 0 is stuck"));
@@ -998,22 +1003,8 @@ fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
 /// review): the replay holds a launch back as the backend does.
 #[test]
 fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
-    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| TraceCall {
-        thread,
-        call: Call::Launch {
-            ops: vec![TraceOp {
-                dir,
-                peer,
-                bytes: 4096,
-                dtype: duplex::DType::U8,
-                comm,
-                stream,
-            }]
-            .into(),
-            grouped: false,
-        },
-        text: text.into(),
-        place: "x".into(),
+    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| {
+        one_op(thread, dir, peer, 4096, (comm, stream), text)
     };
     let comms = |t: &mut Trace| {
         t.add_comm("world", &[0, 1], true);
@@ -1062,22 +1053,8 @@ fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
 /// through) is in a duplex call, not outside one (found by review).
 #[test]
 fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
-    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| TraceCall {
-        thread,
-        call: Call::Launch {
-            ops: vec![TraceOp {
-                dir,
-                peer,
-                bytes: 4096,
-                dtype: duplex::DType::U8,
-                comm,
-                stream,
-            }]
-            .into(),
-            grouped: false,
-        },
-        text: text.into(),
-        place: "x".into(),
+    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| {
+        one_op(thread, dir, peer, 4096, (comm, stream), text)
     };
     let mut t = Trace::new(2);
     t.add_comm("world", &[0, 1], true);
@@ -1089,15 +1066,7 @@ fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
     );
     let (s0, a) = (t.add_stream(0, "default"), t.add_stream(1, "a"));
     t.push(launch(m0, duplex::Dir::Recv, 1, 0, s0, "recv 1 on world"));
-    t.block(
-        m0,
-        Some(TraceCall {
-            thread: m0,
-            call: Call::Sync { stream: None },
-            text: "synchronize".into(),
-            place: "x".into(),
-        }),
-    );
+    t.block(m0, Some(synchronize(m0)));
     t.push(launch(t1, duplex::Dir::Recv, 0, 1, a, "recv 0 on c0"));
     t.block(
         m1,
