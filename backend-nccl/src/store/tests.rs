@@ -41,6 +41,16 @@ fn client(addr: SocketAddr) -> Store {
     Store::client("127.0.0.1", addr.port(), secret())
 }
 
+/// A connection to the store at `addr`, past its `AUTH`.
+fn authenticated(addr: SocketAddr) -> TcpStream {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(&auth()).unwrap();
+    let mut ok = [0u8; 3];
+    c.read_exact(&mut ok).unwrap();
+    assert_eq!(&ok, b"OK\n");
+    c
+}
+
 fn auth() -> Vec<u8> {
     proto::encode_request(&Request::Auth {
         version: VERSION,
@@ -289,16 +299,7 @@ fn too_many_connections_are_refused_and_their_places_come_back() {
         ..limits(500)
     });
     // Two connections past their AUTH hold the two places.
-    let idle: Vec<TcpStream> = (0..2)
-        .map(|_| {
-            let mut c = TcpStream::connect(addr).unwrap();
-            c.write_all(&auth()).unwrap();
-            let mut ok = [0u8; 3];
-            c.read_exact(&mut ok).unwrap();
-            assert_eq!(&ok, b"OK\n");
-            c
-        })
-        .collect();
+    let idle: Vec<TcpStream> = (0..2).map(|_| authenticated(addr)).collect();
     assert_eq!(
         raw(addr, &auth(), false),
         "ERROR busy: too many connections\n"
@@ -1197,10 +1198,7 @@ fn a_store_busy_past_the_silence_is_not_taken_for_dead() {
         max_connections: 1,
         ..limits(60_000)
     });
-    let mut held = TcpStream::connect(addr).unwrap();
-    held.write_all(&auth()).unwrap();
-    let mut ok = [0u8; 3];
-    held.read_exact(&mut ok).unwrap();
+    let held = authenticated(addr);
     let h = crate::health::StoreHealth::start(client(addr), 1);
     std::thread::sleep(crate::health::SILENCE + Duration::from_secs(2));
     assert_eq!(crate::health::Health::failed(&*h, 1), None);
@@ -1217,10 +1215,7 @@ fn a_busy_store_is_asked_again_until_the_deadline() {
         max_connections: 1,
         ..limits(700)
     });
-    let mut held = TcpStream::connect(addr).unwrap();
-    held.write_all(&auth()).unwrap();
-    let mut ok = [0u8; 3];
-    held.read_exact(&mut ok).unwrap();
+    let held = authenticated(addr);
     // Past a short deadline: told why.
     let e = client(addr)
         .unique_id(Duration::from_millis(200))
@@ -1243,11 +1238,7 @@ fn a_busy_store_is_asked_again_until_the_deadline() {
 /// A connection past its `AUTH` that sent `request`, a wait, and is then
 /// closed before any reply: its client left mid-wait.
 fn leave_during(addr: SocketAddr, request: &Request) {
-    let mut c = TcpStream::connect(addr).unwrap();
-    c.write_all(&auth()).unwrap();
-    let mut ok = [0u8; 3];
-    c.read_exact(&mut ok).unwrap();
-    assert_eq!(&ok, b"OK\n");
+    let mut c = authenticated(addr);
     c.write_all(&proto::encode_request(request).unwrap())
         .unwrap();
     // The store has read the request and is waiting.
