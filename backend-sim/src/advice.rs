@@ -199,11 +199,7 @@ fn lazy_connect_matters(program: &Program) -> bool {
             .threads
             .iter()
             .flat_map(|t| &t.body)
-            .any(|s| match &s.kind {
-                StmtKind::Op(op) => op.is_explicit(),
-                StmtKind::Group(ops) => ops.iter().any(P2p::is_explicit),
-                _ => false,
-            })
+            .any(|s| s.p2ps().iter().any(P2p::is_explicit))
 }
 
 /// The hangs an `ok` program has under NCCL's contract (`eager=0`) or on

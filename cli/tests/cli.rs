@@ -1884,13 +1884,8 @@ fn every_example_the_checker_passes_runs_with_its_bytes() {
             .threads
             .iter()
             .flat_map(|t| &t.body)
-            .flat_map(|s| match &s.kind {
-                duplex::schedule::StmtKind::Op(op) => vec![op.size.bytes()],
-                duplex::schedule::StmtKind::Group(ops) => {
-                    ops.iter().map(|o| o.size.bytes()).collect()
-                }
-                _ => Vec::new(),
-            })
+            .flat_map(|s| s.p2ps())
+            .map(|o| o.size.bytes())
             .max()
             .unwrap_or(0);
         if largest > 4 << 20 {

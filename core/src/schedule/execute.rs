@@ -63,12 +63,7 @@ fn numbered(program: &Program) -> HashSet<Channel> {
     let mut users: HashMap<Channel, [HashSet<usize>; 2]> = HashMap::new();
     for (i, thread) in program.threads.iter().enumerate() {
         for stmt in &thread.body {
-            let ops = match &stmt.kind {
-                StmtKind::Op(op) => std::slice::from_ref(op),
-                StmtKind::Group(ops) => ops.as_slice(),
-                _ => continue,
-            };
-            for op in ops {
+            for op in stmt.p2ps() {
                 let side = usize::from(op.dir == Dir::Recv);
                 users
                     .entry(channel_of(program, thread.rank, op))
@@ -423,19 +418,11 @@ mod tests {
             .iter()
             .find(|t| t.rank == 0 && t.name.is_none())
             .unwrap();
-        let ops: Vec<_> = main0
-            .body
-            .iter()
-            .flat_map(|s| match &s.kind {
-                crate::schedule::StmtKind::Op(op) => vec![op.clone()],
-                crate::schedule::StmtKind::Group(ops) => ops.clone(),
-                _ => vec![],
-            })
-            .collect();
+        let ops: Vec<_> = main0.body.iter().flat_map(|s| s.p2ps()).collect();
         // The policy's lane 0 -> 1: one thread each side, numbered.
-        assert!(set.contains(&channel_of(&p, 0, &ops[0])));
+        assert!(set.contains(&channel_of(&p, 0, ops[0])));
         // `world` 0 -> 1: two threads of rank 0 send on it, not numbered.
-        assert!(!set.contains(&channel_of(&p, 0, &ops[2])));
+        assert!(!set.contains(&channel_of(&p, 0, ops[2])));
         assert_eq!(set.len(), 1, "{set:?}");
     }
 }

@@ -111,6 +111,18 @@ pub struct Stmt {
     pub line: Line,
 }
 
+impl Stmt {
+    /// The sends and recvs of the statement: its op, a group's ops, or
+    /// none for any other statement.
+    pub fn p2ps(&self) -> &[P2p] {
+        match &self.kind {
+            StmtKind::Op(op) => std::slice::from_ref(op),
+            StmtKind::Group(ops) => ops,
+            _ => &[],
+        }
+    }
+}
+
 /// The statements of the format page.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum StmtKind {

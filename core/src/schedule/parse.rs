@@ -859,12 +859,7 @@ fn validate(program: &Program) -> Result<()> {
         program.comms.iter().map(|c| (c.name.as_str(), c)).collect();
     for thread in &program.threads {
         for stmt in &thread.body {
-            let ops: &[P2p] = match &stmt.kind {
-                StmtKind::Op(op) => std::slice::from_ref(op),
-                StmtKind::Group(ops) => ops,
-                _ => continue,
-            };
-            for op in ops {
+            for op in stmt.p2ps() {
                 // A group's op names its own line.
                 let line = if op.line.0 != 0 { op.line } else { stmt.line };
                 let Some(name) = op.comm.as_deref() else {
