@@ -121,14 +121,8 @@ fn child(name: &str) {
             .copy_from(s.copy.then(duplex_tests::copy_threshold))
             .run(|t: &NcclRank| {
                 run(t)?;
-                // A copy scenario that completes moved its large messages
-                // by the copy engines: a backend that routed them on NCCL
-                // lanes would complete it too (found by review).
-                if must_copy && t.copy_ops() == 0 {
-                    return Err(duplex::Error::User(format!(
-                        "rank {} issued no op on a copy-engine lane",
-                        t.rank()
-                    )));
+                if must_copy {
+                    moved_by_copy(t)?;
                 }
                 Ok(())
             }),
@@ -644,13 +638,7 @@ fn one_process_rank(job: &str) {
                         .copy_from(Some(duplex_tests::copy_threshold()))
                         .run(|t| {
                             f(t)?;
-                            if t.copy_ops() == 0 {
-                                return Err(Error::User(format!(
-                                    "rank {} issued no op on a copy-engine lane",
-                                    t.rank()
-                                )));
-                            }
-                            Ok(())
+                            moved_by_copy(t)
                         })
                 })
             }
@@ -669,6 +657,19 @@ fn one_process_rank(job: &str) {
         }
         Err(e) => println!("RANK ERROR {e}"),
     }
+}
+
+/// A copy scenario that completes moved its large messages by the copy
+/// engines: a backend that routed them on NCCL lanes would complete it
+/// too (found by review). An error when rank `t` issued no copy op.
+fn moved_by_copy(t: &NcclRank) -> duplex::Result<()> {
+    if t.copy_ops() == 0 {
+        return Err(Error::User(format!(
+            "rank {} issued no op on a copy-engine lane",
+            t.rank()
+        )));
+    }
+    Ok(())
 }
 
 /// Whether a hang report's cycle (the text from "wait-for cycle (") runs
