@@ -354,9 +354,7 @@ impl BufState {
         });
         busy
     }
-}
 
-impl BufState {
     /// Why the buffer cannot be used yet, if so: a recv into it on a
     /// copy-engine lane failed (its lane was aborted) while its copy may
     /// still run, and would overwrite what the host or a later op puts
@@ -1317,6 +1315,16 @@ impl RankCtx {
             self.assist(issuing);
             Ok(())
         })?)
+    }
+
+    /// Why `buf` cannot be used yet ([`BufState::late_copy`]); never for a
+    /// rank without copy-engine lanes, whose launches and host accesses
+    /// then take no lock for it.
+    pub(crate) fn late_copy(&self, buf: &BufState) -> Option<String> {
+        if self.copy.is_empty() {
+            return None;
+        }
+        buf.late_copy()
     }
 
     /// Queues an NCCL call of the lane service, and runs the queue now if

@@ -485,7 +485,7 @@ impl NcclRank {
     fn issue(&self, mut reqs: Reqs, grouped: bool, at: &'static Location<'static>) -> Result<()> {
         let ctx = &self.ctx;
         for r in &reqs {
-            if let Some(why) = (!ctx.copy.is_empty()).then(|| r.buf.late_copy()).flatten() {
+            if let Some(why) = ctx.late_copy(&r.buf) {
                 return Err(Error::Aborted(format!(
                     "{}: its buffer cannot be used yet: {why}",
                     r.meta.text()
@@ -1630,10 +1630,7 @@ impl NcclRank {
 
     fn check_users(&self, at: &Location<'_>, buf: &BufState, what: &str) -> Result<()> {
         self.mine(at, &|| what.to_string(), "buffer", buf.rank, buf.run)?;
-        if let Some(why) = (!self.ctx.copy.is_empty())
-            .then(|| buf.late_copy())
-            .flatten()
-        {
+        if let Some(why) = self.ctx.late_copy(buf) {
             return Err(Error::Aborted(format!(
                 "rank {} thread {}: {what} of a buffer that cannot be used yet: {why}",
                 self.ctx.rank, self.thread
