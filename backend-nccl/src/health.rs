@@ -481,97 +481,85 @@ impl StoreHealth {
         // slow store, and a cycle of them took ~3.2 s, past [`SILENCE`]
         // (found by review): behind them, a live rank's beats fell late
         // enough for the others to take it for dead.
-        let weak = Arc::downgrade(&health);
-        let beating = std::thread::Builder::new()
-            .name(format!("duplex beat {me}"))
-            .spawn(move || {
-                let mut last = Instant::now();
-                loop {
-                    let Some(h) = weak.upgrade() else { return };
-                    if h.stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    // A gap past the silence between two beats: this
-                    // process was frozen (SIGSTOP) or starved, and the job
-                    // may have taken it for dead meanwhile.
-                    let gap = last.elapsed();
-                    last = Instant::now();
-                    if gap > SILENCE {
-                        let ms = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX);
-                        h.stalled_ms.fetch_max(ms, Ordering::AcqRel);
-                    }
-                    if let Err(e) = h.store.beat(h.me, REQUEST) {
-                        tracing::debug!(rank = h.me, error = %e, "a heartbeat did not reach the store");
-                    }
-                    drop(h);
-                    std::thread::sleep(BEAT_EVERY);
-                }
-            });
-        if let Err(e) = beating {
+        let mut last = Instant::now();
+        if let Err(e) = every_beat(&health, format!("duplex beat {me}"), move |h| {
+            h.beat(&mut last)
+        }) {
             // Without its thread, the monitor beats before each check (a
             // slow store can then make it late, but never silent).
             tracing::warn!(rank = me, error = %e, "cannot start the heartbeat's thread: the health monitor beats instead");
             health.beats_in_monitor.store(true, Ordering::Release);
         }
-        let weak = Arc::downgrade(&health);
-        let _ = std::thread::Builder::new()
-            .name(format!("duplex health {me}"))
-            .spawn(move || {
-                let mut unreachable_since: Option<Instant> = None;
-                loop {
-                    let Some(h) = weak.upgrade() else { return };
-                    if h.stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    match h.poll_once() {
-                        Ok(found) => {
-                            unreachable_since = None;
-                            if let Some(f) = found {
-                                h.learn(f);
-                            }
-                            if h.watch_finished.load(Ordering::Acquire) {
-                                h.look_for_finished(Instant::now() + LOOK_BUDGET);
-                            }
-                        }
-                        Err((asked, e)) if h.me != 0 => {
-                            // Unreachable since the first request that failed
-                            // was made, not since it gave up; a store that
-                            // answers at all (busy: its connections at their
-                            // limit, for a moment or for long) is alive,
-                            // and so is its host (found by review: three
-                            // seconds of `ERROR busy` took rank 0 for dead).
-                            let first = *unreachable_since.get_or_insert(asked);
-                            let since = h.store.last_heard().map_or(first, |t| first.max(t));
-                            if since.elapsed() >= SILENCE {
-                                // A process that was itself frozen finds
-                                // the store gone because the job took it
-                                // for dead and ended: said, so that its
-                                // operator looks at the right process.
-                                let stalled = h.stalled_ms.load(Ordering::Acquire);
-                                let own = if stalled == 0 {
-                                    String::new()
-                                } else {
-                                    format!(
-                                        " (this process itself sent no heartbeat for {stalled} ms before: it was frozen or starved, so the job may have taken rank {} for dead and ended)",
-                                        h.me
-                                    )
-                                };
-                                h.learn((
-                                    0,
-                                    format!(
-                                        "the duplex store on rank 0 has been unreachable for {} ms, so rank 0 (its host) is taken as dead{own}: {e}",
-                                        since.elapsed().as_millis()
-                                    ),
-                                ));
-                            }
-                        }
-                        Err(_) => {}
-                    }
-                    drop(h);
-                    std::thread::sleep(BEAT_EVERY);
-                }
-            });
+        let mut unreachable_since: Option<Instant> = None;
+        let _ = every_beat(&health, format!("duplex health {me}"), move |h| {
+            h.check(&mut unreachable_since)
+        });
         health
+    }
+
+    /// One heartbeat, `last` the time of the one before: a gap past the
+    /// silence between two beats means this process was frozen (SIGSTOP)
+    /// or starved, and the job may have taken it for dead meanwhile.
+    fn beat(&self, last: &mut Instant) {
+        let gap = last.elapsed();
+        *last = Instant::now();
+        if gap > SILENCE {
+            let ms = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX);
+            self.stalled_ms.fetch_max(ms, Ordering::AcqRel);
+        }
+        if let Err(e) = self.store.beat(self.me, REQUEST) {
+            tracing::debug!(rank = self.me, error = %e, "a heartbeat did not reach the store");
+        }
+    }
+
+    /// One check of the monitor: learns another rank's failure, looks for
+    /// finished ranks when asked to, and takes rank 0 for dead once its
+    /// store has answered nothing for [`SILENCE`] (`unreachable_since`:
+    /// when the first request that failed since the last answer was made).
+    fn check(&self, unreachable_since: &mut Option<Instant>) {
+        match self.poll_once() {
+            Ok(found) => {
+                *unreachable_since = None;
+                if let Some(f) = found {
+                    self.learn(f);
+                }
+                if self.watch_finished.load(Ordering::Acquire) {
+                    self.look_for_finished(Instant::now() + LOOK_BUDGET);
+                }
+            }
+            Err((asked, e)) if self.me != 0 => {
+                // Unreachable since the first request that failed was
+                // made, not since it gave up; a store that answers at all
+                // (busy: its connections at their limit, for a moment or
+                // for long) is alive, and so is its host (found by review:
+                // three seconds of `ERROR busy` took rank 0 for dead).
+                let first = *unreachable_since.get_or_insert(asked);
+                let since = self.store.last_heard().map_or(first, |t| first.max(t));
+                if since.elapsed() < SILENCE {
+                    return;
+                }
+                // A process that was itself frozen finds the store gone
+                // because the job took it for dead and ended: said, so that
+                // its operator looks at the right process.
+                let stalled = self.stalled_ms.load(Ordering::Acquire);
+                let own = if stalled == 0 {
+                    String::new()
+                } else {
+                    format!(
+                        " (this process itself sent no heartbeat for {stalled} ms before: it was frozen or starved, so the job may have taken rank {} for dead and ended)",
+                        self.me
+                    )
+                };
+                self.learn((
+                    0,
+                    format!(
+                        "the duplex store on rank 0 has been unreachable for {} ms, so rank 0 (its host) is taken as dead{own}: {e}",
+                        since.elapsed().as_millis()
+                    ),
+                ));
+            }
+            Err(_) => {}
+        }
     }
 
     /// Rank `r`'s published trace: its own ([`Health::publish`]), waited
@@ -794,6 +782,30 @@ impl Drop for StoreHealth {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
     }
+}
+
+/// Runs `step` on a thread named `name` every [`BEAT_EVERY`], until
+/// `health` is dropped or stopped.
+fn every_beat(
+    health: &Arc<StoreHealth>,
+    name: String,
+    mut step: impl FnMut(&StoreHealth) + Send + 'static,
+) -> std::io::Result<()> {
+    let weak = Arc::downgrade(health);
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            loop {
+                let Some(h) = weak.upgrade() else { return };
+                if h.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                step(&h);
+                drop(h);
+                std::thread::sleep(BEAT_EVERY);
+            }
+        })
+        .map(drop)
 }
 
 /// The key a rank stores as it finishes cleanly ([`Health::finished`]).
