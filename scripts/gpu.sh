@@ -205,8 +205,19 @@ run)
       # start and on first use, the jobs cold too, both ranks on GPU 0 talking over loopback
       # sockets (DUPLEX_ONE_GPU=1, duplex_nccl::shared_gpu_env): behaviour,
       # not speed (docs/gpu/suite-1gpu.txt, docs/gpu/faults-1gpu.md).
+      # ONE_GPU_PARTS picks what runs (default all of: eager lazy cold
+      # ipc-copy copylane): the whole step takes more than one device
+      # call's 600 s, so a session splits it, e.g. "eager lazy" in one
+      # call and "cold ipc-copy copylane" in another.
+      parts=" ${ONE_GPU_PARTS:-eager lazy cold ipc-copy copylane} "
+      for p in $parts; do
+        case $p in eager|lazy|cold|ipc-copy|copylane) ;;
+          *) echo "ONE_GPU_PARTS: unknown part '$p' (eager lazy cold ipc-copy copylane)" >&2; exit 2 ;;
+        esac
+      done
       set +e
       for lanes in eager lazy; do
+        [[ $parts == *" $lanes "* ]] || continue
         DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-$lanes.txt" 2>&1
         record "suite-1gpu-$lanes" $?
         DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes timeout "${FAULTS_S:-200}" .gpu/faults drive --out "$out/faults-1gpu-$lanes.md" > "$out/faults-1gpu-$lanes.log" 2>&1
@@ -214,20 +225,22 @@ run)
       done
       # Every job with its communicators connected on first use
       # (DUPLEX_COLD=1; suite-cold above).
+      [[ $parts == *" cold "* ]] && {
       DUPLEX_COLD=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-cold.txt" 2>&1
-      record suite-1gpu-cold $?
+      record suite-1gpu-cold $?; }
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
       # the suite's process jobs with its six copy jobs, IPC_RUNS times
       # (default 1; their known hang was intermittent, and three runs with
       # the rest took longer than one device call: docs/gpu/ipc-copy-1gpu.md).
-      for i in $(seq "${IPC_RUNS:-1}"); do
+      [[ $parts == *" ipc-copy "* ]] && for i in $(seq "${IPC_RUNS:-1}"); do
         DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
         record "suite-1gpu-ipc-copy-$i" $?
       done
       # The copy-engine lanes' own checks and figures (examples/copylane:
       # the lane of one process, both ranks on the one GPU).
+      [[ $parts == *" copylane "* ]] && {
       timeout 120 .gpu/copylane --trials 3 > "$out/copylane-1gpu.txt" 2>&1
-      record copylane-1gpu $?
+      record copylane-1gpu $?; }
       set -e
       # A summary only: a suite that printed no scenario line, or a fault
       # matrix that wrote no table, must not end the run here (set -e).
