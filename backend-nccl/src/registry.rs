@@ -469,7 +469,12 @@ impl Registry {
             run: RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             model,
             inner: Mutex::new(Reg {
-                trace: Trace::new(ranks),
+                trace: Trace {
+                    // `Handshakes::holds` (ctx.rs): a stream or copy lane
+                    // shared with a launch in its handshake holds too.
+                    held_for_streams: true,
+                    ..Trace::new(ranks)
+                },
                 matcher: match only {
                     Some(rank) => IssueMatch::one_rank(model.one_sided_groups, rank),
                     None => IssueMatch::new(model.one_sided_groups),
@@ -1609,9 +1614,12 @@ pub(crate) mod tests {
             ),
             "{stuck}"
         );
-        // Held back on the GPU only because it shares the first send's
-        // stream (another communicator): the model lets it through, which
-        // is said, and the hang is still explained.
+        // Held back only because it shares the first send's stream
+        // (another communicator): the model lets it through, but the
+        // replay sees the first send still in its handshake on that
+        // stream, which is the backend's own hold (`Handshakes::holds`,
+        // `Trace::held_for_streams`), not a disagreement; the hang is
+        // still explained.
         reg.blocked(
             main,
             Some(Blocked::Launch(
@@ -1629,15 +1637,39 @@ pub(crate) mod tests {
         );
         let analysis = reg.analyze();
         assert!(
-            analysis
-                .disagreements
-                .iter()
-                .any(|d| d.call == "send 64 (same stream)" && d.why.contains("stream they share")),
+            analysis.disagreements.is_empty(),
             "{:?}",
             analysis.disagreements
         );
         let stuck = analysis.stuck.expect("still stuck").to_string();
         assert!(stuck.contains("wait-for cycle"), "{stuck}");
+        // Blocked in a launch on a stream and a communicator no launch in
+        // its handshake shares: nothing the backend does holds it back,
+        // and the model lets it through: a disagreement, said.
+        let s0c = reg.stream(0, "other");
+        reg.blocked(
+            main,
+            Some(Blocked::Launch(
+                Arc::new([TraceOp {
+                    dir: Dir::Send,
+                    peer: 1,
+                    bytes: 64,
+                    dtype: DType::U8,
+                    comm: 0,
+                    stream: s0c,
+                }]),
+                false,
+                ("send 64 (nothing holds it)".into(), "x.rs:11:1".into()),
+            )),
+        );
+        let analysis = reg.analyze();
+        assert!(
+            analysis.disagreements.iter().any(
+                |d| d.call == "send 64 (nothing holds it)" && d.why.contains("lets it through")
+            ),
+            "{:?}",
+            analysis.disagreements
+        );
     }
 
     /// The issue check refuses a recv whose size differs from the send

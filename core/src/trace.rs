@@ -184,6 +184,15 @@ pub struct Trace {
     /// those calls. Empty for a trace kept whole.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuts: Vec<Cut>,
+    /// The recording backend holds a launch back behind another thread's
+    /// launch in its connection handshake when they share a stream or a
+    /// copy-engine lane, not only a communicator as R11 does (duplex-nccl's
+    /// `Handshakes::holds`): the replay then holds it back too, where it
+    /// can ([`Replayer::run`]). Off for a backend that holds only what R11
+    /// holds (the simulator, [`Trace::from_calls`]), whose launches the
+    /// replay must take in their recorded order.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub held_for_streams: bool,
 }
 
 /// What the calls of one rank before its trace's cut left behind
@@ -752,6 +761,93 @@ impl Trace {
         Ok(())
     }
 
+    /// The ranks this trace holds anything of: a thread or a cut.
+    fn present(&self) -> std::collections::BTreeSet<Rank> {
+        self.threads
+            .iter()
+            .map(|t| t.rank)
+            .chain(self.cuts.iter().map(|c| c.rank))
+            .collect()
+    }
+
+    /// The trace as one process per rank records it: one part per rank,
+    /// each with that rank's threads, streams, events, calls, waits and
+    /// cut, renumbered from 0 ([`Trace::merge`] joins them again). For
+    /// tests of the cross-process analysis; the NCCL backend records each
+    /// rank's part itself.
+    pub fn parts(&self) -> Vec<Trace> {
+        (0..self.ranks).map(|rank| self.part(rank)).collect()
+    }
+
+    /// Rank `rank`'s part ([`Trace::parts`]).
+    fn part(&self, rank: Rank) -> Trace {
+        let mut part = Trace::new(self.ranks);
+        part.comms = self.comms.clone();
+        let renumber = |list: &[Owned], part: &mut Vec<Owned>| {
+            let mut map = HashMap::new();
+            for (i, o) in list.iter().enumerate() {
+                if o.rank == rank {
+                    map.insert(i as u32, part.len() as u32);
+                    part.push(o.clone());
+                }
+            }
+            map
+        };
+        let threads = renumber(&self.threads, &mut part.threads);
+        let streams = renumber(&self.streams, &mut part.streams);
+        let events = renumber(&self.events, &mut part.events);
+        // An id this trace never declared (check_ids refuses it) maps to
+        // one past the part's, which the part's check refuses too.
+        let map = |m: &HashMap<u32, u32>, x: u32| m.get(&x).copied().unwrap_or(u32::MAX);
+        let renamed = |c: &TraceCall| -> Option<TraceCall> {
+            let thread = *threads.get(&c.thread)?;
+            let mut c = c.clone();
+            c.thread = thread;
+            match &mut c.call {
+                Call::Launch { ops, .. } => {
+                    *ops = ops
+                        .iter()
+                        .map(|&o| TraceOp {
+                            stream: map(&streams, o.stream),
+                            ..o
+                        })
+                        .collect();
+                }
+                Call::Record { event, stream } | Call::Wait { event, stream } => {
+                    *event = map(&events, *event);
+                    *stream = map(&streams, *stream);
+                }
+                Call::Sync { stream } => {
+                    if let Some(s) = stream {
+                        *s = map(&streams, *s);
+                    }
+                }
+                Call::Join { thread } => *thread = map(&threads, *thread),
+                Call::Notify { .. } | Call::Await { .. } | Call::End => {}
+            }
+            Some(c)
+        };
+        for c in self.calls.iter().filter_map(renamed) {
+            if matches!(c.call, Call::End) {
+                part.end(c.thread);
+            } else {
+                part.push(c);
+            }
+        }
+        // A thread ended with no End call (a trace built by hand).
+        for t in self.ended.iter().filter_map(|t| threads.get(t)) {
+            part.end(*t);
+        }
+        part.blocked = self.blocked.iter().filter_map(renamed).collect();
+        part.cuts = self
+            .cuts
+            .iter()
+            .filter(|c| c.rank == rank)
+            .cloned()
+            .collect();
+        part
+    }
+
     /// Joins the traces of the ranks of one job (one per process): threads,
     /// streams and events are renumbered; communicator `k` must be the same
     /// in every part that declares it. A part may leave some undeclared
@@ -766,6 +862,7 @@ impl Trace {
         let mut out = Trace::new(first.ranks);
         let mut owners: std::collections::BTreeMap<Rank, usize> = Default::default();
         for (i, part) in parts.iter().enumerate() {
+            out.held_for_streams |= part.held_for_streams;
             if part.ranks != first.ranks {
                 return Err(format!(
                     "trace part {i} has {} ranks, part 0 has {}",
@@ -1071,12 +1168,7 @@ fn settled_of(trace: &Trace, setup: &mut Setup) -> crate::machine::Settled {
     // unsettled: one side's count alone read as that many messages never
     // matched, and past `MAX_GHOSTS` (a million messages, an ordinary long
     // run) refused the replay (found by review).
-    let present: std::collections::BTreeSet<Rank> = trace
-        .threads
-        .iter()
-        .map(|t| t.rank)
-        .chain(trace.cuts.iter().map(|c| c.rank))
-        .collect();
+    let present = trace.present();
     for cut in &trace.cuts {
         let me = cut.rank;
         for &(c, peer, n) in cut.sent.iter().filter(|(_, p, _)| present.contains(p)) {
@@ -1114,6 +1206,10 @@ struct Replayer<'t> {
     m: Machine,
     /// Each rank's calls not yet replayed (indices into `trace.calls`).
     queues: Vec<VecDeque<usize>>,
+    /// Per thread: its last call replayed, if that was a launch that
+    /// waited in its connection handshake (R7). With no wait after it
+    /// (`Trace::blocked`), the thread may still be inside it.
+    shook: Vec<Option<usize>>,
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
     disagreements: Vec<Disagreement>,
@@ -1200,6 +1296,7 @@ impl<'t> Replayer<'t> {
             trace,
             m,
             queues,
+            shook: vec![None; trace.threads.len()],
             calls,
             disagreements,
             program_error: None,
@@ -1312,6 +1409,15 @@ impl<'t> Replayer<'t> {
         any
     }
 
+    /// The ranks the trace holds nothing of (their parts did not come):
+    /// not ranks that issue nothing ([`Unknown`]).
+    fn absent(&self) -> Vec<Rank> {
+        let present = self.trace.present();
+        (0..self.trace.ranks)
+            .filter(|r| !present.contains(r))
+            .collect()
+    }
+
     /// The thread that made call `i`.
     fn thread_of(&self, i: usize) -> ThreadId {
         ThreadId(self.trace.calls[i].thread)
@@ -1323,28 +1429,36 @@ impl<'t> Replayer<'t> {
         loop {
             let mut moved = self.resume_all();
             // The backend's hold (`held_back_by_a_handshake`) is a
-            // preference, not a rule of the model: a trace of another
-            // backend (the simulator, which holds only what R11 holds) may
-            // have let such a launch through, and its handshake may finish
-            // only because of it (found by review: a completing simulator
-            // run replayed as a deadlock). So the hold yields when nothing
-            // else can move.
+            // preference, not a rule of the model, and only for a trace
+            // recorded under it (`Trace::held_for_streams`): a trace of
+            // another backend (the simulator, which holds only what R11
+            // holds) may have let such a launch through, and its handshake
+            // may finish only because of it (found by review: a completing
+            // simulator run replayed as a deadlock), or the launch be
+            // behind it on their stream (found by a property over moments
+            // of runs: held, it went behind a later handshake's launch,
+            // and a cycle was named that never was). So the hold yields
+            // when nothing else can move.
             let pick_with = |hold: bool| {
                 self.queues
                     .iter()
                     .enumerate()
                     .filter_map(|(r, q)| q.front().map(|i| (*i, r)))
-                    .filter(|(i, _)| !hold || !self.held_back_by_a_handshake(*i))
+                    .filter(|(i, _)| {
+                        !(hold && self.trace.held_for_streams && self.held_back_by_a_handshake(*i))
+                    })
                     .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
                     .min()
             };
             let pick = pick_with(true).or_else(|| if moved { None } else { pick_with(false) });
             if let Some((i, r)) = pick {
                 self.queues[r].pop_front();
-                if let Err(e) = self.m.apply(self.thread_of(i), &self.calls[i]) {
+                let t = self.thread_of(i);
+                if let Err(e) = self.m.apply(t, &self.calls[i]) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
                     self.met(e);
                 }
+                self.shook[t.ix()] = self.m.in_handshake(t).then_some(i);
                 let step = self.timeline.as_ref().map_or(0, |t| t.steps);
                 self.record(step, Some(i));
                 moved = true;
@@ -1368,7 +1482,8 @@ impl<'t> Replayer<'t> {
             .map(|(i, t)| (*t, self.calls[*i].clone()))
             .collect();
         let lookup = |t: ThreadId| next.get(&t).cloned();
-        let stuck = self.m.stuck(&Unknown(&lookup));
+        let absent = self.absent();
+        let stuck = self.m.stuck(&Unknown(&lookup, &absent));
         for (i, t) in left {
             let info = &self.m.setup().threads[t.0 as usize];
             let why = stuck
@@ -1443,6 +1558,31 @@ impl<'t> Replayer<'t> {
         self.queues[info.rank as usize].clear();
     }
 
+    /// Whether a thread of `t`'s rank may still be inside a launch that
+    /// holds back `t`'s launch `spec` ([`Replayer::shook`]).
+    fn may_hold(&self, t: ThreadId, spec: &LaunchSpec) -> bool {
+        let setup = self.m.setup();
+        let rank = setup.threads[t.ix()].rank;
+        let waiting: std::collections::HashSet<u32> =
+            self.trace.blocked.iter().map(|c| c.thread).collect();
+        self.shook.iter().enumerate().any(|(u, last)| {
+            let Some(i) = last else {
+                return false;
+            };
+            let HostCall::Launch(theirs) = &self.calls[*i] else {
+                return false;
+            };
+            u != t.ix()
+                && setup.threads[u].rank == rank
+                && !waiting.contains(&(u as u32))
+                && theirs.ops.iter().any(|a| {
+                    spec.ops.iter().any(|b| {
+                        a.comm == b.comm || (self.trace.held_for_streams && a.stream == b.stream)
+                    })
+                })
+        })
+    }
+
     fn held_back_disagrees(&mut self, t: ThreadId) {
         let info = &self.trace.threads[t.ix()];
         let held = self
@@ -1455,7 +1595,7 @@ impl<'t> Replayer<'t> {
             thread: info.name.clone(),
             call: held.map_or_else(String::new, |c| c.text.to_string()),
             place: held.map_or_else(String::new, |c| c.place.to_string()),
-            why: "the backend held this launch back (another thread's launch in its connection handshake on a stream they share, or one the model saw end), and the model lets it through (R11 holds back only launches on the same communicator)".into(),
+            why: "the backend held this launch back, and the model lets it through: no other thread of its rank may still be inside a launch in its connection handshake on a communicator it shares (R11) or, where the backend holds for them too, a stream (the model saw every such handshake end, and a later call of each thread)".into(),
         });
     }
 
@@ -1509,6 +1649,24 @@ impl<'t> Replayer<'t> {
     /// explains the state.
     fn finish(mut self) -> Analysis {
         self.resume_all();
+        // Each blocked launch that another thread of its rank may still
+        // hold back: that thread's last call is a launch that waited in its
+        // handshake, on a communicator they share (R11) or, for a backend
+        // that holds for them too, a stream (`Trace::held_for_streams`),
+        // and the trace has it in no wait since. The replay resumes such a
+        // launch once its handshake ends, but the backend lets the other
+        // go only when its call returns, which the trace does not show
+        // (found by a property over moments of runs that complete: the
+        // hold was called a disagreement).
+        let held: std::collections::HashSet<ThreadId> = self
+            .waits
+            .iter()
+            .filter(|(t, calls)| match calls.first() {
+                Some(HostCall::Launch(spec)) => self.may_hold(**t, spec),
+                _ => false,
+            })
+            .map(|(t, _)| *t)
+            .collect();
         for t in &self.trace.ended {
             let t = ThreadId(*t);
             if self.m.enabled(t, &HostCall::End) {
@@ -1535,12 +1693,14 @@ impl<'t> Replayer<'t> {
                 if through {
                     let _ = self.m.apply(t, &call);
                 } else if matches!(call, HostCall::Launch(_)) && self.m.enabled(t, &call) {
-                    // A launch a backend held back (another thread's
-                    // launch in its handshake on a stream they share, say)
-                    // that the model lets through: said, and the thread
-                    // left blocked where the model cannot see, so that a
-                    // cycle through it still shows.
-                    self.held_back_disagrees(t);
+                    // A launch a backend held back that the model lets
+                    // through: the thread is left where the model cannot
+                    // see it (it may still move), and it is said to
+                    // disagree unless another thread may still hold it
+                    // back (`held`, above).
+                    if !held.contains(&t) {
+                        self.held_back_disagrees(t);
+                    }
                     break;
                 } else {
                     next.insert(t, call);
@@ -1549,11 +1709,23 @@ impl<'t> Replayer<'t> {
             }
         }
         let lookup = |t: ThreadId| next.get(&t).cloned();
-        let threads = Unknown(&lookup);
+        let absent = self.absent();
+        let threads = Unknown(&lookup, &absent);
         let status = self.m.status(&threads);
         let stuck = (status == Status::Stuck).then(|| {
             let mut stuck = self.m.stuck(&threads);
             self.outside_duplex(&mut stuck);
+            if stuck.cycle.is_empty() && stuck.missing.is_empty() && !absent.is_empty() {
+                let ranks: Vec<String> = absent.iter().map(|r| r.to_string()).collect();
+                let said = format!(
+                    "no wait-for cycle among the calls of the ranks whose traces are here: what they wait for may come from rank(s) {}, whose traces are not, so whether it ever comes is not known",
+                    ranks.join(", ")
+                );
+                stuck.note = Some(match stuck.note.take() {
+                    Some(n) => format!("{n}; and {said}"),
+                    None => said,
+                });
+            }
             stuck
         });
         Analysis {

@@ -5,7 +5,6 @@
 //! rank records it) and merged again, it must too. A call the model cannot
 //! allow is refused, never dropped.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use duplex::compile::{Compiled, Remaining, compile};
@@ -79,65 +78,6 @@ fn run(c: &Compiled) -> Option<(Machine, Vec<(ThreadId, HostCall)>)> {
     run_noting_quiet(c).map(|r| (r.machine, r.calls))
 }
 
-/// The trace, as one process per rank would record it: each part holds
-/// one rank's threads, streams and events, numbered from 0.
-fn split(t: &Trace) -> Vec<Trace> {
-    (0..t.ranks)
-        .map(|rank| {
-            let mut part = Trace::new(t.ranks);
-            part.comms = t.comms.clone();
-            let renumber = |list: &[duplex::trace::Owned], part: &mut Vec<duplex::trace::Owned>| {
-                let mut map = HashMap::new();
-                for (i, o) in list.iter().enumerate() {
-                    if o.rank == rank {
-                        map.insert(i as u32, part.len() as u32);
-                        part.push(o.clone());
-                    }
-                }
-                map
-            };
-            let threads = renumber(&t.threads, &mut part.threads);
-            let streams = renumber(&t.streams, &mut part.streams);
-            let events = renumber(&t.events, &mut part.events);
-            for c in &t.calls {
-                let Some(&thread) = threads.get(&c.thread) else {
-                    continue;
-                };
-                let mut c: TraceCall = c.clone();
-                c.thread = thread;
-                match &mut c.call {
-                    Call::Launch { ops, .. } => {
-                        *ops = ops
-                            .iter()
-                            .map(|&o| TraceOp {
-                                stream: streams[&o.stream],
-                                ..o
-                            })
-                            .collect();
-                    }
-                    Call::Record { event, stream } | Call::Wait { event, stream } => {
-                        *event = events[event];
-                        *stream = streams[stream];
-                    }
-                    Call::Sync { stream } => {
-                        if let Some(s) = stream {
-                            *s = streams[s];
-                        }
-                    }
-                    Call::Join { thread } => *thread = threads[thread],
-                    Call::Notify { .. } | Call::Await { .. } | Call::End => {}
-                }
-                if matches!(c.call, Call::End) {
-                    part.end(c.thread);
-                } else {
-                    part.push(c);
-                }
-            }
-            part
-        })
-        .collect()
-}
-
 #[test]
 fn every_example_replays_from_its_trace_to_the_same_state() {
     let mut checked = 0;
@@ -158,7 +98,7 @@ fn every_example_replays_from_its_trace_to_the_same_state() {
             "{name}: the model refuses its own run: {:?}",
             a.disagreements
         );
-        let merged = Trace::merge(&split(&trace)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let merged = Trace::merge(&trace.parts()).unwrap_or_else(|e| panic!("{name}: {e}"));
         let b = merged.analyze(program.model);
         assert!(
             b.disagreements.is_empty(),
@@ -466,7 +406,7 @@ fn traces_cut_where_each_rank_is_quiet_explain_the_same_state() {
             };
             let status = m.status(&Remaining(&c));
             let whole = Trace::from_calls(&c.setup, calls.iter().map(|(t, c)| (*t, c)));
-            let parts = split(&whole);
+            let parts = whole.parts();
             let full = Trace::merge(&parts)
                 .unwrap_or_else(|e| panic!("{name}: {e}"))
                 .analyze(program.model);
@@ -962,7 +902,8 @@ fn a_thread_outside_any_duplex_call_is_said_so_not_called_a_bug() {
 /// million messages never matched, which the replay refused, and the first
 /// channel refused stopped the rest from settling (found by review: "no
 /// wait-for cycle was found (this is a bug…)"). A channel to a rank the
-/// trace holds nothing of is left unsettled.
+/// trace holds nothing of is left unsettled, and what waits on that rank
+/// waits on a rank not known, not on one that never comes.
 #[test]
 fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
     let mut t = Trace::new(2);
@@ -988,8 +929,12 @@ fn a_missing_rank_after_a_long_run_leaves_its_channels_unsettled() {
     assert!(a.disagreements.is_empty(), "{:?}", a.disagreements);
     let text = format!("{}", a.stuck.expect("rank 0 is stuck"));
     assert!(!text.contains("this is a bug"), "{text}");
+    // Rank 1's trace is not here: what it would issue is not known, so
+    // it is not said never to come (found by a property over moments of
+    // runs that complete: a partner read as never coming made a cycle).
+    assert!(!text.contains("will ever issue"), "{text}");
     assert!(
-        text.contains("no thread of rank 1 will ever issue"),
+        text.contains("may come from rank(s) 1, whose traces are not"),
         "{text}"
     );
 }
@@ -1041,6 +986,9 @@ fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
         lazy_connect: true,
         ..duplex::Model::default()
     };
+    // Recorded by duplex-nccl, which holds such a launch back.
+    p0.held_for_streams = true;
+    p1.held_for_streams = true;
     for parts in [[p0.clone(), p1.clone()], [p1, p0]] {
         let a = Trace::merge(&parts).expect("joins").analyze(model);
         let s = a.stuck.expect("rank 0 awaits a notify that never comes");

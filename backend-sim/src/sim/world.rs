@@ -534,7 +534,7 @@ impl World {
             }
             let returnable = self.returnable();
             let next_call = |t: ThreadId| Parked(&self.ctl).call(t);
-            let threads = Unknown(&next_call);
+            let threads = Unknown(&next_call, &[]);
             let mut enabled = self.machine.runnable(&threads);
             if !returnable.is_empty() {
                 enabled.extend(returnable);

@@ -55,12 +55,20 @@ pub trait Threads {
         let _ = (m, t);
         None
     }
+    /// Whether nothing is known of rank `rank`'s threads (its part of a
+    /// trace did not come, across processes): it may still issue or notify
+    /// anything, and a wait on it is no partner that never comes.
+    fn absent(&self, rank: Rank) -> bool {
+        let _ = rank;
+        false
+    }
 }
 
 /// [`Threads`] that knows only each thread's next call: any thread that has
-/// not ended may do anything later.
+/// not ended may do anything later; and nothing of the ranks listed (whose
+/// traces did not come).
 #[derive(Clone, Copy)]
-pub struct Unknown<'a>(pub &'a dyn Fn(ThreadId) -> Option<HostCall>);
+pub struct Unknown<'a>(pub &'a dyn Fn(ThreadId) -> Option<HostCall>, pub &'a [Rank]);
 
 impl std::fmt::Debug for Unknown<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,6 +86,9 @@ impl Threads for Unknown<'_> {
     fn may_notify(&self, m: &Machine, t: ThreadId, _: Rank, _: TagId) -> bool {
         !m.ended(t)
     }
+    fn absent(&self, rank: Rank) -> bool {
+        self.1.contains(&rank)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -88,12 +99,18 @@ enum Node {
     Marker(StreamId),
     /// A partner that never comes (index into the missing texts).
     Missing(usize),
+    /// A rank nothing is known of ([`Threads::absent`]): it may still move.
+    Absent(Rank),
 }
 
 struct Edge {
     to: Node,
     rule: Rule,
     why: String,
+    /// Which of its node's blockers this edge is one holder of: a node
+    /// waits for each of its blockers (all must go), and for one holder of
+    /// each (any will do: any thread that may still issue the op).
+    blocker: u32,
 }
 
 struct Graph<'m> {
@@ -101,6 +118,10 @@ struct Graph<'m> {
     threads: &'m dyn Threads,
     edges: BTreeMap<Node, Vec<Edge>>,
     missing: Vec<String>,
+    /// Per node, the index of its blocker whose edges are being added.
+    blockers: BTreeMap<Node, u32>,
+    /// Per node, the rule of its last blocker.
+    last: BTreeMap<Node, Rule>,
 }
 
 impl Machine {
@@ -156,6 +177,8 @@ impl Machine {
             threads,
             edges: BTreeMap::new(),
             missing: Vec::new(),
+            blockers: BTreeMap::new(),
+            last: BTreeMap::new(),
         };
         g.build();
         let cycle = g.cycle();
@@ -216,11 +239,20 @@ impl Machine {
 }
 
 impl Graph<'_> {
+    /// An edge for `from`'s current blocker ([`Graph::add_blocker`]).
     fn add(&mut self, from: Node, to: Node, rule: Rule, why: String) {
-        self.edges
-            .entry(from)
-            .or_default()
-            .push(Edge { to, rule, why });
+        let blocker = self.blockers.get(&from).copied().unwrap_or(0);
+        self.edges.entry(from).or_default().push(Edge {
+            to,
+            rule,
+            why,
+            blocker,
+        });
+    }
+
+    /// Starts `from`'s next blocker: the next edges are its.
+    fn next_blocker(&mut self, from: Node) {
+        *self.blockers.entry(from).or_default() += 1;
     }
 
     fn add_missing(&mut self, from: Node, rule: Rule, text: String) {
@@ -310,6 +342,7 @@ impl Graph<'_> {
             Node::Launch(l) => m.state.launches[&l].rank,
             Node::Marker(s) => m.setup.streams[s.ix()].rank,
             Node::Missing(_) => 0,
+            Node::Absent(r) => r,
         }
     }
 
@@ -317,6 +350,22 @@ impl Graph<'_> {
     /// `from`, to every thread that may still provide what it waits for,
     /// or to a missing partner when no thread ever will.
     fn add_blocker(&mut self, from: Node, b: Blocker) {
+        // R10 names each launch that holds a kernel slot as a blocker of
+        // its own, and any one of them ending frees a slot: they are one
+        // blocker with several holders (found by a property over moments
+        // of runs that complete: a launch waiting for a slot was put in a
+        // cycle through one slot holder while another could end).
+        let slot = b.rule == Rule::R10;
+        match self.last.insert(from, b.rule) {
+            Some(Rule::R10) if slot => {}
+            Some(_) => self.next_blocker(from),
+            None => {}
+        }
+        self.add_holders(from, b);
+    }
+
+    /// [`Graph::add_blocker`]'s edges.
+    fn add_holders(&mut self, from: Node, b: Blocker) {
         let m = self.m;
         let rank = self.rank_of(from);
         match b.holder {
@@ -331,7 +380,13 @@ impl Graph<'_> {
                 peer,
             } => {
                 let issuers = self.issuers(who, comm, dir, peer);
-                if issuers.is_empty() {
+                if issuers.is_empty() && self.threads.absent(who) {
+                    let why = format!(
+                        "{} (rank {who}'s trace is not here: whether it will is not known)",
+                        m.explain(rank, &b, Some(true))
+                    );
+                    self.add(from, Node::Absent(who), b.rule, why);
+                } else if issuers.is_empty() {
                     let text = m.explain(rank, &b, Some(false));
                     self.add_missing(from, b.rule, text);
                 }
@@ -346,7 +401,13 @@ impl Graph<'_> {
                     .threads_of(who)
                     .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, to, tag))
                     .collect();
-                if senders.is_empty() {
+                if senders.is_empty() && self.threads.absent(who) {
+                    let why = format!(
+                        "{} (rank {who}'s trace is not here: whether it will is not known)",
+                        m.explain(rank, &b, Some(true))
+                    );
+                    self.add(from, Node::Absent(who), b.rule, why);
+                } else if senders.is_empty() {
                     let text = m.explain(rank, &b, Some(false));
                     self.add_missing(from, b.rule, text);
                 }
@@ -354,6 +415,36 @@ impl Graph<'_> {
                 for u in senders {
                     self.add(from, Node::Thread(u), b.rule, why.clone());
                 }
+            }
+        }
+    }
+
+    /// The nodes that can never move: to a fixpoint, those with a blocker
+    /// none of whose holders can move (a missing partner never does). A
+    /// node with no blocker can: a thread whose next call is not known
+    /// (outside duplex, in a hang analysis), or a wait that ends by itself.
+    /// In a stuck state that knows every thread's calls (the checker's),
+    /// that is every node with a blocker.
+    fn never_move(&self) -> std::collections::BTreeSet<Node> {
+        let mut stuck: std::collections::BTreeSet<Node> = self.edges.keys().copied().collect();
+        loop {
+            let held = |n: &Node| {
+                let edges = &self.edges[n];
+                let mut blockers: Vec<u32> = edges.iter().map(|e| e.blocker).collect();
+                blockers.dedup();
+                blockers.into_iter().any(|b| {
+                    edges
+                        .iter()
+                        .filter(|e| e.blocker == b)
+                        .all(|e| matches!(e.to, Node::Missing(_)) || stuck.contains(&e.to))
+                })
+            };
+            let freed: Vec<Node> = stuck.iter().copied().filter(|n| !held(n)).collect();
+            if freed.is_empty() {
+                return stuck;
+            }
+            for n in freed {
+                stuck.remove(&n);
             }
         }
     }
@@ -366,7 +457,21 @@ impl Graph<'_> {
             Grey,
             Black,
         }
-        let nodes: Vec<Node> = self.edges.keys().copied().collect();
+        // Only the nodes that can never move, and only their edges to such
+        // nodes: a wait one of whose holders can still move (a thread
+        // outside duplex, in a hang analysis, that may still issue the
+        // op) is in no cycle (found by a property over moments of runs
+        // that complete: a recv waiting for a peer rank's op, which a thread
+        // of that rank outside duplex was about to issue, was named in a
+        // cycle through the rank's other thread).
+        let stuck = self.never_move();
+        let edges: BTreeMap<Node, Vec<&Edge>> = self
+            .edges
+            .iter()
+            .filter(|(n, _)| stuck.contains(n))
+            .map(|(n, e)| (*n, e.iter().filter(|e| stuck.contains(&e.to)).collect()))
+            .collect();
+        let nodes: Vec<Node> = edges.keys().copied().collect();
         let mut color: BTreeMap<Node, Color> = nodes.iter().map(|n| (*n, Color::White)).collect();
         for start in &nodes {
             if color[start] != Color::White {
@@ -376,8 +481,8 @@ impl Graph<'_> {
             let mut path: Vec<(Node, usize)> = vec![(*start, 0)];
             color.insert(*start, Color::Grey);
             while let Some((node, i)) = path.last().copied() {
-                let edges = self.edges.get(&node).map(|e| e.as_slice()).unwrap_or(&[]);
-                if i >= edges.len() {
+                let out = edges.get(&node).map(|e| e.as_slice()).unwrap_or(&[]);
+                if i >= out.len() {
                     color.insert(node, Color::Black);
                     path.pop();
                     continue;
@@ -385,7 +490,7 @@ impl Graph<'_> {
                 if let Some(last) = path.last_mut() {
                     last.1 += 1;
                 }
-                let to = edges[i].to;
+                let to = out[i].to;
                 match color.get(&to).copied().unwrap_or(Color::Black) {
                     Color::White => {
                         color.insert(to, Color::Grey);
@@ -396,7 +501,7 @@ impl Graph<'_> {
                         return path[from..]
                             .iter()
                             .map(|(n, next)| {
-                                let e = &self.edges[n][next - 1];
+                                let e = edges[n][next - 1];
                                 Link {
                                     node: self.describe(*n),
                                     what: self.structured(*n),
@@ -433,8 +538,9 @@ impl Graph<'_> {
                     _ => String::new(),
                 },
             },
-            // Never the source of a link: a missing partner waits for nothing.
-            Node::Missing(_) => crate::report::Node::Launch { ops: Vec::new() },
+            // Never the source of a link: a missing partner waits for
+            // nothing, and an absent rank may still move.
+            Node::Missing(_) | Node::Absent(_) => crate::report::Node::Launch { ops: Vec::new() },
         }
     }
 
@@ -467,6 +573,7 @@ impl Graph<'_> {
                 format!("`wait` on {} ({at})", m.stream_name(s))
             }
             Node::Missing(i) => self.missing[i].clone(),
+            Node::Absent(r) => format!("rank {r}, whose trace is not here"),
         }
     }
 
