@@ -24,6 +24,54 @@ pub fn check(call: &str, r: sys::CUresult) -> Result<(), Error> {
     r.result().map_err(|e| err(call, e))
 }
 
+/// Every CUDA driver function duplex-nccl calls, directly (`sys::`) or
+/// through cudarc's `result::` wrappers, by the symbol cudarc loads (with
+/// the `cuda-12080` bindings): [`init`] looks each up before the first
+/// call. The test `every_driver_function_called_is_looked_up_first` keeps
+/// it complete.
+pub const DRIVER: &[&str] = &[
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuGetErrorString",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxEnablePeerAccess",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuStreamQuery",
+    "cuStreamWriteValue32_v2",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventElapsedTime",
+    "cuEventQuery",
+    "cuEventRecord",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemGetInfo_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyPeerAsync",
+    "cuMemsetD8Async",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuIpcGetEventHandle",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenEventHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+];
+
 /// Loads the driver and initializes it, once; returns the number of devices.
 pub fn init() -> Result<usize, Error> {
     static INIT: OnceLock<Result<usize, Error>> = OnceLock::new();
@@ -36,15 +84,15 @@ pub fn init() -> Result<usize, Error> {
             });
         }
         // cudarc resolves each driver function at its first call and
-        // panics when the library lacks it (a stub `libcuda.so.1`, say):
-        // the functions of this first step are looked up here first, so
-        // that such a library is said to be unusable, not a panic.
-        const FIRST: [&str; 3] = ["cuInit", "cuDeviceGetCount", "cuGetErrorString"];
+        // panics when the library lacks it (a stub `libcuda.so.1`, or a
+        // driver older than a function duplex calls): every function duplex
+        // calls is looked up here first ([`DRIVER`]), so that such a
+        // library is said to be unusable, not a panic later.
         // SAFETY: opens the library cudarc uses (as it would) and looks up
         // symbols without calling them.
         let lib = unsafe { sys::culib() };
         // SAFETY: only the symbols' addresses are taken, never called here.
-        if let Some(missing) = FIRST
+        if let Some(missing) = DRIVER
             .iter()
             .find(|f| unsafe { lib.get::<*const c_void>(f.as_bytes()) }.is_err())
         {
@@ -1008,6 +1056,115 @@ mod tests {
             1
         );
         release.send(()).unwrap();
+    }
+
+    /// Every driver function the crate's sources call, directly
+    /// (`sys::cuX`) or through cudarc's `result::` wrappers (each mapped to
+    /// the symbols it loads, read in cudarc 0.19's `driver/result.rs`), is
+    /// in [`DRIVER`], so that [`init`] refuses a driver that lacks one
+    /// instead of cudarc panicking at its first call. A wrapper not in the
+    /// map fails the test: read what it loads in cudarc and add it.
+    #[test]
+    fn every_driver_function_called_is_looked_up_first() {
+        const WRAPPERS: &[(&str, &[&str])] = &[
+            ("ctx::get_current", &["cuCtxGetCurrent"]),
+            ("ctx::set_current", &["cuCtxSetCurrent"]),
+            ("device::get", &["cuDeviceGet"]),
+            ("device::get_count", &["cuDeviceGetCount"]),
+            ("event::create", &["cuEventCreate"]),
+            ("event::destroy", &["cuEventDestroy_v2"]),
+            ("event::elapsed", &["cuEventElapsedTime"]),
+            ("event::query", &["cuEventQuery"]),
+            ("event::record", &["cuEventRecord"]),
+            ("free_sync", &["cuMemFree_v2"]),
+            ("init", &["cuInit"]),
+            ("launch_kernel", &["cuLaunchKernel"]),
+            ("malloc_sync", &["cuMemAlloc_v2"]),
+            ("mem_get_info", &["cuMemGetInfo_v2"]),
+            ("memcpy_dtoh_sync", &["cuMemcpyDtoH_v2"]),
+            ("memcpy_htod_sync", &["cuMemcpyHtoD_v2"]),
+            ("memset_d8_async", &["cuMemsetD8Async"]),
+            ("module::get_function", &["cuModuleGetFunction"]),
+            ("module::load_data", &["cuModuleLoadData"]),
+            ("primary_ctx::release", &["cuDevicePrimaryCtxRelease_v2"]),
+            ("primary_ctx::retain", &["cuDevicePrimaryCtxRetain"]),
+            ("stream::create", &["cuStreamCreate"]),
+            ("stream::destroy", &["cuStreamDestroy_v2"]),
+            ("stream::synchronize", &["cuStreamSynchronize"]),
+            ("stream::wait_event", &["cuStreamWaitEvent"]),
+        ];
+        fn sources(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+            for e in std::fs::read_dir(dir).expect("readable").flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    sources(&p, out);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).expect("readable");
+                    out.push((p.display().to_string(), text));
+                }
+            }
+        }
+        let mut files = Vec::new();
+        sources(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut files,
+        );
+        assert!(files.len() > 10, "the sources were not found");
+        // The path (with `::`) that follows each `prefix` and is called:
+        // an opening parenthesis right after it.
+        let after = |text: &str, prefix: &str| -> Vec<String> {
+            text.match_indices(prefix)
+                .filter(|(i, _)| {
+                    !text[..*i]
+                        .chars()
+                        .next_back()
+                        .is_some_and(|c| c.is_alphanumeric() || c == '_')
+                })
+                .filter_map(|(i, _)| {
+                    let rest = &text[i + prefix.len()..];
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                        .collect();
+                    rest[name.len()..].starts_with('(').then_some(name)
+                })
+                .collect()
+        };
+        let (mut direct, mut wrapped) = (0, 0);
+        for (path, text) in &files {
+            for name in after(text, "sys::cu") {
+                let symbol = format!("cu{name}");
+                // The library handle, not a driver function.
+                if symbol == "culib" {
+                    continue;
+                }
+                direct += 1;
+                assert!(
+                    DRIVER.contains(&symbol.as_str()),
+                    "{path} calls sys::{symbol}, which DRIVER does not list"
+                );
+            }
+            for name in after(text, "result::") {
+                // A type's constructor (`result::DriverError(..)`).
+                if name.starts_with(char::is_uppercase) {
+                    continue;
+                }
+                let Some((_, symbols)) = WRAPPERS.iter().find(|(w, _)| *w == name) else {
+                    panic!("{path} calls result::{name}: add what it loads to WRAPPERS and DRIVER");
+                };
+                wrapped += 1;
+                for s in *symbols {
+                    assert!(
+                        DRIVER.contains(s),
+                        "{path} calls result::{name}, which loads {s}, not in DRIVER"
+                    );
+                }
+            }
+        }
+        assert!(
+            direct > 10 && wrapped > 20,
+            "{direct} direct, {wrapped} wrapped calls found"
+        );
     }
 
     #[test]

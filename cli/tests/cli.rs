@@ -1742,10 +1742,10 @@ fn a_file_past_the_bound_is_refused_before_it_is_parsed() {
 }
 
 /// A stub NCCL (it loads; every call fails) and a stub CUDA driver whose
-/// `cuInit` returns `STUB_INIT` and which lacks `cuGetErrorString` when
-/// `lacking`, compiled into `dir` with the C compiler that links Rust
+/// `cuInit` returns `STUB_INIT`, with every function duplex looks up, but
+/// lacking `cuGetErrorString` when `lacking`, compiled into `dir` with the C compiler that links Rust
 /// here: what a machine without a usable GPU looks like to duplex.
-fn stub_libraries(dir: &Path, lacking: bool) -> (PathBuf, PathBuf) {
+fn stub_libraries(dir: &Path, lacking: Option<&str>) -> (PathBuf, PathBuf) {
     let nccl = r#"
 int ncclGetVersion(int*v){*v=22803;return 0;}
 int ncclGetUniqueId(void*p){return 3;}
@@ -1768,12 +1768,22 @@ int cuDriverGetVersion(int*v){{*v=12040;return 0;}}
 int cuDeviceGetCount(int*c){{const char*v=getenv("STUB_COUNT");*c=v?atoi(v):0;return 0;}}
 int cuGetErrorName(int e,const char**s){{*s="CUDA_ERROR_STUB";return 0;}}
 {}
+{}
 "#,
-        if lacking {
+        if lacking == Some("cuGetErrorString") {
             ""
         } else {
             r#"int cuGetErrorString(int e,const char**s){*s= e==100?"no CUDA-capable device is detected":"CUDA driver is a stub library";return 0;}"#
-        }
+        },
+        // Every other function duplex looks up before its first call
+        // (`duplex_nccl::cuda::DRIVER`), failing as a stub's do.
+        duplex_nccl::cuda::DRIVER
+            .iter()
+            .filter(|f| !["cuInit", "cuDeviceGetCount", "cuGetErrorString"].contains(f))
+            .filter(|f| lacking != Some(**f))
+            .map(|f| format!("int {f}(){{return 34;}}"))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     let build = |name: &str, lib: &str, source: &str| {
         let sub = dir.join(name);
@@ -1793,7 +1803,7 @@ int cuGetErrorName(int e,const char**s){{*s="CUDA_ERROR_STUB";return 0;}}
     };
     let nccl = build("nccl", "libnccl.so.2", nccl);
     let cuda = build(
-        if lacking { "cuda-lacking" } else { "cuda" },
+        &format!("cuda-lacking-{}", lacking.unwrap_or("none")),
         "libcuda.so.1",
         &cuda,
     );
@@ -1808,11 +1818,15 @@ int cuGetErrorName(int e,const char**s){{*s="CUDA_ERROR_STUB";return 0;}}
 #[test]
 fn no_usable_gpu_is_unavailable_whichever_way_the_ranks_run() {
     let dir = tempdir().join("stubs");
-    let (nccl, cuda) = stub_libraries(&dir, false);
-    let (_, lacking) = stub_libraries(&dir, true);
+    let (nccl, cuda) = stub_libraries(&dir, None);
+    let (_, lacking) = stub_libraries(&dir, Some("cuGetErrorString"));
+    // A driver older than a function duplex calls later (cudarc panicked
+    // at its first call; now refused before the first): with a device.
+    let (_, old) = stub_libraries(&dir, Some("cuStreamWriteValue32_v2"));
     let seed = example("seed.sched");
-    let cases: [(&Path, &str, &str, &str); 4] = [
+    let cases: [(&Path, &str, &str, &str); 5] = [
         (&cuda, "100", "1", "the CUDA driver sees none"),
+        (&old, "0", "2", "lacks `cuStreamWriteValue32_v2`"),
         (
             &cuda,
             "34",
