@@ -188,7 +188,7 @@ pub struct Trace {
     /// launch in its connection handshake when they share a stream or a
     /// copy-engine lane, not only a communicator as R11 does (duplex-nccl's
     /// `Handshakes::holds`): the replay then holds it back too, where it
-    /// can ([`Replayer::run`]). Off for a backend that holds only what R11
+    /// can (the replay's hold yields when nothing else moves). Off for a backend that holds only what R11
     /// holds (the simulator, [`Trace::from_calls`]), whose launches the
     /// replay must take in their recorded order.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
