@@ -1210,6 +1210,10 @@ struct Replayer<'t> {
     /// waited in its connection handshake (R7). With no wait after it
     /// (`Trace::blocked`), the thread may still be inside it.
     shook: Vec<Option<usize>>,
+    /// The threads whose handshake has finished in the replay and that
+    /// have not returned from it yet, in the order their handshakes
+    /// finished ([`Replayer::note_ready`]).
+    ready: VecDeque<ThreadId>,
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
     disagreements: Vec<Disagreement>,
@@ -1297,6 +1301,7 @@ impl<'t> Replayer<'t> {
             m,
             queues,
             shook: vec![None; trace.threads.len()],
+            ready: VecDeque::new(),
             calls,
             disagreements,
             program_error: None,
@@ -1398,15 +1403,38 @@ impl<'t> Replayer<'t> {
         }
     }
 
-    /// Finishes every handshake that can finish ([`Machine::resume_all`]);
-    /// a thread whose handshake meets a program error is refused.
-    fn resume_all(&mut self) -> bool {
-        let (any, failed) = self.m.resume_all();
-        if let Some((t, e)) = failed {
-            self.refuse_thread(t, format!("the model finds a program error: {e}"));
-            self.met(e);
+    /// Notes the threads whose handshake has finished since the last
+    /// call ([`Replayer::ready`]).
+    fn note_ready(&mut self) {
+        for i in 0..self.shook.len() {
+            let t = ThreadId(i as u32);
+            if self.m.next(t) == crate::machine::Next::Resume && !self.ready.contains(&t) {
+                self.ready.push_back(t);
+            }
         }
-        any
+    }
+
+    /// Returns thread `t` from its finished handshake ([`Machine::resume`]);
+    /// a handshake that meets a program error refuses the thread.
+    fn resume(&mut self, t: ThreadId) {
+        self.ready.retain(|u| *u != t);
+        while self.m.next(t) == crate::machine::Next::Resume {
+            if let Err(e) = self.m.resume(t) {
+                self.refuse_thread(t, format!("the model finds a program error: {e}"));
+                self.met(e);
+                break;
+            }
+        }
+        self.note_ready();
+    }
+
+    /// Returns every thread from its finished handshake, in the order the
+    /// handshakes finished.
+    fn resume_all(&mut self) {
+        self.note_ready();
+        while let Some(t) = self.ready.front().copied() {
+            self.resume(t);
+        }
     }
 
     /// The ranks the trace holds nothing of (their parts did not come):
@@ -1427,7 +1455,25 @@ impl<'t> Replayer<'t> {
     /// model allows, the earliest recorded first. What remains is refused.
     fn run(&mut self) {
         loop {
-            let mut moved = self.resume_all();
+            // A thread returns from its finished handshake when the trace
+            // shows it made a later call; otherwise only when nothing else
+            // can move, the first finished first. The trace does not say
+            // when a launch that waited in its handshake returned, and its
+            // ops reach their streams only then (found by a property over
+            // moments of runs that complete: returned at once, a thread's
+            // group went on a stream before another thread's `sync` of it
+            // that the run had made first, and the sync was refused).
+            let mut moved = false;
+            while let Some(t) = self
+                .queues
+                .iter()
+                .filter_map(|q| q.front())
+                .map(|i| self.thread_of(*i))
+                .find(|t| self.ready.contains(t))
+            {
+                self.resume(t);
+                moved = true;
+            }
             // The backend's hold (`held_back_by_a_handshake`) is a
             // preference, not a rule of the model, and only for a trace
             // recorded under it (`Trace::held_for_streams`): a trace of
@@ -1450,7 +1496,14 @@ impl<'t> Replayer<'t> {
                     .filter(|(i, _)| self.m.enabled(self.thread_of(*i), &self.calls[*i]))
                     .min()
             };
-            let pick = pick_with(true).or_else(|| if moved { None } else { pick_with(false) });
+            let mut pick = pick_with(true);
+            if pick.is_none() && !moved {
+                if let Some(t) = self.ready.front().copied() {
+                    self.resume(t);
+                    continue;
+                }
+                pick = pick_with(false);
+            }
             if let Some((i, r)) = pick {
                 self.queues[r].pop_front();
                 let t = self.thread_of(i);
@@ -1459,6 +1512,7 @@ impl<'t> Replayer<'t> {
                     self.met(e);
                 }
                 self.shook[t.ix()] = self.m.in_handshake(t).then_some(i);
+                self.note_ready();
                 let step = self.timeline.as_ref().map_or(0, |t| t.steps);
                 self.record(step, Some(i));
                 moved = true;
