@@ -783,6 +783,8 @@ impl Trace {
     fn part(&self, rank: Rank) -> Trace {
         let mut part = Trace::new(self.ranks);
         part.comms = self.comms.clone();
+        // Every process of the backend records under its hold.
+        part.held_for_streams = self.held_for_streams;
         let renumber = |list: &[Owned], part: &mut Vec<Owned>| {
             let mut map = HashMap::new();
             for (i, o) in list.iter().enumerate() {

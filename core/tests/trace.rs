@@ -1027,3 +1027,26 @@ fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
     let text = an.stuck.expect("stuck").to_string();
     assert!(!text.contains("not inside a duplex call"), "{text}");
 }
+
+/// Each part of a trace recorded under duplex-nccl's wider hold says so,
+/// as every process of that backend records it: [`Trace::parts`] kept
+/// nothing of it, and a trace split and merged again was replayed without
+/// the hold (its held launches called disagreements; found by review).
+/// It survives JSON too.
+#[test]
+fn parts_of_a_trace_recorded_under_the_wider_hold_keep_it() {
+    let mut t = Trace::new(2);
+    t.add_comm("world", &[0, 1], true);
+    t.add_thread(0, "main");
+    t.add_thread(1, "main");
+    t.held_for_streams = true;
+    assert!(t.parts().iter().all(|p| p.held_for_streams));
+    assert!(Trace::merge(&t.parts()).expect("joins").held_for_streams);
+    let json = serde_json::to_string(&t).expect("encodes");
+    let back: Trace = serde_json::from_str(&json).expect("decodes");
+    assert_eq!(back, t);
+    t.held_for_streams = false;
+    let json = serde_json::to_string(&t).expect("encodes");
+    assert!(!json.contains("held_for_streams"), "{json}");
+    assert!(!Trace::merge(&t.parts()).expect("joins").held_for_streams);
+}
