@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::machine::{
     CommId, EventId, HostCall, LaunchSpec, Machine, OpSpec, Origin, OriginInfo, Rank, Setup,
-    Status, StreamId, ThreadId, Unknown,
+    Status, StreamId, ThreadId, Threads, Unknown,
 };
 use crate::report::{OpInfo, OpState, Stuck};
 use crate::{DType, Dir, Model};
@@ -1614,29 +1614,35 @@ impl<'t> Replayer<'t> {
         self.queues[info.rank as usize].clear();
     }
 
-    /// Whether a thread of `t`'s rank may still be inside a launch that
+    /// The threads of `t`'s rank that may still be inside a launch that
     /// holds back `t`'s launch `spec` ([`Replayer::shook`]).
-    fn may_hold(&self, t: ThreadId, spec: &LaunchSpec) -> bool {
+    fn may_hold(&self, t: ThreadId, spec: &LaunchSpec) -> Vec<ThreadId> {
         let setup = self.m.setup();
         let rank = setup.threads[t.ix()].rank;
         let waiting: std::collections::HashSet<u32> =
             self.trace.blocked.iter().map(|c| c.thread).collect();
-        self.shook.iter().enumerate().any(|(u, last)| {
-            let Some(i) = last else {
-                return false;
-            };
-            let HostCall::Launch(theirs) = &self.calls[*i] else {
-                return false;
-            };
-            u != t.ix()
-                && setup.threads[u].rank == rank
-                && !waiting.contains(&(u as u32))
-                && theirs.ops.iter().any(|a| {
-                    spec.ops.iter().any(|b| {
-                        a.comm == b.comm || (self.trace.held_for_streams && a.stream == b.stream)
+        self.shook
+            .iter()
+            .enumerate()
+            .filter(|(u, last)| {
+                let Some(i) = last else {
+                    return false;
+                };
+                let HostCall::Launch(theirs) = &self.calls[*i] else {
+                    return false;
+                };
+                *u != t.ix()
+                    && setup.threads[*u].rank == rank
+                    && !waiting.contains(&(*u as u32))
+                    && theirs.ops.iter().any(|a| {
+                        spec.ops.iter().any(|b| {
+                            a.comm == b.comm
+                                || (self.trace.held_for_streams && a.stream == b.stream)
+                        })
                     })
-                })
-        })
+            })
+            .map(|(u, _)| ThreadId(u as u32))
+            .collect()
     }
 
     fn held_back_disagrees(&mut self, t: ThreadId) {
@@ -1714,15 +1720,19 @@ impl<'t> Replayer<'t> {
         // go only when its call returns, which the trace does not show
         // (found by a property over moments of runs that complete: the
         // hold was called a disagreement).
-        let held: std::collections::HashSet<ThreadId> = self
+        let holders: HashMap<ThreadId, Vec<ThreadId>> = self
             .waits
             .iter()
-            .filter(|(t, calls)| match calls.first() {
-                Some(HostCall::Launch(spec)) => self.may_hold(**t, spec),
-                _ => false,
+            .filter_map(|(t, calls)| match calls.first() {
+                Some(HostCall::Launch(spec)) => Some((*t, self.may_hold(*t, spec))),
+                _ => None,
             })
-            .map(|(t, _)| *t)
+            .filter(|(_, by)| !by.is_empty())
             .collect();
+        // The held launches the model lets through, and whom they wait for
+        // (none for a disagreement): the thread is in no call the model
+        // can make, but its wait is known ([`Threads::held`]).
+        let mut held: HashMap<ThreadId, (HostCall, Vec<ThreadId>)> = HashMap::new();
         for t in &self.trace.ended {
             let t = ThreadId(*t);
             if self.m.enabled(t, &HostCall::End) {
@@ -1754,9 +1764,11 @@ impl<'t> Replayer<'t> {
                     // see it (it may still move), and it is said to
                     // disagree unless another thread may still hold it
                     // back (`held`, above).
-                    if !held.contains(&t) {
+                    let by = holders.get(&t).cloned().unwrap_or_default();
+                    if by.is_empty() {
                         self.held_back_disagrees(t);
                     }
+                    held.insert(t, (call, by));
                     break;
                 } else {
                     next.insert(t, call);
@@ -1766,7 +1778,7 @@ impl<'t> Replayer<'t> {
         }
         let lookup = |t: ThreadId| next.get(&t).cloned();
         let absent = self.absent();
-        let threads = Unknown(&lookup, &absent);
+        let threads = Held(Unknown(&lookup, &absent), &held);
         let status = self.m.status(&threads);
         let stuck = (status == Status::Stuck).then(|| {
             let mut stuck = self.m.stuck(&threads);
@@ -1795,6 +1807,39 @@ impl<'t> Replayer<'t> {
                 .collect(),
             program_error: self.program_error,
         }
+    }
+}
+
+/// The replay's [`Threads`] at its end: [`Unknown`], and the launches a
+/// backend held back that the model lets through, each with the threads
+/// that hold it (none for a disagreement).
+struct Held<'a>(
+    Unknown<'a>,
+    &'a HashMap<ThreadId, (HostCall, Vec<ThreadId>)>,
+);
+
+impl Threads for Held<'_> {
+    fn next_call(&self, m: &Machine, t: ThreadId) -> Option<HostCall> {
+        self.0.next_call(m, t)
+    }
+    fn may_issue(
+        &self,
+        m: &Machine,
+        t: ThreadId,
+        comm: CommId,
+        dir: Option<Dir>,
+        peer: Rank,
+    ) -> bool {
+        self.0.may_issue(m, t, comm, dir, peer)
+    }
+    fn may_notify(&self, m: &Machine, t: ThreadId, to: Rank, tag: crate::machine::TagId) -> bool {
+        self.0.may_notify(m, t, to, tag)
+    }
+    fn absent(&self, rank: Rank) -> bool {
+        self.0.absent(rank)
+    }
+    fn held(&self, _: &Machine, t: ThreadId) -> Option<(HostCall, Vec<ThreadId>)> {
+        self.1.get(&t).cloned()
     }
 }
 

@@ -1028,6 +1028,62 @@ fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
     assert!(!text.contains("not inside a duplex call"), "{text}");
 }
 
+/// A launch duplex-nccl held back behind another thread's launch in its
+/// handshake on a stream they share (`Trace::held_for_streams`), which the
+/// model lets through, is still a wait on that thread: the hang it is part
+/// of is a cycle through it. Rank 1's t0 receives on cold `c0` over stream
+/// `a`, waiting for rank 0 to issue on `c0`; its main's send on `world`,
+/// on `a` too, is held back; rank 0 synchronizes on a recv of that send.
+/// Left as a thread that may still move, the held launch freed everything
+/// that waited on rank 1 (any of its threads may issue), and the report
+/// named no cycle ("this is a bug in duplex's analysis", found by review).
+#[test]
+fn a_launch_held_back_behind_a_handshake_on_its_stream_is_in_the_cycle() {
+    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| {
+        one_op(thread, dir, peer, 4096, (comm, stream), text)
+    };
+    let mut t = Trace::new(2);
+    t.add_comm("world", &[0, 1], true);
+    t.add_comm("c0", &[0, 1], false);
+    let (m0, m1, t1) = (
+        t.add_thread(0, "main"),
+        t.add_thread(1, "main"),
+        t.add_thread(1, "t0"),
+    );
+    let (s0, a) = (t.add_stream(0, "default"), t.add_stream(1, "a"));
+    t.push(launch(m0, duplex::Dir::Recv, 1, 0, s0, "recv 1 on world"));
+    t.block(m0, Some(synchronize(m0)));
+    t.push(launch(t1, duplex::Dir::Recv, 0, 1, a, "recv 0 on c0"));
+    t.block(
+        m1,
+        Some(launch(m1, duplex::Dir::Send, 0, 0, a, "send 0 on world")),
+    );
+    t.held_for_streams = true;
+    let model = duplex::Model {
+        lazy_connect: true,
+        ..Default::default()
+    };
+    for trace in [
+        t.clone(),
+        Trace::merge(&t.parts()).expect("joins"),
+        Trace::merge(&t.parts().into_iter().rev().collect::<Vec<_>>()).expect("joins"),
+    ] {
+        let an = trace.analyze(model);
+        assert!(an.disagreements.is_empty(), "{:?}", an.disagreements);
+        let stuck = an.stuck.expect("stuck");
+        let text = stuck.to_string();
+        assert!(!stuck.cycle.is_empty(), "{text}");
+        assert!(
+            stuck
+                .cycle
+                .iter()
+                .any(|l| l.node.contains("send 0 on world")),
+            "{text}"
+        );
+        assert!(!text.contains("end of thread"), "{text}");
+    }
+}
+
 /// Each part of a trace recorded under duplex-nccl's wider hold says so,
 /// as every process of that backend records it: [`Trace::parts`] kept
 /// nothing of it, and a trace split and merged again was replayed without

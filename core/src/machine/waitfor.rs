@@ -62,6 +62,17 @@ pub trait Threads {
         let _ = rank;
         false
     }
+    /// For a thread between calls whose next call is not known
+    /// ([`Threads::next_call`] is `None`) because a backend holds it back
+    /// though the model lets it through (duplex-nccl holds a launch behind
+    /// another thread's launch in its connection handshake on a stream
+    /// they share, not only a communicator as R11 does): that call, and
+    /// the threads of its rank it waits for to return. `None` for a thread
+    /// that is not held.
+    fn held(&self, m: &Machine, t: ThreadId) -> Option<(HostCall, Vec<ThreadId>)> {
+        let _ = (m, t);
+        None
+    }
 }
 
 /// [`Threads`] that knows only each thread's next call: any thread that has
@@ -289,16 +300,37 @@ impl Graph<'_> {
                     found.push(b);
                     ControlFlow::Continue(())
                 };
+                let mut held = Vec::new();
                 let _ = if m.next(t) == Next::Call {
                     match self.threads.next_call(m, t) {
                         Some(call) => m.call_blockers(t, &call, &mut collect),
-                        None => ControlFlow::Continue(()),
+                        None => {
+                            held = self.threads.held(m, t).map(|h| h.1).unwrap_or_default();
+                            ControlFlow::Continue(())
+                        }
                     }
                 } else {
                     m.wait_blockers(t, &m.state.threads[t.ix()].wait, &mut collect)
                 };
                 for b in found {
                     self.add_blocker(Node::Thread(t), b);
+                }
+                // Held back by the backend until each of these returns
+                // (all of them: each is a blocker of its own). Left as a
+                // thread that may still move, it freed whatever waited on
+                // its rank, and a cycle through it was not named (found by
+                // review).
+                for u in held {
+                    let from = Node::Thread(t);
+                    if self.last.insert(from, Rule::R11).is_some() {
+                        self.next_blocker(from);
+                    }
+                    let info = &m.setup.threads[u.ix()];
+                    let why = format!(
+                        "held back by the backend until thread {} of rank {} returns from its launch, in its connection handshake on a communicator or stream they share",
+                        info.name, info.rank
+                    );
+                    self.add(from, Node::Thread(u), Rule::R11, why);
                 }
             }
         }
@@ -582,7 +614,9 @@ impl Graph<'_> {
         let info = &m.setup.threads[t.ix()];
         let th = &m.state.threads[t.ix()];
         let pending = if m.next(t) == Next::Call {
-            self.threads.next_call(m, t)
+            self.threads
+                .next_call(m, t)
+                .or_else(|| self.threads.held(m, t).map(|h| h.0))
         } else {
             None
         };
