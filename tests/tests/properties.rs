@@ -1047,3 +1047,88 @@ proptest! {
         }
     }
 }
+
+/// [`no_moment_of_a_completing_run_is_reported_as_a_cycle`] for one
+/// program (schedule text) and one run (`picks`): the ways it analyses
+/// each moment that fail, named.
+fn moments_misread(text: &str, picks: &[u8]) -> Vec<String> {
+    use duplex::machine::{HostCall, Next, Status};
+    use duplex::trace::Trace;
+    let p = duplex::schedule::parse(text).expect("parses");
+    let c = compile(&p);
+    let mut m = c.machine();
+    let mut made = Vec::new();
+    let mut moments = Vec::new();
+    loop {
+        moments.push(moment(&c, &m, &made));
+        let runnable = m.runnable(&duplex::compile::Remaining(&c));
+        if runnable.is_empty() {
+            break;
+        }
+        let t = runnable[usize::from(picks[moments.len() % picks.len()]) % runnable.len()];
+        match m.next(t) {
+            Next::Resume => m.resume(t).expect("resumes"),
+            Next::Call => {
+                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+                made.push((t, call.clone()));
+                m.apply(t, &call).expect("valid")
+            }
+            Next::Blocked | Next::Finished => unreachable!("runnable"),
+        };
+    }
+    assert_eq!(m.status(&duplex::compile::Remaining(&c)), Status::Finished);
+    let mut bad = Vec::new();
+    for (k, trace) in moments.iter().enumerate() {
+        let parts = trace.parts();
+        let mut reversed = parts.clone();
+        reversed.reverse();
+        for (how, t) in [
+            ("whole", trace.clone()),
+            ("merged", Trace::merge(&parts).expect("joins")),
+            ("merged backwards", Trace::merge(&reversed).expect("joins")),
+        ] {
+            let a = t.analyze(p.model);
+            if !a.disagreements.is_empty() {
+                bad.push(format!("moment {k} ({how}): refused {:?}", a.disagreements));
+            }
+            if let Some(s) = a.stuck.filter(|s| !s.cycle.is_empty()) {
+                bad.push(format!("moment {k} ({how}): a cycle that never was:\n{s}"));
+            }
+        }
+    }
+    bad
+}
+
+/// Found by running the property above with `PROPTEST_CASES=30000` (it
+/// fails on the first case there, at 9a46ee6 too): under lazy connection
+/// without a kernel bound, a merged trace replays rank 0's calls first,
+/// the ends of rank 1's handshakes move, and t0's recv on `c1` goes ahead
+/// of main's second send on their shared stream, which the run did not
+/// do: a cycle that never was. Not fixed: the trace does not record when
+/// a handshake ended (docs/semantics.md, "What a trace cannot say", names
+/// only R10 for this).
+#[test]
+#[ignore = "known failure: the order of handshakes' ends across ranks"]
+fn a_merged_moment_with_handshakes_on_a_shared_stream_names_no_cycle() {
+    let text = "ranks 2\npolicy shared\nmodel eager=0B lazy-connect=on comm-order=on one-sided-groups=accept\ncomm c0 0 1\ncomm c1 0 1\nrank 0:\n  recv 1 4KiB comm=c0\n  recv 1 4KiB comm=c0 stream=a\n  send 1 4KiB comm=c1 stream=a\nrank 1:\n  send 0 4KiB comm=c0\n  send 0 4KiB comm=c0\nrank 1 thread t0:\n  recv 0 4KiB comm=c1\n";
+    let mut picks = vec![0u8; 64];
+    picks[4] = 221;
+    picks[6] = 127;
+    picks[7] = 187;
+    let bad = moments_misread(text, &picks);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// Found as the one above: merged backwards (rank 2 first), rank 2's
+/// group stays in its handshake on the lane to rank 0 until t0's recv,
+/// so rank 0's send on `world` never starts and t0's `sync` (which
+/// returned in the run) does not: its recv is refused.
+#[test]
+#[ignore = "known failure: the order of handshakes' ends across ranks"]
+fn a_merged_moment_whose_sync_returned_is_not_refused() {
+    let text = "ranks 3\npolicy shared\nmodel eager=0B lazy-connect=on comm-order=on one-sided-groups=accept\nrank 0:\n  group { send 2 4KiB comm=world }\nrank 0 thread t0:\n  record e0\n  wait e0\n  sync\n  group { recv 2 4KiB }\nrank 1:\nrank 2:\n  group { recv 0 4KiB comm=world; send 0 4KiB }\n";
+    let mut picks = vec![0u8; 64];
+    picks[2] = 114;
+    let bad = moments_misread(text, &picks);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
