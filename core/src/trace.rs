@@ -1215,7 +1215,16 @@ struct Replayer<'t> {
     /// The threads whose handshake has finished in the replay and that
     /// have not returned from it yet, in the order their handshakes
     /// finished ([`Replayer::note_ready`]).
-    ready: VecDeque<ThreadId>,
+    ready: VecDeque<(ThreadId, u64)>,
+    /// Per thread, its calls not yet replayed.
+    left: Vec<usize>,
+    /// Threads whose return from a handshake met a program error.
+    failed: std::collections::HashSet<ThreadId>,
+    /// How many calls and returns the replay has made: the moment each
+    /// thread in [`Replayer::ready`] joined it.
+    steps: u64,
+    /// Threads some of whose calls were given up ([`Replayer::drop_queue`]).
+    unreplayed: std::collections::HashSet<ThreadId>,
     /// The machine's call for each trace call.
     calls: Vec<HostCall>,
     disagreements: Vec<Disagreement>,
@@ -1292,10 +1301,12 @@ impl<'t> Replayer<'t> {
             }
         }
         let mut queues = vec![VecDeque::new(); trace.ranks as usize];
+        let mut left = vec![0; trace.threads.len()];
         for (i, c) in trace.calls.iter().enumerate() {
             let rank = trace.threads.get(c.thread as usize).map(|t| t.rank);
             if let Some(q) = rank.and_then(|r| queues.get_mut(r as usize)) {
                 q.push_back(i);
+                left[c.thread as usize] += 1;
             }
         }
         Replayer {
@@ -1304,6 +1315,10 @@ impl<'t> Replayer<'t> {
             queues,
             shook: vec![None; trace.threads.len()],
             ready: VecDeque::new(),
+            steps: 0,
+            left,
+            failed: Default::default(),
+            unreplayed: Default::default(),
             calls,
             disagreements,
             program_error: None,
@@ -1408,10 +1423,14 @@ impl<'t> Replayer<'t> {
     /// Notes the threads whose handshake has finished since the last
     /// call ([`Replayer::ready`]).
     fn note_ready(&mut self) {
+        self.steps += 1;
         for i in 0..self.shook.len() {
             let t = ThreadId(i as u32);
-            if self.m.next(t) == crate::machine::Next::Resume && !self.ready.contains(&t) {
-                self.ready.push_back(t);
+            if self.m.next(t) == crate::machine::Next::Resume
+                && !self.failed.contains(&t)
+                && !self.ready.iter().any(|(u, _)| *u == t)
+            {
+                self.ready.push_back((t, self.steps));
             }
         }
     }
@@ -1419,9 +1438,12 @@ impl<'t> Replayer<'t> {
     /// Returns thread `t` from its finished handshake ([`Machine::resume`]);
     /// a handshake that meets a program error refuses the thread.
     fn resume(&mut self, t: ThreadId) {
-        self.ready.retain(|u| *u != t);
+        self.ready.retain(|(u, _)| *u != t);
         while self.m.next(t) == crate::machine::Next::Resume {
             if let Err(e) = self.m.resume(t) {
+                // Refused once: it stays in its handshake, never ready
+                // again (it looped, refusing it over and over).
+                self.failed.insert(t);
                 self.refuse_thread(t, format!("the model finds a program error: {e}"));
                 self.met(e);
                 break;
@@ -1430,11 +1452,27 @@ impl<'t> Replayer<'t> {
         self.note_ready();
     }
 
+    /// Returns thread `t`, which the trace shows returned, and first those
+    /// whose handshakes finished before its own (not those that finished
+    /// with it: which of those returned first is not known).
+    fn returned(&mut self, t: ThreadId) {
+        let Some(&(_, at)) = self.ready.iter().find(|(u, _)| *u == t) else {
+            return;
+        };
+        while let Some(&(u, when)) = self.ready.front() {
+            if when >= at {
+                break;
+            }
+            self.resume(u);
+        }
+        self.resume(t);
+    }
+
     /// Returns every thread from its finished handshake, in the order the
     /// handshakes finished.
     fn resume_all(&mut self) {
         self.note_ready();
-        while let Some(t) = self.ready.front().copied() {
+        while let Some(&(t, _)) = self.ready.front() {
             self.resume(t);
         }
     }
@@ -1457,22 +1495,18 @@ impl<'t> Replayer<'t> {
     /// model allows, the earliest recorded first. What remains is refused.
     fn run(&mut self) {
         loop {
-            // A thread returns from its finished handshake when the trace
-            // shows it made a later call; otherwise only when nothing else
-            // can move, the first finished first. The trace does not say
-            // when a launch that waited in its handshake returned, and its
-            // ops reach their streams only then (found by a property over
-            // moments of runs that complete: returned at once, a thread's
-            // group went on a stream before another thread's `sync` of it
-            // that the run had made first, and the sync was refused).
+            // A thread returns from its finished handshake at once when the
+            // trace shows a later call of it; otherwise only when nothing
+            // else can move, the first finished first. The trace does not
+            // say when a launch that waited in its handshake returned, and
+            // its ops reach their streams only then (found by a property
+            // over moments of runs that complete: returned at once with no
+            // later call, a thread's group went on a stream before another
+            // thread's `sync` of it that the run had made first, and the
+            // sync was refused; returned only at its next call, a thread's
+            // recv went on its stream behind another thread's later `wait`).
             let mut moved = false;
-            while let Some(t) = self
-                .queues
-                .iter()
-                .filter_map(|q| q.front())
-                .map(|i| self.thread_of(*i))
-                .find(|t| self.ready.contains(t))
-            {
+            while let Some(&(t, _)) = self.ready.iter().find(|(t, _)| self.left[t.ix()] > 0) {
                 self.resume(t);
                 moved = true;
             }
@@ -1500,7 +1534,10 @@ impl<'t> Replayer<'t> {
             };
             let mut pick = pick_with(true);
             if pick.is_none() && !moved {
-                if let Some(t) = self.ready.front().copied() {
+                // Only for a call still to replay: at the end, a thread
+                // with no later call stays inside its launch (`finish`).
+                let waiting = self.queues.iter().any(|q| !q.is_empty());
+                if let Some(&(t, _)) = self.ready.front().filter(|_| waiting) {
                     self.resume(t);
                     continue;
                 }
@@ -1509,6 +1546,7 @@ impl<'t> Replayer<'t> {
             if let Some((i, r)) = pick {
                 self.queues[r].pop_front();
                 let t = self.thread_of(i);
+                self.left[t.ix()] -= 1;
                 if let Err(e) = self.m.apply(t, &self.calls[i]) {
                     self.refuse(i, format!("the model finds a program error: {e}"));
                     self.met(e);
@@ -1556,7 +1594,7 @@ impl<'t> Replayer<'t> {
                 why
             };
             self.refuse(i, why);
-            self.queues[rank].clear();
+            self.drop_queue(rank);
         }
     }
 
@@ -1602,6 +1640,22 @@ impl<'t> Replayer<'t> {
         });
     }
 
+    /// Gives up the rest of rank `rank`'s calls: their threads are not
+    /// ended at the finish, since their code went on past what the replay
+    /// took (found by the moments property: a thread ended although its
+    /// later calls were not replayed issued nothing more, and a cycle was
+    /// named through another thread of its rank).
+    fn drop_queue(&mut self, rank: usize) {
+        let Some(q) = self.queues.get_mut(rank) else {
+            return;
+        };
+        let left: Vec<usize> = q.drain(..).collect();
+        for i in left {
+            let t = self.thread_of(i);
+            self.unreplayed.insert(t);
+        }
+    }
+
     fn refuse_thread(&mut self, t: ThreadId, why: String) {
         let info = &self.trace.threads[t.0 as usize];
         self.disagreements.push(Disagreement {
@@ -1611,7 +1665,7 @@ impl<'t> Replayer<'t> {
             place: String::new(),
             why,
         });
-        self.queues[info.rank as usize].clear();
+        self.drop_queue(info.rank as usize);
     }
 
     /// The threads of `t`'s rank that may still be inside a launch that
@@ -1710,7 +1764,25 @@ impl<'t> Replayer<'t> {
     /// Ends the threads that returned, enters the blocked waits, and
     /// explains the state.
     fn finish(mut self) -> Analysis {
-        self.resume_all();
+        // A thread in a wait, or ended, returned from its launch; one with
+        // neither may still be inside it, and stays there: it can move, and
+        // whether its ops reached their streams before those of another
+        // thread's launch, on a stream they share, is not known (found by
+        // the moments property: two handshakes that finished together,
+        // returned in the threads' order, made a cycle the run's order did
+        // not).
+        let evident: Vec<ThreadId> = self
+            .ready
+            .iter()
+            .map(|(t, _)| *t)
+            .filter(|t| {
+                self.waits.contains_key(t)
+                    || (self.trace.ended.contains(&t.0) && !self.unreplayed.contains(t))
+            })
+            .collect();
+        for t in evident {
+            self.returned(t);
+        }
         // Each blocked launch that another thread of its rank may still
         // hold back: that thread's last call is a launch that waited in its
         // handshake, on a communicator they share (R11) or, for a backend
@@ -1735,7 +1807,7 @@ impl<'t> Replayer<'t> {
         let mut held: HashMap<ThreadId, (HostCall, Vec<ThreadId>)> = HashMap::new();
         for t in &self.trace.ended {
             let t = ThreadId(*t);
-            if self.m.enabled(t, &HostCall::End) {
+            if !self.unreplayed.contains(&t) && self.m.enabled(t, &HostCall::End) {
                 // End is always valid; a leftover error shows at the end.
                 let _ = self.m.apply(t, &HostCall::End);
             }
@@ -1780,9 +1852,36 @@ impl<'t> Replayer<'t> {
         let absent = self.absent();
         let threads = Held(Unknown(&lookup, &absent), &held);
         let status = self.m.status(&threads);
-        let stuck = (status == Status::Stuck).then(|| {
+        // Threads that may still return from a finished handshake can
+        // move, and nothing else can: a state to explain, as a stuck one.
+        let returning: Vec<ThreadId> = self.ready.iter().map(|(t, _)| *t).collect();
+        let explain = status == Status::Stuck
+            || (status == Status::Running
+                && self
+                    .m
+                    .runnable(&threads)
+                    .iter()
+                    .all(|t| returning.contains(t)));
+        let stuck = explain.then(|| {
             let mut stuck = self.m.stuck(&threads);
             self.outside_duplex(&mut stuck);
+            if stuck.cycle.is_empty() && stuck.missing.is_empty() && !returning.is_empty() {
+                let names: Vec<String> = returning
+                    .iter()
+                    .map(|t| {
+                        let info = &self.trace.threads[t.ix()];
+                        format!("rank {} {}", info.rank, info.name)
+                    })
+                    .collect();
+                let said = format!(
+                    "{} may still be returning from a launch whose connection handshake the model finished (the trace shows no later call of it): what waits for its ops may still move",
+                    names.join(", ")
+                );
+                stuck.note = Some(match stuck.note.take() {
+                    Some(n) => format!("{n}; and {said}"),
+                    None => said,
+                });
+            }
             if stuck.cycle.is_empty() && stuck.missing.is_empty() && !absent.is_empty() {
                 let ranks: Vec<String> = absent.iter().map(|r| r.to_string()).collect();
                 let said = format!(

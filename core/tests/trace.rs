@@ -1106,3 +1106,64 @@ fn parts_of_a_trace_recorded_under_the_wider_hold_keep_it() {
     assert!(!json.contains("held_for_streams"), "{json}");
     assert!(!Trace::merge(&t.parts()).expect("joins").held_for_streams);
 }
+
+/// Rank 0's trace did not come. Rank 2's main waits in its handshake on
+/// the lane to rank 0; rank 1's send to rank 2 waits in its handshake for
+/// rank 2's recv, which rank 2's main issues next; rank 2's t0 awaits
+/// rank 1's `notify`, which rank 1 makes after its send. Rank 0 may well
+/// issue its send: no cycle. It was named (rank 1 ↔ rank 2's t0), rank 0
+/// read as never issuing (found by the moments property in
+/// tests/tests/properties.rs, under lazy connection, which that property
+/// no longer merges).
+#[test]
+fn a_missing_rank_under_lazy_connection_is_not_a_partner_that_never_comes() {
+    let mut t = Trace::new(4);
+    let c02 = t.add_comm("pair:0-2", &[0, 2], false);
+    let c12 = t.add_comm("pair:1-2", &[1, 2], false);
+    let r1 = t.add_thread(1, "main");
+    let r2 = t.add_thread(2, "main");
+    let t0 = t.add_thread(2, "t0");
+    t.add_thread(3, "main");
+    let s1 = t.add_stream(1, "pair:1-2");
+    let s2 = t.add_stream(2, "pair:0-2");
+    t.push(one_op(
+        r1,
+        duplex::Dir::Send,
+        2,
+        4096,
+        (c12, s1),
+        "send 2 4KiB",
+    ));
+    t.push(one_op(
+        r2,
+        duplex::Dir::Recv,
+        0,
+        4096,
+        (c02, s2),
+        "recv 0 4KiB",
+    ));
+    t.block(
+        t0,
+        Some(TraceCall {
+            thread: t0,
+            call: Call::Await {
+                from: 1,
+                tag: "go".into(),
+            },
+            text: "await 1 go".into(),
+            place: "x".into(),
+        }),
+    );
+    let a = t.analyze(duplex::Model {
+        lazy_connect: true,
+        ..duplex::Model::default()
+    });
+    let s = a.stuck.expect("nothing can move in what is here");
+    assert!(s.cycle.is_empty(), "a cycle that never was:\n{s}");
+    let text = s.to_string();
+    assert!(!text.contains("will ever issue"), "{text}");
+    assert!(
+        text.contains("may come from rank(s) 0, whose traces are not"),
+        "{text}"
+    );
+}
