@@ -57,8 +57,10 @@
 # the IPC copy jobs IPC_RUNS times (default 1; each ~100 s), copylane; on
 # 2026-12-02 three copy runs did not fit in a 480 s call, and a call cut
 # short brings nothing back from /tmp/r):
-#   run(command="OUT=/tmp/r scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
+#   run(command="OUT=/tmp/r ONE_GPU_PARTS='eager lazy' timeout 560 scripts/gpu.sh run one-gpu; tar czf $OUT/r.tgz -C /tmp/r .; cat /tmp/r/steps.txt",
 #       carry=[".gpu"], kind="nvidia-h200", timeout_s=600)
+# and a second call with ONE_GPU_PARTS='cold ipc-copy copylane' (the whole
+# step no longer fits one call: 26 process jobs, each part ~2-4 min)
 # To see why a fault case ended as it did: `.gpu/faults drive --only CASE
 # --logs DIR` keeps each child's duplex tracing events (DUPLEX_LOG, default
 # debug) in DIR/CASE-MODE-rankN.log, and the log gives each rank's whole
