@@ -1216,6 +1216,8 @@ struct Replayer<'t> {
     /// have not returned from it yet, in the order their handshakes
     /// finished ([`Replayer::note_ready`]).
     ready: VecDeque<(ThreadId, u64)>,
+    /// Per thread, whether it is in [`Replayer::ready`].
+    in_ready: Vec<bool>,
     /// Per thread, its calls not yet replayed.
     left: Vec<usize>,
     /// Threads whose return from a handshake met a program error.
@@ -1315,6 +1317,7 @@ impl<'t> Replayer<'t> {
             queues,
             shook: vec![None; trace.threads.len()],
             ready: VecDeque::new(),
+            in_ready: vec![false; trace.threads.len()],
             steps: 0,
             left,
             failed: Default::default(),
@@ -1424,12 +1427,18 @@ impl<'t> Replayer<'t> {
     /// call ([`Replayer::ready`]).
     fn note_ready(&mut self) {
         self.steps += 1;
+        // Cheap tests first: this runs after every call, for every thread
+        // (a thread parked in `ready` was scanned for, `ready` for each,
+        // at every call: calls × threads², 15 s for a million calls beside
+        // 256 parked threads).
         for i in 0..self.shook.len() {
             let t = ThreadId(i as u32);
-            if self.m.next(t) == crate::machine::Next::Resume
+            if !self.in_ready[i]
+                && self.m.in_handshake(t)
                 && !self.failed.contains(&t)
-                && !self.ready.iter().any(|(u, _)| *u == t)
+                && self.m.next(t) == crate::machine::Next::Resume
             {
+                self.in_ready[i] = true;
                 self.ready.push_back((t, self.steps));
             }
         }
@@ -1439,6 +1448,7 @@ impl<'t> Replayer<'t> {
     /// a handshake that meets a program error refuses the thread.
     fn resume(&mut self, t: ThreadId) {
         self.ready.retain(|(u, _)| *u != t);
+        self.in_ready[t.ix()] = false;
         while self.m.next(t) == crate::machine::Next::Resume {
             if let Err(e) = self.m.resume(t) {
                 // Refused once: it stays in its handshake, never ready
