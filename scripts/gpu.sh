@@ -220,7 +220,7 @@ run)
       set +e
       for lanes in eager lazy; do
         [[ $parts == *" $lanes "* ]] || continue
-        DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-$lanes.txt" 2>&1
+        DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-$lanes.txt" 2>&1
         record "suite-1gpu-$lanes" $?
         DUPLEX_ONE_GPU=1 DUPLEX_LANES=$lanes timeout "${FAULTS_S:-200}" .gpu/faults drive --out "$out/faults-1gpu-$lanes.md" > "$out/faults-1gpu-$lanes.log" 2>&1
         record "faults-1gpu-$lanes" $?
@@ -228,14 +228,14 @@ run)
       # Every job with its communicators connected on first use
       # (DUPLEX_COLD=1; suite-cold above).
       [[ $parts == *" cold "* ]] && {
-      DUPLEX_COLD=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-cold.txt" 2>&1
+      DUPLEX_COLD=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-cold.txt" 2>&1
       record suite-1gpu-cold $?; }
       # Copy-engine lanes across processes (experimental, DUPLEX_IPC_COPY=1):
       # the suite's process jobs with its six copy jobs, IPC_RUNS times
       # (default 1; their known hang was intermittent, and three runs with
       # the rest took longer than one device call: docs/gpu/ipc-copy-1gpu.md).
       [[ $parts == *" ipc-copy "* ]] && for i in $(seq "${IPC_RUNS:-1}"); do
-        DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-150}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
+        DUPLEX_IPC_COPY=1 DUPLEX_ONE_GPU=1 DUPLEX_TIMEOUT_MS=${DUPLEX_TIMEOUT_MS:-5000} timeout "${SUITE_S:-240}" .gpu/nccl-suite --ignored --nocapture --test-threads=1 > "$out/suite-1gpu-ipc-copy-$i.txt" 2>&1
         record "suite-1gpu-ipc-copy-$i" $?
       done
       # The copy-engine lanes' own checks and figures (examples/copylane:
