@@ -1887,10 +1887,7 @@ impl<'t> Replayer<'t> {
                     "{} may still be returning from a launch whose connection handshake the model finished (the trace shows no later call of it): what waits for its ops may still move",
                     names.join(", ")
                 );
-                stuck.note = Some(match stuck.note.take() {
-                    Some(n) => format!("{n}; and {said}"),
-                    None => said,
-                });
+                add_note(&mut stuck, said);
             }
             if stuck.cycle.is_empty() && stuck.missing.is_empty() && !absent.is_empty() {
                 let ranks: Vec<String> = absent.iter().map(|r| r.to_string()).collect();
@@ -1898,10 +1895,7 @@ impl<'t> Replayer<'t> {
                     "no wait-for cycle among the calls of the ranks whose traces are here: what they wait for may come from rank(s) {}, whose traces are not, so whether it ever comes is not known",
                     ranks.join(", ")
                 );
-                stuck.note = Some(match stuck.note.take() {
-                    Some(n) => format!("{n}; and {said}"),
-                    None => said,
-                });
+                add_note(&mut stuck, said);
             }
             stuck
         });
@@ -1917,6 +1911,14 @@ impl<'t> Replayer<'t> {
             program_error: self.program_error,
         }
     }
+}
+
+/// Adds `said` to the note of `stuck`, after what it says already.
+fn add_note(stuck: &mut Stuck, said: String) {
+    stuck.note = Some(match stuck.note.take() {
+        Some(n) => format!("{n}; and {said}"),
+        None => said,
+    });
 }
 
 /// The replay's [`Threads`] at its end: [`Unknown`], and the launches a

@@ -396,6 +396,29 @@ impl Graph<'_> {
         self.add_holders(from, b);
     }
 
+    /// The edges of a blocker that any one of `threads` of rank `who` may
+    /// lift (issue the op, post the `notify`): one to each, or, with none,
+    /// to the rank when nothing is known of it ([`Threads::absent`]), else
+    /// to a partner that never comes.
+    fn add_any_of(&mut self, from: Node, b: &Blocker, who: Rank, threads: Vec<ThreadId>) {
+        let m = self.m;
+        let rank = self.rank_of(from);
+        if threads.is_empty() && self.threads.absent(who) {
+            let why = format!(
+                "{} (rank {who}'s trace is not here: whether it will is not known)",
+                m.explain(rank, b, Some(true))
+            );
+            self.add(from, Node::Absent(who), b.rule, why);
+        } else if threads.is_empty() {
+            let text = m.explain(rank, b, Some(false));
+            self.add_missing(from, b.rule, text);
+        }
+        let why = m.explain(rank, b, Some(true));
+        for u in threads {
+            self.add(from, Node::Thread(u), b.rule, why.clone());
+        }
+    }
+
     /// [`Graph::add_blocker`]'s edges.
     fn add_holders(&mut self, from: Node, b: Blocker) {
         let m = self.m;
@@ -412,20 +435,7 @@ impl Graph<'_> {
                 peer,
             } => {
                 let issuers = self.issuers(who, comm, dir, peer);
-                if issuers.is_empty() && self.threads.absent(who) {
-                    let why = format!(
-                        "{} (rank {who}'s trace is not here: whether it will is not known)",
-                        m.explain(rank, &b, Some(true))
-                    );
-                    self.add(from, Node::Absent(who), b.rule, why);
-                } else if issuers.is_empty() {
-                    let text = m.explain(rank, &b, Some(false));
-                    self.add_missing(from, b.rule, text);
-                }
-                let why = m.explain(rank, &b, Some(true));
-                for u in issuers {
-                    self.add(from, Node::Thread(u), b.rule, why.clone());
-                }
+                self.add_any_of(from, &b, who, issuers);
             }
             Holder::Notify { from: who, to, tag } => {
                 let senders: Vec<ThreadId> = m
@@ -433,20 +443,7 @@ impl Graph<'_> {
                     .threads_of(who)
                     .filter(|u| !m.ended(*u) && self.threads.may_notify(m, *u, to, tag))
                     .collect();
-                if senders.is_empty() && self.threads.absent(who) {
-                    let why = format!(
-                        "{} (rank {who}'s trace is not here: whether it will is not known)",
-                        m.explain(rank, &b, Some(true))
-                    );
-                    self.add(from, Node::Absent(who), b.rule, why);
-                } else if senders.is_empty() {
-                    let text = m.explain(rank, &b, Some(false));
-                    self.add_missing(from, b.rule, text);
-                }
-                let why = m.explain(rank, &b, Some(true));
-                for u in senders {
-                    self.add(from, Node::Thread(u), b.rule, why.clone());
-                }
+                self.add_any_of(from, &b, who, senders);
             }
         }
     }
