@@ -1580,6 +1580,21 @@ pub(crate) mod tests {
         let r1 = reg.stream(1, "world");
         let (first, main) = (reg.thread(0, "first"), reg.thread(0, "main"));
         let other = reg.thread(1, "main");
+        // Rank 0's blocked send of 64 bytes to rank 1 on `comm`, `stream`.
+        let send_64 = |comm, stream, text: &str, place: &str| {
+            Blocked::Launch(
+                Arc::new([TraceOp {
+                    dir: Dir::Send,
+                    peer: 1,
+                    bytes: 64,
+                    dtype: DType::U8,
+                    comm,
+                    stream,
+                }]),
+                false,
+                (text.into(), place.into()),
+            )
+        };
         // Rank 0's first send on the pair: in its handshake, rank 1 being
         // blocked elsewhere.
         record(&reg, one_op(first, Dir::Send, 1, 64, 1, a)).expect("recorded");
@@ -1591,18 +1606,7 @@ pub(crate) mod tests {
                 ("synchronize".into(), "y.rs:2:1".into()),
             )),
         );
-        let held = Blocked::Launch(
-            Arc::new([TraceOp {
-                dir: Dir::Send,
-                peer: 1,
-                bytes: 64,
-                dtype: DType::U8,
-                comm: 1,
-                stream: b,
-            }]),
-            false,
-            ("send 64 (held back)".into(), "x.rs:9:1".into()),
-        );
+        let held = send_64(1, b, "send 64 (held back)", "x.rs:9:1");
         let before = reg.analyze().stuck.expect("stuck").to_string();
         assert!(!before.contains("held back"), "{before}");
         reg.blocked(main, Some(held));
@@ -1622,18 +1626,7 @@ pub(crate) mod tests {
         // still explained.
         reg.blocked(
             main,
-            Some(Blocked::Launch(
-                Arc::new([TraceOp {
-                    dir: Dir::Send,
-                    peer: 1,
-                    bytes: 64,
-                    dtype: DType::U8,
-                    comm: 0,
-                    stream: a,
-                }]),
-                false,
-                ("send 64 (same stream)".into(), "x.rs:10:1".into()),
-            )),
+            Some(send_64(0, a, "send 64 (same stream)", "x.rs:10:1")),
         );
         let analysis = reg.analyze();
         assert!(
@@ -1649,18 +1642,7 @@ pub(crate) mod tests {
         let s0c = reg.stream(0, "other");
         reg.blocked(
             main,
-            Some(Blocked::Launch(
-                Arc::new([TraceOp {
-                    dir: Dir::Send,
-                    peer: 1,
-                    bytes: 64,
-                    dtype: DType::U8,
-                    comm: 0,
-                    stream: s0c,
-                }]),
-                false,
-                ("send 64 (nothing holds it)".into(), "x.rs:11:1".into()),
-            )),
+            Some(send_64(0, s0c, "send 64 (nothing holds it)", "x.rs:11:1")),
         );
         let analysis = reg.analyze();
         assert!(

@@ -997,10 +997,11 @@ fn a_launch_the_backend_held_back_for_a_handshake_is_replayed_after_it() {
     }
 }
 
-/// A thread blocked in a launch the backend held back (and the model lets
-/// through) is in a duplex call, not outside one (found by review).
-#[test]
-fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
+/// Rank 1's t0 receives on cold `c0` over stream `a` (in its handshake,
+/// waiting for rank 0 to issue on `c0`); its main is blocked in a send on
+/// `world`, on `a` too, held back; rank 0 synchronizes on a recv of that
+/// send.
+fn held_back_beside_a_handshake() -> Trace {
     let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| {
         one_op(thread, dir, peer, 4096, (comm, stream), text)
     };
@@ -1020,6 +1021,14 @@ fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
         m1,
         Some(launch(m1, duplex::Dir::Send, 0, 0, a, "send 0 on world")),
     );
+    t
+}
+
+/// A thread blocked in a launch the backend held back (and the model lets
+/// through) is in a duplex call, not outside one (found by review).
+#[test]
+fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
+    let t = held_back_beside_a_handshake();
     let an = t.analyze(duplex::Model {
         lazy_connect: true,
         ..Default::default()
@@ -1039,25 +1048,7 @@ fn a_thread_blocked_in_a_held_back_launch_is_inside_a_duplex_call() {
 /// named no cycle ("this is a bug in duplex's analysis", found by review).
 #[test]
 fn a_launch_held_back_behind_a_handshake_on_its_stream_is_in_the_cycle() {
-    let launch = |thread: u32, dir, peer: u32, comm: u32, stream: u32, text: &str| {
-        one_op(thread, dir, peer, 4096, (comm, stream), text)
-    };
-    let mut t = Trace::new(2);
-    t.add_comm("world", &[0, 1], true);
-    t.add_comm("c0", &[0, 1], false);
-    let (m0, m1, t1) = (
-        t.add_thread(0, "main"),
-        t.add_thread(1, "main"),
-        t.add_thread(1, "t0"),
-    );
-    let (s0, a) = (t.add_stream(0, "default"), t.add_stream(1, "a"));
-    t.push(launch(m0, duplex::Dir::Recv, 1, 0, s0, "recv 1 on world"));
-    t.block(m0, Some(synchronize(m0)));
-    t.push(launch(t1, duplex::Dir::Recv, 0, 1, a, "recv 0 on c0"));
-    t.block(
-        m1,
-        Some(launch(m1, duplex::Dir::Send, 0, 0, a, "send 0 on world")),
-    );
+    let mut t = held_back_beside_a_handshake();
     t.held_for_streams = true;
     let model = duplex::Model {
         lazy_connect: true,

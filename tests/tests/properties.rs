@@ -961,6 +961,51 @@ fn brief(t: &duplex::trace::Trace) -> String {
     out
 }
 
+/// A run of a program on the model, each step's thread chosen by `picks`
+/// (cycled), with the moment before each step ([`moment`]).
+struct Run {
+    /// The run ended with every thread finished (not stuck, no error).
+    finished: bool,
+    moments: Vec<duplex::trace::Trace>,
+    /// Some call was made beside another thread's handshake on one of
+    /// its streams ([`beside_a_handshake`]).
+    beside: bool,
+}
+
+fn run_with_moments(c: &duplex::compile::Compiled, picks: &[u8]) -> Run {
+    use duplex::machine::{HostCall, Next, Status};
+    let mut m = c.machine();
+    let mut made = Vec::new();
+    let mut moments = Vec::new();
+    let mut beside = false;
+    loop {
+        moments.push(moment(c, &m, &made));
+        let runnable = m.runnable(&duplex::compile::Remaining(c));
+        if runnable.is_empty() || made.len() > 10_000 {
+            break;
+        }
+        let t = runnable[usize::from(picks[moments.len() % picks.len()]) % runnable.len()];
+        let stepped = match m.next(t) {
+            Next::Resume => m.resume(t),
+            Next::Call => {
+                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
+                beside |= beside_a_handshake(c, &m, t, &call);
+                made.push((t, call.clone()));
+                m.apply(t, &call)
+            }
+            Next::Blocked | Next::Finished => unreachable!("runnable"),
+        };
+        if stepped.is_err() {
+            break;
+        }
+    }
+    Run {
+        finished: m.status(&duplex::compile::Remaining(c)) == Status::Finished,
+        moments,
+        beside,
+    }
+}
+
 /// Whether `call`, made by thread `t`, puts something on (or drains) a
 /// stream that a launch of another thread of its rank uses while that
 /// launch waits in its connection handshake (R7): which comes first on the
@@ -1011,35 +1056,9 @@ proptest! {
         p in strategies::programs(Shape::default().with_copy_lanes()),
         picks in vec(any::<u8>(), 64),
     ) {
-        use duplex::machine::{HostCall, Next, Status};
         use duplex::trace::Trace;
-        let c = compile(&p);
-        let mut m = c.machine();
-        let mut made = Vec::new();
-        let mut moments = Vec::new();
-        let mut beside = false;
-        loop {
-            moments.push(moment(&c, &m, &made));
-            let runnable = m.runnable(&duplex::compile::Remaining(&c));
-            if runnable.is_empty() || made.len() > 10_000 {
-                break;
-            }
-            let t = runnable[usize::from(picks[moments.len() % picks.len()]) % runnable.len()];
-            let stepped = match m.next(t) {
-                Next::Resume => m.resume(t),
-                Next::Call => {
-                    let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
-                    beside |= beside_a_handshake(&c, &m, t, &call);
-                    made.push((t, call.clone()));
-                    m.apply(t, &call)
-                }
-                Next::Blocked | Next::Finished => unreachable!("runnable"),
-            };
-            if stepped.is_err() {
-                break;
-            }
-        }
-        prop_assume!(m.status(&duplex::compile::Remaining(&c)) == Status::Finished);
+        let Run { finished, moments, beside } = run_with_moments(&compile(&p), &picks);
+        prop_assume!(finished);
         // A call onto a stream beside another thread's launch in its
         // handshake on it: which reached the stream first no trace
         // records, and the replay may take the other order
@@ -1100,31 +1119,12 @@ proptest! {
 /// program (schedule text) and one run (`picks`): the ways it analyses
 /// each moment that fail, named.
 fn moments_misread(text: &str, picks: &[u8]) -> Vec<String> {
-    use duplex::machine::{HostCall, Next, Status};
     use duplex::trace::Trace;
     let p = duplex::schedule::parse(text).expect("parses");
-    let c = compile(&p);
-    let mut m = c.machine();
-    let mut made = Vec::new();
-    let mut moments = Vec::new();
-    loop {
-        moments.push(moment(&c, &m, &made));
-        let runnable = m.runnable(&duplex::compile::Remaining(&c));
-        if runnable.is_empty() {
-            break;
-        }
-        let t = runnable[usize::from(picks[moments.len() % picks.len()]) % runnable.len()];
-        match m.next(t) {
-            Next::Resume => m.resume(t).expect("resumes"),
-            Next::Call => {
-                let call = c.call(t, m.calls(t)).cloned().unwrap_or(HostCall::End);
-                made.push((t, call.clone()));
-                m.apply(t, &call).expect("valid")
-            }
-            Next::Blocked | Next::Finished => unreachable!("runnable"),
-        };
-    }
-    assert_eq!(m.status(&duplex::compile::Remaining(&c)), Status::Finished);
+    let Run {
+        finished, moments, ..
+    } = run_with_moments(&compile(&p), picks);
+    assert!(finished, "the run completes");
     let mut bad = Vec::new();
     for (k, trace) in moments.iter().enumerate() {
         let parts = trace.parts();
