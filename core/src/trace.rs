@@ -1629,13 +1629,7 @@ impl<'t> Replayer<'t> {
             .map(ThreadId)
             .filter(|o| *o != t && setup.threads[o.ix()].rank == rank)
             .filter_map(|o| self.m.handshake_launch(o))
-            .any(|shaking| {
-                shaking.ops.iter().any(|a| {
-                    spec.ops
-                        .iter()
-                        .any(|b| a.stream == b.stream || a.comm == b.comm)
-                })
-            })
+            .any(|shaking| holds_back(shaking, spec, true))
     }
 
     fn refuse(&mut self, i: usize, why: String) {
@@ -1698,12 +1692,7 @@ impl<'t> Replayer<'t> {
                 *u != t.ix()
                     && setup.threads[*u].rank == rank
                     && !waiting.contains(&(*u as u32))
-                    && theirs.ops.iter().any(|a| {
-                        spec.ops.iter().any(|b| {
-                            a.comm == b.comm
-                                || (self.trace.held_for_streams && a.stream == b.stream)
-                        })
-                    })
+                    && holds_back(theirs, spec, self.trace.held_for_streams)
             })
             .map(|(u, _)| ThreadId(u as u32))
             .collect()
@@ -1911,6 +1900,18 @@ impl<'t> Replayer<'t> {
             program_error: self.program_error,
         }
     }
+}
+
+/// Whether a launch in its connection handshake, `theirs`, holds back
+/// another thread's launch `mine`: they share a communicator (R11), or,
+/// with `streams` (duplex-nccl's wider hold, `Trace::held_for_streams`), a
+/// stream.
+fn holds_back(theirs: &LaunchSpec, mine: &LaunchSpec, streams: bool) -> bool {
+    theirs.ops.iter().any(|a| {
+        mine.ops
+            .iter()
+            .any(|b| a.comm == b.comm || (streams && a.stream == b.stream))
+    })
 }
 
 /// Adds `said` to the note of `stuck`, after what it says already.
